@@ -1,0 +1,226 @@
+package schemas
+
+import "time"
+
+// Event schema names, carried in every event's "schema" field (SPEC R-BUS-3).
+// Each has a JSON Schema file in this folder, <name>.json (see SchemaFS).
+const (
+	SchemaRequest     = "narwhal.request.v1"
+	SchemaFailure     = "narwhal.failure.v1"
+	SchemaQuarantine  = "narwhal.quarantine.v1"
+	SchemaHandoff     = "narwhal.handoff.v1"
+	SchemaProbe       = "narwhal.probe.v1"
+	SchemaEligibility = "narwhal.eligibility.v1"
+)
+
+// Event kinds: the <kind> part of the subject narwhal.events.<kind>.<id>
+// (SPEC R-BUS-1).
+const (
+	KindRequest     = "request"
+	KindFailure     = "failure"
+	KindQuarantine  = "quarantine"
+	KindHandoff     = "handoff"
+	KindProbe       = "probe"
+	KindEligibility = "eligibility"
+)
+
+// Phases of an attempt, as they appear in events and metrics.
+const (
+	PhasePrefill = "prefill"
+	PhaseDecode  = "decode"
+)
+
+// Envelope is the part every bus event shares (SPEC R-BUS-3). It is
+// embedded in each event type; JSON field names are given in the tags.
+type Envelope struct {
+	// Schema is the event's versioned schema name, e.g. "narwhal.failure.v1".
+	Schema string `json:"schema"`
+	// ID is unique per event and is used as the JetStream message id, so a
+	// re-published event is dropped as a duplicate.
+	ID string `json:"id"`
+	// At is when the event happened, UTC, encoded as RFC 3339 with
+	// nanoseconds.
+	At time.Time `json:"at"`
+	// RouterID names the publishing router; empty for breaker events.
+	RouterID string `json:"router_id,omitempty"`
+	// BreakerID names the publishing breaker; empty for router events.
+	BreakerID string `json:"breaker_id,omitempty"`
+	// EngineID is the engine the event is about, where there is one.
+	EngineID string `json:"engine_id,omitempty"`
+	// RequestID is the client-facing request id (X-Request-Id), where the
+	// event belongs to a request.
+	RequestID string `json:"request_id,omitempty"`
+}
+
+// Event is implemented by every bus event type. Subject returns the full
+// NATS subject narwhal.events.<kind>.<engine_id|router_id|breaker_id>;
+// Head returns the envelope so the publisher can fill ID and At.
+type Event interface {
+	Subject() string
+	Head() *Envelope
+}
+
+// Head returns e itself; it lets each event type satisfy Event.
+func (e *Envelope) Head() *Envelope { return e }
+
+// RequestCompleted is published once per client request when it ends,
+// whatever the outcome, on narwhal.events.request.<router_id>
+// (schema narwhal.request.v1, SPEC R-BUS-1, R-TIME-1).
+type RequestCompleted struct {
+	Envelope
+	// Endpoint is the client's path, "/v1/chat/completions" or
+	// "/v1/completions".
+	Endpoint string `json:"endpoint"`
+	// Model is the requested model.
+	Model string `json:"model"`
+	// Stream is whether the client asked for a stream.
+	Stream bool `json:"stream"`
+	// Status is the HTTP status the client got (200 even when a committed
+	// stream later ended with a terminal error event; see ErrorKind).
+	Status int `json:"status"`
+	// ErrorKind is the fault kind that ended the request, empty on success.
+	ErrorKind string `json:"error_kind,omitempty"`
+	// ProducerID and ConsumerID are the engines of the last attempt.
+	ProducerID string `json:"producer_id,omitempty"`
+	ConsumerID string `json:"consumer_id,omitempty"`
+	// Attempts is the number of attempts made (0 when the request was
+	// rejected before placement).
+	Attempts int `json:"attempts"`
+	// TTFTSeconds is seconds from arrival until the producer HTTP leg
+	// completed (R-TIME-1); null when no prefill completed.
+	TTFTSeconds *float64 `json:"ttft_s"`
+	// FirstByteSeconds is seconds from arrival until the first generated
+	// decode output was observed (R-TIME-1); null when none was.
+	FirstByteSeconds *float64 `json:"first_byte_s"`
+	// DurationSeconds is seconds from arrival until the request ended.
+	DurationSeconds float64 `json:"duration_s"`
+	// PromptTokens and CompletionTokens are the decode engine's usage
+	// (R-LEG-6); 0 when unknown.
+	PromptTokens     int `json:"prompt_tokens"`
+	CompletionTokens int `json:"completion_tokens"`
+}
+
+// Subject returns narwhal.events.request.<router_id>.
+func (e *RequestCompleted) Subject() string { return "narwhal.events.request." + e.RouterID }
+
+// Failure is one engine fault seen by a router on one leg of one attempt,
+// on narwhal.events.failure.<engine_id> (schema narwhal.failure.v1). The
+// breaker counts it towards ejection when Counts is true (SPEC R-BRK-2).
+type Failure struct {
+	Envelope
+	// Phase is "prefill" or "decode".
+	Phase string `json:"phase"`
+	// Kind is the fault kind, e.g. "first_token_timeout" (docs/failures.md).
+	Kind string `json:"kind"`
+	// Status is the HTTP status the fault maps to for the client.
+	Status int `json:"status"`
+	// UpstreamStatus is the engine's HTTP status, 0 when none was received.
+	UpstreamStatus int `json:"upstream_status,omitempty"`
+	// Message is the client-facing message.
+	Message string `json:"message"`
+	// Timeout is whether the fault is timeout-shaped (504).
+	Timeout bool `json:"timeout"`
+	// Counts is whether the fault counts towards ejection.
+	Counts bool `json:"counts"`
+	// ProducerID and ConsumerID are the attempt's engines; for a decode
+	// fault with ProducerID != ConsumerID the decode was crossed (R-BRK-4).
+	ProducerID string `json:"producer_id,omitempty"`
+	ConsumerID string `json:"consumer_id,omitempty"`
+	// BackendRequestID is the attempt's X-Request-Id sent to the engines.
+	BackendRequestID string `json:"backend_request_id,omitempty"`
+	// Attempt is the 1-based attempt number within the client request.
+	Attempt int `json:"attempt"`
+}
+
+// Subject returns narwhal.events.failure.<engine_id>.
+func (e *Failure) Subject() string { return "narwhal.events.failure." + e.EngineID }
+
+// Quarantine says a router excluded an engine from its placement for a
+// while after a failed attempt, on narwhal.events.quarantine.<engine_id>
+// (schema narwhal.quarantine.v1, SPEC R-QUAR-1). Other routers apply it on
+// arrival.
+type Quarantine struct {
+	Envelope
+	// DurationSeconds is how long the engine stays out, in seconds.
+	DurationSeconds float64 `json:"duration_s"`
+	// Until is when the quarantine ends (UTC).
+	Until time.Time `json:"until"`
+	// Reason is the fault kind that caused it.
+	Reason string `json:"reason"`
+}
+
+// Subject returns narwhal.events.quarantine.<engine_id>.
+func (e *Quarantine) Subject() string { return "narwhal.events.quarantine." + e.EngineID }
+
+// Handoff outcomes.
+const (
+	// HandoffAbandoned: the descriptor will not be consumed (client gone,
+	// decode failed before pulling, retry, expiry) (SPEC R-OWN-6).
+	HandoffAbandoned = "abandoned"
+)
+
+// Handoff reports the fate of one KV handoff, on
+// narwhal.events.handoff.<engine_id> where engine_id is the producer
+// (schema narwhal.handoff.v1, SPEC R-OWN-6).
+type Handoff struct {
+	Envelope
+	// Outcome is "abandoned".
+	Outcome string `json:"outcome"`
+	// Reason says why, e.g. "client_disconnected", "decode_failed",
+	// "handoff_expired", "descriptor_rejected".
+	Reason string `json:"reason"`
+	// ConsumerID is the engine the decode was placed on, if any.
+	ConsumerID string `json:"consumer_id,omitempty"`
+	// BackendRequestID is the attempt's backend request id.
+	BackendRequestID string `json:"backend_request_id,omitempty"`
+	// Connector is the KV connector, e.g. "nixl".
+	Connector string `json:"connector"`
+	// AgeSeconds is the handoff's age when it was abandoned, in seconds
+	// since the producer HTTP leg started (R-OWN-2).
+	AgeSeconds float64 `json:"age_s"`
+	// Released is whether the blocks were released at the producer.
+	Released bool `json:"released"`
+}
+
+// Subject returns narwhal.events.handoff.<engine_id>.
+func (e *Handoff) Subject() string { return "narwhal.events.handoff." + e.EngineID }
+
+// Probe reports one inference probe of an ejected engine, on
+// narwhal.events.probe.<engine_id> (schema narwhal.probe.v1, SPEC R-BRK-3…5).
+type Probe struct {
+	Envelope
+	// Outcome is "success", "failure" or "inconclusive".
+	Outcome string `json:"outcome"`
+	// Phase is the role probed: "prefill" or "decode".
+	Phase string `json:"phase"`
+	// ProducerID is the engine that ran the probe's prefill leg; for a
+	// decode probe after a crossed-decode failure it is the original
+	// producer (R-BRK-4).
+	ProducerID string `json:"producer_id,omitempty"`
+	// ConsumerID is the engine that ran the probe's decode leg.
+	ConsumerID string `json:"consumer_id,omitempty"`
+	// Message explains a failure or inconclusive outcome.
+	Message string `json:"message,omitempty"`
+}
+
+// Subject returns narwhal.events.probe.<engine_id>.
+func (e *Probe) Subject() string { return "narwhal.events.probe." + e.EngineID }
+
+// Eligibility is an engine's placement state as the breaker decided it. It
+// is the value of the engine's key in KV bucket narwhal_placement and is
+// also published on narwhal.events.eligibility.<engine_id> (schema
+// narwhal.eligibility.v1, SPEC R-BRK-8, R-BUS-2).
+type Eligibility struct {
+	Envelope
+	// Eligible is whether routers may place on the engine.
+	Eligible bool `json:"eligible"`
+	// State is "eligible" or "ejected".
+	State string `json:"state"`
+	// Reason says why the state changed, e.g. "ejected after 3 failures".
+	Reason string `json:"reason,omitempty"`
+	// Streak is the engine's current consecutive-failure count.
+	Streak int `json:"streak"`
+}
+
+// Subject returns narwhal.events.eligibility.<engine_id>.
+func (e *Eligibility) Subject() string { return "narwhal.events.eligibility." + e.EngineID }
