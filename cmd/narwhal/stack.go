@@ -1,0 +1,127 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+
+	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/router"
+)
+
+// newLogger builds the process logger from the router section of cfg:
+// text or JSON on stderr at the configured level.
+func newLogger(cfg *config.Config, w io.Writer) *slog.Logger {
+	opts := &slog.HandlerOptions{Level: cfg.Router.Level()}
+	if cfg.Router.LogFormat == config.LogFormatJSON {
+		return slog.New(slog.NewJSONHandler(w, opts))
+	}
+	return slog.New(slog.NewTextHandler(w, opts))
+}
+
+// busFromEnv connects to NARWHAL_NATS_URL when it is set, or starts an
+// embedded NATS server with JetStream whose store is NARWHAL_DATA_DIR (a
+// fresh temporary folder, removed at exit, when that is unset) (SPEC
+// R-BUS-4). The returned stop function closes everything it started.
+func busFromEnv(ctx context.Context, name string, log *slog.Logger) (*bus.Bus, func(), error) {
+	if url := os.Getenv("NARWHAL_NATS_URL"); url != "" {
+		b, err := bus.Connect(ctx, bus.ConnectOptions{
+			URL:       url,
+			Name:      name,
+			CredsFile: os.Getenv("NARWHAL_NATS_CREDS"),
+			TLSCA:     os.Getenv("NARWHAL_NATS_TLS_CA"),
+			TLSCert:   os.Getenv("NARWHAL_NATS_TLS_CERT"),
+			TLSKey:    os.Getenv("NARWHAL_NATS_TLS_KEY"),
+		})
+		if err != nil {
+			return nil, nil, fmt.Errorf("bus %s: %w", url, err)
+		}
+		log.Info("bus connected", "url", url)
+		return b, b.Close, nil
+	}
+	dir := os.Getenv("NARWHAL_DATA_DIR")
+	cleanup := func() {}
+	if dir == "" {
+		d, err := os.MkdirTemp("", "narwhal-data-")
+		if err != nil {
+			return nil, nil, err
+		}
+		dir = d
+		cleanup = func() { os.RemoveAll(d) }
+	}
+	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: dir, Port: 0})
+	if err != nil {
+		cleanup()
+		return nil, nil, fmt.Errorf("embedded bus: %w", err)
+	}
+	b, err := bus.Connect(ctx, bus.ConnectOptions{Embedded: emb, Name: name})
+	if err != nil {
+		emb.Shutdown()
+		cleanup()
+		return nil, nil, fmt.Errorf("embedded bus: %w", err)
+	}
+	log.Info("embedded bus started", "data_dir", dir)
+	return b, func() {
+		b.Close()
+		emb.Shutdown()
+		cleanup()
+	}, nil
+}
+
+// runRouter serves a router for cfg on listen until ctx ends, then shuts it
+// down gracefully. onReady, when set, is called with the router's base URL
+// once it accepts connections.
+func runRouter(ctx context.Context, cfg *config.Config, listen string, log *slog.Logger, onReady func(baseURL string)) error {
+	b, stopBus, err := busFromEnv(ctx, "narwhal-router-"+cfg.Router.ID, log)
+	if err != nil {
+		return err
+	}
+	defer stopBus()
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	pub := bus.NewPublisher(b, cfg.Router.EventBuffer, reg)
+	defer pub.Close()
+
+	rt, err := router.New(router.Options{
+		Config:    cfg,
+		Publisher: pub,
+		Registry:  reg,
+		Logger:    log,
+		Ready:     b.Connected,
+	})
+	if err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", listen)
+	if err != nil {
+		return fmt.Errorf("listen %s: %w", listen, err)
+	}
+	errc := make(chan error, 1)
+	go func() { errc <- rt.Serve(ln) }()
+	base := "http://" + ln.Addr().String()
+	log.Info("router listening", "url", base, "engines", len(cfg.Fleet))
+	if onReady != nil {
+		onReady(base)
+	}
+	select {
+	case err := <-errc:
+		return err
+	case <-ctx.Done():
+	}
+	log.Info("router shutting down")
+	sctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := rt.Shutdown(sctx); err != nil {
+		log.Warn("router shutdown", "err", err)
+	}
+	<-errc
+	return nil
+}

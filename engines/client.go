@@ -1,0 +1,429 @@
+// Package engines is Narwhal's engine client: it runs the prefill and
+// decode legs of an attempt against OpenAI-compatible engines (vLLM,
+// SGLang, the simulator) over net/http, reads decode streams under the
+// first-token and between-token timers, and classifies every failure as a
+// typed *Fault (SPEC §2, §3, §5, §6, §12).
+//
+// Client.Prefill returns a *connector.PrefillResult; passing it unchanged
+// to Client.Decode runs the decode leg.
+package engines
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/narwhalmesh/narwhal/engines/connector"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// Role is what an engine may do (SPEC §0).
+type Role string
+
+// Engine roles.
+const (
+	RolePrefill Role = "prefill"
+	RoleDecode  Role = "decode"
+	RoleBoth    Role = "both"
+)
+
+// CanPrefill reports whether the role may produce KV (prefill or both).
+func (r Role) CanPrefill() bool { return r == RolePrefill || r == RoleBoth }
+
+// CanDecode reports whether the role may consume KV (decode or both).
+func (r Role) CanDecode() bool { return r == RoleDecode || r == RoleBoth }
+
+// Engine is one engine of the fleet as the client needs it.
+type Engine struct {
+	// ID is the fleet-unique engine id.
+	ID string
+	// URL is the base URL without a trailing slash, e.g.
+	// "http://10.0.0.11:8000".
+	URL string
+	// Role is the engine's role.
+	Role Role
+	// Connector is the engine's KV connector.
+	Connector connector.Connector
+}
+
+// Request is one attempt's view of a client request: what to send and
+// where (SPEC §0 "attempt").
+type Request struct {
+	// Body is the parsed client request (kv_transfer_params removed).
+	Body *schemas.Request
+	// BackendRequestID is the attempt's fresh backend request id, sent as
+	// X-Request-Id on both legs (R-OWN-4).
+	BackendRequestID string
+	// Producer runs the prefill leg, Consumer the decode leg; the same
+	// engine for a same-worker attempt.
+	Producer, Consumer *Engine
+}
+
+// SameWorker reports whether producer and consumer are one engine, in
+// which case no transfer parameters are sent on either leg (R-LEG-4).
+func (r *Request) SameWorker() bool {
+	return r.Producer == r.Consumer || r.Producer.ID == r.Consumer.ID
+}
+
+// ErrClientGone is the cancellation cause the router gives a request's
+// context when the client disconnects; legs cancelled with it end with a
+// KindClientGone fault (R-OWN-5).
+var ErrClientGone = errors.New("client disconnected")
+
+// ErrRouterShutdown is the cancellation cause the router gives requests
+// still running when its shutdown grace period ends; legs cancelled with
+// it end with a KindShutdown fault (503).
+var ErrRouterShutdown = errors.New("router shutting down")
+
+var (
+	errPrefillTimeout    = errors.New("prefill timeout")
+	errFirstTokenTimeout = errors.New("first token timeout")
+	errSilence           = errors.New("silence between tokens")
+	errStreamClosed      = errors.New("stream closed by its owner")
+)
+
+// Options configures a Client. Zero durations take the SPEC §11 defaults.
+type Options struct {
+	// PrefillTimeout bounds the whole prefill leg (engine.prefill_timeout_s).
+	PrefillTimeout time.Duration
+	// FirstTokenTimeout bounds the decode leg from before its request is
+	// opened until the first generated output (R-TMO-1).
+	FirstTokenTimeout time.Duration
+	// DecodeReadTimeout bounds the silence between transport chunks after
+	// the first output (R-TMO-2); negative means no bound (the config's 0,
+	// R-TMO-4).
+	DecodeReadTimeout time.Duration
+	// HandoffMaxAge is handoff.max_age_s (R-OWN-2).
+	HandoffMaxAge time.Duration
+	// Transport is the HTTP transport; nil means NewTransport().
+	Transport http.RoundTripper
+	// MaxResponseBytes bounds a prefill response or an error body read
+	// whole; 0 means 16 MiB.
+	MaxResponseBytes int64
+}
+
+// Client runs engine legs. It is safe for concurrent use; create one per
+// process and reuse it so that connections to engines are reused.
+type Client struct {
+	http              *http.Client
+	prefillTimeout    time.Duration
+	firstTokenTimeout time.Duration
+	readTimeout       time.Duration
+	handoffMaxAge     time.Duration
+	maxResponse       int64
+}
+
+// NewTransport returns the tuned transport the client uses by default:
+// keep-alives, a large idle pool per engine, no compression (SSE must not
+// be buffered by a gzip reader), no overall timeout (the legs' contexts
+// bound everything, so cancelling one aborts connect, headers and body
+// reads at once).
+func NewTransport() *http.Transport {
+	return &http.Transport{
+		Proxy:                 nil,
+		DialContext:           (&net.Dialer{KeepAlive: 30 * time.Second}).DialContext,
+		MaxIdleConns:          4096,
+		MaxIdleConnsPerHost:   1024,
+		IdleConnTimeout:       90 * time.Second,
+		DisableCompression:    true,
+		ForceAttemptHTTP2:     false,
+		WriteBufferSize:       16 << 10,
+		ReadBufferSize:        16 << 10,
+		ExpectContinueTimeout: 0,
+	}
+}
+
+// NewClient returns a Client configured by opts.
+func NewClient(opts Options) *Client {
+	c := &Client{
+		prefillTimeout:    orDefault(opts.PrefillTimeout, 60*time.Second),
+		firstTokenTimeout: orDefault(opts.FirstTokenTimeout, 30*time.Second),
+		readTimeout:       opts.DecodeReadTimeout,
+		handoffMaxAge:     orDefault(opts.HandoffMaxAge, 120*time.Second),
+		maxResponse:       opts.MaxResponseBytes,
+	}
+	if c.readTimeout == 0 {
+		c.readTimeout = 30 * time.Second
+	}
+	if c.readTimeout < 0 {
+		c.readTimeout = 0
+	}
+	if c.maxResponse <= 0 {
+		c.maxResponse = 16 << 20
+	}
+	rt := opts.Transport
+	if rt == nil {
+		rt = NewTransport()
+	}
+	c.http = &http.Client{Transport: rt}
+	return c
+}
+
+func orDefault(d, def time.Duration) time.Duration {
+	if d <= 0 {
+		return def
+	}
+	return d
+}
+
+// HTTPClient returns the client's *http.Client (for probes and releases).
+func (c *Client) HTTPClient() *http.Client { return c.http }
+
+// Prefill runs the prefill leg of req on req.Producer (SPEC R-LEG-1,
+// R-LEG-1a, R-LEG-4), bounded by the prefill timeout and ctx, and captures
+// the handoff descriptor into a PrefillResult (R-LEG-2). For a crossed
+// attempt the descriptor is validated against R-DESC-0…2 and the
+// producer connector's shape. Errors are *Fault: connect_error,
+// prefill_timeout, prefill_status, prefill_response, descriptor_rejected,
+// client_fault, overload, request_timeout or client_disconnected.
+func (c *Client) Prefill(ctx context.Context, req *Request) (*connector.PrefillResult, error) {
+	p := req.Producer
+	same := req.SameWorker()
+	var kv []byte
+	if !same {
+		kv = p.Connector.HandoffRequest()
+	}
+	body := getBody()
+	body.b = req.Body.AppendPrefillBody(body.b[:0], kv)
+
+	legCtx, cancel := context.WithTimeoutCause(ctx, c.prefillTimeout, errPrefillTimeout)
+	defer cancel()
+	started := time.Now()
+	resp, err := c.do(legCtx, p.URL+req.Body.Endpoint, req.BackendRequestID, body)
+	if err != nil {
+		return nil, classifyTransport(ctx, legCtx, err, schemas.PhasePrefill, p.ID, true)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode/100 != 2 {
+		return nil, c.statusFault(resp, schemas.PhasePrefill, p.ID)
+	}
+	raw, err := io.ReadAll(io.LimitReader(resp.Body, c.maxResponse))
+	if err != nil {
+		return nil, classifyTransport(ctx, legCtx, err, schemas.PhasePrefill, p.ID, false)
+	}
+	completed := time.Now()
+	var parsed struct {
+		KV      json.RawMessage `json:"kv_transfer_params"`
+		Choices json.RawMessage `json:"choices"`
+	}
+	if err := json.Unmarshal(raw, &parsed); err != nil || parsed.Choices == nil {
+		f := NewFault(KindPrefillResponse, schemas.PhasePrefill, p.ID, resp.StatusCode, "prefill engine returned an invalid completion")
+		f.Cause = err
+		return nil, f
+	}
+	meta := connector.PrefillResult{
+		ProducerID:  p.ID,
+		ProducerURL: p.URL,
+		Endpoint:    req.Body.Endpoint,
+		RequestID:   req.BackendRequestID,
+		Connector:   p.Connector.Name(),
+		Started:     started,
+		Completed:   completed,
+	}
+	if same {
+		return connector.NewPrefillResult(meta, nil), nil
+	}
+	h, err := p.Connector.Validate(parsed.KV)
+	if err != nil {
+		f := NewFault(KindDescriptorRejected, schemas.PhasePrefill, p.ID, 0, err.Error())
+		f.Cause = err
+		return nil, f
+	}
+	meta.Handoff = h
+	return connector.NewPrefillResult(meta, bytes.TrimSpace(parsed.KV)), nil
+}
+
+// Release frees result's KV blocks at the producer when the handoff will
+// not be consumed (R-OWN-6), through the producer's connector. It returns
+// false with a nil error when the connector or engine cannot release early.
+// ctx should be short-lived and independent of a cancelled request.
+func (c *Client) Release(ctx context.Context, producer *Engine, result *connector.PrefillResult) (bool, error) {
+	if result == nil || !result.HasDescriptor() {
+		return false, nil
+	}
+	return producer.Connector.Release(ctx, c.http, producer.URL, result.AppendDescriptor(nil))
+}
+
+// CheckHandoff applies the checks Decode makes before any decode HTTP
+// request (R-DESC-0, R-DESC-3, R-DESC-4, R-OWN-2) and returns the fault, or
+// nil when the handoff may be consumed.
+func (c *Client) CheckHandoff(req *Request, result *connector.PrefillResult, now time.Time) *Fault {
+	if result == nil {
+		return rejectFault(req.Producer.ID, &connector.RejectError{Reason: connector.ReasonMissingDescriptor})
+	}
+	if !req.SameWorker() {
+		if !result.HasDescriptor() {
+			return rejectFault(result.ProducerID, &connector.RejectError{Reason: connector.ReasonMissingDescriptor})
+		}
+		if result.Connector != req.Consumer.Connector.Name() {
+			return rejectFault(result.ProducerID, &connector.RejectError{Reason: connector.ReasonConnectorMismatch,
+				Detail: "producer " + result.Connector + ", consumer " + req.Consumer.Connector.Name()})
+		}
+	}
+	if result.Endpoint != req.Body.Endpoint {
+		return rejectFault(result.ProducerID, &connector.RejectError{Reason: connector.ReasonEndpointMismatch,
+			Detail: "prefill " + result.Endpoint + ", decode " + req.Body.Endpoint})
+	}
+	if age := result.Age(now); age > c.handoffMaxAge {
+		return NewFault(KindHandoffExpired, schemas.PhaseDecode, result.ProducerID, 0,
+			MsgHandoffExpired+": age "+strconv.FormatFloat(age.Seconds(), 'f', 3, 64)+"s exceeds handoff.max_age_s "+
+				strconv.FormatFloat(c.handoffMaxAge.Seconds(), 'f', -1, 64))
+	}
+	return nil
+}
+
+func rejectFault(producerID string, err *connector.RejectError) *Fault {
+	f := NewFault(KindDescriptorRejected, schemas.PhasePrefill, producerID, 0, err.Error())
+	f.Cause = err
+	return f
+}
+
+// Decode runs the decode leg of req on req.Consumer with result's
+// descriptor (SPEC R-LEG-3, R-LEG-4, R-LEG-5): it first applies
+// CheckHandoff, then opens the stream with the first-token budget already
+// running (R-TMO-1) and returns it once response headers arrived with a
+// 2xx status. Read it with Stream.Next and always Close it. Errors are
+// *Fault (descriptor_rejected, handoff_expired, connect_error,
+// first_token_timeout, upstream_status, client_fault, overload,
+// request_timeout, client_disconnected).
+func (c *Client) Decode(ctx context.Context, req *Request, result *connector.PrefillResult) (*Stream, error) {
+	if f := c.CheckHandoff(req, result, time.Now()); f != nil {
+		return nil, f
+	}
+	var kv []byte
+	if !req.SameWorker() {
+		kv = result.AppendDescriptor(nil)
+	}
+	body := getBody()
+	body.b = req.Body.AppendDecodeBody(body.b[:0], kv)
+	return c.openStream(ctx, req.Consumer, req.Body.Endpoint, req.BackendRequestID, body)
+}
+
+// do sends one POST with a pooled body.
+func (c *Client) do(ctx context.Context, url, requestID string, body *pooledBody) (*http.Response, error) {
+	body.r.Reset(body.b)
+	hreq, err := http.NewRequestWithContext(ctx, http.MethodPost, url, body)
+	if err != nil {
+		body.Close()
+		return nil, err
+	}
+	hreq.ContentLength = int64(len(body.b))
+	hreq.Header = http.Header{
+		"Content-Type": {"application/json"},
+		"Accept":       {"application/json, text/event-stream"},
+		"X-Request-Id": {requestID},
+	}
+	return c.http.Do(hreq)
+}
+
+// statusFault classifies a non-2xx engine response (R-FAIL-6).
+func (c *Client) statusFault(resp *http.Response, phase, engineID string) *Fault {
+	body, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
+	obj, ok := schemas.ParseError(body)
+	msg := ""
+	if ok {
+		msg = obj.Message
+	}
+	var f *Fault
+	switch resp.StatusCode {
+	case 400, 404, 413, 422:
+		if msg == "" {
+			msg = http.StatusText(resp.StatusCode)
+		}
+		f = NewFault(KindClientFault, phase, engineID, resp.StatusCode, msg)
+		f.Body = body
+		if ok && obj.Type != "" {
+			f.Type = obj.Type
+		}
+		return f
+	case 429:
+		if msg == "" {
+			msg = "engine overloaded"
+		}
+		f = NewFault(KindOverload, phase, engineID, 429, msg)
+		f.Body = body
+		return f
+	}
+	kind := KindUpstreamStatus
+	if phase == schemas.PhasePrefill {
+		kind = KindPrefillStatus
+	}
+	text := phase + " engine " + engineID + " answered HTTP " + strconv.Itoa(resp.StatusCode)
+	if msg != "" {
+		text += ": " + msg
+	}
+	return NewFault(kind, phase, engineID, resp.StatusCode, text)
+}
+
+// classifyTransport turns a transport or context error into a Fault. parent
+// is the request's context, leg the leg's own.
+func classifyTransport(parent, leg context.Context, err error, phase, engineID string, beforeHeaders bool) *Fault {
+	var f *Fault
+	if pe := parent.Err(); pe != nil {
+		switch cause := context.Cause(parent); {
+		case errors.Is(cause, ErrClientGone):
+			f = NewFault(KindClientGone, phase, engineID, 0, "client disconnected")
+		case errors.Is(cause, ErrRouterShutdown):
+			f = NewFault(KindShutdown, phase, engineID, 0, "router shutting down")
+		default:
+			f = NewFault(KindRequestTimeout, phase, engineID, 0, MsgRequestTimeout)
+		}
+		f.Cause = err
+		return f
+	}
+	switch context.Cause(leg) {
+	case errPrefillTimeout:
+		f = NewFault(KindPrefillTimeout, phase, engineID, 0, MsgPrefillTimeout)
+	case errFirstTokenTimeout:
+		f = NewFault(KindFirstTokenTimeout, phase, engineID, 0, MsgFirstTokenTimeout)
+	case errSilence:
+		f = NewFault(KindMidStreamSilence, phase, engineID, 0, MsgSilence)
+	default:
+		if beforeHeaders {
+			f = NewFault(KindConnectError, phase, engineID, 0, phase+" engine "+engineID+" unreachable: "+err.Error())
+		} else if phase == schemas.PhaseDecode {
+			f = NewFault(KindClosedBeforeDone, phase, engineID, 0, MsgClosedBeforeDone)
+		} else {
+			f = NewFault(KindPrefillResponse, phase, engineID, 0, "prefill engine "+engineID+" connection failed: "+err.Error())
+		}
+	}
+	f.Cause = err
+	return f
+}
+
+// pooledBody is a request body whose buffer returns to a pool when the
+// transport closes it (the transport may write the body after Do returns,
+// so the buffer is only reused after Close).
+type pooledBody struct {
+	b      []byte
+	r      bytes.Reader
+	closed atomic.Bool
+}
+
+var bodyPool = sync.Pool{New: func() any { return &pooledBody{b: make([]byte, 0, 4096)} }}
+
+func getBody() *pooledBody {
+	p := bodyPool.Get().(*pooledBody)
+	p.closed.Store(false)
+	return p
+}
+
+func (p *pooledBody) Read(b []byte) (int, error) { return p.r.Read(b) }
+
+// Close returns the buffer to the pool once.
+func (p *pooledBody) Close() error {
+	if p.closed.CompareAndSwap(false, true) && cap(p.b) <= 1<<20 {
+		bodyPool.Put(p)
+	}
+	return nil
+}
+
+func jsonMarshal(v any) ([]byte, error) { return json.Marshal(v) }

@@ -1,0 +1,235 @@
+package connector
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+)
+
+const goodDescriptor = `{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"9b1e-dp0","remote_request_id":"chatcmpl-1","remote_block_ids":[17,18,19,20],"remote_host":"10.0.3.7","remote_port":5600,"tp_size":1}`
+
+func rejectReason(t *testing.T, err error) string {
+	t.Helper()
+	var re *RejectError
+	if !errors.As(err, &re) {
+		t.Fatalf("error %v is not a *RejectError", err)
+	}
+	if !strings.HasPrefix(re.Error(), "handoff descriptor rejected: "+re.Reason) {
+		t.Fatalf("message %q does not start with the R-DESC-6 text", re.Error())
+	}
+	return re.Reason
+}
+
+func TestNixlHandoffRequestIsRLEG1(t *testing.T) {
+	// R-LEG-1: nixl's "please hand off" parameters, exactly.
+	var got map[string]any
+	if err := json.Unmarshal(Nixl{}.HandoffRequest(), &got); err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]any{"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": nil,
+		"remote_block_ids": nil, "remote_host": nil, "remote_port": nil}
+	if len(got) != len(want) {
+		t.Fatalf("got %v, want %v", got, want)
+	}
+	for k, v := range want {
+		if gv, ok := got[k]; !ok || gv != v {
+			t.Fatalf("%s = %v, want %v", k, gv, v)
+		}
+	}
+}
+
+func TestNixlValidateAccepts(t *testing.T) {
+	for name, d := range map[string]string{
+		"full":             goodDescriptor,
+		"older engine":     `{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"e","remote_block_ids":[0],"remote_host":"h","remote_port":1}`,
+		"kv cache groups":  `{"do_remote_prefill":true,"remote_engine_id":"e","remote_block_ids":[[1,2],[3]]}`,
+		"unknown fields":   `{"do_remote_prefill":true,"remote_engine_id":"e","remote_block_ids":[5],"future":{"x":[1,2.5,"y"]}}`,
+		"whitespace":       " \n" + goodDescriptor + "\n ",
+		"big block number": `{"remote_engine_id":"e","remote_block_ids":[123456789012]}`,
+	} {
+		t.Run(name, func(t *testing.T) {
+			h, err := Nixl{}.Validate([]byte(d))
+			if err != nil {
+				t.Fatalf("rejected: %v", err)
+			}
+			if h.EngineID == "" || h.Blocks == 0 {
+				t.Fatalf("handoff %+v", h)
+			}
+		})
+	}
+	h, _ := Nixl{}.Validate([]byte(goodDescriptor))
+	if h.EngineID != "9b1e-dp0" || h.RequestID != "chatcmpl-1" || h.Blocks != 4 {
+		t.Fatalf("handoff %+v", h)
+	}
+	h, _ = Nixl{}.Validate([]byte(`{"remote_engine_id":"e","remote_block_ids":[[1,2],[3]]}`))
+	if h.Blocks != 3 {
+		t.Fatalf("groups: blocks %d, want 3", h.Blocks)
+	}
+}
+
+func TestNixlValidateRejects(t *testing.T) {
+	cases := []struct {
+		name, desc, reason string
+	}{
+		// R-DESC-0: missing, null or empty descriptor.
+		{"R-DESC-0 absent", ``, ReasonMissingDescriptor},
+		{"R-DESC-0 null", `null`, ReasonMissingDescriptor},
+		{"R-DESC-0 empty object", `{}`, ReasonMissingDescriptor},
+		{"R-DESC-0 empty object spaced", ` { } `, ReasonMissingDescriptor},
+		// R-DESC-1: no engine identity.
+		{"R-DESC-1 missing", `{"do_remote_prefill":true,"remote_block_ids":[1]}`, ReasonMissingIdentity},
+		{"R-DESC-1 null", `{"do_remote_prefill":true,"remote_engine_id":null,"remote_block_ids":[1]}`, ReasonMissingIdentity},
+		{"R-DESC-1 empty", `{"do_remote_prefill":true,"remote_engine_id":"","remote_block_ids":[1]}`, ReasonMissingIdentity},
+		{"R-DESC-1 number", `{"do_remote_prefill":true,"remote_engine_id":7,"remote_block_ids":[1]}`, ReasonMissingIdentity},
+		// R-DESC-2: malformed block ids.
+		{"R-DESC-2 missing", `{"remote_engine_id":"e"}`, ReasonMalformedBlocks},
+		{"R-DESC-2 null", `{"remote_engine_id":"e","remote_block_ids":null}`, ReasonMalformedBlocks},
+		{"R-DESC-2 empty", `{"remote_engine_id":"e","remote_block_ids":[]}`, ReasonMalformedBlocks},
+		{"R-DESC-2 strings", `{"remote_engine_id":"e","remote_block_ids":["17","18"]}`, ReasonMalformedBlocks},
+		{"R-DESC-2 float", `{"remote_engine_id":"e","remote_block_ids":[1.5]}`, ReasonMalformedBlocks},
+		{"R-DESC-2 integral float", `{"remote_engine_id":"e","remote_block_ids":[1.0]}`, ReasonMalformedBlocks},
+		{"R-DESC-2 exponent", `{"remote_engine_id":"e","remote_block_ids":[1e3]}`, ReasonMalformedBlocks},
+		{"R-DESC-2 negative", `{"remote_engine_id":"e","remote_block_ids":[-1]}`, ReasonMalformedBlocks},
+		{"R-DESC-2 null element", `{"remote_engine_id":"e","remote_block_ids":[1,null]}`, ReasonMalformedBlocks},
+		{"R-DESC-2 mixed nesting", `{"remote_engine_id":"e","remote_block_ids":[[1],2]}`, ReasonMalformedBlocks},
+		{"R-DESC-2 mixed nesting 2", `{"remote_engine_id":"e","remote_block_ids":[1,[2]]}`, ReasonMalformedBlocks},
+		{"R-DESC-2 empty group", `{"remote_engine_id":"e","remote_block_ids":[[1],[]]}`, ReasonMalformedBlocks},
+		{"R-DESC-2 deep nesting", `{"remote_engine_id":"e","remote_block_ids":[[[1]]]}`, ReasonMalformedBlocks},
+		{"R-DESC-2 object", `{"remote_engine_id":"e","remote_block_ids":{"a":1}}`, ReasonMalformedBlocks},
+		{"R-DESC-2 scalar", `{"remote_engine_id":"e","remote_block_ids":3}`, ReasonMalformedBlocks},
+		// R-DESC-3: not the connector's shape.
+		{"R-DESC-3 other connector", `{"lmcache_key":"abc","lmcache_host":"h"}`, ReasonConnectorMismatch},
+		{"R-DESC-3 not an object", `[1,2]`, ReasonConnectorMismatch},
+		{"R-DESC-3 string", `"x"`, ReasonConnectorMismatch},
+		{"R-DESC-3 do_remote_prefill false", `{"do_remote_prefill":false,"remote_engine_id":"e","remote_block_ids":[1]}`, ReasonConnectorMismatch},
+		{"R-DESC-3 invalid json", `{"remote_engine_id":`, ReasonConnectorMismatch},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := Nixl{}.Validate([]byte(c.desc))
+			if err == nil {
+				t.Fatalf("accepted %s", c.desc)
+			}
+			if got := rejectReason(t, err); got != c.reason {
+				t.Fatalf("reason %q, want %q", got, c.reason)
+			}
+		})
+	}
+}
+
+func TestPrefillResultParametersDetached(t *testing.T) {
+	// SPEC §12: Parameters returns a detached copy.
+	src := []byte(goodDescriptor)
+	r := NewPrefillResult(PrefillResult{ProducerID: "p1", Connector: NixlName, Started: time.Now()}, src)
+	src[3] = 'X' // the caller's buffer changing changes nothing either
+	p := r.Parameters()
+	if p["remote_engine_id"] != "9b1e-dp0" {
+		t.Fatalf("parameters %v", p)
+	}
+	p["remote_engine_id"] = "forged"
+	p["remote_block_ids"].([]any)[0] = 99.0
+	delete(p, "remote_host")
+	again := r.Parameters()
+	if again["remote_engine_id"] != "9b1e-dp0" || again["remote_block_ids"].([]any)[0] != 17.0 || again["remote_host"] != "10.0.3.7" {
+		t.Fatalf("mutating Parameters() changed the result: %v", again)
+	}
+	if got := string(r.AppendDescriptor(nil)); got != goodDescriptor {
+		t.Fatalf("descriptor changed: %s", got)
+	}
+	buf := r.AppendDescriptor(nil)
+	buf[0] = '['
+	if string(r.AppendDescriptor(nil)) != goodDescriptor {
+		t.Fatal("AppendDescriptor aliases the result")
+	}
+	same := NewPrefillResult(PrefillResult{ProducerID: "p1"}, nil)
+	if same.HasDescriptor() || same.Parameters() != nil {
+		t.Fatal("same-worker result has a descriptor")
+	}
+}
+
+func TestRDESC5OpaqueFieldsKeptByteForByte(t *testing.T) {
+	// R-DESC-5: the descriptor is kept exactly as the producer sent it.
+	d := `{"remote_engine_id":"e","remote_block_ids":[1],"opaque":{"z":1e2,"a":"\u00e9"},"tp_size":2}`
+	if _, err := (Nixl{}).Validate([]byte(d)); err != nil {
+		t.Fatal(err)
+	}
+	r := NewPrefillResult(PrefillResult{}, []byte(d))
+	if string(r.AppendDescriptor(nil)) != d {
+		t.Fatalf("got %s", r.AppendDescriptor(nil))
+	}
+}
+
+func TestNixlRelease(t *testing.T) {
+	var got map[string]json.RawMessage
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/kv/release", func(w http.ResponseWriter, r *http.Request) {
+		_ = json.NewDecoder(r.Body).Decode(&got)
+		w.Write([]byte(`{"released":true}`))
+	})
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+	ok, err := Nixl{}.Release(context.Background(), srv.Client(), srv.URL, []byte(goodDescriptor))
+	if err != nil || !ok {
+		t.Fatalf("release: %v %v", ok, err)
+	}
+	if string(got["remote_engine_id"]) != `"9b1e-dp0"` || string(got["remote_request_id"]) != `"chatcmpl-1"` || string(got["remote_block_ids"]) != `[17,18,19,20]` {
+		t.Fatalf("release body %v", got)
+	}
+	// An engine without the endpoint: not released, no error.
+	plain := httptest.NewServer(http.NotFoundHandler())
+	defer plain.Close()
+	ok, err = Nixl{}.Release(context.Background(), plain.Client(), plain.URL, []byte(goodDescriptor))
+	if err != nil || ok {
+		t.Fatalf("release without endpoint: %v %v", ok, err)
+	}
+	broken := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(500) }))
+	defer broken.Close()
+	if _, err := (Nixl{}).Release(context.Background(), broken.Client(), broken.URL, []byte(goodDescriptor)); err == nil {
+		t.Fatal("a 500 from the producer is not an error")
+	}
+}
+
+func TestRegistry(t *testing.T) {
+	c, err := Lookup("nixl")
+	if err != nil || c.Name() != "nixl" {
+		t.Fatalf("lookup nixl: %v %v", c, err)
+	}
+	if _, err := Lookup("mooncake"); err == nil || !strings.Contains(err.Error(), "nixl") {
+		t.Fatalf("unknown connector error %v", err)
+	}
+}
+
+// FuzzNixlValidate: the validator never panics, and whatever it accepts
+// satisfies R-DESC-1 and R-DESC-2.
+func FuzzNixlValidate(f *testing.F) {
+	for _, s := range []string{goodDescriptor, `{}`, `null`, `{"remote_engine_id":"e","remote_block_ids":[[1],[2,3]]}`,
+		`{"remote_engine_id":"e","remote_block_ids":["1"]}`, `[`, `{"lmcache_key":1}`} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		h, err := Nixl{}.Validate(b)
+		if err != nil {
+			var re *RejectError
+			if !errors.As(err, &re) {
+				t.Fatalf("error of type %T", err)
+			}
+			return
+		}
+		var m map[string]any
+		if json.Unmarshal(b, &m) != nil {
+			t.Fatalf("accepted invalid JSON %q", b)
+		}
+		id, _ := m["remote_engine_id"].(string)
+		if id == "" || id != h.EngineID {
+			t.Fatalf("accepted without identity: %q", b)
+		}
+		if h.Blocks < 1 {
+			t.Fatalf("accepted without blocks: %q", b)
+		}
+	})
+}

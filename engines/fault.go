@@ -1,0 +1,237 @@
+package engines
+
+import (
+	"strconv"
+
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// FaultKind names one class of engine fault. The kinds and what each means
+// for the client, the bus and the breaker are the table in
+// docs/failures.md.
+type FaultKind string
+
+// The fault kinds (SPEC §5, §6, R-FAIL-6, R-DESC-6, R-OWN-2).
+const (
+	// KindConnectError: the engine could not be reached, or the connection
+	// failed before any response header arrived. 502, transient, counts.
+	KindConnectError FaultKind = "connect_error"
+	// KindPrefillTimeout: the prefill leg outlived engine.prefill_timeout_s.
+	// 504, transient, counts.
+	KindPrefillTimeout FaultKind = "prefill_timeout"
+	// KindPrefillStatus: the producer answered a non-2xx status that is an
+	// engine fault. 502 (504 for an upstream 504/408), transient, counts.
+	KindPrefillStatus FaultKind = "prefill_status"
+	// KindPrefillResponse: the producer's 2xx body was not a completion.
+	// 502, transient, counts.
+	KindPrefillResponse FaultKind = "prefill_response"
+	// KindDescriptorRejected: R-DESC-0…4 refused the handoff descriptor.
+	// 502, transient, counts against the producer.
+	KindDescriptorRejected FaultKind = "descriptor_rejected"
+	// KindHandoffExpired: the descriptor outlived handoff.max_age_s before
+	// the decode request (R-OWN-2). 504 "handoff expired", transient.
+	KindHandoffExpired FaultKind = "handoff_expired"
+	// KindFirstTokenTimeout: no generated output within
+	// engine.first_token_timeout_s of opening the decode (R-TMO-1). 504
+	// "engine first token timeout", transient, counts.
+	KindFirstTokenTimeout FaultKind = "first_token_timeout"
+	// KindMidStreamSilence: no bytes for engine.decode_read_timeout_s after
+	// the first output (R-TMO-2/3). 504 "engine went silent between
+	// tokens", counts.
+	KindMidStreamSilence FaultKind = "mid_stream_silence"
+	// KindClosedBeforeDone: the decode stream ended or broke before
+	// [DONE] (R-FAIL-2). 502, transient before output, counts.
+	KindClosedBeforeDone FaultKind = "closed_before_done"
+	// KindDoneBeforeToken: [DONE] before any generated output (R-FAIL-3).
+	// 502 "stream ended with [DONE] before any token arrived", transient,
+	// counts.
+	KindDoneBeforeToken FaultKind = "done_before_token"
+	// KindErrorObject: an error object inside a 200 stream (R-FAIL-4), with
+	// the object's own status (502 when its code is no HTTP status).
+	KindErrorObject FaultKind = "error_object"
+	// KindInvalidStream: a data line that is not JSON. 502, counts.
+	KindInvalidStream FaultKind = "invalid_stream"
+	// KindUpstreamStatus: the consumer answered a non-2xx status that is an
+	// engine fault (R-FAIL-6). 502 (504 for 504/408), transient, counts.
+	KindUpstreamStatus FaultKind = "upstream_status"
+	// KindClientFault: the engine refused the request as the client's fault
+	// (400, 404, 413, 422): passed through, not counted (R-FAIL-6).
+	KindClientFault FaultKind = "client_fault"
+	// KindOverload: the engine answered 429: passed through as 429, counted
+	// as overload, not failure (R-FAIL-6).
+	KindOverload FaultKind = "overload"
+	// KindRequestTimeout: the request's own deadline (request.timeout_s or
+	// the client's) ran out (R-TMO-5). 504, not transient, not counted:
+	// the deadline is the client's budget, not an engine verdict.
+	KindRequestTimeout FaultKind = "request_timeout"
+	// KindClientGone: the client disconnected (R-OWN-5). Not an engine
+	// fault: nothing is counted and nothing is sent.
+	KindClientGone FaultKind = "client_disconnected"
+	// KindNoEngine: no eligible engine for a phase. 503 with Retry-After.
+	KindNoEngine FaultKind = "no_eligible_engine"
+	// KindShutdown: the router is shutting down and its grace period ran
+	// out. 503, not counted.
+	KindShutdown FaultKind = "router_shutdown"
+)
+
+// Exact client messages from SPEC.md.
+const (
+	MsgFirstTokenTimeout = "engine first token timeout"
+	MsgSilence           = "engine went silent between tokens"
+	MsgDoneBeforeToken   = "stream ended with [DONE] before any token arrived"
+	MsgHandoffExpired    = "handoff expired"
+	MsgPrefillTimeout    = "engine prefill timeout"
+	MsgClosedBeforeDone  = "engine stream closed before [DONE]"
+	MsgRequestTimeout    = "request deadline exceeded"
+)
+
+// Fault is one engine leg's failure, classified in one place: Kind decides
+// the HTTP status, whether the fault is timeout-shaped, transient
+// (retryable before visible output, R-RETRY-2) and whether it counts
+// towards ejection (R-BRK-2). Build faults with NewFault.
+type Fault struct {
+	// Kind is the fault class.
+	Kind FaultKind
+	// Phase is schemas.PhasePrefill or schemas.PhaseDecode.
+	Phase string
+	// EngineID is the engine at fault: the producer for prefill faults and
+	// rejected descriptors, the consumer for decode faults.
+	EngineID string
+	// Status is the HTTP status the client gets (R-FAIL-1, R-FAIL-4,
+	// R-FAIL-6).
+	Status int
+	// UpstreamStatus is the engine's HTTP status, or the code of an error
+	// object; 0 when there was none.
+	UpstreamStatus int
+	// Timeout is whether the fault is timeout-shaped (504).
+	Timeout bool
+	// Message is the client-facing message; it starts with SPEC's exact
+	// detail string where SPEC gives one.
+	Message string
+	// Type is the error type shown to the client (the engine's own for
+	// error objects and passed-through errors).
+	Type string
+	// Body is the engine's error body for passed-through client faults
+	// and 429s; nil otherwise.
+	Body []byte
+	// Cause is the underlying error, if any (for logs).
+	Cause error
+}
+
+// NewFault returns the classified fault of kind on phase of engineID.
+// upstream is the engine's HTTP status or error-object code (0 if none);
+// message is the client-facing message.
+func NewFault(kind FaultKind, phase, engineID string, upstream int, message string) *Fault {
+	f := &Fault{Kind: kind, Phase: phase, EngineID: engineID, UpstreamStatus: upstream, Message: message}
+	switch kind {
+	case KindPrefillTimeout, KindHandoffExpired, KindFirstTokenTimeout, KindMidStreamSilence, KindRequestTimeout:
+		f.Status, f.Timeout = 504, true
+	case KindPrefillStatus, KindUpstreamStatus:
+		if upstream == 504 || upstream == 408 {
+			f.Status, f.Timeout = 504, true
+		} else {
+			f.Status = 502
+		}
+	case KindErrorObject:
+		f.Status = 502
+		if upstream >= 400 && upstream <= 599 {
+			f.Status = upstream
+		}
+		f.Timeout = f.Status == 504 || f.Status == 408
+	case KindClientFault:
+		f.Status = upstream
+	case KindOverload:
+		f.Status = 429
+	case KindNoEngine, KindShutdown:
+		f.Status = 503
+	case KindClientGone:
+		f.Status = 499
+	default:
+		f.Status = 502
+	}
+	f.Type = schemas.ErrorType(f.Status)
+	return f
+}
+
+// Error returns "<phase> <kind> on <engine>: <message>".
+func (f *Fault) Error() string {
+	s := f.Phase + " " + string(f.Kind)
+	if f.EngineID != "" {
+		s += " on " + f.EngineID
+	}
+	if f.UpstreamStatus != 0 {
+		s += " (upstream " + strconv.Itoa(f.UpstreamStatus) + ")"
+	}
+	return s + ": " + f.Message
+}
+
+// Unwrap returns the underlying cause.
+func (f *Fault) Unwrap() error { return f.Cause }
+
+// EngineFault reports whether the fault is the engine's (as opposed to the
+// client's, the deadline's, or placement's). Only engine faults are
+// published as failure events.
+func (f *Fault) EngineFault() bool {
+	switch f.Kind {
+	case KindClientFault, KindClientGone, KindRequestTimeout, KindNoEngine, KindShutdown:
+		return false
+	}
+	return true
+}
+
+// Transient reports whether a fresh attempt may help (SPEC R-RETRY-2):
+// connect errors, timeouts, 5xx, closed streams, [DONE] before a token,
+// rejected descriptors and expired handoffs.
+func (f *Fault) Transient() bool {
+	switch f.Kind {
+	case KindConnectError, KindPrefillTimeout, KindPrefillResponse, KindDescriptorRejected, KindHandoffExpired,
+		KindFirstTokenTimeout, KindMidStreamSilence, KindClosedBeforeDone, KindDoneBeforeToken, KindInvalidStream:
+		return true
+	case KindPrefillStatus, KindUpstreamStatus, KindErrorObject:
+		return f.Status >= 500
+	}
+	return false
+}
+
+// CountsTowardEjection reports whether the breaker counts the fault in the
+// engine's failure streak (SPEC R-BRK-2): every engine fault except
+// client faults, overload, client disconnects, the request's own deadline
+// and an expired handoff (which measures the router's wait, not the
+// engine). An error object counts unless its code is a client-fault or
+// overload status.
+func (f *Fault) CountsTowardEjection() bool {
+	switch f.Kind {
+	case KindClientFault, KindOverload, KindClientGone, KindRequestTimeout, KindNoEngine, KindShutdown, KindHandoffExpired:
+		return false
+	case KindErrorObject:
+		switch f.Status {
+		case 400, 404, 413, 422, 429:
+			return false
+		}
+	}
+	return true
+}
+
+// AppendJSON appends the client error body for f: the engine's own body for
+// passed-through client faults and 429s when it is valid JSON, otherwise
+// {"error":{"message","type","param":null,"code"}} (SPEC R-API-3).
+func (f *Fault) AppendJSON(dst []byte) []byte {
+	if (f.Kind == KindClientFault || f.Kind == KindOverload) && len(f.Body) > 0 {
+		if _, ok := schemas.ParseError(f.Body); ok {
+			return append(dst, f.Body...)
+		}
+	}
+	return appendErrorObject(dst, f.Status, f.Type, f.Message)
+}
+
+func appendErrorObject(dst []byte, status int, typ, message string) []byte {
+	e := schemas.NewError(status, message)
+	if typ != "" {
+		e.Error.Type = typ
+	}
+	b, err := jsonMarshal(e)
+	if err != nil {
+		return schemas.AppendErrorJSON(dst, status, message)
+	}
+	return append(dst, b...)
+}

@@ -1,0 +1,297 @@
+package engines
+
+import (
+	"bufio"
+	"context"
+	"io"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// Stream is an open decode stream (SPEC §5, §6). It enforces both timers:
+// the first-token budget, running since before the decode request was
+// opened and spent by connect, headers and metadata chunks alike (R-TMO-1),
+// and after the first generated output the between-chunk bound, reset by
+// every transport chunk, metadata included (R-TMO-2, R-TMO-4).
+//
+// A Stream has one owner: Next and Close must not be called concurrently.
+type Stream struct {
+	parent context.Context
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+	resp   *http.Response
+	br     *bufio.Reader
+	body   activityBody
+	timer  *time.Timer
+
+	engineID    string
+	readTimeout time.Duration
+	start       time.Time
+	// state is streamWaiting until the first output, then streamFlowing; the
+	// timer moves it to streamExpired if the first-token budget ran out.
+	state atomic.Int32
+
+	long     []byte // a data line longer than the reader's buffer
+	done     bool
+	err      error
+	firstOut time.Time
+}
+
+const (
+	streamWaiting int32 = iota
+	streamFlowing
+	streamExpired
+	streamDraining
+)
+
+// drainTimeout bounds how long Close waits for the end of a body after
+// [DONE] before closing the connection instead of reusing it.
+const drainTimeout = 100 * time.Millisecond
+
+// activityBody records the time of every transport chunk (any Read that
+// returns bytes) for the between-chunk timer.
+type activityBody struct {
+	r    io.Reader
+	s    *Stream
+	last atomic.Int64 // nanoseconds since s.start
+}
+
+func (a *activityBody) Read(p []byte) (int, error) {
+	n, err := a.r.Read(p)
+	if n > 0 {
+		a.last.Store(int64(time.Since(a.s.start)))
+	}
+	return n, err
+}
+
+var readerPool = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 32<<10) }}
+
+// openStream starts the first-token budget, sends the decode request and
+// waits for response headers.
+func (c *Client) openStream(ctx context.Context, consumer *Engine, endpoint, requestID string, body *pooledBody) (*Stream, error) {
+	s := &Stream{parent: ctx, engineID: consumer.ID, readTimeout: c.readTimeout, start: time.Now()}
+	s.ctx, s.cancel = context.WithCancelCause(ctx)
+	s.timer = time.AfterFunc(c.firstTokenTimeout, s.onTimer)
+	resp, err := c.do(s.ctx, consumer.URL+endpoint, requestID, body)
+	if err != nil {
+		f := classifyTransport(ctx, s.ctx, err, schemas.PhaseDecode, consumer.ID, true)
+		s.stop()
+		return nil, f
+	}
+	if resp.StatusCode/100 != 2 {
+		f := c.statusFault(resp, schemas.PhaseDecode, consumer.ID)
+		resp.Body.Close()
+		if cf := s.timerFault(); cf != nil {
+			f = cf
+		}
+		s.stop()
+		return nil, f
+	}
+	s.resp = resp
+	s.body.r = resp.Body
+	s.body.s = s
+	s.br = readerPool.Get().(*bufio.Reader)
+	s.br.Reset(&s.body)
+	return s, nil
+}
+
+// onTimer runs when the armed timer fires: before the first output it
+// expires the first-token budget; after it, it checks the silence since
+// the last transport chunk and either cancels the leg or re-arms for the
+// remainder (one timer, no Reset per chunk).
+func (s *Stream) onTimer() {
+	if s.state.CompareAndSwap(streamWaiting, streamExpired) {
+		s.cancel(errFirstTokenTimeout)
+		return
+	}
+	if s.state.Load() == streamDraining {
+		s.cancel(errStreamClosed)
+		return
+	}
+	if s.readTimeout <= 0 || s.state.Load() != streamFlowing {
+		return
+	}
+	idle := time.Since(s.start) - time.Duration(s.body.last.Load())
+	if idle >= s.readTimeout {
+		s.cancel(errSilence)
+		return
+	}
+	s.timer.Reset(s.readTimeout - idle)
+}
+
+// timerFault returns the timeout fault if the leg's own timer cancelled it.
+func (s *Stream) timerFault() *Fault {
+	if s.parent.Err() != nil {
+		return nil
+	}
+	switch context.Cause(s.ctx) {
+	case errFirstTokenTimeout:
+		return NewFault(KindFirstTokenTimeout, schemas.PhaseDecode, s.engineID, 0, MsgFirstTokenTimeout)
+	case errSilence:
+		return NewFault(KindMidStreamSilence, schemas.PhaseDecode, s.engineID, 0, silenceMessage(s.readTimeout))
+	}
+	return nil
+}
+
+func silenceMessage(d time.Duration) string {
+	return MsgSilence + " (no bytes for " + d.String() + ")"
+}
+
+// Buffered returns how many bytes of the stream are already read from the
+// connection but not yet returned by Next: a relay flushes its client only
+// when this is 0, so chunks that arrive together leave together.
+func (s *Stream) Buffered() int {
+	if s.br == nil {
+		return 0
+	}
+	return s.br.Buffered()
+}
+
+// EngineID returns the consumer's engine id.
+func (s *Stream) EngineID() string { return s.engineID }
+
+// FirstOutput returns when the first generated output was read, or the
+// zero time if none was.
+func (s *Stream) FirstOutput() time.Time { return s.firstOut }
+
+// Next returns the next data payload of the stream and its kind: either
+// schemas.ChunkMetadata or schemas.ChunkOutput. The payload aliases an
+// internal buffer and is valid only until the next call. SSE comments and
+// blank lines are consumed silently (they still reset the between-chunk
+// timer). After [DONE] following generated output Next returns io.EOF.
+// Every other end is a *Fault: done_before_token (R-FAIL-3), error_object
+// (R-FAIL-4), closed_before_done (R-FAIL-2), first_token_timeout
+// (R-TMO-1), mid_stream_silence (R-TMO-3), invalid_stream,
+// request_timeout or client_disconnected. Once Next has returned an error
+// it returns the same error.
+func (s *Stream) Next() ([]byte, schemas.ChunkKind, error) {
+	if s.err != nil {
+		return nil, 0, s.err
+	}
+	for {
+		line, err := s.readLine()
+		if err != nil {
+			return nil, 0, s.fail(s.readFault(err))
+		}
+		payload, ok := schemas.SSEData(line)
+		if !ok {
+			continue
+		}
+		switch kind := schemas.ClassifyChunk(payload); kind {
+		case schemas.ChunkOutput:
+			if s.state.Load() != streamFlowing {
+				if !s.state.CompareAndSwap(streamWaiting, streamFlowing) {
+					// The budget ran out before this output was read.
+					return nil, 0, s.fail(NewFault(KindFirstTokenTimeout, schemas.PhaseDecode, s.engineID, 0, MsgFirstTokenTimeout))
+				}
+				s.firstOut = time.Now()
+				if s.readTimeout > 0 {
+					s.body.last.Store(int64(time.Since(s.start)))
+					s.timer.Reset(s.readTimeout)
+				} else {
+					s.timer.Stop()
+				}
+			}
+			return payload, kind, nil
+		case schemas.ChunkMetadata:
+			return payload, kind, nil
+		case schemas.ChunkDone:
+			if s.state.Load() != streamFlowing {
+				return nil, 0, s.fail(NewFault(KindDoneBeforeToken, schemas.PhaseDecode, s.engineID, 0, MsgDoneBeforeToken))
+			}
+			s.done = true
+			s.err = io.EOF
+			s.timer.Stop()
+			return nil, schemas.ChunkDone, io.EOF
+		case schemas.ChunkError:
+			return nil, 0, s.fail(errorObjectFault(payload, s.engineID))
+		default:
+			return nil, 0, s.fail(NewFault(KindInvalidStream, schemas.PhaseDecode, s.engineID, 0, "decode engine "+s.engineID+" sent data that is not JSON"))
+		}
+	}
+}
+
+// errorObjectFault builds the R-FAIL-4 fault from an in-stream error
+// object, keeping the engine's message and type.
+func errorObjectFault(payload []byte, engineID string) *Fault {
+	obj, ok := schemas.ParseError(payload)
+	if !ok {
+		obj = schemas.ErrorObject{Message: "decode engine " + engineID + " sent an error object"}
+	}
+	if obj.Message == "" {
+		obj.Message = "decode engine " + engineID + " sent an error object"
+	}
+	f := NewFault(KindErrorObject, schemas.PhaseDecode, engineID, obj.Code, obj.Message)
+	if obj.Type != "" {
+		f.Type = obj.Type
+	}
+	return f
+}
+
+// readLine returns the next line, including its newline; lines longer than
+// the buffer are assembled in s.long.
+func (s *Stream) readLine() ([]byte, error) {
+	line, err := s.br.ReadSlice('\n')
+	if err != bufio.ErrBufferFull {
+		return line, err
+	}
+	s.long = append(s.long[:0], line...)
+	for {
+		line, err = s.br.ReadSlice('\n')
+		s.long = append(s.long, line...)
+		if err != bufio.ErrBufferFull {
+			return s.long, err
+		}
+		if len(s.long) > 64<<20 {
+			return nil, io.ErrShortBuffer
+		}
+	}
+}
+
+// readFault classifies a read error: the leg's timers, the request's
+// context, or a stream that ended before [DONE].
+func (s *Stream) readFault(err error) *Fault {
+	if f := s.timerFault(); f != nil {
+		f.Cause = err
+		return f
+	}
+	return classifyTransport(s.parent, s.ctx, err, schemas.PhaseDecode, s.engineID, false)
+}
+
+func (s *Stream) fail(f *Fault) error {
+	s.err = f
+	s.timer.Stop()
+	return f
+}
+
+// Close ends the stream and releases its resources. After a clean [DONE]
+// the rest of the body is drained (bounded) so the connection can be
+// reused; otherwise the connection is closed, which tells the engine to
+// abort the request (R-OWN-5). Close is idempotent.
+func (s *Stream) Close() {
+	if s.resp == nil {
+		return
+	}
+	if s.done {
+		// The terminating chunk normally arrived with [DONE]; drain what is
+		// left, briefly, so the connection goes back to the pool.
+		s.state.Store(streamDraining)
+		s.timer.Reset(drainTimeout)
+		_, _ = io.CopyN(io.Discard, s.br, 4<<10)
+	}
+	s.resp.Body.Close()
+	s.resp = nil
+	s.br.Reset(nil)
+	readerPool.Put(s.br)
+	s.br = nil
+	s.stop()
+}
+
+func (s *Stream) stop() {
+	s.timer.Stop()
+	s.cancel(errStreamClosed)
+}

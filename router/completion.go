@@ -1,0 +1,570 @@
+package router
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"strconv"
+	"time"
+
+	"github.com/valyala/fasthttp"
+
+	"github.com/narwhalmesh/narwhal/engines"
+	"github.com/narwhalmesh/narwhal/engines/connector"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// call is one client request from arrival to its last byte. It owns every
+// leg, reservation, timer and watch of the request (SPEC R-OWN-1): all of
+// them are released by finish, whatever the outcome.
+type call struct {
+	rt       *Router
+	id       string
+	arrival  time.Time
+	req      *schemas.Request
+	ctx      context.Context
+	cancel   context.CancelCauseFunc
+	watch    *watch
+	attempts int
+
+	producer, consumer *member
+	holdPrefill        bool // producer's prefill slot is reserved
+	holdDecode         bool // consumer's decode slot is reserved
+	result             *connector.PrefillResult
+	backendID          string
+	stream             *engines.Stream
+	pending            [][]byte // metadata read before the first output
+	first              []byte   // the first generated output, copied
+
+	ttft, firstByte   time.Duration
+	status            int
+	outcome           string
+	promptTokens      int
+	completionTokens  int
+	committed         bool
+	decodeStart       time.Time
+	usagePayloadDrops int
+}
+
+// serveCompletion handles POST /v1/chat/completions and /v1/completions.
+func (rt *Router) serveCompletion(fctx *fasthttp.RequestCtx, endpoint string) {
+	c := &call{rt: rt, arrival: time.Now()}
+	if h := fctx.Request.Header.Peek("X-Request-Id"); validRequestID(h) {
+		c.id = string(h)
+	} else {
+		c.id = newID()
+	}
+	fctx.Response.Header.Set("X-Request-Id", c.id)
+	rt.inflight.Add(1)
+	rt.metrics.inflight.Inc()
+
+	req, err := schemas.ParseRequest(endpoint, fctx.PostBody())
+	if err != nil {
+		var re *schemas.RequestError
+		if errors.As(err, &re) {
+			c.req = &schemas.Request{Endpoint: endpoint}
+			c.reject(fctx, re.Status, re.Message, "client_error")
+			return
+		}
+		c.req = &schemas.Request{Endpoint: endpoint}
+		c.reject(fctx, 400, err.Error(), "client_error")
+		return
+	}
+	c.req = req
+	if !rt.fleet.servesModel(req.Model) {
+		c.reject(fctx, 404, "The model `"+req.Model+"` does not exist.", "client_error")
+		return
+	}
+	rt.budget.request()
+
+	deadline := rt.cfg.Request.Timeout()
+	if d, ok := clientTimeout(fctx); ok && d < deadline {
+		deadline = d
+	}
+	ctx, cancelDeadline := context.WithTimeout(rt.base, deadline)
+	c.ctx, c.cancel = context.WithCancelCause(ctx)
+	defer func() {
+		if !c.committed || !req.Stream {
+			cancelDeadline()
+		}
+	}()
+	c.watch = rt.watcher.add(fctx.Conn(), func() { c.cancel(engines.ErrClientGone) })
+
+	fault := c.run()
+	if fault != nil {
+		c.fail(fctx, fault)
+		return
+	}
+	if req.Stream {
+		c.committed = true
+		fctx.SetStatusCode(200)
+		fctx.SetContentType("text/event-stream; charset=utf-8")
+		fctx.Response.Header.Set("Cache-Control", "no-cache")
+		fctx.Response.Header.Set("X-Accel-Buffering", "no")
+		fctx.SetBodyStreamWriter(func(w *bufio.Writer) {
+			defer cancelDeadline()
+			c.relay(w)
+		})
+		return
+	}
+	c.aggregate(fctx)
+}
+
+// clientTimeout reads a shorter deadline the client asked for, in seconds:
+// X-Request-Timeout, or X-Stainless-Timeout as the OpenAI SDKs send it
+// (R-TMO-5).
+func clientTimeout(fctx *fasthttp.RequestCtx) (time.Duration, bool) {
+	for _, h := range []string{"X-Request-Timeout", "X-Stainless-Timeout"} {
+		if v := fctx.Request.Header.Peek(h); len(v) > 0 {
+			if s, err := strconv.ParseFloat(string(v), 64); err == nil && s > 0 {
+				return time.Duration(s * float64(time.Second)), true
+			}
+		}
+	}
+	return 0, false
+}
+
+// run makes attempts until one has produced its first generated output
+// (c.stream open, c.first set), or returns the fault that ends the request
+// (R-RETRY-1…3).
+func (c *call) run() *engines.Fault {
+	rt := c.rt
+	var excludeP, excludeC *member
+	for {
+		c.attempts++
+		f := c.attempt(excludeP, excludeC)
+		if f == nil {
+			return nil
+		}
+		if f.Kind == engines.KindClientGone {
+			rt.metrics.disconnects.Inc()
+			return f
+		}
+		if !f.Transient() || c.attempts > rt.cfg.Recovery.RetryAttempts {
+			return f
+		}
+		if c.ctx.Err() != nil {
+			return f
+		}
+		if dl, ok := c.ctx.Deadline(); ok && time.Until(dl) < 10*time.Millisecond {
+			rt.metrics.retryDenied.WithLabelValues("deadline").Inc()
+			return f
+		}
+		if !rt.budget.allow() {
+			rt.metrics.retryDenied.WithLabelValues("budget").Inc()
+			return f
+		}
+		rt.metrics.retries.Inc()
+		// R-RETRY-3: avoid the failed engine for the phase it failed.
+		if f.Phase == schemas.PhasePrefill || f.Kind == engines.KindDescriptorRejected {
+			excludeP = rt.fleet.byID[f.EngineID]
+		} else {
+			excludeC = rt.fleet.byID[f.EngineID]
+		}
+	}
+}
+
+// attempt runs one prefill and the start of one decode (SPEC §0 attempt).
+func (c *call) attempt(excludeP, excludeC *member) *engines.Fault {
+	rt := c.rt
+	prod, err := rt.fleet.place(c.req.Model, prefillPhase, excludeP)
+	if err != nil {
+		return noEngine(prefillPhase)
+	}
+	cons, err := rt.fleet.place(c.req.Model, decodePhase, excludeC)
+	if err != nil {
+		prod.release(prefillPhase)
+		return noEngine(decodePhase)
+	}
+	c.producer, c.consumer = prod, cons
+	c.holdPrefill, c.holdDecode = true, true
+	c.backendID = c.id + "-" + strconv.Itoa(c.attempts) + "-" + newID()[:8]
+	ereq := &engines.Request{Body: c.req, BackendRequestID: c.backendID, Producer: &prod.Engine, Consumer: &cons.Engine}
+
+	// Prefill leg.
+	res, perr := rt.client.Prefill(c.ctx, ereq)
+	prefillEnd := time.Now()
+	rt.metrics.leg.WithLabelValues(schemas.PhasePrefill).Observe(prefillEnd.Sub(c.arrival).Seconds())
+	c.releasePrefill()
+	if perr != nil {
+		c.releaseDecode()
+		f := perr.(*engines.Fault)
+		c.engineFault(f)
+		return f
+	}
+	c.result = res
+	c.ttft = res.Completed.Sub(c.arrival)
+
+	// Decode leg, up to the first generated output.
+	c.decodeStart = time.Now()
+	stream, derr := rt.client.Decode(c.ctx, ereq, res)
+	if derr != nil {
+		f := derr.(*engines.Fault)
+		c.abandon(reasonFor(f))
+		c.releaseDecode()
+		c.engineFault(f)
+		return f
+	}
+	c.stream = stream
+	c.pending = c.pending[:0]
+	for {
+		payload, kind, err := stream.Next()
+		if err != nil {
+			f := err.(*engines.Fault)
+			c.closeStream()
+			c.abandon(reasonFor(f))
+			c.releaseDecode()
+			c.engineFault(f)
+			return f
+		}
+		if kind == schemas.ChunkOutput {
+			c.first = append([]byte(nil), payload...)
+			c.firstByte = stream.FirstOutput().Sub(c.arrival)
+			c.result = nil // consumed
+			return nil
+		}
+		c.pending = append(c.pending, append([]byte(nil), payload...))
+	}
+}
+
+func noEngine(p phase) *engines.Fault {
+	return engines.NewFault(engines.KindNoEngine, p.String(), "", 0, "no eligible engine for "+p.String())
+}
+
+func reasonFor(f *engines.Fault) string {
+	switch f.Kind {
+	case engines.KindClientGone:
+		return "client_disconnected"
+	case engines.KindDescriptorRejected:
+		return "descriptor_rejected"
+	case engines.KindHandoffExpired:
+		return "handoff_expired"
+	case engines.KindShutdown:
+		return "router_shutdown"
+	case engines.KindRequestTimeout:
+		return "request_timeout"
+	}
+	return "decode_failed"
+}
+
+func (c *call) releasePrefill() {
+	if c.holdPrefill {
+		c.holdPrefill = false
+		c.producer.release(prefillPhase)
+	}
+}
+
+func (c *call) releaseDecode() {
+	if c.holdDecode {
+		c.holdDecode = false
+		c.consumer.release(decodePhase)
+	}
+}
+
+func (c *call) closeStream() {
+	if c.stream != nil {
+		c.stream.Close()
+		c.stream = nil
+	}
+}
+
+// abandon releases an unconsumed handoff at the producer where the
+// connector can and publishes a handoff event with outcome abandoned
+// either way (R-OWN-6). It runs synchronously, bounded to one second, so
+// nothing outlives the request.
+func (c *call) abandon(reason string) {
+	res := c.result
+	c.result = nil
+	if res == nil || !res.HasDescriptor() {
+		return
+	}
+	rt := c.rt
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	released, err := rt.client.Release(ctx, &c.producer.Engine, res)
+	cancel()
+	if err != nil {
+		rt.log.Warn("handoff release failed", "request_id", c.id, "engine_id", res.ProducerID, "err", err)
+	}
+	rt.metrics.abandoned.Inc()
+	rt.publish(&schemas.Handoff{
+		Envelope:         schemas.Envelope{Schema: schemas.SchemaHandoff, RouterID: rt.id, EngineID: res.ProducerID, RequestID: c.id},
+		Outcome:          schemas.HandoffAbandoned,
+		Reason:           reason,
+		ConsumerID:       c.consumer.ID,
+		BackendRequestID: res.RequestID,
+		Connector:        res.Connector,
+		AgeSeconds:       res.Age(time.Now()).Seconds(),
+		Released:         released,
+	})
+}
+
+// engineFault records an engine fault: metrics, the failure event, and the
+// local quarantine with its event (R-QUAR-1).
+func (c *call) engineFault(f *engines.Fault) {
+	rt := c.rt
+	if !f.EngineFault() {
+		return
+	}
+	rt.metrics.faults.WithLabelValues(f.EngineID, f.Phase, string(f.Kind)).Inc()
+	rt.log.Warn("engine fault", "request_id", c.id, "engine_id", f.EngineID, "phase", f.Phase, "kind", string(f.Kind), "status", f.Status, "msg", f.Message, "attempt", c.attempts)
+	ev := &schemas.Failure{
+		Envelope:         schemas.Envelope{Schema: schemas.SchemaFailure, RouterID: rt.id, EngineID: f.EngineID, RequestID: c.id},
+		Phase:            f.Phase,
+		Kind:             string(f.Kind),
+		Status:           f.Status,
+		UpstreamStatus:   f.UpstreamStatus,
+		Message:          f.Message,
+		Timeout:          f.Timeout,
+		Counts:           f.CountsTowardEjection(),
+		BackendRequestID: c.backendID,
+		Attempt:          c.attempts,
+	}
+	if c.producer != nil {
+		ev.ProducerID = c.producer.ID
+	}
+	if c.consumer != nil {
+		ev.ConsumerID = c.consumer.ID
+	}
+	rt.publish(ev)
+	if q := rt.cfg.Recovery.FailureQuarantine(); q > 0 && f.CountsTowardEjection() {
+		until := time.Now().Add(q)
+		if rt.Quarantine(f.EngineID, until) {
+			rt.metrics.quarantines.Inc()
+			rt.publish(&schemas.Quarantine{
+				Envelope:        schemas.Envelope{Schema: schemas.SchemaQuarantine, RouterID: rt.id, EngineID: f.EngineID, RequestID: c.id},
+				DurationSeconds: q.Seconds(),
+				Until:           until.UTC(),
+				Reason:          string(f.Kind),
+			})
+		}
+	}
+}
+
+func (rt *Router) publish(ev schemas.Event) {
+	if rt.pub != nil {
+		rt.pub.Publish(ev)
+	}
+}
+
+// reject answers a request refused before any engine was touched.
+func (c *call) reject(fctx *fasthttp.RequestCtx, status int, message, outcome string) {
+	writeError(fctx, status, message)
+	c.status, c.outcome = status, outcome
+	c.finish()
+}
+
+// fail answers a request whose attempts ended in f before commit.
+func (c *call) fail(fctx *fasthttp.RequestCtx, f *engines.Fault) {
+	c.watch.stop()
+	c.watch = nil
+	status := f.Status
+	if f.Kind == engines.KindClientGone {
+		// Nobody is listening; fasthttp still needs a response.
+		fctx.SetConnectionClose()
+	}
+	if f.Kind == engines.KindNoEngine {
+		retry := int(c.rt.cfg.Recovery.ReadmitInterval().Seconds())
+		if retry < 1 {
+			retry = 1
+		}
+		fctx.Response.Header.Set("Retry-After", strconv.Itoa(retry))
+	}
+	fctx.SetStatusCode(status)
+	fctx.SetContentType("application/json")
+	fctx.SetBody(f.AppendJSON(nil))
+	c.status, c.outcome = status, string(f.Kind)
+	c.finish()
+}
+
+// relay streams the committed decode to the client: the metadata read
+// before the first output, the first output, then every event as it
+// arrives, flushing whenever the engine has nothing more buffered. It ends
+// with data: [DONE], or after a failure with one terminal error event and
+// no [DONE] (R-FAIL-5, R-RETRY-4).
+func (c *call) relay(w *bufio.Writer) {
+	rt := c.rt
+	defer c.finish()
+	c.status = 200
+	for _, p := range c.pending {
+		c.writeEvent(w, p)
+	}
+	c.writeEvent(w, c.first)
+	if err := w.Flush(); err != nil {
+		c.clientGone()
+		return
+	}
+	var chunks int
+	for {
+		payload, _, err := c.stream.Next()
+		if err == io.EOF {
+			_, _ = w.WriteString("data: [DONE]\n\n")
+			if w.Flush() != nil {
+				c.clientGone()
+				return
+			}
+			c.outcome = "ok"
+			break
+		}
+		if err != nil {
+			f := err.(*engines.Fault)
+			if f.Kind == engines.KindClientGone {
+				c.clientGone()
+				return
+			}
+			c.engineFault(f)
+			c.outcome = string(f.Kind)
+			w.WriteString("data: ")
+			w.Write(f.AppendJSON(nil))
+			w.WriteString("\n\n")
+			_ = w.Flush()
+			break
+		}
+		chunks++
+		c.writeEvent(w, payload)
+		if c.stream.Buffered() == 0 {
+			if err := w.Flush(); err != nil {
+				c.clientGone()
+				return
+			}
+		}
+	}
+	rt.metrics.relayedChunks.Add(float64(chunks))
+}
+
+// writeEvent writes one data event, keeping the usage chunk only for
+// clients that asked for it (R-LEG-5, R-LEG-6) while reading usage from it
+// either way.
+func (c *call) writeEvent(w *bufio.Writer, payload []byte) {
+	if schemas.ChunkHasUsage(payload) {
+		c.readUsage(payload)
+		if !c.req.IncludeUsage && schemas.IsUsageOnly(payload) {
+			return
+		}
+	}
+	w.WriteString("data: ")
+	w.Write(payload)
+	w.WriteString("\n\n")
+}
+
+func (c *call) readUsage(payload []byte) {
+	var u struct {
+		Usage struct {
+			Prompt     int `json:"prompt_tokens"`
+			Completion int `json:"completion_tokens"`
+		} `json:"usage"`
+	}
+	if json.Unmarshal(payload, &u) == nil {
+		c.promptTokens, c.completionTokens = u.Usage.Prompt, u.Usage.Completion
+	}
+}
+
+func (c *call) clientGone() {
+	c.cancel(engines.ErrClientGone)
+	c.outcome = string(engines.KindClientGone)
+	c.rt.metrics.disconnects.Inc()
+}
+
+// aggregate answers a non-streaming client with one completion built from
+// the decode stream (R-LEG-5).
+func (c *call) aggregate(fctx *fasthttp.RequestCtx) {
+	agg := schemas.NewAggregator(c.req.Chat())
+	for _, p := range c.pending {
+		_ = agg.Add(p)
+	}
+	_ = agg.Add(c.first)
+	for {
+		payload, _, err := c.stream.Next()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			f := err.(*engines.Fault)
+			if f.Kind == engines.KindClientGone {
+				c.rt.metrics.disconnects.Inc()
+			} else {
+				c.engineFault(f)
+			}
+			c.fail(fctx, f)
+			return
+		}
+		if err := agg.Add(payload); err != nil {
+			f := engines.NewFault(engines.KindInvalidStream, schemas.PhaseDecode, c.consumer.ID, 0, "decode engine "+c.consumer.ID+" sent a chunk that could not be aggregated")
+			c.engineFault(f)
+			c.fail(fctx, f)
+			return
+		}
+	}
+	if p, cmp, ok := agg.Usage(); ok {
+		c.promptTokens, c.completionTokens = p, cmp
+	}
+	c.watch.stop()
+	c.watch = nil
+	fctx.SetStatusCode(200)
+	fctx.SetContentType("application/json")
+	fctx.SetBody(agg.AppendJSON(nil))
+	c.status, c.outcome = 200, "ok"
+	c.finish()
+}
+
+// finish releases everything the request still holds and records it:
+// metrics, the request-completed event (R-BUS-1, R-TIME-1) and a log line.
+func (c *call) finish() {
+	rt := c.rt
+	c.watch.stop()
+	c.watch = nil
+	c.closeStream()
+	if c.result != nil {
+		c.abandon("client_disconnected")
+	}
+	c.releasePrefill()
+	c.releaseDecode()
+	if c.cancel != nil {
+		c.cancel(context.Canceled)
+	}
+	now := time.Now()
+	dur := now.Sub(c.arrival)
+	rt.inflight.Add(-1)
+	rt.metrics.inflight.Dec()
+	rt.metrics.requests.WithLabelValues(c.req.Endpoint, strconv.Itoa(c.status), c.outcome).Inc()
+	rt.metrics.duration.WithLabelValues(c.req.Endpoint).Observe(dur.Seconds())
+	ev := &schemas.RequestCompleted{
+		Envelope:         schemas.Envelope{Schema: schemas.SchemaRequest, RouterID: rt.id, RequestID: c.id},
+		Endpoint:         c.req.Endpoint,
+		Model:            c.req.Model,
+		Stream:           c.req.Stream,
+		Status:           c.status,
+		Attempts:         c.attempts,
+		DurationSeconds:  dur.Seconds(),
+		PromptTokens:     c.promptTokens,
+		CompletionTokens: c.completionTokens,
+	}
+	if c.outcome != "ok" {
+		ev.ErrorKind = c.outcome
+	}
+	if c.producer != nil {
+		ev.ProducerID = c.producer.ID
+		ev.EngineID = c.consumer.ID
+		ev.ConsumerID = c.consumer.ID
+	}
+	if c.ttft > 0 {
+		s := c.ttft.Seconds()
+		ev.TTFTSeconds = &s
+		rt.metrics.ttft.Observe(s)
+	}
+	if c.firstByte > 0 {
+		s := c.firstByte.Seconds()
+		ev.FirstByteSeconds = &s
+		rt.metrics.firstByte.Observe(s)
+	}
+	if c.decodeStart != (time.Time{}) {
+		rt.metrics.leg.WithLabelValues(schemas.PhaseDecode).Observe(now.Sub(c.decodeStart).Seconds())
+	}
+	rt.publish(ev)
+	if c.outcome != "ok" {
+		rt.log.Info("request ended", "request_id", c.id, "status", c.status, "outcome", c.outcome, "attempts", c.attempts, "duration_s", dur.Seconds())
+	} else {
+		rt.log.Debug("request done", "request_id", c.id, "status", c.status, "attempts", c.attempts, "duration_s", dur.Seconds())
+	}
+}

@@ -1,0 +1,191 @@
+package router
+
+import (
+	"errors"
+	"math/rand/v2"
+	"sync/atomic"
+	"time"
+
+	"github.com/narwhalmesh/narwhal/engines"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// phase indexes per-phase counters.
+type phase int
+
+const (
+	prefillPhase phase = iota
+	decodePhase
+)
+
+func (p phase) String() string {
+	if p == prefillPhase {
+		return schemas.PhasePrefill
+	}
+	return schemas.PhaseDecode
+}
+
+// member is one engine of the fleet with its live placement state. All
+// mutable state is atomic: placement takes no lock (issue: no global lock
+// on the placement path).
+type member struct {
+	engines.Engine
+	// limit is the slot limit per phase (0 = none, R-OWN-3).
+	limit [2]int64
+	// reserved is the number of reserved slots per phase.
+	reserved [2]atomic.Int64
+	// eligible is the breaker's verdict (R-BRK-8); true until told
+	// otherwise.
+	eligible atomic.Bool
+	// quarantinedUntil is a UnixNano deadline, 0 when not quarantined
+	// (R-QUAR-1).
+	quarantinedUntil atomic.Int64
+	// models is the list the engine's /v1/models returned; nil until known.
+	models atomic.Pointer[[]string]
+}
+
+func (m *member) serves(model string) bool {
+	ms := m.models.Load()
+	if ms == nil {
+		return false
+	}
+	for _, x := range *ms {
+		if x == model {
+			return true
+		}
+	}
+	return false
+}
+
+func (m *member) can(p phase) bool {
+	if p == prefillPhase {
+		return m.Role.CanPrefill()
+	}
+	return m.Role.CanDecode()
+}
+
+// available reports whether the member may be placed on now, apart from
+// its slot limit.
+func (m *member) available(nowNano int64) bool {
+	if !m.eligible.Load() {
+		return false
+	}
+	q := m.quarantinedUntil.Load()
+	return q == 0 || q <= nowNano
+}
+
+// tryReserve takes one slot of phase p if the limit allows.
+func (m *member) tryReserve(p phase) bool {
+	lim := m.limit[p]
+	for {
+		cur := m.reserved[p].Load()
+		if lim > 0 && cur >= lim {
+			return false
+		}
+		if m.reserved[p].CompareAndSwap(cur, cur+1) {
+			return true
+		}
+	}
+}
+
+// release gives back one slot of phase p.
+func (m *member) release(p phase) { m.reserved[p].Add(-1) }
+
+// fleet is the set of engines a router places on. Its membership is fixed
+// at start; each member's state changes atomically.
+type fleet struct {
+	members []*member
+	byID    map[string]*member
+}
+
+// errNoEngine is returned by place when no engine can take a phase.
+type errNoEngine struct{ phase phase }
+
+func (e *errNoEngine) Error() string { return "no eligible engine for " + e.phase.String() }
+
+var errNoModel = errors.New("no engine serves the model")
+
+// place chooses the least-outstanding available engine for phase p that
+// serves model, skipping exclude when another choice exists (R-RETRY-3),
+// and reserves one of its slots (R-OWN-3). It returns *errNoEngine when
+// none can take the phase.
+func (f *fleet) place(model string, p phase, exclude *member) (*member, error) {
+	now := time.Now().UnixNano()
+	n := len(f.members)
+	if n == 0 {
+		return nil, &errNoEngine{p}
+	}
+	for try := 0; try < 4; try++ {
+		var best, fallback *member
+		var bestLoad, fallbackLoad int64
+		start := rand.IntN(n)
+		for i := 0; i < n; i++ {
+			m := f.members[(start+i)%n]
+			if !m.can(p) || !m.available(now) || !m.serves(model) {
+				continue
+			}
+			load := m.reserved[p].Load()
+			if m.limit[p] > 0 && load >= m.limit[p] {
+				continue
+			}
+			if m == exclude {
+				fallback, fallbackLoad = m, load
+				continue
+			}
+			if best == nil || load < bestLoad {
+				best, bestLoad = m, load
+			}
+		}
+		if best == nil {
+			best, bestLoad = fallback, fallbackLoad
+		}
+		if best == nil {
+			return nil, &errNoEngine{p}
+		}
+		_ = bestLoad
+		if best.tryReserve(p) {
+			return best, nil
+		}
+	}
+	return nil, &errNoEngine{p}
+}
+
+// servesModel reports whether any engine lists model.
+func (f *fleet) servesModel(model string) bool {
+	for _, m := range f.members {
+		if m.serves(model) {
+			return true
+		}
+	}
+	return false
+}
+
+// models returns every model any engine serves, without duplicates, in
+// fleet order.
+func (f *fleet) models() []string {
+	seen := map[string]bool{}
+	var out []string
+	for _, m := range f.members {
+		if ms := m.models.Load(); ms != nil {
+			for _, x := range *ms {
+				if !seen[x] {
+					seen[x] = true
+					out = append(out, x)
+				}
+			}
+		}
+	}
+	return out
+}
+
+// canServe reports whether at least one engine is available for phase p
+// (for /readyz).
+func (f *fleet) canServe(p phase) bool {
+	now := time.Now().UnixNano()
+	for _, m := range f.members {
+		if m.can(p) && m.available(now) && m.models.Load() != nil {
+			return true
+		}
+	}
+	return false
+}

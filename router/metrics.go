@@ -1,0 +1,106 @@
+package router
+
+import (
+	"strconv"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// metrics are the router's Prometheus series. Per-engine reservations are
+// read from the fleet's atomics at scrape time, so the request path pays
+// nothing for them.
+type metrics struct {
+	requests      *prometheus.CounterVec   // endpoint, code, outcome
+	duration      *prometheus.HistogramVec // endpoint
+	ttft          prometheus.Histogram
+	firstByte     prometheus.Histogram
+	leg           *prometheus.HistogramVec // phase
+	faults        *prometheus.CounterVec   // engine, phase, kind
+	retries       prometheus.Counter
+	retryDenied   *prometheus.CounterVec // reason
+	disconnects   prometheus.Counter
+	inflight      prometheus.Gauge
+	abandoned     prometheus.Counter
+	quarantines   prometheus.Counter
+	relayedChunks prometheus.Counter
+}
+
+// latencyBuckets span 0.5 ms to ~2 min.
+var latencyBuckets = prometheus.ExponentialBuckets(0.0005, 2, 18)
+
+func newMetrics(reg prometheus.Registerer, f *fleet) *metrics {
+	m := &metrics{
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "narwhal_requests_total",
+			Help: "Client requests by endpoint, HTTP status and outcome (ok or the fault kind that ended them).",
+		}, []string{"endpoint", "code", "outcome"}),
+		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "narwhal_request_duration_seconds", Help: "Seconds from arrival to the end of the response.", Buckets: latencyBuckets,
+		}, []string{"endpoint"}),
+		ttft: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "narwhal_ttft_seconds", Help: "Seconds from arrival until the producer HTTP leg completed (R-TIME-1 ttft_s).", Buckets: latencyBuckets,
+		}),
+		firstByte: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "narwhal_first_byte_seconds", Help: "Seconds from arrival until the first generated decode output (R-TIME-1 first_byte_s).", Buckets: latencyBuckets,
+		}),
+		leg: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "narwhal_leg_seconds", Help: "Seconds each engine leg took: prefill to its response, decode to the end of its stream.", Buckets: latencyBuckets,
+		}, []string{"phase"}),
+		faults: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "narwhal_engine_faults_total", Help: "Engine faults by engine, phase and kind (docs/failures.md).",
+		}, []string{"engine", "phase", "kind"}),
+		retries: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "narwhal_retries_total", Help: "Fresh attempts started after a transient fault (R-RETRY-2).",
+		}),
+		retryDenied: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "narwhal_retries_denied_total", Help: "Retries not started although the fault was transient, by reason.",
+		}, []string{"reason"}),
+		disconnects: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "narwhal_client_disconnects_total", Help: "Requests whose client went away before the response ended.",
+		}),
+		inflight: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "narwhal_inflight_requests", Help: "Client requests in progress.",
+		}),
+		abandoned: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "narwhal_handoffs_abandoned_total", Help: "KV handoffs that were not consumed (R-OWN-6).",
+		}),
+		quarantines: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "narwhal_quarantines_total", Help: "Local quarantines started after a failed attempt (R-QUAR-1).",
+		}),
+		relayedChunks: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "narwhal_relayed_chunks_total", Help: "Decode SSE events relayed to clients.",
+		}),
+	}
+	reg.MustRegister(m.requests, m.duration, m.ttft, m.firstByte, m.leg, m.faults, m.retries, m.retryDenied,
+		m.disconnects, m.inflight, m.abandoned, m.quarantines, m.relayedChunks, &reservationCollector{f: f})
+	return m
+}
+
+// reservationCollector exports narwhal_reservations{engine,phase} and
+// narwhal_engine_eligible{engine} from the fleet's atomics.
+type reservationCollector struct{ f *fleet }
+
+var (
+	reservationsDesc = prometheus.NewDesc("narwhal_reservations", "Reserved phase slots (in-flight legs) per engine and phase (R-OWN-3).", []string{"engine", "phase"}, nil)
+	eligibleDesc     = prometheus.NewDesc("narwhal_engine_available", "1 when the engine is eligible and not quarantined on this router.", []string{"engine"}, nil)
+)
+
+func (c *reservationCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- reservationsDesc
+	ch <- eligibleDesc
+}
+
+func (c *reservationCollector) Collect(ch chan<- prometheus.Metric) {
+	now := nowNano()
+	for _, m := range c.f.members {
+		ch <- prometheus.MustNewConstMetric(reservationsDesc, prometheus.GaugeValue, float64(m.reserved[prefillPhase].Load()), m.ID, "prefill")
+		ch <- prometheus.MustNewConstMetric(reservationsDesc, prometheus.GaugeValue, float64(m.reserved[decodePhase].Load()), m.ID, "decode")
+		v := 0.0
+		if m.available(now) {
+			v = 1
+		}
+		ch <- prometheus.MustNewConstMetric(eligibleDesc, prometheus.GaugeValue, v, m.ID)
+	}
+}
+
+func codeLabel(code int) string { return strconv.Itoa(code) }

@@ -1,0 +1,456 @@
+// Package router is Narwhal's router: the fasthttp front end of SPEC §1,
+// placement over the fleet, the attempts of each client request (prefill
+// leg, handoff checks, decode leg, retries, deadlines, reservations), the
+// relay of the decode stream to the client, Prometheus metrics and the
+// events it publishes on the bus.
+package router
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/valyala/fasthttp"
+	"github.com/valyala/fasthttp/fasthttpadaptor"
+
+	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/engines"
+	"github.com/narwhalmesh/narwhal/engines/connector"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// Publisher takes bus events without blocking (bus.Publisher implements
+// it). A nil Publisher in Options discards events.
+type Publisher interface {
+	Publish(ev schemas.Event)
+}
+
+// Options configures a Router.
+type Options struct {
+	// Config is the validated configuration; its Fleet lists the engines.
+	Config *config.Config
+	// Publisher receives the router's events (R-BUS-1); nil discards them.
+	Publisher Publisher
+	// Registry receives the router's metrics; nil means a new registry,
+	// served at /metrics either way.
+	Registry *prometheus.Registry
+	// Logger is the router's logger; nil means slog.Default().
+	Logger *slog.Logger
+	// Transport is the engine legs' HTTP transport; nil means
+	// engines.NewTransport().
+	Transport http.RoundTripper
+	// ModelRefresh is how often each engine's /v1/models is read again;
+	// 0 means 30 s. An engine whose models are unknown is retried every
+	// second until they are.
+	ModelRefresh time.Duration
+	// ShutdownGrace is how long Shutdown lets in-flight requests finish
+	// before ending them with an error; 0 means 10 s.
+	ShutdownGrace time.Duration
+	// Ready, when set, is consulted by /readyz in addition to the fleet
+	// (for example: is the bus reachable, R-API-2).
+	Ready func() bool
+}
+
+// Router serves the OpenAI-compatible front end over a fleet of engines.
+// Create it with New, start it with Serve, stop it with Shutdown.
+type Router struct {
+	cfg     *config.Config
+	id      string
+	pub     Publisher
+	log     *slog.Logger
+	client  *engines.Client
+	fleet   *fleet
+	reg     *prometheus.Registry
+	metrics *metrics
+	budget  *retryBudget
+	watcher *disconnectWatcher
+	server  *fasthttp.Server
+	ready   func() bool
+
+	base       context.Context
+	baseCancel context.CancelCauseFunc
+	grace      time.Duration
+	refresh    time.Duration
+	wg         sync.WaitGroup // background loops
+	inflight   atomic.Int64
+	metricsH   fasthttp.RequestHandler
+}
+
+// New builds a Router from opts. It returns an error when an engine's
+// connector is unknown or the disconnect watcher cannot start.
+func New(opts Options) (*Router, error) {
+	if opts.Config == nil {
+		return nil, errors.New("router: no config")
+	}
+	cfg := opts.Config
+	f := &fleet{byID: map[string]*member{}}
+	for _, spec := range cfg.Fleet {
+		conn, err := connector.Lookup(spec.Connector)
+		if err != nil {
+			return nil, fmt.Errorf("router: fleet engine %s: %w", spec.ID, err)
+		}
+		m := &member{Engine: engines.Engine{ID: spec.ID, URL: trimSlash(spec.URL), Role: engines.Role(spec.Role), Connector: conn}}
+		m.limit[prefillPhase] = int64(spec.PrefillSlots)
+		m.limit[decodePhase] = int64(spec.DecodeSlots)
+		m.eligible.Store(true)
+		f.members = append(f.members, m)
+		f.byID[spec.ID] = m
+	}
+	reg := opts.Registry
+	if reg == nil {
+		reg = prometheus.NewRegistry()
+	}
+	log := opts.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	w, err := newDisconnectWatcher()
+	if err != nil {
+		return nil, fmt.Errorf("router: disconnect watcher: %w", err)
+	}
+	readTimeout := cfg.Engine.DecodeReadTimeout()
+	if readTimeout == 0 {
+		readTimeout = -1 // R-TMO-4: no per-chunk bound
+	}
+	rt := &Router{
+		cfg: cfg,
+		id:  cfg.Router.ID,
+		pub: opts.Publisher,
+		log: log.With("router_id", cfg.Router.ID),
+		client: engines.NewClient(engines.Options{
+			PrefillTimeout:    cfg.Engine.PrefillTimeout(),
+			FirstTokenTimeout: cfg.Engine.FirstTokenTimeout(),
+			DecodeReadTimeout: readTimeout,
+			HandoffMaxAge:     cfg.Handoff.MaxAge(),
+			Transport:         opts.Transport,
+		}),
+		fleet:   f,
+		reg:     reg,
+		budget:  newRetryBudget(cfg.Recovery.RetryBudgetRatio, 10*time.Second, 3),
+		watcher: w,
+		ready:   opts.Ready,
+		grace:   opts.ShutdownGrace,
+		refresh: opts.ModelRefresh,
+	}
+	if rt.grace <= 0 {
+		rt.grace = 10 * time.Second
+	}
+	if rt.refresh <= 0 {
+		rt.refresh = 30 * time.Second
+	}
+	rt.metrics = newMetrics(reg, f)
+	rt.metricsH = fasthttpadaptor.NewFastHTTPHandler(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	rt.base, rt.baseCancel = context.WithCancelCause(context.Background())
+	rt.server = &fasthttp.Server{
+		Handler:                       rt.serve,
+		Name:                          "narwhal",
+		MaxRequestBodySize:            cfg.Request.MaxBodyBytes,
+		ErrorHandler:                  rt.serverError,
+		NoDefaultServerHeader:         true,
+		NoDefaultDate:                 false,
+		DisableHeaderNamesNormalizing: false,
+		ReadTimeout:                   0,
+		IdleTimeout:                   90 * time.Second,
+		CloseOnShutdown:               true,
+		StreamRequestBody:             false,
+	}
+	return rt, nil
+}
+
+func trimSlash(u string) string {
+	for len(u) > 0 && u[len(u)-1] == '/' {
+		u = u[:len(u)-1]
+	}
+	return u
+}
+
+// ID returns the router's id (router_id in events).
+func (rt *Router) ID() string { return rt.id }
+
+// Registry returns the registry the router's metrics are in.
+func (rt *Router) Registry() *prometheus.Registry { return rt.reg }
+
+// Serve refreshes the fleet's models in the background and serves HTTP on
+// ln until Shutdown. It returns nil after a clean shutdown.
+func (rt *Router) Serve(ln net.Listener) error {
+	rt.RefreshModels(rt.base)
+	rt.wg.Add(1)
+	go rt.refreshLoop()
+	err := rt.server.Serve(ln)
+	if err != nil && rt.base.Err() != nil {
+		return nil
+	}
+	return err
+}
+
+// Shutdown stops accepting connections, lets in-flight requests finish for
+// the grace period, then ends the rest with an error (a terminal SSE error
+// event for committed streams) and waits for them, bounded by ctx.
+func (rt *Router) Shutdown(ctx context.Context) error {
+	graceCtx, cancel := context.WithTimeout(ctx, rt.grace)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- rt.server.ShutdownWithContext(graceCtx) }()
+	var err error
+	select {
+	case err = <-done:
+	case <-graceCtx.Done():
+		rt.baseCancel(engines.ErrRouterShutdown)
+		err = <-done
+	}
+	rt.baseCancel(engines.ErrRouterShutdown)
+	rt.wg.Wait()
+	rt.watcher.close()
+	if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
+		err = nil
+	}
+	return err
+}
+
+// InFlight returns the number of client requests in progress.
+func (rt *Router) InFlight() int64 { return rt.inflight.Load() }
+
+// Reservations returns the total reserved prefill and decode slots over
+// the fleet (R-OWN-3); both are 0 when the router is idle.
+func (rt *Router) Reservations() (prefill, decode int64) {
+	for _, m := range rt.fleet.members {
+		prefill += m.reserved[prefillPhase].Load()
+		decode += m.reserved[decodePhase].Load()
+	}
+	return
+}
+
+// SetEligible applies the breaker's verdict for an engine (R-BRK-8). It
+// returns false for an engine not in the fleet.
+func (rt *Router) SetEligible(engineID string, eligible bool) bool {
+	m, ok := rt.fleet.byID[engineID]
+	if ok {
+		m.eligible.Store(eligible)
+	}
+	return ok
+}
+
+// Quarantine keeps an engine out of this router's placement until until
+// (R-QUAR-1). It returns false for an engine not in the fleet.
+func (rt *Router) Quarantine(engineID string, until time.Time) bool {
+	m, ok := rt.fleet.byID[engineID]
+	if ok {
+		m.quarantinedUntil.Store(until.UnixNano())
+	}
+	return ok
+}
+
+func nowNano() int64 { return time.Now().UnixNano() }
+
+// serve routes one request.
+func (rt *Router) serve(ctx *fasthttp.RequestCtx) {
+	path := ctx.Path()
+	switch string(path) {
+	case schemas.EndpointChat:
+		if rt.post(ctx) {
+			rt.serveCompletion(ctx, schemas.EndpointChat)
+		}
+	case schemas.EndpointCompletions:
+		if rt.post(ctx) {
+			rt.serveCompletion(ctx, schemas.EndpointCompletions)
+		}
+	case "/v1/models":
+		rt.serveModels(ctx)
+	case "/healthz":
+		ctx.SetContentType("application/json")
+		ctx.SetBodyString(`{"status":"ok"}`)
+	case "/readyz":
+		rt.serveReady(ctx)
+	case "/metrics":
+		rt.metricsH(ctx)
+	default:
+		writeError(ctx, 404, "Not Found: "+string(path))
+	}
+}
+
+func (rt *Router) post(ctx *fasthttp.RequestCtx) bool {
+	if ctx.IsPost() {
+		return true
+	}
+	ctx.Response.Header.Set("Allow", "POST")
+	writeError(ctx, 405, "Method Not Allowed")
+	return false
+}
+
+// serverError answers the errors fasthttp raises before the handler runs,
+// above all a body over the limit (413, R-API-4), in the OpenAI shape.
+func (rt *Router) serverError(ctx *fasthttp.RequestCtx, err error) {
+	var tooLarge bool
+	if errors.Is(err, fasthttp.ErrBodyTooLarge) {
+		tooLarge = true
+	}
+	if tooLarge {
+		writeError(ctx, 413, fmt.Sprintf("request body exceeds the limit of %d bytes (request.max_body_bytes)", rt.cfg.Request.MaxBodyBytes))
+		rt.metrics.requests.WithLabelValues("", "413", "client_error").Inc()
+		return
+	}
+	writeError(ctx, 400, "malformed HTTP request: "+err.Error())
+}
+
+func writeError(ctx *fasthttp.RequestCtx, status int, message string) {
+	ctx.SetStatusCode(status)
+	ctx.SetContentType("application/json")
+	ctx.SetBody(schemas.AppendErrorJSON(nil, status, message))
+}
+
+func (rt *Router) serveModels(ctx *fasthttp.RequestCtx) {
+	type model struct {
+		ID      string `json:"id"`
+		Object  string `json:"object"`
+		Created int64  `json:"created"`
+		OwnedBy string `json:"owned_by"`
+	}
+	out := struct {
+		Object string  `json:"object"`
+		Data   []model `json:"data"`
+	}{Object: "list", Data: []model{}}
+	now := time.Now().Unix()
+	for _, id := range rt.fleet.models() {
+		out.Data = append(out.Data, model{ID: id, Object: "model", Created: now, OwnedBy: "narwhal"})
+	}
+	b, _ := json.Marshal(out)
+	ctx.SetContentType("application/json")
+	ctx.SetBody(b)
+}
+
+// serveReady is 200 when the extra readiness check passes and each phase
+// has at least one available engine with known models (R-API-2).
+func (rt *Router) serveReady(ctx *fasthttp.RequestCtx) {
+	var problems []string
+	if rt.ready != nil && !rt.ready() {
+		problems = append(problems, "bus unreachable and no placement known")
+	}
+	if !rt.fleet.canServe(prefillPhase) {
+		problems = append(problems, "no eligible engine for prefill")
+	}
+	if !rt.fleet.canServe(decodePhase) {
+		problems = append(problems, "no eligible engine for decode")
+	}
+	ctx.SetContentType("application/json")
+	if len(problems) > 0 {
+		b, _ := json.Marshal(map[string]any{"status": "not ready", "problems": problems})
+		ctx.SetStatusCode(503)
+		ctx.SetBody(b)
+		return
+	}
+	ctx.SetBodyString(`{"status":"ready"}`)
+}
+
+// RefreshModels reads every engine's /v1/models once, bounded by ctx and 2
+// seconds per engine. Engines that fail keep their last known list.
+func (rt *Router) RefreshModels(ctx context.Context) {
+	var wg sync.WaitGroup
+	for _, m := range rt.fleet.members {
+		wg.Add(1)
+		go func(m *member) {
+			defer wg.Done()
+			models, err := rt.fetchModels(ctx, m)
+			if err != nil {
+				rt.log.Debug("models refresh failed", "engine_id", m.ID, "err", err)
+				return
+			}
+			m.models.Store(&models)
+		}(m)
+	}
+	wg.Wait()
+}
+
+func (rt *Router) fetchModels(ctx context.Context, m *member) ([]string, error) {
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, m.URL+"/v1/models", nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := rt.client.HTTPClient().Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode != 200 {
+		return nil, fmt.Errorf("GET /v1/models: HTTP %d", resp.StatusCode)
+	}
+	var list struct {
+		Data []struct {
+			ID string `json:"id"`
+		} `json:"data"`
+	}
+	if err := json.Unmarshal(body, &list); err != nil {
+		return nil, fmt.Errorf("GET /v1/models: %w", err)
+	}
+	out := make([]string, 0, len(list.Data))
+	for _, d := range list.Data {
+		out = append(out, d.ID)
+	}
+	return out, nil
+}
+
+func (rt *Router) refreshLoop() {
+	defer rt.wg.Done()
+	fast := time.NewTicker(time.Second)
+	defer fast.Stop()
+	last := time.Now()
+	for {
+		select {
+		case <-rt.base.Done():
+			return
+		case <-fast.C:
+		}
+		if time.Since(last) >= rt.refresh {
+			rt.RefreshModels(rt.base)
+			last = time.Now()
+			continue
+		}
+		for _, m := range rt.fleet.members {
+			if m.models.Load() == nil {
+				if models, err := rt.fetchModels(rt.base, m); err == nil {
+					m.models.Store(&models)
+				}
+			}
+		}
+	}
+}
+
+// newID returns a random 16-byte hex id.
+func newID() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// validRequestID reports whether a client's X-Request-Id may be kept
+// (R-API-6): 1 to 128 printable ASCII characters from [A-Za-z0-9._:-].
+func validRequestID(b []byte) bool {
+	if len(b) == 0 || len(b) > 128 {
+		return false
+	}
+	for _, c := range b {
+		switch {
+		case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c >= '0' && c <= '9', c == '.', c == '_', c == ':', c == '-':
+		default:
+			return false
+		}
+	}
+	return true
+}

@@ -1,0 +1,137 @@
+//go:build linux
+
+package router
+
+import (
+	"errors"
+	"net"
+	"sync"
+	"sync/atomic"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// disconnectWatcher tells a request that its client went away while the
+// router waits on engines (SPEC R-OWN-5). fasthttp cannot see this itself:
+// nothing reads the socket while the handler waits (DESIGN.md). Instead of
+// peeking every socket a few times a second, the watcher registers each
+// waiting connection in a private epoll set for EPOLLRDHUP (peer closed its
+// side), EPOLLHUP and EPOLLERR (reset), one-shot: one goroutine sleeps in
+// epoll_wait and cancels the request the moment the client leaves, at no
+// cost while nothing happens. An fd can be in several epoll sets, so Go's
+// own netpoller is untouched.
+type disconnectWatcher struct {
+	epfd    int
+	nextID  atomic.Uint32
+	waiters sync.Map // uint32 → *watch
+	done    chan struct{}
+	closed  atomic.Bool
+}
+
+// watch is one registered connection.
+type watch struct {
+	id     uint32
+	fd     int
+	cancel func()
+	w      *disconnectWatcher
+}
+
+func newDisconnectWatcher() (*disconnectWatcher, error) {
+	epfd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	if err != nil {
+		return nil, err
+	}
+	w := &disconnectWatcher{epfd: epfd, done: make(chan struct{})}
+	go w.loop()
+	return w, nil
+}
+
+func (w *disconnectWatcher) loop() {
+	defer close(w.done)
+	events := make([]unix.EpollEvent, 128)
+	for {
+		n, err := unix.EpollWait(w.epfd, events, -1)
+		if err != nil {
+			if errors.Is(err, unix.EINTR) {
+				continue
+			}
+			return
+		}
+		for i := 0; i < n; i++ {
+			id := uint32(events[i].Fd)
+			if id == 0 { // wake-up for Close
+				if w.closed.Load() {
+					return
+				}
+				continue
+			}
+			if v, ok := w.waiters.Load(id); ok {
+				v.(*watch).cancel()
+			}
+		}
+	}
+}
+
+// add starts watching conn and calls cancel once if its peer goes away. It
+// returns nil when the connection cannot be watched (not a TCP or Unix
+// socket); stop the returned watch before the handler gives the
+// connection back to fasthttp.
+func (w *disconnectWatcher) add(conn net.Conn, cancel func()) *watch {
+	sc, ok := conn.(syscall.Conn)
+	if !ok {
+		return nil
+	}
+	raw, err := sc.SyscallConn()
+	if err != nil {
+		return nil
+	}
+	id := w.nextID.Add(1)
+	if id == 0 {
+		id = w.nextID.Add(1)
+	}
+	wt := &watch{id: id, fd: -1, cancel: cancel, w: w}
+	w.waiters.Store(id, wt)
+	var regErr error
+	_ = raw.Control(func(fd uintptr) {
+		ev := unix.EpollEvent{Events: unix.EPOLLRDHUP | unix.EPOLLHUP | unix.EPOLLERR | unix.EPOLLONESHOT, Fd: int32(id)}
+		regErr = unix.EpollCtl(w.epfd, unix.EPOLL_CTL_ADD, int(fd), &ev)
+		if regErr == nil {
+			wt.fd = int(fd)
+		}
+	})
+	if regErr != nil {
+		w.waiters.Delete(id)
+		return nil
+	}
+	return wt
+}
+
+// stop ends the watch. It must run while the connection is still open.
+func (wt *watch) stop() {
+	if wt == nil {
+		return
+	}
+	if wt.fd >= 0 {
+		_ = unix.EpollCtl(wt.w.epfd, unix.EPOLL_CTL_DEL, wt.fd, nil)
+	}
+	wt.w.waiters.Delete(wt.id)
+}
+
+// close stops the watcher goroutine.
+func (w *disconnectWatcher) close() {
+	if !w.closed.CompareAndSwap(false, true) {
+		return
+	}
+	// Wake the loop with an eventfd registered under id 0.
+	efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+	if err == nil {
+		ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: 0}
+		if unix.EpollCtl(w.epfd, unix.EPOLL_CTL_ADD, efd, &ev) == nil {
+			_, _ = unix.Write(efd, []byte{1, 0, 0, 0, 0, 0, 0, 0})
+			<-w.done
+		}
+		unix.Close(efd)
+	}
+	unix.Close(w.epfd)
+}
