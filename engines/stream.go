@@ -178,8 +178,8 @@ func (s *Stream) Next() ([]byte, schemas.ChunkKind, error) {
 			return nil, 0, s.fail(s.readFault(err))
 		}
 		payload, ok := schemas.SSEData(line)
-		if !ok {
-			continue
+		if !ok || len(payload) == 0 {
+			continue // comments, blank lines and empty data lines are keep-alives
 		}
 		switch kind := schemas.ClassifyChunk(payload); kind {
 		case schemas.ChunkOutput:

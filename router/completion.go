@@ -35,7 +35,7 @@ type call struct {
 	result             *connector.PrefillResult
 	backendID          string
 	stream             *engines.Stream
-	pending            [][]byte // metadata read before the first output
+	pending            [][]byte // metadata read before the first output (all ChunkMetadata)
 	first              []byte   // the first generated output, copied
 
 	ttft, firstByte   time.Duration
@@ -388,16 +388,16 @@ func (c *call) relay(w *bufio.Writer) {
 	defer c.finish()
 	c.status = 200
 	for _, p := range c.pending {
-		c.writeEvent(w, p)
+		c.writeEvent(w, p, schemas.ChunkMetadata)
 	}
-	c.writeEvent(w, c.first)
+	c.writeEvent(w, c.first, schemas.ChunkOutput)
 	if err := w.Flush(); err != nil {
 		c.clientGone()
 		return
 	}
 	var chunks int
 	for {
-		payload, _, err := c.stream.Next()
+		payload, kind, err := c.stream.Next()
 		if err == io.EOF {
 			_, _ = w.WriteString("data: [DONE]\n\n")
 			if w.Flush() != nil {
@@ -422,7 +422,7 @@ func (c *call) relay(w *bufio.Writer) {
 			break
 		}
 		chunks++
-		c.writeEvent(w, payload)
+		c.writeEvent(w, payload, kind)
 		if c.stream.Buffered() == 0 {
 			if err := w.Flush(); err != nil {
 				c.clientGone()
@@ -435,9 +435,9 @@ func (c *call) relay(w *bufio.Writer) {
 
 // writeEvent writes one data event, keeping the usage chunk only for
 // clients that asked for it (R-LEG-5, R-LEG-6) while reading usage from it
-// either way.
-func (c *call) writeEvent(w *bufio.Writer, payload []byte) {
-	if schemas.ChunkHasUsage(payload) {
+// either way. Output chunks are passed through without a second look.
+func (c *call) writeEvent(w *bufio.Writer, payload []byte, kind schemas.ChunkKind) {
+	if kind == schemas.ChunkMetadata && schemas.ChunkHasUsage(payload) {
 		c.readUsage(payload)
 		if !c.req.IncludeUsage && schemas.IsUsageOnly(payload) {
 			return

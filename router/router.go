@@ -213,6 +213,7 @@ func (rt *Router) Shutdown(ctx context.Context) error {
 	rt.baseCancel(engines.ErrRouterShutdown)
 	rt.wg.Wait()
 	rt.watcher.close()
+	rt.client.HTTPClient().CloseIdleConnections()
 	if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
 		err = nil
 	}

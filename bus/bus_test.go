@@ -1,0 +1,648 @@
+package bus_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"net"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+	"go.uber.org/goleak"
+
+	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m)
+}
+
+// startServer starts an embedded server and shuts it down when the test
+// ends.
+func startServer(t *testing.T, opts bus.EmbeddedOptions) *bus.Embedded {
+	t.Helper()
+	e, err := bus.StartEmbedded(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(e.Shutdown)
+	return e
+}
+
+// connect connects to e over TCP (or in-process when e has no listener)
+// and closes the Bus when the test ends.
+func connect(t *testing.T, e *bus.Embedded) *bus.Bus {
+	t.Helper()
+	opts := bus.ConnectOptions{URL: e.ClientURL(), Name: t.Name()}
+	if opts.URL == "" {
+		opts.Embedded = e
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	b, err := bus.Connect(ctx, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(b.Close)
+	return b
+}
+
+// waitFor polls cond every 5 ms until it holds, failing the test after
+// 10 s.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// received collects what a subscription delivers.
+type received struct {
+	mu       sync.Mutex
+	subjects []string
+	payloads [][]byte
+}
+
+func (r *received) add(subject string, payload []byte) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.subjects = append(r.subjects, subject)
+	r.payloads = append(r.payloads, payload)
+}
+
+func (r *received) count() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.subjects)
+}
+
+func (r *received) get(i int) (string, []byte) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.subjects[i], r.payloads[i]
+}
+
+func subscribe(t *testing.T, b *bus.Bus, filter string, deliverAll bool) *received {
+	t.Helper()
+	r := &received{}
+	stop, err := bus.Subscribe(context.Background(), b, filter, deliverAll, r.add)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(stop)
+	return r
+}
+
+func failure(engine string) *schemas.Failure {
+	return &schemas.Failure{
+		Envelope: schemas.Envelope{Schema: schemas.SchemaFailure, RouterID: "router-a", EngineID: engine, RequestID: "req-1"},
+		Phase:    schemas.PhaseDecode, Kind: "first_token_timeout", Status: 504,
+		Message: "engine first token timeout", Timeout: true, Counts: true,
+		ProducerID: "p1", ConsumerID: engine, BackendRequestID: "req-1-1", Attempt: 1,
+	}
+}
+
+// TestEmbeddedInProcessOnly proves R-BUS-4 for tests and `narwhal dev`: an
+// embedded server with no TCP listener serves in-process connections with
+// the stream and the bucket.
+func TestEmbeddedInProcessOnly(t *testing.T) {
+	e := startServer(t, bus.EmbeddedOptions{Port: 0})
+	if got := e.ClientURL(); got != "" {
+		t.Errorf("ClientURL() = %q, want none for an in-process server", got)
+	}
+	b := connect(t, e)
+	if !b.Connected() {
+		t.Fatal("not connected")
+	}
+	ctx := context.Background()
+	if _, err := b.JetStream().Stream(ctx, bus.StreamName); err != nil {
+		t.Errorf("stream: %v", err)
+	}
+	if _, err := b.Placement().Put(ctx, "d1", []byte(`{}`)); err != nil {
+		t.Errorf("placement put: %v", err)
+	}
+	if _, err := b.JetStream().KeyValue(ctx, bus.PlacementBucket); err != nil {
+		t.Errorf("bucket: %v", err)
+	}
+	b.Close()
+	if b.Connected() {
+		t.Error("Connected() after Close")
+	}
+	b.Close() // twice is fine
+	e.Shutdown()
+	e.Shutdown()
+}
+
+// TestConnectNeverRecreates proves R-BUS-7 (and the stream of R-BUS-1):
+// Connect creates stream NARWHAL_EVENTS and bucket narwhal_placement with
+// their configuration, and connecting again — also after their
+// configuration was changed — keeps the same stream (same creation time)
+// with its stored messages and the bucket with its keys.
+func TestConnectNeverRecreates(t *testing.T) {
+	e := startServer(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1})
+	if !strings.HasPrefix(e.ClientURL(), "nats://127.0.0.1:") {
+		t.Fatalf("ClientURL() = %q", e.ClientURL())
+	}
+	ctx := context.Background()
+	b := connect(t, e)
+	st, err := b.JetStream().Stream(ctx, bus.StreamName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info := st.CachedInfo()
+	cfg := info.Config
+	if len(cfg.Subjects) != 1 || cfg.Subjects[0] != "narwhal.events.>" || cfg.Storage != jetstream.FileStorage ||
+		cfg.MaxAge != 24*time.Hour || cfg.MaxBytes != 1<<30 || cfg.Duplicates != 2*time.Minute {
+		t.Errorf("stream config %+v", cfg)
+	}
+	created := info.Created
+
+	ack, err := b.JetStream().Publish(ctx, "narwhal.events.failure.d1", []byte(`{"stored":true}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Placement().Put(ctx, "d1", []byte(`{"eligible":false}`)); err != nil {
+		t.Fatal(err)
+	}
+	// Someone changes the stream's limits; the next Connect updates them in
+	// place.
+	cfg.MaxAge = time.Hour
+	if _, err := b.JetStream().UpdateStream(ctx, cfg); err != nil {
+		t.Fatal(err)
+	}
+	b.Close()
+
+	for i := range 2 {
+		opts := bus.ConnectOptions{URL: e.ClientURL()}
+		if i == 1 {
+			opts = bus.ConnectOptions{Embedded: e}
+		}
+		b2, err := bus.Connect(ctx, opts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		st2, err := b2.JetStream().Stream(ctx, bus.StreamName)
+		if err != nil {
+			t.Fatal(err)
+		}
+		info2 := st2.CachedInfo()
+		if !info2.Created.Equal(created) {
+			t.Errorf("reconnect %d: stream created %v, was %v: recreated", i, info2.Created, created)
+		}
+		if info2.Config.MaxAge != bus.StreamMaxAge {
+			t.Errorf("reconnect %d: max age %v, want it restored to %v", i, info2.Config.MaxAge, bus.StreamMaxAge)
+		}
+		msg, err := st2.GetMsg(ctx, ack.Sequence)
+		if err != nil || string(msg.Data) != `{"stored":true}` {
+			t.Errorf("reconnect %d: stored message: %v %v", i, msg, err)
+		}
+		entry, err := b2.Placement().Get(ctx, "d1")
+		if err != nil || string(entry.Value()) != `{"eligible":false}` {
+			t.Errorf("reconnect %d: placement key: %v", i, err)
+		}
+		b2.Close()
+	}
+}
+
+// TestPublishSubscribe proves R-BUS-1, R-BUS-3 and R-BUS-5: a published
+// event of every kind arrives on narwhal.events.<kind>.<id> as JSON with id
+// and at filled in, and validates against its schema.
+func TestPublishSubscribe(t *testing.T) {
+	e := startServer(t, bus.EmbeddedOptions{Port: -1})
+	b := connect(t, e)
+	got := subscribe(t, b, "", false)
+	reg := prometheus.NewRegistry()
+	p := bus.NewPublisher(b, 16, reg)
+	defer p.Close()
+
+	before := time.Now().UTC()
+	ttft := 0.2
+	events := []schemas.Event{
+		failure("d1"),
+		&schemas.RequestCompleted{Envelope: schemas.Envelope{Schema: schemas.SchemaRequest, RouterID: "router-a", RequestID: "req-1"},
+			Endpoint: "/v1/completions", Model: "m", Status: 200, Attempts: 1, TTFTSeconds: &ttft, DurationSeconds: 1},
+		&schemas.Quarantine{Envelope: schemas.Envelope{Schema: schemas.SchemaQuarantine, RouterID: "router-a", EngineID: "d1"},
+			DurationSeconds: 5, Until: before.Add(5 * time.Second), Reason: "first_token_timeout"},
+		&schemas.Handoff{Envelope: schemas.Envelope{Schema: schemas.SchemaHandoff, RouterID: "router-a", EngineID: "p1"},
+			Outcome: schemas.HandoffAbandoned, Reason: "client_disconnected", Connector: "nixl", AgeSeconds: 0.1, Released: true},
+		&schemas.Probe{Envelope: schemas.Envelope{Schema: schemas.SchemaProbe, BreakerID: "breaker-1", EngineID: "d1"},
+			Outcome: "success", Phase: schemas.PhaseDecode},
+		&schemas.Eligibility{Envelope: schemas.Envelope{Schema: schemas.SchemaEligibility, BreakerID: "breaker-1", EngineID: "d1"},
+			Eligible: true, State: "eligible"},
+	}
+	for _, ev := range events {
+		p.Publish(ev)
+	}
+	waitFor(t, "every event delivered", func() bool { return got.count() == len(events) })
+	waitFor(t, "every event acknowledged", func() bool { return p.Published() == uint64(len(events)) })
+
+	for i, ev := range events {
+		subject, payload := got.get(i)
+		if subject != ev.Subject() || !strings.HasPrefix(subject, bus.SubjectPrefix) {
+			t.Errorf("event %d: subject %q, want %q", i, subject, ev.Subject())
+		}
+		if err := bus.ValidateEvent(payload); err != nil {
+			t.Errorf("event %d: %v\n%s", i, err, payload)
+		}
+		var head schemas.Envelope
+		if err := json.Unmarshal(payload, &head); err != nil {
+			t.Fatal(err)
+		}
+		if len(head.ID) != 22 || head.ID != ev.Head().ID {
+			t.Errorf("event %d: id %q (publisher set %q), want a NUID", i, head.ID, ev.Head().ID)
+		}
+		if head.At.Before(before) || head.At.Location() != time.UTC || !strings.Contains(string(payload), `Z","`) {
+			t.Errorf("event %d: at %v, want UTC, after %v", i, head.At, before)
+		}
+	}
+	_, payload := got.get(0)
+	var f schemas.Failure
+	if err := json.Unmarshal(payload, &f); err != nil {
+		t.Fatal(err)
+	}
+	want := failure("d1")
+	want.ID, want.At = f.ID, f.At
+	if f != *want {
+		t.Errorf("failure round trip:\n got %+v\nwant %+v", f, *want)
+	}
+	if p.Dropped() != 0 {
+		t.Errorf("dropped %d", p.Dropped())
+	}
+	if v := counterValue(t, reg, "narwhal_events_published_total", ""); v != float64(len(events)) {
+		t.Errorf("narwhal_events_published_total = %v, want %d", v, len(events))
+	}
+
+	// A given id and time are kept.
+	at := time.Date(2026, 1, 2, 3, 4, 5, 6, time.UTC)
+	ev := failure("d2")
+	ev.ID, ev.At = "my-id", at
+	p.Publish(ev)
+	waitFor(t, "the event with an id", func() bool { return got.count() == len(events)+1 })
+	_, payload = got.get(len(events))
+	if err := json.Unmarshal(payload, &f); err != nil || f.ID != "my-id" || !f.At.Equal(at) {
+		t.Errorf("given id and at: %+v %v", f.Envelope, err)
+	}
+}
+
+// counterValue returns the value of counter name (with label
+// reason=reason when reason is not empty) from reg.
+func counterValue(t *testing.T, reg *prometheus.Registry, name, reason string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			if reason == "" || labelValue(m, "reason") == reason {
+				return m.GetCounter().GetValue()
+			}
+		}
+	}
+	return 0
+}
+
+func labelValue(m *dto.Metric, name string) string {
+	for _, l := range m.GetLabel() {
+		if l.GetName() == name {
+			return l.GetValue()
+		}
+	}
+	return ""
+}
+
+// TestDuplicateIDDropped proves R-BUS-3: an event re-published with the
+// same id is stored once.
+func TestDuplicateIDDropped(t *testing.T) {
+	e := startServer(t, bus.EmbeddedOptions{Port: 0})
+	b := connect(t, e)
+	got := subscribe(t, b, "narwhal.events.failure.>", false)
+	p := bus.NewPublisher(b, 16, nil)
+	defer p.Close()
+
+	first := failure("d1")
+	first.ID = "dup-1"
+	again := failure("d1")
+	again.ID = "dup-1"
+	sentinel := failure("d1")
+	sentinel.ID = "sentinel"
+	p.Publish(first)
+	p.Publish(again)
+	p.Publish(sentinel)
+	waitFor(t, "three acks", func() bool { return p.Published() == 3 })
+	waitFor(t, "the sentinel", func() bool {
+		if got.count() == 0 {
+			return false
+		}
+		_, payload := got.get(got.count() - 1)
+		return strings.Contains(string(payload), `"id":"sentinel"`)
+	})
+	if n := got.count(); n != 2 {
+		t.Errorf("subscriber saw %d events, want 2 (the duplicate dropped)", n)
+	}
+	st, err := b.JetStream().Stream(context.Background(), bus.StreamName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := st.CachedInfo().State.Msgs; n != 2 {
+		t.Errorf("stream holds %d messages, want 2", n)
+	}
+}
+
+// TestOutageBuffersThenDropsWithoutBlocking proves R-BUS-6: while the bus
+// is down, Publish returns at once; events wait in the buffer, events
+// beyond it are dropped and counted (narwhal_events_dropped_total); after
+// the server comes back the connection is re-established and the buffered
+// events reach the stream.
+func TestOutageBuffersThenDropsWithoutBlocking(t *testing.T) {
+	dir := t.TempDir()
+	e := startServer(t, bus.EmbeddedOptions{Dir: dir, Port: -1})
+	url := e.ClientURL()
+	_, portStr, _ := net.SplitHostPort(strings.TrimPrefix(url, "nats://"))
+	port, _ := strconv.Atoi(portStr)
+	b := connect(t, e)
+	reg := prometheus.NewRegistry()
+	const buffer = 3
+	p := bus.NewPublisher(b, buffer, reg)
+	defer p.Close()
+
+	e.Shutdown()
+	waitFor(t, "the disconnect", func() bool { return !b.Connected() })
+
+	const sent = 20
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for i := range sent {
+			ev := failure("d1")
+			ev.ID = "outage-" + strconv.Itoa(i)
+			p.Publish(ev)
+		}
+	}()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Publish blocked while the bus was down")
+	}
+	// The publisher's goroutine holds at most one event while it waits for
+	// the connection; the buffer holds `buffer`; the rest are dropped.
+	dropped := p.Dropped()
+	if dropped != sent-buffer && dropped != sent-buffer-1 {
+		t.Fatalf("dropped %d of %d with a buffer of %d", dropped, sent, buffer)
+	}
+	if v := counterValue(t, reg, "narwhal_events_dropped_total", bus.DropBufferFull); v != float64(dropped) {
+		t.Errorf("narwhal_events_dropped_total{reason=buffer_full} = %v, want %d", v, dropped)
+	}
+
+	e2 := startServer(t, bus.EmbeddedOptions{Dir: dir, Port: port})
+	waitFor(t, "the reconnect", b.Connected)
+	kept := uint64(sent) - dropped
+	waitFor(t, "the buffered events", func() bool { return p.Published() == kept })
+	got := subscribe(t, b, "narwhal.events.failure.d1", true)
+	waitFor(t, "the stored events", func() bool { return got.count() == int(kept) })
+	if p.Dropped() != dropped {
+		t.Errorf("dropped grew to %d after the reconnect", p.Dropped())
+	}
+	p.Close()
+	b.Close()
+	e2.Shutdown()
+}
+
+// TestCloseWhileDownIsBounded proves R-BUS-6 and the publisher's exit:
+// Close returns although the bus is down, dropping and counting what it
+// could not publish; Publish after Close drops too; Close is idempotent.
+func TestCloseWhileDownIsBounded(t *testing.T) {
+	e := startServer(t, bus.EmbeddedOptions{Port: -1})
+	b := connect(t, e)
+	reg := prometheus.NewRegistry()
+	p := bus.NewPublisher(b, 8, reg)
+	e.Shutdown()
+	waitFor(t, "the disconnect", func() bool { return !b.Connected() })
+	for range 5 {
+		p.Publish(failure("d1"))
+	}
+	closed := make(chan struct{})
+	go func() { p.Close(); close(closed) }()
+	select {
+	case <-closed:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Close did not return while the bus was down")
+	}
+	if p.Dropped() != 5 || p.Published() != 0 {
+		t.Errorf("dropped %d, published %d; want 5, 0", p.Dropped(), p.Published())
+	}
+	p.Publish(failure("d1"))
+	if p.Dropped() != 6 {
+		t.Errorf("Publish after Close: dropped %d, want 6", p.Dropped())
+	}
+	if v := counterValue(t, reg, "narwhal_events_dropped_total", bus.DropClosed); v != 6 {
+		t.Errorf("narwhal_events_dropped_total{reason=closed} = %v, want 6", v)
+	}
+	p.Close()
+}
+
+// TestCloseDrainsBufferedEvents proves Close publishes what is buffered
+// when the bus is up.
+func TestCloseDrainsBufferedEvents(t *testing.T) {
+	e := startServer(t, bus.EmbeddedOptions{Port: 0})
+	b := connect(t, e)
+	p := bus.NewPublisher(b, 64, nil)
+	for range 50 {
+		p.Publish(failure("d1"))
+	}
+	p.Close()
+	if p.Published()+p.Dropped() != 50 || p.Published() == 0 {
+		t.Errorf("after Close: published %d, dropped %d of 50", p.Published(), p.Dropped())
+	}
+	st, err := b.JetStream().Stream(context.Background(), bus.StreamName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := st.CachedInfo().State.Msgs; n != p.Published() {
+		t.Errorf("stream holds %d, publisher counted %d acknowledged", n, p.Published())
+	}
+}
+
+// TestInvalidEventDropped proves an event whose subject would be invalid
+// (no engine id) is dropped and counted, not sent.
+func TestInvalidEventDropped(t *testing.T) {
+	e := startServer(t, bus.EmbeddedOptions{Port: 0})
+	b := connect(t, e)
+	reg := prometheus.NewRegistry()
+	p := bus.NewPublisher(b, 4, reg)
+	defer p.Close()
+	p.Publish(failure(""))
+	waitFor(t, "the drop", func() bool { return p.Dropped() == 1 })
+	if v := counterValue(t, reg, "narwhal_events_dropped_total", bus.DropInvalid); v != 1 {
+		t.Errorf("narwhal_events_dropped_total{reason=invalid} = %v", v)
+	}
+}
+
+// TestPublishersShareRegistry proves two publishers on one registry share
+// the counters instead of failing to register.
+func TestPublishersShareRegistry(t *testing.T) {
+	e := startServer(t, bus.EmbeddedOptions{Port: 0})
+	b := connect(t, e)
+	reg := prometheus.NewRegistry()
+	p1 := bus.NewPublisher(b, 4, reg)
+	p2 := bus.NewPublisher(b, 4, reg)
+	p1.Publish(failure("d1"))
+	p2.Publish(failure("d2"))
+	p1.Close()
+	p2.Close()
+	if v := counterValue(t, reg, "narwhal_events_published_total", ""); v != 2 {
+		t.Errorf("shared narwhal_events_published_total = %v, want 2", v)
+	}
+}
+
+// TestSubscribeFilterAndStop proves a subject filter delivers only its
+// kind, stop ends delivery, ctx ends the subscription, and a filter outside
+// narwhal.events.> is refused.
+func TestSubscribeFilterAndStop(t *testing.T) {
+	e := startServer(t, bus.EmbeddedOptions{Port: 0})
+	b := connect(t, e)
+	ctx := context.Background()
+	js := b.JetStream()
+
+	if _, err := bus.Subscribe(ctx, b, "other.>", false, func(string, []byte) {}); err == nil {
+		t.Error("filter outside narwhal.events.> accepted")
+	}
+
+	failures := subscribe(t, b, "narwhal.events.failure.*", false)
+	r := &received{}
+	subCtx, cancel := context.WithCancel(ctx)
+	stopAll, err := bus.Subscribe(subCtx, b, "", false, r.add)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := js.Publish(ctx, "narwhal.events.probe.d1", []byte(`{"n":1}`)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := js.Publish(ctx, "narwhal.events.failure.d1", []byte(`{"n":2}`)); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "both events", func() bool { return r.count() == 2 })
+	waitFor(t, "the failure", func() bool { return failures.count() == 1 })
+	if s, _ := failures.get(0); s != "narwhal.events.failure.d1" {
+		t.Errorf("filtered subscription got %q", s)
+	}
+	cancel()
+	stopAll() // waits for the consumer to stop; ctx already stopped it
+	stopAll()
+	if _, err := js.Publish(ctx, "narwhal.events.failure.d2", []byte(`{"n":3}`)); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the second failure", func() bool { return failures.count() == 2 })
+	if n := r.count(); n != 2 {
+		t.Errorf("stopped subscription got %d events, want 2", n)
+	}
+}
+
+// TestConnectRetriesUntilServerStarts proves a process may start before the
+// bus: Connect keeps trying until the server is there (R-BUS-6).
+func TestConnectRetriesUntilServerStarts(t *testing.T) {
+	// Something that is not NATS holds the port first: it proves Connect
+	// tried, and failed, before the server started.
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := l.Addr().(*net.TCPAddr).Port
+
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	type result struct {
+		b   *bus.Bus
+		err error
+	}
+	res := make(chan result, 1)
+	go func() {
+		b, err := bus.Connect(ctx, bus.ConnectOptions{URL: "nats://127.0.0.1:" + strconv.Itoa(port)})
+		res <- result{b, err}
+	}()
+	conn, err := l.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn.Close()
+	l.Close()
+	e := startServer(t, bus.EmbeddedOptions{Port: port})
+	r := <-res
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	defer r.b.Close()
+	if _, err := r.b.JetStream().Stream(ctx, bus.StreamName); err != nil {
+		t.Errorf("stream after a late start: %v", err)
+	}
+	r.b.Close()
+	e.Shutdown()
+}
+
+// TestConnectGivesUp proves Connect returns when ctx ends while no server
+// answers, and refuses options that cannot work.
+func TestConnectGivesUp(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	url := "nats://" + l.Addr().String()
+	l.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	if _, err := bus.Connect(ctx, bus.ConnectOptions{URL: url}); err == nil || !errors.Is(err, context.DeadlineExceeded) && !strings.Contains(err.Error(), "gave up") {
+		t.Errorf("Connect with nothing listening: %v", err)
+	}
+	if _, err := bus.Connect(context.Background(), bus.ConnectOptions{}); err == nil {
+		t.Error("Connect without URL or server succeeded")
+	}
+	if _, err := bus.Connect(context.Background(), bus.ConnectOptions{URL: url, CredsFile: "/nonexistent/narwhal.creds"}); err == nil {
+		t.Error("Connect with a missing credentials file succeeded")
+	}
+}
+
+// TestValidateEvent proves the reusable validator of R-BUS-3 accepts a
+// marshalled event and rejects what does not match its schema.
+func TestValidateEvent(t *testing.T) {
+	ev := failure("d1")
+	ev.ID, ev.At = "x1", time.Now().UTC()
+	good, err := json.Marshal(ev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := bus.ValidateEvent(good); err != nil {
+		t.Fatalf("valid event rejected: %v", err)
+	}
+	local := *ev
+	local.At = time.Date(2026, 1, 1, 0, 0, 0, 0, time.FixedZone("CET", 3600))
+	notUTC, _ := json.Marshal(&local)
+	noPhase := strings.Replace(string(good), `"phase":"decode",`, "", 1)
+	cases := map[string]string{
+		"not json":       `{`,
+		"not an object":  `[1]`,
+		"no schema":      `{"id":"x"}`,
+		"unknown schema": `{"schema":"narwhal.other.v1"}`,
+		"missing phase":  noPhase,
+		"extra field":    strings.Replace(string(good), `{`, `{"extra":1,`, 1),
+		"at not UTC":     string(notUTC),
+	}
+	for name, payload := range cases {
+		if err := bus.ValidateEvent([]byte(payload)); err == nil {
+			t.Errorf("%s: accepted %s", name, payload)
+		}
+	}
+}

@@ -1,0 +1,149 @@
+package bus
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+)
+
+// embeddedReadyTimeout bounds how long StartEmbedded waits for the server
+// to accept clients.
+const embeddedReadyTimeout = 10 * time.Second
+
+// EmbeddedOptions configures an in-process NATS server with JetStream
+// (SPEC R-BUS-4).
+type EmbeddedOptions struct {
+	// Dir is the JetStream store directory (NARWHAL_DATA_DIR). When empty,
+	// a new temporary directory is used and removed by Shutdown.
+	Dir string
+	// Host is the client listen address; "127.0.0.1" when empty.
+	Host string
+	// Port is the client port: -1 picks a random free port, 0 opens no
+	// TCP listener at all (in-process connections only, see
+	// ConnectOptions.Embedded).
+	Port int
+	// Log receives the server's notices, warnings and errors; nil keeps
+	// the server silent.
+	Log *slog.Logger
+}
+
+// Embedded is a running in-process NATS server with JetStream enabled.
+type Embedded struct {
+	srv      *server.Server
+	tempDir  string // removed on Shutdown; "" when the caller gave Dir
+	listens  bool
+	shutdown sync.Once
+}
+
+// StartEmbedded starts a NATS server with JetStream in this process and
+// waits until it accepts clients (SPEC R-BUS-4). It returns an error when
+// the store directory cannot be created, the options are rejected (e.g.
+// the port is taken) or the server is not ready within 10 s. The caller
+// owns the server and must call Shutdown.
+func StartEmbedded(opts EmbeddedOptions) (*Embedded, error) {
+	e := &Embedded{listens: opts.Port != 0}
+	dir := opts.Dir
+	if dir == "" {
+		tmp, err := os.MkdirTemp("", "narwhal-nats-")
+		if err != nil {
+			return nil, fmt.Errorf("bus: embedded store: %w", err)
+		}
+		dir, e.tempDir = tmp, tmp
+	}
+	host := opts.Host
+	if host == "" {
+		host = "127.0.0.1"
+	}
+	sopts := &server.Options{
+		ServerName: "narwhal",
+		Host:       host,
+		Port:       opts.Port,
+		DontListen: opts.Port == 0,
+		JetStream:  true,
+		StoreDir:   dir,
+		NoSigs:     true,
+		NoLog:      true,
+	}
+	srv, err := server.NewServer(sopts)
+	if err != nil {
+		e.removeTemp()
+		return nil, fmt.Errorf("bus: embedded server: %w", err)
+	}
+	if opts.Log != nil {
+		srv.SetLogger(slogServerLogger{opts.Log}, false, false)
+	}
+	e.srv = srv
+	srv.Start()
+	if !srv.ReadyForConnections(embeddedReadyTimeout) {
+		e.Shutdown()
+		return nil, errors.New("bus: embedded server not ready for connections within " + embeddedReadyTimeout.String())
+	}
+	if !srv.JetStreamEnabled() {
+		e.Shutdown()
+		return nil, errors.New("bus: embedded server started without JetStream")
+	}
+	return e, nil
+}
+
+// ClientURL returns the nats:// URL other processes connect to, e.g.
+// "nats://127.0.0.1:41234", or "" when the server has no TCP listener
+// (Port 0).
+func (e *Embedded) ClientURL() string {
+	if !e.listens {
+		return ""
+	}
+	return e.srv.ClientURL()
+}
+
+// Server returns the underlying nats-server, e.g. for in-process
+// connections or to stop it in tests.
+func (e *Embedded) Server() *server.Server { return e.srv }
+
+// Shutdown stops the server, waits until it has stopped, and removes the
+// store directory when StartEmbedded created it. It is safe to call more
+// than once.
+func (e *Embedded) Shutdown() {
+	e.shutdown.Do(func() {
+		e.srv.Shutdown()
+		e.srv.WaitForShutdown()
+		e.removeTemp()
+	})
+}
+
+func (e *Embedded) removeTemp() {
+	if e.tempDir != "" {
+		_ = os.RemoveAll(e.tempDir)
+	}
+}
+
+// slogServerLogger adapts a slog.Logger to nats-server's Logger.
+type slogServerLogger struct{ l *slog.Logger }
+
+func (a slogServerLogger) Noticef(format string, v ...any) {
+	a.l.Info(fmt.Sprintf(format, v...), "component", "nats")
+}
+
+func (a slogServerLogger) Warnf(format string, v ...any) {
+	a.l.Warn(fmt.Sprintf(format, v...), "component", "nats")
+}
+
+func (a slogServerLogger) Fatalf(format string, v ...any) {
+	a.l.Error(fmt.Sprintf(format, v...), "component", "nats")
+}
+
+func (a slogServerLogger) Errorf(format string, v ...any) {
+	a.l.Error(fmt.Sprintf(format, v...), "component", "nats")
+}
+
+func (a slogServerLogger) Debugf(format string, v ...any) {
+	a.l.Debug(fmt.Sprintf(format, v...), "component", "nats")
+}
+
+func (a slogServerLogger) Tracef(format string, v ...any) {
+	a.l.Debug(fmt.Sprintf(format, v...), "component", "nats")
+}

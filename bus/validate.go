@@ -1,0 +1,93 @@
+package bus
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io/fs"
+	"strings"
+	"sync"
+
+	"github.com/santhosh-tekuri/jsonschema/v6"
+
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// schemaIDPrefix is the $id prefix of the files in schemas.SchemaFS.
+const schemaIDPrefix = "https://github.com/narwhalmesh/narwhal/schemas/"
+
+var eventSchemas struct {
+	once   sync.Once
+	byName map[string]*jsonschema.Schema
+	err    error
+}
+
+// ValidateEvent checks one bus message against the JSON Schema its
+// "schema" field names, from schemas.SchemaFS (SPEC R-BUS-3), with format
+// assertions on ("at" must be an RFC 3339 UTC date-time). The schemas are
+// compiled once, on first use. It returns nil for a valid event, and an
+// error when payload is not a JSON object, names no known schema, or does
+// not match it (the error lists every violation). Tests of every package
+// that publishes use it on each message they see.
+func ValidateEvent(payload []byte) error {
+	var head struct {
+		Schema *string `json:"schema"`
+	}
+	if err := json.Unmarshal(payload, &head); err != nil {
+		return fmt.Errorf("bus: event is not a JSON object: %w", err)
+	}
+	if head.Schema == nil {
+		return fmt.Errorf("bus: event has no schema field")
+	}
+	eventSchemas.once.Do(compileEventSchemas)
+	if eventSchemas.err != nil {
+		return eventSchemas.err
+	}
+	sch, ok := eventSchemas.byName[*head.Schema]
+	if !ok {
+		return fmt.Errorf("bus: unknown event schema %q", *head.Schema)
+	}
+	inst, err := jsonschema.UnmarshalJSON(bytes.NewReader(payload))
+	if err != nil {
+		return fmt.Errorf("bus: event is not JSON: %w", err)
+	}
+	if err := sch.Validate(inst); err != nil {
+		return fmt.Errorf("bus: event does not match schema %s: %w", *head.Schema, err)
+	}
+	return nil
+}
+
+// compileEventSchemas compiles every file of schemas.SchemaFS.
+func compileEventSchemas() {
+	files, err := fs.Glob(schemas.SchemaFS, "*.json")
+	if err != nil {
+		eventSchemas.err = fmt.Errorf("bus: event schemas: %w", err)
+		return
+	}
+	c := jsonschema.NewCompiler()
+	c.AssertFormat()
+	for _, f := range files {
+		b, err := schemas.SchemaFS.ReadFile(f)
+		if err == nil {
+			var doc any
+			doc, err = jsonschema.UnmarshalJSON(bytes.NewReader(b))
+			if err == nil {
+				err = c.AddResource(schemaIDPrefix+f, doc)
+			}
+		}
+		if err != nil {
+			eventSchemas.err = fmt.Errorf("bus: event schema %s: %w", f, err)
+			return
+		}
+	}
+	byName := make(map[string]*jsonschema.Schema, len(files))
+	for _, f := range files {
+		sch, err := c.Compile(schemaIDPrefix + f)
+		if err != nil {
+			eventSchemas.err = fmt.Errorf("bus: event schema %s: %w", f, err)
+			return
+		}
+		byName[strings.TrimSuffix(f, ".json")] = sch
+	}
+	eventSchemas.byName = byName
+}

@@ -1,0 +1,432 @@
+// Package config reads Narwhal's settings (SPEC §11, §14): scalar settings
+// from a YAML file, each overridable by an environment variable
+// NARWHAL_<SECTION>_<KEY>, plus the fleet and the optional engine contract
+// from the same file.
+//
+// The order is: Default, then the YAML file, then the environment, then
+// Validate. Every error names the key it is about, as its dotted YAML path
+// (e.g. "engine.first_token_timeout_s", "fleet[1].url") and, when the value
+// came from the environment, the variable's name too.
+package config
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"net/url"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// EnvPrefix starts the name of every environment variable that overrides a
+// setting: NARWHAL_<SECTION>_<KEY>, e.g. NARWHAL_ENGINE_FIRST_TOKEN_TIMEOUT_S.
+const EnvPrefix = "NARWHAL_"
+
+// Engine roles, the values of EngineSpec.Role (SPEC §0).
+const (
+	// RolePrefill: the engine only runs prefill legs (KV producer).
+	RolePrefill = "prefill"
+	// RoleDecode: the engine only runs decode legs (KV consumer).
+	RoleDecode = "decode"
+	// RoleBoth: the engine runs either leg, and same-worker decode.
+	RoleBoth = "both"
+)
+
+// DefaultConnector is the KV connector an engine gets when its fleet entry
+// names none.
+const DefaultConnector = "nixl"
+
+// KnownConnectors lists the KV connectors a fleet entry or the engine
+// contract may name (SPEC R-DESC-3). Supporting another connector adds one
+// name here.
+var KnownConnectors = []string{"nixl"}
+
+// Log formats, the values of Router.LogFormat.
+const (
+	LogFormatText = "text"
+	LogFormatJSON = "json"
+)
+
+// Config is the whole configuration of one Narwhal process.
+type Config struct {
+	// Engine holds the engine-leg timeouts (SPEC §6).
+	Engine Engine `yaml:"engine" envPrefix:"ENGINE_"`
+	// Request holds the client-request limits (SPEC R-TMO-5, R-API-4).
+	Request Request `yaml:"request" envPrefix:"REQUEST_"`
+	// Handoff holds the KV handoff limits (SPEC R-OWN-2).
+	Handoff Handoff `yaml:"handoff" envPrefix:"HANDOFF_"`
+	// Recovery holds retries, quarantine, ejection and readmission
+	// (SPEC §7, §8).
+	Recovery Recovery `yaml:"recovery" envPrefix:"RECOVERY_"`
+	// Router holds the router process's identity and logging.
+	Router Router `yaml:"router" envPrefix:"ROUTER_"`
+	// EngineContract pins what every engine must be (SPEC R-BRK-6,
+	// R-PRE-1); nil when the file has no engine_contract (development
+	// fleets). It is not read from the environment.
+	EngineContract *Contract `yaml:"engine_contract"`
+	// Fleet lists the engines. It may be empty here; the commands that need
+	// engines say so. It is not read from the environment.
+	Fleet []EngineSpec `yaml:"fleet"`
+}
+
+// Engine holds the timeouts of the engine legs, in seconds (SPEC §6).
+type Engine struct {
+	// FirstTokenTimeoutS bounds the decode leg from before its HTTP request
+	// is opened until the first generated output (R-TMO-1), and each leg of
+	// a breaker probe (R-BRK-3). Seconds, > 0; default 30.
+	FirstTokenTimeoutS float64 `yaml:"first_token_timeout_s" env:"FIRST_TOKEN_TIMEOUT_S"`
+	// DecodeReadTimeoutS bounds the silence between transport chunks after
+	// the first generated output (R-TMO-2); 0 means no per-chunk bound
+	// (R-TMO-4). Seconds, >= 0; default 30.
+	DecodeReadTimeoutS float64 `yaml:"decode_read_timeout_s" env:"DECODE_READ_TIMEOUT_S"`
+	// PrefillTimeoutS bounds the whole prefill leg. Seconds, > 0; default 60.
+	PrefillTimeoutS float64 `yaml:"prefill_timeout_s" env:"PREFILL_TIMEOUT_S"`
+}
+
+// FirstTokenTimeout returns FirstTokenTimeoutS as a Duration (R-TMO-1).
+func (e Engine) FirstTokenTimeout() time.Duration { return Seconds(e.FirstTokenTimeoutS) }
+
+// DecodeReadTimeout returns DecodeReadTimeoutS as a Duration; 0 means no
+// per-chunk bound (R-TMO-2, R-TMO-4).
+func (e Engine) DecodeReadTimeout() time.Duration { return Seconds(e.DecodeReadTimeoutS) }
+
+// PrefillTimeout returns PrefillTimeoutS as a Duration.
+func (e Engine) PrefillTimeout() time.Duration { return Seconds(e.PrefillTimeoutS) }
+
+// Request holds the limits of one client request.
+type Request struct {
+	// TimeoutS is the original request deadline that bounds both legs and
+	// every retry (R-TMO-5). Seconds, > 0; default 600.
+	TimeoutS float64 `yaml:"timeout_s" env:"TIMEOUT_S"`
+	// MaxBodyBytes is the largest client request body accepted; a larger one
+	// gets 413 (R-API-4). Bytes, > 0; default 32 MiB.
+	MaxBodyBytes int `yaml:"max_body_bytes" env:"MAX_BODY_BYTES"`
+}
+
+// Timeout returns TimeoutS as a Duration (R-TMO-5).
+func (r Request) Timeout() time.Duration { return Seconds(r.TimeoutS) }
+
+// Handoff holds the limits of a KV handoff.
+type Handoff struct {
+	// MaxAgeS is the oldest a handoff descriptor may be, counted from the
+	// start of the producer HTTP leg, when it is sent to decode (R-OWN-2).
+	// Keep it below the producer's own KV release timeout. Seconds, > 0;
+	// default 120.
+	MaxAgeS float64 `yaml:"max_age_s" env:"MAX_AGE_S"`
+}
+
+// MaxAge returns MaxAgeS as a Duration (R-OWN-2).
+func (h Handoff) MaxAge() time.Duration { return Seconds(h.MaxAgeS) }
+
+// Recovery holds retries, quarantine, ejection and readmission (SPEC §7, §8).
+type Recovery struct {
+	// EjectAfter is how many consecutive failures of one engine eject it
+	// (R-BRK-1). >= 1; default 3.
+	EjectAfter int `yaml:"eject_after" env:"EJECT_AFTER"`
+	// FailureQuarantineS is how long an engine that failed an attempt is
+	// kept out of placement; 0 turns quarantine off (R-QUAR-1). Seconds,
+	// >= 0; default 0.
+	FailureQuarantineS float64 `yaml:"failure_quarantine_s" env:"FAILURE_QUARANTINE_S"`
+	// RetryAttempts is how many extra attempts one request may get
+	// (R-RETRY-1, R-RETRY-2). >= 0; default 0.
+	RetryAttempts int `yaml:"retry_attempts" env:"RETRY_ATTEMPTS"`
+	// RetryBudgetRatio is the router-wide share of recent requests that may
+	// be retries (R-RETRY-2). In [0, 1]; default 0.2.
+	RetryBudgetRatio float64 `yaml:"retry_budget_ratio" env:"RETRY_BUDGET_RATIO"`
+	// ReadmitIntervalS is the breaker's probe cadence for ejected engines,
+	// before backoff (R-BRK-5, R-BRK-7). Seconds, > 0; default 5.
+	ReadmitIntervalS float64 `yaml:"readmit_interval_s" env:"READMIT_INTERVAL_S"`
+}
+
+// FailureQuarantine returns FailureQuarantineS as a Duration; 0 means
+// quarantine is off (R-QUAR-1).
+func (r Recovery) FailureQuarantine() time.Duration { return Seconds(r.FailureQuarantineS) }
+
+// ReadmitInterval returns ReadmitIntervalS as a Duration (R-BRK-5).
+func (r Recovery) ReadmitInterval() time.Duration { return Seconds(r.ReadmitIntervalS) }
+
+// Router holds the router process's identity and logging.
+type Router struct {
+	// ID names the router in events (router_id) and in its bus subjects
+	// (R-BUS-1, R-BUS-3). Letters, digits, '-' and '_' only; default
+	// "<hostname>-<pid>" with other characters replaced by '-'.
+	ID string `yaml:"id" env:"ID"`
+	// EventBuffer is how many bus events may wait to be published before
+	// new ones are dropped and counted (R-BUS-6). > 0; default 4096.
+	EventBuffer int `yaml:"event_buffer" env:"EVENT_BUFFER"`
+	// LogFormat is "text" (default) or "json".
+	LogFormat string `yaml:"log_format" env:"LOG_FORMAT"`
+	// LogLevel is "debug", "info" (default), "warn" or "error".
+	LogLevel string `yaml:"log_level" env:"LOG_LEVEL"`
+}
+
+// Level returns LogLevel as a slog.Level; an invalid level (which Validate
+// rejects) gives slog.LevelInfo.
+func (r Router) Level() slog.Level {
+	var l slog.Level
+	if err := l.UnmarshalText([]byte(r.LogLevel)); err != nil {
+		return slog.LevelInfo
+	}
+	return l
+}
+
+// logLevels are the values Router.LogLevel may take.
+var logLevels = []string{"debug", "info", "warn", "error"}
+
+// Contract is the pinned engine contract (SPEC R-BRK-6, R-PRE-1): what every
+// engine must still be when it is readmitted or checked by preflight. An
+// empty field pins nothing.
+type Contract struct {
+	// Model is the served model name every engine must list in /v1/models.
+	Model string `yaml:"model"`
+	// Engine is the engine kind, e.g. "vllm", "sglang".
+	Engine string `yaml:"engine"`
+	// Version is a constraint on the engine's version, e.g. ">=0.10" or
+	// ">=0.10,<0.12" (see VersionSatisfies).
+	Version string `yaml:"version"`
+	// Connector is the KV connector every engine must use; one of
+	// KnownConnectors.
+	Connector string `yaml:"connector"`
+}
+
+// EngineSpec is one engine of the fleet (SPEC §0, §14).
+type EngineSpec struct {
+	// ID is the fleet-unique engine_id: it ends the engine's bus subjects
+	// and is its key in the placement bucket (R-BUS-1, R-BUS-2), so it
+	// holds letters, digits, '-' and '_' only.
+	ID string `yaml:"id"`
+	// URL is the engine's absolute http(s) base URL, e.g.
+	// "http://10.0.0.11:8000".
+	URL string `yaml:"url"`
+	// Role is RolePrefill, RoleDecode or RoleBoth.
+	Role string `yaml:"role"`
+	// Connector is the engine's KV connector; Load and Parse set
+	// DefaultConnector when the file names none.
+	Connector string `yaml:"connector"`
+	// PrefillSlots and DecodeSlots are how many prefill / decode phases may
+	// run on the engine at once; 0 means no limit (R-OWN-3).
+	PrefillSlots int `yaml:"prefill_slots"`
+	DecodeSlots  int `yaml:"decode_slots"`
+}
+
+// CanPrefill reports whether the engine's role permits the prefill leg.
+func (s EngineSpec) CanPrefill() bool { return s.Role == RolePrefill || s.Role == RoleBoth }
+
+// CanDecode reports whether the engine's role permits the decode leg.
+func (s EngineSpec) CanDecode() bool { return s.Role == RoleDecode || s.Role == RoleBoth }
+
+// Default returns the defaults of SPEC §11: engine timeouts 30/30/60 s,
+// request timeout 600 s and a 32 MiB body limit, handoff max age 120 s,
+// eject after 3, no quarantine, no retries, retry budget 0.2, readmit
+// every 5 s; router id "<hostname>-<pid>", an event buffer of 4096, text
+// logs at info. The fleet is empty and there is no engine contract.
+func Default() Config {
+	return Config{
+		Engine:   Engine{FirstTokenTimeoutS: 30, DecodeReadTimeoutS: 30, PrefillTimeoutS: 60},
+		Request:  Request{TimeoutS: 600, MaxBodyBytes: 32 << 20},
+		Handoff:  Handoff{MaxAgeS: 120},
+		Recovery: Recovery{EjectAfter: 3, FailureQuarantineS: 0, RetryAttempts: 0, RetryBudgetRatio: 0.2, ReadmitIntervalS: 5},
+		Router:   Router{ID: defaultRouterID(), EventBuffer: 4096, LogFormat: LogFormatText, LogLevel: "info"},
+	}
+}
+
+// defaultRouterID returns "<hostname>-<pid>", made safe as a subject token.
+func defaultRouterID() string {
+	host, err := os.Hostname()
+	if err != nil || host == "" {
+		host = "router"
+	}
+	return SanitizeID(host + "-" + strconv.Itoa(os.Getpid()))
+}
+
+// SanitizeID returns s with every character other than ASCII letters,
+// digits, '-' and '_' replaced by '-', so that it is a valid router or
+// engine id (a single NATS subject token and a KV key). An empty s stays
+// empty.
+func SanitizeID(s string) string {
+	b := []byte(s)
+	for i, c := range b {
+		if !idByte(c) {
+			b[i] = '-'
+		}
+	}
+	return string(b)
+}
+
+func idByte(c byte) bool {
+	return c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-' || c == '_'
+}
+
+func validID(s string) bool {
+	if s == "" {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		if !idByte(s[i]) {
+			return false
+		}
+	}
+	return true
+}
+
+// Seconds converts a number of seconds (a `_s` setting) to a Duration,
+// rounded to the nearest nanosecond. Values beyond the Duration range
+// saturate; NaN gives 0.
+func Seconds(s float64) time.Duration {
+	ns := s * float64(time.Second)
+	switch {
+	case math.IsNaN(ns):
+		return 0
+	case ns >= math.MaxInt64:
+		return math.MaxInt64
+	case ns <= math.MinInt64:
+		return math.MinInt64
+	}
+	return time.Duration(math.Round(ns))
+}
+
+// KeyError is one invalid setting. Its message is
+// "config: <key>: <problem>", or "config: <env> (<key>): <problem>" when the
+// value came from the environment variable Env.
+type KeyError struct {
+	// Key is the dotted YAML path, e.g. "engine.first_token_timeout_s" or
+	// "fleet[1].url".
+	Key string
+	// Env is the environment variable that supplied the value, or "".
+	Env string
+	// Problem says what is wrong, e.g. "must be > 0, got -1".
+	Problem string
+}
+
+// Error returns "config: <key>: <problem>" or
+// "config: <env> (<key>): <problem>".
+func (e *KeyError) Error() string {
+	if e.Env != "" {
+		return "config: " + e.Env + " (" + e.Key + "): " + e.Problem
+	}
+	return "config: " + e.Key + ": " + e.Problem
+}
+
+// Validate checks every setting and returns nil or an error joining one
+// *KeyError per invalid key (errors.Join; each line names its key). Rules:
+// timeouts and intervals > 0, except engine.decode_read_timeout_s >= 0
+// (R-TMO-4) and recovery.failure_quarantine_s >= 0 (R-QUAR-1); all of them
+// finite; recovery.retry_attempts >= 0; recovery.retry_budget_ratio in
+// [0, 1]; recovery.eject_after >= 1; request.max_body_bytes > 0;
+// router.event_buffer > 0; router.id a valid id; router.log_format and
+// router.log_level from their sets; every fleet entry with a unique valid
+// id, an absolute http(s) URL, a role of RolePrefill, RoleDecode or
+// RoleBoth, a connector from KnownConnectors and slots >= 0; the engine
+// contract's version constraint parses and its connector, when set, is
+// known. An empty fleet is valid.
+func (c *Config) Validate() error {
+	var errs []error
+	bad := func(key, format string, args ...any) {
+		errs = append(errs, &KeyError{Key: key, Problem: fmt.Sprintf(format, args...)})
+	}
+	positive := func(key string, v float64) {
+		if !finite(v) {
+			bad(key, "must be a finite number, got %v", v)
+		} else if v <= 0 {
+			bad(key, "must be > 0, got %v", v)
+		}
+	}
+	nonNegative := func(key string, v float64) {
+		if !finite(v) {
+			bad(key, "must be a finite number, got %v", v)
+		} else if v < 0 {
+			bad(key, "must be >= 0, got %v", v)
+		}
+	}
+
+	positive("engine.first_token_timeout_s", c.Engine.FirstTokenTimeoutS)
+	nonNegative("engine.decode_read_timeout_s", c.Engine.DecodeReadTimeoutS)
+	positive("engine.prefill_timeout_s", c.Engine.PrefillTimeoutS)
+	positive("request.timeout_s", c.Request.TimeoutS)
+	if c.Request.MaxBodyBytes <= 0 {
+		bad("request.max_body_bytes", "must be > 0, got %d", c.Request.MaxBodyBytes)
+	}
+	positive("handoff.max_age_s", c.Handoff.MaxAgeS)
+	if c.Recovery.EjectAfter < 1 {
+		bad("recovery.eject_after", "must be >= 1, got %d", c.Recovery.EjectAfter)
+	}
+	nonNegative("recovery.failure_quarantine_s", c.Recovery.FailureQuarantineS)
+	if c.Recovery.RetryAttempts < 0 {
+		bad("recovery.retry_attempts", "must be >= 0, got %d", c.Recovery.RetryAttempts)
+	}
+	if r := c.Recovery.RetryBudgetRatio; !(r >= 0 && r <= 1) {
+		bad("recovery.retry_budget_ratio", "must be between 0 and 1, got %v", r)
+	}
+	positive("recovery.readmit_interval_s", c.Recovery.ReadmitIntervalS)
+	if !validID(c.Router.ID) {
+		bad("router.id", "must be non-empty and hold only letters, digits, '-' and '_', got %q", c.Router.ID)
+	}
+	if c.Router.EventBuffer <= 0 {
+		bad("router.event_buffer", "must be > 0, got %d", c.Router.EventBuffer)
+	}
+	if c.Router.LogFormat != LogFormatText && c.Router.LogFormat != LogFormatJSON {
+		bad("router.log_format", "must be %q or %q, got %q", LogFormatText, LogFormatJSON, c.Router.LogFormat)
+	}
+	if !slices.Contains(logLevels, c.Router.LogLevel) {
+		bad("router.log_level", "must be one of %s, got %q", strings.Join(logLevels, ", "), c.Router.LogLevel)
+	}
+
+	if ec := c.EngineContract; ec != nil {
+		if ec.Version != "" {
+			if _, err := parseConstraint(ec.Version); err != nil {
+				bad("engine_contract.version", "%v", err)
+			}
+		}
+		if ec.Connector != "" && !slices.Contains(KnownConnectors, ec.Connector) {
+			bad("engine_contract.connector", "must be one of %s, got %q", strings.Join(KnownConnectors, ", "), ec.Connector)
+		}
+	}
+
+	seen := make(map[string]int, len(c.Fleet))
+	for i, s := range c.Fleet {
+		key := func(field string) string { return "fleet[" + strconv.Itoa(i) + "]." + field }
+		switch {
+		case !validID(s.ID):
+			bad(key("id"), "must be non-empty and hold only letters, digits, '-' and '_', got %q", s.ID)
+		default:
+			if j, dup := seen[s.ID]; dup {
+				bad(key("id"), "duplicate id %q (also fleet[%d])", s.ID, j)
+			} else {
+				seen[s.ID] = i
+			}
+		}
+		if u, err := url.Parse(s.URL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			bad(key("url"), "must be an absolute http or https URL, got %q", s.URL)
+		}
+		if s.Role != RolePrefill && s.Role != RoleDecode && s.Role != RoleBoth {
+			bad(key("role"), "must be %q, %q or %q, got %q", RolePrefill, RoleDecode, RoleBoth, s.Role)
+		}
+		if !slices.Contains(KnownConnectors, s.Connector) {
+			bad(key("connector"), "must be one of %s, got %q", strings.Join(KnownConnectors, ", "), s.Connector)
+		}
+		if s.PrefillSlots < 0 {
+			bad(key("prefill_slots"), "must be >= 0, got %d", s.PrefillSlots)
+		}
+		if s.DecodeSlots < 0 {
+			bad(key("decode_slots"), "must be >= 0, got %d", s.DecodeSlots)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func finite(v float64) bool { return !math.IsNaN(v) && !math.IsInf(v, 0) }
+
+// EngineByID returns the fleet entry with the given id, and whether there
+// is one.
+func (c *Config) EngineByID(id string) (EngineSpec, bool) {
+	for _, s := range c.Fleet {
+		if s.ID == id {
+			return s, true
+		}
+	}
+	return EngineSpec{}, false
+}

@@ -1,0 +1,235 @@
+package router
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+
+	"go.uber.org/goleak"
+
+	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m, leakOptions()...)
+}
+
+// leakOptions ignores goroutines that outlive a test by design: fasthttp's
+// process-wide date updater and its worker pools' cleaners (which notice a
+// stopped server only on their next 10 s tick).
+func leakOptions() []goleak.Option {
+	return []goleak.Option{
+		goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.updateServerDate.func1"),
+		goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.(*workerPool).Start.func2"),
+	}
+}
+
+func chatBody(content string, extra string) string {
+	b := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":%q}]`, testModel, content)
+	if extra != "" {
+		b += "," + extra
+	}
+	return b + "}"
+}
+
+func TestStreamingChatEndToEnd(t *testing.T) {
+	s := newStack(t, pd(), nil)
+	s.waitModels()
+	resp, body := s.post(schemas.EndpointChat, chatBody("hello narwhal", `"stream":true,"max_tokens":12,"seed":3`), "X-Request-Id", "client-req-1")
+	if resp.StatusCode != 200 {
+		t.Fatalf("status %d: %s", resp.StatusCode, body)
+	}
+	// R-API-6: the client's id comes back.
+	if got := resp.Header.Get("X-Request-Id"); got != "client-req-1" {
+		t.Fatalf("X-Request-Id %q", got)
+	}
+	text, done, errObj := streamText(t, body)
+	if !done || errObj != nil {
+		t.Fatalf("done=%v err=%v body=%s", done, errObj, body)
+	}
+	if want := expectedChat(t, "hello narwhal", 3, 12); text != want {
+		t.Fatalf("text %q, want %q", text, want)
+	}
+	// Exactly one producer ran a prefill, one consumer pulled its KV.
+	var prefills, pulls, served int64
+	var prefillID, decodeID string
+	for id, srv := range s.sims {
+		st := srv.Stats()
+		prefills += st.Prefills
+		pulls += st.KVPulled
+		served += st.KVServed
+		for _, r := range srv.Requests() {
+			if r.Phase == "prefill" {
+				prefillID = r.RequestID
+			} else if r.Phase == "decode" {
+				decodeID = r.RequestID
+			}
+		}
+		_ = id
+	}
+	if prefills != 1 || pulls != 1 || served != 1 {
+		t.Fatalf("prefills %d pulls %d served %d", prefills, pulls, served)
+	}
+	// R-OWN-4: one backend id on both legs, derived from but not equal to the client's.
+	if prefillID == "" || prefillID != decodeID || prefillID == "client-req-1" || !strings.HasPrefix(prefillID, "client-req-1") {
+		t.Fatalf("backend ids prefill %q decode %q", prefillID, decodeID)
+	}
+	s.idle()
+	// R-BUS-1 / R-TIME-1: one request-completed event with both durations.
+	reqs := s.events.requests()
+	if len(reqs) != 1 {
+		t.Fatalf("%d request events", len(reqs))
+	}
+	ev := reqs[0]
+	if ev.Status != 200 || ev.RequestID != "client-req-1" || ev.TTFTSeconds == nil || ev.FirstByteSeconds == nil || *ev.TTFTSeconds > *ev.FirstByteSeconds || ev.Attempts != 1 {
+		t.Fatalf("event %+v", ev)
+	}
+}
+
+func TestConcurrentStreams200(t *testing.T) {
+	s := newStack(t, pd(), nil)
+	s.waitModels()
+	const n = 200
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			content := fmt.Sprintf("prompt number %d", i)
+			req, _ := http.NewRequest("POST", s.url+schemas.EndpointChat, strings.NewReader(chatBody(content, `"stream":true,"max_tokens":16`)))
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				errs <- err
+				return
+			}
+			defer resp.Body.Close()
+			var buf strings.Builder
+			_, _ = fmt.Fprint(&buf, "")
+			b := make([]byte, 0, 4096)
+			tmp := make([]byte, 4096)
+			for {
+				k, err := resp.Body.Read(tmp)
+				b = append(b, tmp[:k]...)
+				if err != nil {
+					break
+				}
+			}
+			if resp.StatusCode != 200 {
+				errs <- fmt.Errorf("request %d: status %d %s", i, resp.StatusCode, b)
+				return
+			}
+			text, done, errObj := streamText(t, b)
+			if !done || errObj != nil || text != expectedChat(t, content, 0, 16) {
+				errs <- fmt.Errorf("request %d: done=%v err=%v text=%q", i, done, errObj, text)
+			}
+		}(i)
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	s.idle()
+	if got := len(s.events.requests()); got != n {
+		t.Fatalf("%d request events, want %d", got, n)
+	}
+}
+
+func TestNonStreamingAggregatesRLEG5(t *testing.T) {
+	s := newStack(t, pd(), nil)
+	s.waitModels()
+	resp, body := s.post(schemas.EndpointChat, chatBody("aggregate me", `"max_tokens":8,"n":2`))
+	if resp.StatusCode != 200 {
+		t.Fatalf("status %d %s", resp.StatusCode, body)
+	}
+	var out struct {
+		Object  string `json:"object"`
+		Choices []struct {
+			Index   int `json:"index"`
+			Message struct {
+				Role    string `json:"role"`
+				Content string `json:"content"`
+			} `json:"message"`
+			FinishReason string `json:"finish_reason"`
+		} `json:"choices"`
+		Usage struct {
+			Prompt, Completion int
+		} `json:"usage"`
+	}
+	if err := json.Unmarshal(body, &out); err != nil {
+		t.Fatal(err)
+	}
+	if out.Object != "chat.completion" || len(out.Choices) != 2 {
+		t.Fatalf("%s", body)
+	}
+	for j, c := range out.Choices {
+		if want := expectedChat(t, "aggregate me", int64(j), 8); c.Message.Content != want || c.Index != j {
+			t.Fatalf("choice %d %q, want %q", j, c.Message.Content, want)
+		}
+	}
+}
+
+func TestSameWorkerSendsNoTransferParamsRLEG4(t *testing.T) {
+	s := newStack(t, []engineDef{{id: "b1", role: "both"}}, nil)
+	s.waitModels()
+	resp, body := s.post(schemas.EndpointChat, chatBody("same worker", `"stream":true,"kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"x","remote_block_ids":[1]}`))
+	if resp.StatusCode != 200 {
+		t.Fatalf("status %d %s", resp.StatusCode, body)
+	}
+	reqs := s.sims["b1"].Requests()
+	if len(reqs) != 2 {
+		t.Fatalf("%d requests", len(reqs))
+	}
+	for _, r := range reqs {
+		var m map[string]json.RawMessage
+		_ = json.Unmarshal(r.Body, &m)
+		if _, ok := m["kv_transfer_params"]; ok {
+			t.Fatalf("same-worker leg carries kv_transfer_params: %s", r.Body)
+		}
+	}
+	if text, done, _ := streamText(t, body); !done || text != expectedChat(t, "same worker", 0, 16) {
+		t.Fatalf("text %q", text)
+	}
+}
+
+func TestBadInputTouchesNoEngineRAPI4(t *testing.T) {
+	s := newStack(t, pd(), func(c *config.Config) { c.Request.MaxBodyBytes = 4096 })
+	s.waitModels()
+	cases := []struct {
+		name, path, body string
+		status           int
+	}{
+		{"invalid JSON", schemas.EndpointChat, `{"model":`, 400},
+		{"missing model", schemas.EndpointChat, `{"messages":[{"role":"user","content":"x"}]}`, 400},
+		{"missing messages", schemas.EndpointChat, `{"model":"sim-model"}`, 400},
+		{"missing prompt", schemas.EndpointCompletions, `{"model":"sim-model"}`, 400},
+		{"max_tokens 0", schemas.EndpointCompletions, `{"model":"sim-model","prompt":"x","max_tokens":0}`, 400},
+		{"unknown model", schemas.EndpointChat, `{"model":"gpt-9","messages":[{"role":"user","content":"x"}]}`, 404},
+		{"body over the limit", schemas.EndpointChat, chatBody(strings.Repeat("x", 5000), ""), 413},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			resp, body := s.post(c.path, c.body)
+			if resp.StatusCode != c.status {
+				t.Fatalf("status %d, want %d: %s", resp.StatusCode, c.status, body)
+			}
+			var e schemas.ErrorResponse
+			if err := json.Unmarshal(body, &e); err != nil || e.Error.Code != c.status || e.Error.Message == "" || e.Error.Type == "" {
+				t.Fatalf("error body %s", body)
+			}
+			if resp.Header.Get("X-Request-Id") == "" && c.status != 413 {
+				t.Fatal("no X-Request-Id")
+			}
+		})
+	}
+	for id, srv := range s.sims {
+		if n := len(srv.Requests()); n != 0 {
+			t.Fatalf("engine %s got %d requests", id, n)
+		}
+	}
+}

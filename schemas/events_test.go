@@ -1,0 +1,341 @@
+package schemas_test
+
+import (
+	"bytes"
+	"encoding/json"
+	"io/fs"
+	"reflect"
+	"slices"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/narwhalmesh/narwhal/schemas"
+	"github.com/santhosh-tekuri/jsonschema/v6"
+)
+
+const schemaIDPrefix = "https://github.com/narwhalmesh/narwhal/schemas/"
+
+// compileSchemas compiles every schema file of SchemaFS, with format
+// assertions on, keyed by schema name.
+func compileSchemas(t *testing.T) map[string]*jsonschema.Schema {
+	t.Helper()
+	files, err := fs.Glob(schemas.SchemaFS, "*.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := jsonschema.NewCompiler()
+	c.AssertFormat()
+	names := make([]string, 0, len(files))
+	for _, f := range files {
+		b, err := schemas.SchemaFS.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		doc, err := jsonschema.UnmarshalJSON(bytes.NewReader(b))
+		if err != nil {
+			t.Fatalf("%s: %v", f, err)
+		}
+		name := strings.TrimSuffix(f, ".json")
+		if id, _ := doc.(map[string]any)["$id"].(string); id != schemaIDPrefix+f {
+			t.Errorf("%s: $id %q, want %q", f, id, schemaIDPrefix+f)
+		}
+		if err := c.AddResource(schemaIDPrefix+f, doc); err != nil {
+			t.Fatalf("%s: %v", f, err)
+		}
+		names = append(names, name)
+	}
+	out := make(map[string]*jsonschema.Schema, len(names))
+	for _, name := range names {
+		sch, err := c.Compile(schemaIDPrefix + name + ".json")
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		out[name] = sch
+	}
+	return out
+}
+
+func validate(t *testing.T, sch *jsonschema.Schema, payload []byte) error {
+	t.Helper()
+	inst, err := jsonschema.UnmarshalJSON(bytes.NewReader(payload))
+	if err != nil {
+		t.Fatalf("payload is not JSON: %v", err)
+	}
+	return sch.Validate(inst)
+}
+
+func f64(v float64) *float64 { return &v }
+
+var at = time.Date(2026, 3, 1, 12, 30, 45, 123456789, time.UTC)
+
+func env(schema string) schemas.Envelope {
+	return schemas.Envelope{Schema: schema, ID: "Ev1x2y3z", At: at, RouterID: "router-a", EngineID: "d1", RequestID: "req-1"}
+}
+
+// sample is one event type's samples: full (every field set) and minimal
+// (only what the schema requires).
+type sample struct {
+	kind          string
+	full, minimal schemas.Event
+}
+
+func samples() []sample {
+	breakerEnv := func(schema string) schemas.Envelope {
+		return schemas.Envelope{Schema: schema, ID: "Ev9", At: at, BreakerID: "breaker-1", EngineID: "d1"}
+	}
+	return []sample{
+		{schemas.KindRequest,
+			&schemas.RequestCompleted{Envelope: env(schemas.SchemaRequest), Endpoint: "/v1/chat/completions", Model: "m", Stream: true,
+				Status: 504, ErrorKind: "first_token_timeout", ProducerID: "p1", ConsumerID: "d1", Attempts: 2,
+				TTFTSeconds: f64(0.12), FirstByteSeconds: f64(0.31), DurationSeconds: 1.5, PromptTokens: 12, CompletionTokens: 7},
+			&schemas.RequestCompleted{Envelope: schemas.Envelope{Schema: schemas.SchemaRequest, ID: "Ev2", At: at, RouterID: "router-a", RequestID: "req-2"},
+				Endpoint: "/v1/completions", Status: 400}},
+		{schemas.KindFailure,
+			&schemas.Failure{Envelope: env(schemas.SchemaFailure), Phase: schemas.PhaseDecode, Kind: "decode_silence", Status: 504,
+				UpstreamStatus: 200, Message: "engine went silent between tokens", Timeout: true, Counts: true,
+				ProducerID: "p1", ConsumerID: "d1", BackendRequestID: "req-1-a1", Attempt: 1},
+			&schemas.Failure{Envelope: schemas.Envelope{Schema: schemas.SchemaFailure, ID: "Ev3", At: at, RouterID: "r", EngineID: "p1"},
+				Phase: schemas.PhasePrefill, Kind: "connect", Status: 502, Attempt: 1}},
+		{schemas.KindQuarantine,
+			&schemas.Quarantine{Envelope: env(schemas.SchemaQuarantine), DurationSeconds: 10, Until: at.Add(10 * time.Second), Reason: "first_token_timeout"},
+			&schemas.Quarantine{Envelope: schemas.Envelope{Schema: schemas.SchemaQuarantine, ID: "Ev4", At: at, RouterID: "r", EngineID: "d1"},
+				DurationSeconds: 0.5, Until: at, Reason: "connect"}},
+		{schemas.KindHandoff,
+			&schemas.Handoff{Envelope: env(schemas.SchemaHandoff), Outcome: schemas.HandoffAbandoned, Reason: "client_disconnected",
+				ConsumerID: "d2", BackendRequestID: "req-1-a1", Connector: "nixl", AgeSeconds: 0.4, Released: true},
+			&schemas.Handoff{Envelope: schemas.Envelope{Schema: schemas.SchemaHandoff, ID: "Ev5", At: at, RouterID: "r", EngineID: "p1"},
+				Outcome: schemas.HandoffAbandoned, Reason: "decode_failed", Connector: "nixl"}},
+		{schemas.KindProbe,
+			&schemas.Probe{Envelope: breakerEnv(schemas.SchemaProbe), Outcome: "failure", Phase: schemas.PhaseDecode,
+				ProducerID: "p1", ConsumerID: "d1", Message: "engine first token timeout"},
+			&schemas.Probe{Envelope: breakerEnv(schemas.SchemaProbe), Outcome: "success", Phase: schemas.PhasePrefill}},
+		{schemas.KindEligibility,
+			&schemas.Eligibility{Envelope: breakerEnv(schemas.SchemaEligibility), Eligible: false, State: "ejected", Reason: "ejected after 3 failures", Streak: 3},
+			&schemas.Eligibility{Envelope: breakerEnv(schemas.SchemaEligibility), Eligible: true, State: "eligible"}},
+	}
+}
+
+// TestEverySchemaFileIsAnEvent proves R-BUS-3: SchemaFS holds exactly one
+// file per event schema name.
+func TestEverySchemaFileIsAnEvent(t *testing.T) {
+	compiled := compileSchemas(t)
+	var got []string
+	for name := range compiled {
+		got = append(got, name)
+	}
+	want := []string{schemas.SchemaRequest, schemas.SchemaFailure, schemas.SchemaQuarantine, schemas.SchemaHandoff, schemas.SchemaProbe, schemas.SchemaEligibility}
+	sort.Strings(got)
+	sort.Strings(want)
+	if !slices.Equal(got, want) {
+		t.Fatalf("schema files %v, want %v", got, want)
+	}
+}
+
+// TestSamplesValidate proves R-BUS-3: a marshalled event of every type,
+// fully populated or minimal, validates against the schema its "schema"
+// field names, and its subject is narwhal.events.<kind>.<id> (R-BUS-1).
+func TestSamplesValidate(t *testing.T) {
+	compiled := compileSchemas(t)
+	for _, s := range samples() {
+		for _, ev := range []schemas.Event{s.full, s.minimal} {
+			payload, err := json.Marshal(ev)
+			if err != nil {
+				t.Fatal(err)
+			}
+			sch := compiled[ev.Head().Schema]
+			if sch == nil {
+				t.Fatalf("no schema %q", ev.Head().Schema)
+			}
+			if err := validate(t, sch, payload); err != nil {
+				t.Errorf("%s: %s\n%v", s.kind, payload, err)
+			}
+			id := ev.Head().EngineID
+			if s.kind == schemas.KindRequest {
+				id = ev.Head().RouterID
+			}
+			if want := "narwhal.events." + s.kind + "." + id; ev.Subject() != want {
+				t.Errorf("subject %q, want %q", ev.Subject(), want)
+			}
+		}
+	}
+}
+
+// TestBrokenEventsFail proves the schemas reject what is not an event:
+// every mutation below of a valid event fails validation.
+func TestBrokenEventsFail(t *testing.T) {
+	compiled := compileSchemas(t)
+	type mutation struct {
+		name   string
+		mutate func(m map[string]any)
+	}
+	common := []mutation{
+		{"missing schema", func(m map[string]any) { delete(m, "schema") }},
+		{"other schema", func(m map[string]any) { m["schema"] = "narwhal.other.v1" }},
+		{"missing id", func(m map[string]any) { delete(m, "id") }},
+		{"empty id", func(m map[string]any) { m["id"] = "" }},
+		{"missing at", func(m map[string]any) { delete(m, "at") }},
+		{"at not a date-time", func(m map[string]any) { m["at"] = "yesterday" }},
+		{"at not UTC", func(m map[string]any) { m["at"] = "2026-03-01T13:30:45.123456789+01:00" }},
+		{"at a number", func(m map[string]any) { m["at"] = 1700000000 }},
+		{"unknown field", func(m map[string]any) { m["extra"] = 1 }},
+		{"missing engine or router id", func(m map[string]any) {
+			if m["schema"] == schemas.SchemaRequest {
+				delete(m, "router_id")
+			} else {
+				delete(m, "engine_id")
+			}
+		}},
+	}
+	specific := map[string][]mutation{
+		schemas.SchemaRequest: {
+			{"status a string", func(m map[string]any) { m["status"] = "200" }},
+			{"status out of range", func(m map[string]any) { m["status"] = 0 }},
+			{"ttft_s missing", func(m map[string]any) { delete(m, "ttft_s") }},
+			{"ttft_s negative", func(m map[string]any) { m["ttft_s"] = -1 }},
+			{"unknown endpoint", func(m map[string]any) { m["endpoint"] = "/v1/embeddings" }},
+			{"fractional tokens", func(m map[string]any) { m["completion_tokens"] = 1.5 }},
+			{"missing request_id", func(m map[string]any) { delete(m, "request_id") }},
+		},
+		schemas.SchemaFailure: {
+			{"unknown phase", func(m map[string]any) { m["phase"] = "both" }},
+			{"attempt 0", func(m map[string]any) { m["attempt"] = 0 }},
+			{"counts missing", func(m map[string]any) { delete(m, "counts") }},
+			{"timeout a string", func(m map[string]any) { m["timeout"] = "true" }},
+			{"no router_id", func(m map[string]any) { delete(m, "router_id") }},
+		},
+		schemas.SchemaQuarantine: {
+			{"zero duration", func(m map[string]any) { m["duration_s"] = 0 }},
+			{"until not a date-time", func(m map[string]any) { m["until"] = "soon" }},
+		},
+		schemas.SchemaHandoff: {
+			{"unknown outcome", func(m map[string]any) { m["outcome"] = "consumed?" }},
+			{"released missing", func(m map[string]any) { delete(m, "released") }},
+			{"negative age", func(m map[string]any) { m["age_s"] = -0.1 }},
+		},
+		schemas.SchemaProbe: {
+			{"unknown outcome", func(m map[string]any) { m["outcome"] = "maybe" }},
+			{"no breaker_id", func(m map[string]any) { delete(m, "breaker_id") }},
+		},
+		schemas.SchemaEligibility: {
+			{"eligible disagrees with state", func(m map[string]any) { m["eligible"] = !m["eligible"].(bool) }},
+			{"unknown state", func(m map[string]any) { m["state"] = "probing" }},
+			{"negative streak", func(m map[string]any) { m["streak"] = -1 }},
+		},
+	}
+	for _, s := range samples() {
+		for _, ev := range []schemas.Event{s.full, s.minimal} {
+			payload, err := json.Marshal(ev)
+			if err != nil {
+				t.Fatal(err)
+			}
+			name := ev.Head().Schema
+			for _, mu := range append(slices.Clone(common), specific[name]...) {
+				var m map[string]any
+				if err := json.Unmarshal(payload, &m); err != nil {
+					t.Fatal(err)
+				}
+				mu.mutate(m)
+				broken, _ := json.Marshal(m)
+				if err := validate(t, compiled[name], broken); err == nil {
+					t.Errorf("%s, %s: broken event validated: %s", name, mu.name, broken)
+				}
+			}
+		}
+	}
+}
+
+// subjectIDs are the envelope fields a schema requires although the Go
+// type marks them omitempty: the id that ends the event's subject
+// (R-BUS-1), and the request id of a request event (R-API-6).
+var subjectIDs = map[string][]string{
+	schemas.SchemaRequest:     {"router_id", "request_id"},
+	schemas.SchemaFailure:     {"router_id", "engine_id"},
+	schemas.SchemaQuarantine:  {"router_id", "engine_id"},
+	schemas.SchemaHandoff:     {"router_id", "engine_id"},
+	schemas.SchemaProbe:       {"breaker_id", "engine_id"},
+	schemas.SchemaEligibility: {"breaker_id", "engine_id"},
+}
+
+// TestSchemasMatchGoTypes proves the schema files and the Go types agree
+// field for field: the same JSON names, each field's JSON type, and
+// required = the fields without omitempty plus the subject ids.
+func TestSchemasMatchGoTypes(t *testing.T) {
+	for _, s := range samples() {
+		name := s.full.Head().Schema
+		b, err := schemas.SchemaFS.ReadFile(name + ".json")
+		if err != nil {
+			t.Fatal(err)
+		}
+		var doc struct {
+			Type                 string                    `json:"type"`
+			Required             []string                  `json:"required"`
+			Properties           map[string]map[string]any `json:"properties"`
+			AdditionalProperties *bool                     `json:"additionalProperties"`
+		}
+		if err := json.Unmarshal(b, &doc); err != nil {
+			t.Fatal(err)
+		}
+		if doc.Type != "object" || doc.AdditionalProperties == nil || *doc.AdditionalProperties {
+			t.Errorf("%s: want an object with additionalProperties false", name)
+		}
+		if c, _ := doc.Properties["schema"]["const"].(string); c != name {
+			t.Errorf("%s: schema const %q", name, c)
+		}
+
+		fields := map[string]reflect.StructField{}
+		var required []string
+		var walk func(reflect.Type)
+		walk = func(rt reflect.Type) {
+			for i := range rt.NumField() {
+				f := rt.Field(i)
+				if f.Anonymous {
+					walk(f.Type)
+					continue
+				}
+				tag, opts, _ := strings.Cut(f.Tag.Get("json"), ",")
+				fields[tag] = f
+				if !strings.Contains(opts, "omitempty") {
+					required = append(required, tag)
+				}
+			}
+		}
+		walk(reflect.TypeOf(s.full).Elem())
+		required = append(required, subjectIDs[name]...)
+		sort.Strings(required)
+		gotRequired := slices.Clone(doc.Required)
+		sort.Strings(gotRequired)
+		if !slices.Equal(gotRequired, required) {
+			t.Errorf("%s: required %v, want %v", name, gotRequired, required)
+		}
+		if len(doc.Properties) != len(fields) {
+			t.Errorf("%s: %d properties, Go type has %d fields", name, len(doc.Properties), len(fields))
+		}
+		for tag, f := range fields {
+			p, ok := doc.Properties[tag]
+			if !ok {
+				t.Errorf("%s: Go field %s (%q) has no property", name, f.Name, tag)
+				continue
+			}
+			if tag == "schema" {
+				continue
+			}
+			var want any
+			switch {
+			case f.Type == reflect.TypeFor[time.Time]():
+				want = "string"
+				if p["format"] != "date-time" {
+					t.Errorf("%s.%s: format %v, want date-time", name, tag, p["format"])
+				}
+			case f.Type == reflect.TypeFor[*float64]():
+				want = []any{"number", "null"}
+			default:
+				want = map[reflect.Kind]string{reflect.String: "string", reflect.Bool: "boolean", reflect.Int: "integer", reflect.Float64: "number"}[f.Type.Kind()]
+			}
+			if !reflect.DeepEqual(p["type"], want) {
+				t.Errorf("%s.%s: type %v, want %v", name, tag, p["type"], want)
+			}
+		}
+	}
+}
