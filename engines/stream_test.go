@@ -134,7 +134,9 @@ func wantFault(t *testing.T, err error, kind FaultKind, status int, msgPrefix st
 	return f
 }
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m, goleak.IgnoreTopFunction("net/http.(*persistConn).writeLoop"), goleak.IgnoreTopFunction("internal/poll.runtime_pollWait")) }
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m, goleak.IgnoreTopFunction("net/http.(*persistConn).writeLoop"), goleak.IgnoreTopFunction("internal/poll.runtime_pollWait"))
+}
 
 func TestValidStream(t *testing.T) {
 	// R-FAIL-2: generated output then [DONE] is a valid stream.
