@@ -7,6 +7,7 @@ import (
 	"errors"
 	"io"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -97,6 +98,9 @@ func (rt *Router) serveCompletion(fctx *fasthttp.RequestCtx, endpoint string) {
 		c.fail(fctx, fault)
 		return
 	}
+	// Which engines served the request, for operators and demos.
+	fctx.Response.Header.Set("X-Narwhal-Prefill-Engine", c.producer.ID)
+	fctx.Response.Header.Set("X-Narwhal-Decode-Engine", c.consumer.ID)
 	if req.Stream {
 		c.committed = true
 		fctx.SetStatusCode(200)
@@ -157,10 +161,13 @@ func (c *call) run() *engines.Fault {
 			return f
 		}
 		rt.metrics.retries.Inc()
-		// R-RETRY-3: avoid the failed engine for the phase it failed.
-		if f.Phase == schemas.PhasePrefill || f.Kind == engines.KindDescriptorRejected {
+		// R-RETRY-3: avoid the failed engine for the phase it failed. An
+		// expired handoff blames neither engine.
+		switch {
+		case f.Kind == engines.KindHandoffExpired:
+		case f.Phase == schemas.PhasePrefill:
 			excludeP = rt.fleet.byID[f.EngineID]
-		} else {
+		default:
 			excludeC = rt.fleet.byID[f.EngineID]
 		}
 	}
@@ -191,6 +198,11 @@ func (c *call) attempt(excludeP, excludeC *member) *engines.Fault {
 	if perr != nil {
 		c.releaseDecode()
 		f := perr.(*engines.Fault)
+		if f.Kind == engines.KindDescriptorRejected && !strings.HasSuffix(f.Message, connector.ReasonMissingDescriptor) {
+			// The producer may hold blocks for a descriptor nobody can
+			// use: make the stranded KV visible (R-OWN-6).
+			c.publishAbandoned(prod.ID, "", "descriptor_rejected", 0, false)
+		}
 		c.engineFault(f)
 		return f
 	}
@@ -287,15 +299,24 @@ func (c *call) abandon(reason string) {
 	if err != nil {
 		rt.log.Warn("handoff release failed", "request_id", c.id, "engine_id", res.ProducerID, "err", err)
 	}
+	c.publishAbandoned(res.ProducerID, res.Connector, reason, res.Age(time.Now()), released)
+}
+
+// publishAbandoned publishes the handoff event of R-OWN-6.
+func (c *call) publishAbandoned(producerID, conn, reason string, age time.Duration, released bool) {
+	rt := c.rt
 	rt.metrics.abandoned.Inc()
+	if conn == "" {
+		conn = c.producer.Connector.Name()
+	}
 	rt.publish(&schemas.Handoff{
-		Envelope:         schemas.Envelope{Schema: schemas.SchemaHandoff, RouterID: rt.id, EngineID: res.ProducerID, RequestID: c.id},
+		Envelope:         schemas.Envelope{Schema: schemas.SchemaHandoff, RouterID: rt.id, EngineID: producerID, RequestID: c.id},
 		Outcome:          schemas.HandoffAbandoned,
 		Reason:           reason,
 		ConsumerID:       c.consumer.ID,
-		BackendRequestID: res.RequestID,
-		Connector:        res.Connector,
-		AgeSeconds:       res.Age(time.Now()).Seconds(),
+		BackendRequestID: c.backendID,
+		Connector:        conn,
+		AgeSeconds:       age.Seconds(),
 		Released:         released,
 	})
 }

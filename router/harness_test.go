@@ -138,6 +138,10 @@ func newStack(t *testing.T, defs []engineDef, mutate func(*config.Config)) *stac
 	return s
 }
 
+const millisecond = time.Millisecond
+
+func nowUTC() time.Time { return time.Now().UTC() }
+
 // pd is the usual fleet: two prefill and two decode engines.
 func pd() []engineDef {
 	return []engineDef{{id: "p1", role: "prefill"}, {id: "p2", role: "prefill"}, {id: "d1", role: "decode"}, {id: "d2", role: "decode"}}
