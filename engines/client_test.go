@@ -1,0 +1,266 @@
+package engines
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/narwhalmesh/narwhal/engines/connector"
+	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+func startSim(t *testing.T, id, role string) (*sim.Server, *Engine) {
+	t.Helper()
+	srv, err := sim.New(sim.Config{Role: role, EngineID: id, Model: "m"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	url, err := srv.Start("127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	return srv, &Engine{ID: id, URL: url, Role: Role(role), Connector: connector.Nixl{}}
+}
+
+func parse(t *testing.T, endpoint, body string) *schemas.Request {
+	t.Helper()
+	r, err := schemas.ParseRequest(endpoint, []byte(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+func TestPrefillThenDecodeOverTheSimulator(t *testing.T) {
+	// R-LEG-2: the result binds the descriptor to producer, URL, endpoint,
+	// backend request id, connector and the leg's start; Decode consumes
+	// it unchanged (SPEC §12).
+	psrv, p := startSim(t, "p1", "prefill")
+	dsrv, d := startSim(t, "d1", "decode")
+	c := NewClient(Options{})
+	defer c.HTTPClient().CloseIdleConnections()
+	req := &Request{Body: parse(t, schemas.EndpointCompletions, `{"model":"m","prompt":"one two three","max_tokens":5,"stream":true}`),
+		BackendRequestID: "r-1-abc", Producer: p, Consumer: d}
+	before := time.Now()
+	res, err := c.Prefill(context.Background(), req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.ProducerID != "p1" || res.ProducerURL != p.URL || res.Endpoint != schemas.EndpointCompletions || res.RequestID != "r-1-abc" ||
+		res.Connector != "nixl" || res.Started.Before(before) || res.Completed.Before(res.Started) || !res.HasDescriptor() || res.Handoff.EngineID != "p1" {
+		t.Fatalf("result %+v", res)
+	}
+	params := res.Parameters()
+	if params["remote_engine_id"] != "p1" || params["do_remote_prefill"] != true {
+		t.Fatalf("parameters %v", params)
+	}
+	s, err := c.Decode(context.Background(), req, res)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var text strings.Builder
+	for {
+		payload, kind, err := s.Next()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		if kind == schemas.ChunkOutput {
+			var ch struct {
+				Choices []struct{ Text string } `json:"choices"`
+			}
+			_ = json.Unmarshal(payload, &ch)
+			for _, c := range ch.Choices {
+				text.WriteString(c.Text)
+			}
+		}
+	}
+	s.Close()
+	toks, _ := sim.Generate("one two three", 0, 5, nil, false)
+	if text.String() != strings.Join(toks, "") {
+		t.Fatalf("text %q, want %q", text.String(), strings.Join(toks, ""))
+	}
+	if psrv.Stats().KVServed != 1 || dsrv.Stats().KVPulled != 1 {
+		t.Fatalf("producer %+v consumer %+v", psrv.Stats(), dsrv.Stats())
+	}
+	// R-OWN-4: the same backend id on both legs.
+	for _, srv := range []*sim.Server{psrv, dsrv} {
+		rs := srv.Requests()
+		if len(rs) != 1 || rs[0].RequestID != "r-1-abc" {
+			t.Fatalf("recorded %+v", rs)
+		}
+	}
+	// The descriptor reached decode byte for byte (R-DESC-5).
+	var dec struct {
+		KV json.RawMessage `json:"kv_transfer_params"`
+	}
+	_ = json.Unmarshal(dsrv.Requests()[0].Body, &dec)
+	if !bytes.Equal(dec.KV, res.AppendDescriptor(nil)) {
+		t.Fatalf("decode got %s, want %s", dec.KV, res.AppendDescriptor(nil))
+	}
+}
+
+// otherConnector is a second connector, to prove that adding one is a
+// small addition and that mismatches are refused (R-DESC-3).
+type otherConnector struct{ connector.Nixl }
+
+func (otherConnector) Name() string { return "other" }
+
+func TestCheckHandoffRDESC3And4AndROWN2(t *testing.T) {
+	c := NewClient(Options{HandoffMaxAge: time.Second})
+	body := parse(t, schemas.EndpointChat, `{"model":"m","messages":[{"role":"user","content":"x"}]}`)
+	p := &Engine{ID: "p1", Connector: connector.Nixl{}}
+	d := &Engine{ID: "d1", Connector: connector.Nixl{}}
+	good := connector.NewPrefillResult(connector.PrefillResult{ProducerID: "p1", Endpoint: schemas.EndpointChat, Connector: "nixl", Started: time.Now()},
+		[]byte(`{"remote_engine_id":"p1","remote_block_ids":[1]}`))
+	req := &Request{Body: body, Producer: p, Consumer: d}
+	if f := c.CheckHandoff(req, good, time.Now()); f != nil {
+		t.Fatalf("good handoff refused: %v", f)
+	}
+	reason := func(f *Fault) string {
+		var re *connector.RejectError
+		if f == nil || !errors.As(f, &re) || f.Kind != KindDescriptorRejected || f.Status != 502 || f.EngineID != "p1" {
+			t.Fatalf("fault %+v", f)
+		}
+		return re.Reason
+	}
+	// R-DESC-3: the consumer's connector differs from the producer's.
+	other := &Request{Body: body, Producer: p, Consumer: &Engine{ID: "d2", Connector: otherConnector{}}}
+	if r := reason(c.CheckHandoff(other, good, time.Now())); r != connector.ReasonConnectorMismatch {
+		t.Fatal(r)
+	}
+	// R-DESC-4: decode on another endpoint than the prefill.
+	comp := &Request{Body: parse(t, schemas.EndpointCompletions, `{"model":"m","prompt":"x"}`), Producer: p, Consumer: d}
+	if r := reason(c.CheckHandoff(comp, good, time.Now())); r != connector.ReasonEndpointMismatch {
+		t.Fatal(r)
+	}
+	// R-DESC-0: a crossed decode with no descriptor.
+	none := connector.NewPrefillResult(connector.PrefillResult{ProducerID: "p1", Endpoint: schemas.EndpointChat, Connector: "nixl", Started: time.Now()}, nil)
+	if r := reason(c.CheckHandoff(req, none, time.Now())); r != connector.ReasonMissingDescriptor {
+		t.Fatal(r)
+	}
+	// R-OWN-2: age counts from the start of the producer leg.
+	f := c.CheckHandoff(req, good, good.Started.Add(1100*time.Millisecond))
+	if f == nil || f.Kind != KindHandoffExpired || f.Status != 504 || !strings.HasPrefix(f.Message, "handoff expired") || !f.Timeout {
+		t.Fatalf("fault %+v", f)
+	}
+	if f := c.CheckHandoff(req, good, good.Started.Add(900*time.Millisecond)); f != nil {
+		t.Fatalf("young handoff refused: %v", f)
+	}
+	// Same worker: no descriptor needed.
+	same := &Request{Body: body, Producer: p, Consumer: p}
+	if f := c.CheckHandoff(same, none, time.Now()); f != nil {
+		t.Fatalf("same-worker refused: %v", f)
+	}
+}
+
+func TestFaultClassificationTable(t *testing.T) {
+	// One place decides status, timeout shape, transience and ejection
+	// (R-FAIL-1, R-FAIL-6, R-RETRY-2, R-BRK-2).
+	cases := []struct {
+		kind                               FaultKind
+		upstream                           int
+		status                             int
+		timeout, transient, counts, engine bool
+	}{
+		{KindConnectError, 0, 502, false, true, true, true},
+		{KindPrefillTimeout, 0, 504, true, true, true, true},
+		{KindPrefillStatus, 500, 502, false, true, true, true},
+		{KindPrefillStatus, 504, 504, true, true, true, true},
+		{KindDescriptorRejected, 0, 502, false, true, true, true},
+		{KindHandoffExpired, 0, 504, true, true, false, true},
+		{KindFirstTokenTimeout, 0, 504, true, true, true, true},
+		{KindMidStreamSilence, 0, 504, true, true, true, true},
+		{KindClosedBeforeDone, 0, 502, false, true, true, true},
+		{KindDoneBeforeToken, 0, 502, false, true, true, true},
+		{KindErrorObject, 500, 500, false, true, true, true},
+		{KindErrorObject, 503, 503, false, true, true, true},
+		{KindErrorObject, 0, 502, false, true, true, true},
+		{KindErrorObject, 400, 400, false, false, false, true},
+		{KindErrorObject, 429, 429, false, false, false, true},
+		{KindUpstreamStatus, 502, 502, false, true, true, true},
+		{KindUpstreamStatus, 408, 504, true, true, true, true},
+		{KindClientFault, 422, 422, false, false, false, false},
+		{KindOverload, 429, 429, false, false, false, true},
+		{KindRequestTimeout, 0, 504, true, false, false, false},
+		{KindClientGone, 0, 499, false, false, false, false},
+		{KindNoEngine, 0, 503, false, false, false, false},
+		{KindShutdown, 0, 503, false, false, false, false},
+	}
+	for _, c := range cases {
+		f := NewFault(c.kind, "decode", "e", c.upstream, "m")
+		if f.Status != c.status || f.Timeout != c.timeout || f.Transient() != c.transient || f.CountsTowardEjection() != c.counts || f.EngineFault() != c.engine {
+			t.Errorf("%s/%d: status %d timeout %v transient %v counts %v engine %v", c.kind, c.upstream, f.Status, f.Timeout, f.Transient(), f.CountsTowardEjection(), f.EngineFault())
+		}
+		var e schemas.ErrorResponse
+		if err := json.Unmarshal(f.AppendJSON(nil), &e); err != nil || e.Error.Code != f.Status || e.Error.Message != "m" || e.Error.Param != nil {
+			t.Errorf("%s: body %s", c.kind, f.AppendJSON(nil))
+		}
+	}
+}
+
+// FuzzStreamNext feeds arbitrary bytes as a decode response body: the
+// reader never panics or hangs, and ends with io.EOF only after generated
+// output and [DONE] (R-FAIL-2, R-FAIL-3).
+func FuzzStreamNext(f *testing.F) {
+	f.Add([]byte("data: " + tokenChunk + "\n\ndata: [DONE]\n\n"))
+	f.Add([]byte("data: " + roleChunk + "\n\ndata: [DONE]\n\n"))
+	f.Add([]byte(": ka\n\ndata: {\"error\":{\"message\":\"x\",\"code\":500}}\n\ndata: [DONE]\n\n"))
+	f.Add([]byte("data: {bad\n\n"))
+	f.Add([]byte("data:" + strings.Repeat("x", 70000) + "\n"))
+	f.Fuzz(func(t *testing.T, body []byte) {
+		s := newTestStream(body)
+		defer s.Close()
+		outputs := 0
+		for i := 0; ; i++ {
+			if i > len(body)+2 {
+				t.Fatal("Next does not make progress")
+			}
+			_, kind, err := s.Next()
+			if err == io.EOF {
+				if outputs == 0 {
+					t.Fatal("EOF without output")
+				}
+				return
+			}
+			if err != nil {
+				var fault *Fault
+				if !errors.As(err, &fault) || fault.Status < 400 {
+					t.Fatalf("error %v", err)
+				}
+				if _, _, again := s.Next(); again != err {
+					t.Fatal("error not sticky")
+				}
+				return
+			}
+			if kind == schemas.ChunkOutput {
+				outputs++
+			}
+		}
+	})
+}
+
+// newTestStream wraps body as an open decode stream with long timers.
+func newTestStream(body []byte) *Stream {
+	ctx := context.Background()
+	s := &Stream{parent: ctx, engineID: "d1", readTimeout: time.Minute, start: time.Now()}
+	s.ctx, s.cancel = context.WithCancelCause(ctx)
+	s.timer = time.AfterFunc(time.Minute, s.onTimer)
+	s.resp = &http.Response{Body: io.NopCloser(bytes.NewReader(body))}
+	s.body.r = s.resp.Body
+	s.body.s = s
+	s.br = readerPool.Get().(*bufio.Reader)
+	s.br.Reset(&s.body)
+	return s
+}

@@ -1,0 +1,25 @@
+// Package sim is a vLLM-compatible inference engine simulator with a real
+// KV handoff between simulated producers and consumers.
+//
+// A Server speaks vLLM's OpenAI server dialect (ENGINE-SHAPES.md):
+// POST /v1/chat/completions and /v1/completions (streaming or not),
+// GET /v1/models, /health, /version and /metrics, with vLLM's error bodies.
+// Its output is deterministic (see Generate), so a test can compute exactly
+// what a decode must produce.
+//
+// The KV handoff follows vLLM's NixlConnector: a prefill leg
+// (kv_transfer_params.do_remote_decode = true) that ends length-capped
+// returns a handoff descriptor and the producer holds ceil(prompt_tokens/16)
+// KV blocks for it; a decode leg (kv_transfer_params.do_remote_prefill =
+// true) pulls those blocks over the producer's KV side channel (a second
+// HTTP listener, POST /kv/pull) before it generates, and checks that they
+// were computed for the same endpoint kind and prompt. Forged, foreign,
+// garbled, already pulled, expired and released handoffs fail the decode
+// the way a real engine fails it (SPEC §2, §3, R-OWN-6).
+//
+// Faults (Fault) make the simulator misbehave on command — header and
+// first-token delays, silences, closes, aborts, error objects, bad statuses,
+// descriptor corruption — so the router's failure handling (SPEC §5, §6,
+// R-CHAOS-1) can be proven against a real process. Faults are armed from
+// Config, with Server.Arm, or at run time over HTTP (/sim/faults).
+package sim

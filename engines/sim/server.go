@@ -1,0 +1,558 @@
+package sim
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// Roles an engine advertises (SPEC §0). The simulator is lenient like
+// vLLM: every role accepts prefill legs, decode legs and plain requests;
+// the role only changes what the engine advertises (the listening line and
+// narwhal_sim_info in /metrics).
+const (
+	RolePrefill = "prefill"
+	RoleDecode  = "decode"
+	RoleBoth    = "both"
+)
+
+// Defaults for Config.
+const (
+	// DefaultKVTimeout is vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT: how long a
+	// producer holds unpulled KV blocks.
+	DefaultKVTimeout = 480 * time.Second
+	// DefaultMaxModelLen is the context length reported by /v1/models.
+	DefaultMaxModelLen = 32768
+	// DefaultMaxTokens is the output limit of a request that sets neither
+	// max_tokens nor max_completion_tokens.
+	DefaultMaxTokens = 16
+	// DefaultEngineVersion and DefaultEngineKind are reported by /version.
+	DefaultEngineVersion = "0.11.0"
+	DefaultEngineKind    = "vllm"
+	// ConnectorNixl is the only KV connector the simulator speaks.
+	ConnectorNixl = "nixl"
+)
+
+// maxBodyBytes bounds an inference request body; larger ones get 413.
+const maxBodyBytes = 16 << 20
+
+// maxChoices bounds n.
+const maxChoices = 64
+
+// Config configures a Server. Durations are time.Duration; zero values
+// take the defaults given per field.
+type Config struct {
+	// Role is "prefill", "decode" or "both" (default "both").
+	Role string
+	// EngineID is the fleet-unique engine id, also the remote_engine_id
+	// of the descriptors this engine hands off. Required.
+	EngineID string
+	// Model is the served model name. Required.
+	Model string
+	// TTFT is the delay before the first generated token of a decode or
+	// plain request (not of a prefill leg). 0 is fine.
+	TTFT time.Duration
+	// ITL is the delay between two generated tokens. 0 is fine.
+	ITL time.Duration
+	// PrefillPerToken is the prefill compute time per prompt token, spent by
+	// prefill legs and by requests that recompute the prompt (every request
+	// but a decode leg whose KV pull succeeded). 0 is fine.
+	PrefillPerToken time.Duration
+	// KVListen is the address of the KV side channel listener (default
+	// "127.0.0.1:0").
+	KVListen string
+	// KVHost is the host advertised as remote_host in descriptors (default:
+	// the side channel listener's IP, or 127.0.0.1 when it listens on all
+	// interfaces).
+	KVHost string
+	// KVTimeout is how long a producer holds unpulled blocks before it
+	// releases them (default DefaultKVTimeout, vLLM's
+	// VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
+	KVTimeout time.Duration
+	// EngineVersion is reported by GET /version (default "0.11.0").
+	EngineVersion string
+	// EngineKind is reported by GET /version as "engine" and by
+	// /v1/models as owned_by (default "vllm").
+	EngineKind string
+	// Connector is the KV connector (default "nixl", the only one
+	// supported).
+	Connector string
+	// MaxModelLen is the context length (default DefaultMaxModelLen):
+	// prompt_tokens + max_tokens above it is a 400, as in vLLM.
+	MaxModelLen int
+	// Faults are armed when the Server is created.
+	Faults []Fault
+}
+
+// Server is one simulated engine: the OpenAI-compatible API and the KV
+// side channel. It plays the engine's side of the two legs (SPEC R-LEG-1…4:
+// a prefill leg hands off a descriptor, a decode leg pulls and streams),
+// of the descriptors the router validates (R-DESC-0…5), of early release
+// (R-OWN-6) and, through faults, of the failures of SPEC §5 and §6.
+// Create it with New, serve it with Start (or mount Handler yourself:
+// descriptors then advertise no side channel and cannot be pulled), and
+// stop it with Close. Its methods are safe for concurrent use.
+type Server struct {
+	cfg       Config
+	handler   http.Handler
+	kvHandler http.Handler
+
+	baseCtx context.Context
+	cancel  context.CancelFunc
+
+	mu       sync.Mutex // guards the fields below
+	closed   bool
+	started  bool
+	api      *http.Server
+	kvServer *http.Server
+	kvHost   string
+	kvPort   int
+	baseURL  string
+
+	inflight sync.WaitGroup // handlers running
+	bg       sync.WaitGroup // Serve loops and the expiry loop
+
+	pullTransport *http.Transport
+	pullClient    *http.Client
+
+	kv       kvStore
+	faults   faultSet
+	recorder recorder
+	count    counters
+
+	exchanges sync.Pool
+}
+
+// New validates cfg, fills its defaults and returns a Server that is not
+// yet listening. It fails on a missing EngineID or Model, an unknown Role,
+// a Connector other than "nixl", negative durations, or an invalid Fault.
+func New(cfg Config) (*Server, error) {
+	if cfg.EngineID == "" {
+		return nil, errors.New("sim: engine id is required")
+	}
+	if cfg.Model == "" {
+		return nil, errors.New("sim: model is required")
+	}
+	switch cfg.Role {
+	case "":
+		cfg.Role = RoleBoth
+	case RolePrefill, RoleDecode, RoleBoth:
+	default:
+		return nil, fmt.Errorf("sim: unknown role %q (want prefill, decode or both)", cfg.Role)
+	}
+	if cfg.Connector == "" {
+		cfg.Connector = ConnectorNixl
+	}
+	if cfg.Connector != ConnectorNixl {
+		return nil, fmt.Errorf("sim: unsupported connector %q (the simulator speaks nixl)", cfg.Connector)
+	}
+	if cfg.TTFT < 0 || cfg.ITL < 0 || cfg.PrefillPerToken < 0 || cfg.KVTimeout < 0 {
+		return nil, errors.New("sim: durations must not be negative")
+	}
+	if cfg.KVListen == "" {
+		cfg.KVListen = "127.0.0.1:0"
+	}
+	if cfg.KVTimeout == 0 {
+		cfg.KVTimeout = DefaultKVTimeout
+	}
+	if cfg.EngineVersion == "" {
+		cfg.EngineVersion = DefaultEngineVersion
+	}
+	if cfg.EngineKind == "" {
+		cfg.EngineKind = DefaultEngineKind
+	}
+	if cfg.MaxModelLen <= 0 {
+		cfg.MaxModelLen = DefaultMaxModelLen
+	}
+	for _, f := range cfg.Faults {
+		if err := f.Validate(); err != nil {
+			return nil, fmt.Errorf("sim: %w", err)
+		}
+	}
+	cfg.Faults = append([]Fault(nil), cfg.Faults...)
+
+	s := &Server{cfg: cfg}
+	s.baseCtx, s.cancel = context.WithCancel(context.Background())
+	s.kv.init()
+	s.pullTransport = &http.Transport{
+		Proxy:               nil,
+		DialContext:         (&net.Dialer{Timeout: 5 * time.Second}).DialContext,
+		MaxIdleConns:        256,
+		MaxIdleConnsPerHost: 64,
+		IdleConnTimeout:     90 * time.Second,
+	}
+	s.pullClient = &http.Client{Transport: s.pullTransport, Timeout: 30 * time.Second}
+	s.exchanges.New = func() any { return new(exchange) }
+
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { s.serveInference(w, r, kindChat) })
+	mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { s.serveInference(w, r, kindCompletions) })
+	mux.HandleFunc("GET /v1/models", s.serveModels)
+	mux.HandleFunc("GET /health", s.serveHealth)
+	mux.HandleFunc("GET /version", s.serveVersion)
+	mux.HandleFunc("GET /metrics", s.serveMetrics)
+	mux.HandleFunc("POST /v1/kv/release", s.serveRelease)
+	mux.HandleFunc("GET /sim/faults", s.serveFaultsGet)
+	mux.HandleFunc("POST /sim/faults", s.serveFaultsPost)
+	mux.HandleFunc("DELETE /sim/faults", func(w http.ResponseWriter, r *http.Request) {
+		s.Disarm()
+		w.WriteHeader(http.StatusNoContent)
+	})
+	mux.HandleFunc("GET /sim/requests", func(w http.ResponseWriter, r *http.Request) { writeJSON(w, s.Requests()) })
+	mux.HandleFunc("DELETE /sim/requests", func(w http.ResponseWriter, r *http.Request) {
+		s.recorder.reset()
+		w.WriteHeader(http.StatusNoContent)
+	})
+	mux.HandleFunc("GET /sim/stats", func(w http.ResponseWriter, r *http.Request) { writeJSON(w, s.Stats()) })
+	s.handler = s.track(mux)
+
+	kvMux := http.NewServeMux()
+	kvMux.HandleFunc("POST /kv/pull", s.servePull)
+	s.kvHandler = s.track(kvMux)
+
+	for _, f := range cfg.Faults {
+		s.Arm(f)
+	}
+	return s, nil
+}
+
+// Config returns the Server's configuration with defaults filled in.
+func (s *Server) Config() Config {
+	c := s.cfg
+	c.Faults = append([]Fault(nil), c.Faults...)
+	return c
+}
+
+// Handler returns the main API handler (everything but the KV side
+// channel). Requests that arrive after Close get 503.
+func (s *Server) Handler() http.Handler { return s.handler }
+
+// Start listens on addr (e.g. "127.0.0.1:0") for the API and on
+// Config.KVListen for the KV side channel, serves both in the background
+// and starts the expiry of unpulled KV blocks. It returns the API's base
+// URL, "http://host:port". It fails if the Server was started or closed
+// already or a listener cannot be opened.
+func (s *Server) Start(addr string) (baseURL string, err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return "", errors.New("sim: server is closed")
+	}
+	if s.started {
+		return "", errors.New("sim: server already started")
+	}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return "", fmt.Errorf("sim: listen %s: %w", addr, err)
+	}
+	kvLn, err := net.Listen("tcp", s.cfg.KVListen)
+	if err != nil {
+		ln.Close()
+		return "", fmt.Errorf("sim: kv listen %s: %w", s.cfg.KVListen, err)
+	}
+	kvAddr := kvLn.Addr().(*net.TCPAddr)
+	s.kvPort = kvAddr.Port
+	s.kvHost = s.cfg.KVHost
+	if s.kvHost == "" {
+		s.kvHost = kvAddr.IP.String()
+		if kvAddr.IP.IsUnspecified() {
+			s.kvHost = "127.0.0.1"
+		}
+	}
+	apiAddr := ln.Addr().(*net.TCPAddr)
+	host := apiAddr.IP.String()
+	if apiAddr.IP.IsUnspecified() {
+		host = "127.0.0.1"
+	}
+	s.baseURL = "http://" + net.JoinHostPort(host, strconv.Itoa(apiAddr.Port))
+
+	base := func(net.Listener) context.Context { return s.baseCtx }
+	s.api = &http.Server{Handler: s.handler, ReadHeaderTimeout: 30 * time.Second, BaseContext: base}
+	s.kvServer = &http.Server{Handler: s.kvHandler, ReadHeaderTimeout: 30 * time.Second, BaseContext: base}
+	s.started = true
+	s.bg.Add(3)
+	go func() { defer s.bg.Done(); _ = s.api.Serve(ln) }()
+	go func() { defer s.bg.Done(); _ = s.kvServer.Serve(kvLn) }()
+	go func() { defer s.bg.Done(); s.expiryLoop(s.baseCtx) }()
+	return s.baseURL, nil
+}
+
+// URL returns the API base URL, empty before Start.
+func (s *Server) URL() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.baseURL
+}
+
+// KVAddr returns the side channel address advertised in descriptors,
+// "remote_host:remote_port", empty before Start.
+func (s *Server) KVAddr() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.started {
+		return ""
+	}
+	return net.JoinHostPort(s.kvHost, strconv.Itoa(s.kvPort))
+}
+
+func (s *Server) kvEndpoint() (string, int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.kvHost, s.kvPort
+}
+
+// Close stops both listeners, ends in-flight streams and requests at once
+// (their clients see the connection end), and waits for every goroutine
+// the Server started. It is idempotent and returns the first error from
+// closing the listeners.
+func (s *Server) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.closed = true
+	api, kvServer := s.api, s.kvServer
+	s.mu.Unlock()
+
+	s.cancel()
+	var err error
+	if api != nil {
+		err = api.Close()
+	}
+	if kvServer != nil {
+		if e := kvServer.Close(); err == nil {
+			err = e
+		}
+	}
+	s.inflight.Wait()
+	s.bg.Wait()
+	s.pullTransport.CloseIdleConnections()
+	return err
+}
+
+// track counts handlers in flight so Close can wait for them, and refuses
+// requests once Close has begun.
+func (s *Server) track(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		s.mu.Lock()
+		if s.closed {
+			s.mu.Unlock()
+			writeError(w, http.StatusServiceUnavailable, "engine is shutting down")
+			return
+		}
+		s.inflight.Add(1)
+		s.mu.Unlock()
+		defer s.inflight.Done()
+		next.ServeHTTP(w, r)
+	})
+}
+
+// Arm adds a fault; it strikes matching requests until its Count is spent
+// or Disarm is called. A fault that fails Validate is ignored.
+func (s *Server) Arm(f Fault) {
+	if f.Validate() != nil {
+		return
+	}
+	s.faults.arm(f)
+}
+
+// Disarm clears every armed fault.
+func (s *Server) Disarm() { s.faults.disarm() }
+
+// Faults returns the armed faults, earliest first, each with its remaining
+// Count (0 = until disarmed).
+func (s *Server) Faults() []Fault { return s.faults.snapshot() }
+
+// Stats returns a snapshot of the Server's counters.
+func (s *Server) Stats() Stats {
+	st := Stats{
+		Prefills:       s.count.prefills.Load(),
+		Decodes:        s.count.decodes.Load(),
+		KVPulled:       s.count.kvPulled.Load(),
+		KVPullFailures: s.count.kvPullFailures.Load(),
+		ActiveStreams:  s.count.active.Load(),
+		Aborted:        s.count.aborted.Load(),
+		Completed:      s.count.completed.Load(),
+	}
+	s.kv.mu.Lock()
+	st.KVHeld = int64(len(s.kv.holds))
+	st.KVServed = s.kv.served
+	st.KVReleased = s.kv.released
+	st.KVExpired = s.kv.expired
+	s.kv.mu.Unlock()
+	return st
+}
+
+// Requests returns the last 1000 inference and release requests, oldest
+// first.
+func (s *Server) Requests() []RecordedRequest { return s.recorder.list() }
+
+// record keeps a copy of a request for Requests; checked says body is
+// already known to be valid JSON.
+func (s *Server) record(r *http.Request, phase string, body []byte, checked bool) {
+	raw := json.RawMessage(append([]byte(nil), body...))
+	if !checked && !json.Valid(raw) {
+		raw, _ = json.Marshal(string(body))
+	}
+	s.recorder.add(RecordedRequest{Path: r.URL.Path, RequestID: r.Header.Get("X-Request-Id"), Phase: phase, Body: raw})
+}
+
+var (
+	jsonContentType = []string{"application/json"}
+	sseContentType  = []string{"text/event-stream; charset=utf-8"}
+	textContentType = []string{"text/plain; version=0.0.4; charset=utf-8"}
+)
+
+// writeError writes a vLLM error body {"error":{"message","type","param",
+// "code"}} with status (SPEC R-API-3).
+func writeError(w http.ResponseWriter, status int, msg string) {
+	body := schemas.AppendErrorJSON(make([]byte, 0, 96+len(msg)), status, msg)
+	w.Header()["Content-Type"] = jsonContentType
+	w.WriteHeader(status)
+	_, _ = w.Write(body)
+}
+
+func writeJSON(w http.ResponseWriter, v any) {
+	body, err := json.Marshal(v)
+	if err != nil {
+		writeError(w, http.StatusInternalServerError, err.Error())
+		return
+	}
+	w.Header()["Content-Type"] = jsonContentType
+	_, _ = w.Write(body)
+}
+
+// serveHealth is GET /health: 200 with an empty body, or the
+// health-status fault's Status (default 503).
+func (s *Server) serveHealth(w http.ResponseWriter, r *http.Request) {
+	var af activeFaults
+	s.faults.take(&af, targetHealth, "", false, false)
+	if f, ok := af.get(fkHealthStatus); ok {
+		status := f.Status
+		if status == 0 {
+			status = http.StatusServiceUnavailable
+		}
+		if status == http.StatusOK {
+			w.WriteHeader(status)
+			return
+		}
+		msg := f.Message
+		if msg == "" {
+			msg = "simulated unhealthy engine"
+		}
+		writeError(w, status, msg)
+		return
+	}
+	w.WriteHeader(http.StatusOK)
+}
+
+// serveVersion is GET /version: {"version":…,"engine":…}.
+func (s *Server) serveVersion(w http.ResponseWriter, r *http.Request) {
+	b := []byte(`{"version":`)
+	b = appendJSONString(b, s.cfg.EngineVersion)
+	b = append(b, `,"engine":`...)
+	b = appendJSONString(b, s.cfg.EngineKind)
+	b = append(b, '}')
+	w.Header()["Content-Type"] = jsonContentType
+	_, _ = w.Write(b)
+}
+
+// serveModels is GET /v1/models in vLLM's shape:
+// {"object":"list","data":[{"id","object":"model","created","owned_by",
+// "root","parent":null,"max_model_len","permission":[]}]}. The wrong-model
+// fault lists another model.
+func (s *Server) serveModels(w http.ResponseWriter, r *http.Request) {
+	var af activeFaults
+	s.faults.take(&af, targetModels, "", false, false)
+	model := s.cfg.Model
+	if f, ok := af.get(fkWrongModel); ok {
+		model = f.Message
+		if model == "" {
+			model = s.cfg.Model + "-other"
+		}
+	}
+	b := []byte(`{"object":"list","data":[{"id":`)
+	b = appendJSONString(b, model)
+	b = append(b, `,"object":"model","created":`...)
+	b = strconv.AppendInt(b, time.Now().Unix(), 10)
+	b = append(b, `,"owned_by":`...)
+	b = appendJSONString(b, s.cfg.EngineKind)
+	b = append(b, `,"root":`...)
+	b = appendJSONString(b, model)
+	b = append(b, `,"parent":null,"max_model_len":`...)
+	b = strconv.AppendInt(b, int64(s.cfg.MaxModelLen), 10)
+	b = append(b, `,"permission":[]}]}`...)
+	w.Header()["Content-Type"] = jsonContentType
+	_, _ = w.Write(b)
+}
+
+// serveMetrics is GET /metrics: Prometheus text with vLLM's metric names
+// (vllm:num_requests_running, vllm:num_requests_waiting,
+// vllm:kv_cache_usage_perc, vllm:prompt_tokens_total,
+// vllm:generation_tokens_total, vllm:request_success_total) and
+// narwhal_sim_info{engine_id,role,connector} 1.
+func (s *Server) serveMetrics(w http.ResponseWriter, r *http.Request) {
+	s.kv.mu.Lock()
+	held := s.kv.heldBlock
+	s.kv.mu.Unlock()
+	var b strings.Builder
+	label := `{model_name="` + promLabel(s.cfg.Model) + `"}`
+	metric := func(name, typ, help, labels string, value string) {
+		fmt.Fprintf(&b, "# HELP %s %s\n# TYPE %s %s\n%s%s %s\n", name, help, name, typ, name, labels, value)
+	}
+	itoa := func(v int64) string { return strconv.FormatInt(v, 10) }
+	metric("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", label, itoa(s.count.active.Load()))
+	metric("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", label, "0")
+	metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", label,
+		strconv.FormatFloat(float64(held)/kvCapacityBlocks, 'g', -1, 64))
+	metric("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", label, itoa(s.count.promptTokens.Load()))
+	metric("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", label, itoa(s.count.genTokens.Load()))
+	fmt.Fprintf(&b, "# HELP vllm:request_success_total Count of successfully processed requests.\n# TYPE vllm:request_success_total counter\n")
+	m := promLabel(s.cfg.Model)
+	fmt.Fprintf(&b, "vllm:request_success_total{model_name=\"%s\",finished_reason=\"stop\"} %d\n", m, s.count.finishedStop.Load())
+	fmt.Fprintf(&b, "vllm:request_success_total{model_name=\"%s\",finished_reason=\"length\"} %d\n", m, s.count.finishedLen.Load())
+	fmt.Fprintf(&b, "vllm:request_success_total{model_name=\"%s\",finished_reason=\"abort\"} %d\n", m, s.count.aborted.Load())
+	metric("narwhal_sim_info", "gauge", "Simulated engine identity.",
+		`{engine_id="`+promLabel(s.cfg.EngineID)+`",role="`+s.cfg.Role+`",connector="`+s.cfg.Connector+`"}`, "1")
+	w.Header()["Content-Type"] = textContentType
+	_, _ = io.WriteString(w, b.String())
+}
+
+// promLabel escapes a Prometheus label value.
+func promLabel(v string) string {
+	return strings.NewReplacer(`\`, `\\`, `"`, `\"`, "\n", `\n`).Replace(v)
+}
+
+// serveFaultsGet is GET /sim/faults: the armed faults as a JSON array.
+func (s *Server) serveFaultsGet(w http.ResponseWriter, r *http.Request) { writeJSON(w, s.Faults()) }
+
+// serveFaultsPost is POST /sim/faults: arm a Fault object or an array of
+// them; 400 if any is invalid (none is armed then). Answers the armed
+// faults.
+func (s *Server) serveFaultsPost(w http.ResponseWriter, r *http.Request) {
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, 1<<20))
+	if err != nil {
+		writeError(w, http.StatusBadRequest, "cannot read faults: "+err.Error())
+		return
+	}
+	faults, err := ParseFaults(body)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	for _, f := range faults {
+		s.Arm(f)
+	}
+	writeJSON(w, s.Faults())
+}

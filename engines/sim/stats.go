@@ -1,0 +1,106 @@
+package sim
+
+import (
+	"encoding/json"
+	"sync"
+	"sync/atomic"
+)
+
+// Stats are a Server's counters since it was created, served as JSON by
+// GET /sim/stats. KV counters are in handoffs (one prefill leg's blocks),
+// not in blocks. Tests read them to prove that KV really moved (R-LEG-3),
+// that abandoned handoffs are released (R-OWN-6) and that a client
+// disconnect reaches the engine (R-OWN-5).
+type Stats struct {
+	// Prefills counts inference requests that were prefill legs
+	// (kv_transfer_params.do_remote_decode = true).
+	Prefills int64 `json:"prefills"`
+	// Decodes counts every other inference request: decode legs and plain
+	// requests.
+	Decodes int64 `json:"decodes"`
+	// KVHeld is the number of handoffs whose blocks this producer holds now.
+	KVHeld int64 `json:"kv_held"`
+	// KVServed counts pulls this producer answered successfully.
+	KVServed int64 `json:"kv_served"`
+	// KVPulled counts successful pulls this engine made as a consumer (the
+	// blocks arrived and matched its prompt).
+	KVPulled int64 `json:"kv_pulled"`
+	// KVPullFailures counts decode legs of this engine that failed their
+	// KV transfer: pull refused, producer unreachable, invalid descriptor,
+	// or blocks computed for another prompt.
+	KVPullFailures int64 `json:"kv_pull_failures"`
+	// KVReleased counts handoffs released early by POST /v1/kv/release.
+	KVReleased int64 `json:"kv_released"`
+	// KVExpired counts handoffs released because nobody pulled them within
+	// Config.KVTimeout.
+	KVExpired int64 `json:"kv_expired"`
+	// ActiveStreams is the number of inference requests in flight,
+	// streaming or not.
+	ActiveStreams int64 `json:"active_streams"`
+	// Aborted counts inference requests ended by a client disconnect.
+	Aborted int64 `json:"aborted"`
+	// Completed counts inference requests answered in full: a stream that
+	// reached [DONE] or a complete non-streaming body, legal empty
+	// completions included; faults and errors are not completions.
+	Completed int64 `json:"completed"`
+}
+
+// counters are the lock-free part of Stats.
+type counters struct {
+	prefills, decodes          atomic.Int64
+	kvPulled, kvPullFailures   atomic.Int64
+	active, aborted, completed atomic.Int64
+	promptTokens, genTokens    atomic.Int64
+	finishedStop, finishedLen  atomic.Int64
+}
+
+// RecordedRequest is one inference or release request as the Server
+// received it, for tests (GET /sim/requests).
+type RecordedRequest struct {
+	// Path is the URL path, e.g. "/v1/chat/completions".
+	Path string `json:"path"`
+	// RequestID is the X-Request-Id header, empty when absent.
+	RequestID string `json:"request_id"`
+	// Phase is "prefill" or "decode" for inference requests (see Fault),
+	// empty for others.
+	Phase string `json:"phase"`
+	// Body is the request body as received; a body that is not valid JSON
+	// is recorded as a JSON string of its bytes.
+	Body json.RawMessage `json:"body"`
+}
+
+// recordLimit is how many requests the recorder keeps.
+const recordLimit = 1000
+
+// recorder is a ring of the last recordLimit requests.
+type recorder struct {
+	mu   sync.Mutex
+	ring []RecordedRequest
+	next int
+}
+
+func (r *recorder) add(rr RecordedRequest) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if len(r.ring) < recordLimit {
+		r.ring = append(r.ring, rr)
+		return
+	}
+	r.ring[r.next] = rr
+	r.next = (r.next + 1) % recordLimit
+}
+
+// list returns the recorded requests, oldest first.
+func (r *recorder) list() []RecordedRequest {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := make([]RecordedRequest, 0, len(r.ring))
+	out = append(out, r.ring[r.next:]...)
+	return append(out, r.ring[:r.next]...)
+}
+
+func (r *recorder) reset() {
+	r.mu.Lock()
+	r.ring, r.next = nil, 0
+	r.mu.Unlock()
+}
