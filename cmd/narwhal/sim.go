@@ -1,0 +1,75 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+
+	"github.com/narwhalmesh/narwhal/engines/sim"
+)
+
+func init() {
+	commands["sim"] = command{
+		summary: "run a vLLM-compatible engine simulator with a real KV handoff",
+		run:     runSim,
+	}
+}
+
+// runSim is `narwhal sim`: it serves one simulated engine (engines/sim)
+// until ctx is done, then closes it cleanly.
+//
+//	narwhal sim --role prefill|decode|both --listen HOST:PORT --engine-id ID --model NAME
+//	            [--ttft DUR] [--itl DUR] [--prefill-per-token DUR]
+//	            [--kv-listen HOST:PORT] [--kv-host HOST] [--kv-timeout DUR]
+//	            [--engine-version V] [--engine-kind K] [--max-model-len N]
+//	            [--fault JSON]…
+func runSim(ctx context.Context, args []string) error {
+	fs := flag.NewFlagSet("narwhal sim", flag.ContinueOnError)
+	var cfg sim.Config
+	listen := fs.String("listen", "127.0.0.1:8000", "`HOST:PORT` of the OpenAI-compatible API")
+	fs.StringVar(&cfg.Role, "role", sim.RoleBoth, "engine role: prefill, decode or both")
+	fs.StringVar(&cfg.EngineID, "engine-id", "", "fleet-unique engine `ID`, advertised as remote_engine_id (required)")
+	fs.StringVar(&cfg.Model, "model", "", "served model `NAME` (required)")
+	fs.DurationVar(&cfg.TTFT, "ttft", 0, "delay before the first generated token of a decode")
+	fs.DurationVar(&cfg.ITL, "itl", 0, "delay between generated tokens")
+	fs.DurationVar(&cfg.PrefillPerToken, "prefill-per-token", 0, "prefill compute time per prompt token")
+	fs.StringVar(&cfg.KVListen, "kv-listen", "127.0.0.1:0", "`HOST:PORT` of the KV side channel")
+	fs.StringVar(&cfg.KVHost, "kv-host", "", "`HOST` advertised as remote_host (default: the side channel's IP)")
+	fs.DurationVar(&cfg.KVTimeout, "kv-timeout", sim.DefaultKVTimeout, "release unpulled KV blocks after this long (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
+	fs.StringVar(&cfg.EngineVersion, "engine-version", sim.DefaultEngineVersion, "version reported by GET /version")
+	fs.StringVar(&cfg.EngineKind, "engine-kind", sim.DefaultEngineKind, "engine kind reported by GET /version and /v1/models owned_by")
+	fs.IntVar(&cfg.MaxModelLen, "max-model-len", sim.DefaultMaxModelLen, "context length in tokens")
+	fs.Func("fault", "arm a fault at start: a `JSON` fault object or array, e.g. '{\"kind\":\"silence\",\"phase\":\"decode\",\"after_tokens\":2}' (repeatable)", func(v string) error {
+		faults, err := sim.ParseFaults([]byte(v))
+		if err != nil {
+			return err
+		}
+		cfg.Faults = append(cfg.Faults, faults...)
+		return nil
+	})
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	if cfg.EngineID == "" || cfg.Model == "" {
+		fs.Usage()
+		return errors.New("--engine-id and --model are required")
+	}
+	srv, err := sim.New(cfg)
+	if err != nil {
+		return err
+	}
+	url, err := srv.Start(*listen)
+	if err != nil {
+		_ = srv.Close()
+		return err
+	}
+	c := srv.Config()
+	fmt.Fprintf(os.Stdout, "sim %s (%s) listening on %s kv=%s\n", c.EngineID, c.Role, url, srv.KVAddr())
+	<-ctx.Done()
+	return srv.Close()
+}
