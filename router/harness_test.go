@@ -262,3 +262,15 @@ func (s *stack) waitModels() {
 		return true
 	})
 }
+
+// get sends a GET and returns the response and its body.
+func (s *stack) get(path string) (*http.Response, []byte) {
+	s.t.Helper()
+	resp, err := http.Get(s.url + path)
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp, b
+}

@@ -25,6 +25,7 @@ import (
 	"github.com/valyala/fasthttp"
 	"github.com/valyala/fasthttp/fasthttpadaptor"
 
+	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/engines/connector"
@@ -86,6 +87,9 @@ type Router struct {
 	wg         sync.WaitGroup // background loops
 	inflight   atomic.Int64
 	metricsH   fasthttp.RequestHandler
+
+	meshBus         *bus.Bus
+	placementLoaded atomic.Bool
 }
 
 // New builds a Router from opts. It returns an error when an engine's
@@ -335,7 +339,7 @@ func (rt *Router) serveModels(ctx *fasthttp.RequestCtx) {
 // has at least one available engine with known models (R-API-2).
 func (rt *Router) serveReady(ctx *fasthttp.RequestCtx) {
 	var problems []string
-	if rt.ready != nil && !rt.ready() {
+	if (rt.ready != nil && !rt.ready()) || !rt.meshReady() {
 		problems = append(problems, "bus unreachable and no placement known")
 	}
 	if !rt.fleet.canServe(prefillPhase) {

@@ -95,9 +95,11 @@ func runRouter(ctx context.Context, cfg *config.Config, listen string, log *slog
 		Publisher: pub,
 		Registry:  reg,
 		Logger:    log,
-		Ready:     b.Connected,
 	})
 	if err != nil {
+		return err
+	}
+	if err := rt.JoinMesh(b, 5*time.Second); err != nil {
 		return err
 	}
 	ln, err := net.Listen("tcp", listen)

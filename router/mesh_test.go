@@ -1,0 +1,182 @@
+package router
+
+import (
+	"context"
+	"encoding/json"
+	"net"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// meshBus starts an embedded NATS server on a fixed free port (so it can be
+// restarted at the same address) and connects the stack's router to it.
+type meshBus struct {
+	t    *testing.T
+	dir  string
+	port int
+	emb  *bus.Embedded
+	b    *bus.Bus // the router's connection
+	peer *bus.Bus // another process's view, to write the bucket and publish
+}
+
+func freePort(t *testing.T) int {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
+}
+
+func (m *meshBus) start() {
+	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: m.dir, Host: "127.0.0.1", Port: m.port})
+	if err != nil {
+		m.t.Fatal(err)
+	}
+	m.emb = emb
+}
+
+func (m *meshBus) url() string { return "nats://127.0.0.1:" + strconv.Itoa(m.port) }
+
+func newMeshBus(t *testing.T) *meshBus {
+	m := &meshBus{t: t, dir: t.TempDir(), port: freePort(t)}
+	m.start()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	var err error
+	if m.b, err = bus.Connect(ctx, bus.ConnectOptions{URL: m.url(), Name: "router"}); err != nil {
+		t.Fatal(err)
+	}
+	if m.peer, err = bus.Connect(ctx, bus.ConnectOptions{URL: m.url(), Name: "peer"}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		m.b.Close()
+		m.peer.Close()
+		m.emb.Shutdown()
+	})
+	return m
+}
+
+func (m *meshBus) setEligible(engine string, eligible bool) {
+	m.t.Helper()
+	state := "eligible"
+	if !eligible {
+		state = "ejected"
+	}
+	ev := schemas.Eligibility{Envelope: schemas.Envelope{Schema: schemas.SchemaEligibility, ID: newID(), At: nowUTC(), BreakerID: "test-breaker", EngineID: engine},
+		Eligible: eligible, State: state}
+	b, _ := json.Marshal(ev)
+	if _, err := m.peer.Placement().Put(context.Background(), engine, b); err != nil {
+		m.t.Fatal(err)
+	}
+}
+
+// decodeEngineOf sends one request and returns the decode engine that
+// served it (0 if it failed).
+func (s *stack) decodeEngineOf(content string) (string, int) {
+	resp, _ := s.post(schemas.EndpointChat, chatBody(content, `"max_tokens":2`))
+	return resp.Header.Get("X-Narwhal-Decode-Engine"), resp.StatusCode
+}
+
+func TestPlacementFromTheBucketRBRK8(t *testing.T) {
+	s := newStack(t, pd(), nil)
+	s.waitModels()
+	m := newMeshBus(t)
+	m.setEligible("d1", false) // known before the router starts: read cold (R-BUS-2)
+	if err := s.rt.JoinMesh(m.b, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if !s.rt.PlacementLoaded() {
+		t.Fatal("placement not loaded")
+	}
+	for i := 0; i < 10; i++ {
+		if e, code := s.decodeEngineOf("cold"); e != "d2" || code != 200 {
+			t.Fatalf("request %d went to %q (%d) while d1 is ejected", i, e, code)
+		}
+	}
+	// A change applies within a second (R-BRK-8).
+	m.setEligible("d1", true)
+	m.setEligible("d2", false)
+	start := time.Now()
+	waitFor(t, time.Second, "d2 ejected on the router", func() bool {
+		return !s.rt.fleet.byID["d2"].eligible.Load() && s.rt.fleet.byID["d1"].eligible.Load()
+	})
+	t.Logf("eligibility applied in %v", time.Since(start))
+	for i := 0; i < 10; i++ {
+		if e, _ := s.decodeEngineOf("warm"); e != "d1" {
+			t.Fatalf("request went to %q while d2 is ejected", e)
+		}
+	}
+	// Every decode engine ejected: 503 with Retry-After (R-BRK-7).
+	m.setEligible("d1", false)
+	waitFor(t, time.Second, "d1 ejected", func() bool { return !s.rt.fleet.byID["d1"].eligible.Load() })
+	resp, body := s.post(schemas.EndpointChat, chatBody("nobody", ""))
+	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") == "" {
+		t.Fatalf("status %d retry-after %q: %s", resp.StatusCode, resp.Header.Get("Retry-After"), body)
+	}
+	if e := errorBody(t, 503, body); e.Message != "no eligible engine for decode" {
+		t.Fatalf("message %q", e.Message)
+	}
+	r, _ := s.get("/readyz")
+	if r.StatusCode != 503 {
+		t.Fatalf("readyz %d with no decode engine", r.StatusCode)
+	}
+}
+
+func TestQuarantineFromAnotherRouterRQUAR1(t *testing.T) {
+	s := newStack(t, pd(), nil)
+	s.waitModels()
+	m := newMeshBus(t)
+	if err := s.rt.JoinMesh(m.b, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	pub := bus.NewPublisher(m.peer, 16, nil)
+	defer pub.Close()
+	pub.Publish(&schemas.Quarantine{Envelope: schemas.Envelope{Schema: schemas.SchemaQuarantine, RouterID: "other-router", EngineID: "d1"},
+		DurationSeconds: 30, Until: time.Now().Add(30 * time.Second).UTC(), Reason: "first_token_timeout"})
+	waitFor(t, time.Second, "quarantine applied", func() bool { return s.rt.fleet.byID["d1"].quarantinedUntil.Load() > nowNano() })
+	for i := 0; i < 10; i++ {
+		if e, _ := s.decodeEngineOf("q"); e != "d2" {
+			t.Fatalf("request went to quarantined %q", e)
+		}
+	}
+	// The router's own quarantine events are not applied twice, and a
+	// duration is never stretched by a skewed Until.
+	pub.Publish(&schemas.Quarantine{Envelope: schemas.Envelope{Schema: schemas.SchemaQuarantine, RouterID: "skewed", EngineID: "d2"},
+		DurationSeconds: 1, Until: time.Now().Add(time.Hour).UTC(), Reason: "x"})
+	waitFor(t, time.Second, "skewed quarantine applied", func() bool { return s.rt.fleet.byID["d2"].quarantinedUntil.Load() > nowNano() })
+	if until := time.Unix(0, s.rt.fleet.byID["d2"].quarantinedUntil.Load()); time.Until(until) > 2*time.Second {
+		t.Fatalf("quarantine stretched to %v", until)
+	}
+}
+
+func TestBusOutageKeepsServingRBUS6(t *testing.T) {
+	s := newStack(t, pd(), nil)
+	s.waitModels()
+	m := newMeshBus(t)
+	m.setEligible("d1", false)
+	if err := s.rt.JoinMesh(m.b, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	m.emb.Shutdown()
+	waitFor(t, 3*time.Second, "bus down", func() bool { return !m.b.Connected() })
+	// Serving on the last known placement; still ready.
+	for i := 0; i < 5; i++ {
+		if e, code := s.decodeEngineOf("outage"); e != "d2" || code != 200 {
+			t.Fatalf("during the outage: %q %d", e, code)
+		}
+	}
+	if r, _ := s.get("/readyz"); r.StatusCode != 200 {
+		t.Fatalf("readyz %d during an outage with a known placement", r.StatusCode)
+	}
+	// The bus comes back; a change made meanwhile is picked up (resync).
+	m.start()
+	waitFor(t, 10*time.Second, "reconnected", func() bool { return m.b.Connected() && m.peer.Connected() })
+	m.setEligible("d1", true)
+	waitFor(t, 3*time.Second, "d1 readmitted after resync", func() bool { return s.rt.fleet.byID["d1"].eligible.Load() })
+}
