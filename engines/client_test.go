@@ -1,13 +1,11 @@
 package engines
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"io"
-	"net/http"
 	"strings"
 	"testing"
 	"time"
@@ -253,14 +251,6 @@ func FuzzStreamNext(f *testing.F) {
 
 // newTestStream wraps body as an open decode stream with long timers.
 func newTestStream(body []byte) *Stream {
-	ctx := context.Background()
-	s := &Stream{parent: ctx, engineID: "d1", readTimeout: time.Minute, start: time.Now()}
-	s.ctx, s.cancel = context.WithCancelCause(ctx)
-	s.timer = time.AfterFunc(time.Minute, s.onTimer)
-	s.resp = &http.Response{Body: io.NopCloser(bytes.NewReader(body))}
-	s.body.r = s.resp.Body
-	s.body.s = s
-	s.br = readerPool.Get().(*bufio.Reader)
-	s.br.Reset(&s.body)
-	return s
+	c := &Client{firstTokenTimeout: time.Minute, readTimeout: time.Minute}
+	return c.NewStream(context.Background(), "d1", io.NopCloser(bytes.NewReader(body)))
 }

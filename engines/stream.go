@@ -91,12 +91,31 @@ func (c *Client) openStream(ctx context.Context, consumer *Engine, endpoint, req
 		s.stop()
 		return nil, f
 	}
+	s.attach(resp)
+	return s, nil
+}
+
+// attach makes resp's body the stream's source.
+func (s *Stream) attach(resp *http.Response) {
 	s.resp = resp
 	s.body.r = resp.Body
 	s.body.s = s
 	s.br = readerPool.Get().(*bufio.Reader)
 	s.br.Reset(&s.body)
-	return s, nil
+}
+
+// NewStream wraps body, an already-open decode response body
+// (text/event-stream) from engineID, as a Stream with the client's timers
+// armed from now. It serves decode legs opened by other means than Decode,
+// and benchmarks of the relay. A timer that fires cancels the stream's
+// context; a body that ignores contexts then ends only when it ends or is
+// closed. Close closes body.
+func (c *Client) NewStream(ctx context.Context, engineID string, body io.ReadCloser) *Stream {
+	s := &Stream{parent: ctx, engineID: engineID, readTimeout: c.readTimeout, start: time.Now()}
+	s.ctx, s.cancel = context.WithCancelCause(ctx)
+	s.timer = time.AfterFunc(c.firstTokenTimeout, s.onTimer)
+	s.attach(&http.Response{Body: body})
+	return s
 }
 
 // onTimer runs when the armed timer fires: before the first output it

@@ -233,3 +233,14 @@ func FuzzNixlValidate(f *testing.F) {
 		}
 	})
 }
+
+// BenchmarkValidateDescriptor is R-DESC validation of one nixl descriptor.
+func BenchmarkValidateDescriptor(b *testing.B) {
+	d := []byte(goodDescriptor)
+	b.ReportAllocs()
+	for i := 0; i < b.N; i++ {
+		if _, err := (Nixl{}).Validate(d); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
