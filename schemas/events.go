@@ -185,6 +185,20 @@ type Handoff struct {
 // Subject returns narwhal.events.handoff.<engine_id>.
 func (e *Handoff) Subject() string { return "narwhal.events.handoff." + e.EngineID }
 
+// Probe outcomes, the values of Probe.Outcome (SPEC R-BRK-3…5).
+const (
+	// ProbeSuccess: both legs of the probe succeeded; the engine is
+	// readmitted.
+	ProbeSuccess = "success"
+	// ProbeFailure: the probed engine's own health check, contract check or
+	// leg failed; it stays ejected and its probe backoff grows.
+	ProbeFailure = "failure"
+	// ProbeInconclusive: the other engine's leg failed, no partner was
+	// available, the bus was down or shutdown cut the probe; nothing
+	// changes (R-BRK-5).
+	ProbeInconclusive = "inconclusive"
+)
+
 // Probe reports one inference probe of an ejected engine, on
 // narwhal.events.probe.<engine_id> (schema narwhal.probe.v1, SPEC R-BRK-3…5).
 type Probe struct {
@@ -205,6 +219,16 @@ type Probe struct {
 
 // Subject returns narwhal.events.probe.<engine_id>.
 func (e *Probe) Subject() string { return "narwhal.events.probe." + e.EngineID }
+
+// Placement states, the values of Eligibility.State (SPEC R-BRK-1,
+// R-BRK-8).
+const (
+	// StateEligible: routers may place on the engine (Eligible is true).
+	StateEligible = "eligible"
+	// StateEjected: the breaker ejected the engine; routers do not place on
+	// it until a probe readmits it (Eligible is false).
+	StateEjected = "ejected"
+)
 
 // Eligibility is an engine's placement state as the breaker decided it. It
 // is the value of the engine's key in KV bucket narwhal_placement and is

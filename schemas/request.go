@@ -3,7 +3,6 @@ package schemas
 import (
 	"bytes"
 	"encoding/json"
-	"sort"
 	"strconv"
 )
 
@@ -31,10 +30,11 @@ func badRequest(param, msg string) *RequestError {
 }
 
 // Request is a parsed client completion request: the top-level members of
-// the JSON body kept as raw bytes, in sorted key order, with
-// kv_transfer_params already removed (SPEC R-API-5). Build it with
-// ParseRequest; it is immutable afterwards and safe to share between the
-// attempts of one request.
+// the JSON body kept as raw bytes, in the client's order (a repeated key
+// keeps its last value, as encoding/json does), with kv_transfer_params
+// already removed (SPEC R-API-5). Build it with ParseRequest; it is
+// immutable afterwards and safe to share between the attempts of one
+// request.
 type Request struct {
 	// Endpoint is the client's path (EndpointChat or EndpointCompletions).
 	Endpoint string
@@ -50,14 +50,19 @@ type Request struct {
 	// 0 when neither was given.
 	MaxTokens int
 
+	body    []byte // the client's body, copied once; members alias it
 	members []member
-	// streamOptions is the client's stream_options object, or nil.
-	streamOptions map[string]json.RawMessage
+	// streamOptions are the client's stream_options members other than
+	// include_usage.
+	streamOptions []member
 }
 
+// member is one top-level member: its name (unescaped), its name as the
+// client wrote it (quoted JSON) and its raw value.
 type member struct {
-	key string
-	raw json.RawMessage
+	key    []byte
+	keyRaw []byte
+	raw    []byte
 }
 
 // Chat reports whether the request is a chat completion.
@@ -66,99 +71,197 @@ func (r *Request) Chat() bool { return r.Endpoint == EndpointChat }
 // Member returns the raw JSON of a top-level member and whether it is
 // present.
 func (r *Request) Member(key string) (json.RawMessage, bool) {
-	i := sort.Search(len(r.members), func(i int) bool { return r.members[i].key >= key })
-	if i < len(r.members) && r.members[i].key == key {
-		return r.members[i].raw, true
+	for i := range r.members {
+		if string(r.members[i].key) == key {
+			return r.members[i].raw, true
+		}
 	}
 	return nil, false
 }
 
+// splitObject walks the JSON object buf with the allocation-free chunk
+// walker and returns its members in order, a repeated key replacing the
+// earlier one in place. ok is false when buf is not exactly one valid JSON
+// object.
+func splitObject(buf []byte, into []member) (members []member, ok bool) {
+	w := chunkWalker{buf: buf}
+	w.skipSpace()
+	if w.peek() != '{' {
+		return nil, false
+	}
+	empty, ok := w.openObject()
+	if !ok {
+		return nil, false
+	}
+	members = into
+	for !empty {
+		keyStart := w.pos
+		ok, escaped := w.skipString()
+		if !ok {
+			return nil, false
+		}
+		keyRaw := buf[keyStart:w.pos]
+		key := keyRaw[1 : len(keyRaw)-1]
+		if escaped {
+			var k string
+			if json.Unmarshal(keyRaw, &k) != nil {
+				return nil, false
+			}
+			key = []byte(k)
+		}
+		w.skipSpace()
+		if w.peek() != ':' {
+			return nil, false
+		}
+		w.pos++
+		w.skipSpace()
+		valStart := w.pos
+		if !w.skipValue(1) {
+			return nil, false
+		}
+		m := member{key: key, keyRaw: keyRaw, raw: buf[valStart:w.pos]}
+		replaced := false
+		for i := range members {
+			if bytes.Equal(members[i].key, key) {
+				members[i] = m
+				replaced = true
+				break
+			}
+		}
+		if !replaced {
+			members = append(members, m)
+		}
+		more, ok := w.nextMember('}')
+		if !ok {
+			return nil, false
+		}
+		if !more {
+			break
+		}
+	}
+	w.skipSpace()
+	if w.pos != len(buf) {
+		return nil, false
+	}
+	return members, true
+}
+
 // ParseRequest validates a client body for endpoint (SPEC R-API-4) and
 // returns the parsed request with kv_transfer_params removed (R-API-5).
-// It returns a *RequestError (status 400) for invalid JSON, a body that is
-// not an object, a missing or non-string model, missing messages (chat)
-// or prompt (completions), a non-boolean stream, max_tokens or
-// max_completion_tokens that is not an integer ≥ 1, or n that is not an
-// integer ≥ 1. Whether the model exists is the caller's check (404).
+// It keeps a private copy of body. It returns a *RequestError (status 400)
+// for invalid JSON, a body that is not an object, a missing or non-string
+// model, missing messages (chat) or prompt (completions), a non-boolean
+// stream, max_tokens or max_completion_tokens that is not an integer ≥ 1,
+// or n that is not an integer ≥ 1. Whether the model exists is the
+// caller's check (404).
 func ParseRequest(endpoint string, body []byte) (*Request, error) {
-	var top map[string]json.RawMessage
-	if err := json.Unmarshal(body, &top); err != nil || top == nil {
-		if err == nil || bytes.HasPrefix(bytes.TrimSpace(body), []byte("{")) {
-			return nil, badRequest("", "invalid JSON body: "+errText(err, "expected an object"))
+	r := &Request{Endpoint: endpoint, N: 1, body: append([]byte(nil), body...)}
+	members, ok := splitObject(r.body, make([]member, 0, 16))
+	if !ok {
+		if t := bytes.TrimSpace(body); len(t) > 0 && t[0] == '{' {
+			var v any
+			err := json.Unmarshal(t, &v)
+			return nil, badRequest("", "invalid JSON body: "+errText(err, "malformed object"))
 		}
 		return nil, badRequest("", "invalid JSON body: expected an object")
 	}
-	delete(top, "kv_transfer_params")
-	r := &Request{Endpoint: endpoint, N: 1}
+	kept := members[:0]
+	var model, messages, prompt []byte
+	var hasMessages, hasPrompt bool
+	for _, m := range members {
+		switch string(m.key) {
+		case "kv_transfer_params":
+			continue // R-API-5
+		case "model":
+			model = m.raw
+		case "messages":
+			messages, hasMessages = m.raw, true
+		case "prompt":
+			prompt, hasPrompt = m.raw, true
+		case "stream":
+			switch string(m.raw) {
+			case "true":
+				r.Stream = true
+			case "false", "null":
+			default:
+				return nil, badRequest("stream", "stream must be a boolean")
+			}
+		case "stream_options":
+			if err := r.parseStreamOptions(m.raw); err != nil {
+				return nil, err
+			}
+		case "max_tokens", "max_completion_tokens", "n":
+			if isNull(m.raw) {
+				break
+			}
+			n, err := positiveInt(m.raw)
+			if err != nil {
+				return nil, badRequest(string(m.key), string(m.key)+" must be at least 1")
+			}
+			switch {
+			case string(m.key) == "n":
+				r.N = n
+			case string(m.key) == "max_completion_tokens" || r.MaxTokens == 0:
+				r.MaxTokens = n
+			}
+		}
+		kept = append(kept, m)
+	}
+	r.members = kept
+	// max_completion_tokens wins over max_tokens whatever their order.
+	if raw, ok := r.Member("max_completion_tokens"); ok && !isNull(raw) {
+		r.MaxTokens, _ = positiveInt(raw)
+	}
 
-	raw, ok := top["model"]
-	if !ok || isNull(raw) {
+	if model == nil || isNull(model) {
 		return nil, badRequest("model", "missing required field: model")
 	}
-	if err := json.Unmarshal(raw, &r.Model); err != nil || r.Model == "" {
+	if model[0] != '"' || json.Unmarshal(model, &r.Model) != nil || r.Model == "" {
 		return nil, badRequest("model", "model must be a non-empty string")
 	}
 	switch endpoint {
 	case EndpointChat:
-		raw, ok := top["messages"]
-		if !ok || isNull(raw) {
+		if !hasMessages || isNull(messages) {
 			return nil, badRequest("messages", "missing required field: messages")
 		}
-		var msgs []json.RawMessage
-		if err := json.Unmarshal(raw, &msgs); err != nil {
+		if messages[0] != '[' {
 			return nil, badRequest("messages", "messages must be an array")
 		}
-		if len(msgs) == 0 {
+		if bytes.Equal(bytes.TrimSpace(messages[1:len(messages)-1]), nil) {
 			return nil, badRequest("messages", "messages must not be empty")
 		}
 	case EndpointCompletions:
-		raw, ok := top["prompt"]
-		if !ok || isNull(raw) {
+		if !hasPrompt || isNull(prompt) {
 			return nil, badRequest("prompt", "missing required field: prompt")
 		}
 	}
-	if raw, ok := top["stream"]; ok && !isNull(raw) {
-		if err := json.Unmarshal(raw, &r.Stream); err != nil {
-			return nil, badRequest("stream", "stream must be a boolean")
-		}
+	return r, nil
+}
+
+// parseStreamOptions reads stream_options: include_usage, and the other
+// members kept for the decode leg.
+func (r *Request) parseStreamOptions(raw []byte) error {
+	if isNull(raw) {
+		return nil
 	}
-	if raw, ok := top["stream_options"]; ok && !isNull(raw) {
-		if err := json.Unmarshal(raw, &r.streamOptions); err != nil {
-			return nil, badRequest("stream_options", "stream_options must be an object")
-		}
-		if iu, ok := r.streamOptions["include_usage"]; ok && !isNull(iu) {
-			if err := json.Unmarshal(iu, &r.IncludeUsage); err != nil {
-				return nil, badRequest("stream_options", "stream_options.include_usage must be a boolean")
-			}
-		}
+	opts, ok := splitObject(raw, nil)
+	if !ok {
+		return badRequest("stream_options", "stream_options must be an object")
 	}
-	for _, key := range []string{"max_tokens", "max_completion_tokens"} {
-		raw, ok := top[key]
-		if !ok || isNull(raw) {
+	for _, m := range opts {
+		if string(m.key) != "include_usage" {
+			r.streamOptions = append(r.streamOptions, m)
 			continue
 		}
-		n, err := positiveInt(raw)
-		if err != nil {
-			return nil, badRequest(key, key+" must be at least 1")
-		}
-		if key == "max_completion_tokens" || r.MaxTokens == 0 {
-			r.MaxTokens = n
+		switch string(m.raw) {
+		case "true":
+			r.IncludeUsage = true
+		case "false", "null":
+		default:
+			return badRequest("stream_options", "stream_options.include_usage must be a boolean")
 		}
 	}
-	if raw, ok := top["n"]; ok && !isNull(raw) {
-		n, err := positiveInt(raw)
-		if err != nil {
-			return nil, badRequest("n", "n must be at least 1")
-		}
-		r.N = n
-	}
-
-	r.members = make([]member, 0, len(top))
-	for k, v := range top {
-		r.members = append(r.members, member{key: k, raw: v})
-	}
-	sort.Slice(r.members, func(i, j int) bool { return r.members[i].key < r.members[j].key })
-	return r, nil
+	return nil
 }
 
 func errText(err error, fallback string) string {
@@ -168,13 +271,23 @@ func errText(err error, fallback string) string {
 	return err.Error()
 }
 
-func isNull(raw json.RawMessage) bool {
-	return bytes.Equal(bytes.TrimSpace(raw), []byte("null"))
+func isNull(raw []byte) bool {
+	return string(raw) == "null"
 }
 
-func positiveInt(raw json.RawMessage) (int, error) {
-	n, err := strconv.Atoi(string(bytes.TrimSpace(raw)))
-	if err != nil || n < 1 {
+// positiveInt parses a JSON integer literal ≥ 1 without allocating.
+func positiveInt(raw []byte) (int, error) {
+	if len(raw) == 0 || len(raw) > 18 {
+		return 0, strconv.ErrSyntax
+	}
+	n := 0
+	for _, c := range raw {
+		if c < '0' || c > '9' {
+			return 0, strconv.ErrSyntax
+		}
+		n = n*10 + int(c-'0')
+	}
+	if n < 1 {
 		return 0, strconv.ErrSyntax
 	}
 	return n, nil
@@ -200,10 +313,10 @@ func (r *Request) AppendPrefillBody(dst []byte, kvParams []byte) []byte {
 	dst = append(dst, '{')
 	first := true
 	for _, m := range r.members {
-		if prefillDropped[m.key] {
+		if prefillDropped[string(m.key)] {
 			continue
 		}
-		dst = appendMember(dst, &first, m.key, m.raw)
+		dst = appendRawMember(dst, &first, m.keyRaw, m.raw)
 	}
 	dst = appendMember(dst, &first, "stream", []byte("false"))
 	dst = appendMember(dst, &first, "max_tokens", []byte("1"))
@@ -225,28 +338,19 @@ func (r *Request) AppendDecodeBody(dst []byte, kvParams []byte) []byte {
 	dst = append(dst, '{')
 	first := true
 	for _, m := range r.members {
-		switch m.key {
+		switch string(m.key) {
 		case "stream", "stream_options", "kv_transfer_params":
 			continue
 		}
-		dst = appendMember(dst, &first, m.key, m.raw)
+		dst = appendRawMember(dst, &first, m.keyRaw, m.raw)
 	}
 	dst = appendMember(dst, &first, "stream", []byte("true"))
 	dst = append(dst, `,"stream_options":{"include_usage":true`...)
-	if len(r.streamOptions) > 0 {
-		keys := make([]string, 0, len(r.streamOptions))
-		for k := range r.streamOptions {
-			if k != "include_usage" {
-				keys = append(keys, k)
-			}
-		}
-		sort.Strings(keys)
-		for _, k := range keys {
-			dst = append(dst, ',')
-			dst = appendJSONString(dst, k)
-			dst = append(dst, ':')
-			dst = append(dst, r.streamOptions[k]...)
-		}
+	for _, m := range r.streamOptions {
+		dst = append(dst, ',')
+		dst = append(dst, m.keyRaw...)
+		dst = append(dst, ':')
+		dst = append(dst, m.raw...)
 	}
 	dst = append(dst, '}')
 	if kvParams != nil {
@@ -255,12 +359,25 @@ func (r *Request) AppendDecodeBody(dst []byte, kvParams []byte) []byte {
 	return append(dst, '}')
 }
 
+// appendMember appends "key":raw for a key that needs no escaping.
 func appendMember(dst []byte, first *bool, key string, raw []byte) []byte {
 	if !*first {
 		dst = append(dst, ',')
 	}
 	*first = false
-	dst = appendJSONString(dst, key)
+	dst = append(dst, '"')
+	dst = append(dst, key...)
+	dst = append(dst, '"', ':')
+	return append(dst, raw...)
+}
+
+// appendRawMember appends keyRaw:raw, keyRaw being a quoted JSON string.
+func appendRawMember(dst []byte, first *bool, keyRaw, raw []byte) []byte {
+	if !*first {
+		dst = append(dst, ',')
+	}
+	*first = false
+	dst = append(dst, keyRaw...)
 	dst = append(dst, ':')
 	return append(dst, raw...)
 }
