@@ -11,6 +11,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -230,6 +231,70 @@ func TestBadInputTouchesNoEngineRAPI4(t *testing.T) {
 	for id, srv := range s.sims {
 		if n := len(srv.Requests()); n != 0 {
 			t.Fatalf("engine %s got %d requests", id, n)
+		}
+	}
+}
+
+func TestRequestIDRAPI6(t *testing.T) {
+	s := newStack(t, pd(), nil)
+	s.waitModels()
+	for _, tc := range []struct{ sent, kept string }{
+		{"abc-123_x.y:z", "abc-123_x.y:z"},
+		{"has space", ""},
+		{strings.Repeat("a", 129), ""},
+		{"", ""},
+	} {
+		var resp *http.Response
+		if tc.sent == "" {
+			resp, _ = s.post(schemas.EndpointChat, chatBody("id", ""))
+		} else {
+			resp, _ = s.post(schemas.EndpointChat, chatBody("id", ""), "X-Request-Id", tc.sent)
+		}
+		got := resp.Header.Get("X-Request-Id")
+		if tc.kept != "" && got != tc.kept {
+			t.Fatalf("sent %q, got %q", tc.sent, got)
+		}
+		if tc.kept == "" && (got == "" || got == tc.sent) {
+			t.Fatalf("sent %q, got %q: want a new id", tc.sent, got)
+		}
+	}
+	// Errors carry it too.
+	resp, _ := s.post(schemas.EndpointChat, `{`, "X-Request-Id", "bad-body-1")
+	if resp.StatusCode != 400 || resp.Header.Get("X-Request-Id") != "bad-body-1" {
+		t.Fatalf("%d %q", resp.StatusCode, resp.Header.Get("X-Request-Id"))
+	}
+}
+
+func TestTimingsRTIME1(t *testing.T) {
+	// The producer spends 40 ms per prompt word; the consumer 150 ms to its
+	// first token. ttft_s ends when the prefill leg completed, first_byte_s
+	// at the first generated output, both from arrival.
+	s := newStack(t, []engineDef{
+		{id: "p1", role: "prefill", cfg: sim.Config{PrefillPerToken: 40 * millisecond}},
+		{id: "d1", role: "decode", cfg: sim.Config{TTFT: 150 * millisecond}},
+	}, nil)
+	s.waitModels()
+	resp, body := s.post(schemas.EndpointCompletions, `{"model":"sim-model","prompt":"one two three four five","max_tokens":3,"stream":true}`)
+	if resp.StatusCode != 200 {
+		t.Fatalf("%d %s", resp.StatusCode, body)
+	}
+	s.idle()
+	ev := s.events.requests()[0]
+	ttft, fb := *ev.TTFTSeconds, *ev.FirstByteSeconds
+	// prompt = 5 words → 200 ms of prefill.
+	if ttft < 0.2 || ttft > 0.2+0.3 {
+		t.Fatalf("ttft_s %.3f, want ≈ 0.2", ttft)
+	}
+	if d := fb - ttft; d < 0.15 || d > 0.15+0.3 {
+		t.Fatalf("first_byte_s - ttft_s = %.3f, want ≈ 0.15", d)
+	}
+	if ev.DurationSeconds < fb {
+		t.Fatalf("duration %.3f < first byte %.3f", ev.DurationSeconds, fb)
+	}
+	_, metrics := s.get("/metrics")
+	for _, want := range []string{"narwhal_ttft_seconds_count 1", "narwhal_first_byte_seconds_count 1"} {
+		if !strings.Contains(string(metrics), want) {
+			t.Fatalf("metrics lack %q", want)
 		}
 	}
 }
