@@ -111,16 +111,13 @@ var errNoModel = errors.New("no engine serves the model")
 // none can take the phase.
 func (f *fleet) place(model string, p phase, exclude *member) (*member, error) {
 	now := time.Now().UnixNano()
-	n := len(f.members)
-	if n == 0 {
-		return nil, &errNoEngine{p}
-	}
 	for try := 0; try < 4; try++ {
+		// Least outstanding wins; ties are broken uniformly at random
+		// (reservoir sampling), so idle engines share the load evenly.
 		var best, fallback *member
-		var bestLoad, fallbackLoad int64
-		start := rand.IntN(n)
-		for i := 0; i < n; i++ {
-			m := f.members[(start+i)%n]
+		var bestLoad int64
+		ties := 0
+		for _, m := range f.members {
 			if !m.can(p) || !m.available(now) || !m.serves(model) {
 				continue
 			}
@@ -129,20 +126,25 @@ func (f *fleet) place(model string, p phase, exclude *member) (*member, error) {
 				continue
 			}
 			if m == exclude {
-				fallback, fallbackLoad = m, load
+				fallback = m
 				continue
 			}
-			if best == nil || load < bestLoad {
-				best, bestLoad = m, load
+			switch {
+			case best == nil || load < bestLoad:
+				best, bestLoad, ties = m, load, 1
+			case load == bestLoad:
+				ties++
+				if rand.IntN(ties) == 0 {
+					best = m
+				}
 			}
 		}
 		if best == nil {
-			best, bestLoad = fallback, fallbackLoad
+			best = fallback
 		}
 		if best == nil {
 			return nil, &errNoEngine{p}
 		}
-		_ = bestLoad
 		if best.tryReserve(p) {
 			return best, nil
 		}

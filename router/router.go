@@ -297,6 +297,11 @@ func (rt *Router) post(ctx *fasthttp.RequestCtx) bool {
 // serverError answers the errors fasthttp raises before the handler runs,
 // above all a body over the limit (413, R-API-4), in the OpenAI shape.
 func (rt *Router) serverError(ctx *fasthttp.RequestCtx, err error) {
+	if h := ctx.Request.Header.Peek("X-Request-Id"); validRequestID(h) {
+		ctx.Response.Header.SetBytesV("X-Request-Id", h)
+	} else {
+		ctx.Response.Header.Set("X-Request-Id", newID())
+	}
 	var tooLarge bool
 	if errors.Is(err, fasthttp.ErrBodyTooLarge) {
 		tooLarge = true

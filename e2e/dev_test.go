@@ -1,0 +1,117 @@
+package e2e
+
+import (
+	"encoding/json"
+	"io"
+	"net/http"
+	"os"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/narwhalmesh/narwhal/engines/sim"
+)
+
+// devModel is the model `narwhal dev` serves.
+const devModel = "narwhal-sim"
+
+// curlLine is the ready-to-paste command `narwhal dev` prints:
+// curl -N URL -H 'Content-Type: application/json' -d 'JSON'.
+var curlLine = regexp.MustCompile(`(?m)^curl -N (\S+) -H '([^']*)' -d '([^']*)'$`)
+
+// TestDevStackCurl runs `narwhal dev` as a process, reads the curl command
+// it prints (SPEC §14), sends the same request with net/http and checks
+// that it streams the simulator's tokens for that prompt and ends with
+// data: [DONE] (R-API-1, R-FAIL-2). SIGINT then stops the whole stack with
+// exit status 0.
+func TestDevStackCurl(t *testing.T) {
+	port := freePorts(t, 1)[0]
+	dev := startProcess(t, "dev", nil, "dev", "--listen", hostPort(port))
+	waitFor(t, readyBound, "the curl line on stdout", func() bool {
+		if dev.exited() {
+			t.Fatalf("narwhal dev exited: %v", dev.waitErr)
+		}
+		return curlLine.MatchString(dev.stdout.String())
+	})
+	m := curlLine.FindStringSubmatch(dev.stdout.String())
+	url, header, body := m[1], m[2], m[3]
+	if want := "http://" + hostPort(port) + "/v1/chat/completions"; url != want {
+		t.Fatalf("curl URL %q, want %q", url, want)
+	}
+	name, value, ok := strings.Cut(header, ": ")
+	if !ok {
+		t.Fatalf("curl header %q", header)
+	}
+	var req struct {
+		Model     string          `json:"model"`
+		Messages  json.RawMessage `json:"messages"`
+		Stream    bool            `json:"stream"`
+		MaxTokens int             `json:"max_tokens"`
+		Seed      int64           `json:"seed"`
+	}
+	if err := json.Unmarshal([]byte(body), &req); err != nil {
+		t.Fatalf("curl body %q: %v", body, err)
+	}
+	if req.Model != devModel || !req.Stream || req.MaxTokens < 1 {
+		t.Fatalf("curl body %s: want model %s, a stream, max_tokens ≥ 1", body, devModel)
+	}
+
+	// The request exactly as curl sends it: POST, the header, the body.
+	transport := &http.Transport{}
+	defer transport.CloseIdleConnections()
+	hreq, err := http.NewRequestWithContext(testContext(t, requestBound), http.MethodPost, url, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	hreq.Header.Set(name, value)
+	resp, err := (&http.Client{Transport: transport}).Do(hreq)
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.StatusCode != http.StatusOK || !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
+		t.Fatalf("HTTP %d %s: %s", resp.StatusCode, resp.Header.Get("Content-Type"), raw)
+	}
+	if resp.Header.Get("X-Request-Id") == "" {
+		t.Error("no X-Request-Id (R-API-6)")
+	}
+	events := sseData(raw)
+	if len(events) == 0 || events[len(events)-1] != "[DONE]" || !strings.HasSuffix(string(raw), "data: [DONE]\n\n") {
+		t.Fatalf("stream does not end with data: [DONE]:\n%s", raw)
+	}
+	var tokens []string
+	for _, e := range events[:len(events)-1] {
+		var ch struct {
+			Choices []struct {
+				Delta struct {
+					Content string `json:"content"`
+				} `json:"delta"`
+			} `json:"choices"`
+		}
+		if err := json.Unmarshal([]byte(e), &ch); err != nil {
+			t.Fatalf("event %q: %v", e, err)
+		}
+		for _, c := range ch.Choices {
+			if c.Delta.Content != "" {
+				tokens = append(tokens, c.Delta.Content)
+			}
+		}
+	}
+	prompt, err := sim.RenderChat(req.Messages)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want, _ := sim.Generate(prompt, req.Seed, req.MaxTokens, nil, false)
+	if len(tokens) == 0 || strings.Join(tokens, "|") != strings.Join(want, "|") {
+		t.Fatalf("streamed tokens %q, want %q", tokens, want)
+	}
+
+	// Ctrl-C stops everything; the process exits 0 within stopBound.
+	if err := dev.stop(os.Interrupt); err != nil {
+		t.Fatalf("narwhal dev after SIGINT: %v (exit status %d)", err, exitCode(err))
+	}
+}

@@ -1,0 +1,12 @@
+// Package e2e holds Narwhal's end-to-end tests. They build the narwhal
+// binary once and run it as separate processes — simulated engines
+// (`narwhal sim`), a router (`narwhal router`) joined to an embedded NATS
+// server that the tests read the bus events from, and the whole dev stack
+// (`narwhal dev`) — and drive the router with the official OpenAI Go SDK
+// (github.com/openai/openai-go/v3) and net/http, checking what the client
+// sees against what each engine received (SPEC §1, §2, §9, §14).
+//
+// The package has no code outside its tests. Run it with
+//
+//	go test -race -count=1 ./e2e/
+package e2e

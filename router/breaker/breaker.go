@@ -1,0 +1,425 @@
+// Package breaker is Narwhal's breaker service (SPEC §8): it consumes the
+// routers' failure and request events from JetStream with a durable
+// consumer, counts each engine's consecutive counted failures, ejects an
+// engine after recovery.eject_after of them, probes ejected engines with a
+// real KV transfer through their role, readmits them on success, and keeps
+// every engine's placement eligibility in KV bucket narwhal_placement.
+//
+// Several breakers may run; one leads, through a lease in KV bucket
+// narwhal_breaker (R-BRK-8). Only the leader consumes events, writes
+// placement and probes; the others stand by and take over once the lease
+// lapses. Every decision lives on the bus (the streak and state in the
+// engine's placement entry, the position in the durable consumer), so a new
+// leader continues where the old one stopped.
+//
+// ProbeTransfer, CheckContract and CheckHealth are also what `narwhal
+// preflight` runs (R-PRE-1).
+package breaker
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/engines"
+	"github.com/narwhalmesh/narwhal/engines/connector"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// Names on the bus (SPEC R-BRK-1, R-BRK-8, R-BUS-7).
+const (
+	// LeaseBucket is the KV bucket that holds the leader lease. Its TTL is
+	// breaker.lease_ttl_s; it is created or updated, never deleted.
+	LeaseBucket = "narwhal_breaker"
+	// LeaseKey is the lease's key in LeaseBucket; its value is a Lease.
+	LeaseKey = "leader"
+	// ConsumerName is the durable consumer on stream NARWHAL_EVENTS that
+	// every breaker shares; only the leader pulls from it. It is created or
+	// updated, never deleted.
+	ConsumerName = "narwhal-breaker"
+)
+
+// FilterSubjects are the subjects ConsumerName reads: failure events and
+// request-completed events (R-BRK-1).
+var FilterSubjects = []string{
+	bus.SubjectPrefix + schemas.KindFailure + ".>",
+	bus.SubjectPrefix + schemas.KindRequest + ".>",
+}
+
+// MaxBackoff caps the per-engine probe backoff: after failed probes an
+// ejected engine is probed every readmit_interval_s × 1, 2, 4, then at most
+// × MaxBackoff (R-BRK-5).
+const MaxBackoff = 8
+
+// Tuning.
+const (
+	// consumerAckWait is how long an event delivered to a leader that died
+	// before acknowledging it waits before it is delivered again.
+	consumerAckWait = 10 * time.Second
+	// consumerMaxAckPending bounds events delivered but not acknowledged.
+	consumerMaxAckPending = 1024
+	// fetchBatch is how many events one pull asks for.
+	fetchBatch = 128
+	// maxFetchWait bounds how long one pull waits for events.
+	maxFetchWait = time.Second
+	// setupRetry is the pause between attempts to set up the bucket and the
+	// consumer while the bus is unreachable.
+	setupRetry = 250 * time.Millisecond
+	// opTimeout bounds one KV operation.
+	opTimeout = 5 * time.Second
+	// eventBuffer is the breaker's publisher buffer.
+	eventBuffer = 1024
+)
+
+// Lease is the value of LeaseKey: who holds the lease, and since when.
+type Lease struct {
+	// BreakerID is the leader's breaker_id.
+	BreakerID string `json:"breaker_id"`
+	// Since is when it took the lease (UTC).
+	Since time.Time `json:"since"`
+}
+
+// Options configures a Service.
+type Options struct {
+	// Config is the validated configuration: its Fleet lists the engines,
+	// Recovery the ejection and readmission settings, Breaker the lease,
+	// Engine the probe timeouts and EngineContract the lifecycle checks.
+	Config *config.Config
+	// Bus is the connection to NATS; the Service does not close it.
+	Bus *bus.Bus
+	// ID is the breaker_id of the Service's events and lease, e.g.
+	// "breaker-<host>-<pid>": letters, digits, '-' and '_'.
+	ID string
+	// Logger receives the Service's logs; nil means slog.Default().
+	Logger *slog.Logger
+	// Client runs the probes; nil means NewProbeClient(Config), whose idle
+	// connections the Service closes when Run returns.
+	Client *engines.Client
+	// Registry receives the Service's metrics (narwhal_breaker_*) and its
+	// publisher's; nil means none are registered.
+	Registry prometheus.Registerer
+}
+
+// Service is one breaker (SPEC §8). Create it with New and run it with Run;
+// it campaigns for the lease and, while it holds it, consumes events,
+// ejects, probes and readmits. Its methods are safe for concurrent use.
+type Service struct {
+	cfg        *config.Config
+	bus        *bus.Bus
+	id         string
+	log        *slog.Logger
+	client     *engines.Client
+	ownsClient bool
+	reg        prometheus.Registerer
+	metrics    *metrics
+
+	leaseTTL    time.Duration
+	renewEvery  time.Duration
+	interval    time.Duration
+	probeBudget time.Duration
+	ejectAfter  int
+
+	fleet []*engine          // in fleet order
+	byID  map[string]*engine // by engine id
+
+	running atomic.Bool
+	leader  atomic.Bool
+	pub     *bus.Publisher // set by Run before any goroutine uses it
+
+	// mu guards the leader-only state of every engine: its cached
+	// placement entry and probe schedule. KV writes happen under it so that
+	// event application and readmission never interleave on one engine.
+	mu sync.Mutex
+}
+
+// engine is one fleet engine with the leader's view of it.
+type engine struct {
+	engines.Engine
+
+	// Guarded by Service.mu, valid while leading.
+	entry     schemas.Eligibility // the placement entry as last read or written
+	rev       uint64              // its KV revision; 0 = no entry
+	crossed   string              // producer of the latest counted crossed-decode failure in the streak (R-BRK-4)
+	phase     string              // phase of the latest counted failure
+	backoff   int                 // probe backoff multiplier, 1…MaxBackoff
+	nextProbe time.Time           // earliest next probe while ejected
+	rotate    int                 // partner rotation, advanced by inconclusive probes
+}
+
+// New checks opts and returns a Service that is not yet running. It
+// returns an error when Config or Bus is missing, ID is empty, or a fleet
+// engine names an unknown connector.
+func New(opts Options) (*Service, error) {
+	if opts.Config == nil {
+		return nil, errors.New("breaker: no config")
+	}
+	if opts.Bus == nil {
+		return nil, errors.New("breaker: no bus")
+	}
+	if opts.ID == "" {
+		return nil, errors.New("breaker: no breaker id")
+	}
+	cfg := opts.Config
+	s := &Service{
+		cfg:        cfg,
+		bus:        opts.Bus,
+		id:         opts.ID,
+		log:        opts.Logger,
+		client:     opts.Client,
+		reg:        opts.Registry,
+		leaseTTL:   cfg.Breaker.LeaseTTL(),
+		interval:   cfg.Recovery.ReadmitInterval(),
+		ejectAfter: cfg.Recovery.EjectAfter,
+		byID:       make(map[string]*engine, len(cfg.Fleet)),
+	}
+	if s.log == nil {
+		s.log = slog.Default()
+	}
+	s.log = s.log.With("breaker_id", s.id)
+	if s.client == nil {
+		s.client = NewProbeClient(cfg)
+		s.ownsClient = true
+	}
+	if s.leaseTTL <= 0 {
+		s.leaseTTL = config.Seconds(config.Default().Breaker.LeaseTTLS)
+	}
+	if s.interval <= 0 {
+		s.interval = config.Seconds(config.Default().Recovery.ReadmitIntervalS)
+	}
+	if s.ejectAfter < 1 {
+		s.ejectAfter = 1
+	}
+	s.renewEvery = s.leaseTTL / 3
+	// Health, contract and the two legs, each bounded by the first-token
+	// timeout (R-BRK-3), plus the decode's tail after its first token.
+	s.probeBudget = 4*cfg.Engine.FirstTokenTimeout() + cfg.Engine.DecodeReadTimeout()
+	for _, spec := range cfg.Fleet {
+		conn, err := connector.Lookup(spec.Connector)
+		if err != nil {
+			return nil, fmt.Errorf("breaker: fleet engine %s: %w", spec.ID, err)
+		}
+		e := &engine{Engine: engines.Engine{ID: spec.ID, URL: trimSlash(spec.URL), Role: engines.Role(spec.Role), Connector: conn}}
+		s.fleet = append(s.fleet, e)
+		s.byID[spec.ID] = e
+	}
+	s.metrics = newMetrics(opts.Registry, s.id)
+	return s, nil
+}
+
+func trimSlash(u string) string {
+	for len(u) > 0 && u[len(u)-1] == '/' {
+		u = u[:len(u)-1]
+	}
+	return u
+}
+
+// Leader reports whether the Service holds the lease right now (R-BRK-8).
+// It turns false at once when a renewal fails.
+func (s *Service) Leader() bool { return s.leader.Load() }
+
+// ID returns the Service's breaker_id.
+func (s *Service) ID() string { return s.id }
+
+// Run sets up KV bucket narwhal_breaker (TTL breaker.lease_ttl_s) and the
+// durable consumer narwhal-breaker with CreateOrUpdate only (R-BUS-7),
+// then campaigns for the lease every lease_ttl_s/3: while it holds the
+// lease it leads (consumes events, ejects, probes, readmits); when a
+// renewal fails it stops leading at once and campaigns again (R-BRK-8).
+//
+// Run blocks until ctx ends and then returns nil, after releasing the lease
+// it holds (so a standby takes over without waiting for it to lapse) and
+// stopping every goroutine it started. It returns an error when the
+// bucket or consumer cannot be set up for a reason waiting cannot fix, or
+// when called a second time.
+func (s *Service) Run(ctx context.Context) error {
+	if !s.running.CompareAndSwap(false, true) {
+		return errors.New("breaker: Run called twice")
+	}
+	if s.ownsClient {
+		defer s.client.HTTPClient().CloseIdleConnections()
+	}
+	lease, cons, err := s.setup(ctx)
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil
+		}
+		return err
+	}
+	s.pub = bus.NewPublisher(s.bus, eventBuffer, s.reg)
+	defer s.pub.Close()
+
+	value, _ := json.Marshal(Lease{BreakerID: s.id, Since: time.Now().UTC()})
+	t := time.NewTicker(s.renewEvery)
+	defer t.Stop()
+	for {
+		cctx, cancel := context.WithTimeout(ctx, s.renewEvery)
+		rev, err := lease.Create(cctx, LeaseKey, value)
+		cancel()
+		switch {
+		case err == nil:
+			s.lead(ctx, lease, cons, rev)
+			value, _ = json.Marshal(Lease{BreakerID: s.id, Since: time.Now().UTC()})
+		case errors.Is(err, jetstream.ErrKeyExists):
+			// Another breaker leads: stand by.
+		case ctx.Err() == nil:
+			s.log.Debug("breaker campaign", "err", err)
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+		}
+	}
+}
+
+// setup creates or updates the lease bucket and the durable consumer,
+// retrying while the bus is unreachable.
+func (s *Service) setup(ctx context.Context) (jetstream.KeyValue, jetstream.Consumer, error) {
+	js := s.bus.JetStream()
+	for {
+		octx, cancel := context.WithTimeout(ctx, opTimeout)
+		lease, err := js.CreateOrUpdateKeyValue(octx, jetstream.KeyValueConfig{
+			Bucket:      LeaseBucket,
+			Description: "Narwhal breaker leader lease",
+			History:     1,
+			TTL:         s.leaseTTL,
+			Storage:     jetstream.FileStorage,
+		})
+		var cons jetstream.Consumer
+		if err == nil {
+			cons, err = js.CreateOrUpdateConsumer(octx, bus.StreamName, jetstream.ConsumerConfig{
+				Durable:        ConsumerName,
+				Description:    "Narwhal breaker: failure and request events (R-BRK-1)",
+				FilterSubjects: FilterSubjects,
+				DeliverPolicy:  jetstream.DeliverNewPolicy,
+				AckPolicy:      jetstream.AckExplicitPolicy,
+				AckWait:        consumerAckWait,
+				MaxAckPending:  consumerMaxAckPending,
+				MaxDeliver:     -1,
+			})
+			if err != nil {
+				err = fmt.Errorf("breaker: consumer %s: %w", ConsumerName, err)
+			}
+		} else {
+			err = fmt.Errorf("breaker: bucket %s: %w", LeaseBucket, err)
+		}
+		cancel()
+		if err == nil {
+			return lease, cons, nil
+		}
+		if !s.transient(err) {
+			return nil, nil, err
+		}
+		s.log.Warn("breaker setup waiting for the bus", "err", err)
+		if !sleep(ctx, setupRetry) {
+			return nil, nil, ctx.Err()
+		}
+	}
+}
+
+// transient reports whether a bus error may go away by waiting.
+func (s *Service) transient(err error) bool {
+	return !s.bus.Connected() ||
+		errors.Is(err, context.DeadlineExceeded) ||
+		errors.Is(err, nats.ErrTimeout) ||
+		errors.Is(err, nats.ErrNoResponders) ||
+		errors.Is(err, jetstream.ErrJetStreamNotEnabled) ||
+		errors.Is(err, nats.ErrConnectionReconnecting) ||
+		errors.Is(err, nats.ErrDisconnected)
+}
+
+// sleep waits for d or until ctx ends; it reports whether d passed.
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
+
+// errLeaseLost cancels the leading context when a renewal fails.
+var errLeaseLost = errors.New("breaker: lease lost")
+
+// lead runs the leader's work while the lease with revision rev is held:
+// it renews the lease every lease_ttl_s/3, takes over placement, consumes
+// events and runs readmission rounds. It returns when ctx ends (releasing
+// the lease) or the lease is lost.
+func (s *Service) lead(ctx context.Context, lease jetstream.KeyValue, cons jetstream.Consumer, rev uint64) {
+	lctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	s.leader.Store(true)
+	s.metrics.leader.Set(1)
+	s.log.Info("breaker leading", "lease_ttl", s.leaseTTL)
+
+	var held atomic.Uint64
+	held.Store(rev)
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		t := time.NewTicker(s.renewEvery)
+		defer t.Stop()
+		value, _ := json.Marshal(Lease{BreakerID: s.id, Since: time.Now().UTC()})
+		for {
+			select {
+			case <-lctx.Done():
+				return
+			case <-t.C:
+			}
+			rctx, rcancel := context.WithTimeout(lctx, s.renewEvery)
+			next, err := lease.Update(rctx, LeaseKey, value, held.Load())
+			rcancel()
+			if err != nil {
+				if lctx.Err() != nil {
+					return
+				}
+				// Stop leading at once: another breaker may hold the
+				// lease from now on (R-BRK-8).
+				s.leader.Store(false)
+				s.metrics.leader.Set(0)
+				s.log.Warn("breaker lease lost", "err", err)
+				cancel(errLeaseLost)
+				return
+			}
+			held.Store(next)
+		}
+	}()
+
+	if s.takeOver(lctx) {
+		wg.Add(2)
+		go func() { defer wg.Done(); s.consume(lctx, cons) }()
+		go func() { defer wg.Done(); s.readmitLoop(lctx) }()
+	}
+	<-lctx.Done()
+	wg.Wait()
+	s.leader.Store(false)
+	s.metrics.leader.Set(0)
+	if context.Cause(lctx) != errLeaseLost {
+		// Shutting down: hand the lease over now instead of letting it
+		// lapse. Revision-checked, so a lease taken by another breaker in
+		// the meantime is left alone.
+		rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), s.renewEvery)
+		if err := lease.Delete(rctx, LeaseKey, jetstream.LastRevision(held.Load())); err != nil {
+			s.log.Debug("breaker lease release", "err", err)
+		}
+		rcancel()
+		s.log.Info("breaker stopped leading")
+	}
+}
+
+// publish hands ev to the Service's publisher.
+func (s *Service) publish(ev schemas.Event) { s.pub.Publish(ev) }

@@ -1,0 +1,204 @@
+package breaker
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+var (
+	failurePrefix = bus.SubjectPrefix + schemas.KindFailure + "."
+	requestPrefix = bus.SubjectPrefix + schemas.KindRequest + "."
+)
+
+// consume pulls events from the durable consumer while ctx lasts (the
+// lease is held) and applies them one at a time, in stream order,
+// acknowledging each after it is applied: a leader that stops mid-way
+// leaves the rest to the next one, from the ack floor (R-BRK-1). Events
+// fetched after the lease was lost are handed back unapplied.
+func (s *Service) consume(ctx context.Context, cons jetstream.Consumer) {
+	wait := min(s.renewEvery, maxFetchWait)
+	for ctx.Err() == nil {
+		fctx, cancel := context.WithTimeout(ctx, wait)
+		batch, err := cons.Fetch(fetchBatch, jetstream.FetchContext(fctx))
+		if err != nil {
+			cancel()
+			if ctx.Err() == nil {
+				s.log.Debug("breaker fetch", "err", err)
+				sleep(ctx, wait)
+			}
+			continue
+		}
+		n := 0
+		for msg := range batch.Messages() {
+			n++
+			if ctx.Err() != nil {
+				_ = msg.Nak()
+				continue
+			}
+			s.handle(ctx, msg)
+		}
+		cancel()
+		if err := batch.Error(); err != nil && ctx.Err() == nil && !errors.Is(err, context.DeadlineExceeded) {
+			s.log.Debug("breaker fetch", "err", err)
+			if n == 0 {
+				sleep(ctx, wait)
+			}
+		}
+	}
+}
+
+// handle applies one event and settles it: acknowledged once applied (or
+// when it needs nothing), terminated when it is not an event, handed back
+// for a later delivery when the bus write failed.
+func (s *Service) handle(ctx context.Context, msg jetstream.Msg) {
+	var err error
+	subject := msg.Subject()
+	switch {
+	case strings.HasPrefix(subject, failurePrefix):
+		s.metrics.events.WithLabelValues(schemas.KindFailure).Inc()
+		err = s.applyFailure(ctx, msg.Data())
+	case strings.HasPrefix(subject, requestPrefix):
+		s.metrics.events.WithLabelValues(schemas.KindRequest).Inc()
+		err = s.applyRequest(ctx, msg.Data())
+	}
+	var bad *malformedError
+	switch {
+	case err == nil:
+		_ = msg.Ack()
+	case errors.As(err, &bad):
+		s.log.Warn("breaker drops a malformed event", "subject", subject, "err", err)
+		_ = msg.Term()
+	default:
+		if ctx.Err() == nil {
+			s.log.Warn("breaker could not apply an event, will retry", "subject", subject, "err", err)
+		}
+		_ = msg.NakWithDelay(min(s.renewEvery, maxFetchWait))
+	}
+}
+
+// malformedError marks an event that can never be applied.
+type malformedError struct{ err error }
+
+func (e *malformedError) Error() string { return "malformed event: " + e.err.Error() }
+
+// applyFailure counts a failure event towards its engine's streak
+// (R-BRK-1, R-BRK-2) when the router marked it as counting: the streak is
+// stored in the engine's placement entry, and at recovery.eject_after the
+// engine is ejected ({eligible:false,state:"ejected"} plus an eligibility
+// event). A crossed-decode failure remembers its producer for the probe
+// (R-BRK-4). Events of engines outside the fleet, of ejected engines and
+// that do not count are acknowledged without effect.
+func (s *Service) applyFailure(ctx context.Context, data []byte) error {
+	var f schemas.Failure
+	if err := json.Unmarshal(data, &f); err != nil {
+		return &malformedError{err}
+	}
+	if !f.Counts {
+		return nil
+	}
+	e := s.byID[f.EngineID]
+	if e == nil {
+		return nil
+	}
+	crossed := f.Phase == schemas.PhaseDecode && f.ConsumerID == e.ID && f.ProducerID != "" && f.ProducerID != e.ID
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var ejected bool
+	entry, err := s.update(ctx, e, false, func(cur schemas.Eligibility) (schemas.Eligibility, error) {
+		if cur.State == schemas.StateEjected {
+			return cur, errNoChange
+		}
+		next := schemas.Eligibility{State: schemas.StateEligible, Streak: cur.Streak + 1}
+		ejected = next.Streak >= s.ejectAfter
+		if ejected {
+			next.State = schemas.StateEjected
+			next.Reason = fmt.Sprintf("ejected after %d consecutive failures (last: %s %s)", next.Streak, f.Phase, f.Kind)
+		} else {
+			next.Reason = fmt.Sprintf("%d consecutive failures (last: %s %s)", next.Streak, f.Phase, f.Kind)
+		}
+		return next, nil
+	})
+	if errors.Is(err, errNoChange) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	if crossed {
+		e.crossed = f.ProducerID
+	}
+	if f.Phase == schemas.PhasePrefill || f.Phase == schemas.PhaseDecode {
+		e.phase = f.Phase
+	}
+	if ejected {
+		s.publish(cloneEligibility(entry))
+		e.backoff, e.nextProbe = 1, time.Now().Add(s.interval)
+		s.metrics.ejections.WithLabelValues(e.ID).Inc()
+		s.log.Warn("engine ejected", "engine_id", e.ID, "streak", entry.Streak, "reason", entry.Reason)
+	}
+	return nil
+}
+
+// requestOutcome is the part of a request-completed event the breaker
+// reads.
+type requestOutcome struct {
+	Status     int    `json:"status"`
+	ErrorKind  string `json:"error_kind"`
+	ProducerID string `json:"producer_id"`
+	ConsumerID string `json:"consumer_id"`
+}
+
+// applyRequest resets the streaks of the producer and consumer of a
+// successful request (status 200, no error kind) (R-BRK-1). An ejected
+// engine keeps its state: only a probe readmits (R-BRK-3).
+func (s *Service) applyRequest(ctx context.Context, data []byte) error {
+	var r requestOutcome
+	if err := json.Unmarshal(data, &r); err != nil {
+		return &malformedError{err}
+	}
+	if r.Status != 200 || r.ErrorKind != "" {
+		return nil
+	}
+	if err := s.resetStreak(ctx, r.ProducerID); err != nil {
+		return err
+	}
+	if r.ConsumerID != r.ProducerID {
+		return s.resetStreak(ctx, r.ConsumerID)
+	}
+	return nil
+}
+
+// resetStreak sets an eligible engine's streak to 0 after a success.
+func (s *Service) resetStreak(ctx context.Context, id string) error {
+	e := s.byID[id]
+	if e == nil {
+		return nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if e.entry.Streak == 0 || e.entry.State != schemas.StateEligible {
+		return nil // the common case: nothing to write
+	}
+	_, err := s.update(ctx, e, false, func(cur schemas.Eligibility) (schemas.Eligibility, error) {
+		if cur.Streak == 0 || cur.State != schemas.StateEligible {
+			return cur, errNoChange
+		}
+		return schemas.Eligibility{State: schemas.StateEligible, Reason: "streak reset by a successful request"}, nil
+	})
+	if errors.Is(err, errNoChange) {
+		err = nil
+	}
+	if err == nil {
+		e.crossed = ""
+	}
+	return err
+}

@@ -1,0 +1,75 @@
+package breaker
+
+import (
+	"errors"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// metrics are the Service's Prometheus collectors.
+type metrics struct {
+	// leader is narwhal_breaker_leader{breaker_id}: 1 while this breaker
+	// holds the lease (R-BRK-8).
+	leader prometheus.Gauge
+	// ejections is narwhal_breaker_ejections_total{engine_id} (R-BRK-1).
+	ejections *prometheus.CounterVec
+	// readmissions is narwhal_breaker_readmissions_total{engine_id}
+	// (R-BRK-3).
+	readmissions *prometheus.CounterVec
+	// probes is narwhal_breaker_probes_total{engine_id,outcome} (R-BRK-5).
+	probes *prometheus.CounterVec
+	// events is narwhal_breaker_events_total{kind}: failure and request
+	// events consumed.
+	events *prometheus.CounterVec
+}
+
+// newMetrics builds the collectors and registers them on reg when it is
+// not nil; collectors already registered there under the same names
+// (another Service on the same registry) are shared.
+func newMetrics(reg prometheus.Registerer, breakerID string) *metrics {
+	leader := prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "narwhal_breaker_leader",
+		Help: "1 while this breaker holds the leader lease, else 0.",
+	}, []string{"breaker_id"})
+	m := &metrics{
+		ejections: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "narwhal_breaker_ejections_total",
+			Help: "Engines ejected after recovery.eject_after consecutive counted failures.",
+		}, []string{"engine_id"}),
+		readmissions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "narwhal_breaker_readmissions_total",
+			Help: "Ejected engines readmitted after a successful inference probe.",
+		}, []string{"engine_id"}),
+		probes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "narwhal_breaker_probes_total",
+			Help: "Inference probes of ejected engines, by outcome (success, failure, inconclusive).",
+		}, []string{"engine_id", "outcome"}),
+		events: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "narwhal_breaker_events_total",
+			Help: "Failure and request events the breaker consumed, by kind.",
+		}, []string{"kind"}),
+	}
+	if reg != nil {
+		leader = register(reg, leader)
+		m.ejections = register(reg, m.ejections)
+		m.readmissions = register(reg, m.readmissions)
+		m.probes = register(reg, m.probes)
+		m.events = register(reg, m.events)
+	}
+	m.leader = leader.WithLabelValues(breakerID)
+	return m
+}
+
+// register registers c on reg, or returns the collector already
+// registered under the same name.
+func register[C prometheus.Collector](reg prometheus.Registerer, c C) C {
+	if err := reg.Register(c); err != nil {
+		var are prometheus.AlreadyRegisteredError
+		if errors.As(err, &are) {
+			if existing, ok := are.ExistingCollector.(C); ok {
+				return existing
+			}
+		}
+	}
+	return c
+}

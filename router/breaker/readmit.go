@@ -1,0 +1,297 @@
+package breaker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nuid"
+
+	"github.com/narwhalmesh/narwhal/engines"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// probe is one engine's probe in a readmission round.
+type probe struct {
+	e       *engine
+	phase   string // the role probed: prefill or decode
+	model   string // the model the transfer uses
+	checked bool   // the health and contract checks passed
+	outcome string // schemas.Probe* once decided
+	message string
+	// producer and consumer ran the transfer, when there was one.
+	producer, consumer string
+}
+
+// readmitLoop runs a readmission round every recovery.readmit_interval_s
+// while ctx lasts (the lease is held) (R-BRK-3…7).
+func (s *Service) readmitLoop(ctx context.Context) {
+	t := time.NewTicker(s.interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			s.round(ctx)
+		}
+	}
+}
+
+// round probes every ejected engine whose backoff has passed, all in
+// parallel, so that a whole wave of ejected engines is probed together
+// (R-BRK-7), in two steps: first each engine's GET /health and, with an
+// engine contract, its lifecycle validation (R-BRK-6); then an inference
+// probe through its role (R-BRK-3, R-BRK-4). A prefill or decode engine is
+// paired with an eligible partner, else — when a whole phase is ejected —
+// with an ejected partner that passed its checks in this round. Each
+// engine is then readmitted on its own success, kept out with a longer
+// backoff on its own failure, or left as it was when the probe was
+// inconclusive (R-BRK-5).
+func (s *Service) round(ctx context.Context) {
+	now := time.Now()
+	s.mu.Lock()
+	var due []*probe
+	eligible := map[string]bool{}
+	for _, e := range s.fleet {
+		switch {
+		case e.entry.State == schemas.StateEligible:
+			eligible[e.ID] = true
+		case now.Add(s.interval / 2).After(e.nextProbe):
+			due = append(due, &probe{e: e, phase: s.probePhase(e)})
+		}
+	}
+	s.mu.Unlock()
+	if len(due) == 0 {
+		return
+	}
+	pctx, cancel := context.WithTimeout(ctx, s.probeBudget)
+	defer cancel()
+
+	parallel(due, func(p *probe) { s.check(ctx, pctx, p) })
+	checked := map[string]bool{}
+	for _, p := range due {
+		if p.checked {
+			checked[p.e.ID] = true
+		}
+	}
+	s.mu.Lock()
+	for _, p := range due {
+		if p.checked {
+			s.pair(p, eligible, checked)
+		}
+	}
+	s.mu.Unlock()
+	parallel(due, func(p *probe) {
+		if p.checked && p.outcome == "" {
+			s.transfer(ctx, pctx, p)
+		}
+	})
+	for _, p := range due {
+		s.conclude(ctx, p, now)
+	}
+}
+
+// parallel runs fn for every probe at once and waits for all.
+func parallel(ps []*probe, fn func(*probe)) {
+	var wg sync.WaitGroup
+	for _, p := range ps {
+		wg.Go(func() { fn(p) })
+	}
+	wg.Wait()
+}
+
+// probePhase is the role an engine's probe exercises: its only one, or
+// for a `both` engine the phase of its latest counted failure (decode when
+// unknown). Called with s.mu held.
+func (s *Service) probePhase(e *engine) string {
+	switch {
+	case e.Role == engines.RolePrefill:
+		return schemas.PhasePrefill
+	case e.Role == engines.RoleDecode:
+		return schemas.PhaseDecode
+	case e.phase != "":
+		return e.phase
+	}
+	return schemas.PhaseDecode
+}
+
+// check runs the engine's own checks: the bus must be up (a decision that
+// cannot be recorded is no decision), GET /health must answer 200 and,
+// with an engine contract, CheckContract must pass (R-BRK-6); it also
+// picks the model the transfer will use. ctx is the lease's context (its
+// end means shutdown or a lost lease), pctx the round's.
+func (s *Service) check(ctx, pctx context.Context, p *probe) {
+	if !s.bus.Connected() {
+		p.outcome, p.message = schemas.ProbeInconclusive, "bus unavailable"
+		return
+	}
+	httpc := s.client.HTTPClient()
+	ftt := s.cfg.Engine.FirstTokenTimeout()
+	own := func(err error) {
+		if ctx.Err() != nil {
+			p.outcome, p.message = schemas.ProbeInconclusive, "probe cut short: "+context.Cause(ctx).Error()
+			return
+		}
+		p.outcome, p.message = schemas.ProbeFailure, err.Error()
+	}
+	cctx, cancel := context.WithTimeout(pctx, ftt)
+	err := CheckHealth(cctx, httpc, &p.e.Engine)
+	cancel()
+	if err != nil {
+		own(err)
+		return
+	}
+	contract := s.cfg.EngineContract
+	cctx, cancel = context.WithTimeout(pctx, ftt)
+	defer cancel()
+	if contract != nil {
+		if err := CheckContract(cctx, httpc, &p.e.Engine, contract); err != nil {
+			own(err)
+			return
+		}
+	}
+	if contract != nil && contract.Model != "" {
+		p.model = contract.Model
+	} else {
+		models, err := ServedModels(cctx, httpc, &p.e.Engine)
+		if err != nil {
+			own(err)
+			return
+		}
+		p.model = models[0].ID
+	}
+	p.checked = true
+}
+
+// pair chooses the probe's producer and consumer (R-BRK-3, R-BRK-4): a
+// `both` engine probes same-worker; a prefill engine prefills for a
+// decode-capable partner; a decode engine decodes a new handoff from the
+// producer of its latest crossed-decode failure when that engine is
+// eligible or passed its checks in this round, else from another
+// prefill-capable engine. Partners are taken eligible first, then among
+// the ejected engines that passed their checks in this round, in fleet
+// order starting at the engine's rotation (advanced by each inconclusive
+// probe). With no partner the probe is inconclusive. Called with s.mu held.
+func (s *Service) pair(p *probe, eligible, checked map[string]bool) {
+	e := p.e
+	if e.Role == engines.RoleBoth {
+		p.producer, p.consumer = e.ID, e.ID
+		return
+	}
+	wantProducer := e.Role == engines.RoleDecode
+	can := func(c *engine) bool {
+		if wantProducer {
+			return c.Role.CanPrefill()
+		}
+		return c.Role.CanDecode()
+	}
+	var partner string
+	if wantProducer && e.crossed != "" {
+		if c := s.byID[e.crossed]; c != nil && can(c) && (eligible[c.ID] || checked[c.ID]) {
+			partner = c.ID
+		}
+	}
+	for _, pool := range []map[string]bool{eligible, checked} {
+		if partner != "" {
+			break
+		}
+		n := len(s.fleet)
+		for i := range n {
+			c := s.fleet[(e.rotate+i)%n]
+			if c != e && can(c) && pool[c.ID] {
+				partner = c.ID
+				break
+			}
+		}
+	}
+	if partner == "" {
+		p.outcome = schemas.ProbeInconclusive
+		if wantProducer {
+			p.message = "no eligible prefill engine to pair the decode probe with"
+		} else {
+			p.message = "no eligible decode engine to pair the prefill probe with"
+		}
+		return
+	}
+	if wantProducer {
+		p.producer, p.consumer = partner, e.ID
+	} else {
+		p.producer, p.consumer = e.ID, partner
+	}
+}
+
+// transfer runs the probe's KV transfer and judges it: success; failure
+// when the probed engine's own leg failed; inconclusive when the partner's
+// leg failed or ctx (the lease) ended meanwhile (R-BRK-5).
+func (s *Service) transfer(ctx, pctx context.Context, p *probe) {
+	producer, consumer := &s.byID[p.producer].Engine, &s.byID[p.consumer].Engine
+	err := ProbeTransfer(pctx, s.client, producer, consumer, p.model)
+	switch {
+	case err == nil:
+		p.outcome = schemas.ProbeSuccess
+		return
+	case ctx.Err() != nil:
+		p.outcome, p.message = schemas.ProbeInconclusive, "probe cut short: "+context.Cause(ctx).Error()
+		return
+	}
+	var f *engines.Fault
+	if errors.As(err, &f) && f.EngineID != "" && f.EngineID != p.e.ID {
+		p.outcome, p.message = schemas.ProbeInconclusive, "partner "+f.EngineID+" failed its leg: "+err.Error()
+		return
+	}
+	p.outcome, p.message = schemas.ProbeFailure, err.Error()
+}
+
+// conclude records a probe's outcome: a success readmits the engine
+// ({eligible:true,state:"eligible",streak:0} plus an eligibility event);
+// a failure doubles its backoff up to MaxBackoff; an inconclusive probe
+// changes nothing but the partner rotation (R-BRK-5). A readmission that
+// cannot be written makes the probe inconclusive. Every probe is published
+// as a probe event.
+func (s *Service) conclude(ctx context.Context, p *probe, roundStart time.Time) {
+	e := p.e
+	s.mu.Lock()
+	switch p.outcome {
+	case schemas.ProbeSuccess:
+		entry, err := s.update(ctx, e, true, func(cur schemas.Eligibility) (schemas.Eligibility, error) {
+			if cur.State != schemas.StateEjected {
+				return cur, errNoChange
+			}
+			return schemas.Eligibility{
+				State:  schemas.StateEligible,
+				Reason: fmt.Sprintf("readmitted after a successful inference probe (prefill on %s, decode on %s)", p.producer, p.consumer),
+			}, nil
+		})
+		switch {
+		case err == nil:
+			e.backoff, e.crossed = 1, ""
+			s.metrics.readmissions.WithLabelValues(e.ID).Inc()
+			s.log.Info("engine readmitted", "engine_id", e.ID, "producer_id", p.producer, "consumer_id", p.consumer, "reason", entry.Reason)
+		case errors.Is(err, errNoChange):
+		default:
+			p.outcome, p.message = schemas.ProbeInconclusive, "bus unavailable: readmission not recorded: "+err.Error()
+		}
+	case schemas.ProbeFailure:
+		e.backoff = min(2*max(e.backoff, 1), MaxBackoff)
+		s.log.Info("engine probe failed", "engine_id", e.ID, "phase", p.phase, "producer_id", p.producer, "consumer_id", p.consumer, "backoff", e.backoff, "msg", p.message)
+	default:
+		p.outcome = schemas.ProbeInconclusive
+		e.rotate++
+		s.log.Info("engine probe inconclusive", "engine_id", e.ID, "phase", p.phase, "producer_id", p.producer, "consumer_id", p.consumer, "msg", p.message)
+	}
+	e.nextProbe = roundStart.Add(time.Duration(max(e.backoff, 1)) * s.interval)
+	s.mu.Unlock()
+
+	s.metrics.probes.WithLabelValues(e.ID, p.outcome).Inc()
+	s.publish(&schemas.Probe{
+		Envelope:   schemas.Envelope{Schema: schemas.SchemaProbe, ID: nuid.Next(), At: time.Now().UTC(), BreakerID: s.id, EngineID: e.ID},
+		Outcome:    p.outcome,
+		Phase:      p.phase,
+		ProducerID: p.producer,
+		ConsumerID: p.consumer,
+		Message:    p.message,
+	})
+}
