@@ -90,6 +90,9 @@ type Router struct {
 
 	meshBus         *bus.Bus
 	placementLoaded atomic.Bool
+
+	shutdownOnce sync.Once
+	shutdownErr  error
 }
 
 // New builds a Router from opts. It returns an error when an engine's
@@ -203,23 +206,35 @@ func (rt *Router) Serve(ln net.Listener) error {
 // the grace period, then ends the rest with an error (a terminal SSE error
 // event for committed streams) and waits for them, bounded by ctx.
 func (rt *Router) Shutdown(ctx context.Context) error {
+	rt.shutdownOnce.Do(func() { rt.shutdownErr = rt.shutdown(ctx) })
+	return rt.shutdownErr
+}
+
+func (rt *Router) shutdown(ctx context.Context) error {
 	graceCtx, cancel := context.WithTimeout(ctx, rt.grace)
 	defer cancel()
 	done := make(chan error, 1)
 	go func() { done <- rt.server.ShutdownWithContext(graceCtx) }()
-	var err error
-	select {
-	case err = <-done:
-	case <-graceCtx.Done():
-		rt.baseCancel(engines.ErrRouterShutdown)
-		err = <-done
-	}
+	err := <-done
+	// Whatever is still running after the grace period ends now: streams
+	// with a terminal error event, waiting requests with a 503.
 	rt.baseCancel(engines.ErrRouterShutdown)
+	for rt.inflight.Load() > 0 && ctx.Err() == nil {
+		t := time.NewTimer(5 * time.Millisecond)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+		}
+	}
 	rt.wg.Wait()
 	rt.watcher.close()
 	rt.client.HTTPClient().CloseIdleConnections()
 	if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
 		err = nil
+	}
+	if err == nil && rt.inflight.Load() > 0 {
+		err = fmt.Errorf("router: %d requests still running at the end of shutdown", rt.inflight.Load())
 	}
 	return err
 }

@@ -1,12 +1,15 @@
 package router
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"go.uber.org/goleak"
 
@@ -350,5 +353,38 @@ func TestIdleEnginesShareTheLoadROWN3(t *testing.T) {
 	f.byID["d2"].limit[decodePhase] = 1
 	if _, err := f.place("m", decodePhase, nil); err == nil {
 		t.Fatal("placed beyond every slot limit")
+	}
+}
+
+func TestShutdownEndsStreamsWithAnErrorEvent(t *testing.T) {
+	// Ctrl-C: in-flight streams finish within the grace period, or end with
+	// a terminal error event (R-FAIL-5), never silently.
+	s := newStack(t, []engineDef{{id: "p1", role: "prefill"}, {id: "d1", role: "decode", cfg: sim.Config{ITL: 100 * millisecond}}}, nil)
+	s.waitModels()
+	resp, err := http.Post(s.url+schemas.EndpointChat, "application/json", strings.NewReader(chatBody("long", `"stream":true,"max_tokens":200`)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	first := make([]byte, 1)
+	if _, err := resp.Body.Read(first); err != nil { // committed and streaming
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	start := time.Now()
+	if err := s.rt.Shutdown(ctx); err != nil { // grace is 1 s in the harness
+		t.Fatal(err)
+	}
+	if el := time.Since(start); el > 3*time.Second {
+		t.Fatalf("shutdown took %v", el)
+	}
+	rest, _ := io.ReadAll(resp.Body)
+	_, done, errObj := streamText(t, append(first, rest...))
+	if done || errObj == nil || errObj.Code != 503 || errObj.Message != "router shutting down" {
+		t.Fatalf("done=%v err=%+v", done, errObj)
+	}
+	if s.rt.InFlight() != 0 {
+		t.Fatal("requests left")
 	}
 }
