@@ -2,12 +2,29 @@ package bus
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
 )
+
+// SubscribeOptions says which events SubscribeWith delivers and from where
+// in stream NARWHAL_EVENTS it starts (SPEC R-BUS-5).
+type SubscribeOptions struct {
+	// Filter is a subject filter within narwhal.events.>, e.g.
+	// "narwhal.events.failure.*" or "narwhal.events.*.d1"; "" means every
+	// event.
+	Filter string
+	// DeliverAll starts at the oldest event the stream still holds.
+	DeliverAll bool
+	// Since, when not zero, starts at the first event the stream stored at
+	// or after this time (the server's storage time, not the event's "at").
+	// It excludes DeliverAll.
+	Since time.Time
+}
 
 // Subscribe starts an ordered, ephemeral JetStream consumer on stream
 // NARWHAL_EVENTS (SPEC R-BUS-5) and calls fn with each message's subject
@@ -21,8 +38,23 @@ import (
 // consumer runs until stop is called or ctx ends; stop waits until fn is no
 // longer running and is safe to call more than once. fn may keep payload.
 // It returns an error when filter is outside narwhal.events.> or the
-// consumer cannot be created.
+// consumer cannot be created. It is SubscribeWith with Filter and
+// DeliverAll set.
 func Subscribe(ctx context.Context, b *Bus, filter string, deliverAll bool, fn func(subject string, payload []byte)) (stop func(), err error) {
+	return SubscribeWith(ctx, b, SubscribeOptions{Filter: filter, DeliverAll: deliverAll}, fn)
+}
+
+// SubscribeWith is Subscribe with a choice of start (SPEC R-BUS-5): the
+// events published after it returns (the zero SubscribeOptions), every
+// stored event (DeliverAll), or the events stored since a time (Since, e.g.
+// time.Now().Add(-10*time.Minute)). It calls fn with each message's subject
+// and JSON payload, one message at a time, in stream order; fn may keep
+// payload. The consumer runs until stop is called or ctx ends; stop waits
+// until fn is no longer running and is safe to call more than once. It
+// returns an error when opts.Filter is outside narwhal.events.>, when both
+// DeliverAll and Since are set, or when the consumer cannot be created.
+func SubscribeWith(ctx context.Context, b *Bus, opts SubscribeOptions, fn func(subject string, payload []byte)) (stop func(), err error) {
+	filter := opts.Filter
 	if filter == "" {
 		filter = SubjectPrefix + ">"
 	}
@@ -33,8 +65,15 @@ func Subscribe(ctx context.Context, b *Bus, filter string, deliverAll bool, fn f
 		FilterSubjects: []string{filter},
 		DeliverPolicy:  jetstream.DeliverNewPolicy,
 	}
-	if deliverAll {
+	switch {
+	case opts.DeliverAll && !opts.Since.IsZero():
+		return nil, errors.New("bus: subscribe: DeliverAll and Since exclude each other")
+	case opts.DeliverAll:
 		cfg.DeliverPolicy = jetstream.DeliverAllPolicy
+	case !opts.Since.IsZero():
+		since := opts.Since.UTC()
+		cfg.DeliverPolicy = jetstream.DeliverByStartTimePolicy
+		cfg.OptStartTime = &since
 	}
 	cons, err := b.js.OrderedConsumer(ctx, StreamName, cfg)
 	if err != nil {

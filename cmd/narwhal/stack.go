@@ -33,14 +33,7 @@ func newLogger(cfg *config.Config, w io.Writer) *slog.Logger {
 // R-BUS-4). The returned stop function closes everything it started.
 func busFromEnv(ctx context.Context, name string, log *slog.Logger) (*bus.Bus, func(), error) {
 	if url := os.Getenv("NARWHAL_NATS_URL"); url != "" {
-		b, err := bus.Connect(ctx, bus.ConnectOptions{
-			URL:       url,
-			Name:      name,
-			CredsFile: os.Getenv("NARWHAL_NATS_CREDS"),
-			TLSCA:     os.Getenv("NARWHAL_NATS_TLS_CA"),
-			TLSCert:   os.Getenv("NARWHAL_NATS_TLS_CERT"),
-			TLSKey:    os.Getenv("NARWHAL_NATS_TLS_KEY"),
-		})
+		b, err := bus.Connect(ctx, natsFromEnv(url, name))
 		if err != nil {
 			return nil, nil, fmt.Errorf("bus %s: %w", url, err)
 		}

@@ -1,0 +1,93 @@
+package bus_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/narwhalmesh/narwhal/bus"
+)
+
+// TestSubscribeWithSince proves the start choices of SubscribeWith for
+// R-BUS-5 tools such as `narwhal events --since`: Since starts at the first
+// event stored at or after the time (older ones are not delivered), the
+// filter still applies, DeliverAll starts at the oldest event, and
+// DeliverAll with Since is refused.
+func TestSubscribeWithSince(t *testing.T) {
+	e := startServer(t, bus.EmbeddedOptions{Port: 0})
+	b := connect(t, e)
+	ctx := context.Background()
+	js := b.JetStream()
+	var seqs []uint64
+	for _, p := range []struct{ subject, payload string }{
+		{"narwhal.events.failure.d1", `{"n":"old"}`},
+		{"narwhal.events.failure.d1", `{"n":"cut"}`},
+		{"narwhal.events.eligibility.d1", `{"n":"other-kind"}`},
+		{"narwhal.events.failure.d2", `{"n":"later"}`},
+	} {
+		ack, err := js.Publish(ctx, p.subject, []byte(p.payload))
+		if err != nil {
+			t.Fatal(err)
+		}
+		seqs = append(seqs, ack.Sequence)
+	}
+	st, err := js.Stream(ctx, bus.StreamName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	old, err := st.GetMsg(ctx, seqs[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	cut, err := st.GetMsg(ctx, seqs[1])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !old.Time.Before(cut.Time) {
+		t.Fatalf("stored times %v and %v are not increasing", old.Time, cut.Time)
+	}
+
+	since := &received{}
+	stop, err := bus.SubscribeWith(ctx, b, bus.SubscribeOptions{Filter: "narwhal.events.failure.*", Since: cut.Time}, since.add)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(stop)
+	waitFor(t, "the events since the cut", func() bool { return since.count() >= 2 })
+	for i, want := range []string{`{"n":"cut"}`, `{"n":"later"}`} {
+		if _, payload := since.get(i); string(payload) != want {
+			t.Errorf("since: event %d = %s, want %s", i, payload, want)
+		}
+	}
+
+	all := &received{}
+	stopAll, err := bus.SubscribeWith(ctx, b, bus.SubscribeOptions{DeliverAll: true}, all.add)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(stopAll)
+	waitFor(t, "every stored event", func() bool { return all.count() >= 4 })
+	if _, payload := all.get(0); string(payload) != `{"n":"old"}` {
+		t.Errorf("deliver all: first event %s, want the oldest", payload)
+	}
+
+	// A sentinel after both consumers exist: the since-consumer sees it
+	// next, so it saw nothing else in between (no "other-kind", no "old").
+	if _, err := js.Publish(ctx, "narwhal.events.failure.d3", []byte(`{"n":"sentinel"}`)); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the sentinel", func() bool { return since.count() >= 3 })
+	if _, payload := since.get(2); string(payload) != `{"n":"sentinel"}` || since.count() != 3 {
+		t.Errorf("since: third event %s of %d, want the sentinel of 3", payload, since.count())
+	}
+
+	_, err = bus.SubscribeWith(ctx, b, bus.SubscribeOptions{DeliverAll: true, Since: time.Now()}, all.add)
+	if err == nil || !strings.Contains(err.Error(), "exclude") {
+		t.Errorf("DeliverAll with Since: err %v, want refused", err)
+	}
+	_, err = bus.SubscribeWith(ctx, b, bus.SubscribeOptions{Filter: "other.>"}, all.add)
+	if err == nil {
+		t.Error("filter outside narwhal.events.> accepted")
+	}
+}

@@ -1,0 +1,301 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"io"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/goleak"
+
+	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// cmdTestBound bounds every wait of these tests: generous next to what the
+// commands need (milliseconds), short enough that a hang fails quickly.
+const cmdTestBound = 10 * time.Second
+
+// checkCmdLeaks fails the test when it leaves a goroutine behind. Call it
+// first: its check runs after every other cleanup of the test.
+func checkCmdLeaks(t *testing.T) {
+	t.Helper()
+	before := goleak.IgnoreCurrent()
+	t.Cleanup(func() { goleak.VerifyNone(t, before) })
+}
+
+// capturedOutput is an io.Writer a command writes to while the test reads
+// it.
+type capturedOutput struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (o *capturedOutput) Write(p []byte) (int, error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.buf.Write(p)
+}
+
+func (o *capturedOutput) String() string {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.buf.String()
+}
+
+// lines returns the complete lines written so far.
+func (o *capturedOutput) lines() []string {
+	s := o.String()
+	if i := strings.LastIndexByte(s, '\n'); i >= 0 {
+		return strings.Split(s[:i], "\n")
+	}
+	return nil
+}
+
+// pollFor polls cond every 5 ms until it holds, failing the test after
+// cmdTestBound.
+func pollFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(cmdTestBound)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// runningCmd is a command run in-process by a test.
+type runningCmd struct {
+	stdout, stderr *capturedOutput
+	cancel         context.CancelFunc
+	errc           chan error
+	once           sync.Once
+	err            error
+}
+
+// startCmd runs run(ctx, args, stdout, stderr) in a goroutine until stop.
+func startCmd(t *testing.T, run func(context.Context, []string, io.Writer, io.Writer) error, args ...string) *runningCmd {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	c := &runningCmd{stdout: &capturedOutput{}, stderr: &capturedOutput{}, cancel: cancel, errc: make(chan error, 1)}
+	go func() { c.errc <- run(ctx, args, c.stdout, c.stderr) }()
+	t.Cleanup(func() { c.stop(t) })
+	return c
+}
+
+// waitStderr waits until stderr holds want, failing the test when the
+// command ends first.
+func (c *runningCmd) waitStderr(t *testing.T, want string) {
+	t.Helper()
+	pollFor(t, "stderr "+strconv.Quote(want), func() bool {
+		select {
+		case err := <-c.errc:
+			c.errc <- err
+			t.Fatalf("command ended early: %v\nstderr: %s", err, c.stderr)
+		default:
+		}
+		return strings.Contains(c.stderr.String(), want)
+	})
+}
+
+// stop cancels the command's context, as SIGINT does, and returns what it
+// returned, failing the test when it does not return within cmdTestBound.
+func (c *runningCmd) stop(t *testing.T) error {
+	t.Helper()
+	c.once.Do(func() {
+		c.cancel()
+		select {
+		case c.err = <-c.errc:
+		case <-time.After(cmdTestBound):
+			t.Fatalf("command did not stop within %v after cancel", cmdTestBound)
+		}
+	})
+	return c.err
+}
+
+// busLine is the line `narwhal bus` prints when it serves.
+var busLine = regexp.MustCompile(`^bus listening on (nats://127\.0\.0\.1:[0-9]+) \(data (.+)\)$`)
+
+// startBusCmd runs `narwhal bus --listen 127.0.0.1:0 --data data` and
+// returns it with the URL its line names.
+func startBusCmd(t *testing.T, data string) (*runningCmd, string) {
+	t.Helper()
+	c := startCmd(t, runBus, "--listen", "127.0.0.1:0", "--data", data)
+	var m []string
+	pollFor(t, "the bus listening line", func() bool {
+		select {
+		case err := <-c.errc:
+			c.errc <- err
+			t.Fatalf("narwhal bus ended early: %v\nstderr: %s", err, c.stderr)
+		default:
+		}
+		if lines := c.stdout.lines(); len(lines) > 0 {
+			if m = busLine.FindStringSubmatch(lines[0]); m == nil {
+				t.Fatalf("narwhal bus printed %q", lines[0])
+			}
+			return true
+		}
+		return false
+	})
+	if want, _ := filepath.Abs(data); m[2] != want {
+		t.Errorf("line names data %q, want %q", m[2], want)
+	}
+	return c, m[1]
+}
+
+// natsClient connects a plain NATS client — not bus.Connect, which would
+// set up the stream and the bucket itself — and closes it when the test
+// ends.
+func natsClient(t *testing.T, url string) (*nats.Conn, jetstream.JetStream) {
+	t.Helper()
+	nc, err := nats.Connect(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return nc, js
+}
+
+// TestBusCommandKeepsStoreAcrossRestart proves R-BUS-4 and R-BUS-7 for
+// `narwhal bus`: it serves NATS with JetStream on the port its line names,
+// has set up stream NARWHAL_EVENTS (file storage, 24 h, 1 GiB, 2 min
+// duplicate window) and bucket narwhal_placement before printing it, stops
+// cleanly on cancel (SIGINT), and a restart on the same --data keeps the
+// stream (same creation time), its events and the bucket's keys.
+func TestBusCommandKeepsStoreAcrossRestart(t *testing.T) {
+	checkCmdLeaks(t)
+	data := filepath.Join(t.TempDir(), "store") // runBus creates it
+	ctx, cancel := context.WithTimeout(context.Background(), cmdTestBound)
+	defer cancel()
+
+	first, url := startBusCmd(t, data)
+	nc, js := natsClient(t, url)
+	stream, err := js.Stream(ctx, bus.StreamName)
+	if err != nil {
+		t.Fatalf("stream set up by narwhal bus: %v", err)
+	}
+	info := stream.CachedInfo()
+	if cfg := info.Config; len(cfg.Subjects) != 1 || cfg.Subjects[0] != "narwhal.events.>" ||
+		cfg.Storage != jetstream.FileStorage || cfg.MaxAge != 24*time.Hour || cfg.MaxBytes != 1<<30 ||
+		cfg.Duplicates != 2*time.Minute {
+		t.Errorf("stream config %+v", cfg)
+	}
+	kv, err := js.KeyValue(ctx, bus.PlacementBucket)
+	if err != nil {
+		t.Fatalf("bucket set up by narwhal bus: %v", err)
+	}
+
+	ev := testFailure("d1", "kept-1")
+	payload, err := json.Marshal(ev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := bus.ValidateEvent(payload); err != nil {
+		t.Fatal(err)
+	}
+	ack, err := js.Publish(ctx, ev.Subject(), payload, jetstream.WithMsgID(ev.ID))
+	if err != nil {
+		t.Fatal(err)
+	}
+	placement := []byte(`{"schema":"narwhal.eligibility.v1","eligible":false,"state":"ejected","streak":3}`)
+	if _, err := kv.Put(ctx, "d1", placement); err != nil {
+		t.Fatal(err)
+	}
+	nc.Close()
+	if err := first.stop(t); err != nil {
+		t.Fatalf("narwhal bus returned %v on cancel, want nil", err)
+	}
+
+	_, url2 := startBusCmd(t, data)
+	_, js2 := natsClient(t, url2)
+	stream2, err := js2.Stream(ctx, bus.StreamName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := stream2.CachedInfo().Created; !got.Equal(info.Created) {
+		t.Errorf("stream created %v after restart, was %v: recreated", got, info.Created)
+	}
+	msg, err := stream2.GetMsg(ctx, ack.Sequence)
+	if err != nil || !bytes.Equal(msg.Data, payload) || msg.Subject != ev.Subject() {
+		t.Errorf("event after restart: %v %v", msg, err)
+	}
+	kv2, err := js2.KeyValue(ctx, bus.PlacementBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	entry, err := kv2.Get(ctx, "d1")
+	if err != nil || !bytes.Equal(entry.Value(), placement) {
+		t.Errorf("placement key after restart: %v", err)
+	}
+	// The duplicate window survives too: the same event id is not stored
+	// twice (R-BUS-3).
+	again, err := js2.Publish(ctx, ev.Subject(), payload, jetstream.WithMsgID(ev.ID))
+	if err != nil || !again.Duplicate {
+		t.Errorf("re-published event after restart: %+v %v, want a duplicate", again, err)
+	}
+}
+
+// TestBusCommandFlags checks `narwhal bus`'s flag errors and --listen
+// reading.
+func TestBusCommandFlags(t *testing.T) {
+	for _, args := range [][]string{
+		{"--listen", "4222"},
+		{"--listen", "127.0.0.1:99999"},
+		{"--data", ""},
+		{"extra"},
+	} {
+		if err := runBus(context.Background(), args, io.Discard, io.Discard); err == nil {
+			t.Errorf("runBus %q: no error", args)
+		}
+	}
+	for _, c := range []struct {
+		listen string
+		host   string
+		port   int
+	}{
+		{"127.0.0.1:4222", "127.0.0.1", 4222},
+		{"127.0.0.1:0", "127.0.0.1", -1},
+		{":4222", "0.0.0.0", 4222},
+		{"[::1]:4300", "::1", 4300},
+	} {
+		host, port, err := parseListen(c.listen)
+		if err != nil || host != c.host || port != c.port {
+			t.Errorf("parseListen(%q) = %q %d %v, want %q %d", c.listen, host, port, err, c.host, c.port)
+		}
+	}
+}
+
+// TestRedactNATSURL checks that messages never show a NATS password or
+// token.
+func TestRedactNATSURL(t *testing.T) {
+	got := redactNATSURL("nats://u:secret@h1:4222,nats://tok@h2:4222,nats://h3:4222")
+	if strings.Contains(got, "secret") || strings.Contains(got, "tok@") ||
+		got != "nats://u:xxxxx@h1:4222,nats://xxxxx@h2:4222,nats://h3:4222" {
+		t.Errorf("redactNATSURL = %q", got)
+	}
+}
+
+// testFailure is a decode first-token timeout of engine on router rt-1.
+func testFailure(engine, id string) *schemas.Failure {
+	return &schemas.Failure{
+		Envelope: schemas.Envelope{Schema: schemas.SchemaFailure, ID: id, At: time.Now().UTC(),
+			RouterID: "rt-1", EngineID: engine, RequestID: "req-" + id},
+		Phase: schemas.PhaseDecode, Kind: "first_token_timeout", Status: 504,
+		Message: "engine first token timeout", Timeout: true, Counts: true,
+		ProducerID: "p1", ConsumerID: engine, BackendRequestID: "req-" + id + "-1", Attempt: 1,
+	}
+}

@@ -1,0 +1,426 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// eventsBus starts an embedded bus on a free port, points
+// NARWHAL_NATS_URL at it (no credentials, no TLS) and returns a connection
+// that publishes.
+func eventsBus(t *testing.T) *bus.Bus {
+	t.Helper()
+	e, err := bus.StartEmbedded(bus.EmbeddedOptions{Port: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(e.Shutdown)
+	t.Setenv("NARWHAL_NATS_URL", e.ClientURL())
+	for _, v := range []string{"NARWHAL_NATS_CREDS", "NARWHAL_NATS_TLS_CA", "NARWHAL_NATS_TLS_CERT", "NARWHAL_NATS_TLS_KEY"} {
+		t.Setenv(v, "")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), cmdTestBound)
+	defer cancel()
+	b, err := bus.Connect(ctx, bus.ConnectOptions{URL: e.ClientURL(), Name: t.Name()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(b.Close)
+	return b
+}
+
+// publishEvent validates ev against its schema (R-BUS-3), publishes it
+// with its id as the message id, and returns the published JSON and the
+// time the stream stored it.
+func publishEvent(t *testing.T, b *bus.Bus, ev schemas.Event) ([]byte, time.Time) {
+	t.Helper()
+	payload, err := json.Marshal(ev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := bus.ValidateEvent(payload); err != nil {
+		t.Fatalf("%v\n%s", err, payload)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), cmdTestBound)
+	defer cancel()
+	ack, err := b.JetStream().Publish(ctx, ev.Subject(), payload, jetstream.WithMsgID(ev.Head().ID))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stream, err := b.JetStream().Stream(ctx, bus.StreamName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg, err := stream.GetMsg(ctx, ack.Sequence)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return payload, msg.Time
+}
+
+// eventsAt is the "at" of the events of these tests.
+var eventsAt = time.Date(2026, 11, 30, 5, 59, 14, 123456789, time.UTC)
+
+func envelope(schema, id, router, breaker, engine, request string) schemas.Envelope {
+	return schemas.Envelope{Schema: schema, ID: id, At: eventsAt, RouterID: router, BreakerID: breaker, EngineID: engine, RequestID: request}
+}
+
+func testRequest(id, router, producer, consumer string) *schemas.RequestCompleted {
+	ttft, firstByte := 0.12, 0.34
+	return &schemas.RequestCompleted{
+		Envelope: envelope(schemas.SchemaRequest, id, router, "", "", "req-"+id),
+		Endpoint: schemas.EndpointChat, Model: "m", Stream: true, Status: 200,
+		ProducerID: producer, ConsumerID: consumer, Attempts: 1,
+		TTFTSeconds: &ttft, FirstByteSeconds: &firstByte, DurationSeconds: 1.25,
+		PromptTokens: 12, CompletionTokens: 34,
+	}
+}
+
+func testEligibility(id, engine string, eligible bool) *schemas.Eligibility {
+	e := &schemas.Eligibility{Envelope: envelope(schemas.SchemaEligibility, id, "", "b1", engine, ""),
+		Eligible: eligible, State: "eligible", Streak: 0}
+	if !eligible {
+		e.State, e.Reason, e.Streak = "ejected", "ejected after 3 failures", 3
+	}
+	return e
+}
+
+func testProbe(id, engine string) *schemas.Probe {
+	return &schemas.Probe{Envelope: envelope(schemas.SchemaProbe, id, "", "b1", engine, ""),
+		Outcome: "success", Phase: schemas.PhaseDecode, ProducerID: "p1", ConsumerID: engine}
+}
+
+// startEvents runs `narwhal events args…` and waits until it follows the
+// stream (its stderr line), so that an event published afterwards is new
+// to it.
+func startEvents(t *testing.T, args ...string) *runningCmd {
+	t.Helper()
+	c := startCmd(t, runEvents, args...)
+	c.waitStderr(t, "following ")
+	return c
+}
+
+// waitLines waits until c has written n lines to stdout and returns them.
+func waitLines(t *testing.T, c *runningCmd, n int) []string {
+	t.Helper()
+	pollFor(t, "output lines", func() bool { return len(c.stdout.lines()) >= n })
+	return c.stdout.lines()
+}
+
+// TestEventsJSONExactlyAsPublished proves R-BUS-5 for `narwhal events
+// --json`: every event (stored ones with --since all, then new ones) comes
+// out as the JSON object exactly as published, one per line, in stream
+// order; and it stops cleanly when its context ends.
+func TestEventsJSONExactlyAsPublished(t *testing.T) {
+	checkCmdLeaks(t)
+	b := eventsBus(t)
+	f := testFailure("d1", "f1")
+	f.At = eventsAt
+	var want []string
+	for _, ev := range []schemas.Event{f, testRequest("r1", "rt-1", "p1", "d1"), testEligibility("e1", "d1", false)} {
+		payload, _ := publishEvent(t, b, ev)
+		want = append(want, string(payload))
+	}
+	c := startEvents(t, "--json", "--since", "all")
+	if !strings.Contains(c.stderr.String(), "following narwhal.events.*.* on nats://127.0.0.1:") {
+		t.Errorf("stderr %q", c.stderr)
+	}
+	live, _ := publishEvent(t, b, testProbe("pr1", "d1"))
+	want = append(want, string(live))
+
+	got := waitLines(t, c, len(want))
+	if strings.Join(got, "\n") != strings.Join(want, "\n") {
+		t.Errorf("--json output:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+	}
+	if err := c.stop(t); err != nil {
+		t.Errorf("narwhal events returned %v on cancel, want nil", err)
+	}
+}
+
+// TestEventsKindAndEngineFilters proves the selection of `narwhal events`
+// (R-BUS-1 subjects): --kind keeps one kind; --engine keeps the events
+// whose subject ends in the id (router id for request events) and the
+// request events whose producer or consumer is the engine. Each follower
+// ends with a sentinel only it must show: any stored event it should not
+// show would have come out before the sentinel (the stream is ordered).
+func TestEventsKindAndEngineFilters(t *testing.T) {
+	checkCmdLeaks(t)
+	b := eventsBus(t)
+	stored := []schemas.Event{
+		testFailure("d1", "f-d1"),                   // 0
+		testFailure("d2", "f-d2"),                   // 1
+		testRequest("r-1", "rt-1", "p1", "d1"),      // 2: d1 decoded
+		testRequest("r-2", "rt-2", "p2", "d2"),      // 3
+		testEligibility("e-d1", "d1", false),        // 4
+		testProbe("pr-d2", "d2"),                    // 5
+		testRequest("r-3", "rt-3", "d1", "d1"),      // 6: d1 as both
+		testEligibility("e-rt", "rt-1", true),       // 7: an engine named like a router
+		testRequest("r-4", "rt-1", "p2", "d2"),      // 8: router rt-1, not d1's
+		testRequest("r-5", "d1", "p2", "d2"),        // 9: a router whose id is d1
+		testFailure("d10", "f-d10"),                 // 10: d1 is only a prefix
+		testEligibility("e-d2", "d2", true),         // 11
+		testRequest("r-6", "rt-2", "p1", "d10"),     // 12
+		testProbe("pr-d1", "d1"),                    // 13
+		testFailure("d1", "f-d1-2"),                 // 14
+		testEligibility("e-d1-2", "d1", true),       // 15
+		testRequest("r-7", "rt-1", "d2", "d1"),      // 16: d1 as consumer
+		testRequest("r-8", "rt-9", "d1", "d2"),      // 17: d1 as producer
+		testEligibility("e-d10", "d10", false),      // 18
+		testFailure("d2", "f-d2-2"),                 // 19
+		testRequest("r-9", "rt-2", "", ""),          // 20: rejected before placement
+		testProbe("pr-d10", "d10"),                  // 21
+		testEligibility("e-d1-3", "d1", false),      // 22
+		testRequest("r-10", "rt-10", "p10", "d100"), // 23
+	}
+	payloads := make([]string, len(stored))
+	for i, ev := range stored {
+		p, _ := publishEvent(t, b, ev)
+		payloads[i] = string(p)
+	}
+	// Each case's sentinel matches that case and no other.
+	cases := []struct {
+		args     []string
+		want     []int
+		sentinel schemas.Event
+	}{
+		{[]string{"--kind", "failure"}, []int{0, 1, 10, 14, 19}, testFailure("d7", "s-failure")},
+		{[]string{"--engine", "d1"}, []int{0, 2, 4, 6, 9, 13, 14, 15, 16, 17, 22},
+			&schemas.Quarantine{Envelope: envelope(schemas.SchemaQuarantine, "s-d1", "rt-1", "", "d1", ""),
+				DurationSeconds: 1, Until: eventsAt.Add(time.Second), Reason: "first_token_timeout"}},
+		{[]string{"--kind", "request", "--engine", "d2"}, []int{3, 8, 9, 16, 17}, testRequest("s-req-d2", "rt-5", "p5", "d2")},
+		{[]string{"--kind", "eligibility", "--engine", "d2"}, []int{11}, testEligibility("s-el-d2", "d2", true)},
+		{[]string{"--engine", "rt-1"}, []int{2, 7, 8, 16}, testRequest("s-rt-1", "rt-1", "p9", "d9")},
+		{[]string{"--kind", "probe"}, []int{5, 13, 21}, testProbe("s-probe", "d9")},
+	}
+	followers := make([]*runningCmd, len(cases))
+	for i, c := range cases {
+		followers[i] = startEvents(t, append([]string{"--json", "--since", "0"}, c.args...)...)
+	}
+	for _, c := range cases {
+		publishEvent(t, b, c.sentinel)
+	}
+	for i, c := range cases {
+		var want []string
+		for _, j := range c.want {
+			want = append(want, payloads[j])
+		}
+		sentinel, err := json.Marshal(c.sentinel)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want = append(want, string(sentinel))
+		got := waitLines(t, followers[i], len(want))
+		pollFor(t, "the sentinel", func() bool {
+			got = followers[i].stdout.lines()
+			return strings.Contains(strings.Join(got, "\n"), string(sentinel))
+		})
+		if strings.Join(got, "\n") != strings.Join(want, "\n") {
+			t.Errorf("%q:\n%s\nwant:\n%s", c.args, strings.Join(got, "\n"), strings.Join(want, "\n"))
+		}
+	}
+}
+
+// TestEventsSince proves the start of `narwhal events`: without --since
+// only events published after it started; --since DUR from that far back;
+// --since at an RFC 3339 time from the first event stored then.
+func TestEventsSince(t *testing.T) {
+	checkCmdLeaks(t)
+	b := eventsBus(t)
+	past, _ := publishEvent(t, b, testFailure("d1", "past"))
+	cut, cutAt := publishEvent(t, b, testFailure("d1", "cut"))
+
+	newOnly := startEvents(t, "--json")
+	ago := startEvents(t, "--json", "--since", "1h")
+	at := startEvents(t, "--json", "--since", cutAt.Format(time.RFC3339Nano))
+	if s := newOnly.stderr.String(); !strings.Contains(s, "new events only") {
+		t.Errorf("stderr %q", s)
+	}
+	live, _ := publishEvent(t, b, testFailure("d1", "live"))
+
+	for _, c := range []struct {
+		name string
+		cmd  *runningCmd
+		want []string
+	}{
+		{"no --since", newOnly, []string{string(live)}},
+		{"--since 1h", ago, []string{string(past), string(cut), string(live)}},
+		{"--since " + cutAt.String(), at, []string{string(cut), string(live)}},
+	} {
+		var got []string
+		pollFor(t, c.name+": the live event", func() bool {
+			got = c.cmd.stdout.lines()
+			return len(got) > 0 && got[len(got)-1] == string(live)
+		})
+		if strings.Join(got, "\n") != strings.Join(c.want, "\n") {
+			t.Errorf("%s:\n%s\nwant:\n%s", c.name, strings.Join(got, "\n"), strings.Join(c.want, "\n"))
+		}
+	}
+}
+
+// TestParseSince checks every form --since accepts and refuses.
+func TestParseSince(t *testing.T) {
+	now := time.Date(2026, 11, 30, 6, 0, 0, 0, time.UTC)
+	for _, c := range []struct {
+		in   string
+		want bus.SubscribeOptions
+	}{
+		{"", bus.SubscribeOptions{}},
+		{"0", bus.SubscribeOptions{DeliverAll: true}},
+		{"0s", bus.SubscribeOptions{DeliverAll: true}},
+		{"all", bus.SubscribeOptions{DeliverAll: true}},
+		{"10m", bus.SubscribeOptions{Since: now.Add(-10 * time.Minute)}},
+		{"2026-11-30T05:59:14.5Z", bus.SubscribeOptions{Since: time.Date(2026, 11, 30, 5, 59, 14, 5e8, time.UTC)}},
+	} {
+		got, desc, err := parseSince(c.in, now)
+		if err != nil || got.DeliverAll != c.want.DeliverAll || !got.Since.Equal(c.want.Since) || desc == "" {
+			t.Errorf("parseSince(%q) = %+v %q %v, want %+v", c.in, got, desc, err, c.want)
+		}
+	}
+	for _, in := range []string{"-5m", "yesterday", "10"} {
+		if _, _, err := parseSince(in, now); err == nil {
+			t.Errorf("parseSince(%q): no error", in)
+		}
+	}
+}
+
+// TestEventsReadableLines checks the readable output of `narwhal events`:
+// one aligned line per event, with each kind's useful fields.
+func TestEventsReadableLines(t *testing.T) {
+	checkCmdLeaks(t)
+	b := eventsBus(t)
+	c := startEvents(t)
+
+	f := testFailure("d1", "f1")
+	f.At, f.RequestID = eventsAt, "abc"
+	retry := testFailure("d2", "f2")
+	retry.At, retry.Phase, retry.Kind, retry.Status, retry.UpstreamStatus = eventsAt, schemas.PhasePrefill, "upstream_status", 502, 503
+	retry.Message, retry.Timeout, retry.Counts, retry.ProducerID, retry.ConsumerID, retry.Attempt = "engine returned HTTP 503", false, true, "d2", "d3", 2
+	client := testFailure("d1", "f3")
+	client.At, client.Counts, client.RequestID = eventsAt, false, "abc"
+	failedReq := testRequest("r2", "rt-1", "p1", "d1")
+	failedReq.Status, failedReq.ErrorKind, failedReq.FirstByteSeconds = 504, "first_token_timeout", nil
+	events := []schemas.Event{
+		f,
+		testRequest("r1", "rt-1", "p1", "d1"),
+		failedReq,
+		testEligibility("e1", "d1", false),
+		testEligibility("e2", "d1", true),
+		testProbe("pr1", "d1"),
+		&schemas.Probe{Envelope: envelope(schemas.SchemaProbe, "pr2", "", "b1", "d1", ""),
+			Outcome: "inconclusive", Phase: schemas.PhaseDecode, ProducerID: "p1", ConsumerID: "d1", Message: "producer p1 failed"},
+		&schemas.Quarantine{Envelope: envelope(schemas.SchemaQuarantine, "q1", "rt-1", "", "d1", ""),
+			DurationSeconds: 5, Until: eventsAt.Add(5 * time.Second), Reason: "first_token_timeout"},
+		&schemas.Handoff{Envelope: envelope(schemas.SchemaHandoff, "h1", "rt-1", "", "p1", "abc"),
+			Outcome: schemas.HandoffAbandoned, Reason: "decode_failed", ConsumerID: "d1", Connector: "nixl", AgeSeconds: 0.1, Released: true},
+		retry,
+		client,
+	}
+	for _, ev := range events {
+		publishEvent(t, b, ev)
+	}
+	// An event that is not JSON is shown raw.
+	if _, err := b.JetStream().Publish(context.Background(), "narwhal.events.custom.x", []byte("not\njson")); err != nil {
+		t.Fatal(err)
+	}
+	want := []string{
+		`2026-11-30T05:59:14.123Z failure     d1 decode first_token_timeout 504 counts p1→d1 "engine first token timeout" (router rt-1, req abc)`,
+		`2026-11-30T05:59:14.123Z request     rt-1 200 /v1/chat/completions p1→d1 ttft=0.120s first_byte=0.340s attempts=1 (req req-r1, model m, 1.250s)`,
+		`2026-11-30T05:59:14.123Z request     rt-1 504 first_token_timeout /v1/chat/completions p1→d1 ttft=0.120s first_byte=- attempts=1 (req req-r2, model m, 1.250s)`,
+		`2026-11-30T05:59:14.123Z eligibility d1   ejected streak=3 "ejected after 3 failures" (breaker b1)`,
+		`2026-11-30T05:59:14.123Z eligibility d1   eligible streak=0 (breaker b1)`,
+		`2026-11-30T05:59:14.123Z probe       d1   success decode p1→d1 (breaker b1)`,
+		`2026-11-30T05:59:14.123Z probe       d1   inconclusive decode p1→d1 "producer p1 failed" (breaker b1)`,
+		`2026-11-30T05:59:14.123Z quarantine  d1   5.000s first_token_timeout until 2026-11-30T05:59:19.123Z (router rt-1)`,
+		`2026-11-30T05:59:14.123Z handoff     p1   abandoned decode_failed released p1→d1 nixl age=0.100s (router rt-1, req abc)`,
+		`2026-11-30T05:59:14.123Z failure     d2   prefill upstream_status 502 upstream=503 counts d2→d3 "engine returned HTTP 503" (router rt-1, req req-f2, attempt 2)`,
+		`2026-11-30T05:59:14.123Z failure     d1   decode first_token_timeout 504 uncounted p1→d1 "engine first token timeout" (router rt-1, req abc)`,
+		`-                        custom      x    not json`,
+	}
+	got := waitLines(t, c, len(want))
+	for i := range want {
+		if i >= len(got) || got[i] != want[i] {
+			t.Errorf("line %d:\n got %q\nwant %q", i, got[min(i, len(got)-1)], want[i])
+		}
+	}
+}
+
+// TestEventsUnreachableBus proves that `narwhal events` gives up with a
+// clear error within --connect-timeout when nothing listens at
+// NARWHAL_NATS_URL.
+func TestEventsUnreachableBus(t *testing.T) {
+	checkCmdLeaks(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	url := "nats://" + ln.Addr().String()
+	ln.Close() // nothing listens there now
+	t.Setenv("NARWHAL_NATS_URL", url)
+
+	start := time.Now()
+	err = runEvents(context.Background(), []string{"--connect-timeout", "300ms"}, &capturedOutput{}, &capturedOutput{})
+	elapsed := time.Since(start)
+	if err == nil || !strings.Contains(err.Error(), "bus "+url+" not reachable within 300ms") {
+		t.Errorf("err = %v, want not reachable", err)
+	}
+	if elapsed > 5*time.Second {
+		t.Errorf("gave up after %v, want about 300ms", elapsed)
+	}
+}
+
+// failingWriter fails every write, as a closed pipe does.
+type failingWriter struct{}
+
+func (failingWriter) Write([]byte) (int, error) { return 0, errors.New("broken pipe") }
+
+// TestEventsStopsWhenOutputFails checks that `narwhal events` ends with an
+// error, instead of following on, when stdout cannot be written.
+func TestEventsStopsWhenOutputFails(t *testing.T) {
+	checkCmdLeaks(t)
+	b := eventsBus(t)
+	publishEvent(t, b, testFailure("d1", "f1"))
+	errc := make(chan error, 1)
+	go func() {
+		errc <- runEvents(context.Background(), []string{"--since", "all"}, failingWriter{}, &capturedOutput{})
+	}()
+	select {
+	case err := <-errc:
+		if err == nil || !strings.Contains(err.Error(), "broken pipe") {
+			t.Errorf("err = %v, want the write error", err)
+		}
+	case <-time.After(cmdTestBound):
+		t.Fatal("narwhal events kept running after its output failed")
+	}
+}
+
+// TestEventsFlags checks `narwhal events`'s flag errors.
+func TestEventsFlags(t *testing.T) {
+	for _, args := range [][]string{
+		{"--kind", "failures"},
+		{"--engine", "d1.x"},
+		{"--engine", "*"},
+		{"--since", "-1m"},
+		{"--connect-timeout", "0s"},
+		{"extra"},
+	} {
+		if err := runEvents(context.Background(), args, &capturedOutput{}, &capturedOutput{}); err == nil {
+			t.Errorf("runEvents %q: no error", args)
+		}
+	}
+	if got := (eventSelection{kind: "failure", engine: "d1"}).filter(); got != "narwhal.events.failure.d1" {
+		t.Errorf("filter = %q", got)
+	}
+	if got := (eventSelection{kind: "failure"}).filter(); got != "narwhal.events.failure.*" {
+		t.Errorf("filter = %q", got)
+	}
+}
