@@ -1,11 +1,19 @@
 // Command narwhal is Narwhal's single binary: a router mesh for
-// disaggregated LLM serving. Each subcommand is one process role:
+// disaggregated LLM serving. Each subcommand is one process role or tool
+// (SPEC §14):
 //
-//	narwhal dev [--listen HOST:PORT]            the whole stack on one machine
+//	narwhal dev [--listen HOST:PORT] [--chaos]    the whole stack on one machine
 //	narwhal router --config FILE --listen HOST:PORT
+//	narwhal breaker --config FILE
+//	narwhal bus --listen HOST:PORT --data DIR
 //	narwhal sim --role prefill|decode|both --listen HOST:PORT --engine-id ID --model NAME
+//	narwhal events [--kind K] [--engine ID] [--since DUR] [--json]
+//	narwhal preflight --config FILE
+//	narwhal chaos proxy|arm|list|disarm|run
+//	narwhal bench
 //
-// See README.md and docs/ for the rest.
+// Run "narwhal <command> -h" for a command's flags; README.md and docs/
+// say more.
 package main
 
 import (
