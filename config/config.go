@@ -62,6 +62,8 @@ type Config struct {
 	// Recovery holds retries, quarantine, ejection and readmission
 	// (SPEC §7, §8).
 	Recovery Recovery `yaml:"recovery" envPrefix:"RECOVERY_"`
+	// Breaker holds the breaker service's leader lease (SPEC R-BRK-8).
+	Breaker Breaker `yaml:"breaker" envPrefix:"BREAKER_"`
 	// Router holds the router process's identity and logging.
 	Router Router `yaml:"router" envPrefix:"ROUTER_"`
 	// EngineContract pins what every engine must be (SPEC R-BRK-6,
@@ -149,6 +151,22 @@ func (r Recovery) FailureQuarantine() time.Duration { return Seconds(r.FailureQu
 // ReadmitInterval returns ReadmitIntervalS as a Duration (R-BRK-5).
 func (r Recovery) ReadmitInterval() time.Duration { return Seconds(r.ReadmitIntervalS) }
 
+// Breaker holds the breaker service's settings (SPEC §8).
+type Breaker struct {
+	// LeaseTTLS is how long the active breaker's lease (key "leader" of KV
+	// bucket narwhal_breaker) lives without renewal: the leader renews it
+	// every third of it, and a standby takes over at most this long after
+	// the leader stopped renewing (R-BRK-8). Seconds, >= 0.5; default 5.
+	LeaseTTLS float64 `yaml:"lease_ttl_s" env:"LEASE_TTL_S"`
+}
+
+// LeaseTTL returns LeaseTTLS as a Duration (R-BRK-8).
+func (b Breaker) LeaseTTL() time.Duration { return Seconds(b.LeaseTTLS) }
+
+// MinLeaseTTLS is the smallest breaker.lease_ttl_s Validate accepts, in
+// seconds: the lease is renewed every third of it.
+const MinLeaseTTLS = 0.5
+
 // Router holds the router process's identity and logging.
 type Router struct {
 	// ID names the router in events (router_id) and in its bus subjects
@@ -222,14 +240,15 @@ func (s EngineSpec) CanDecode() bool { return s.Role == RoleDecode || s.Role == 
 // Default returns the defaults of SPEC §11: engine timeouts 30/30/60 s,
 // request timeout 600 s and a 32 MiB body limit, handoff max age 120 s,
 // eject after 3, no quarantine, no retries, retry budget 0.2, readmit
-// every 5 s; router id "<hostname>-<pid>", an event buffer of 4096, text
-// logs at info. The fleet is empty and there is no engine contract.
+// every 5 s, a breaker lease of 5 s; router id "<hostname>-<pid>", an
+// event buffer of 4096, text logs at info. The fleet is empty and there is no engine contract.
 func Default() Config {
 	return Config{
 		Engine:   Engine{FirstTokenTimeoutS: 30, DecodeReadTimeoutS: 30, PrefillTimeoutS: 60},
 		Request:  Request{TimeoutS: 600, MaxBodyBytes: 32 << 20},
 		Handoff:  Handoff{MaxAgeS: 120},
 		Recovery: Recovery{EjectAfter: 3, FailureQuarantineS: 0, RetryAttempts: 0, RetryBudgetRatio: 0.2, ReadmitIntervalS: 5},
+		Breaker:  Breaker{LeaseTTLS: 5},
 		Router:   Router{ID: defaultRouterID(), EventBuffer: 4096, LogFormat: LogFormatText, LogLevel: "info"},
 	}
 }
@@ -316,8 +335,8 @@ func (e *KeyError) Error() string {
 // timeouts and intervals > 0, except engine.decode_read_timeout_s >= 0
 // (R-TMO-4) and recovery.failure_quarantine_s >= 0 (R-QUAR-1); all of them
 // finite; recovery.retry_attempts >= 0; recovery.retry_budget_ratio in
-// [0, 1]; recovery.eject_after >= 1; request.max_body_bytes > 0;
-// router.event_buffer > 0; router.id a valid id; router.log_format and
+// [0, 1]; recovery.eject_after >= 1; breaker.lease_ttl_s >= 0.5;
+// request.max_body_bytes > 0; router.event_buffer > 0; router.id a valid id; router.log_format and
 // router.log_level from their sets; every fleet entry with a unique valid
 // id, an absolute http(s) URL, a role of RolePrefill, RoleDecode or
 // RoleBoth, a connector from KnownConnectors and slots >= 0; the engine
@@ -362,6 +381,11 @@ func (c *Config) Validate() error {
 		bad("recovery.retry_budget_ratio", "must be between 0 and 1, got %v", r)
 	}
 	positive("recovery.readmit_interval_s", c.Recovery.ReadmitIntervalS)
+	if v := c.Breaker.LeaseTTLS; !finite(v) {
+		bad("breaker.lease_ttl_s", "must be a finite number, got %v", v)
+	} else if v < MinLeaseTTLS {
+		bad("breaker.lease_ttl_s", "must be >= %v, got %v", MinLeaseTTLS, v)
+	}
 	if !validID(c.Router.ID) {
 		bad("router.id", "must be non-empty and hold only letters, digits, '-' and '_', got %q", c.Router.ID)
 	}

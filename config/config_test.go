@@ -73,6 +73,7 @@ func TestDefaults(t *testing.T) {
 		"recovery.retry_attempts":       0,
 		"recovery.retry_budget_ratio":   0.2,
 		"recovery.readmit_interval_s":   5,
+		"breaker.lease_ttl_s":           5,
 		"request.max_body_bytes":        32 << 20,
 		"router.event_buffer":           4096,
 	}
@@ -87,6 +88,7 @@ func TestDefaults(t *testing.T) {
 		"recovery.retry_attempts":       float64(d.Recovery.RetryAttempts),
 		"recovery.retry_budget_ratio":   d.Recovery.RetryBudgetRatio,
 		"recovery.readmit_interval_s":   d.Recovery.ReadmitIntervalS,
+		"breaker.lease_ttl_s":           d.Breaker.LeaseTTLS,
 		"request.max_body_bytes":        float64(d.Request.MaxBodyBytes),
 		"router.event_buffer":           float64(d.Router.EventBuffer),
 	}
@@ -241,8 +243,8 @@ func envNames(t *testing.T) map[string]string {
 // the file.
 func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 	names := envNames(t)
-	if len(names) != 15 {
-		t.Fatalf("%d scalar keys, want 15: %v", len(names), names)
+	if len(names) != 16 {
+		t.Fatalf("%d scalar keys, want 16: %v", len(names), names)
 	}
 	if names["engine.first_token_timeout_s"] != "NARWHAL_ENGINE_FIRST_TOKEN_TIMEOUT_S" ||
 		names["request.timeout_s"] != "NARWHAL_REQUEST_TIMEOUT_S" ||
@@ -254,7 +256,7 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		"request.timeout_s": "14", "request.max_body_bytes": "15",
 		"handoff.max_age_s":    "16",
 		"recovery.eject_after": "17", "recovery.failure_quarantine_s": "18", "recovery.retry_attempts": "19",
-		"recovery.retry_budget_ratio": "0.5", "recovery.readmit_interval_s": "21",
+		"recovery.retry_budget_ratio": "0.5", "recovery.readmit_interval_s": "21", "breaker.lease_ttl_s": "23",
 		"router.id": "from-file", "router.event_buffer": "22", "router.log_format": "json", "router.log_level": "warn",
 	}
 	envValues := map[string]string{
@@ -262,7 +264,7 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		"request.timeout_s": "4", "request.max_body_bytes": "5",
 		"handoff.max_age_s":    "6",
 		"recovery.eject_after": "7", "recovery.failure_quarantine_s": "8", "recovery.retry_attempts": "9",
-		"recovery.retry_budget_ratio": "1", "recovery.readmit_interval_s": "0.25",
+		"recovery.retry_budget_ratio": "1", "recovery.readmit_interval_s": "0.25", "breaker.lease_ttl_s": "0.75",
 		"router.id": "from-env", "router.event_buffer": "10", "router.log_format": "text", "router.log_level": "error",
 	}
 	var file strings.Builder
@@ -292,6 +294,7 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		Request:  Request{TimeoutS: 4, MaxBodyBytes: 5},
 		Handoff:  Handoff{MaxAgeS: 6},
 		Recovery: Recovery{EjectAfter: 7, FailureQuarantineS: 8, RetryAttempts: 9, RetryBudgetRatio: 1, ReadmitIntervalS: 0.25},
+		Breaker:  Breaker{LeaseTTLS: 0.75},
 		Router:   Router{ID: "from-env", EventBuffer: 10, LogFormat: "text", LogLevel: "error"},
 	}
 	if !reflect.DeepEqual(*fromBoth, want) {
@@ -414,6 +417,7 @@ func TestValidateNamesEveryKey(t *testing.T) {
 		{func(c *Config) { c.Recovery.RetryBudgetRatio = -0.1 }, "config: recovery.retry_budget_ratio: must be between 0 and 1, got -0.1"},
 		{func(c *Config) { c.Recovery.RetryBudgetRatio = math.NaN() }, "config: recovery.retry_budget_ratio: must be between 0 and 1, got NaN"},
 		{func(c *Config) { c.Recovery.ReadmitIntervalS = 0 }, "config: recovery.readmit_interval_s: must be > 0, got 0"},
+		{func(c *Config) { c.Breaker.LeaseTTLS = 0.2 }, "config: breaker.lease_ttl_s: must be >= 0.5, got 0.2"},
 		{func(c *Config) { c.Router.ID = "" }, `config: router.id: must be non-empty and hold only letters, digits, '-' and '_', got ""`},
 		{func(c *Config) { c.Router.ID = "host.example.com-1" }, `config: router.id: must be non-empty and hold only letters, digits, '-' and '_', got "host.example.com-1"`},
 		{func(c *Config) { c.Router.EventBuffer = 0 }, "config: router.event_buffer: must be > 0, got 0"},
@@ -485,7 +489,7 @@ func TestYAMLErrorsNameTheKey(t *testing.T) {
 		want string
 	}{
 		"unknown top-level key": {"engines:\n  first_token_timeout_s: 3\n",
-			"config: engines: unknown key (known keys here: engine, request, handoff, recovery, router, engine_contract, fleet)"},
+			"config: engines: unknown key (known keys here: engine, request, handoff, recovery, breaker, router, engine_contract, fleet)"},
 		"unknown section key": {"engine:\n  first_token_timeout: 3\n",
 			"config: engine.first_token_timeout: unknown key (known keys here: first_token_timeout_s, decode_read_timeout_s, prefill_timeout_s)"},
 		"unknown contract key": {"engine_contract:\n  modle: m\n",

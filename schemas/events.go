@@ -11,6 +11,7 @@ const (
 	SchemaHandoff     = "narwhal.handoff.v1"
 	SchemaProbe       = "narwhal.probe.v1"
 	SchemaEligibility = "narwhal.eligibility.v1"
+	SchemaChaos       = "narwhal.chaos.v1"
 )
 
 // Event kinds: the <kind> part of the subject narwhal.events.<kind>.<id>
@@ -22,6 +23,7 @@ const (
 	KindHandoff     = "handoff"
 	KindProbe       = "probe"
 	KindEligibility = "eligibility"
+	KindChaos       = "chaos"
 )
 
 // Phases of an attempt, as they appear in events and metrics.
@@ -248,3 +250,54 @@ type Eligibility struct {
 
 // Subject returns narwhal.events.eligibility.<engine_id>.
 func (e *Eligibility) Subject() string { return "narwhal.events.eligibility." + e.EngineID }
+
+// Chaos actions, the values of Chaos.Action (SPEC R-CHAOS-1).
+const (
+	// ChaosArm: a fault was armed on an engine (or re-armed, replacing the
+	// fault of the same id).
+	ChaosArm = "arm"
+	// ChaosDisarm: an armed fault was removed before it expired or was
+	// spent.
+	ChaosDisarm = "disarm"
+	// ChaosInject: a chaos proxy injected the fault into one request.
+	ChaosInject = "inject"
+)
+
+// Chaos reports one action of the chaos tool on an engine's faults, on
+// narwhal.events.chaos.<engine_id> (schema narwhal.chaos.v1, SPEC
+// R-CHAOS-1): `narwhal chaos arm` and `disarm` publish arm and disarm
+// events, a chaos proxy publishes an inject event for each fault it
+// injects. RequestID is the request's X-Request-Id on inject events (absent
+// when the request had none).
+type Chaos struct {
+	Envelope
+	// Action is "arm", "disarm" or "inject".
+	Action string `json:"action"`
+	// Fault is the fault's name in the catalogue, e.g. "http-status"
+	// (docs/chaos.md).
+	Fault string `json:"fault"`
+	// FaultID names the armed fault on its engine (the KV key is
+	// <engine_id>.<fault_id>); it is the fault's name unless one was
+	// given.
+	FaultID string `json:"fault_id"`
+	// Phase is the phase the fault was armed for ("prefill", "decode" or
+	// "any") on arm and disarm events, and the phase of the request it
+	// struck ("prefill" or "decode") on inject events.
+	Phase string `json:"phase"`
+	// Probability is the chance, 0…1, that the fault strikes a request it
+	// applies to.
+	Probability float64 `json:"probability"`
+	// Count is how many injections the fault was armed for; 0 means
+	// unlimited.
+	Count int `json:"count"`
+	// Left is, for a fault with Count > 0, how many injections remain after
+	// this event; absent when 0 (spent) or when Count is 0.
+	Left int `json:"left,omitempty"`
+	// Expires is when the fault ends by itself (UTC).
+	Expires time.Time `json:"expires"`
+	// Params are the fault's parameters as armed, e.g. {"code":"503"}.
+	Params map[string]string `json:"params,omitempty"`
+}
+
+// Subject returns narwhal.events.chaos.<engine_id>.
+func (e *Chaos) Subject() string { return "narwhal.events.chaos." + e.EngineID }

@@ -70,8 +70,10 @@ func busFromEnv(ctx context.Context, name string, log *slog.Logger) (*bus.Bus, f
 }
 
 // runRouter serves a router for cfg on listen until ctx ends, then shuts it
-// down gracefully. onReady, when set, is called with the router's base URL
-// once it accepts connections.
+// down gracefully. Without NARWHAL_NATS_URL it also runs an in-process
+// breaker on its embedded bus, stopped after the router's shutdown and
+// before the bus closes. onReady, when set, is called with the router's
+// base URL once it accepts connections.
 func runRouter(ctx context.Context, cfg *config.Config, listen string, log *slog.Logger, onReady func(baseURL string)) error {
 	b, stopBus, err := busFromEnv(ctx, "narwhal-router-"+cfg.Router.ID, log)
 	if err != nil {
@@ -82,6 +84,16 @@ func runRouter(ctx context.Context, cfg *config.Config, listen string, log *slog
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	pub := bus.NewPublisher(b, cfg.Router.EventBuffer, reg)
 	defer pub.Close()
+	if os.Getenv("NARWHAL_NATS_URL") == "" {
+		// A single node is complete: on its own embedded bus the router
+		// runs its own breaker (SPEC §14). It outlives the router's
+		// graceful shutdown and stops before the bus closes.
+		stopBreaker, err := startBreaker(context.WithoutCancel(ctx), cfg, b, "breaker-"+cfg.Router.ID, reg, log)
+		if err != nil {
+			return err
+		}
+		defer stopBreaker()
+	}
 
 	rt, err := router.New(router.Options{
 		Config:    cfg,

@@ -259,17 +259,16 @@ func (s *Service) Run(ctx context.Context) error {
 	s.pub = bus.NewPublisher(s.bus, eventBuffer, s.reg)
 	defer s.pub.Close()
 
-	value, _ := json.Marshal(Lease{BreakerID: s.id, Since: time.Now().UTC()})
 	t := time.NewTicker(s.renewEvery)
 	defer t.Stop()
 	for {
+		value, _ := json.Marshal(Lease{BreakerID: s.id, Since: time.Now().UTC()})
 		cctx, cancel := context.WithTimeout(ctx, s.renewEvery)
 		rev, err := lease.Create(cctx, LeaseKey, value)
 		cancel()
 		switch {
 		case err == nil:
-			s.lead(ctx, lease, cons, rev)
-			value, _ = json.Marshal(Lease{BreakerID: s.id, Since: time.Now().UTC()})
+			s.lead(ctx, lease, cons, value, rev)
 		case errors.Is(err, jetstream.ErrKeyExists):
 			// Another breaker leads: stand by.
 		case ctx.Err() == nil:
@@ -354,11 +353,11 @@ func sleep(ctx context.Context, d time.Duration) bool {
 // errLeaseLost cancels the leading context when a renewal fails.
 var errLeaseLost = errors.New("breaker: lease lost")
 
-// lead runs the leader's work while the lease with revision rev is held:
-// it renews the lease every lease_ttl_s/3, takes over placement, consumes
-// events and runs readmission rounds. It returns when ctx ends (releasing
+// lead runs the leader's work while the lease (value, at revision rev) is
+// held: it renews the lease every lease_ttl_s/3, takes over placement,
+// consumes events and runs readmission rounds. It returns when ctx ends (releasing
 // the lease) or the lease is lost.
-func (s *Service) lead(ctx context.Context, lease jetstream.KeyValue, cons jetstream.Consumer, rev uint64) {
+func (s *Service) lead(ctx context.Context, lease jetstream.KeyValue, cons jetstream.Consumer, value []byte, rev uint64) {
 	lctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	s.leader.Store(true)
@@ -373,7 +372,6 @@ func (s *Service) lead(ctx context.Context, lease jetstream.KeyValue, cons jetst
 		defer wg.Done()
 		t := time.NewTicker(s.renewEvery)
 		defer t.Stop()
-		value, _ := json.Marshal(Lease{BreakerID: s.id, Since: time.Now().UTC()})
 		for {
 			select {
 			case <-lctx.Done():

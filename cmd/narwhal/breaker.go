@@ -1,0 +1,142 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"strconv"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/router/breaker"
+)
+
+func init() {
+	commands["breaker"] = command{
+		summary: "run a breaker (ejection, probes, readmission) on the NATS at NARWHAL_NATS_URL (--config FILE)",
+		run:     runBreakerCmd,
+	}
+}
+
+// errNoNATSURL is returned by `narwhal breaker` without NARWHAL_NATS_URL.
+var errNoNATSURL = errors.New("NARWHAL_NATS_URL is not set: a standalone breaker joins the routers' NATS " +
+	"(a router without NARWHAL_NATS_URL runs its own breaker on its embedded bus)")
+
+// runBreakerCmd is `narwhal breaker --config FILE [--metrics HOST:PORT]`
+// (SPEC §8, §14): it connects to the NATS at NARWHAL_NATS_URL (credentials
+// and TLS from NARWHAL_NATS_CREDS, NARWHAL_NATS_TLS_CA, _CERT, _KEY) and
+// runs a breaker.Service — leader or standby — until SIGINT/SIGTERM. With
+// --metrics it serves Prometheus text at http://HOST:PORT/metrics.
+func runBreakerCmd(ctx context.Context, args []string) error {
+	fs := flag.NewFlagSet("breaker", flag.ContinueOnError)
+	path := fs.String("config", "", "YAML configuration file (SPEC §14); environment NARWHAL_<SECTION>_<KEY> overrides it")
+	metricsAddr := fs.String("metrics", "", "HOST:PORT to serve /metrics on (off when empty)")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *path == "" {
+		return errors.New("--config is required")
+	}
+	if os.Getenv("NARWHAL_NATS_URL") == "" {
+		return errNoNATSURL
+	}
+	cfg, err := config.Load(*path)
+	if err != nil {
+		return err
+	}
+	if len(cfg.Fleet) == 0 {
+		return errors.New("config: fleet: at least one engine is required")
+	}
+	log := newLogger(cfg, os.Stderr)
+	id := breakerID()
+	b, stopBus, err := busFromEnv(ctx, "narwhal-"+id, log)
+	if err != nil {
+		return err
+	}
+	defer stopBus()
+
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	if *metricsAddr != "" {
+		stop, err := serveMetrics(*metricsAddr, reg, log)
+		if err != nil {
+			return err
+		}
+		defer stop()
+	}
+	return runBreaker(ctx, cfg, b, id, reg, log)
+}
+
+// breakerID returns "breaker-<hostname>-<pid>", safe as a breaker_id.
+func breakerID() string {
+	host, err := os.Hostname()
+	if err != nil || host == "" {
+		host = "host"
+	}
+	return config.SanitizeID("breaker-" + host + "-" + strconv.Itoa(os.Getpid()))
+}
+
+// runBreaker runs a breaker.Service with breaker_id id on b until ctx ends.
+func runBreaker(ctx context.Context, cfg *config.Config, b *bus.Bus, id string, reg prometheus.Registerer, log *slog.Logger) error {
+	svc, err := breaker.New(breaker.Options{Config: cfg, Bus: b, ID: id, Logger: log.With("component", "breaker"), Registry: reg})
+	if err != nil {
+		return err
+	}
+	log.Info("breaker starting", "breaker_id", id, "engines", len(cfg.Fleet), "lease_ttl", cfg.Breaker.LeaseTTL())
+	return svc.Run(ctx)
+}
+
+// startBreaker runs a breaker.Service on b in the background (the
+// in-process breaker of a single-node router, SPEC §14) and returns the
+// function that stops it and waits for it; call it before closing b.
+func startBreaker(ctx context.Context, cfg *config.Config, b *bus.Bus, id string, reg prometheus.Registerer, log *slog.Logger) (stop func(), err error) {
+	svc, err := breaker.New(breaker.Options{Config: cfg, Bus: b, ID: id, Logger: log.With("component", "breaker"), Registry: reg})
+	if err != nil {
+		return nil, err
+	}
+	bctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := svc.Run(bctx); err != nil {
+			log.Error("in-process breaker stopped", "err", err)
+		}
+	}()
+	return func() {
+		cancel()
+		<-done
+	}, nil
+}
+
+// serveMetrics serves reg at http://addr/metrics until stop is called.
+func serveMetrics(addr string, reg *prometheus.Registry, log *slog.Logger) (stop func(), err error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("metrics listen %s: %w", addr, err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			log.Warn("metrics server", "err", err)
+		}
+	}()
+	log.Info("metrics listening", "url", "http://"+ln.Addr().String()+"/metrics")
+	return func() {
+		_ = srv.Close()
+		<-done
+	}, nil
+}

@@ -1,0 +1,443 @@
+package breaker
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"log/slog"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/nats-io/nuid"
+	"go.uber.org/goleak"
+
+	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m)
+}
+
+// simSpec is one simulated engine of a test fleet.
+type simSpec struct {
+	id, role string
+	version  string // sim EngineVersion; "" = the default
+}
+
+// setup shapes a test harness.
+type setup struct {
+	fleet      []simSpec
+	contract   *config.Contract
+	ejectAfter int     // default 3
+	readmitS   float64 // default 0.2
+	leaseTTLS  float64 // default 1
+}
+
+// harness is an embedded NATS server on a random port, simulated engines
+// and a connection of the test's own (playing the routers) that records
+// every event on the bus.
+type harness struct {
+	t      *testing.T
+	emb    *bus.Embedded
+	bus    *bus.Bus
+	cfg    *config.Config
+	sims   map[string]*sim.Server
+	events *eventLog
+}
+
+// testModel is the model every simulated engine serves.
+const testModel = "m"
+
+func newHarness(t *testing.T, su setup) *harness {
+	t.Helper()
+	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(emb.Shutdown)
+	h := &harness{t: t, emb: emb, sims: map[string]*sim.Server{}}
+	h.bus = h.connect("test-router")
+
+	cfg := config.Default()
+	cfg.Router.ID = "test-router"
+	cfg.Engine.FirstTokenTimeoutS = 2
+	cfg.Engine.DecodeReadTimeoutS = 2
+	cfg.Recovery.EjectAfter = 3
+	if su.ejectAfter > 0 {
+		cfg.Recovery.EjectAfter = su.ejectAfter
+	}
+	cfg.Recovery.ReadmitIntervalS = 0.2
+	if su.readmitS > 0 {
+		cfg.Recovery.ReadmitIntervalS = su.readmitS
+	}
+	cfg.Breaker.LeaseTTLS = 1
+	if su.leaseTTLS > 0 {
+		cfg.Breaker.LeaseTTLS = su.leaseTTLS
+	}
+	cfg.EngineContract = su.contract
+	for _, sp := range su.fleet {
+		srv, err := sim.New(sim.Config{Role: sp.role, EngineID: sp.id, Model: testModel, EngineVersion: sp.version})
+		if err != nil {
+			t.Fatal(err)
+		}
+		url, err := srv.Start("127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { srv.Close() })
+		h.sims[sp.id] = srv
+		cfg.Fleet = append(cfg.Fleet, config.EngineSpec{ID: sp.id, URL: url, Role: sp.role, Connector: config.DefaultConnector})
+	}
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	h.cfg = &cfg
+
+	h.events = &eventLog{}
+	stop, err := bus.Subscribe(context.Background(), h.bus, "", true, h.events.add)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(h.validateEvents) // runs before stop: the log is complete
+	t.Cleanup(stop)
+	return h
+}
+
+// connect opens a bus connection over TCP, closed when the test ends.
+func (h *harness) connect(name string) *bus.Bus {
+	h.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	b, err := bus.Connect(ctx, bus.ConnectOptions{URL: h.emb.ClientURL(), Name: name})
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	h.t.Cleanup(b.Close)
+	return b
+}
+
+// running is a Service started by the harness on a connection of its own.
+type running struct {
+	*Service
+	bus    *bus.Bus
+	cancel context.CancelFunc
+	done   chan error
+	once   sync.Once
+}
+
+// stop ends Run and waits for it; Run must return nil.
+func (r *running) stop(t *testing.T) {
+	t.Helper()
+	r.once.Do(func() {
+		r.cancel()
+		if err := <-r.done; err != nil {
+			t.Errorf("breaker %s: Run: %v", r.ID(), err)
+		}
+	})
+}
+
+// start runs a Service with breaker_id id until the test ends (or stop).
+func (h *harness) start(id string) *running {
+	h.t.Helper()
+	b := h.connect(id)
+	svc, err := New(Options{Config: h.cfg, Bus: b, ID: id, Logger: testLogger(h.t)})
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	r := &running{Service: svc, bus: b, cancel: cancel, done: make(chan error, 1)}
+	go func() { r.done <- svc.Run(ctx) }()
+	h.t.Cleanup(func() { r.stop(h.t) }) // before b closes
+	return r
+}
+
+// startLeader starts a Service and waits until it leads and has seeded
+// every engine.
+func (h *harness) startLeader(id string) *running {
+	h.t.Helper()
+	r := h.start(id)
+	waitFor(h.t, id+" to lead", r.Leader)
+	for _, e := range h.cfg.Fleet {
+		waitFor(h.t, "placement entry of "+e.ID, func() bool { _, ok := h.entry(e.ID); return ok })
+	}
+	return r
+}
+
+// publish publishes ev as a router would (its id as the message id) and
+// returns its stream sequence.
+func (h *harness) publish(ev schemas.Event) uint64 {
+	h.t.Helper()
+	head := ev.Head()
+	head.ID, head.At = nuid.Next(), time.Now().UTC()
+	data, err := json.Marshal(ev)
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	if err := bus.ValidateEvent(data); err != nil {
+		h.t.Fatalf("test event invalid: %v", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	ack, err := h.bus.JetStream().Publish(ctx, ev.Subject(), data, jetstream.WithMsgID(head.ID))
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	return ack.Sequence
+}
+
+// fail publishes a failure event of engine on phase; producer and consumer
+// are the attempt's engines ("" for none).
+func (h *harness) fail(engine, phase string, counts bool, producer, consumer string) uint64 {
+	kind, status := "first_token_timeout", 504
+	if phase == schemas.PhasePrefill {
+		kind, status = "prefill_status", 502
+	}
+	if !counts {
+		kind, status = "overload", 429
+	}
+	return h.publish(&schemas.Failure{
+		Envelope:   schemas.Envelope{Schema: schemas.SchemaFailure, RouterID: "test-router", EngineID: engine, RequestID: "req-" + nuid.Next()},
+		Phase:      phase,
+		Kind:       kind,
+		Status:     status,
+		Message:    "test fault",
+		Timeout:    status == 504,
+		Counts:     counts,
+		ProducerID: producer,
+		ConsumerID: consumer,
+		Attempt:    1,
+	})
+}
+
+// ejectDecode publishes eject_after counted decode failures of a decode
+// engine whose attempts had producer (crossed when producer != "") and
+// waits until it is ejected.
+func (h *harness) ejectDecode(engine, producer string) {
+	h.t.Helper()
+	for range h.cfg.Recovery.EjectAfter {
+		h.fail(engine, schemas.PhaseDecode, true, producer, engine)
+	}
+	h.waitState(engine, schemas.StateEjected)
+}
+
+// ejectPrefill publishes eject_after counted prefill failures of engine and
+// waits until it is ejected.
+func (h *harness) ejectPrefill(engine string) {
+	h.t.Helper()
+	for range h.cfg.Recovery.EjectAfter {
+		h.fail(engine, schemas.PhasePrefill, true, engine, "")
+	}
+	h.waitState(engine, schemas.StateEjected)
+}
+
+// succeed publishes a successful request-completed event.
+func (h *harness) succeed(producer, consumer string) uint64 {
+	ttft, fb := 0.01, 0.02
+	return h.publish(&schemas.RequestCompleted{
+		Envelope:   schemas.Envelope{Schema: schemas.SchemaRequest, RouterID: "test-router", EngineID: consumer, RequestID: "req-" + nuid.Next()},
+		Endpoint:   schemas.EndpointChat,
+		Model:      testModel,
+		Stream:     true,
+		Status:     200,
+		ProducerID: producer, ConsumerID: consumer,
+		Attempts:    1,
+		TTFTSeconds: &ttft, FirstByteSeconds: &fb,
+		DurationSeconds: 0.03, PromptTokens: 3, CompletionTokens: 4,
+	})
+}
+
+// applied waits until the durable consumer's ack floor reached seq: every
+// event up to it has been applied.
+func (h *harness) applied(seq uint64) {
+	h.t.Helper()
+	waitFor(h.t, "events applied up to sequence", func() bool {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		cons, err := h.bus.JetStream().Consumer(ctx, bus.StreamName, ConsumerName)
+		if err != nil {
+			return false
+		}
+		info, err := cons.Info(ctx)
+		return err == nil && info.AckFloor.Stream >= seq
+	})
+}
+
+// entry reads engine's placement entry from narwhal_placement.
+func (h *harness) entry(engine string) (schemas.Eligibility, bool) {
+	h.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	kve, err := h.bus.Placement().Get(ctx, engine)
+	if errors.Is(err, jetstream.ErrKeyNotFound) {
+		return schemas.Eligibility{}, false
+	}
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	if err := bus.ValidateEvent(kve.Value()); err != nil {
+		h.t.Errorf("placement entry of %s: %v", engine, err)
+	}
+	var e schemas.Eligibility
+	if err := json.Unmarshal(kve.Value(), &e); err != nil {
+		h.t.Fatal(err)
+	}
+	return e, true
+}
+
+// mustEntry is entry for an engine that must have one.
+func (h *harness) mustEntry(engine string) schemas.Eligibility {
+	h.t.Helper()
+	e, ok := h.entry(engine)
+	if !ok {
+		h.t.Fatalf("no placement entry for %s", engine)
+	}
+	return e
+}
+
+// waitState waits until engine's placement entry has state.
+func (h *harness) waitState(engine, state string) schemas.Eligibility {
+	h.t.Helper()
+	var last schemas.Eligibility
+	waitFor(h.t, engine+" "+state, func() bool {
+		e, ok := h.entry(engine)
+		last = e
+		return ok && e.State == state
+	})
+	return last
+}
+
+// probes returns the probe events of engine seen so far.
+func (h *harness) probes(engine string) []schemas.Probe {
+	var out []schemas.Probe
+	for _, raw := range h.events.of(schemas.KindProbe, engine) {
+		var p schemas.Probe
+		if err := json.Unmarshal(raw, &p); err != nil {
+			h.t.Fatal(err)
+		}
+		out = append(out, p)
+	}
+	return out
+}
+
+// waitProbes waits until engine has at least n probe events with outcome
+// and returns them.
+func (h *harness) waitProbes(engine, outcome string, n int) []schemas.Probe {
+	h.t.Helper()
+	var got []schemas.Probe
+	waitFor(h.t, "probes of "+engine+" with outcome "+outcome, func() bool {
+		got = got[:0]
+		for _, p := range h.probes(engine) {
+			if p.Outcome == outcome {
+				got = append(got, p)
+			}
+		}
+		return len(got) >= n
+	})
+	return got
+}
+
+// eligibilities returns the eligibility events of engine seen so far.
+func (h *harness) eligibilities(engine string) []schemas.Eligibility {
+	var out []schemas.Eligibility
+	for _, raw := range h.events.of(schemas.KindEligibility, engine) {
+		var e schemas.Eligibility
+		if err := json.Unmarshal(raw, &e); err != nil {
+			h.t.Fatal(err)
+		}
+		out = append(out, e)
+	}
+	return out
+}
+
+// probeRequests returns the inference requests srv received from probes.
+func probeRequests(srv *sim.Server) []sim.RecordedRequest {
+	var out []sim.RecordedRequest
+	for _, r := range srv.Requests() {
+		if strings.HasPrefix(r.RequestID, ProbeRequestIDPrefix) {
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+// validateEvents checks every event seen on the bus against its JSON
+// Schema (R-BUS-3).
+func (h *harness) validateEvents() {
+	for _, raw := range h.events.all() {
+		if err := bus.ValidateEvent(raw); err != nil {
+			h.t.Errorf("published event %s: %v", raw, err)
+		}
+	}
+}
+
+// eventLog records every event payload with its subject.
+type eventLog struct {
+	mu       sync.Mutex
+	subjects []string
+	payloads [][]byte
+}
+
+func (l *eventLog) add(subject string, payload []byte) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.subjects = append(l.subjects, subject)
+	l.payloads = append(l.payloads, payload)
+}
+
+// of returns the payloads on narwhal.events.<kind>.<id>.
+func (l *eventLog) of(kind, id string) [][]byte {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	subject := bus.SubjectPrefix + kind + "." + id
+	var out [][]byte
+	for i, s := range l.subjects {
+		if s == subject {
+			out = append(out, l.payloads[i])
+		}
+	}
+	return out
+}
+
+func (l *eventLog) all() [][]byte {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([][]byte(nil), l.payloads...)
+}
+
+// waitFor polls cond every 5 ms until it holds, failing the test after
+// 20 s.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// backoffOf reads a Service's probe backoff of engine.
+func backoffOf(s *Service, engine string) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.byID[engine].backoff
+}
+
+// testLogger logs to the test's log.
+func testLogger(t *testing.T) *slog.Logger {
+	return slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug}))
+}
+
+type testWriter struct{ t *testing.T }
+
+func (w testWriter) Write(p []byte) (int, error) {
+	w.t.Log(strings.TrimRight(string(p), "\n"))
+	return len(p), nil
+}
