@@ -1,0 +1,93 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+
+	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/router/breaker"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// TestBreakerNeedsNATSURL checks that a standalone breaker refuses to run
+// without NARWHAL_NATS_URL, saying so.
+func TestBreakerNeedsNATSURL(t *testing.T) {
+	t.Setenv("NARWHAL_NATS_URL", "")
+	path, _ := preflightFleet(t, [][2]string{{"p1", "prefill"}})
+	if err := runBreakerCmd(context.Background(), []string{"--config", path}); err != errNoNATSURL {
+		t.Fatalf("breaker without NARWHAL_NATS_URL: %v", err)
+	}
+}
+
+// TestBreakerCommandLeads proves `narwhal breaker` (SPEC §8, §14): pointed
+// at a NATS server by NARWHAL_NATS_URL it takes the leader lease, writes
+// every engine's placement entry (R-BRK-8), and returns cleanly when its
+// context ends (SIGINT/SIGTERM), releasing the lease.
+func TestBreakerCommandLeads(t *testing.T) {
+	before := goleak.IgnoreCurrent()
+	t.Cleanup(func() { goleak.VerifyNone(t, before) })
+	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(emb.Shutdown)
+	t.Setenv("NARWHAL_NATS_URL", emb.ClientURL())
+	t.Setenv("NARWHAL_ROUTER_LOG_LEVEL", "warn")
+	path, _ := preflightFleet(t, [][2]string{{"p1", "prefill"}, {"d1", "decode"}})
+
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- runBreakerCmd(ctx, []string{"--config", path}) }()
+
+	cctx, ccancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer ccancel()
+	b, err := bus.Connect(cctx, bus.ConnectOptions{URL: emb.ClientURL(), Name: t.Name()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	leaseHolder := func() string {
+		kv, err := b.JetStream().KeyValue(cctx, breaker.LeaseBucket)
+		if err != nil {
+			return ""
+		}
+		e, err := kv.Get(cctx, breaker.LeaseKey)
+		if err != nil {
+			return ""
+		}
+		var l breaker.Lease
+		_ = json.Unmarshal(e.Value(), &l)
+		return l.BreakerID
+	}
+	for _, engine := range []string{"p1", "d1"} {
+		for {
+			e, err := b.Placement().Get(cctx, engine)
+			if err == nil {
+				var el schemas.Eligibility
+				if err := json.Unmarshal(e.Value(), &el); err != nil || !el.Eligible || !strings.HasPrefix(el.BreakerID, "breaker-") {
+					t.Fatalf("placement entry of %s: %s", engine, e.Value())
+				}
+				break
+			}
+			if cctx.Err() != nil {
+				t.Fatalf("no placement entry for %s", engine)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	if h := leaseHolder(); h != breakerID() {
+		t.Fatalf("lease held by %q, want %q", h, breakerID())
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("breaker command: %v", err)
+	}
+	if h := leaseHolder(); h != "" {
+		t.Fatalf("lease still held by %q after the breaker stopped", h)
+	}
+}
