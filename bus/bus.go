@@ -73,6 +73,11 @@ type ConnectOptions struct {
 	// Log, when set, receives disconnect, reconnect and async error
 	// notices.
 	Log *slog.Logger
+	// Replicas is the number of replicas of the stream and of every
+	// bucket Narwhal creates, for a NATS cluster (NARWHAL_NATS_REPLICAS);
+	// 0 means 1. Every process of a mesh must use the same value, since
+	// create-or-update applies it at each start.
+	Replicas int
 }
 
 // Bus is one connection to NATS with the events stream and the placement
@@ -81,6 +86,7 @@ type Bus struct {
 	nc        *nats.Conn
 	js        jetstream.JetStream
 	placement jetstream.KeyValue
+	replicas  int
 }
 
 // Connect connects to NATS and makes sure stream NARWHAL_EVENTS (subjects
@@ -147,7 +153,7 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 		nc.Close()
 		return nil, fmt.Errorf("bus: jetstream: %w", err)
 	}
-	b := &Bus{nc: nc, js: js}
+	b := &Bus{nc: nc, js: js, replicas: max(opts.Replicas, 1)}
 	for {
 		err := b.setup(ctx)
 		if err == nil {
@@ -182,6 +188,7 @@ func (b *Bus) setup(ctx context.Context) error {
 		MaxAge:      StreamMaxAge,
 		MaxBytes:    StreamMaxBytes,
 		Duplicates:  StreamDuplicates,
+		Replicas:    b.replicas,
 	})
 	if err != nil {
 		return fmt.Errorf("bus: stream %s: %w", StreamName, err)
@@ -191,6 +198,7 @@ func (b *Bus) setup(ctx context.Context) error {
 		Description: "Narwhal placement eligibility by engine id",
 		History:     1,
 		Storage:     jetstream.FileStorage,
+		Replicas:    b.replicas,
 	})
 	if err != nil {
 		return fmt.Errorf("bus: bucket %s: %w", PlacementBucket, err)
@@ -210,6 +218,10 @@ func retryable(nc *nats.Conn, err error) bool {
 		errors.Is(err, nats.ErrConnectionReconnecting) ||
 		errors.Is(err, nats.ErrDisconnected)
 }
+
+// Replicas returns the replica count for streams and buckets (at least 1);
+// other buckets a process creates use it too.
+func (b *Bus) Replicas() int { return b.replicas }
 
 // JetStream returns the Bus's JetStream context, for durable consumers,
 // watches and other buckets (use CreateOrUpdate only, R-BUS-7).

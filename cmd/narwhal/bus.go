@@ -143,7 +143,18 @@ func natsFromEnv(natsURL, name string) bus.ConnectOptions {
 		TLSCA:     os.Getenv("NARWHAL_NATS_TLS_CA"),
 		TLSCert:   os.Getenv("NARWHAL_NATS_TLS_CERT"),
 		TLSKey:    os.Getenv("NARWHAL_NATS_TLS_KEY"),
+		Replicas:  natsReplicas(),
 	}
+}
+
+// natsReplicas reads NARWHAL_NATS_REPLICAS (replicas of the stream and the
+// buckets on a NATS cluster); unset or invalid means 1.
+func natsReplicas() int {
+	n, err := strconv.Atoi(os.Getenv("NARWHAL_NATS_REPLICAS"))
+	if err != nil || n < 1 {
+		return 1
+	}
+	return n
 }
 
 // redactNATSURL returns natsURL (one URL or a comma-separated list) with

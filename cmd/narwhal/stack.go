@@ -35,9 +35,9 @@ func busFromEnv(ctx context.Context, name string, log *slog.Logger) (*bus.Bus, f
 	if url := os.Getenv("NARWHAL_NATS_URL"); url != "" {
 		b, err := bus.Connect(ctx, natsFromEnv(url, name))
 		if err != nil {
-			return nil, nil, fmt.Errorf("bus %s: %w", url, err)
+			return nil, nil, fmt.Errorf("bus %s: %w", redactNATSURL(url), err)
 		}
-		log.Info("bus connected", "url", url)
+		log.Info("bus connected", "url", redactNATSURL(url))
 		return b, b.Close, nil
 	}
 	dir := os.Getenv("NARWHAL_DATA_DIR")

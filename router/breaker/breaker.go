@@ -294,6 +294,7 @@ func (s *Service) setup(ctx context.Context) (jetstream.KeyValue, jetstream.Cons
 			History:     1,
 			TTL:         s.leaseTTL,
 			Storage:     jetstream.FileStorage,
+			Replicas:    s.bus.Replicas(),
 		})
 		var cons jetstream.Consumer
 		if err == nil {
