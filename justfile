@@ -20,3 +20,9 @@ fuzz SECONDS="5":
 # Build the binary into ./bin/narwhal.
 build:
     go build -o bin/narwhal ./cmd/narwhal
+
+# The standard router-vs-floor comparison on this machine: concurrency 1, then 64,
+# 16 output tokens, streaming, 50 s measured + 2 × 2 s warm-up each; writes
+# bench/results/latest.json (both runs) and bench/results/latest.svg.
+bench *ARGS:
+    go run ./cmd/narwhal bench --compare-floor --concurrency 1,64 --max-tokens 16 --stream --duration 50s --warmup 2s --json bench/results/latest.json --histogram bench/results/latest.svg {{ARGS}}

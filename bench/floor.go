@@ -1,0 +1,162 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"io"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/narwhalmesh/narwhal/engines"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// FloorTarget runs both legs of every request itself, directly against
+// the engines, with engines.Client: Prefill on a producer, then Decode on a
+// consumer with the handoff (SPEC R-LEG-1…5), producer and consumer each
+// chosen round-robin. It is what a router of zero cost would do, so its
+// latencies and throughput are the floor the router is compared with.
+// Latencies are measured as RouterTarget measures them: TTFT at the first
+// generated output of the decode stream, end-to-end at [DONE].
+type FloorTarget struct {
+	client          *engines.Client
+	prefill, decode []engines.Engine
+	nextP, nextD    atomic.Uint64
+	ids             atomic.Uint64
+	idPrefix        string
+}
+
+// NewFloorTarget returns a floor target over the given producers (role
+// prefill or both) and consumers (decode or both). The engine client uses
+// the SPEC §11 default timeouts and engines.NewTransport, as the router's
+// does. It fails when either list is empty.
+func NewFloorTarget(prefill, decode []engines.Engine) (*FloorTarget, error) {
+	if len(prefill) == 0 || len(decode) == 0 {
+		return nil, errors.New("floor: need at least one prefill and one decode engine")
+	}
+	return &FloorTarget{
+		client:   engines.NewClient(engines.Options{}),
+		prefill:  append([]engines.Engine(nil), prefill...),
+		decode:   append([]engines.Engine(nil), decode...),
+		idPrefix: "bench-floor-" + strconv.FormatInt(time.Now().UnixNano(), 36) + "-",
+	}, nil
+}
+
+// Name returns "floor".
+func (t *FloorTarget) Name() string { return "floor" }
+
+// Close closes the engine client's idle connections.
+func (t *FloorTarget) Close() { t.client.HTTPClient().CloseIdleConnections() }
+
+// do implements Target: the prefill leg, the decode leg, and the decode
+// stream read to its end. A non-streaming workload still reads the decode
+// stream (the decode leg always streams, R-LEG-5) but records no ITL and
+// a TTFT equal to its end-to-end latency, as the router's aggregated
+// answer gives a client.
+func (t *FloorTarget) do(ctx context.Context, w *worker, start time.Time) {
+	body := w.newBody()
+	rctx, cancel := context.WithTimeout(ctx, w.timeout)
+	defer cancel()
+	parsed, err := schemas.ParseRequest(w.shape.endpoint, body)
+	if err != nil {
+		w.fail(ctx, rctx, HTTPClass(400))
+		return
+	}
+	p := &t.prefill[(t.nextP.Add(1)-1)%uint64(len(t.prefill))]
+	c := &t.decode[(t.nextD.Add(1)-1)%uint64(len(t.decode))]
+	req := &engines.Request{
+		Body:             parsed,
+		BackendRequestID: t.idPrefix + strconv.FormatUint(t.ids.Add(1), 10),
+		Producer:         p,
+		Consumer:         c,
+	}
+	res, err := t.client.Prefill(rctx, req)
+	if err != nil {
+		w.fail(ctx, rctx, faultClass(err))
+		return
+	}
+	stream, err := t.client.Decode(rctx, req, res)
+	if err != nil {
+		// The handoff will not be consumed: free it, as the router does
+		// (R-OWN-6).
+		rel, relCancel := context.WithTimeout(context.Background(), time.Second)
+		_, _ = t.client.Release(rel, p, res)
+		relCancel()
+		w.fail(ctx, rctx, faultClass(err))
+		return
+	}
+	defer stream.Close()
+	mark := len(w.rec.itl)
+	var first, last time.Time
+	chunks, usage := 0, -1
+	for {
+		payload, kind, err := stream.Next()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			w.rec.itl = w.rec.itl[:mark]
+			w.fail(ctx, rctx, faultClass(err))
+			return
+		}
+		if w.onPayload != nil {
+			w.onPayload(payload)
+		}
+		switch kind {
+		case schemas.ChunkOutput:
+			now := time.Now()
+			if chunks == 0 {
+				first = now
+			} else if w.stream {
+				w.rec.itl = append(w.rec.itl, now.Sub(last))
+			}
+			last = now
+			chunks++
+		case schemas.ChunkMetadata:
+			if n, ok := completionTokens(payload); ok {
+				usage = n
+			}
+		}
+	}
+	end := time.Now()
+	if usage >= 0 {
+		chunks = usage
+	}
+	if !w.stream {
+		first = end
+	}
+	w.succeed(start, first, end, chunks)
+}
+
+// faultClass maps an engine client error to the error class a client of
+// the router would see for the same engine behaviour: connect errors are
+// transport, a stream closed before [DONE] is truncated, an error object
+// is sse_error_<code>, a refused leg is http_<engine status>; the rest is
+// "engine_<fault kind>".
+func faultClass(err error) string {
+	var f *engines.Fault
+	if !errors.As(err, &f) {
+		return ClassTransport
+	}
+	switch f.Kind {
+	case engines.KindConnectError:
+		return ClassTransport
+	case engines.KindClosedBeforeDone:
+		return ClassTruncated
+	case engines.KindDoneBeforeToken:
+		return ClassDoneBeforeOutput
+	case engines.KindInvalidStream:
+		return ClassInvalidChunk
+	case engines.KindRequestTimeout:
+		return ClassTimeout
+	case engines.KindErrorObject:
+		return SSEErrorClass(f.UpstreamStatus)
+	case engines.KindPrefillStatus, engines.KindUpstreamStatus, engines.KindClientFault, engines.KindOverload:
+		if f.UpstreamStatus != 0 {
+			return HTTPClass(f.UpstreamStatus)
+		}
+		return HTTPClass(f.Status)
+	}
+	return "engine_" + string(f.Kind)
+}
