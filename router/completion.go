@@ -1,13 +1,13 @@
 package router
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
 	"io"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -39,14 +39,16 @@ type call struct {
 	pending            [][]byte // metadata read before the first output (all ChunkMetadata)
 	first              []byte   // the first generated output, copied
 
-	ttft, firstByte   time.Duration
-	status            int
-	outcome           string
-	promptTokens      int
-	completionTokens  int
-	committed         bool
-	decodeStart       time.Time
-	usagePayloadDrops int
+	ttft, firstByte  time.Duration
+	status           int
+	outcome          string
+	promptTokens     int
+	completionTokens int
+	committed        bool
+	decodeStart      time.Time
+	chunks           int
+	finished         bool
+	cancelDeadline   context.CancelFunc
 }
 
 // serveCompletion handles POST /v1/chat/completions and /v1/completions.
@@ -86,11 +88,7 @@ func (rt *Router) serveCompletion(fctx *fasthttp.RequestCtx, endpoint string) {
 	}
 	ctx, cancelDeadline := context.WithTimeout(rt.base, deadline)
 	c.ctx, c.cancel = context.WithCancelCause(ctx)
-	defer func() {
-		if !c.committed || !req.Stream {
-			cancelDeadline()
-		}
-	}()
+	c.cancelDeadline = cancelDeadline
 	c.watch = rt.watcher.add(fctx.Conn(), func() { c.cancel(engines.ErrClientGone) })
 
 	fault := c.run()
@@ -103,14 +101,13 @@ func (rt *Router) serveCompletion(fctx *fasthttp.RequestCtx, endpoint string) {
 	fctx.Response.Header.Set("X-Narwhal-Decode-Engine", c.consumer.ID)
 	if req.Stream {
 		c.committed = true
+		c.status = 200
 		fctx.SetStatusCode(200)
 		fctx.SetContentType("text/event-stream; charset=utf-8")
 		fctx.Response.Header.Set("Cache-Control", "no-cache")
 		fctx.Response.Header.Set("X-Accel-Buffering", "no")
-		fctx.SetBodyStreamWriter(func(w *bufio.Writer) {
-			defer cancelDeadline()
-			c.relay(w)
-		})
+		bp := relayBufPool.Get().(*[]byte)
+		fctx.SetBodyStream(&relayBody{c: c, bp: bp, buf: (*bp)[:0]}, -1)
 		return
 	}
 	c.aggregate(fctx)
@@ -399,74 +396,133 @@ func (c *call) fail(fctx *fasthttp.RequestCtx, f *engines.Fault) {
 	c.finish()
 }
 
-// relay streams the committed decode to the client: the metadata read
-// before the first output, the first output, then every event as it
-// arrives, flushing whenever the engine has nothing more buffered. It ends
-// with data: [DONE], or after a failure with one terminal error event and
-// no [DONE] (R-FAIL-5, R-RETRY-4).
-func (c *call) relay(w *bufio.Writer) {
-	rt := c.rt
-	defer c.finish()
-	c.status = 200
-	for _, p := range c.pending {
-		c.writeEvent(w, p, schemas.ChunkMetadata)
+// relayBody is the body of a committed stream (SPEC R-FAIL-5, R-RETRY-4).
+// fasthttp calls WriteTo in the connection's own goroutine and sends each
+// Write as one chunk, flushed: the relay writes the metadata held before
+// the first output, the first output, then every event as the engine sent
+// it, one Write per batch of events the engine had ready. It ends with
+// data: [DONE], or after a failure with one terminal error event and no
+// [DONE]. Close, which fasthttp always calls, finishes the request.
+type relayBody struct {
+	c       *call
+	bp      *[]byte // buf's pool entry
+	buf     []byte
+	off     int // what Read has handed out of buf
+	started bool
+	done    bool
+}
+
+var relayBufPool = sync.Pool{New: func() any { b := make([]byte, 0, 16<<10); return &b }}
+
+// SupportsBodyWriteTo tells fasthttp to use WriteTo (fasthttp.BodyWriterTo).
+func (r *relayBody) SupportsBodyWriteTo() bool { return true }
+
+// WriteTo relays the stream to w until it ends.
+func (r *relayBody) WriteTo(w io.Writer) (int64, error) {
+	var total int64
+	for {
+		more := r.fill()
+		if len(r.buf) > 0 {
+			n, err := w.Write(r.buf)
+			total += int64(n)
+			r.buf = r.buf[:0]
+			if err != nil {
+				r.c.clientGone()
+				return total, err
+			}
+		}
+		if !more {
+			return total, nil
+		}
 	}
-	c.writeEvent(w, c.first, schemas.ChunkOutput)
-	if err := w.Flush(); err != nil {
-		c.clientGone()
-		return
+}
+
+// Read is the io.Reader fallback of WriteTo.
+func (r *relayBody) Read(p []byte) (int, error) {
+	for r.off >= len(r.buf) {
+		if r.done {
+			return 0, io.EOF
+		}
+		r.buf, r.off = r.buf[:0], 0
+		r.fill()
 	}
-	var chunks int
+	n := copy(p, r.buf[r.off:])
+	r.off += n
+	return n, nil
+}
+
+// fill appends the next batch to r.buf: first the held metadata and the
+// first output, then events until the engine has nothing more buffered. It
+// returns false once the stream has ended (its last bytes, [DONE] or the
+// terminal error event, are then in r.buf).
+func (r *relayBody) fill() bool {
+	c := r.c
+	if r.done {
+		return false
+	}
+	if !r.started {
+		r.started = true
+		for _, p := range c.pending {
+			r.buf = c.appendEvent(r.buf, p, schemas.ChunkMetadata)
+		}
+		r.buf = c.appendEvent(r.buf, c.first, schemas.ChunkOutput)
+		return true
+	}
 	for {
 		payload, kind, err := c.stream.Next()
 		if err == io.EOF {
-			_, _ = w.WriteString("data: [DONE]\n\n")
-			if w.Flush() != nil {
-				c.clientGone()
-				return
-			}
+			r.buf = append(r.buf, "data: [DONE]\n\n"...)
 			c.outcome = "ok"
-			break
+			r.done = true
+			return false
 		}
 		if err != nil {
+			r.done = true
 			f := err.(*engines.Fault)
 			if f.Kind == engines.KindClientGone {
 				c.clientGone()
-				return
+				return false
 			}
 			c.engineFault(f)
 			c.outcome = string(f.Kind)
-			w.WriteString("data: ")
-			w.Write(f.AppendJSON(nil))
-			w.WriteString("\n\n")
-			_ = w.Flush()
-			break
+			r.buf = append(r.buf, "data: "...)
+			r.buf = f.AppendJSON(r.buf)
+			r.buf = append(r.buf, "\n\n"...)
+			return false
 		}
-		chunks++
-		c.writeEvent(w, payload, kind)
+		c.chunks++
+		r.buf = c.appendEvent(r.buf, payload, kind)
 		if c.stream.Buffered() == 0 {
-			if err := w.Flush(); err != nil {
-				c.clientGone()
-				return
-			}
+			return true
 		}
 	}
-	rt.metrics.relayedChunks.Add(float64(chunks))
 }
 
-// writeEvent writes one data event, keeping the usage chunk only for
-// clients that asked for it (R-LEG-5, R-LEG-6) while reading usage from it
-// either way. Output chunks are passed through without a second look.
-func (c *call) writeEvent(w *bufio.Writer, payload []byte, kind schemas.ChunkKind) {
+// Close finishes the request; fasthttp calls it once the body is written
+// or the connection failed.
+func (r *relayBody) Close() error {
+	r.c.finish()
+	if r.bp != nil && cap(r.buf) <= 1<<20 {
+		*r.bp = r.buf[:0]
+		relayBufPool.Put(r.bp)
+	}
+	r.bp, r.buf = nil, nil
+	return nil
+}
+
+// appendEvent appends one data event to dst, keeping the usage chunk only
+// for clients that asked for it (R-LEG-5, R-LEG-6) while reading usage from
+// it either way. Output chunks are passed through without a second look.
+func (c *call) appendEvent(dst, payload []byte, kind schemas.ChunkKind) []byte {
 	if kind == schemas.ChunkMetadata && schemas.ChunkHasUsage(payload) {
 		c.readUsage(payload)
 		if !c.req.IncludeUsage && schemas.IsUsageOnly(payload) {
-			return
+			return dst
 		}
 	}
-	w.WriteString("data: ")
-	w.Write(payload)
-	w.WriteString("\n\n")
+	dst = append(dst, "data: "...)
+	dst = append(dst, payload...)
+	return append(dst, "\n\n"...)
 }
 
 func (c *call) readUsage(payload []byte) {
@@ -532,6 +588,10 @@ func (c *call) aggregate(fctx *fasthttp.RequestCtx) {
 // finish releases everything the request still holds and records it:
 // metrics, the request-completed event (R-BUS-1, R-TIME-1) and a log line.
 func (c *call) finish() {
+	if c.finished {
+		return
+	}
+	c.finished = true
 	rt := c.rt
 	c.watch.stop()
 	c.watch = nil
@@ -543,6 +603,10 @@ func (c *call) finish() {
 	c.releaseDecode()
 	if c.cancel != nil {
 		c.cancel(context.Canceled)
+		c.cancelDeadline()
+	}
+	if c.chunks > 0 {
+		rt.metrics.relayedChunks.Add(float64(c.chunks))
 	}
 	now := time.Now()
 	dur := now.Sub(c.arrival)
