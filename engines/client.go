@@ -17,8 +17,6 @@ import (
 	"net"
 	"net/http"
 	"strconv"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/narwhalmesh/narwhal/engines/connector"
@@ -191,8 +189,7 @@ func (c *Client) Prefill(ctx context.Context, req *Request) (*connector.PrefillR
 	if !same {
 		kv = p.Connector.HandoffRequest()
 	}
-	body := getBody()
-	body.b = req.Body.AppendPrefillBody(body.b[:0], kv)
+	body := req.Body.AppendPrefillBody(make([]byte, 0, req.Body.Size()+len(kv)+96), kv)
 
 	legCtx, cancel := context.WithTimeoutCause(ctx, c.prefillTimeout, errPrefillTimeout)
 	defer cancel()
@@ -210,14 +207,21 @@ func (c *Client) Prefill(ctx context.Context, req *Request) (*connector.PrefillR
 		return nil, classifyTransport(ctx, legCtx, err, schemas.PhasePrefill, p.ID, false)
 	}
 	completed := time.Now()
-	var parsed struct {
-		KV      json.RawMessage `json:"kv_transfer_params"`
-		Choices json.RawMessage `json:"choices"`
-	}
-	if err := json.Unmarshal(raw, &parsed); err != nil || parsed.Choices == nil {
-		f := NewFault(KindPrefillResponse, schemas.PhasePrefill, p.ID, resp.StatusCode, "prefill engine returned an invalid completion")
-		f.Cause = err
-		return nil, f
+	// One allocation-free pass over the completion for the two members
+	// that matter; the generated token is discarded (R-LEG-1).
+	var desc []byte
+	var hasChoices bool
+	valid := schemas.Members(raw, func(name, v []byte) bool {
+		switch string(name) {
+		case "kv_transfer_params":
+			desc = v
+		case "choices":
+			hasChoices = len(v) > 0 && v[0] == '['
+		}
+		return true
+	})
+	if !valid || !hasChoices {
+		return nil, NewFault(KindPrefillResponse, schemas.PhasePrefill, p.ID, resp.StatusCode, "prefill engine returned an invalid completion")
 	}
 	meta := connector.PrefillResult{
 		ProducerID:  p.ID,
@@ -231,14 +235,14 @@ func (c *Client) Prefill(ctx context.Context, req *Request) (*connector.PrefillR
 	if same {
 		return connector.NewPrefillResult(meta, nil), nil
 	}
-	h, err := p.Connector.Validate(parsed.KV)
+	h, err := p.Connector.Validate(desc)
 	if err != nil {
 		f := NewFault(KindDescriptorRejected, schemas.PhasePrefill, p.ID, 0, err.Error())
 		f.Cause = err
 		return nil, f
 	}
 	meta.Handoff = h
-	return connector.NewPrefillResult(meta, bytes.TrimSpace(parsed.KV)), nil
+	return connector.NewPrefillResult(meta, bytes.TrimSpace(desc)), nil
 }
 
 // Release frees result's KV blocks at the producer when the handoff will
@@ -302,20 +306,18 @@ func (c *Client) Decode(ctx context.Context, req *Request, result *connector.Pre
 	if !req.SameWorker() {
 		kv = result.AppendDescriptor(nil)
 	}
-	body := getBody()
-	body.b = req.Body.AppendDecodeBody(body.b[:0], kv)
+	body := req.Body.AppendDecodeBody(make([]byte, 0, req.Body.Size()+len(kv)+96), kv)
 	return c.openStream(ctx, req.Consumer, req.Body.Endpoint, req.BackendRequestID, body)
 }
 
-// do sends one POST with a pooled body.
-func (c *Client) do(ctx context.Context, url, requestID string, body *pooledBody) (*http.Response, error) {
-	body.r.Reset(body.b)
-	hreq, err := http.NewRequestWithContext(ctx, http.MethodPost, url, body)
+// do sends one POST. The body is an in-memory reader, so net/http writes
+// headers and body together in one write (a reader it does not know gets
+// its headers flushed first: two syscalls per leg).
+func (c *Client) do(ctx context.Context, url, requestID string, body []byte) (*http.Response, error) {
+	hreq, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
 	if err != nil {
-		body.Close()
 		return nil, err
 	}
-	hreq.ContentLength = int64(len(body.b))
 	hreq.Header = http.Header{
 		"Content-Type": {"application/json"},
 		"Accept":       {"application/json, text/event-stream"},
@@ -397,33 +399,6 @@ func classifyTransport(parent, leg context.Context, err error, phase, engineID s
 	}
 	f.Cause = err
 	return f
-}
-
-// pooledBody is a request body whose buffer returns to a pool when the
-// transport closes it (the transport may write the body after Do returns,
-// so the buffer is only reused after Close).
-type pooledBody struct {
-	b      []byte
-	r      bytes.Reader
-	closed atomic.Bool
-}
-
-var bodyPool = sync.Pool{New: func() any { return &pooledBody{b: make([]byte, 0, 4096)} }}
-
-func getBody() *pooledBody {
-	p := bodyPool.Get().(*pooledBody)
-	p.closed.Store(false)
-	return p
-}
-
-func (p *pooledBody) Read(b []byte) (int, error) { return p.r.Read(b) }
-
-// Close returns the buffer to the pool once.
-func (p *pooledBody) Close() error {
-	if p.closed.CompareAndSwap(false, true) && cap(p.b) <= 1<<20 {
-		bodyPool.Put(p)
-	}
-	return nil
 }
 
 func jsonMarshal(v any) ([]byte, error) { return json.Marshal(v) }

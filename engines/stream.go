@@ -72,7 +72,7 @@ var readerPool = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 32<
 
 // openStream starts the first-token budget, sends the decode request and
 // waits for response headers.
-func (c *Client) openStream(ctx context.Context, consumer *Engine, endpoint, requestID string, body *pooledBody) (*Stream, error) {
+func (c *Client) openStream(ctx context.Context, consumer *Engine, endpoint, requestID string, body []byte) (*Stream, error) {
 	s := &Stream{parent: ctx, engineID: consumer.ID, readTimeout: c.readTimeout, start: time.Now()}
 	s.ctx, s.cancel = context.WithCancelCause(ctx)
 	s.timer = time.AfterFunc(c.firstTokenTimeout, s.onTimer)
@@ -215,8 +215,10 @@ func (s *Stream) Next() ([]byte, schemas.ChunkKind, error) {
 					s.timer.Stop()
 				}
 			}
+			s.skipEventEnd()
 			return payload, kind, nil
 		case schemas.ChunkMetadata:
+			s.skipEventEnd()
 			return payload, kind, nil
 		case schemas.ChunkDone:
 			if s.state.Load() != streamFlowing {
@@ -231,6 +233,21 @@ func (s *Stream) Next() ([]byte, schemas.ChunkKind, error) {
 		default:
 			return nil, 0, s.fail(NewFault(KindInvalidStream, schemas.PhaseDecode, s.engineID, 0, "decode engine "+s.engineID+" sent data that is not JSON"))
 		}
+	}
+}
+
+// skipEventEnd discards the blank line that ends the event just read when
+// it is already buffered, so that Buffered counts only bytes of events
+// still to come: otherwise a relay would hold every event that arrived
+// alone until the next one. It never reads from the connection, so the
+// payload just returned stays valid.
+func (s *Stream) skipEventEnd() {
+	for s.br.Buffered() > 0 {
+		b, _ := s.br.Peek(1)
+		if b[0] != '\n' && b[0] != '\r' {
+			return
+		}
+		_, _ = s.br.Discard(1)
 	}
 }
 

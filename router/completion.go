@@ -2,7 +2,6 @@ package router
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"io"
 	"strconv"
@@ -526,14 +525,8 @@ func (c *call) appendEvent(dst, payload []byte, kind schemas.ChunkKind) []byte {
 }
 
 func (c *call) readUsage(payload []byte) {
-	var u struct {
-		Usage struct {
-			Prompt     int `json:"prompt_tokens"`
-			Completion int `json:"completion_tokens"`
-		} `json:"usage"`
-	}
-	if json.Unmarshal(payload, &u) == nil {
-		c.promptTokens, c.completionTokens = u.Usage.Prompt, u.Usage.Completion
+	if p, cmp, ok := schemas.UsageTokens(payload); ok {
+		c.promptTokens, c.completionTokens = p, cmp
 	}
 }
 

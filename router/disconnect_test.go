@@ -32,15 +32,19 @@ func establishedTo(port int) int {
 	if err != nil {
 		return -1
 	}
-	want := fmt.Sprintf("0100007F:%04X", port)
-	n := 0
-	for _, line := range strings.Split(string(b), "\n")[1:] {
-		f := strings.Fields(line)
-		if len(f) > 3 && f[2] == want && f[3] == "01" {
-			n++
-		}
+	// Lines read "sl local rem st …": a remote address followed by state
+	// 01 (ESTABLISHED).
+	return strings.Count(string(b), fmt.Sprintf(" 0100007F:%04X 01 ", port))
+}
+
+// openFDs counts this process's open file descriptors, sockets included;
+// -1 where /proc/self/fd cannot be read.
+func openFDs() int {
+	es, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		return -1
 	}
-	return n
+	return len(es)
 }
 
 // portOf returns the port of a base URL.
@@ -74,27 +78,28 @@ func (s *stack) closeIdle(client *http.Client) {
 	s.rt.client.HTTPClient().CloseIdleConnections()
 }
 
-// quiesce closes idle connections and waits until the goroutine count has
-// been steady for 50 ms; it returns that count.
-func (s *stack) quiesce(client *http.Client) int {
+// quiesce closes idle connections and waits until no connection to the
+// router or its engines is open and the goroutine and file descriptor
+// counts have been steady for 50 ms; it returns those counts.
+func (s *stack) quiesce(client *http.Client) (goroutines, fds int) {
 	s.t.Helper()
 	deadline := time.Now().Add(3 * time.Second)
-	last, steady := -1, 0
+	lastG, lastF, steady := -1, -1, 0
 	for time.Now().Before(deadline) {
 		s.closeIdle(client)
-		n := runtime.NumGoroutine()
-		if n == last && s.openConns() <= 0 {
+		g, f := runtime.NumGoroutine(), openFDs()
+		if g == lastG && f == lastF {
 			steady++
-			if steady == 10 {
-				return n
+			if steady >= 10 && s.openConns() <= 0 {
+				return g, f
 			}
 		} else {
-			last, steady = n, 0
+			lastG, lastF, steady = g, f, 0
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
-	s.t.Fatalf("goroutines never settled (last %d)", last)
-	return 0
+	s.t.Fatalf("goroutines and descriptors never settled (last %d, %d; %d connections open)", lastG, lastF, s.openConns())
+	return 0, 0
 }
 
 // goroutineDump returns every goroutine's stack, for failure messages.
@@ -138,7 +143,8 @@ func TestClientDisconnectROWN5(t *testing.T) {
 				t.Fatalf("warm-up: %d %s", resp.StatusCode, body)
 			}
 			s.idle()
-			baseline := s.quiesce(client)
+			baseline, baseFDs := s.quiesce(client)
+			baseStacks := goroutineStacks()
 			engine := s.sims[tc.engine]
 			before := engine.Stats()
 			pulledBefore := s.sims["d1"].Stats().KVPulled
@@ -222,14 +228,24 @@ func TestClientDisconnectROWN5(t *testing.T) {
 			// first: they belong to the pools, not to the request).
 			for {
 				s.closeIdle(client)
-				n, conns := runtime.NumGoroutine(), s.openConns()
-				if n <= baseline && conns <= 0 {
-					break
+				n, fds := runtime.NumGoroutine(), openFDs()
+				if n <= baseline && fds <= baseFDs {
+					// The count may hide a new goroutine behind one that
+					// ended meanwhile: none may be new, either.
+					if left := leftovers(baseStacks); len(left) == 0 {
+						break
+					} else if time.Since(start) > cleanupBound {
+						t.Fatalf("%v after the client left, goroutines remain:\n%s", cleanupBound, strings.Join(left, "\n\n"))
+					}
 				}
 				if time.Since(start) > cleanupBound {
-					t.Fatalf("%v after the client left: %d goroutines (baseline %d), %d connections open\n%s", cleanupBound, n, baseline, conns, goroutineDump())
+					t.Fatalf("%v after the client left: %d goroutines (baseline %d), %d descriptors (baseline %d), %d connections open\n%s",
+						cleanupBound, n, baseline, fds, baseFDs, s.openConns(), goroutineDump())
 				}
 				time.Sleep(2 * time.Millisecond)
+			}
+			if n := s.openConns(); n > 0 {
+				t.Fatalf("%d connections to the router or its engines still open", n)
 			}
 			t.Logf("engine request ended and slots released %v after the client left; goroutines back %v after", released, time.Since(start))
 

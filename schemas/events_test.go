@@ -114,6 +114,12 @@ func samples() []sample {
 		{schemas.KindEligibility,
 			&schemas.Eligibility{Envelope: breakerEnv(schemas.SchemaEligibility), Eligible: false, State: "ejected", Reason: "ejected after 3 failures", Streak: 3},
 			&schemas.Eligibility{Envelope: breakerEnv(schemas.SchemaEligibility), Eligible: true, State: "eligible"}},
+		{schemas.KindChaos,
+			&schemas.Chaos{Envelope: schemas.Envelope{Schema: schemas.SchemaChaos, ID: "Ev10", At: at, EngineID: "d1", RequestID: "req-1-a1"},
+				Action: schemas.ChaosInject, Fault: "error-object", FaultID: "error-object", Phase: schemas.PhaseDecode,
+				Probability: 0.5, Count: 3, Left: 2, Expires: at.Add(time.Minute), Params: map[string]string{"code": "503", "after_tokens": "2"}},
+			&schemas.Chaos{Envelope: schemas.Envelope{Schema: schemas.SchemaChaos, ID: "Ev11", At: at, EngineID: "p1"},
+				Action: schemas.ChaosArm, Fault: "connect-refused", FaultID: "refuse-all", Phase: "any", Probability: 1, Expires: at}},
 	}
 }
 
@@ -125,7 +131,7 @@ func TestEverySchemaFileIsAnEvent(t *testing.T) {
 	for name := range compiled {
 		got = append(got, name)
 	}
-	want := []string{schemas.SchemaRequest, schemas.SchemaFailure, schemas.SchemaQuarantine, schemas.SchemaHandoff, schemas.SchemaProbe, schemas.SchemaEligibility}
+	want := []string{schemas.SchemaRequest, schemas.SchemaFailure, schemas.SchemaQuarantine, schemas.SchemaHandoff, schemas.SchemaProbe, schemas.SchemaEligibility, schemas.SchemaChaos}
 	sort.Strings(got)
 	sort.Strings(want)
 	if !slices.Equal(got, want) {
@@ -223,6 +229,19 @@ func TestBrokenEventsFail(t *testing.T) {
 			{"unknown state", func(m map[string]any) { m["state"] = "probing" }},
 			{"negative streak", func(m map[string]any) { m["streak"] = -1 }},
 		},
+		schemas.SchemaChaos: {
+			{"unknown action", func(m map[string]any) { m["action"] = "arm-later" }},
+			{"unknown fault", func(m map[string]any) { m["fault"] = "meteor-strike" }},
+			{"fault_id with a dot", func(m map[string]any) { m["fault_id"] = "a.b" }},
+			{"unknown phase", func(m map[string]any) { m["phase"] = "both" }},
+			{"inject on phase any", func(m map[string]any) { m["action"], m["phase"] = "inject", "any" }},
+			{"probability above 1", func(m map[string]any) { m["probability"] = 1.5 }},
+			{"negative count", func(m map[string]any) { m["count"] = -1 }},
+			{"left 0", func(m map[string]any) { m["left"] = 0 }},
+			{"expires missing", func(m map[string]any) { delete(m, "expires") }},
+			{"expires not UTC", func(m map[string]any) { m["expires"] = "2026-03-01T13:30:45+01:00" }},
+			{"param not a string", func(m map[string]any) { m["params"] = map[string]any{"code": 503} }},
+		},
 	}
 	for _, s := range samples() {
 		for _, ev := range []schemas.Event{s.full, s.minimal} {
@@ -256,6 +275,7 @@ var subjectIDs = map[string][]string{
 	schemas.SchemaHandoff:     {"router_id", "engine_id"},
 	schemas.SchemaProbe:       {"breaker_id", "engine_id"},
 	schemas.SchemaEligibility: {"breaker_id", "engine_id"},
+	schemas.SchemaChaos:       {"engine_id"},
 }
 
 // TestSchemasMatchGoTypes proves the schema files and the Go types agree
@@ -330,6 +350,11 @@ func TestSchemasMatchGoTypes(t *testing.T) {
 				}
 			case f.Type == reflect.TypeFor[*float64]():
 				want = []any{"number", "null"}
+			case f.Type == reflect.TypeFor[map[string]string]():
+				want = "object"
+				if ap, _ := p["additionalProperties"].(map[string]any); ap["type"] != "string" {
+					t.Errorf("%s.%s: additionalProperties %v, want string values", name, tag, p["additionalProperties"])
+				}
 			default:
 				want = map[reflect.Kind]string{reflect.String: "string", reflect.Bool: "boolean", reflect.Int: "integer", reflect.Float64: "number"}[f.Type.Kind()]
 			}

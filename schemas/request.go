@@ -65,6 +65,10 @@ type member struct {
 	raw    []byte
 }
 
+// Size returns the length of the client's body in bytes (a capacity hint
+// for the legs' bodies).
+func (r *Request) Size() int { return len(r.body) }
+
 // Chat reports whether the request is a chat completion.
 func (r *Request) Chat() bool { return r.Endpoint == EndpointChat }
 
@@ -79,47 +83,19 @@ func (r *Request) Member(key string) (json.RawMessage, bool) {
 	return nil, false
 }
 
-// splitObject walks the JSON object buf with the allocation-free chunk
-// walker and returns its members in order, a repeated key replacing the
-// earlier one in place. ok is false when buf is not exactly one valid JSON
+// splitObject returns the members of the JSON object buf in order, a
+// repeated name replacing the earlier value in place (as encoding/json
+// keeps the last). ok is false when buf is not exactly one valid JSON
 // object.
 func splitObject(buf []byte, into []member) (members []member, ok bool) {
-	w := chunkWalker{buf: buf}
-	w.skipSpace()
-	if w.peek() != '{' {
-		return nil, false
-	}
-	empty, ok := w.openObject()
-	if !ok {
-		return nil, false
-	}
+	it := objectIter{w: chunkWalker{buf: buf}}
 	members = into
-	for !empty {
-		keyStart := w.pos
-		ok, escaped := w.skipString()
-		if !ok {
-			return nil, false
+	for {
+		key, keyRaw, raw, more := it.next()
+		if !more {
+			break
 		}
-		keyRaw := buf[keyStart:w.pos]
-		key := keyRaw[1 : len(keyRaw)-1]
-		if escaped {
-			var k string
-			if json.Unmarshal(keyRaw, &k) != nil {
-				return nil, false
-			}
-			key = []byte(k)
-		}
-		w.skipSpace()
-		if w.peek() != ':' {
-			return nil, false
-		}
-		w.pos++
-		w.skipSpace()
-		valStart := w.pos
-		if !w.skipValue(1) {
-			return nil, false
-		}
-		m := member{key: key, keyRaw: keyRaw, raw: buf[valStart:w.pos]}
+		m := member{key: key, keyRaw: keyRaw, raw: raw}
 		replaced := false
 		for i := range members {
 			if bytes.Equal(members[i].key, key) {
@@ -131,16 +107,8 @@ func splitObject(buf []byte, into []member) (members []member, ok bool) {
 		if !replaced {
 			members = append(members, m)
 		}
-		more, ok := w.nextMember('}')
-		if !ok {
-			return nil, false
-		}
-		if !more {
-			break
-		}
 	}
-	w.skipSpace()
-	if w.pos != len(buf) {
+	if !it.valid() {
 		return nil, false
 	}
 	return members, true

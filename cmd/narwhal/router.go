@@ -22,6 +22,7 @@ func runRouterCmd(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("router", flag.ContinueOnError)
 	path := fs.String("config", "", "YAML configuration file (SPEC §14); environment NARWHAL_<SECTION>_<KEY> overrides it")
 	listen := fs.String("listen", "127.0.0.1:8080", "HOST:PORT to serve HTTP on")
+	admin := fs.String("admin", "", "HOST:PORT of an opt-in admin listener serving /debug/pprof (off when empty)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -36,5 +37,10 @@ func runRouterCmd(ctx context.Context, args []string) error {
 		return errors.New("config: fleet: at least one engine is required")
 	}
 	log := newLogger(cfg, os.Stderr)
+	if *admin != "" {
+		if err := serveAdmin(ctx, *admin, log); err != nil {
+			return err
+		}
+	}
 	return runRouter(ctx, cfg, *listen, log, nil)
 }

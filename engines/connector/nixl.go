@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+
+	"github.com/narwhalmesh/narwhal/schemas"
 )
 
 // Nixl is vLLM's NixlConnector (SPEC §2, §3; ENGINE-SHAPES.md). The
@@ -49,86 +51,113 @@ var nixlKeys = []string{"do_remote_prefill", "remote_engine_id", "remote_block_i
 // It returns a *RejectError on failure.
 func (Nixl) Validate(descriptor []byte) (Handoff, error) {
 	d := bytes.TrimSpace(descriptor)
-	if len(d) == 0 || bytes.Equal(d, []byte("null")) {
+	if len(d) == 0 || string(d) == "null" {
 		return Handoff{}, reject(ReasonMissingDescriptor, "")
 	}
 	if d[0] != '{' {
 		return Handoff{}, reject(ReasonConnectorMismatch, "descriptor is not a JSON object")
 	}
-	var fields map[string]json.RawMessage
-	if err := json.Unmarshal(d, &fields); err != nil {
-		return Handoff{}, reject(ReasonConnectorMismatch, "descriptor is not valid JSON")
-	}
-	if len(fields) == 0 {
-		return Handoff{}, reject(ReasonMissingDescriptor, "empty object")
-	}
-	nixlShaped := false
-	for _, k := range nixlKeys {
-		if _, ok := fields[k]; ok {
-			nixlShaped = true
-			break
+	var (
+		members                         int
+		nixlShaped                      bool
+		doRemotePrefill, engine, blocks []byte
+		hasDoRemotePrefill, hasEngine   bool
+		requestID                       []byte
+	)
+	// One allocation-free pass; the last occurrence of a name wins, as
+	// encoding/json decodes.
+	valid := schemas.Members(d, func(name, raw []byte) bool {
+		members++
+		switch string(name) {
+		case "do_remote_prefill":
+			nixlShaped, hasDoRemotePrefill, doRemotePrefill = true, true, raw
+		case "remote_engine_id":
+			nixlShaped, hasEngine, engine = true, true, raw
+		case "remote_block_ids":
+			nixlShaped, blocks = true, raw
+		case "remote_request_id":
+			requestID = raw
 		}
-	}
-	if !nixlShaped {
+		return true
+	})
+	switch {
+	case !valid:
+		return Handoff{}, reject(ReasonConnectorMismatch, "descriptor is not valid JSON")
+	case members == 0:
+		return Handoff{}, reject(ReasonMissingDescriptor, "empty object")
+	case !nixlShaped:
 		return Handoff{}, reject(ReasonConnectorMismatch, "not a nixl descriptor")
-	}
-	if raw, ok := fields["do_remote_prefill"]; ok && !bytes.Equal(bytes.TrimSpace(raw), []byte("true")) {
+	case hasDoRemotePrefill && string(doRemotePrefill) != "true":
 		return Handoff{}, reject(ReasonConnectorMismatch, "do_remote_prefill is not true")
 	}
 	var h Handoff
-	if raw, ok := fields["remote_engine_id"]; !ok || json.Unmarshal(raw, &h.EngineID) != nil || h.EngineID == "" {
+	if !hasEngine || len(engine) < 3 || engine[0] != '"' {
 		return Handoff{}, reject(ReasonMissingIdentity, "")
 	}
-	n, ok := countBlockIDs(fields["remote_block_ids"])
+	if err := json.Unmarshal(engine, &h.EngineID); err != nil || h.EngineID == "" {
+		return Handoff{}, reject(ReasonMissingIdentity, "")
+	}
+	n, ok := countBlockIDs(blocks)
 	if !ok {
 		return Handoff{}, reject(ReasonMalformedBlocks, "")
 	}
 	h.Blocks = n
-	if raw, ok := fields["remote_request_id"]; ok {
-		_ = json.Unmarshal(raw, &h.RequestID) // opaque when not a string
+	if len(requestID) > 0 && requestID[0] == '"' {
+		_ = json.Unmarshal(requestID, &h.RequestID) // opaque when not a string
 	}
 	return h, nil
 }
 
-// countBlockIDs checks R-DESC-2 and returns the number of block ids.
-func countBlockIDs(raw json.RawMessage) (int, bool) {
-	var outer []json.RawMessage
-	if len(raw) == 0 || json.Unmarshal(raw, &outer) != nil || len(outer) == 0 {
+// countBlockIDs checks R-DESC-2 and returns the number of block ids: a
+// non-empty array of non-negative integers, or a non-empty array of such
+// arrays (KV-cache groups); nothing else.
+func countBlockIDs(raw []byte) (int, bool) {
+	raw = bytes.TrimSpace(raw)
+	if len(raw) < 3 || raw[0] != '[' {
 		return 0, false
 	}
-	first := bytes.TrimSpace(outer[0])
-	if len(first) > 0 && first[0] == '[' { // KV-cache groups: every element an array
-		total := 0
-		for _, g := range outer {
-			var inner []json.RawMessage
-			if json.Unmarshal(g, &inner) != nil || len(inner) == 0 {
-				return 0, false
-			}
-			for _, id := range inner {
+	total, elems, bad := 0, 0, false
+	nested := false
+	valid := schemas.Elements(raw, func(e []byte) bool {
+		elems++
+		if elems == 1 {
+			nested = e[0] == '['
+		}
+		switch {
+		case nested && e[0] == '[':
+			inner := 0
+			ok := schemas.Elements(e, func(id []byte) bool {
+				inner++
 				if !isBlockID(id) {
-					return 0, false
+					bad = true
+					return false
 				}
+				return true
+			})
+			if !ok || inner == 0 {
+				bad = true
 			}
-			total += len(inner)
+			total += inner
+		case !nested && isBlockID(e):
+			total++
+		default:
+			bad = true
 		}
-		return total, true
+		return !bad
+	})
+	if !valid || bad || elems == 0 {
+		return 0, false
 	}
-	for _, id := range outer {
-		if !isBlockID(id) {
-			return 0, false
-		}
-	}
-	return len(outer), true
+	return total, true
 }
 
 // isBlockID reports whether raw is a JSON integer literal ≥ 0 that fits
 // in an int64: digits only, no sign, fraction or exponent.
-func isBlockID(raw json.RawMessage) bool {
-	d := bytes.TrimSpace(raw)
-	if len(d) == 0 || len(d) > 18 {
+func isBlockID(raw []byte) bool {
+	if len(raw) == 0 || len(raw) > 18 {
 		return false
 	}
-	for _, c := range d {
+	for _, c := range raw {
 		if c < '0' || c > '9' {
 			return false
 		}

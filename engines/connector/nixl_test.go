@@ -1,6 +1,7 @@
 package connector
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -9,6 +10,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unicode/utf8"
 )
 
 const goodDescriptor = `{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"9b1e-dp0","remote_request_id":"chatcmpl-1","remote_block_ids":[17,18,19,20],"remote_host":"10.0.3.7","remote_port":5600,"tp_size":1}`
@@ -204,32 +206,96 @@ func TestRegistry(t *testing.T) {
 	}
 }
 
-// FuzzNixlValidate: the validator never panics, and whatever it accepts
-// satisfies R-DESC-1 and R-DESC-2.
+// refValidate is R-DESC-0…3 written plainly over encoding/json, the
+// reference the fuzz test holds the allocation-free validator to.
+func refValidate(b []byte) string {
+	d := bytes.TrimSpace(b)
+	if len(d) == 0 || string(d) == "null" {
+		return ReasonMissingDescriptor
+	}
+	var m map[string]json.RawMessage
+	if d[0] != '{' || json.Unmarshal(d, &m) != nil {
+		return ReasonConnectorMismatch
+	}
+	if len(m) == 0 {
+		return ReasonMissingDescriptor
+	}
+	_, a := m["do_remote_prefill"]
+	_, e := m["remote_engine_id"]
+	_, c := m["remote_block_ids"]
+	if !a && !e && !c {
+		return ReasonConnectorMismatch
+	}
+	if a && string(bytes.TrimSpace(m["do_remote_prefill"])) != "true" {
+		return ReasonConnectorMismatch
+	}
+	var id string
+	if !e || json.Unmarshal(m["remote_engine_id"], &id) != nil || id == "" {
+		return ReasonMissingIdentity
+	}
+	var outer []json.RawMessage
+	if json.Unmarshal(m["remote_block_ids"], &outer) != nil || len(outer) == 0 {
+		return ReasonMalformedBlocks
+	}
+	isID := func(r json.RawMessage) bool {
+		r = bytes.TrimSpace(r)
+		if len(r) == 0 || len(r) > 18 {
+			return false
+		}
+		for _, ch := range r {
+			if ch < '0' || ch > '9' {
+				return false
+			}
+		}
+		return true
+	}
+	nested := len(bytes.TrimSpace(outer[0])) > 0 && bytes.TrimSpace(outer[0])[0] == '['
+	for _, g := range outer {
+		if !nested {
+			if !isID(g) {
+				return ReasonMalformedBlocks
+			}
+			continue
+		}
+		var inner []json.RawMessage
+		if json.Unmarshal(g, &inner) != nil || len(inner) == 0 {
+			return ReasonMalformedBlocks
+		}
+		for _, x := range inner {
+			if !isID(x) {
+				return ReasonMalformedBlocks
+			}
+		}
+	}
+	return ""
+}
+
+// FuzzNixlValidate: the validator never panics, and accepts or rejects
+// (with the same reason) exactly as the encoding/json reference does.
 func FuzzNixlValidate(f *testing.F) {
 	for _, s := range []string{goodDescriptor, `{}`, `null`, `{"remote_engine_id":"e","remote_block_ids":[[1],[2,3]]}`,
 		`{"remote_engine_id":"e","remote_block_ids":["1"]}`, `[`, `{"lmcache_key":1}`} {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, b []byte) {
+		if !utf8.Valid(b) {
+			return // encoding/json rewrites invalid UTF-8; the validator keeps bytes
+		}
 		h, err := Nixl{}.Validate(b)
+		want := refValidate(b)
+		got := ""
 		if err != nil {
 			var re *RejectError
 			if !errors.As(err, &re) {
 				t.Fatalf("error of type %T", err)
 			}
-			return
+			got = re.Reason
 		}
-		var m map[string]any
-		if json.Unmarshal(b, &m) != nil {
-			t.Fatalf("accepted invalid JSON %q", b)
+		if got != want {
+			t.Fatalf("%q: reason %q, reference %q", b, got, want)
 		}
-		id, _ := m["remote_engine_id"].(string)
-		if id == "" || id != h.EngineID {
-			t.Fatalf("accepted without identity: %q", b)
-		}
-		if h.Blocks < 1 {
-			t.Fatalf("accepted without blocks: %q", b)
+		if err == nil && (h.EngineID == "" || h.Blocks < 1) {
+			t.Fatalf("accepted %q as %+v", b, h)
 		}
 	})
 }

@@ -250,13 +250,16 @@ func (s *Service) transfer(ctx, pctx context.Context, p *probe) {
 // a failure doubles its backoff up to MaxBackoff; an inconclusive probe
 // changes nothing but the partner rotation (R-BRK-5). A readmission that
 // cannot be written makes the probe inconclusive. Every probe is published
-// as a probe event.
+// as a probe event, before the eligibility event of the readmission it
+// caused, so that the stream tells the story in order.
 func (s *Service) conclude(ctx context.Context, p *probe, roundStart time.Time) {
 	e := p.e
+	probedAt := time.Now().UTC() // the probe is over; what follows records it
+	var readmitted *schemas.Eligibility
 	s.mu.Lock()
 	switch p.outcome {
 	case schemas.ProbeSuccess:
-		entry, err := s.update(ctx, e, true, func(cur schemas.Eligibility) (schemas.Eligibility, error) {
+		entry, err := s.update(ctx, e, false, func(cur schemas.Eligibility) (schemas.Eligibility, error) {
 			if cur.State != schemas.StateEjected {
 				return cur, errNoChange
 			}
@@ -267,6 +270,7 @@ func (s *Service) conclude(ctx context.Context, p *probe, roundStart time.Time) 
 		})
 		switch {
 		case err == nil:
+			readmitted = cloneEligibility(entry)
 			e.backoff, e.crossed = 1, ""
 			s.metrics.readmissions.WithLabelValues(e.ID).Inc()
 			s.log.Info("engine readmitted", "engine_id", e.ID, "producer_id", p.producer, "consumer_id", p.consumer, "reason", entry.Reason)
@@ -283,15 +287,19 @@ func (s *Service) conclude(ctx context.Context, p *probe, roundStart time.Time) 
 		s.log.Info("engine probe inconclusive", "engine_id", e.ID, "phase", p.phase, "producer_id", p.producer, "consumer_id", p.consumer, "msg", p.message)
 	}
 	e.nextProbe = roundStart.Add(time.Duration(max(e.backoff, 1)) * s.interval)
-	s.mu.Unlock()
-
-	s.metrics.probes.WithLabelValues(e.ID, p.outcome).Inc()
+	// Published under s.mu, so that no later decision on this engine can
+	// overtake the readmission's eligibility event.
 	s.publish(&schemas.Probe{
-		Envelope:   schemas.Envelope{Schema: schemas.SchemaProbe, ID: nuid.Next(), At: time.Now().UTC(), BreakerID: s.id, EngineID: e.ID},
+		Envelope:   schemas.Envelope{Schema: schemas.SchemaProbe, ID: nuid.Next(), At: probedAt, BreakerID: s.id, EngineID: e.ID},
 		Outcome:    p.outcome,
 		Phase:      p.phase,
 		ProducerID: p.producer,
 		ConsumerID: p.consumer,
 		Message:    p.message,
 	})
+	if readmitted != nil {
+		s.publish(readmitted)
+	}
+	s.mu.Unlock()
+	s.metrics.probes.WithLabelValues(e.ID, p.outcome).Inc()
 }
