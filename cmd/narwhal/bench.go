@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/narwhalmesh/narwhal/bench"
+	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
@@ -26,7 +27,7 @@ func init() {
 // benchFlags are the flags of `narwhal bench`.
 type benchFlags struct {
 	url, concurrency, rate, endpoint, promptWords, maxTokens string
-	model, jsonPath, svgPath, cpuProfile                     string
+	model, jsonPath, svgPath, cpuProfile, routerBus          string
 	local, stream, ignoreEOS, compare, routerProcess, quiet  bool
 	ttft, itl, duration, warmup, timeout                     time.Duration
 	requests, slices                                         int
@@ -62,6 +63,7 @@ func runBench(ctx context.Context, args []string) error {
 	fs.BoolVar(&f.compare, "compare-floor", false, "--local: measure the router and the floor (both legs run by the bench itself) interleaved")
 	fs.IntVar(&f.slices, "slices", 8, "--compare-floor: number of alternating slices (even; ABBA order)")
 	fs.BoolVar(&f.routerProcess, "router-process", false, "--local: run the router as a child process and report its CPU per request (default with --compare-floor)")
+	fs.StringVar(&f.routerBus, "router-bus", "external", "--router-process: external (a NATS server in the bench process, as in a mesh: the router's CPU excludes the bus and the breaker) or embedded (the router's own NATS and in-process breaker, single-node mode)")
 	fs.StringVar(&f.cpuProfile, "cpuprofile", "", "write a CPU profile of this process (client, local sims, in-process router) to this file")
 	fs.BoolVar(&f.quiet, "quiet", false, "no live progress line on stderr")
 	if err := fs.Parse(args); err != nil {
@@ -175,9 +177,23 @@ func (f *benchFlags) run(ctx context.Context) error {
 		defer stack.Close()
 		holds = fmt.Sprintf("%d sims", len(stack.Sims))
 		if childRouter {
+			env := []string{"NARWHAL_ROUTER_LOG_LEVEL=error"}
+			switch f.routerBus {
+			case "embedded":
+			case "external":
+				emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Host: "127.0.0.1", Port: -1})
+				if err != nil {
+					return err
+				}
+				defer emb.Shutdown()
+				env = append(env, "NARWHAL_NATS_URL="+emb.ClientURL())
+				holds += " + NATS"
+			default:
+				return fmt.Errorf("--router-bus: want external or embedded, got %q", f.routerBus)
+			}
 			proc, err := bench.StartRouterProcess(ctx, bench.RouterProcessOptions{
 				Fleet: stack.Specs,
-				Env:   []string{"NARWHAL_ROUTER_LOG_LEVEL=error"},
+				Env:   env,
 			})
 			if err != nil {
 				return err
