@@ -133,8 +133,8 @@ func NewTransport() *http.Transport {
 		IdleConnTimeout:       90 * time.Second,
 		DisableCompression:    true,
 		ForceAttemptHTTP2:     false,
-		WriteBufferSize:       16 << 10,
-		ReadBufferSize:        16 << 10,
+		WriteBufferSize:       4 << 10,
+		ReadBufferSize:        4 << 10,
 		ExpectContinueTimeout: 0,
 	}
 }
