@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"strconv"
+	"strings"
 	"time"
 )
 
@@ -46,4 +47,24 @@ func parseStatCPU(stat []byte) (time.Duration, error) {
 		return 0, errors.New("/proc stat: utime or stime is not an integer")
 	}
 	return time.Duration((utime + stime) * int64(time.Second) / clockTicks), nil
+}
+
+// parseStatusRSS reads the "VmRSS:  1234 kB" line of /proc/<pid>/status.
+func parseStatusRSS(b []byte) (int64, error) {
+	for _, line := range strings.Split(string(b), "\n") {
+		rest, ok := strings.CutPrefix(line, "VmRSS:")
+		if !ok {
+			continue
+		}
+		f := strings.Fields(rest)
+		if len(f) != 2 || f[1] != "kB" {
+			break
+		}
+		kb, err := strconv.ParseInt(f[0], 10, 64)
+		if err != nil {
+			return 0, err
+		}
+		return kb << 10, nil
+	}
+	return 0, errors.New("bench: no VmRSS in /proc status")
 }

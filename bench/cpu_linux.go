@@ -28,3 +28,14 @@ func selfCPU() time.Duration {
 	}
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
+
+// ProcessRSS returns the resident memory of process pid (VmRSS of
+// /proc/<pid>/status), in bytes. It fails when the file cannot be read or
+// has no VmRSS line.
+func ProcessRSS(pid int) (int64, error) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	if err != nil {
+		return 0, err
+	}
+	return parseStatusRSS(b)
+}

@@ -15,3 +15,9 @@ func ProcessCPU(pid int) (time.Duration, error) {
 
 // selfCPU is unknown outside Linux: 0.
 func selfCPU() time.Duration { return 0 }
+
+// ProcessRSS reads a process's resident memory from /proc, which only
+// Linux has: elsewhere it always fails.
+func ProcessRSS(pid int) (int64, error) {
+	return 0, errors.New("process RSS needs Linux /proc")
+}

@@ -73,6 +73,14 @@ type ProcessCost struct {
 	// AllocBytesPerRequest is heap bytes allocated per ended request (this
 	// process only; 0 when not measured).
 	AllocBytesPerRequest float64 `json:"alloc_bytes_per_request,omitempty"`
+	// RSSBeforeBytes and RSSPeakBytes are the process's resident memory
+	// before the run and its peak during it (sampled every 200 ms); 0 when
+	// not measured.
+	RSSBeforeBytes int64 `json:"rss_before_bytes,omitempty"`
+	RSSPeakBytes   int64 `json:"rss_peak_bytes,omitempty"`
+	// RSSPerStreamBytes is (peak − before) / concurrency: the memory one
+	// open stream costs, for closed-loop runs; 0 when not measured.
+	RSSPerStreamBytes float64 `json:"rss_per_stream_bytes,omitempty"`
 }
 
 // Added is the router's added latency at three percentiles: router minus
@@ -329,16 +337,22 @@ func newReport(t Target, st *stretch, holds string) *Report {
 	return rep
 }
 
-func routerCost(st *stretch, requests int) *ProcessCost {
+func routerCost(st *stretch, requests, concurrency int) *ProcessCost {
 	if !st.routerOK {
 		return nil
 	}
-	return &ProcessCost{
+	pc := &ProcessCost{
 		Holds:           "router (child process)",
 		CPUS:            st.routerCPU.Seconds(),
 		CPUCores:        perS(st.routerCPU.Seconds(), st.elapsed),
 		CPUPerRequestUS: perRequestUS(st.routerCPU, requests),
+		RSSBeforeBytes:  st.routerRSS0,
+		RSSPeakBytes:    st.routerRSSPeak,
 	}
+	if concurrency > 0 && st.routerRSS0 > 0 {
+		pc.RSSPerStreamBytes = float64(st.routerRSSPeak-st.routerRSS0) / float64(concurrency)
+	}
+	return pc
 }
 
 func added(r, f Distribution) Added {
@@ -459,6 +473,7 @@ func WriteTable(w io.Writer, res *Result) error {
 			fmt.Fprintf(bw, "router CPU: %.1f µs/request (%.2f cores busy in its slices; %.3f cores idle in the floor's)\n",
 				c.RouterCPUPerRequestUS, r.RouterProcess.CPUCores, c.RouterIdleCPUCores)
 			fmt.Fprintf(bw, "sims CPU (estimate): %.1f–%.1f µs/request\n", c.SimsCPUPerRequestUSLow, c.SimsCPUPerRequestUSHigh)
+			writeCost(bw, "router process", r.RouterProcess)
 		}
 		writeCost(bw, "bench process, router slices", &r.BenchProcess)
 		writeCost(bw, "bench process, floor slices", &f.BenchProcess)
@@ -470,6 +485,12 @@ func writeCost(w io.Writer, name string, c *ProcessCost) {
 	fmt.Fprintf(w, "%s (%s): %.1f µs CPU/request, %.2f cores", name, c.Holds, c.CPUPerRequestUS, c.CPUCores)
 	if c.AllocsPerRequest > 0 {
 		fmt.Fprintf(w, ", %.0f allocs and %.0f B/request", c.AllocsPerRequest, c.AllocBytesPerRequest)
+	}
+	if c.RSSPeakBytes > 0 {
+		fmt.Fprintf(w, ", RSS %.1f MiB before, %.1f MiB peak", float64(c.RSSBeforeBytes)/(1<<20), float64(c.RSSPeakBytes)/(1<<20))
+		if c.RSSPerStreamBytes > 0 {
+			fmt.Fprintf(w, " (%.1f KiB per open stream)", c.RSSPerStreamBytes/1024)
+		}
 	}
 	fmt.Fprintln(w)
 }

@@ -115,6 +115,9 @@ type stretch struct {
 	routerCPU time.Duration
 	routerOK  bool // the router's CPU time was read before and after
 	parts     int  // stretches added into this one
+	// routerRSS0 and routerRSSPeak are the router's resident memory before
+	// the stretch and its highest sample during it (every 200 ms), bytes.
+	routerRSS0, routerRSSPeak int64
 }
 
 // add accumulates o into s; the router's CPU time stays valid only if it
@@ -128,6 +131,10 @@ func (s *stretch) add(o *stretch) {
 	s.allocs += o.allocs
 	s.allocB += o.allocB
 	s.routerCPU += o.routerCPU
+	if s.parts == 1 || (o.routerRSS0 > 0 && o.routerRSS0 < s.routerRSS0) {
+		s.routerRSS0 = o.routerRSS0
+	}
+	s.routerRSSPeak = max(s.routerRSSPeak, o.routerRSSPeak)
 }
 
 var allocSamples = []metrics.Sample{{Name: "/gc/heap/allocs:objects"}, {Name: "/gc/heap/allocs:bytes"}}
@@ -159,6 +166,10 @@ func (r *runner) runStretch(ctx context.Context, t Target, dur time.Duration, re
 	}
 	cpu0 := selfCPU()
 	a0, b0 := readAllocs()
+	stopRSS := func() {}
+	if r.opts.RouterPID > 0 {
+		stopRSS = sampleRSS(r.opts.RouterPID, st)
+	}
 	stop := r.progress(label)
 	start := time.Now()
 	var used []*worker
@@ -169,6 +180,7 @@ func (r *runner) runStretch(ctx context.Context, t Target, dur time.Duration, re
 	}
 	st.elapsed = time.Since(start)
 	stop()
+	stopRSS()
 	a1, b1 := readAllocs()
 	st.benchCPU = selfCPU() - cpu0
 	st.allocs, st.allocB = a1-a0, b1-b0
@@ -350,7 +362,7 @@ func Run(ctx context.Context, t Target, wl Workload, opts RunOptions) (*Report, 
 	rep := newReport(t, st, opts.BenchHolds)
 	if opts.RouterPID > 0 {
 		if _, ok := t.(*RouterTarget); ok {
-			rep.RouterProcess = routerCost(st, rep.Requests)
+			rep.RouterProcess = routerCost(st, rep.Requests, wl.Concurrency)
 		}
 	}
 	return rep, nil
@@ -409,7 +421,7 @@ func Compare(ctx context.Context, router *RouterTarget, floor *FloorTarget, wl W
 		Floor:  newReport(floor, &sides[1], opts.BenchHolds),
 	}
 	if opts.RouterPID > 0 && sides[0].routerOK {
-		cmp.Router.RouterProcess = routerCost(&sides[0], cmp.Router.Requests)
+		cmp.Router.RouterProcess = routerCost(&sides[0], cmp.Router.Requests, wl.Concurrency)
 		cmp.RouterCPUPerRequestUS = cmp.Router.RouterProcess.CPUPerRequestUS
 		if sides[1].routerOK && sides[1].elapsed > 0 {
 			cmp.RouterIdleCPUCores = sides[1].routerCPU.Seconds() / sides[1].elapsed.Seconds()
@@ -417,4 +429,33 @@ func Compare(ctx context.Context, router *RouterTarget, floor *FloorTarget, wl W
 	}
 	cmp.compute()
 	return cmp, nil
+}
+
+// sampleRSS records the router's resident memory before the stretch and
+// samples it every 200 ms until the returned function is called, keeping
+// the peak in st.
+func sampleRSS(pid int, st *stretch) (stop func()) {
+	st.routerRSS0, _ = ProcessRSS(pid)
+	st.routerRSSPeak = st.routerRSS0
+	done := make(chan struct{})
+	finished := make(chan struct{})
+	go func() {
+		defer close(finished)
+		t := time.NewTicker(200 * time.Millisecond)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-t.C:
+				if rss, err := ProcessRSS(pid); err == nil && rss > st.routerRSSPeak {
+					st.routerRSSPeak = rss
+				}
+			}
+		}
+	}()
+	return func() {
+		close(done)
+		<-finished
+	}
 }

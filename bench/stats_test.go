@@ -87,3 +87,13 @@ func TestParseRange(t *testing.T) {
 		}
 	}
 }
+
+func TestParseStatusRSS(t *testing.T) {
+	rss, err := parseStatusRSS([]byte("Name:\tnarwhal\nVmPeak:\t  9000 kB\nVmRSS:\t   1536 kB\nThreads:\t7\n"))
+	if err != nil || rss != 1536<<10 {
+		t.Fatal(rss, err)
+	}
+	if _, err := parseStatusRSS([]byte("Name:\tx\n")); err == nil {
+		t.Fatal("no VmRSS accepted")
+	}
+}
