@@ -74,8 +74,8 @@ type ProcessCost struct {
 	// process only; 0 when not measured).
 	AllocBytesPerRequest float64 `json:"alloc_bytes_per_request,omitempty"`
 	// RSSBeforeBytes and RSSPeakBytes are the process's resident memory
-	// before the run and its peak during it (sampled every 200 ms); 0 when
-	// not measured.
+	// before the run (before its warm-up too: idle) and its peak during the
+	// measured run (sampled every 200 ms); 0 when not measured.
 	RSSBeforeBytes int64 `json:"rss_before_bytes,omitempty"`
 	RSSPeakBytes   int64 `json:"rss_peak_bytes,omitempty"`
 	// RSSPerStreamBytes is (peak − before) / concurrency: the memory one

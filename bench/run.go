@@ -353,12 +353,19 @@ func Run(ctx context.Context, t Target, wl Workload, opts RunOptions) (*Report, 
 		return nil, err
 	}
 	r.started = time.Now()
+	var idleRSS int64
+	if opts.RouterPID > 0 {
+		idleRSS, _ = ProcessRSS(opts.RouterPID) // before any load of this run
+	}
 	if wl.Warmup > 0 {
 		r.runStretch(ctx, t, wl.Warmup, 0, "warmup "+t.Name())
 		r.live.done.Store(0)
 		r.live.errors.Store(0)
 	}
 	st := r.runStretch(ctx, t, wl.Duration, wl.Requests, t.Name())
+	if idleRSS > 0 {
+		st.routerRSS0 = idleRSS
+	}
 	rep := newReport(t, st, opts.BenchHolds)
 	if opts.RouterPID > 0 {
 		if _, ok := t.(*RouterTarget); ok {
