@@ -22,12 +22,15 @@ const devModel = "narwhal-sim"
 
 // runDev is `narwhal dev [--listen HOST:PORT]` (SPEC §14): embedded NATS, a
 // router, two prefill and two decode simulators on free ports, and a
-// ready-to-paste curl. Ctrl-C stops everything.
+// ready-to-paste curl. With --chaos a chaos proxy stands in front of each
+// simulator and the bus listens on TCP (see startDevChaos). Ctrl-C stops
+// everything.
 func runDev(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("dev", flag.ContinueOnError)
 	listen := fs.String("listen", "127.0.0.1:8080", "HOST:PORT for the router")
 	ttft := fs.Duration("ttft", 0, "simulated time to first token of each decode")
 	itl := fs.Duration("itl", 0, "simulated inter-token latency")
+	chaosMode := fs.Bool("chaos", false, "put a chaos proxy in front of every simulator and serve the bus on TCP for narwhal chaos arm (docs/chaos.md)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -46,6 +49,13 @@ func runDev(ctx context.Context, args []string) error {
 			s.Close()
 		}
 	}()
+	var dc *devChaos // --chaos: the TCP bus and a proxy in front of each sim
+	if *chaosMode {
+		if dc, err = startDevChaos(ctx, log, devChaosPort); err != nil {
+			return err
+		}
+		defer dc.close()
+	}
 	for _, e := range []struct{ id, role string }{
 		{"prefill-1", "prefill"}, {"prefill-2", "prefill"}, {"decode-1", "decode"}, {"decode-2", "decode"},
 	} {
@@ -58,11 +68,21 @@ func runDev(ctx context.Context, args []string) error {
 		if err != nil {
 			return err
 		}
-		cfg.Fleet = append(cfg.Fleet, config.EngineSpec{ID: e.id, URL: url, Role: e.role, Connector: "nixl"})
 		fmt.Fprintf(os.Stderr, "sim %-10s %-8s %s\n", e.id, e.role, url)
+		if dc != nil {
+			if url, err = dc.front(ctx, e.id, url, log); err != nil {
+				return err
+			}
+		}
+		cfg.Fleet = append(cfg.Fleet, config.EngineSpec{ID: e.id, URL: url, Role: e.role, Connector: "nixl"})
 	}
 	if err := cfg.Validate(); err != nil {
 		return err
+	}
+	if dc != nil {
+		if err := dc.startBreaker(ctx, cfg, log); err != nil {
+			return err
+		}
 	}
 	return runRouter(ctx, cfg, *listen, log, func(base string) {
 		fmt.Printf(`
@@ -73,5 +93,8 @@ curl -N %[1]s/v1/chat/completions -H 'Content-Type: application/json' -d '{"mode
 
 Metrics: %[1]s/metrics   Ready: %[1]s/readyz   Press Ctrl-C to stop.
 `, base, devModel)
+		if dc != nil {
+			fmt.Print(dc.banner())
+		}
 	})
 }

@@ -1,0 +1,97 @@
+package chaos
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"testing"
+)
+
+// sseStream returns a chat stream of n output chunks as vLLM sends it:
+// the role chunk, the tokens, the finish chunk, the usage chunk, [DONE].
+func sseStream(n int) []byte {
+	var b bytes.Buffer
+	head := `{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[`
+	fmt.Fprintf(&b, "data: %s{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n", head)
+	for i := range n {
+		fmt.Fprintf(&b, "data: %s{\"index\":0,\"delta\":{\"content\":\" tok%d\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n", head, i)
+	}
+	fmt.Fprintf(&b, "data: %s{\"index\":0,\"delta\":{},\"logprobs\":null,\"finish_reason\":\"length\"}]}\n\n", head)
+	fmt.Fprintf(&b, "data: %s],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":%d,\"total_tokens\":%d}}\n\n", head, n, n+3)
+	b.WriteString("data: [DONE]\n\n")
+	return b.Bytes()
+}
+
+// readAllFaulted reads a faulted stream the way the proxy's copy loop
+// does, into buf.
+func readAllFaulted(s *streamFaults, buf []byte) (n int) {
+	for {
+		m, err := s.Read(buf)
+		n += m
+		if err != nil {
+			return n
+		}
+	}
+}
+
+// errorObjectExchange is an exchange struck by error-object after so many
+// output chunks that it strikes at [DONE].
+func errorObjectExchange() *exchange {
+	f := Fault{Name: FaultErrorObject, Params: map[string]string{ParamAfterTokens: "1000000"}}
+	set, err := f.compile()
+	if err != nil {
+		panic(err)
+	}
+	x := &exchange{has: 1 << kindErrorObject, clientCtx: context.Background(), cancel: func() {}}
+	x.set[kindErrorObject] = set
+	return x
+}
+
+// TestStreamFaultsAllocateNothingPerChunk proves the stream rewriter keeps
+// the hot path free of per-token allocations: a stream of 2000 tokens
+// costs no more allocations than one of 10.
+func TestStreamFaultsAllocateNothingPerChunk(t *testing.T) {
+	buf := make([]byte, copyBufferSize)
+	allocs := func(tokens int) float64 {
+		stream := sseStream(tokens)
+		x := errorObjectExchange()
+		src := &rewindReader{}
+		return testing.AllocsPerRun(50, func() {
+			src.Reset(stream)
+			s := newStreamFaults(src, x)
+			readAllFaulted(s, buf)
+			s.Close()
+		})
+	}
+	few, many := allocs(10), allocs(2000)
+	if many > few+1 {
+		t.Errorf("%v allocations for 10 tokens, %v for 2000: the rewriter allocates per chunk", few, many)
+	}
+}
+
+// rewindReader is a reusable io.ReadCloser over a byte slice.
+type rewindReader struct{ bytes.Reader }
+
+func (r *rewindReader) Close() error { return nil }
+
+// BenchmarkStreamFaults measures the stream rewriter on a 256-token
+// stream (error-object striking at [DONE]), per stream.
+func BenchmarkStreamFaults(b *testing.B) {
+	stream := sseStream(256)
+	x := errorObjectExchange()
+	src := &rewindReader{}
+	buf := make([]byte, copyBufferSize)
+	b.SetBytes(int64(len(stream)))
+	b.ReportAllocs()
+	for b.Loop() {
+		src.Reset(stream)
+		s := newStreamFaults(src, x)
+		if n := readAllFaulted(s, buf); n == 0 {
+			b.Fatal("nothing read")
+		}
+		s.Close()
+	}
+}
+
+var _ io.ReadCloser = (*rewindReader)(nil)

@@ -1,0 +1,527 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/chaos"
+	"github.com/narwhalmesh/narwhal/config"
+)
+
+func init() {
+	commands["chaos"] = command{
+		summary: "inject engine faults: proxy, arm, list, disarm, run (SPEC R-CHAOS-1, docs/chaos.md)",
+		run: func(ctx context.Context, args []string) error {
+			return runChaos(ctx, args, os.Stdout, os.Stderr)
+		},
+	}
+}
+
+// Defaults of `narwhal chaos`.
+const (
+	// defaultChaosNATSURL is the bus the chaos commands use when
+	// NARWHAL_NATS_URL is unset: `narwhal bus` with its default --listen.
+	defaultChaosNATSURL = "nats://127.0.0.1:4222"
+	// defaultChaosConnectBound is how long a chaos command waits for the
+	// bus before it gives up.
+	defaultChaosConnectBound = 5 * time.Second
+	// chaosShutdownBound bounds a proxy's graceful shutdown; streams still
+	// open then are cut.
+	chaosShutdownBound = 5 * time.Second
+	// chaosEventBuffer is the event buffer of a chaos command's publisher.
+	chaosEventBuffer = 1024
+)
+
+const chaosUsage = `usage: narwhal chaos <subcommand> [flags]
+
+subcommands:
+  proxy   --target URL --listen HOST:PORT --engine-id ID
+          a fault-injecting proxy in front of one engine
+  arm     --engine ID --fault NAME [--phase P] [--prob 0..1] [--count N] [--for DUR] [--param k=v]... [--id FAULT_ID]
+          arm a fault on an engine's proxies
+  list    [--engine ID]
+          the armed faults
+  disarm  --engine ID [--id FAULT_ID] | --all
+          remove armed faults
+  run     FILE [--until DUR]
+          play a timed YAML scenario of arm and disarm steps
+
+Faults: ` + "%s" + `
+Every command reaches NATS through NARWHAL_NATS_URL (default ` + defaultChaosNATSURL + `),
+with NARWHAL_NATS_CREDS and NARWHAL_NATS_TLS_{CA,CERT,KEY}. See docs/chaos.md.
+`
+
+// runChaos is `narwhal chaos proxy|arm|list|disarm|run` (SPEC §14,
+// R-CHAOS-1). Results go to stdout, notices and usage to stderr. It
+// returns flag.ErrHelp for -h, and an error for an unknown subcommand, bad
+// flags, an unreachable bus or a failed operation.
+func runChaos(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if len(args) == 0 {
+		fmt.Fprintf(stderr, chaosUsage, strings.Join(chaos.Names(), ", "))
+		return errors.New("a subcommand is required")
+	}
+	sub, rest := args[0], args[1:]
+	switch sub {
+	case "proxy":
+		return runChaosProxy(ctx, rest, stdout, stderr)
+	case "arm":
+		return runChaosArm(ctx, rest, stdout, stderr)
+	case "list":
+		return runChaosList(ctx, rest, stdout, stderr)
+	case "disarm":
+		return runChaosDisarm(ctx, rest, stdout, stderr)
+	case "run":
+		return runChaosRun(ctx, rest, stdout, stderr)
+	case "-h", "--help", "help":
+		fmt.Fprintf(stderr, chaosUsage, strings.Join(chaos.Names(), ", "))
+		return flag.ErrHelp
+	}
+	fmt.Fprintf(stderr, chaosUsage, strings.Join(chaos.Names(), ", "))
+	return fmt.Errorf("unknown subcommand %q", sub)
+}
+
+// chaosBus is one chaos command's link to the bus: the connection, an
+// event publisher and the fault store.
+type chaosBus struct {
+	b     *bus.Bus
+	pub   *bus.Publisher
+	store *chaos.Store
+}
+
+// connectChaos connects to NARWHAL_NATS_URL (default
+// nats://127.0.0.1:4222, credentials and TLS as natsFromEnv reads them)
+// within bound and opens bucket narwhal_chaos.
+func connectChaos(ctx context.Context, name string, bound time.Duration) (*chaosBus, error) {
+	natsURL := os.Getenv("NARWHAL_NATS_URL")
+	if natsURL == "" {
+		natsURL = defaultChaosNATSURL
+	}
+	cctx, cancel := context.WithTimeout(ctx, bound)
+	defer cancel()
+	b, err := bus.Connect(cctx, natsFromEnv(natsURL, name))
+	if err != nil {
+		return nil, fmt.Errorf("bus %s: %w", redactNATSURL(natsURL), err)
+	}
+	pub := bus.NewPublisher(b, chaosEventBuffer, nil)
+	store, err := chaos.OpenStore(cctx, b, pub)
+	if err != nil {
+		pub.Close()
+		b.Close()
+		return nil, err
+	}
+	return &chaosBus{b: b, pub: pub, store: store}, nil
+}
+
+// close publishes the buffered events and closes the connection.
+func (c *chaosBus) close() {
+	c.pub.Close()
+	c.b.Close()
+}
+
+// chaosFlags returns a flag set for a chaos subcommand with
+// --connect-timeout.
+func chaosFlags(name string, stderr io.Writer) (*flag.FlagSet, *time.Duration) {
+	fs := flag.NewFlagSet("narwhal chaos "+name, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	bound := fs.Duration("connect-timeout", defaultChaosConnectBound, "give up when the bus is not reachable within `DUR`")
+	return fs, bound
+}
+
+// parseChaosFlags parses args, refusing positional arguments unless
+// positional is set.
+func parseChaosFlags(fs *flag.FlagSet, args []string, positional bool) error {
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if !positional && fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	return nil
+}
+
+// runChaosArm is `narwhal chaos arm`: it arms one fault, prints
+// "armed <fault>" and publishes an arm event.
+func runChaosArm(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs, bound := chaosFlags("arm", stderr)
+	engine := fs.String("engine", "", "the engine `ID` whose chaos proxies inject the fault (required)")
+	name := fs.String("fault", "", "the fault `NAME`: "+strings.Join(chaos.Names(), ", ")+" (required)")
+	id := fs.String("id", "", "the fault's `ID` on the engine (default: its name); arming an id again replaces the fault")
+	phase := fs.String("phase", chaos.PhaseAny, "the `PHASE` it strikes: prefill, decode or any")
+	prob := fs.Float64("prob", 1, "the `PROBABILITY` (0..1) that it strikes a request it applies to")
+	count := fs.Int("count", 0, "strike `N` requests, then disarm (0: unlimited)")
+	lifetime := fs.Duration("for", chaos.DefaultFor, "disarm after `DUR` (at most 24h)")
+	params := map[string]string{}
+	fs.Func("param", "a fault parameter `k=v` (repeatable): delay_ms, after_tokens, code, message, type", func(s string) error {
+		k, v, err := chaos.ParseParam(s)
+		if err != nil {
+			return err
+		}
+		params[k] = v
+		return nil
+	})
+	if err := parseChaosFlags(fs, args, false); err != nil {
+		return err
+	}
+	if *engine == "" || *name == "" {
+		return errors.New("--engine and --fault are required")
+	}
+	if *lifetime <= 0 {
+		return errors.New("--for must be > 0")
+	}
+	f := chaos.Fault{EngineID: *engine, ID: *id, Name: *name, Phase: *phase, Probability: *prob, Count: *count, Params: params}
+	if len(params) == 0 {
+		f.Params = nil
+	}
+	cb, err := connectChaos(ctx, "narwhal-chaos-arm", *bound)
+	if err != nil {
+		return err
+	}
+	defer cb.close()
+	armed, err := cb.store.Arm(ctx, f, *lifetime)
+	if err != nil {
+		return err
+	}
+	_, err = fmt.Fprintf(stdout, "armed %s\n", armed.String())
+	return err
+}
+
+// runChaosList is `narwhal chaos list`: a table of the armed faults.
+func runChaosList(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs, bound := chaosFlags("list", stderr)
+	engine := fs.String("engine", "", "only the faults of engine `ID`")
+	if err := parseChaosFlags(fs, args, false); err != nil {
+		return err
+	}
+	cb, err := connectChaos(ctx, "narwhal-chaos-list", *bound)
+	if err != nil {
+		return err
+	}
+	defer cb.close()
+	faults, err := cb.store.List(ctx, *engine)
+	if err != nil {
+		return err
+	}
+	return writeFaultTable(stdout, faults, time.Now())
+}
+
+// writeFaultTable writes faults as a table: ENGINE, FAULT, PHASE, PROB,
+// COUNT LEFT, EXPIRES, PARAMS; "no faults armed" when there are none.
+func writeFaultTable(w io.Writer, faults []chaos.Fault, now time.Time) error {
+	if len(faults) == 0 {
+		_, err := fmt.Fprintln(w, "no faults armed")
+		return err
+	}
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "ENGINE\tFAULT\tPHASE\tPROB\tCOUNT LEFT\tEXPIRES\tPARAMS")
+	for _, f := range faults {
+		name := f.Name
+		if f.ID != f.Name {
+			name += " (id " + f.ID + ")"
+		}
+		left := "unlimited"
+		if f.Count > 0 {
+			left = strconv.Itoa(f.Left) + " of " + strconv.Itoa(f.Count)
+		}
+		expires := f.Expires.UTC().Format(time.RFC3339) + " (in " + f.Expires.Sub(now).Round(time.Second).String() + ")"
+		params := chaos.ParamString(f.Params)
+		if params == "" {
+			params = "-"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", f.EngineID, name, f.Phase,
+			strconv.FormatFloat(f.Probability, 'g', -1, 64), left, expires, params)
+	}
+	return tw.Flush()
+}
+
+// runChaosDisarm is `narwhal chaos disarm`: it removes armed faults,
+// prints "disarmed <fault>" for each, and publishes disarm events.
+func runChaosDisarm(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs, bound := chaosFlags("disarm", stderr)
+	engine := fs.String("engine", "", "disarm the faults of engine `ID`")
+	id := fs.String("id", "", "with --engine, only the fault `FAULT_ID`")
+	all := fs.Bool("all", false, "disarm every fault of every engine")
+	if err := parseChaosFlags(fs, args, false); err != nil {
+		return err
+	}
+	if *all == (*engine != "") {
+		return errors.New("want one of --engine ID and --all")
+	}
+	if *all && *id != "" {
+		return errors.New("--id needs --engine")
+	}
+	cb, err := connectChaos(ctx, "narwhal-chaos-disarm", *bound)
+	if err != nil {
+		return err
+	}
+	defer cb.close()
+	gone, err := cb.store.Disarm(ctx, *engine, *id)
+	if err != nil {
+		return err
+	}
+	if len(gone) == 0 {
+		_, err = fmt.Fprintln(stdout, "nothing armed")
+		return err
+	}
+	for _, f := range gone {
+		if _, err := fmt.Fprintf(stdout, "disarmed %s\n", f.String()); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// runChaosRun is `narwhal chaos run FILE [--until DUR]`: it plays a
+// scenario, printing each step as it runs, and returns after the last
+// step or at --until.
+func runChaosRun(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs, bound := chaosFlags("run", stderr)
+	until := fs.Duration("until", 0, "stop `DUR` after the start (skipping later steps, or waiting when the steps end sooner)")
+	// Accept flags before or after FILE.
+	var file string
+	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
+		file, args = args[0], args[1:]
+	}
+	if err := parseChaosFlags(fs, args, file == ""); err != nil {
+		return err
+	}
+	if file == "" {
+		if fs.NArg() != 1 {
+			return errors.New("want one scenario FILE")
+		}
+		file = fs.Arg(0)
+	}
+	if *until < 0 {
+		return errors.New("--until must not be negative")
+	}
+	data, err := os.ReadFile(file)
+	if err != nil {
+		return err
+	}
+	sc, err := chaos.ParseScenario(data)
+	if err != nil {
+		return err
+	}
+	cb, err := connectChaos(ctx, "narwhal-chaos-run", *bound)
+	if err != nil {
+		return err
+	}
+	defer cb.close()
+	fmt.Fprintf(stdout, "scenario %s: %d steps\n", file, len(sc.Steps))
+	if err := sc.Run(ctx, cb.store, stdout, *until); err != nil {
+		return err
+	}
+	_, err = fmt.Fprintln(stdout, "scenario done")
+	return err
+}
+
+// runChaosProxy is `narwhal chaos proxy --target URL --listen HOST:PORT
+// --engine-id ID`: it serves a chaos proxy for one engine until ctx ends
+// (SIGINT), printing "chaos proxy <id> listening on <url> -> <target>".
+func runChaosProxy(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs, bound := chaosFlags("proxy", stderr)
+	target := fs.String("target", "", "the engine's base `URL`, e.g. http://10.0.0.21:8000 (required)")
+	listen := fs.String("listen", "127.0.0.1:0", "`HOST:PORT` to serve on (port 0: any free port)")
+	engine := fs.String("engine-id", "", "the engine's `ID` in the fleet: the proxy injects the faults armed for it (required)")
+	verbose := fs.Bool("verbose", false, "log debug notices (upstream errors)")
+	if err := parseChaosFlags(fs, args, false); err != nil {
+		return err
+	}
+	if *target == "" || *engine == "" {
+		return errors.New("--target and --engine-id are required")
+	}
+	level := slog.LevelInfo
+	if *verbose {
+		level = slog.LevelDebug
+	}
+	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
+	cb, err := connectChaos(ctx, "narwhal-chaos-proxy-"+*engine, *bound)
+	if err != nil {
+		return err
+	}
+	defer cb.close()
+	base, stop, err := serveChaosProxy(ctx, cb.store, *engine, *target, *listen, log)
+	if err != nil {
+		return err
+	}
+	defer stop()
+	_, err = fmt.Fprintf(stdout, "chaos proxy %s listening on %s -> %s\n", *engine, base, *target)
+	if err != nil {
+		return err
+	}
+	<-ctx.Done()
+	return nil
+}
+
+// serveChaosProxy starts a chaos proxy for engine in front of target and
+// serves it on listen. It returns the proxy's base URL and a stop function
+// that shuts the server down (cutting streams still open after
+// chaosShutdownBound) and closes the proxy.
+func serveChaosProxy(ctx context.Context, store *chaos.Store, engine, target, listen string, log *slog.Logger) (string, func(), error) {
+	p, err := chaos.NewProxy(chaos.ProxyOptions{Target: target, EngineID: engine, Store: store, Log: log})
+	if err != nil {
+		return "", nil, err
+	}
+	if err := p.Start(ctx); err != nil {
+		p.Close()
+		return "", nil, err
+	}
+	ln, err := net.Listen("tcp", listen)
+	if err != nil {
+		p.Close()
+		return "", nil, fmt.Errorf("listen %s: %w", listen, err)
+	}
+	srv := &http.Server{Handler: p, ReadHeaderTimeout: 30 * time.Second, ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}
+	served := make(chan struct{})
+	go func() {
+		defer close(served)
+		_ = srv.Serve(ln)
+	}()
+	stop := func() {
+		sctx, cancel := context.WithTimeout(context.Background(), chaosShutdownBound)
+		defer cancel()
+		if srv.Shutdown(sctx) != nil {
+			_ = srv.Close()
+		}
+		<-served
+		p.Close()
+	}
+	return "http://" + ln.Addr().String(), stop, nil
+}
+
+// devChaos is the chaos side of `narwhal dev --chaos`: a bus that listens
+// on TCP (so that `narwhal chaos arm` in another terminal reaches it) and a
+// chaos proxy in front of each simulator.
+type devChaos struct {
+	natsURL  string
+	emb      *bus.Embedded // nil when NARWHAL_NATS_URL was set
+	cb       *chaosBus
+	breaker  func() // stops the dev breaker; nil when none runs
+	stops    []func()
+	fronts   []string // "<engine> <proxy URL> -> <sim URL>"
+	restored func()   // puts NARWHAL_NATS_URL back as it was
+}
+
+// devChaosPort is the port the bus of `narwhal dev --chaos` tries first:
+// NATS's standard client port, the default of `narwhal chaos`.
+const devChaosPort = 4222
+
+// startDevChaos starts the bus of `narwhal dev --chaos`: an embedded NATS
+// server with JetStream on 127.0.0.1:port, or on a free port when that is
+// taken or port is -1 (store NARWHAL_DATA_DIR, or a temporary folder
+// removed at exit) — unless NARWHAL_NATS_URL names a bus already. It sets
+// NARWHAL_NATS_URL so that the dev router joins the same bus; close puts
+// it back.
+func startDevChaos(ctx context.Context, log *slog.Logger, port int) (*devChaos, error) {
+	d := &devChaos{natsURL: os.Getenv("NARWHAL_NATS_URL")}
+	if d.natsURL == "" {
+		opts := bus.EmbeddedOptions{Dir: os.Getenv("NARWHAL_DATA_DIR"), Host: "127.0.0.1", Port: port}
+		emb, err := bus.StartEmbedded(opts)
+		if err != nil && port != -1 {
+			opts.Port = -1
+			emb, err = bus.StartEmbedded(opts)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("dev chaos bus: %w", err)
+		}
+		d.emb, d.natsURL = emb, emb.ClientURL()
+		prev, had := os.LookupEnv("NARWHAL_NATS_URL")
+		os.Setenv("NARWHAL_NATS_URL", d.natsURL)
+		d.restored = func() {
+			if had {
+				os.Setenv("NARWHAL_NATS_URL", prev)
+			} else {
+				os.Unsetenv("NARWHAL_NATS_URL")
+			}
+		}
+	}
+	cb, err := connectChaos(ctx, "narwhal-dev-chaos", 10*time.Second)
+	if err != nil {
+		d.close()
+		return nil, err
+	}
+	d.cb = cb
+	log.Info("dev chaos bus ready", "url", redactNATSURL(d.natsURL))
+	return d, nil
+}
+
+// front puts a chaos proxy for engine in front of simURL and returns the
+// proxy's URL, which the router's fleet then uses.
+func (d *devChaos) front(ctx context.Context, engine, simURL string, log *slog.Logger) (string, error) {
+	base, stop, err := serveChaosProxy(ctx, d.cb.store, engine, simURL, "127.0.0.1:0", log)
+	if err != nil {
+		return "", err
+	}
+	d.stops = append(d.stops, stop)
+	d.fronts = append(d.fronts, fmt.Sprintf("chaos %-10s %s -> %s", engine, base, simURL))
+	return base, nil
+}
+
+// startBreaker runs the dev stack's breaker for cfg on the dev bus when
+// dev started that bus itself: the router, which now reaches its bus
+// through NARWHAL_NATS_URL, runs none then (a router on an external bus
+// leaves the breaker to `narwhal breaker`). On a bus NARWHAL_NATS_URL
+// named, it does nothing.
+func (d *devChaos) startBreaker(ctx context.Context, cfg *config.Config, log *slog.Logger) error {
+	if d.emb == nil {
+		log.Warn("dev --chaos on NARWHAL_NATS_URL: no breaker runs unless `narwhal breaker` does")
+		return nil
+	}
+	stop, err := startBreaker(context.WithoutCancel(ctx), cfg, d.cb.b, "breaker-"+cfg.Router.ID, nil, log)
+	if err != nil {
+		return err
+	}
+	d.breaker = stop
+	return nil
+}
+
+// banner is what `narwhal dev --chaos` adds to its ready message.
+func (d *devChaos) banner() string {
+	var b strings.Builder
+	b.WriteString("\nChaos proxies stand in front of every simulator:\n")
+	for _, f := range d.fronts {
+		b.WriteString("  " + f + "\n")
+	}
+	fmt.Fprintf(&b, `Arm faults from another terminal (docs/chaos.md):
+
+export NARWHAL_NATS_URL=%[1]s
+narwhal chaos arm --engine decode-1 --fault http-status --param code=503
+narwhal chaos list
+narwhal events
+narwhal chaos disarm --all
+`, redactNATSURL(d.natsURL))
+	return b.String()
+}
+
+// close stops the breaker, the proxies, the bus link and the embedded
+// server, and puts NARWHAL_NATS_URL back.
+func (d *devChaos) close() {
+	if d.breaker != nil {
+		d.breaker()
+		d.breaker = nil
+	}
+	for i := len(d.stops) - 1; i >= 0; i-- {
+		d.stops[i]()
+	}
+	d.stops = nil
+	if d.cb != nil {
+		d.cb.close()
+	}
+	if d.emb != nil {
+		d.emb.Shutdown()
+	}
+	if d.restored != nil {
+		d.restored()
+	}
+}

@@ -1,0 +1,447 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"net/http"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"go.uber.org/goleak"
+
+	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// chaosTestBound bounds every wait of the chaos command tests.
+const chaosTestBound = 10 * time.Second
+
+// chaosLeakCheck fails the test when it leaves a goroutine behind; call it
+// first so that its check runs after every other cleanup.
+func chaosLeakCheck(t *testing.T) {
+	t.Helper()
+	before := goleak.IgnoreCurrent()
+	t.Cleanup(func() { goleak.VerifyNone(t, before) })
+}
+
+// chaosTestBus starts an embedded NATS server on a free TCP port, points
+// NARWHAL_NATS_URL at it for the test, and collects the chaos events
+// published on it (each validated against its schema).
+func chaosTestBus(t *testing.T) *chaosEvents {
+	t.Helper()
+	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(emb.Shutdown)
+	t.Setenv("NARWHAL_NATS_URL", emb.ClientURL())
+	nc, err := nats.Connect(emb.ClientURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	ev := &chaosEvents{}
+	if _, err := nc.Subscribe("narwhal.events.chaos.>", func(m *nats.Msg) {
+		var c schemas.Chaos
+		err := bus.ValidateEvent(m.Data)
+		if err == nil {
+			err = json.Unmarshal(m.Data, &c)
+		}
+		ev.mu.Lock()
+		defer ev.mu.Unlock()
+		if err != nil {
+			ev.invalid = append(ev.invalid, err.Error())
+			return
+		}
+		ev.list = append(ev.list, c)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	return ev
+}
+
+// chaosEvents are the chaos events seen on a test bus.
+type chaosEvents struct {
+	mu      sync.Mutex
+	list    []schemas.Chaos
+	invalid []string
+}
+
+// wait waits for n events and returns them as "action engine/fault_id".
+func (e *chaosEvents) wait(t *testing.T, n int) []string {
+	t.Helper()
+	deadline := time.Now().Add(chaosTestBound)
+	for {
+		e.mu.Lock()
+		got, invalid := append([]schemas.Chaos(nil), e.list...), e.invalid
+		e.mu.Unlock()
+		if len(invalid) > 0 {
+			t.Fatalf("invalid chaos events: %v", invalid)
+		}
+		if len(got) >= n {
+			out := make([]string, len(got))
+			for i, ev := range got {
+				out[i] = ev.Action + " " + ev.EngineID + "/" + ev.FaultID
+			}
+			return out
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d chaos events, want %d", len(got), n)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// chaosCmd runs `narwhal chaos args…` in-process and returns its stdout.
+func chaosCmd(t *testing.T, args ...string) (string, error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), chaosTestBound)
+	defer cancel()
+	var stdout, stderr bytes.Buffer
+	err := runChaos(ctx, args, &stdout, &stderr)
+	return stdout.String(), err
+}
+
+// mustChaos is chaosCmd for a command that must succeed.
+func mustChaos(t *testing.T, args ...string) string {
+	t.Helper()
+	out, err := chaosCmd(t, args...)
+	if err != nil {
+		t.Fatalf("narwhal chaos %s: %v", strings.Join(args, " "), err)
+	}
+	return out
+}
+
+// TestChaosArmListDisarm proves the arm, list and disarm round trip of
+// `narwhal chaos` over NARWHAL_NATS_URL (R-CHAOS-1): what arm stores, list
+// shows as a table, disarm removes; each change is an event on
+// narwhal.events.chaos.<engine_id>.
+func TestChaosArmListDisarm(t *testing.T) {
+	chaosLeakCheck(t)
+	events := chaosTestBus(t)
+
+	if out := mustChaos(t, "list"); out != "no faults armed\n" {
+		t.Errorf("empty list: %q", out)
+	}
+	out := mustChaos(t, "arm", "--engine", "decode-1", "--fault", "http-status", "--param", "code=503", "--count", "2", "--for", "1m")
+	if !regexp.MustCompile(`^armed decode-1/http-status phase=any prob=1 count=2 left=2 code=503 expires=\S+Z\n$`).MatchString(out) {
+		t.Errorf("arm printed %q", out)
+	}
+	mustChaos(t, "arm", "--engine", "prefill-1", "--fault", "first-token-delay", "--id", "slow", "--phase", "decode",
+		"--prob", "0.25", "--param", "delay_ms=100", "--for", "30m")
+
+	out = mustChaos(t, "list")
+	lines := strings.Split(strings.TrimSuffix(out, "\n"), "\n")
+	if len(lines) != 3 {
+		t.Fatalf("list: %q", out)
+	}
+	header := strings.Fields(lines[0])
+	if strings.Join(header, " ") != "ENGINE FAULT PHASE PROB COUNT LEFT EXPIRES PARAMS" {
+		t.Errorf("header %q", lines[0])
+	}
+	for i, want := range []*regexp.Regexp{
+		regexp.MustCompile(`^decode-1\s+http-status\s+any\s+1\s+2 of 2\s+\S+Z \(in 1m0s\)\s+code=503$`),
+		regexp.MustCompile(`^prefill-1\s+first-token-delay \(id slow\)\s+decode\s+0\.25\s+unlimited\s+\S+Z \(in (30m0s|29m59s)\)\s+delay_ms=100$`),
+	} {
+		if !want.MatchString(lines[i+1]) {
+			t.Errorf("row %d %q, want %s", i+1, lines[i+1], want)
+		}
+	}
+	if out := mustChaos(t, "list", "--engine", "prefill-1"); strings.Count(out, "\n") != 2 || !strings.Contains(out, "prefill-1") {
+		t.Errorf("list --engine prefill-1: %q", out)
+	}
+
+	if out := mustChaos(t, "disarm", "--engine", "decode-1"); !strings.HasPrefix(out, "disarmed decode-1/http-status ") || strings.Count(out, "\n") != 1 {
+		t.Errorf("disarm --engine: %q", out)
+	}
+	if out := mustChaos(t, "list"); strings.Contains(out, "decode-1") || !strings.Contains(out, "prefill-1") {
+		t.Errorf("list after disarm: %q", out)
+	}
+	if out := mustChaos(t, "disarm", "--all"); !strings.HasPrefix(out, "disarmed prefill-1/first-token-delay (id slow) ") {
+		t.Errorf("disarm --all: %q", out)
+	}
+	if out := mustChaos(t, "list"); out != "no faults armed\n" {
+		t.Errorf("list after disarm --all: %q", out)
+	}
+	if out := mustChaos(t, "disarm", "--all"); out != "nothing armed\n" {
+		t.Errorf("second disarm --all: %q", out)
+	}
+	got := events.wait(t, 4)
+	want := []string{"arm decode-1/http-status", "arm prefill-1/slow", "disarm decode-1/http-status", "disarm prefill-1/slow"}
+	if strings.Join(got, ", ") != strings.Join(want, ", ") {
+		t.Errorf("events %v, want %v", got, want)
+	}
+}
+
+// TestChaosCommandErrors proves bad invocations fail with a message and
+// touch nothing.
+func TestChaosCommandErrors(t *testing.T) {
+	chaosLeakCheck(t)
+	chaosTestBus(t)
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{nil, "subcommand is required"},
+		{[]string{"explode"}, `unknown subcommand "explode"`},
+		{[]string{"arm", "--fault", "http-status"}, "--engine and --fault are required"},
+		{[]string{"arm", "--engine", "d1", "--fault", "meteor"}, `unknown fault "meteor"`},
+		{[]string{"arm", "--engine", "d1", "--fault", "trickle"}, "delay_ms is required"},
+		{[]string{"arm", "--engine", "d1", "--fault", "http-status", "--param", "code"}, "want KEY=VALUE"},
+		{[]string{"arm", "--engine", "d1", "--fault", "http-status", "--prob", "3"}, "probability"},
+		{[]string{"arm", "--engine", "d1", "--fault", "http-status", "--for", "0s"}, "--for must be > 0"},
+		{[]string{"arm", "--engine", "d.1", "--fault", "http-status"}, "engine id"},
+		{[]string{"disarm"}, "want one of --engine ID and --all"},
+		{[]string{"disarm", "--all", "--engine", "d1"}, "want one of --engine ID and --all"},
+		{[]string{"disarm", "--all", "--id", "x"}, "--id needs --engine"},
+		{[]string{"list", "extra"}, "unexpected arguments"},
+		{[]string{"run"}, "want one scenario FILE"},
+		{[]string{"run", filepath.Join(t.TempDir(), "missing.yaml")}, "no such file"},
+		{[]string{"proxy", "--target", "http://127.0.0.1:1"}, "--target and --engine-id are required"},
+		{[]string{"proxy", "--target", "ftp://x", "--engine-id", "d1"}, "want an http:// or https:// base URL"},
+	} {
+		if _, err := chaosCmd(t, tc.args...); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("narwhal chaos %s: %v, want an error containing %q", strings.Join(tc.args, " "), err, tc.want)
+		}
+	}
+	if out := mustChaos(t, "list"); out != "no faults armed\n" {
+		t.Errorf("a failed command armed something: %q", out)
+	}
+}
+
+// TestChaosUnreachableBus proves the commands give up after
+// --connect-timeout when the bus is not there.
+func TestChaosUnreachableBus(t *testing.T) {
+	chaosLeakCheck(t)
+	t.Setenv("NARWHAL_NATS_URL", "nats://127.0.0.1:1")
+	start := time.Now()
+	_, err := chaosCmd(t, "list", "--connect-timeout", "300ms")
+	if err == nil || !strings.Contains(err.Error(), "bus nats://127.0.0.1:1") {
+		t.Errorf("error %v", err)
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Errorf("gave up after %v", d)
+	}
+}
+
+// TestChaosProxyCommand proves `narwhal chaos proxy`: it serves a chaos
+// proxy for its engine, applies what `narwhal chaos arm` arms, publishes
+// the injection, and stops cleanly on cancel (SIGINT).
+func TestChaosProxyCommand(t *testing.T) {
+	chaosLeakCheck(t)
+	events := chaosTestBus(t)
+	s, err := sim.New(sim.Config{EngineID: "decode-1", Model: "m"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	simURL, err := s.Start("127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+
+	ctx, cancel := context.WithCancel(context.Background())
+	stdout := &lockedBuffer{}
+	done := make(chan error, 1)
+	go func() {
+		done <- runChaos(ctx, []string{"proxy", "--target", simURL, "--engine-id", "decode-1", "--listen", "127.0.0.1:0"}, stdout, io.Discard)
+	}()
+	line := regexp.MustCompile(`^chaos proxy decode-1 listening on (http://127\.0\.0\.1:[0-9]+) -> ` + regexp.QuoteMeta(simURL) + "\n$")
+	var proxyURL string
+	deadline := time.Now().Add(chaosTestBound)
+	for proxyURL == "" {
+		if m := line.FindStringSubmatch(stdout.String()); m != nil {
+			proxyURL = m[1]
+		} else if time.Now().After(deadline) {
+			cancel()
+			t.Fatalf("proxy printed %q", stdout.String())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+
+	tr := &http.Transport{}
+	defer tr.CloseIdleConnections()
+	client := &http.Client{Transport: tr, Timeout: chaosTestBound}
+	status := func() int {
+		req, _ := http.NewRequest(http.MethodPost, proxyURL+"/v1/chat/completions",
+			strings.NewReader(`{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`))
+		req.Header.Set("X-Request-Id", "cli-1")
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	if got := status(); got != 200 {
+		t.Errorf("nothing armed: HTTP %d", got)
+	}
+	mustChaos(t, "arm", "--engine", "decode-1", "--fault", "http-status", "--param", "code=429", "--count", "1")
+	deadline = time.Now().Add(chaosTestBound)
+	for status() != 429 {
+		if time.Now().After(deadline) {
+			t.Fatal("the armed fault never struck")
+		}
+	}
+	if got := status(); got != 200 {
+		t.Errorf("after the count: HTTP %d", got)
+	}
+	if got := events.wait(t, 2); got[1] != "inject decode-1/http-status" {
+		t.Errorf("events %v", got)
+	}
+	cancel()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Errorf("proxy returned %v", err)
+		}
+	case <-time.After(chaosTestBound):
+		t.Fatal("proxy did not stop")
+	}
+}
+
+// TestChaosRunCommand proves `narwhal chaos run FILE`: it prints the
+// scenario, each step as it runs, and its end.
+func TestChaosRunCommand(t *testing.T) {
+	chaosLeakCheck(t)
+	events := chaosTestBus(t)
+	file := filepath.Join(t.TempDir(), "scenario.yaml")
+	if err := os.WriteFile(file, []byte(`steps:
+  - at: 0s
+    arm: {engine: decode-1, fault: first-token-delay, phase: decode, params: {delay_ms: 5000}, for: 30s}
+  - at: 150ms
+    disarm: {engine: decode-1}
+`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	out := mustChaos(t, "run", file, "--until", "200ms")
+	want := regexp.MustCompile(`^scenario \S+scenario.yaml: 2 steps
+\+0\.0[0-9]{2}s arm decode-1/first-token-delay phase=decode prob=1 count=unlimited delay_ms=5000 expires=\S+Z
+\+0\.(1[5-9]|[2-9][0-9])[0-9]s disarm decode-1: decode-1/first-token-delay
+scenario done
+$`)
+	if !want.MatchString(out) {
+		t.Errorf("run printed:\n%s", out)
+	}
+	if got := events.wait(t, 2); strings.Join(got, ", ") != "arm decode-1/first-token-delay, disarm decode-1/first-token-delay" {
+		t.Errorf("events %v", got)
+	}
+}
+
+// TestDevChaos proves the chaos side of `narwhal dev --chaos`: the bus
+// listens on TCP and NARWHAL_NATS_URL names it (for the router and for
+// `narwhal chaos arm` in another terminal), each simulator gets a proxy
+// that applies what the CLI arms, the dev breaker runs on that bus, the
+// banner says how to arm, and closing stops it all and puts the
+// environment back.
+func TestDevChaos(t *testing.T) {
+	chaosLeakCheck(t)
+	t.Setenv("NARWHAL_NATS_URL", "")
+	os.Unsetenv("NARWHAL_NATS_URL")
+	t.Setenv("NARWHAL_DATA_DIR", t.TempDir())
+	ctx, cancel := context.WithTimeout(context.Background(), chaosTestBound)
+	defer cancel()
+	log := slog.New(slog.DiscardHandler)
+	dc, err := startDevChaos(ctx, log, -1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := false
+	defer func() {
+		if !closed {
+			dc.close()
+		}
+	}()
+	url := os.Getenv("NARWHAL_NATS_URL")
+	if !regexp.MustCompile(`^nats://127\.0\.0\.1:[0-9]+$`).MatchString(url) {
+		t.Fatalf("NARWHAL_NATS_URL %q", url)
+	}
+	s, err := sim.New(sim.Config{EngineID: "decode-1", Model: "m"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	simURL, err := s.Start("127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	proxyURL, err := dc.front(ctx, "decode-1", simURL, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The dev breaker runs on the dev bus until close stops it (the leak
+	// check proves it stopped).
+	cfg, err := config.Parse(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Fleet = []config.EngineSpec{{ID: "decode-1", URL: proxyURL, Role: "both", Connector: "nixl"}}
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if err := dc.startBreaker(ctx, cfg, log); err != nil {
+		t.Fatal(err)
+	}
+	banner := dc.banner()
+	for _, want := range []string{"export NARWHAL_NATS_URL=" + url, "narwhal chaos arm --engine decode-1 --fault http-status --param code=503", proxyURL + " -> " + simURL} {
+		if !strings.Contains(banner, want) {
+			t.Errorf("banner lacks %q:\n%s", want, banner)
+		}
+	}
+	mustChaos(t, "arm", "--engine", "decode-1", "--fault", "http-status", "--param", "code=503")
+	tr := &http.Transport{}
+	defer tr.CloseIdleConnections()
+	deadline := time.Now().Add(chaosTestBound)
+	for {
+		resp, err := (&http.Client{Transport: tr}).Post(proxyURL+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"hi","max_tokens":1}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode == 503 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("HTTP %d, want the armed 503", resp.StatusCode)
+		}
+	}
+	dc.close()
+	closed = true
+	if v, ok := os.LookupEnv("NARWHAL_NATS_URL"); ok {
+		t.Errorf("NARWHAL_NATS_URL left at %q", v)
+	}
+}
+
+// lockedBuffer is a bytes.Buffer safe for a command writing while the test
+// reads.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
