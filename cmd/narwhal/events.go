@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"os"
 	"slices"
+	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -43,6 +44,7 @@ const (
 var eventKinds = []string{
 	schemas.KindFailure, schemas.KindQuarantine, schemas.KindHandoff,
 	schemas.KindRequest, schemas.KindProbe, schemas.KindEligibility,
+	schemas.KindChaos,
 }
 
 // runEvents is `narwhal events [--kind K] [--engine ID] [--since DUR]
@@ -436,6 +438,34 @@ func appendDetails(b []byte, kind string, payload []byte) (_ []byte, ok bool) {
 		if e.Message != "" {
 			b = append(b, ' ')
 			b = strconv.AppendQuote(b, e.Message)
+		}
+		b = appendSource(b, e.Envelope, 0)
+	case schemas.KindChaos:
+		var e schemas.Chaos
+		if json.Unmarshal(payload, &e) != nil {
+			return b, false
+		}
+		b = append(b, e.Action...)
+		b = append(b, ' ')
+		b = append(b, e.Fault...)
+		b = append(b, ' ')
+		b = append(b, e.Phase...)
+		if len(e.Params) > 0 {
+			keys := make([]string, 0, len(e.Params))
+			for k := range e.Params {
+				keys = append(keys, k)
+			}
+			sort.Strings(keys)
+			for _, k := range keys {
+				b = append(b, ' ')
+				b = append(b, k...)
+				b = append(b, '=')
+				b = append(b, e.Params[k]...)
+			}
+		}
+		if e.Count > 0 {
+			b = append(b, " left="...)
+			b = strconv.AppendInt(b, int64(e.Left), 10)
 		}
 		b = appendSource(b, e.Envelope, 0)
 	case schemas.KindQuarantine:
