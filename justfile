@@ -26,3 +26,7 @@ build:
 # bench/results/latest.json (both runs) and bench/results/latest.svg.
 bench *ARGS:
     go run ./cmd/narwhal bench --compare-floor --concurrency 1,64 --max-tokens 16 --stream --duration 50s --warmup 2s --json bench/results/latest.json --histogram bench/results/latest.svg {{ARGS}}
+
+# Scale: one router holding STREAMS open streams from slow decode simulators.
+bench-scale STREAMS="9500" SECONDS="30":
+    bench/scale.sh {{STREAMS}} {{SECONDS}}

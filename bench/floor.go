@@ -47,7 +47,7 @@ func NewFloorTarget(prefill, decode []engines.Engine) (*FloorTarget, error) {
 func (t *FloorTarget) Name() string { return "floor" }
 
 // Close closes the engine client's idle connections.
-func (t *FloorTarget) Close() { t.client.HTTPClient().CloseIdleConnections() }
+func (t *FloorTarget) Close() { t.client.CloseIdleConnections() }
 
 // do implements Target: the prefill leg, the decode leg, and the decode
 // stream read to its end. A non-streaming workload still reads the decode

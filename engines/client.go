@@ -101,8 +101,12 @@ type Options struct {
 	DecodeReadTimeout time.Duration
 	// HandoffMaxAge is handoff.max_age_s (R-OWN-2).
 	HandoffMaxAge time.Duration
-	// Transport is the HTTP transport; nil means NewTransport().
+	// Transport is the HTTP transport of decode legs, releases and probes;
+	// nil means NewTransport().
 	Transport http.RoundTripper
+	// PrefillTransport is the HTTP transport of prefill legs; nil means
+	// NewPrefillTransport() when Transport is nil too, else Transport.
+	PrefillTransport http.RoundTripper
 	// MaxResponseBytes bounds a prefill response or an error body read
 	// whole; 0 means 16 MiB.
 	MaxResponseBytes int64
@@ -111,7 +115,8 @@ type Options struct {
 // Client runs engine legs. It is safe for concurrent use; create one per
 // process and reuse it so that connections to engines are reused.
 type Client struct {
-	http              *http.Client
+	http              *http.Client // decode legs, releases, probes
+	prefillHTTP       *http.Client // prefill legs
 	prefillTimeout    time.Duration
 	firstTokenTimeout time.Duration
 	readTimeout       time.Duration
@@ -139,6 +144,24 @@ func NewTransport() *http.Transport {
 	}
 }
 
+// PrefillConnsPerEngine caps the connections the default prefill transport
+// opens to one engine. Prefill legs are short: a burst of new requests
+// waits briefly for a connection (within engine.prefill_timeout_s) instead
+// of opening one socket each, which would exhaust the router's file
+// descriptors (each open stream already holds two) and the engine's accept
+// queue. Decode streams are long and each needs its own connection, so the
+// decode transport is not capped: decode_slots bounds them.
+const PrefillConnsPerEngine = 256
+
+// NewPrefillTransport returns NewTransport with at most
+// PrefillConnsPerEngine connections per engine.
+func NewPrefillTransport() *http.Transport {
+	t := NewTransport()
+	t.MaxConnsPerHost = PrefillConnsPerEngine
+	t.MaxIdleConnsPerHost = PrefillConnsPerEngine
+	return t
+}
+
 // NewClient returns a Client configured by opts.
 func NewClient(opts Options) *Client {
 	c := &Client{
@@ -157,12 +180,25 @@ func NewClient(opts Options) *Client {
 	if c.maxResponse <= 0 {
 		c.maxResponse = 16 << 20
 	}
-	rt := opts.Transport
+	rt, prt := opts.Transport, opts.PrefillTransport
+	if prt == nil {
+		prt = rt
+		if prt == nil {
+			prt = NewPrefillTransport()
+		}
+	}
 	if rt == nil {
 		rt = NewTransport()
 	}
 	c.http = &http.Client{Transport: rt}
+	c.prefillHTTP = &http.Client{Transport: prt}
 	return c
+}
+
+// CloseIdleConnections closes the idle connections of both transports.
+func (c *Client) CloseIdleConnections() {
+	c.http.CloseIdleConnections()
+	c.prefillHTTP.CloseIdleConnections()
 }
 
 func orDefault(d, def time.Duration) time.Duration {
@@ -194,7 +230,7 @@ func (c *Client) Prefill(ctx context.Context, req *Request) (*connector.PrefillR
 	legCtx, cancel := context.WithTimeoutCause(ctx, c.prefillTimeout, errPrefillTimeout)
 	defer cancel()
 	started := time.Now()
-	resp, err := c.do(legCtx, p.URL+req.Body.Endpoint, req.BackendRequestID, body)
+	resp, err := c.do(c.prefillHTTP, legCtx, p.URL+req.Body.Endpoint, req.BackendRequestID, body)
 	if err != nil {
 		return nil, classifyTransport(ctx, legCtx, err, schemas.PhasePrefill, p.ID, true)
 	}
@@ -313,7 +349,7 @@ func (c *Client) Decode(ctx context.Context, req *Request, result *connector.Pre
 // do sends one POST. The body is an in-memory reader, so net/http writes
 // headers and body together in one write (a reader it does not know gets
 // its headers flushed first: two syscalls per leg).
-func (c *Client) do(ctx context.Context, url, requestID string, body []byte) (*http.Response, error) {
+func (c *Client) do(hc *http.Client, ctx context.Context, url, requestID string, body []byte) (*http.Response, error) {
 	hreq, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
 	if err != nil {
 		return nil, err
@@ -323,7 +359,7 @@ func (c *Client) do(ctx context.Context, url, requestID string, body []byte) (*h
 		"Accept":       {"application/json, text/event-stream"},
 		"X-Request-Id": {requestID},
 	}
-	return c.http.Do(hreq)
+	return hc.Do(hreq)
 }
 
 // statusFault classifies a non-2xx engine response (R-FAIL-6).

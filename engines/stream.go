@@ -76,7 +76,7 @@ func (c *Client) openStream(ctx context.Context, consumer *Engine, endpoint, req
 	s := &Stream{parent: ctx, engineID: consumer.ID, readTimeout: c.readTimeout, start: time.Now()}
 	s.ctx, s.cancel = context.WithCancelCause(ctx)
 	s.timer = time.AfterFunc(c.firstTokenTimeout, s.onTimer)
-	resp, err := c.do(s.ctx, consumer.URL+endpoint, requestID, body)
+	resp, err := c.do(c.http, s.ctx, consumer.URL+endpoint, requestID, body)
 	if err != nil {
 		f := classifyTransport(ctx, s.ctx, err, schemas.PhaseDecode, consumer.ID, true)
 		s.stop()

@@ -75,7 +75,7 @@ func (s *stack) openConns() int {
 // router's engine client, whose goroutines are not the request's.
 func (s *stack) closeIdle(client *http.Client) {
 	client.CloseIdleConnections()
-	s.rt.client.HTTPClient().CloseIdleConnections()
+	s.rt.client.CloseIdleConnections()
 }
 
 // quiesce closes idle connections and waits until no connection to the

@@ -229,7 +229,7 @@ func (rt *Router) shutdown(ctx context.Context) error {
 	}
 	rt.wg.Wait()
 	rt.watcher.close()
-	rt.client.HTTPClient().CloseIdleConnections()
+	rt.client.CloseIdleConnections()
 	if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
 		err = nil
 	}

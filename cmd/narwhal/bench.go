@@ -30,7 +30,7 @@ type benchFlags struct {
 	model, jsonPath, svgPath, cpuProfile, routerBus          string
 	local, stream, ignoreEOS, compare, routerProcess, quiet  bool
 	ttft, itl, duration, warmup, timeout                     time.Duration
-	requests, slices                                         int
+	requests, slices, routerPID                              int
 	seed                                                     uint64
 	set                                                      map[string]bool
 }
@@ -63,6 +63,7 @@ func runBench(ctx context.Context, args []string) error {
 	fs.BoolVar(&f.compare, "compare-floor", false, "--local: measure the router and the floor (both legs run by the bench itself) interleaved")
 	fs.IntVar(&f.slices, "slices", 8, "--compare-floor: number of alternating slices (even; ABBA order)")
 	fs.BoolVar(&f.routerProcess, "router-process", false, "--local: run the router as a child process and report its CPU per request (default with --compare-floor)")
+	fs.IntVar(&f.routerPID, "router-pid", 0, "--url: process id of the router on this machine, to report its CPU per request and its memory (RSS) per open stream")
 	fs.StringVar(&f.routerBus, "router-bus", "external", "--router-process: external (a NATS server in the bench process, as in a mesh: the router's CPU excludes the bus and the breaker) or embedded (the router's own NATS and in-process breaker, single-node mode)")
 	fs.StringVar(&f.cpuProfile, "cpuprofile", "", "write a CPU profile of this process (client, local sims, in-process router) to this file")
 	fs.BoolVar(&f.quiet, "quiet", false, "no live progress line on stderr")
@@ -215,6 +216,7 @@ func (f *benchFlags) run(ctx context.Context) error {
 		}
 	} else {
 		target = routerURL
+		routerID = f.routerPID
 	}
 
 	maxConns := 0

@@ -82,7 +82,7 @@ func runPreflight(ctx context.Context, args []string, out io.Writer) error {
 		fleet = append(fleet, &engines.Engine{ID: spec.ID, URL: strings.TrimRight(spec.URL, "/"), Role: engines.Role(spec.Role), Connector: conn})
 	}
 	client := breaker.NewProbeClient(cfg)
-	defer client.HTTPClient().CloseIdleConnections()
+	defer client.CloseIdleConnections()
 	ftt := cfg.Engine.FirstTokenTimeout()
 
 	checks := make([]*preflightCheck, len(fleet))

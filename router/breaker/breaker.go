@@ -247,7 +247,7 @@ func (s *Service) Run(ctx context.Context) error {
 		return errors.New("breaker: Run called twice")
 	}
 	if s.ownsClient {
-		defer s.client.HTTPClient().CloseIdleConnections()
+		defer s.client.CloseIdleConnections()
 	}
 	lease, cons, err := s.setup(ctx)
 	if err != nil {

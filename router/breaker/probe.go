@@ -41,7 +41,7 @@ const releaseTimeout = 2 * time.Second
 // prefill leg as a whole, the decode leg until its first generated output —
 // then engine.decode_read_timeout_s between chunks (none when 0) and
 // handoff.max_age_s for the handoff. The caller should call
-// HTTPClient().CloseIdleConnections() when done with it.
+// CloseIdleConnections() when done with it.
 func NewProbeClient(cfg *config.Config) *engines.Client {
 	read := cfg.Engine.DecodeReadTimeout()
 	if read == 0 {
