@@ -37,7 +37,9 @@ for e in p1:prefill p2:prefill d1:decode d2:decode; do
   echo "  - {id: $id, url: \"http://127.0.0.1:$p\", role: $role}" >> "$cfg"
 done
 rp=$(port)
-"$bin" router --config "$cfg" --listen "127.0.0.1:$rp" > "$work/router.log" 2>&1 &
+admin=()
+if [ -n "${ADMIN:-}" ]; then admin=(--admin "$ADMIN"); fi # e.g. ADMIN=127.0.0.1:6060 for /debug/pprof
+"$bin" router --config "$cfg" --listen "127.0.0.1:$rp" "${admin[@]}" > "$work/router.log" 2>&1 &
 rpid=$!
 pids+=($rpid)
 for _ in $(seq 100); do

@@ -68,7 +68,7 @@ func (a *activityBody) Read(p []byte) (int, error) {
 	return n, err
 }
 
-var readerPool = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 4<<10) }}
+var readerPool = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 2<<10) }}
 
 // openStream starts the first-token budget, sends the decode request and
 // waits for response headers.

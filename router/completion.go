@@ -411,7 +411,7 @@ type relayBody struct {
 	done    bool
 }
 
-var relayBufPool = sync.Pool{New: func() any { b := make([]byte, 0, 4<<10); return &b }}
+var relayBufPool = sync.Pool{New: func() any { b := make([]byte, 0, 2<<10); return &b }}
 
 // SupportsBodyWriteTo tells fasthttp to use WriteTo (fasthttp.BodyWriterTo).
 func (r *relayBody) SupportsBodyWriteTo() bool { return true }
