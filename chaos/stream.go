@@ -248,20 +248,7 @@ func (s *streamFaults) wait(d time.Duration) bool {
 
 // readLine returns the next line of the engine's stream with its "\n" (the
 // last one may lack it). The line is valid until the next read.
-func (s *streamFaults) readLine() ([]byte, error) {
-	line, err := s.br.ReadSlice('\n')
-	if err != bufio.ErrBufferFull {
-		return line, err
-	}
-	s.long = append(s.long[:0], line...)
-	for {
-		line, err = s.br.ReadSlice('\n')
-		s.long = append(s.long, line...)
-		if err != bufio.ErrBufferFull {
-			return s.long, err
-		}
-	}
-}
+func (s *streamFaults) readLine() ([]byte, error) { return schemas.ReadSSELine(s.br, &s.long) }
 
 // lineBuffered reports whether a complete line is buffered, so reading it
 // does not wait for the engine.

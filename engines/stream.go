@@ -268,25 +268,9 @@ func errorObjectFault(payload []byte, engineID string) *Fault {
 	return f
 }
 
-// readLine returns the next line, including its newline; lines longer than
-// the buffer are assembled in s.long.
-func (s *Stream) readLine() ([]byte, error) {
-	line, err := s.br.ReadSlice('\n')
-	if err != bufio.ErrBufferFull {
-		return line, err
-	}
-	s.long = append(s.long[:0], line...)
-	for {
-		line, err = s.br.ReadSlice('\n')
-		s.long = append(s.long, line...)
-		if err != bufio.ErrBufferFull {
-			return s.long, err
-		}
-		if len(s.long) > 64<<20 {
-			return nil, io.ErrShortBuffer
-		}
-	}
-}
+// readLine returns the next line, including its newline (R-FAIL-2 reads
+// to the end of every event).
+func (s *Stream) readLine() ([]byte, error) { return schemas.ReadSSELine(s.br, &s.long) }
 
 // readFault classifies a read error: the leg's timers, the request's
 // context, or a stream that ended before [DONE].
