@@ -32,6 +32,15 @@ const (
 	// closeDrainBound bounds how long Close spends publishing what is
 	// buffered and waiting for acks.
 	closeDrainBound = 2 * time.Second
+	// maxPublishAttempts is how often one event is published before its
+	// failure counts as a drop: an event whose ack the connection's loss
+	// (or a server going down) took away is published again once the
+	// connection is back, under the same message id, so that it is stored
+	// once however often it is sent (R-BUS-3, R-BUS-6).
+	maxPublishAttempts = 4
+	// republishPause is the pause before an event is published again, so
+	// that a server still shutting down or starting is not hammered.
+	republishPause = 100 * time.Millisecond
 )
 
 // Reasons for dropping an event: the "reason" label of
@@ -54,7 +63,9 @@ const (
 // goroutine so that Publish never blocks its caller (SPEC R-BUS-6): events
 // wait in a bounded buffer, and when it is full they are dropped and
 // counted. While the connection is down the goroutine waits for it, so the
-// buffer carries events across a short outage. Each event's ID is its
+// buffer carries events across a short outage; an event that was in flight
+// when the connection went (its ack never came) is published again once it
+// is back, up to maxPublishAttempts times in all. Each event's ID is its
 // JetStream message id, so a re-published event is dropped by the stream
 // as a duplicate (R-BUS-3). Safe for concurrent use.
 type Publisher struct {
@@ -67,6 +78,14 @@ type Publisher struct {
 
 	mu     sync.RWMutex // held for reading by Publish, for writing by Close
 	closed bool
+
+	// again holds events to publish once more (see retry); attempts
+	// counts the publishes of each, by message id. Both are guarded by
+	// againMu; againClosed is set when nothing will read again any more.
+	again       chan *nats.Msg
+	againMu     sync.Mutex
+	attempts    map[string]int
+	againClosed bool
 
 	published atomic.Uint64
 	dropped   atomic.Uint64
@@ -86,10 +105,12 @@ func NewPublisher(b *Bus, buffer int, reg prometheus.Registerer) *Publisher {
 		buffer = 1
 	}
 	p := &Publisher{
-		nc:     b.nc,
-		events: make(chan schemas.Event, buffer),
-		stop:   make(chan struct{}),
-		done:   make(chan struct{}),
+		nc:       b.nc,
+		events:   make(chan schemas.Event, buffer),
+		again:    make(chan *nats.Msg, buffer),
+		attempts: map[string]int{},
+		stop:     make(chan struct{}),
+		done:     make(chan struct{}),
 		publishedTotal: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "narwhal_events_published_total",
 			Help: "Bus events acknowledged by the stream.",
@@ -106,12 +127,15 @@ func NewPublisher(b *Bus, buffer int, reg prometheus.Registerer) *Publisher {
 	js, err := jetstream.New(b.nc,
 		jetstream.WithPublishAsyncMaxPending(maxPendingAcks),
 		jetstream.WithPublishAsyncTimeout(ackTimeout),
-		jetstream.WithPublishAsyncAckHandler(func(jetstream.JetStream, *nats.Msg, *jetstream.PubAck) {
+		jetstream.WithPublishAsyncAckHandler(func(_ jetstream.JetStream, m *nats.Msg, _ *jetstream.PubAck) {
+			p.settled(m)
 			p.published.Add(1)
 			p.publishedTotal.Inc()
 		}),
-		jetstream.WithPublishAsyncErrHandler(func(jetstream.JetStream, *nats.Msg, error) {
-			p.drop(DropBusError)
+		jetstream.WithPublishAsyncErrHandler(func(_ jetstream.JetStream, m *nats.Msg, _ error) {
+			if !p.retry(m) {
+				p.drop(DropBusError)
+			}
 		}),
 	)
 	if err != nil { // only for invalid options, which are constants here
@@ -199,7 +223,7 @@ func (p *Publisher) Close() {
 func (p *Publisher) run() {
 	defer close(p.done)
 	defer p.nc.RemoveStatusListener(p.status)
-	defer p.js.CleanupPublisher() // fails (and so counts) acks still pending
+	defer p.cleanup()
 	for {
 		select {
 		case <-p.stop:
@@ -212,8 +236,108 @@ func (p *Publisher) run() {
 				return
 			}
 			p.send(ev)
+		case m := <-p.again:
+			// One pause, then everything queued by then goes again.
+			if !p.pause() || !p.awaitConnection() {
+				p.resendOrDrop(m)
+				p.drain()
+				return
+			}
+			p.resend(m)
+			p.resendQueued(false)
 		}
 	}
+}
+
+// cleanup fails (and so counts) the acks still pending when the publisher
+// stops. With none pending it leaves the JetStream publisher alone: its
+// helper goroutine, started by the first publish, then ends when the
+// connection closes, whereas cleaning up before that goroutine has run
+// would strand it for good (nats.go's jetstream reads a nil status channel
+// then).
+func (p *Publisher) cleanup() {
+	if p.js.PublishAsyncPending() > 0 {
+		p.js.CleanupPublisher()
+	}
+}
+
+// retry queues m, whose publish failed, to be published again; it returns
+// false when m has had its maxPublishAttempts, the queue is full or the
+// publisher is closing, and m then counts as dropped. Called from the
+// publisher's ack handling.
+func (p *Publisher) retry(m *nats.Msg) bool {
+	id := m.Header.Get(jetstream.MsgIDHeader)
+	p.againMu.Lock()
+	defer p.againMu.Unlock()
+	n := p.attempts[id] + 1 // publishes so far
+	if p.againClosed || id == "" || n >= maxPublishAttempts {
+		delete(p.attempts, id)
+		return false
+	}
+	select {
+	case p.again <- m:
+		p.attempts[id] = n
+		return true
+	default:
+		delete(p.attempts, id)
+		return false
+	}
+}
+
+// settled forgets the publish attempts of m (acknowledged or dropped).
+func (p *Publisher) settled(m *nats.Msg) {
+	p.againMu.Lock()
+	if len(p.attempts) > 0 {
+		delete(p.attempts, m.Header.Get(jetstream.MsgIDHeader))
+	}
+	p.againMu.Unlock()
+}
+
+// pause waits republishPause; it returns false when Close was called
+// meanwhile.
+func (p *Publisher) pause() bool {
+	t := time.NewTimer(republishPause)
+	defer t.Stop()
+	select {
+	case <-p.stop:
+		return false
+	case <-t.C:
+		return true
+	}
+}
+
+// resendQueued publishes again every event queued to be (see retry); when
+// closing, only while the connection is up (the others are dropped).
+func (p *Publisher) resendQueued(closing bool) {
+	for {
+		select {
+		case m := <-p.again:
+			if closing {
+				p.resendOrDrop(m)
+			} else {
+				p.resend(m)
+			}
+		default:
+			return
+		}
+	}
+}
+
+// resendOrDrop publishes m again while the connection is up, else drops it
+// (Close is under way).
+func (p *Publisher) resendOrDrop(m *nats.Msg) {
+	if p.nc.IsConnected() {
+		p.resend(m)
+		return
+	}
+	p.settled(m)
+	p.drop(DropClosed)
+}
+
+// resend publishes m again, with its message id (a new message: m holds
+// the reply subject of its last attempt).
+func (p *Publisher) resend(m *nats.Msg) {
+	p.publish(&nats.Msg{Subject: m.Subject, Header: m.Header, Data: m.Data})
 }
 
 // awaitConnection waits until the connection is up; it returns false when
@@ -248,17 +372,28 @@ func (p *Publisher) send(ev schemas.Event) {
 		p.drop(DropInvalid)
 		return
 	}
-	if _, err := p.js.PublishAsync(subject, data, jetstream.WithMsgID(ev.Head().ID), jetstream.WithStallWait(stallWait)); err != nil {
-		p.drop(DropBusError)
+	p.publish(&nats.Msg{Subject: subject, Data: data, Header: nats.Header{jetstream.MsgIDHeader: []string{ev.Head().ID}}})
+}
+
+// publish publishes m asynchronously; when that fails at once (the
+// connection broke under the write, too many acks pending) m is queued to
+// be published again (see retry) or, past its attempts, dropped.
+func (p *Publisher) publish(m *nats.Msg) {
+	if _, err := p.js.PublishMsgAsync(m, jetstream.WithStallWait(stallWait)); err != nil {
+		if !p.retry(m) {
+			p.drop(DropBusError)
+		}
 	}
 }
 
 // drain publishes what is buffered while the connection is up, then waits
 // for the pending acks, all within closeDrainBound; what is left is
-// dropped.
+// dropped, and from then on a failed publish is not retried.
 func (p *Publisher) drain() {
 	bound := time.NewTimer(closeDrainBound)
 	defer bound.Stop()
+	defer p.closeAgain()
+	p.resendQueued(true)
 	for {
 		select {
 		case ev := <-p.events:
@@ -282,6 +417,23 @@ func (p *Publisher) drain() {
 	select {
 	case <-p.js.PublishAsyncComplete():
 	case <-bound.C:
+	}
+}
+
+// closeAgain stops retries: every event still queued to be published
+// again is dropped and counted.
+func (p *Publisher) closeAgain() {
+	p.againMu.Lock()
+	defer p.againMu.Unlock()
+	p.againClosed = true
+	for {
+		select {
+		case <-p.again:
+			p.drop(DropClosed)
+		default:
+			clear(p.attempts)
+			return
+		}
 	}
 }
 

@@ -14,6 +14,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -98,6 +99,7 @@ type process struct {
 	waitErr error         // cmd.Wait's result, valid once done is closed
 
 	stopOnce sync.Once
+	crashed  atomic.Bool // ended on purpose with SIGKILL (see crash)
 }
 
 // childEnv is the test process's environment without NARWHAL_* variables
@@ -114,8 +116,17 @@ func childEnv(extra ...string) []string {
 
 // startProcess starts `narwhal args…` with env added to a clean
 // environment. The process is stopped with SIGTERM when the test ends
-// (see stop), and its output is logged if the test failed.
+// (see halt), and its output is logged if the test failed.
 func startProcess(t *testing.T, name string, env []string, args ...string) *process {
+	t.Helper()
+	p := spawn(t, name, env, args...)
+	t.Cleanup(func() { p.halt(t) })
+	return p
+}
+
+// spawn starts `narwhal args…` like startProcess but leaves stopping it to
+// the caller (see halt).
+func spawn(t *testing.T, name string, env []string, args ...string) *process {
 	t.Helper()
 	p := &process{name: name, done: make(chan struct{})}
 	p.cmd = exec.Command(narwhalBin, args...)
@@ -129,15 +140,26 @@ func startProcess(t *testing.T, name string, env []string, args ...string) *proc
 		p.waitErr = p.cmd.Wait()
 		close(p.done)
 	}()
-	t.Cleanup(func() {
-		if err := p.stop(syscall.SIGTERM); err != nil {
-			t.Errorf("%s did not exit cleanly when stopped: %v", name, err)
-		}
-		if t.Failed() {
-			p.dump(t)
-		}
-	})
 	return p
+}
+
+// halt stops the process with SIGTERM (see stop); the test fails when it
+// does not exit cleanly, unless it was crashed on purpose. Its output is
+// logged if the test failed. Safe from any goroutine.
+func (p *process) halt(t *testing.T) {
+	if err := p.stop(syscall.SIGTERM); err != nil && !p.crashed.Load() {
+		t.Errorf("%s did not exit cleanly when stopped: %v", p.name, err)
+	}
+	if t.Failed() {
+		p.dump(t)
+	}
+}
+
+// crash ends the process with SIGKILL — no shutdown, no goodbye — and
+// waits until it has exited.
+func (p *process) crash() {
+	p.crashed.Store(true)
+	_ = p.stop(syscall.SIGKILL)
 }
 
 // exited reports whether the process has ended.

@@ -266,6 +266,21 @@ func TestReadmissionOnlyAfterSuccessfulProbe(t *testing.T) {
 		evs := h.eligibilities("d1")
 		return len(evs) == 3 && evs[2].State == schemas.StateEligible && evs[2].Eligible
 	})
+	// The stream tells it in order: the successful probe, then the
+	// readmission it caused.
+	probeSubject, eligibilitySubject := bus.SubjectPrefix+schemas.KindProbe+".d1", bus.SubjectPrefix+schemas.KindEligibility+".d1"
+	var order []string
+	h.events.mu.Lock()
+	for i, subject := range h.events.subjects {
+		if subject == probeSubject && strings.Contains(string(h.events.payloads[i]), `"outcome":"success"`) ||
+			subject == eligibilitySubject && strings.Contains(string(h.events.payloads[i]), "readmitted") {
+			order = append(order, subject)
+		}
+	}
+	h.events.mu.Unlock()
+	if len(order) != 2 || order[0] != probeSubject || order[1] != eligibilitySubject {
+		t.Fatalf("events in stream order %v: want the successful probe, then the readmission", order)
+	}
 	waitFor(t, "the backoff to reset", func() bool { return backoffOf(s.Service, "d1") == 1 })
 }
 
