@@ -195,6 +195,11 @@ func NewClient(opts Options) *Client {
 	return c
 }
 
+// DecodeReadTimeout returns the between-chunk bound decode streams get
+// (R-TMO-2); 0 means none, the request deadline bounds the stream
+// (R-TMO-4).
+func (c *Client) DecodeReadTimeout() time.Duration { return c.readTimeout }
+
 // CloseIdleConnections closes the idle connections of both transports.
 func (c *Client) CloseIdleConnections() {
 	c.http.CloseIdleConnections()

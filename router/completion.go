@@ -52,13 +52,7 @@ type call struct {
 
 // serveCompletion handles POST /v1/chat/completions and /v1/completions.
 func (rt *Router) serveCompletion(fctx *fasthttp.RequestCtx, endpoint string) {
-	c := &call{rt: rt, arrival: time.Now()}
-	if h := fctx.Request.Header.Peek("X-Request-Id"); validRequestID(h) {
-		c.id = string(h)
-	} else {
-		c.id = newID()
-	}
-	fctx.Response.Header.Set("X-Request-Id", c.id)
+	c := &call{rt: rt, arrival: time.Now(), id: requestID(fctx)}
 	rt.inflight.Add(1)
 	rt.metrics.inflight.Inc()
 
@@ -118,7 +112,9 @@ func (rt *Router) serveCompletion(fctx *fasthttp.RequestCtx, endpoint string) {
 func clientTimeout(fctx *fasthttp.RequestCtx) (time.Duration, bool) {
 	for _, h := range []string{"X-Request-Timeout", "X-Stainless-Timeout"} {
 		if v := fctx.Request.Header.Peek(h); len(v) > 0 {
-			if s, err := strconv.ParseFloat(string(v), 64); err == nil && s > 0 {
+			// Finite, positive and below a year: anything else (inf, NaN,
+			// 1e300, which would overflow a Duration) is ignored.
+			if s, err := strconv.ParseFloat(string(v), 64); err == nil && s > 0 && s < 365*24*3600 {
 				return time.Duration(s * float64(time.Second)), true
 			}
 		}

@@ -93,6 +93,9 @@ type Router struct {
 
 	shutdownOnce sync.Once
 	shutdownErr  error
+	lnMu         sync.Mutex
+	ln           net.Listener
+	stopping     bool
 }
 
 // New builds a Router from opts. It returns an error when an engine's
@@ -172,8 +175,21 @@ func New(opts Options) (*Router, error) {
 		IdleTimeout:                   90 * time.Second,
 		CloseOnShutdown:               true,
 		StreamRequestBody:             false,
+		Logger:                        fasthttpLogger{rt.log},
 	}
 	return rt, nil
+}
+
+// fasthttpLogger sends fasthttp's own messages (malformed requests,
+// connection errors) to the router's structured log.
+type fasthttpLogger struct{ log *slog.Logger }
+
+// Printf logs one fasthttp message at debug level: they concern single
+// client connections and are counted in the request metrics already.
+func (l fasthttpLogger) Printf(format string, args ...any) {
+	if l.log.Enabled(context.Background(), slog.LevelDebug) {
+		l.log.Debug(fmt.Sprintf(format, args...), "source", "fasthttp")
+	}
 }
 
 func trimSlash(u string) string {
@@ -192,6 +208,14 @@ func (rt *Router) Registry() *prometheus.Registry { return rt.reg }
 // Serve refreshes the fleet's models in the background and serves HTTP on
 // ln until Shutdown. It returns nil after a clean shutdown.
 func (rt *Router) Serve(ln net.Listener) error {
+	rt.lnMu.Lock()
+	if rt.stopping {
+		rt.lnMu.Unlock()
+		ln.Close()
+		return nil
+	}
+	rt.ln = ln
+	rt.lnMu.Unlock()
 	rt.RefreshModels(rt.base)
 	rt.wg.Add(1)
 	go rt.refreshLoop()
@@ -211,6 +235,14 @@ func (rt *Router) Shutdown(ctx context.Context) error {
 }
 
 func (rt *Router) shutdown(ctx context.Context) error {
+	// A Serve that has not reached fasthttp yet must not start serving
+	// after this: close its listener ourselves.
+	rt.lnMu.Lock()
+	rt.stopping = true
+	if rt.ln != nil {
+		_ = rt.ln.Close()
+	}
+	rt.lnMu.Unlock()
 	graceCtx, cancel := context.WithTimeout(ctx, rt.grace)
 	defer cancel()
 	done := make(chan error, 1)
@@ -230,8 +262,8 @@ func (rt *Router) shutdown(ctx context.Context) error {
 	rt.wg.Wait()
 	rt.watcher.close()
 	rt.client.CloseIdleConnections()
-	if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
-		err = nil
+	if (errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil) || errors.Is(err, net.ErrClosed) {
+		err = nil // the grace period ended as planned; or the listener was ours to close
 	}
 	if err == nil && rt.inflight.Load() > 0 {
 		err = fmt.Errorf("router: %d requests still running at the end of shutdown", rt.inflight.Load())
@@ -274,9 +306,31 @@ func (rt *Router) Quarantine(engineID string, until time.Time) bool {
 
 func nowNano() int64 { return time.Now().UnixNano() }
 
-// serve routes one request.
+// requestID returns the request's id — the client's X-Request-Id when it
+// sent a valid one, else a new one — and sets it on the response (R-API-6).
+func requestID(ctx *fasthttp.RequestCtx) string {
+	var id string
+	if h := ctx.Request.Header.Peek("X-Request-Id"); validRequestID(h) {
+		id = string(h)
+	} else {
+		id = newID()
+	}
+	ctx.Response.Header.Set("X-Request-Id", id)
+	return id
+}
+
+// serve routes one request. Every response carries an X-Request-Id
+// (R-API-6); the completion handler sets its own.
 func (rt *Router) serve(ctx *fasthttp.RequestCtx) {
 	path := ctx.Path()
+	switch string(path) {
+	case schemas.EndpointChat, schemas.EndpointCompletions:
+		if !ctx.IsPost() {
+			requestID(ctx)
+		}
+	default:
+		requestID(ctx)
+	}
 	switch string(path) {
 	case schemas.EndpointChat:
 		if rt.post(ctx) {
@@ -312,11 +366,7 @@ func (rt *Router) post(ctx *fasthttp.RequestCtx) bool {
 // serverError answers the errors fasthttp raises before the handler runs,
 // above all a body over the limit (413, R-API-4), in the OpenAI shape.
 func (rt *Router) serverError(ctx *fasthttp.RequestCtx, err error) {
-	if h := ctx.Request.Header.Peek("X-Request-Id"); validRequestID(h) {
-		ctx.Response.Header.SetBytesV("X-Request-Id", h)
-	} else {
-		ctx.Response.Header.Set("X-Request-Id", newID())
-	}
+	requestID(ctx)
 	var tooLarge bool
 	if errors.Is(err, fasthttp.ErrBodyTooLarge) {
 		tooLarge = true

@@ -388,3 +388,63 @@ func TestShutdownEndsStreamsWithAnErrorEvent(t *testing.T) {
 		t.Fatal("requests left")
 	}
 }
+
+func TestEveryResponseHasARequestIDRAPI6(t *testing.T) {
+	s := newStack(t, pd(), nil)
+	s.waitModels()
+	for _, path := range []string{"/healthz", "/readyz", "/v1/models", "/metrics", "/nope"} {
+		resp, _ := s.get(path)
+		if resp.Header.Get("X-Request-Id") == "" {
+			t.Errorf("GET %s: no X-Request-Id", path)
+		}
+	}
+	resp, _ := s.get(schemas.EndpointChat) // wrong method
+	if resp.StatusCode != 405 || resp.Header.Get("X-Request-Id") == "" {
+		t.Errorf("GET %s: %d %q", schemas.EndpointChat, resp.StatusCode, resp.Header.Get("X-Request-Id"))
+	}
+}
+
+func TestClientTimeoutHeaderRTMO5(t *testing.T) {
+	s := newStack(t, pd(), nil)
+	s.waitModels()
+	// Absurd values are ignored, not turned into an instant deadline.
+	for _, v := range []string{"inf", "1e300", "NaN", "-3", "abc"} {
+		if resp, body := s.post(schemas.EndpointChat, chatBody("t", `"max_tokens":2`), "X-Request-Timeout", v); resp.StatusCode != 200 {
+			t.Errorf("X-Request-Timeout %s: %d %s", v, resp.StatusCode, body)
+		}
+	}
+}
+
+func TestZeroReadTimeoutMeansNoChunkBoundRTMO4(t *testing.T) {
+	for _, tc := range []struct {
+		cfg  float64
+		want time.Duration
+	}{{0, 0}, {2.5, 2500 * time.Millisecond}} {
+		s := newStack(t, pd(), func(c *config.Config) { c.Engine.DecodeReadTimeoutS = tc.cfg })
+		if got := s.rt.client.DecodeReadTimeout(); got != tc.want {
+			t.Errorf("decode_read_timeout_s %v: the engine client bounds chunks at %v, want %v", tc.cfg, got, tc.want)
+		}
+	}
+}
+
+func TestReservationsEndWithTheirPhaseROWN3(t *testing.T) {
+	// The prefill slot is released when the prefill leg ends, the decode
+	// slot when the stream ends.
+	s := newStack(t, []engineDef{{id: "p1", role: "prefill"}, {id: "d1", role: "decode", cfg: sim.Config{ITL: 100 * millisecond}}}, nil)
+	s.waitModels()
+	resp, err := http.Post(s.url+schemas.EndpointChat, "application/json", strings.NewReader(chatBody("slots", `"stream":true,"max_tokens":20`)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	first := make([]byte, 1)
+	if _, err := resp.Body.Read(first); err != nil { // decoding now
+		t.Fatal(err)
+	}
+	p, d := s.rt.fleet.byID["p1"].reserved[prefillPhase].Load(), s.rt.fleet.byID["d1"].reserved[decodePhase].Load()
+	if p != 0 || d != 1 {
+		t.Fatalf("while decoding: prefill slots %d (want 0), decode slots %d (want 1)", p, d)
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	s.idle()
+}
