@@ -155,27 +155,39 @@ func TestImmediateStopIsOutput(t *testing.T) {
 	}
 }
 
+// The timer tests put "just inside" at half the bound and "just outside"
+// at 1.5× it: a timer enforced at twice its configured value fails them,
+// while a loaded machine's scheduling delay (tens of ms) does not.
+
 func TestFirstTokenBudgetRTMO1(t *testing.T) {
 	c := testClient(500*time.Millisecond, time.Second)
-	t.Run("inside: header delay and metadata spend less than the budget", func(t *testing.T) {
-		srv := scripted(t, 50*time.Millisecond, 200, step{send: data(roleChunk)}, step{wait: 50 * time.Millisecond, send: data(tokenChunk)}, step{send: data("[DONE]")})
+	t.Run("inside: header delay and metadata together spend half the budget", func(t *testing.T) {
+		srv := scripted(t, 125*time.Millisecond, 200, step{send: data(roleChunk)}, step{wait: 125 * time.Millisecond, send: data(tokenChunk)}, step{send: data("[DONE]")})
 		if r := runStream(context.Background(), c, srv.URL); r.err != nil {
 			t.Fatal(r.err)
 		}
 	})
-	t.Run("outside: response headers later than the budget", func(t *testing.T) {
-		srv := scripted(t, 1200*time.Millisecond, 200, step{send: data(tokenChunk)}, step{send: data("[DONE]")})
+	t.Run("outside: response headers at 1.5x the budget", func(t *testing.T) {
+		srv := scripted(t, 750*time.Millisecond, 200, step{send: data(tokenChunk)}, step{send: data("[DONE]")})
 		r := runStream(context.Background(), c, srv.URL)
 		wantFault(t, r.err, KindFirstTokenTimeout, 504, "engine first token timeout")
 	})
-	t.Run("outside: headers fast, token late", func(t *testing.T) {
-		srv := scripted(t, 0, 200, step{send: data(roleChunk)}, step{wait: 1200 * time.Millisecond, send: data(tokenChunk)}, step{send: data("[DONE]")})
+	t.Run("outside: headers at once, token at 1.5x the budget", func(t *testing.T) {
+		srv := scripted(t, 0, 200, step{send: data(roleChunk)}, step{wait: 750 * time.Millisecond, send: data(tokenChunk)}, step{send: data("[DONE]")})
+		r := runStream(context.Background(), c, srv.URL)
+		wantFault(t, r.err, KindFirstTokenTimeout, 504, MsgFirstTokenTimeout)
+	})
+	t.Run("connect, headers and metadata spend one budget", func(t *testing.T) {
+		// Headers at 375 ms and the token 375 ms later: each inside the
+		// budget alone, together 1.5x it. A budget restarted at the
+		// headers or at a metadata chunk would let this through.
+		srv := scripted(t, 375*time.Millisecond, 200, step{send: data(roleChunk)}, step{wait: 375 * time.Millisecond, send: data(tokenChunk)}, step{send: data("[DONE]")})
 		r := runStream(context.Background(), c, srv.URL)
 		wantFault(t, r.err, KindFirstTokenTimeout, 504, MsgFirstTokenTimeout)
 	})
 	t.Run("metadata chunks do not satisfy the first-token budget", func(t *testing.T) {
 		var steps []step
-		for i := 0; i < 30; i++ { // 30 × 50 ms of keep-alives and empty deltas: 1.5 s, well past 500 ms
+		for i := 0; i < 15; i++ { // 15 × 50 ms of keep-alives and empty deltas: 750 ms, 1.5x the budget
 			steps = append(steps, step{wait: 50 * time.Millisecond, send: ": keep-alive\n\n"}, step{send: data(roleChunk)})
 		}
 		steps = append(steps, step{send: data(tokenChunk)}, step{send: data("[DONE]")})
@@ -186,29 +198,35 @@ func TestFirstTokenBudgetRTMO1(t *testing.T) {
 }
 
 func TestBetweenChunkTimerRTMO2(t *testing.T) {
-	c := testClient(time.Second, 400*time.Millisecond)
-	t.Run("inside: tokens closer than the bound", func(t *testing.T) {
+	c := testClient(time.Second, 500*time.Millisecond)
+	t.Run("inside: gaps of half the bound", func(t *testing.T) {
 		steps := []step{{send: data(tokenChunk)}}
-		for i := 0; i < 5; i++ {
-			steps = append(steps, step{wait: 50 * time.Millisecond, send: data(tokenChunk)})
+		for i := 0; i < 3; i++ {
+			steps = append(steps, step{wait: 250 * time.Millisecond, send: data(tokenChunk)})
 		}
 		srv := scripted(t, 0, 200, append(steps, step{send: data("[DONE]")})...)
-		if r := runStream(context.Background(), c, srv.URL); r.err != nil || r.outputs != 6 {
+		if r := runStream(context.Background(), c, srv.URL); r.err != nil || r.outputs != 4 {
 			t.Fatalf("%+v %v", r, r.err)
 		}
 	})
-	t.Run("outside: silence after the first token (R-TMO-3)", func(t *testing.T) {
-		srv := scripted(t, 0, 200, step{send: data(tokenChunk)}, step{wait: 1500 * time.Millisecond, send: data(tokenChunk)}, step{send: data("[DONE]")})
+	t.Run("outside: a gap of 1.5x the bound after the first token (R-TMO-3)", func(t *testing.T) {
+		srv := scripted(t, 0, 200, step{send: data(tokenChunk)}, step{wait: 750 * time.Millisecond, send: data(tokenChunk)}, step{send: data("[DONE]")})
 		r := runStream(context.Background(), c, srv.URL)
 		if r.outputs != 1 {
 			t.Fatalf("outputs %d", r.outputs)
 		}
 		wantFault(t, r.err, KindMidStreamSilence, 504, "engine went silent between tokens")
 	})
+	t.Run("outside: the bound counts from the last byte, not the last token", func(t *testing.T) {
+		// Keep-alives for 250 ms, then 750 ms of nothing.
+		srv := scripted(t, 0, 200, step{send: data(tokenChunk)}, step{wait: 250 * time.Millisecond, send: ": keep-alive\n\n"},
+			step{wait: 750 * time.Millisecond, send: data(tokenChunk)}, step{send: data("[DONE]")})
+		wantFault(t, runStream(context.Background(), c, srv.URL).err, KindMidStreamSilence, 504, MsgSilence)
+	})
 	t.Run("metadata chunks reset the between-chunk timer", func(t *testing.T) {
 		steps := []step{{send: data(tokenChunk)}}
-		for i := 0; i < 20; i++ { // 20 × 50 ms = 1 s without a token, never 400 ms without bytes
-			steps = append(steps, step{wait: 50 * time.Millisecond, send: ": keep-alive\n\n"})
+		for i := 0; i < 6; i++ { // 6 × 250 ms = 1.5 s without a token, never more than half the bound without bytes
+			steps = append(steps, step{wait: 250 * time.Millisecond, send: ": keep-alive\n\n"})
 		}
 		steps = append(steps, step{send: data(tokenChunk)}, step{send: data(usageChunk)}, step{send: data("[DONE]")})
 		srv := scripted(t, 0, 200, steps...)
