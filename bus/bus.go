@@ -16,6 +16,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -178,7 +179,7 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 func (b *Bus) setup(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, setupTimeout)
 	defer cancel()
-	_, err := b.js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{
+	want := jetstream.StreamConfig{
 		Name:        StreamName,
 		Description: "Narwhal events (failure, quarantine, handoff, request, probe, eligibility)",
 		Subjects:    []string{SubjectPrefix + ">"},
@@ -189,22 +190,45 @@ func (b *Bus) setup(ctx context.Context) error {
 		MaxBytes:    StreamMaxBytes,
 		Duplicates:  StreamDuplicates,
 		Replicas:    b.replicas,
-	})
-	if err != nil {
-		return fmt.Errorf("bus: stream %s: %w", StreamName, err)
 	}
-	kv, err := b.js.CreateOrUpdateKeyValue(ctx, jetstream.KeyValueConfig{
+	// Update only what differs: every process starts with this, and a
+	// stream update that races other processes' consumer creation is
+	// needless churn on the server.
+	if st, err := b.js.Stream(ctx, StreamName); err != nil || !sameStream(st.CachedInfo().Config, want) {
+		if _, err := b.js.CreateOrUpdateStream(ctx, want); err != nil {
+			return fmt.Errorf("bus: stream %s: %w", StreamName, err)
+		}
+	}
+	kvWant := jetstream.KeyValueConfig{
 		Bucket:      PlacementBucket,
 		Description: "Narwhal placement eligibility by engine id",
 		History:     1,
 		Storage:     jetstream.FileStorage,
 		Replicas:    b.replicas,
-	})
+	}
+	kv, err := b.js.KeyValue(ctx, PlacementBucket)
+	if err == nil {
+		if st, serr := kv.Status(ctx); serr != nil || st.History() != 1 || st.BackingStore() != "JetStream" {
+			err = errors.New("bucket settings differ")
+		} else if info, ierr := b.js.Stream(ctx, "KV_"+PlacementBucket); ierr != nil || info.CachedInfo().Config.Replicas != b.replicas {
+			err = errors.New("bucket settings differ")
+		}
+	}
 	if err != nil {
-		return fmt.Errorf("bus: bucket %s: %w", PlacementBucket, err)
+		if kv, err = b.js.CreateOrUpdateKeyValue(ctx, kvWant); err != nil {
+			return fmt.Errorf("bus: bucket %s: %w", PlacementBucket, err)
+		}
 	}
 	b.placement = kv
 	return nil
+}
+
+// sameStream reports whether the settings Narwhal manages are as wanted.
+func sameStream(have, want jetstream.StreamConfig) bool {
+	return slices.Equal(have.Subjects, want.Subjects) && have.Retention == want.Retention &&
+		have.Discard == want.Discard && have.Storage == want.Storage && have.MaxAge == want.MaxAge &&
+		have.MaxBytes == want.MaxBytes && have.Duplicates == want.Duplicates && have.Replicas == want.Replicas &&
+		have.Description == want.Description
 }
 
 // retryable reports whether a setup error may go away by waiting: the

@@ -34,6 +34,9 @@ func TestStreakEjectsAfterEjectAfter(t *testing.T) {
 		if !e.Eligible || e.State != schemas.StateEligible || e.Streak != 0 || e.BreakerID != "breaker-a" {
 			t.Fatalf("seeded entry of %s: %+v", id, e)
 		}
+		// The event reaches the test's subscription a little after the
+		// entry is written.
+		waitFor(t, "the seed event of "+id, func() bool { return len(h.eligibilities(id)) > 0 })
 		evs := h.eligibilities(id)
 		if len(evs) != 1 || evs[0].State != schemas.StateEligible {
 			t.Fatalf("seed events of %s: %+v", id, evs)
