@@ -288,6 +288,29 @@ func TestConnectErrorRFAIL1(t *testing.T) {
 	}
 	s.idle()
 	s.oneFailure("d1", "decode", "connect_error", true)
+	// The producer's blocks will never be pulled: released and reported.
+	hs := s.events.handoffs()
+	if len(hs) != 1 || hs[0].Outcome != "abandoned" || hs[0].EngineID != "p1" || !hs[0].Released {
+		t.Fatalf("handoff events %+v", hs)
+	}
+	s.validEvents()
+}
+
+func TestPrefillConnectErrorRFAIL1(t *testing.T) {
+	s := faultStack(t, nil)
+	s.sims["p1"].Close() // the producer dies after the router learnt its models
+	resp, body := s.post(schemas.EndpointChat, chatBody("no producer", `"stream":true`))
+	if resp.StatusCode != 502 {
+		t.Fatalf("status %d: %s", resp.StatusCode, body)
+	}
+	if e := errorBody(t, 502, body); !strings.HasPrefix(e.Message, "prefill engine p1 unreachable") {
+		t.Fatalf("message %q", e.Message)
+	}
+	if n := s.decodeCalls(); n != 0 {
+		t.Fatalf("decode called %d times after a failed prefill", n)
+	}
+	s.idle()
+	s.oneFailure("p1", "prefill", "connect_error", true)
 	s.validEvents()
 }
 
@@ -309,6 +332,8 @@ func TestHandoffExpiredROWN2(t *testing.T) {
 		t.Fatalf("an expired descriptor was sent to decode (%d calls)", n)
 	}
 	s.idle()
+	// Published, and not counted against either engine (docs/failures.md).
+	s.oneFailure("p1", "decode", "handoff_expired", false)
 	hs := s.events.handoffs()
 	if len(hs) != 1 || hs[0].Reason != "handoff_expired" || !hs[0].Released || hs[0].AgeSeconds < 0.05 {
 		t.Fatalf("handoff events %+v", hs)

@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -181,9 +182,19 @@ func sseEvents(b []byte) []string {
 }
 
 // streamText concatenates the content/text deltas of an SSE body and
-// reports whether it ended with [DONE].
+// reports whether it ended with [DONE]; it fails the test on a malformed
+// body. Use streamTextErr from other goroutines.
 func streamText(t *testing.T, b []byte) (text string, done bool, errObj *schemas.ErrorObject) {
 	t.Helper()
+	text, done, errObj, err := streamTextErr(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return text, done, errObj
+}
+
+// streamTextErr is streamText returning what is wrong instead of failing.
+func streamTextErr(b []byte) (text string, done bool, errObj *schemas.ErrorObject, err error) {
 	var sb strings.Builder
 	for _, p := range sseEvents(b) {
 		if p == "[DONE]" {
@@ -191,7 +202,7 @@ func streamText(t *testing.T, b []byte) (text string, done bool, errObj *schemas
 			continue
 		}
 		if done {
-			t.Fatalf("data after [DONE]: %s", p)
+			return "", false, nil, fmt.Errorf("data after [DONE]: %s", p)
 		}
 		var ch struct {
 			Choices []struct {
@@ -203,7 +214,7 @@ func streamText(t *testing.T, b []byte) (text string, done bool, errObj *schemas
 			Error *schemas.ErrorObject `json:"error"`
 		}
 		if err := json.Unmarshal([]byte(p), &ch); err != nil {
-			t.Fatalf("bad event %q: %v", p, err)
+			return "", false, nil, fmt.Errorf("bad event %q: %v", p, err)
 		}
 		if ch.Error != nil {
 			errObj = ch.Error
@@ -214,7 +225,7 @@ func streamText(t *testing.T, b []byte) (text string, done bool, errObj *schemas
 			sb.WriteString(c.Text)
 		}
 	}
-	return sb.String(), done, errObj
+	return sb.String(), done, errObj, nil
 }
 
 // expected returns what a sim generates for a chat prompt of one user

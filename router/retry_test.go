@@ -680,3 +680,37 @@ func TestLocalQuarantineRQUAR1(t *testing.T) {
 		}
 	})
 }
+
+// TestRetryAvoidsTheFailedProducerRRETRY3 is R-RETRY-3 for the prefill
+// phase: a retry after a prefill fault never goes back to the producer that
+// failed while another is eligible.
+func TestRetryAvoidsTheFailedProducerRRETRY3(t *testing.T) {
+	s := newStack(t, pd(), func(c *config.Config) {
+		c.Recovery.RetryAttempts = 2
+		c.Recovery.RetryBudgetRatio = 1 // the budget is not what this test is about
+	})
+	s.waitModels()
+	s.sims["p1"].Arm(sim.Fault{Kind: sim.FaultStatus, Phase: sim.PhasePrefill, Status: 503})
+	retried := 0
+	for i := 0; i < 20; i++ {
+		id := fmt.Sprintf("prefill-retry-%d", i)
+		resp, body := s.post(schemas.EndpointChat, chatBody("avoid p1", `"stream":true,"max_tokens":3`), "X-Request-Id", id)
+		if resp.StatusCode != 200 {
+			t.Fatalf("request %d: %d %s", i, resp.StatusCode, body)
+		}
+		legs := s.legsOf("prefill", id)
+		if n := len(legs["p1"]); n > 1 {
+			t.Fatalf("request %d went back to the failed producer: %v", i, legs)
+		}
+		if len(legs["p1"]) == 1 {
+			retried++
+			if len(legs["p2"]) != 1 {
+				t.Fatalf("request %d: after p1 failed, prefills %v", i, legs)
+			}
+		}
+	}
+	if retried == 0 {
+		t.Fatal("no request was placed on p1 first: the test proved nothing")
+	}
+	t.Logf("%d of 20 requests retried away from p1", retried)
+}

@@ -99,6 +99,10 @@ func TestConcurrentStreams200(t *testing.T) {
 	s := newStack(t, pd(), nil)
 	s.waitModels()
 	const n = 200
+	want := make([]string, n) // computed here: t.Fatal must not run in the workers
+	for i := range want {
+		want[i] = expectedChat(t, fmt.Sprintf("prompt number %d", i), 0, 16)
+	}
 	var wg sync.WaitGroup
 	errs := make(chan error, n)
 	for i := 0; i < n; i++ {
@@ -128,9 +132,9 @@ func TestConcurrentStreams200(t *testing.T) {
 				errs <- fmt.Errorf("request %d: status %d %s", i, resp.StatusCode, b)
 				return
 			}
-			text, done, errObj := streamText(t, b)
-			if !done || errObj != nil || text != expectedChat(t, content, 0, 16) {
-				errs <- fmt.Errorf("request %d: done=%v err=%v text=%q", i, done, errObj, text)
+			text, done, errObj, err := streamTextErr(b)
+			if err != nil || !done || errObj != nil || text != want[i] {
+				errs <- fmt.Errorf("request %d: done=%v err=%v %v text=%q", i, done, errObj, err, text)
 			}
 		}(i)
 	}
