@@ -22,8 +22,9 @@ const devModel = "narwhal-sim"
 
 // runDev is `narwhal dev [--listen HOST:PORT]` (SPEC §14): embedded NATS, a
 // router, two prefill and two decode simulators on free ports, and a
-// ready-to-paste curl. With --chaos a chaos proxy stands in front of each
-// simulator and the bus listens on TCP (see startDevChaos). Ctrl-C stops
+// ready-to-paste curl. The bus listens on TCP so other commands can follow
+// it (see startDevChaos); with --chaos a chaos proxy stands in front of each
+// simulator. Ctrl-C stops
 // everything.
 func runDev(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("dev", flag.ContinueOnError)
@@ -49,13 +50,14 @@ func runDev(ctx context.Context, args []string) error {
 			s.Close()
 		}
 	}()
-	var dc *devChaos // --chaos: the TCP bus and a proxy in front of each sim
-	if *chaosMode {
-		if dc, err = startDevChaos(ctx, log, devChaosPort); err != nil {
-			return err
-		}
-		defer dc.close()
+	// The dev bus listens on TCP (127.0.0.1:4222, or a free port) so that
+	// `narwhal events` and `narwhal chaos` can follow and steer the stack
+	// from another terminal; dev runs the breaker on it itself.
+	dc, err := startDevChaos(ctx, log, devChaosPort)
+	if err != nil {
+		return err
 	}
+	defer dc.close()
 	for _, e := range []struct{ id, role string }{
 		{"prefill-1", "prefill"}, {"prefill-2", "prefill"}, {"decode-1", "decode"}, {"decode-2", "decode"},
 	} {
@@ -69,7 +71,7 @@ func runDev(ctx context.Context, args []string) error {
 			return err
 		}
 		fmt.Fprintf(os.Stderr, "sim %-10s %-8s %s\n", e.id, e.role, url)
-		if dc != nil {
+		if *chaosMode {
 			if url, err = dc.front(ctx, e.id, url, log); err != nil {
 				return err
 			}
@@ -79,10 +81,8 @@ func runDev(ctx context.Context, args []string) error {
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
-	if dc != nil {
-		if err := dc.startBreaker(ctx, cfg, log); err != nil {
-			return err
-		}
+	if err := dc.startBreaker(ctx, cfg, log); err != nil {
+		return err
 	}
 	return runRouter(ctx, cfg, *listen, log, func(base string) {
 		fmt.Printf(`
@@ -92,8 +92,9 @@ Try a streamed chat completion (prefill on one sim, KV pulled by a decode sim):
 curl -N %[1]s/v1/chat/completions -H 'Content-Type: application/json' -d '{"model":"%[2]s","messages":[{"role":"user","content":"Hello, narwhal!"}],"stream":true,"max_tokens":16}'
 
 Metrics: %[1]s/metrics   Ready: %[1]s/readyz   Press Ctrl-C to stop.
-`, base, devModel)
-		if dc != nil {
+Follow the events from another terminal: NARWHAL_NATS_URL=%[3]s go run ./cmd/narwhal events
+`, base, devModel, redactNATSURL(dc.natsURL))
+		if *chaosMode {
 			fmt.Print(dc.banner())
 		}
 	})
