@@ -14,7 +14,8 @@ import (
 
 // disconnectWatcher tells a request that its client went away while the
 // router waits on engines (SPEC R-OWN-5). fasthttp cannot see this itself:
-// nothing reads the socket while the handler waits (DESIGN.md). Instead of
+// nothing reads the socket while the handler waits (fasthttp issues #468,
+// #965). Instead of
 // peeking every socket a few times a second, the watcher registers each
 // waiting connection in a private epoll set for EPOLLRDHUP (peer closed its
 // side), EPOLLHUP and EPOLLERR (reset), one-shot: one goroutine sleeps in
