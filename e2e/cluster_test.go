@@ -28,7 +28,9 @@ import (
 // The cluster of the mesh tests (SPEC §8, §9): `narwhal bus`, three
 // `narwhal router` processes r1, r2, r3, two `narwhal breaker` processes and
 // four `narwhal sim` engines p1, p2 (prefill) and d1, d2 (decode), every one
-// its own process, all reading the same YAML file. The test process joins
+// its own process, all reading the same YAML file. clusterOptions may ask
+// for fewer routers or breakers, and for a `narwhal chaos proxy` in front
+// of chosen engines (the chaos tests). The test process joins
 // the bus too, to read the events, the placement bucket and the lease.
 
 // Settings of the cluster's routers and breakers, given as environment
@@ -89,6 +91,24 @@ type clusterOptions struct {
 	// enginesOnly starts the simulators and writes the YAML file, nothing
 	// else (no bus, routers or breakers).
 	enginesOnly bool
+	// routers is the number of routers, r1, r2, …; 0 means 3 (at most 3).
+	routers int
+	// breakers is the number of breakers started; 0 means 2.
+	breakers int
+	// chaos names the engines that get a `narwhal chaos proxy` in front of
+	// them (R-CHAOS-1): the proxy's --engine-id is the engine's id, and the
+	// fleet's URL of the engine is the proxy's. It needs the bus (not with
+	// enginesOnly).
+	chaos []string
+	// simArgs are added to every simulator's command line, e.g. --itl.
+	simArgs []string
+}
+
+// chaosFront is a `narwhal chaos proxy` process in front of one simulator.
+type chaosFront struct {
+	id  string // the engine id, the proxy's --engine-id
+	url string // the proxy's base URL: the fleet's URL of the engine
+	p   *process
 }
 
 // routerProc is one `narwhal router` of the cluster.
@@ -113,7 +133,9 @@ type cluster struct {
 	routers    []*routerProc // r1, r2, r3
 	breakers   []*process
 	breakerEnv []string
-	extra      []*process // other processes of a test, stopped with the mesh
+	simArgs    []string               // added to every simulator's command line
+	fronts     map[string]*chaosFront // chaos proxies by engine id
+	extra      []*process             // other processes of a test, stopped with the mesh
 
 	conn    *bus.Bus  // the test's own connection
 	events  *eventLog // every event on the bus since the cluster started
@@ -136,7 +158,18 @@ var busLine = regexp.MustCompile(`bus listening on (nats://\S+)`)
 // and the bus.
 func startCluster(t *testing.T, opts clusterOptions) *cluster {
 	t.Helper()
-	c := &cluster{dir: t.TempDir(), sims: map[string]*simProc{}, events: &eventLog{}, breakerEnv: opts.breakerEnv}
+	c := &cluster{dir: t.TempDir(), sims: map[string]*simProc{}, events: &eventLog{}, breakerEnv: opts.breakerEnv,
+		simArgs: opts.simArgs, fronts: map[string]*chaosFront{}}
+	nRouters, nBreakers := opts.routers, opts.breakers
+	if nRouters == 0 {
+		nRouters = 3
+	}
+	if nBreakers == 0 {
+		nBreakers = 2
+	}
+	if nRouters > 3 {
+		t.Fatalf("a cluster has at most 3 routers, not %d", nRouters)
+	}
 	c.transport = &http.Transport{MaxIdleConnsPerHost: 16}
 	c.client = &http.Client{Transport: c.transport, Timeout: requestBound}
 	t.Cleanup(func() { c.teardown(t) })
@@ -159,6 +192,9 @@ func startCluster(t *testing.T, opts clusterOptions) *cluster {
 	for _, s := range c.simOrder {
 		c.waitSim(t, s)
 	}
+	if len(opts.chaos) > 0 && !opts.enginesOnly {
+		c.startFronts(t, opts.chaos)
+	}
 
 	var cfg strings.Builder
 	cfg.WriteString(`engine:
@@ -173,7 +209,11 @@ request:
 	}
 	cfg.WriteString("fleet:\n")
 	for _, s := range c.simOrder {
-		fmt.Fprintf(&cfg, "  - id: %s\n    url: %s\n    role: %s\n    connector: nixl\n", s.id, s.url, s.role)
+		url := s.url
+		if f, ok := c.fronts[s.id]; ok {
+			url = f.url
+		}
+		fmt.Fprintf(&cfg, "  - id: %s\n    url: %s\n    role: %s\n    connector: nixl\n", s.id, url, s.role)
 	}
 	c.cfgPath = filepath.Join(c.dir, "narwhal.yaml")
 	if err := os.WriteFile(c.cfgPath, []byte(cfg.String()), 0o600); err != nil {
@@ -193,7 +233,7 @@ request:
 		t.Fatal(err)
 	}
 
-	for i := range 3 {
+	for i := range nRouters {
 		r := &routerProc{id: fmt.Sprintf("r%d", i+1), addr: hostPort(ports[5+i])}
 		r.url = "http://" + r.addr
 		r.env = append(append([]string{"NARWHAL_NATS_URL=" + c.natsURL, "NARWHAL_ROUTER_ID=" + r.id}, clusterEnv...), opts.routerEnv...)
@@ -203,8 +243,9 @@ request:
 	for _, r := range c.routers {
 		waitHTTP(t, r.p, r.url+"/readyz")
 	}
-	c.startBreaker(t)
-	c.startBreaker(t)
+	for range nBreakers {
+		c.startBreaker(t)
+	}
 	waitFor(t, readyBound, "a leading breaker and a placement entry for every engine", func() bool {
 		if c.leader(t) == "" {
 			return false
@@ -238,11 +279,13 @@ func (c *cluster) startBus(t *testing.T) {
 	c.natsURL = url
 }
 
-// spawnSim starts s's `narwhal sim` process on s's port with args added.
+// spawnSim starts s's `narwhal sim` process on s's port with the
+// cluster's simArgs and args added.
 func (c *cluster) spawnSim(t *testing.T, s *simProc, args ...string) {
 	t.Helper()
-	args = append([]string{"sim", "--role", s.role, "--listen", strings.TrimPrefix(s.url, "http://"),
-		"--engine-id", s.id, "--model", clusterModel, "--kv-listen", "127.0.0.1:0"}, args...)
+	base := []string{"sim", "--role", s.role, "--listen", strings.TrimPrefix(s.url, "http://"),
+		"--engine-id", s.id, "--model", clusterModel, "--kv-listen", "127.0.0.1:0"}
+	args = append(append(base, c.simArgs...), args...)
 	s.p = spawn(t, "sim "+s.id, nil, args...)
 }
 
@@ -261,6 +304,47 @@ func (c *cluster) restartSim(t *testing.T, s *simProc, args ...string) {
 	s.p.halt(t)
 	c.spawnSim(t, s, args...)
 	c.waitSim(t, s)
+}
+
+// frontLine is a chaos proxy's listening line.
+var frontLine = regexp.MustCompile(`chaos proxy (\S+) listening on (http://\S+) -> `)
+
+// startFronts starts a `narwhal chaos proxy` on a free port in front of
+// each named simulator, joined to the cluster's bus, and waits until each
+// prints its listening line and passes the simulator's /health through.
+// The proxies are stopped with the routers (they are extra processes).
+func (c *cluster) startFronts(t *testing.T, ids []string) {
+	t.Helper()
+	for _, id := range ids {
+		s, ok := c.sims[id]
+		if !ok {
+			t.Fatalf("no simulator %s to put a chaos proxy in front of", id)
+		}
+		f := &chaosFront{id: id}
+		f.p = spawn(t, "chaos proxy "+id, []string{"NARWHAL_NATS_URL=" + c.natsURL},
+			"chaos", "proxy", "--target", s.url, "--listen", "127.0.0.1:0", "--engine-id", id)
+		c.extra = append(c.extra, f.p)
+		c.fronts[id] = f
+	}
+	for _, id := range ids {
+		f := c.fronts[id]
+		waitFor(t, readyBound, "chaos proxy "+id+"'s listening line", func() bool {
+			if f.p.exited() {
+				f.p.dump(t)
+				t.Fatalf("chaos proxy %s exited: %v", id, f.p.waitErr)
+			}
+			m := frontLine.FindStringSubmatch(f.p.stdout.String())
+			if m == nil {
+				return false
+			}
+			if m[1] != id {
+				t.Fatalf("chaos proxy for %s says it is %s", id, m[1])
+			}
+			f.url = m[2]
+			return true
+		})
+		waitHTTP(t, f.p, f.url+"/health")
+	}
 }
 
 // spawnRouter starts r's `narwhal router` process.
