@@ -79,7 +79,8 @@ type ProcessCost struct {
 	RSSBeforeBytes int64 `json:"rss_before_bytes,omitempty"`
 	RSSPeakBytes   int64 `json:"rss_peak_bytes,omitempty"`
 	// RSSPerStreamBytes is (peak − before) / concurrency: the memory one
-	// open stream costs, for closed-loop runs; 0 when not measured.
+	// open stream costs, for closed-loop runs of at least 100 clients; 0
+	// when not measured.
 	RSSPerStreamBytes float64 `json:"rss_per_stream_bytes,omitempty"`
 }
 
@@ -349,7 +350,8 @@ func routerCost(st *stretch, requests, concurrency int) *ProcessCost {
 		RSSBeforeBytes:  st.routerRSS0,
 		RSSPeakBytes:    st.routerRSSPeak,
 	}
-	if concurrency > 0 && st.routerRSS0 > 0 {
+	// Per stream only where streams dominate the memory (hundreds open).
+	if concurrency >= 100 && st.routerRSS0 > 0 {
 		pc.RSSPerStreamBytes = float64(st.routerRSSPeak-st.routerRSS0) / float64(concurrency)
 	}
 	return pc
