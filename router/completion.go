@@ -141,12 +141,14 @@ func (c *call) run() *engines.Fault {
 		if !f.Transient() || c.attempts > rt.cfg.Recovery.RetryAttempts {
 			return f
 		}
-		if c.ctx.Err() != nil {
-			return f
-		}
 		if dl, ok := c.ctx.Deadline(); ok && time.Until(dl) < 10*time.Millisecond {
+			// Spent or nearly: also when it ran out while the fault came
+			// back (the context is then done for the same reason).
 			rt.metrics.retryDenied.WithLabelValues("deadline").Inc()
 			return f
+		}
+		if c.ctx.Err() != nil {
+			return f // the client left or the router is shutting down
 		}
 		if !rt.budget.allow() {
 			rt.metrics.retryDenied.WithLabelValues("budget").Inc()
