@@ -106,7 +106,7 @@ func (s *stormTally) add(rep streamReply, out outcome) {
 
 // TestChaosStorm runs a storm of mixed faults (R-CHAOS-2): four simulators
 // behind chaos proxies, two routers (one retry per request, R-RETRY-2), one
-// breaker, eject_after 3; `narwhal chaos run` arms eight faults of
+// breaker, eject_after 2; `narwhal chaos run` arms eight faults of
 // probability 0.025 each (10 % in all) on p1 (prefill) and d1 (decode) for stormPeriod while 32
 // clients send streaming completions, each with its own prompt, through
 // both routers. It checks that

@@ -426,6 +426,9 @@ const devChaosPort = 4222
 func startDevChaos(ctx context.Context, log *slog.Logger, port int) (*devChaos, error) {
 	d := &devChaos{natsURL: os.Getenv("NARWHAL_NATS_URL")}
 	if d.natsURL == "" {
+		if port > 0 && !portFree(port) {
+			port = -1 // taken: a free one at once, not after the server's ready timeout
+		}
 		opts := bus.EmbeddedOptions{Dir: os.Getenv("NARWHAL_DATA_DIR"), Host: "127.0.0.1", Port: port}
 		emb, err := bus.StartEmbedded(opts)
 		if err != nil && port != -1 {
@@ -454,6 +457,16 @@ func startDevChaos(ctx context.Context, log *slog.Logger, port int) (*devChaos, 
 	d.cb = cb
 	log.Info("dev chaos bus ready", "url", redactNATSURL(d.natsURL))
 	return d, nil
+}
+
+// portFree reports whether 127.0.0.1:port can be listened on now.
+func portFree(port int) bool {
+	ln, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
+	if err != nil {
+		return false
+	}
+	ln.Close()
+	return true
 }
 
 // front puts a chaos proxy for engine in front of simURL and returns the
