@@ -259,7 +259,9 @@ func (s *Service) Run(ctx context.Context) error {
 	s.pub = bus.NewPublisher(s.bus, eventBuffer, s.reg)
 	defer s.pub.Close()
 
-	t := time.NewTicker(s.renewEvery)
+	// A standby campaigns ten times per lease TTL, so it takes over within
+	// a tenth of the TTL of the lease lapsing (R-BRK-8).
+	t := time.NewTicker(max(s.leaseTTL/10, 20*time.Millisecond))
 	defer t.Stop()
 	for {
 		value, _ := json.Marshal(Lease{BreakerID: s.id, Since: time.Now().UTC()})
