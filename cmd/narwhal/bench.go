@@ -303,7 +303,27 @@ func (f *benchFlags) run(ctx context.Context) error {
 		}
 		fmt.Fprintf(os.Stderr, "wrote %s\n", f.svgPath)
 	}
-	return ctx.Err()
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	// A run in which nothing succeeded measured nothing: say so in the exit
+	// status, so that scripts and CI notice.
+	for _, r := range file.Results {
+		for _, rep := range []*bench.Report{r.Run, routerSide(r.Comparison)} {
+			if rep != nil && rep.Requests > 0 && rep.OK == 0 {
+				return fmt.Errorf("no request succeeded (%d ended in errors: %v)", rep.Requests, rep.Errors)
+			}
+		}
+	}
+	return nil
+}
+
+// routerSide returns the router's report of a comparison, or nil.
+func routerSide(c *bench.Comparison) *bench.Report {
+	if c == nil {
+		return nil
+	}
+	return c.Router
 }
 
 // startBenchRouter runs a router for fleet in this process, as `narwhal
