@@ -38,12 +38,16 @@ const (
 	// faulty engines' requests is struck, so two counted strikes in a row
 	// happen several times a storm.
 	stormEjectAfter = 2
+	// stormTail is how long after the disarm failures of requests struck
+	// during the storm may still arrive: the longest injected delay (3 s)
+	// plus the cluster's 2 s engine timeouts and a margin.
+	stormTail = 6 * time.Second
 )
 
 // stormScenario is the `narwhal chaos run` file of the storm: at 0 s it
 // arms four faults with probability 0.025 each — 10 % of the requests in
 // all — on p1's prefill legs and four on d1's decode legs — timeouts (delays of 3 s against the cluster's 2 s
-// engine timeouts), connection resets, 5xx, a garbled descriptor, a 429,
+// engine timeouts), connection resets, 5xx, a garbled descriptor, a 502 on decode,
 // a silence and an error object after output — and at stormPeriod
 // disarms everything.
 var stormScenario = fmt.Sprintf(`steps:
@@ -62,7 +66,7 @@ var stormScenario = fmt.Sprintf(`steps:
   - at: 0s
     arm: {engine: d1, fault: error-object, id: storm-error, phase: decode, prob: 0.025, for: 1m, params: {after_tokens: 2, code: 500}}
   - at: 0s
-    arm: {engine: d1, fault: http-status, id: storm-429, phase: decode, prob: 0.025, for: 1m, params: {code: 429}}
+    arm: {engine: d1, fault: http-status, id: storm-502, phase: decode, prob: 0.025, for: 1m, params: {code: 502}}
   - at: %s
     disarm: {all: true}
 `, stormPeriod)
@@ -286,8 +290,11 @@ func TestChaosStorm(t *testing.T) {
 			}
 			continue
 		}
-		if len(ejections) == 0 || !ejections[0].At.Before(disarmAt) {
-			t.Errorf("%s was not ejected during the storm (R-BRK-1)", id)
+		// Struck requests end up to a timeout after the strike, so the
+		// streak that ejects an engine may complete just after the
+		// disarm; every strike still came from the storm.
+		if len(ejections) == 0 || !ejections[0].At.Before(disarmAt.Add(stormTail)) {
+			t.Errorf("%s was not ejected by the storm's failures (R-BRK-1)", id)
 			continue
 		}
 		last := ejections[len(ejections)-1]
