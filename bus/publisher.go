@@ -88,6 +88,9 @@ type Publisher struct {
 	againClosed bool
 
 	published atomic.Uint64
+	// outstanding counts publishes whose ack or error handler has not run
+	// yet, so Close can wait for the handlers, not only for the acks.
+	outstanding atomic.Int64
 	dropped   atomic.Uint64
 
 	publishedTotal prometheus.Counter
@@ -131,11 +134,13 @@ func NewPublisher(b *Bus, buffer int, reg prometheus.Registerer) *Publisher {
 			p.settled(m)
 			p.published.Add(1)
 			p.publishedTotal.Inc()
+			p.outstanding.Add(-1)
 		}),
 		jetstream.WithPublishAsyncErrHandler(func(_ jetstream.JetStream, m *nats.Msg, _ error) {
 			if !p.retry(m) {
 				p.drop(DropBusError)
 			}
+			p.outstanding.Add(-1)
 		}),
 	)
 	if err != nil { // only for invalid options, which are constants here
@@ -379,7 +384,9 @@ func (p *Publisher) send(ev schemas.Event) {
 // connection broke under the write, too many acks pending) m is queued to
 // be published again (see retry) or, past its attempts, dropped.
 func (p *Publisher) publish(m *nats.Msg) {
+	p.outstanding.Add(1)
 	if _, err := p.js.PublishMsgAsync(m, jetstream.WithStallWait(stallWait)); err != nil {
+		p.outstanding.Add(-1) // no handler will run for it
 		if !p.retry(m) {
 			p.drop(DropBusError)
 		}
@@ -417,6 +424,17 @@ func (p *Publisher) drain() {
 	select {
 	case <-p.js.PublishAsyncComplete():
 	case <-bound.C:
+		return
+	}
+	// The acks are in; their handlers (which count them) may still run.
+	for p.outstanding.Load() > 0 {
+		t := time.NewTimer(time.Millisecond)
+		select {
+		case <-t.C:
+		case <-bound.C:
+			t.Stop()
+			return
+		}
 	}
 }
 
