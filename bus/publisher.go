@@ -91,7 +91,7 @@ type Publisher struct {
 	// outstanding counts publishes whose ack or error handler has not run
 	// yet, so Close can wait for the handlers, not only for the acks.
 	outstanding atomic.Int64
-	dropped   atomic.Uint64
+	dropped     atomic.Uint64
 
 	publishedTotal prometheus.Counter
 	droppedTotal   *prometheus.CounterVec
