@@ -583,18 +583,25 @@ func (x *exchange) succeed() {
 
 // buildHead encodes the chunk prefix shared by every chunk of the stream.
 func (x *exchange) buildHead() {
-	h := append(x.head[:0], `{"id":`...)
-	h = appendJSONString(h, x.id)
+	object := "text_completion"
 	if x.kind == kindChat {
-		h = append(h, `,"object":"chat.completion.chunk","created":`...)
-	} else {
-		h = append(h, `,"object":"text_completion","created":`...)
+		object = "chat.completion.chunk"
 	}
-	h = strconv.AppendInt(h, x.created, 10)
-	h = append(h, `,"model":`...)
-	h = appendJSONString(h, x.s.cfg.Model)
-	h = append(h, `,"choices":[`...)
-	x.head = h
+	x.head = x.appendPrefix(x.head[:0], object)
+}
+
+// appendPrefix appends {"id":…,"object":object,"created":…,"model":…,"choices":[
+// — the start of every response and chunk — to dst.
+func (x *exchange) appendPrefix(dst []byte, object string) []byte {
+	dst = append(dst, `{"id":`...)
+	dst = appendJSONString(dst, x.id)
+	dst = append(dst, `,"object":"`...)
+	dst = append(dst, object...)
+	dst = append(dst, `","created":`...)
+	dst = strconv.AppendInt(dst, x.created, 10)
+	dst = append(dst, `,"model":`...)
+	dst = appendJSONString(dst, x.s.cfg.Model)
+	return append(dst, `,"choices":[`...)
 }
 
 // beginChoice appends "data: <head>{"index":j".
@@ -1049,17 +1056,11 @@ func (x *exchange) runUnary() {
 
 // buildUnary encodes the non-streaming response into buf.
 func (x *exchange) buildUnary() {
-	b := append(x.buf[:0], `{"id":`...)
-	b = appendJSONString(b, x.id)
+	object := "text_completion"
 	if x.kind == kindChat {
-		b = append(b, `,"object":"chat.completion","created":`...)
-	} else {
-		b = append(b, `,"object":"text_completion","created":`...)
+		object = "chat.completion"
 	}
-	b = strconv.AppendInt(b, x.created, 10)
-	b = append(b, `,"model":`...)
-	b = appendJSONString(b, x.s.cfg.Model)
-	b = append(b, `,"choices":[`...)
+	b := x.appendPrefix(x.buf[:0], object)
 	for j := range x.choices {
 		c := &x.choices[j]
 		if j > 0 {
