@@ -66,6 +66,9 @@ type Config struct {
 	Breaker Breaker `yaml:"breaker" envPrefix:"BREAKER_"`
 	// Router holds the router process's identity and logging.
 	Router Router `yaml:"router" envPrefix:"ROUTER_"`
+	// Server holds the front door's connection deadlines, caps and
+	// admission limits (SPEC R-API-7, R-API-8, R-TMO-6).
+	Server Server `yaml:"server" envPrefix:"SERVER_"`
 	// EngineContract pins what every engine must be (SPEC R-BRK-6,
 	// R-PRE-1); nil when the file has no engine_contract (development
 	// fleets). It is not read from the environment.
@@ -107,6 +110,13 @@ type Request struct {
 	// MaxBodyBytes is the largest client request body accepted; a larger one
 	// gets 413 (R-API-4). Bytes, > 0; default 32 MiB.
 	MaxBodyBytes int `yaml:"max_body_bytes" env:"MAX_BODY_BYTES"`
+	// MaxN is the largest n (choices per request) accepted; a larger one
+	// gets 400 naming n (R-API-8). >= 1; default 16.
+	MaxN int `yaml:"max_n" env:"MAX_N"`
+	// MaxTokensLimit is the largest max_tokens or max_completion_tokens
+	// accepted; a larger one gets 400 naming the field (R-API-8). Tokens,
+	// >= 1; default 1,048,576.
+	MaxTokensLimit int `yaml:"max_tokens_limit" env:"MAX_TOKENS_LIMIT"`
 }
 
 // Timeout returns TimeoutS as a Duration (R-TMO-5).
@@ -166,6 +176,60 @@ func (b Breaker) LeaseTTL() time.Duration { return Seconds(b.LeaseTTLS) }
 // MinLeaseTTLS is the smallest breaker.lease_ttl_s Validate accepts, in
 // seconds: the lease is renewed every third of it.
 const MinLeaseTTLS = 0.5
+
+// Server holds the front door's deadlines, caps and admission limits
+// (SPEC R-API-7, R-API-8, R-TMO-6). docs/security.md says what each one
+// defends against.
+type Server struct {
+	// StallTimeoutS is how long a client may accept no bytes of its
+	// response before the request ends as client_stalled: the connection is
+	// closed, the legs cancelled, every reservation released, nothing
+	// counted against an engine (R-TMO-6). A whole non-streamed response
+	// must be accepted within it too. Seconds, > 0; default 30.
+	StallTimeoutS float64 `yaml:"stall_timeout_s" env:"STALL_TIMEOUT_S"`
+	// HeaderTimeoutS bounds the reading of one request: its first byte must
+	// arrive within it of the accept, and its headers and body within it of
+	// that first byte; the connection is closed otherwise (R-API-7).
+	// Seconds, > 0; default 10.
+	HeaderTimeoutS float64 `yaml:"header_timeout_s" env:"HEADER_TIMEOUT_S"`
+	// IdleTimeoutS is how long a kept-alive connection may wait for its
+	// next request before it is closed (R-API-7). Seconds, > 0; default 90.
+	IdleTimeoutS float64 `yaml:"idle_timeout_s" env:"IDLE_TIMEOUT_S"`
+	// MaxHeaderBytes is the largest request line plus headers accepted;
+	// larger ones get 431 (R-API-7). It is also the size of the read buffer
+	// a connection holds while it reads headers. Bytes, 4096 to 16 MiB;
+	// default 65536.
+	MaxHeaderBytes int `yaml:"max_header_bytes" env:"MAX_HEADER_BYTES"`
+	// MaxConnections is how many client connections are served at once;
+	// more are answered 503 and closed at once (R-API-7). >= 1; default
+	// 10,000.
+	MaxConnections int `yaml:"max_connections" env:"MAX_CONNECTIONS"`
+	// MaxInflight is how many completion requests may run at once; beyond
+	// it a request gets 503 with Retry-After without touching an engine
+	// (R-API-8). >= 0; default 0 (no limit).
+	MaxInflight int `yaml:"max_inflight" env:"MAX_INFLIGHT"`
+	// MaxBodyBytesInflight bounds the request bodies held at once, from the
+	// moment their headers announce them until their requests end; a body
+	// that does not fit gets 503 with Retry-After before it is read
+	// (R-API-8). Bytes, >= request.max_body_bytes; default 1 GiB.
+	MaxBodyBytesInflight int `yaml:"max_body_bytes_inflight" env:"MAX_BODY_BYTES_INFLIGHT"`
+}
+
+// StallTimeout returns StallTimeoutS as a Duration (R-TMO-6).
+func (s Server) StallTimeout() time.Duration { return Seconds(s.StallTimeoutS) }
+
+// HeaderTimeout returns HeaderTimeoutS as a Duration (R-API-7).
+func (s Server) HeaderTimeout() time.Duration { return Seconds(s.HeaderTimeoutS) }
+
+// IdleTimeout returns IdleTimeoutS as a Duration (R-API-7).
+func (s Server) IdleTimeout() time.Duration { return Seconds(s.IdleTimeoutS) }
+
+// Bounds of server.max_header_bytes: below 4 KiB ordinary clients fail,
+// above 16 MiB a single connection could pin that much memory.
+const (
+	MinHeaderBytes = 4 << 10
+	MaxHeaderBytes = 16 << 20
+)
 
 // Router holds the router process's identity and logging.
 type Router struct {
@@ -238,18 +302,25 @@ func (s EngineSpec) CanPrefill() bool { return s.Role == RolePrefill || s.Role =
 func (s EngineSpec) CanDecode() bool { return s.Role == RoleDecode || s.Role == RoleBoth }
 
 // Default returns the defaults of SPEC §11: engine timeouts 30/30/60 s,
-// request timeout 600 s and a 32 MiB body limit, handoff max age 120 s,
+// request timeout 600 s, a 32 MiB body limit, n up to 16 and max_tokens up
+// to 1,048,576, handoff max age 120 s,
 // eject after 3, no quarantine, no retries, retry budget 0.2, readmit
 // every 5 s, a breaker lease of 5 s; router id "<hostname>-<pid>", an
-// event buffer of 4096, text logs at info. The fleet is empty and there is no engine contract.
+// event buffer of 4096, text logs at info; on the front door a stall
+// timeout of 30 s, a header timeout of 10 s, an idle timeout of 90 s,
+// 64 KiB of headers, 10,000 connections, no in-flight limit and 1 GiB of
+// request bodies in flight. The fleet is empty and there is no engine
+// contract.
 func Default() Config {
 	return Config{
 		Engine:   Engine{FirstTokenTimeoutS: 30, DecodeReadTimeoutS: 30, PrefillTimeoutS: 60},
-		Request:  Request{TimeoutS: 600, MaxBodyBytes: 32 << 20},
+		Request:  Request{TimeoutS: 600, MaxBodyBytes: 32 << 20, MaxN: 16, MaxTokensLimit: 1 << 20},
 		Handoff:  Handoff{MaxAgeS: 120},
 		Recovery: Recovery{EjectAfter: 3, FailureQuarantineS: 0, RetryAttempts: 0, RetryBudgetRatio: 0.2, ReadmitIntervalS: 5},
 		Breaker:  Breaker{LeaseTTLS: 5},
 		Router:   Router{ID: defaultRouterID(), EventBuffer: 4096, LogFormat: LogFormatText, LogLevel: "info"},
+		Server: Server{StallTimeoutS: 30, HeaderTimeoutS: 10, IdleTimeoutS: 90, MaxHeaderBytes: 64 << 10,
+			MaxConnections: 10000, MaxInflight: 0, MaxBodyBytesInflight: 1 << 30},
 	}
 }
 
@@ -336,7 +407,11 @@ func (e *KeyError) Error() string {
 // (R-TMO-4) and recovery.failure_quarantine_s >= 0 (R-QUAR-1); all of them
 // finite; recovery.retry_attempts >= 0; recovery.retry_budget_ratio in
 // [0, 1]; recovery.eject_after >= 1; breaker.lease_ttl_s >= 0.5;
-// request.max_body_bytes > 0; router.event_buffer > 0; router.id a valid id; router.log_format and
+// request.max_body_bytes > 0; request.max_n and request.max_tokens_limit
+// >= 1; server timeouts > 0, server.max_header_bytes within
+// [MinHeaderBytes, MaxHeaderBytes], server.max_connections >= 1,
+// server.max_inflight >= 0, server.max_body_bytes_inflight >=
+// request.max_body_bytes; router.event_buffer > 0; router.id a valid id; router.log_format and
 // router.log_level from their sets; every fleet entry with a unique valid
 // id, an absolute http(s) URL, a role of RolePrefill, RoleDecode or
 // RoleBoth, a connector from KnownConnectors and slots >= 0; the engine
@@ -368,6 +443,27 @@ func (c *Config) Validate() error {
 	positive("request.timeout_s", c.Request.TimeoutS)
 	if c.Request.MaxBodyBytes <= 0 {
 		bad("request.max_body_bytes", "must be > 0, got %d", c.Request.MaxBodyBytes)
+	}
+	if c.Request.MaxN < 1 {
+		bad("request.max_n", "must be >= 1, got %d", c.Request.MaxN)
+	}
+	if c.Request.MaxTokensLimit < 1 {
+		bad("request.max_tokens_limit", "must be >= 1, got %d", c.Request.MaxTokensLimit)
+	}
+	positive("server.stall_timeout_s", c.Server.StallTimeoutS)
+	positive("server.header_timeout_s", c.Server.HeaderTimeoutS)
+	positive("server.idle_timeout_s", c.Server.IdleTimeoutS)
+	if v := c.Server.MaxHeaderBytes; v < MinHeaderBytes || v > MaxHeaderBytes {
+		bad("server.max_header_bytes", "must be between %d and %d, got %d", MinHeaderBytes, MaxHeaderBytes, v)
+	}
+	if c.Server.MaxConnections < 1 {
+		bad("server.max_connections", "must be >= 1, got %d", c.Server.MaxConnections)
+	}
+	if c.Server.MaxInflight < 0 {
+		bad("server.max_inflight", "must be >= 0 (0 = no limit), got %d", c.Server.MaxInflight)
+	}
+	if v := c.Server.MaxBodyBytesInflight; v < c.Request.MaxBodyBytes {
+		bad("server.max_body_bytes_inflight", "must be >= request.max_body_bytes (%d), or the largest body allowed could never be read, got %d", c.Request.MaxBodyBytes, v)
 	}
 	positive("handoff.max_age_s", c.Handoff.MaxAgeS)
 	if c.Recovery.EjectAfter < 1 {

@@ -63,34 +63,52 @@ func keyErrors(t *testing.T, err error) []*KeyError {
 func TestDefaults(t *testing.T) {
 	d := Default()
 	want := map[string]float64{
-		"engine.first_token_timeout_s":  30,
-		"engine.decode_read_timeout_s":  30,
-		"engine.prefill_timeout_s":      60,
-		"request.timeout_s":             600,
-		"handoff.max_age_s":             120,
-		"recovery.eject_after":          3,
-		"recovery.failure_quarantine_s": 0,
-		"recovery.retry_attempts":       0,
-		"recovery.retry_budget_ratio":   0.2,
-		"recovery.readmit_interval_s":   5,
-		"breaker.lease_ttl_s":           5,
-		"request.max_body_bytes":        32 << 20,
-		"router.event_buffer":           4096,
+		"engine.first_token_timeout_s":   30,
+		"engine.decode_read_timeout_s":   30,
+		"engine.prefill_timeout_s":       60,
+		"request.timeout_s":              600,
+		"handoff.max_age_s":              120,
+		"recovery.eject_after":           3,
+		"recovery.failure_quarantine_s":  0,
+		"recovery.retry_attempts":        0,
+		"recovery.retry_budget_ratio":    0.2,
+		"recovery.readmit_interval_s":    5,
+		"breaker.lease_ttl_s":            5,
+		"request.max_body_bytes":         32 << 20,
+		"router.event_buffer":            4096,
+		"request.max_n":                  16,
+		"request.max_tokens_limit":       1 << 20,
+		"server.stall_timeout_s":         30,
+		"server.header_timeout_s":        10,
+		"server.idle_timeout_s":          90,
+		"server.max_header_bytes":        65536,
+		"server.max_connections":         10000,
+		"server.max_inflight":            0,
+		"server.max_body_bytes_inflight": 1 << 30,
 	}
 	got := map[string]float64{
-		"engine.first_token_timeout_s":  d.Engine.FirstTokenTimeoutS,
-		"engine.decode_read_timeout_s":  d.Engine.DecodeReadTimeoutS,
-		"engine.prefill_timeout_s":      d.Engine.PrefillTimeoutS,
-		"request.timeout_s":             d.Request.TimeoutS,
-		"handoff.max_age_s":             d.Handoff.MaxAgeS,
-		"recovery.eject_after":          float64(d.Recovery.EjectAfter),
-		"recovery.failure_quarantine_s": d.Recovery.FailureQuarantineS,
-		"recovery.retry_attempts":       float64(d.Recovery.RetryAttempts),
-		"recovery.retry_budget_ratio":   d.Recovery.RetryBudgetRatio,
-		"recovery.readmit_interval_s":   d.Recovery.ReadmitIntervalS,
-		"breaker.lease_ttl_s":           d.Breaker.LeaseTTLS,
-		"request.max_body_bytes":        float64(d.Request.MaxBodyBytes),
-		"router.event_buffer":           float64(d.Router.EventBuffer),
+		"engine.first_token_timeout_s":   d.Engine.FirstTokenTimeoutS,
+		"engine.decode_read_timeout_s":   d.Engine.DecodeReadTimeoutS,
+		"engine.prefill_timeout_s":       d.Engine.PrefillTimeoutS,
+		"request.timeout_s":              d.Request.TimeoutS,
+		"handoff.max_age_s":              d.Handoff.MaxAgeS,
+		"recovery.eject_after":           float64(d.Recovery.EjectAfter),
+		"recovery.failure_quarantine_s":  d.Recovery.FailureQuarantineS,
+		"recovery.retry_attempts":        float64(d.Recovery.RetryAttempts),
+		"recovery.retry_budget_ratio":    d.Recovery.RetryBudgetRatio,
+		"recovery.readmit_interval_s":    d.Recovery.ReadmitIntervalS,
+		"breaker.lease_ttl_s":            d.Breaker.LeaseTTLS,
+		"request.max_body_bytes":         float64(d.Request.MaxBodyBytes),
+		"router.event_buffer":            float64(d.Router.EventBuffer),
+		"request.max_n":                  float64(d.Request.MaxN),
+		"request.max_tokens_limit":       float64(d.Request.MaxTokensLimit),
+		"server.stall_timeout_s":         d.Server.StallTimeoutS,
+		"server.header_timeout_s":        d.Server.HeaderTimeoutS,
+		"server.idle_timeout_s":          d.Server.IdleTimeoutS,
+		"server.max_header_bytes":        float64(d.Server.MaxHeaderBytes),
+		"server.max_connections":         float64(d.Server.MaxConnections),
+		"server.max_inflight":            float64(d.Server.MaxInflight),
+		"server.max_body_bytes_inflight": float64(d.Server.MaxBodyBytesInflight),
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("defaults:\n got %v\nwant %v", got, want)
@@ -243,8 +261,8 @@ func envNames(t *testing.T) map[string]string {
 // the file.
 func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 	names := envNames(t)
-	if len(names) != 16 {
-		t.Fatalf("%d scalar keys, want 16: %v", len(names), names)
+	if len(names) != 25 {
+		t.Fatalf("%d scalar keys, want 25: %v", len(names), names)
 	}
 	if names["engine.first_token_timeout_s"] != "NARWHAL_ENGINE_FIRST_TOKEN_TIMEOUT_S" ||
 		names["request.timeout_s"] != "NARWHAL_REQUEST_TIMEOUT_S" ||
@@ -258,6 +276,10 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		"recovery.eject_after": "17", "recovery.failure_quarantine_s": "18", "recovery.retry_attempts": "19",
 		"recovery.retry_budget_ratio": "0.5", "recovery.readmit_interval_s": "21", "breaker.lease_ttl_s": "23",
 		"router.id": "from-file", "router.event_buffer": "22", "router.log_format": "json", "router.log_level": "warn",
+		"request.max_n": "24", "request.max_tokens_limit": "25",
+		"server.stall_timeout_s": "26", "server.header_timeout_s": "27", "server.idle_timeout_s": "28",
+		"server.max_header_bytes": "29000", "server.max_connections": "30", "server.max_inflight": "31",
+		"server.max_body_bytes_inflight": "32",
 	}
 	envValues := map[string]string{
 		"engine.first_token_timeout_s": "1.5", "engine.decode_read_timeout_s": "0", "engine.prefill_timeout_s": "3",
@@ -266,6 +288,10 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		"recovery.eject_after": "7", "recovery.failure_quarantine_s": "8", "recovery.retry_attempts": "9",
 		"recovery.retry_budget_ratio": "1", "recovery.readmit_interval_s": "0.25", "breaker.lease_ttl_s": "0.75",
 		"router.id": "from-env", "router.event_buffer": "10", "router.log_format": "text", "router.log_level": "error",
+		"request.max_n": "2", "request.max_tokens_limit": "3",
+		"server.stall_timeout_s": "0.5", "server.header_timeout_s": "1.25", "server.idle_timeout_s": "2",
+		"server.max_header_bytes": "8192", "server.max_connections": "11", "server.max_inflight": "12",
+		"server.max_body_bytes_inflight": "13",
 	}
 	var file strings.Builder
 	sections := map[string][]string{}
@@ -291,11 +317,13 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 	}
 	want := Config{
 		Engine:   Engine{FirstTokenTimeoutS: 1.5, DecodeReadTimeoutS: 0, PrefillTimeoutS: 3},
-		Request:  Request{TimeoutS: 4, MaxBodyBytes: 5},
+		Request:  Request{TimeoutS: 4, MaxBodyBytes: 5, MaxN: 2, MaxTokensLimit: 3},
 		Handoff:  Handoff{MaxAgeS: 6},
 		Recovery: Recovery{EjectAfter: 7, FailureQuarantineS: 8, RetryAttempts: 9, RetryBudgetRatio: 1, ReadmitIntervalS: 0.25},
 		Breaker:  Breaker{LeaseTTLS: 0.75},
 		Router:   Router{ID: "from-env", EventBuffer: 10, LogFormat: "text", LogLevel: "error"},
+		Server: Server{StallTimeoutS: 0.5, HeaderTimeoutS: 1.25, IdleTimeoutS: 2, MaxHeaderBytes: 8192,
+			MaxConnections: 11, MaxInflight: 12, MaxBodyBytesInflight: 13},
 	}
 	if !reflect.DeepEqual(*fromBoth, want) {
 		t.Errorf("env over file:\n got %+v\nwant %+v", *fromBoth, want)
@@ -409,6 +437,15 @@ func TestValidateNamesEveryKey(t *testing.T) {
 		{func(c *Config) { c.Engine.PrefillTimeoutS = 0 }, "config: engine.prefill_timeout_s: must be > 0, got 0"},
 		{func(c *Config) { c.Request.TimeoutS = -3 }, "config: request.timeout_s: must be > 0, got -3"},
 		{func(c *Config) { c.Request.MaxBodyBytes = 0 }, "config: request.max_body_bytes: must be > 0, got 0"},
+		{func(c *Config) { c.Request.MaxN = 0 }, "config: request.max_n: must be >= 1, got 0"},
+		{func(c *Config) { c.Request.MaxTokensLimit = -1 }, "config: request.max_tokens_limit: must be >= 1, got -1"},
+		{func(c *Config) { c.Server.StallTimeoutS = 0 }, "config: server.stall_timeout_s: must be > 0, got 0"},
+		{func(c *Config) { c.Server.HeaderTimeoutS = math.NaN() }, "config: server.header_timeout_s: must be a finite number, got NaN"},
+		{func(c *Config) { c.Server.IdleTimeoutS = -1 }, "config: server.idle_timeout_s: must be > 0, got -1"},
+		{func(c *Config) { c.Server.MaxHeaderBytes = 100 }, "config: server.max_header_bytes: must be between 4096 and 16777216, got 100"},
+		{func(c *Config) { c.Server.MaxConnections = 0 }, "config: server.max_connections: must be >= 1, got 0"},
+		{func(c *Config) { c.Server.MaxInflight = -1 }, "config: server.max_inflight: must be >= 0 (0 = no limit), got -1"},
+		{func(c *Config) { c.Server.MaxBodyBytesInflight = 1 << 20 }, "config: server.max_body_bytes_inflight: must be >= request.max_body_bytes (33554432), or the largest body allowed could never be read, got 1048576"},
 		{func(c *Config) { c.Handoff.MaxAgeS = 0 }, "config: handoff.max_age_s: must be > 0, got 0"},
 		{func(c *Config) { c.Recovery.EjectAfter = 0 }, "config: recovery.eject_after: must be >= 1, got 0"},
 		{func(c *Config) { c.Recovery.FailureQuarantineS = -1 }, "config: recovery.failure_quarantine_s: must be >= 0, got -1"},
@@ -489,7 +526,7 @@ func TestYAMLErrorsNameTheKey(t *testing.T) {
 		want string
 	}{
 		"unknown top-level key": {"engines:\n  first_token_timeout_s: 3\n",
-			"config: engines: unknown key (known keys here: engine, request, handoff, recovery, breaker, router, engine_contract, fleet)"},
+			"config: engines: unknown key (known keys here: engine, request, handoff, recovery, breaker, router, server, engine_contract, fleet)"},
 		"unknown section key": {"engine:\n  first_token_timeout: 3\n",
 			"config: engine.first_token_timeout: unknown key (known keys here: first_token_timeout_s, decode_read_timeout_s, prefill_timeout_s)"},
 		"unknown contract key": {"engine_contract:\n  modle: m\n",
