@@ -12,8 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/narwhalmesh/narwhal/breaker"
 	"github.com/narwhalmesh/narwhal/engines/sim"
-	"github.com/narwhalmesh/narwhal/router/breaker"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 

@@ -15,9 +15,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/narwhalmesh/narwhal/breaker"
 	"github.com/narwhalmesh/narwhal/chaos"
 	"github.com/narwhalmesh/narwhal/engines/sim"
-	"github.com/narwhalmesh/narwhal/router/breaker"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 

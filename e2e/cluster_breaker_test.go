@@ -10,9 +10,9 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/narwhalmesh/narwhal/breaker"
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/engines/sim"
-	"github.com/narwhalmesh/narwhal/router/breaker"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 

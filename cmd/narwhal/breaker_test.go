@@ -9,8 +9,8 @@ import (
 
 	"go.uber.org/goleak"
 
+	"github.com/narwhalmesh/narwhal/breaker"
 	"github.com/narwhalmesh/narwhal/bus"
-	"github.com/narwhalmesh/narwhal/router/breaker"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 

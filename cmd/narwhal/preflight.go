@@ -12,10 +12,10 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/narwhalmesh/narwhal/breaker"
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/engines/connector"
-	"github.com/narwhalmesh/narwhal/router/breaker"
 )
 
 func init() {
