@@ -8,10 +8,11 @@ run *ARGS:
 test:
     go test -race ./...
 
-# Formatting and vet.
+# Formatting, vet and staticcheck (pinned by go.mod's tool directive).
 lint:
     @test -z "$(gofmt -l $(git ls-files '*.go'))" || (gofmt -l $(git ls-files '*.go'); exit 1)
     go vet ./...
+    go tool staticcheck ./...
 
 # Each fuzz target for a few seconds (CI does the same).
 fuzz SECONDS="5":

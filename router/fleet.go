@@ -1,7 +1,6 @@
 package router
 
 import (
-	"errors"
 	"math/rand/v2"
 	"sync/atomic"
 	"time"
@@ -102,8 +101,6 @@ type fleet struct {
 type errNoEngine struct{ phase phase }
 
 func (e *errNoEngine) Error() string { return "no eligible engine for " + e.phase.String() }
-
-var errNoModel = errors.New("no engine serves the model")
 
 // place chooses the least-outstanding available engine for phase p that
 // serves model, skipping exclude when another choice exists (R-RETRY-3),

@@ -1,8 +1,6 @@
 package router
 
 import (
-	"strconv"
-
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -102,5 +100,3 @@ func (c *reservationCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(eligibleDesc, prometheus.GaugeValue, v, m.ID)
 	}
 }
-
-func codeLabel(code int) string { return strconv.Itoa(code) }

@@ -40,9 +40,6 @@ func (Nixl) Name() string { return NixlName }
 // HandoffRequest returns the R-LEG-1 transfer parameters shown on Nixl.
 func (Nixl) HandoffRequest() []byte { return nixlHandoffRequest }
 
-// nixlKeys are the fields whose presence marks a descriptor as nixl-shaped.
-var nixlKeys = []string{"do_remote_prefill", "remote_engine_id", "remote_block_ids"}
-
 // Validate applies R-DESC-0 (missing, null or empty descriptor), R-DESC-3's
 // shape check (an object carrying none of nixl's fields, or
 // do_remote_prefill not true), R-DESC-1 (remote_engine_id missing, null,
