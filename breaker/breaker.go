@@ -302,7 +302,7 @@ func (s *Service) setup(ctx context.Context) (jetstream.KeyValue, jetstream.Cons
 		if err == nil {
 			cons, err = js.CreateOrUpdateConsumer(octx, bus.StreamName, jetstream.ConsumerConfig{
 				Durable:        ConsumerName,
-				Description:    "Narwhal breaker: failure and request events (R-BRK-1)",
+				Description:    "Narwhal breaker: failure and request events",
 				FilterSubjects: FilterSubjects,
 				DeliverPolicy:  jetstream.DeliverNewPolicy,
 				AckPolicy:      jetstream.AckExplicitPolicy,

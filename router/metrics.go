@@ -36,10 +36,10 @@ func newMetrics(reg prometheus.Registerer, f *fleet) *metrics {
 			Name: "narwhal_request_duration_seconds", Help: "Seconds from arrival to the end of the response.", Buckets: latencyBuckets,
 		}, []string{"endpoint"}),
 		ttft: prometheus.NewHistogram(prometheus.HistogramOpts{
-			Name: "narwhal_ttft_seconds", Help: "Seconds from arrival until the producer HTTP leg completed (R-TIME-1 ttft_s).", Buckets: latencyBuckets,
+			Name: "narwhal_ttft_seconds", Help: "Seconds from arrival until the producer HTTP leg completed (ttft_s of the request event).", Buckets: latencyBuckets,
 		}),
 		firstByte: prometheus.NewHistogram(prometheus.HistogramOpts{
-			Name: "narwhal_first_byte_seconds", Help: "Seconds from arrival until the first generated decode output (R-TIME-1 first_byte_s).", Buckets: latencyBuckets,
+			Name: "narwhal_first_byte_seconds", Help: "Seconds from arrival until the first generated decode output (first_byte_s of the request event).", Buckets: latencyBuckets,
 		}),
 		leg: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "narwhal_leg_seconds", Help: "Seconds each engine leg took: prefill to its response, decode to the end of its stream.", Buckets: latencyBuckets,
@@ -48,7 +48,7 @@ func newMetrics(reg prometheus.Registerer, f *fleet) *metrics {
 			Name: "narwhal_engine_faults_total", Help: "Engine faults by engine, phase and kind (docs/failures.md).",
 		}, []string{"engine", "phase", "kind"}),
 		retries: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "narwhal_retries_total", Help: "Fresh attempts started after a transient fault (R-RETRY-2).",
+			Name: "narwhal_retries_total", Help: "Fresh attempts started after a transient fault, before any output reached the client.",
 		}),
 		retryDenied: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "narwhal_retries_denied_total", Help: "Retries not started although the fault was transient, by reason.",
@@ -60,10 +60,10 @@ func newMetrics(reg prometheus.Registerer, f *fleet) *metrics {
 			Name: "narwhal_inflight_requests", Help: "Client requests in progress.",
 		}),
 		abandoned: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "narwhal_handoffs_abandoned_total", Help: "KV handoffs that were not consumed (R-OWN-6).",
+			Name: "narwhal_handoffs_abandoned_total", Help: "KV handoffs that were not consumed by a decode leg (client gone, decode failed before pulling, retry).",
 		}),
 		quarantines: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "narwhal_quarantines_total", Help: "Local quarantines started after a failed attempt (R-QUAR-1).",
+			Name: "narwhal_quarantines_total", Help: "Local quarantines started after a failed attempt.",
 		}),
 		relayedChunks: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "narwhal_relayed_chunks_total", Help: "Decode SSE events relayed to clients.",
@@ -79,7 +79,7 @@ func newMetrics(reg prometheus.Registerer, f *fleet) *metrics {
 type reservationCollector struct{ f *fleet }
 
 var (
-	reservationsDesc = prometheus.NewDesc("narwhal_reservations", "Reserved phase slots (in-flight legs) per engine and phase (R-OWN-3).", []string{"engine", "phase"}, nil)
+	reservationsDesc = prometheus.NewDesc("narwhal_reservations", "Reserved phase slots (in-flight legs) per engine and phase.", []string{"engine", "phase"}, nil)
 	eligibleDesc     = prometheus.NewDesc("narwhal_engine_available", "1 when the engine is eligible and not quarantined on this router.", []string{"engine"}, nil)
 )
 

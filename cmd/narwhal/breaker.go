@@ -39,7 +39,7 @@ var errNoNATSURL = errors.New("NARWHAL_NATS_URL is not set: a standalone breaker
 // --metrics it serves Prometheus text at http://HOST:PORT/metrics.
 func runBreakerCmd(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("breaker", flag.ContinueOnError)
-	path := fs.String("config", "", "YAML configuration file (SPEC §14); environment NARWHAL_<SECTION>_<KEY> overrides it")
+	path := fs.String("config", "", "YAML configuration file (docs/configuration.md); environment NARWHAL_<SECTION>_<KEY> overrides it")
 	metricsAddr := fs.String("metrics", "", "HOST:PORT to serve /metrics on (off when empty)")
 	if err := fs.Parse(args); err != nil {
 		return err

@@ -22,7 +22,7 @@ import (
 
 func init() {
 	commands["chaos"] = command{
-		summary: "inject engine faults: proxy, arm, list, disarm, run (SPEC R-CHAOS-1, docs/chaos.md)",
+		summary: "inject engine faults: proxy, arm, list, disarm, run (docs/chaos.md)",
 		run: func(ctx context.Context, args []string) error {
 			return runChaos(ctx, args, os.Stdout, os.Stderr)
 		},

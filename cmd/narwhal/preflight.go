@@ -55,7 +55,7 @@ type preflightTransfer struct {
 // and pair when anything failed, so the process exits non-zero.
 func runPreflight(ctx context.Context, args []string, out io.Writer) error {
 	fs := flag.NewFlagSet("preflight", flag.ContinueOnError)
-	path := fs.String("config", "", "YAML configuration file with the fleet and, optionally, engine_contract (SPEC §14)")
+	path := fs.String("config", "", "YAML configuration file with the fleet and, optionally, engine_contract (docs/configuration.md)")
 	par := fs.Int("parallel", 8, "how many checks and transfers run at once")
 	if err := fs.Parse(args); err != nil {
 		return err

@@ -20,7 +20,7 @@ func init() {
 // §14). With no NARWHAL_NATS_URL it runs its own embedded NATS.
 func runRouterCmd(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("router", flag.ContinueOnError)
-	path := fs.String("config", "", "YAML configuration file (SPEC §14); environment NARWHAL_<SECTION>_<KEY> overrides it")
+	path := fs.String("config", "", "YAML configuration file (docs/configuration.md); environment NARWHAL_<SECTION>_<KEY> overrides it")
 	listen := fs.String("listen", "127.0.0.1:8080", "HOST:PORT to serve HTTP on")
 	admin := fs.String("admin", "", "HOST:PORT of an opt-in admin listener serving /debug/pprof (off when empty)")
 	if err := fs.Parse(args); err != nil {
