@@ -267,93 +267,6 @@ func TestEventsSince(t *testing.T) {
 	}
 }
 
-// TestParseSince checks every form --since accepts and refuses.
-func TestParseSince(t *testing.T) {
-	now := time.Date(2026, 11, 30, 6, 0, 0, 0, time.UTC)
-	for _, c := range []struct {
-		in   string
-		want bus.SubscribeOptions
-	}{
-		{"", bus.SubscribeOptions{}},
-		{"0", bus.SubscribeOptions{DeliverAll: true}},
-		{"0s", bus.SubscribeOptions{DeliverAll: true}},
-		{"all", bus.SubscribeOptions{DeliverAll: true}},
-		{"10m", bus.SubscribeOptions{Since: now.Add(-10 * time.Minute)}},
-		{"2026-11-30T05:59:14.5Z", bus.SubscribeOptions{Since: time.Date(2026, 11, 30, 5, 59, 14, 5e8, time.UTC)}},
-	} {
-		got, desc, err := parseSince(c.in, now)
-		if err != nil || got.DeliverAll != c.want.DeliverAll || !got.Since.Equal(c.want.Since) || desc == "" {
-			t.Errorf("parseSince(%q) = %+v %q %v, want %+v", c.in, got, desc, err, c.want)
-		}
-	}
-	for _, in := range []string{"-5m", "yesterday", "10"} {
-		if _, _, err := parseSince(in, now); err == nil {
-			t.Errorf("parseSince(%q): no error", in)
-		}
-	}
-}
-
-// TestEventsReadableLines checks the readable output of `narwhal events`:
-// one aligned line per event, with each kind's useful fields.
-func TestEventsReadableLines(t *testing.T) {
-	checkCmdLeaks(t)
-	b := eventsBus(t)
-	c := startEvents(t)
-
-	f := testFailure("d1", "f1")
-	f.At, f.RequestID = eventsAt, "abc"
-	retry := testFailure("d2", "f2")
-	retry.At, retry.Phase, retry.Kind, retry.Status, retry.UpstreamStatus = eventsAt, schemas.PhasePrefill, "upstream_status", 502, 503
-	retry.Message, retry.Timeout, retry.Counts, retry.ProducerID, retry.ConsumerID, retry.Attempt = "engine returned HTTP 503", false, true, "d2", "d3", 2
-	client := testFailure("d1", "f3")
-	client.At, client.Counts, client.RequestID = eventsAt, false, "abc"
-	failedReq := testRequest("r2", "rt-1", "p1", "d1")
-	failedReq.Status, failedReq.ErrorKind, failedReq.FirstByteSeconds = 504, "first_token_timeout", nil
-	events := []schemas.Event{
-		f,
-		testRequest("r1", "rt-1", "p1", "d1"),
-		failedReq,
-		testEligibility("e1", "d1", false),
-		testEligibility("e2", "d1", true),
-		testProbe("pr1", "d1"),
-		&schemas.Probe{Envelope: envelope(schemas.SchemaProbe, "pr2", "", "b1", "d1", ""),
-			Outcome: "inconclusive", Phase: schemas.PhaseDecode, ProducerID: "p1", ConsumerID: "d1", Message: "producer p1 failed"},
-		&schemas.Quarantine{Envelope: envelope(schemas.SchemaQuarantine, "q1", "rt-1", "", "d1", ""),
-			DurationSeconds: 5, Until: eventsAt.Add(5 * time.Second), Reason: "first_token_timeout"},
-		&schemas.Handoff{Envelope: envelope(schemas.SchemaHandoff, "h1", "rt-1", "", "p1", "abc"),
-			Outcome: schemas.HandoffAbandoned, Reason: "decode_failed", ConsumerID: "d1", Connector: "nixl", AgeSeconds: 0.1, Released: true},
-		retry,
-		client,
-	}
-	for _, ev := range events {
-		publishEvent(t, b, ev)
-	}
-	// An event that is not JSON is shown raw.
-	if _, err := b.JetStream().Publish(context.Background(), "narwhal.events.custom.x", []byte("not\njson")); err != nil {
-		t.Fatal(err)
-	}
-	want := []string{
-		`2026-11-30T05:59:14.123Z failure     d1 decode first_token_timeout 504 counts p1→d1 "engine first token timeout" (router rt-1, req abc)`,
-		`2026-11-30T05:59:14.123Z request     rt-1 200 /v1/chat/completions p1→d1 ttft=0.120s first_byte=0.340s attempts=1 (req req-r1, model m, 1.250s)`,
-		`2026-11-30T05:59:14.123Z request     rt-1 504 first_token_timeout /v1/chat/completions p1→d1 ttft=0.120s first_byte=- attempts=1 (req req-r2, model m, 1.250s)`,
-		`2026-11-30T05:59:14.123Z eligibility d1   ejected streak=3 "ejected after 3 failures" (breaker b1)`,
-		`2026-11-30T05:59:14.123Z eligibility d1   eligible streak=0 (breaker b1)`,
-		`2026-11-30T05:59:14.123Z probe       d1   success decode p1→d1 (breaker b1)`,
-		`2026-11-30T05:59:14.123Z probe       d1   inconclusive decode p1→d1 "producer p1 failed" (breaker b1)`,
-		`2026-11-30T05:59:14.123Z quarantine  d1   5.000s first_token_timeout until 2026-11-30T05:59:19.123Z (router rt-1)`,
-		`2026-11-30T05:59:14.123Z handoff     p1   abandoned decode_failed released p1→d1 nixl age=0.100s (router rt-1, req abc)`,
-		`2026-11-30T05:59:14.123Z failure     d2   prefill upstream_status 502 upstream=503 counts d2→d3 "engine returned HTTP 503" (router rt-1, req req-f2, attempt 2)`,
-		`2026-11-30T05:59:14.123Z failure     d1   decode first_token_timeout 504 uncounted p1→d1 "engine first token timeout" (router rt-1, req abc)`,
-		`-                        custom      x    not json`,
-	}
-	got := waitLines(t, c, len(want))
-	for i := range want {
-		if i >= len(got) || got[i] != want[i] {
-			t.Errorf("line %d:\n got %q\nwant %q", i, got[min(i, len(got)-1)], want[i])
-		}
-	}
-}
-
 // TestEventsUnreachableBus proves that `narwhal events` gives up with a
 // clear error within --connect-timeout when nothing listens at
 // NARWHAL_NATS_URL.
@@ -416,11 +329,5 @@ func TestEventsFlags(t *testing.T) {
 		if err := runEvents(context.Background(), args, &capturedOutput{}, &capturedOutput{}); err == nil {
 			t.Errorf("runEvents %q: no error", args)
 		}
-	}
-	if got := (eventSelection{kind: "failure", engine: "d1"}).filter(); got != "narwhal.events.failure.d1" {
-		t.Errorf("filter = %q", got)
-	}
-	if got := (eventSelection{kind: "failure"}).filter(); got != "narwhal.events.failure.*" {
-		t.Errorf("filter = %q", got)
 	}
 }

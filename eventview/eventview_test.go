@@ -1,0 +1,230 @@
+package eventview
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// eventsAt is the "at" of the events of these tests.
+var eventsAt = time.Date(2026, 11, 30, 5, 59, 14, 123456789, time.UTC)
+
+func envelope(schema, id, router, breaker, engine, request string) schemas.Envelope {
+	return schemas.Envelope{Schema: schema, ID: id, At: eventsAt, RouterID: router, BreakerID: breaker, EngineID: engine, RequestID: request}
+}
+
+// testFailure is a decode first-token timeout of engine on router rt-1.
+func testFailure(engine, id string) *schemas.Failure {
+	return &schemas.Failure{
+		Envelope: envelope(schemas.SchemaFailure, id, "rt-1", "", engine, "req-"+id),
+		Phase:    schemas.PhaseDecode, Kind: "first_token_timeout", Status: 504,
+		Message: "engine first token timeout", Timeout: true, Counts: true,
+		ProducerID: "p1", ConsumerID: engine, BackendRequestID: "req-" + id + "-1", Attempt: 1,
+	}
+}
+
+func testRequest(id, router, producer, consumer string) *schemas.RequestCompleted {
+	ttft, firstByte := 0.12, 0.34
+	return &schemas.RequestCompleted{
+		Envelope: envelope(schemas.SchemaRequest, id, router, "", "", "req-"+id),
+		Endpoint: schemas.EndpointChat, Model: "m", Stream: true, Status: 200,
+		ProducerID: producer, ConsumerID: consumer, Attempts: 1,
+		TTFTSeconds: &ttft, FirstByteSeconds: &firstByte, DurationSeconds: 1.25,
+		PromptTokens: 12, CompletionTokens: 34,
+	}
+}
+
+func testEligibility(id, engine string, eligible bool) *schemas.Eligibility {
+	e := &schemas.Eligibility{Envelope: envelope(schemas.SchemaEligibility, id, "", "b1", engine, ""),
+		Eligible: eligible, State: "eligible", Streak: 0}
+	if !eligible {
+		e.State, e.Reason, e.Streak = "ejected", "ejected after 3 failures", 3
+	}
+	return e
+}
+
+func testProbe(id, engine string) *schemas.Probe {
+	return &schemas.Probe{Envelope: envelope(schemas.SchemaProbe, id, "", "b1", engine, ""),
+		Outcome: "success", Phase: schemas.PhaseDecode, ProducerID: "p1", ConsumerID: engine}
+}
+
+// TestSelection checks the consumer filter of a selection (R-BUS-1
+// subjects) and what Keep adds to it for request events.
+func TestSelection(t *testing.T) {
+	for _, c := range []struct {
+		sel  Selection
+		want string
+	}{
+		{Selection{}, "narwhal.events.*.*"},
+		{Selection{Kind: "failure"}, "narwhal.events.failure.*"},
+		{Selection{Kind: "failure", Engine: "d1"}, "narwhal.events.failure.d1"},
+		{Selection{Engine: "d1"}, "narwhal.events.*.*"},
+		{Selection{Kind: "request", Engine: "d1"}, "narwhal.events.request.*"},
+	} {
+		if got := c.sel.Filter(); got != c.want {
+			t.Errorf("%+v.Filter() = %q, want %q", c.sel, got, c.want)
+		}
+	}
+	sel := Selection{Engine: "d1"}
+	for _, c := range []struct {
+		ev   schemas.Event
+		keep bool
+	}{
+		{testFailure("d1", "f1"), true},
+		{testFailure("d10", "f2"), false},
+		{testRequest("r1", "rt-1", "p1", "d1"), true},
+		{testRequest("r2", "rt-1", "d1", "d2"), true},
+		{testRequest("r3", "d1", "p2", "d2"), true},
+		{testRequest("r4", "rt-1", "p2", "d2"), false},
+		{testEligibility("e1", "rt-1", true), false},
+	} {
+		payload, _ := json.Marshal(c.ev)
+		if got := sel.Keep(c.ev.Subject(), payload); got != c.keep {
+			t.Errorf("Keep(%s) = %v, want %v", c.ev.Subject(), got, c.keep)
+		}
+	}
+	if sel.Keep("narwhal.events.request.rt-1", []byte("not json")) {
+		t.Error("kept a request event that does not decode")
+	}
+	for s, want := range map[string]bool{"d1": true, "decode-1_a": true, "": false, "d.1": false, "*": false, ">": false, "d 1": false} {
+		if SubjectToken(s) != want {
+			t.Errorf("SubjectToken(%q) = %v", s, !want)
+		}
+	}
+}
+
+// failingWriter fails every write, as a closed pipe does.
+type failingWriter struct{ n int }
+
+func (w *failingWriter) Write([]byte) (int, error) {
+	w.n++
+	return 0, errors.New("broken pipe")
+}
+
+// TestPrinterJSONAndWriteError checks --json lines (the payload as
+// published, a multi-line one compacted) and that a Printer writes nothing
+// after its first write error.
+func TestPrinterJSONAndWriteError(t *testing.T) {
+	var out bytes.Buffer
+	p := NewPrinter(&out, true)
+	for _, payload := range []string{`{"schema":"x","id":"1"}`, "{\n  \"id\": \"2\"\n}", "not\njson"} {
+		if err := p.Print("narwhal.events.failure.d1", []byte(payload)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if want := "{\"schema\":\"x\",\"id\":\"1\"}\n{\"id\":\"2\"}\nnot json\n"; out.String() != want {
+		t.Errorf("JSON lines %q, want %q", out.String(), want)
+	}
+	w := &failingWriter{}
+	p = NewPrinter(w, true)
+	for range 3 {
+		if err := p.Print("narwhal.events.failure.d1", []byte(`{}`)); err == nil || err.Error() != "broken pipe" {
+			t.Fatalf("Print: %v, want the write error", err)
+		}
+	}
+	if w.n != 1 {
+		t.Errorf("%d writes, want 1: nothing after the first error", w.n)
+	}
+}
+
+// TestParseSince checks every form --since accepts and refuses.
+func TestParseSince(t *testing.T) {
+	now := time.Date(2026, 11, 30, 6, 0, 0, 0, time.UTC)
+	for _, c := range []struct {
+		in   string
+		want bus.SubscribeOptions
+	}{
+		{"", bus.SubscribeOptions{}},
+		{"0", bus.SubscribeOptions{DeliverAll: true}},
+		{"0s", bus.SubscribeOptions{DeliverAll: true}},
+		{"all", bus.SubscribeOptions{DeliverAll: true}},
+		{"10m", bus.SubscribeOptions{Since: now.Add(-10 * time.Minute)}},
+		{"2026-11-30T05:59:14.5Z", bus.SubscribeOptions{Since: time.Date(2026, 11, 30, 5, 59, 14, 5e8, time.UTC)}},
+	} {
+		got, desc, err := ParseSince(c.in, now)
+		if err != nil || got.DeliverAll != c.want.DeliverAll || !got.Since.Equal(c.want.Since) || desc == "" {
+			t.Errorf("ParseSince(%q) = %+v %q %v, want %+v", c.in, got, desc, err, c.want)
+		}
+	}
+	for _, in := range []string{"-5m", "yesterday", "10"} {
+		if _, _, err := ParseSince(in, now); err == nil {
+			t.Errorf("ParseSince(%q): no error", in)
+		}
+	}
+}
+
+// TestPrinterReadableLines checks the readable output of `narwhal
+// events`: one aligned line per event, with each kind's useful fields; an
+// event that does not decode is shown raw, on one line.
+func TestPrinterReadableLines(t *testing.T) {
+	var out bytes.Buffer
+	p := NewPrinter(&out, false)
+
+	f := testFailure("d1", "f1")
+	f.At, f.RequestID = eventsAt, "abc"
+	retry := testFailure("d2", "f2")
+	retry.At, retry.Phase, retry.Kind, retry.Status, retry.UpstreamStatus = eventsAt, schemas.PhasePrefill, "upstream_status", 502, 503
+	retry.Message, retry.Timeout, retry.Counts, retry.ProducerID, retry.ConsumerID, retry.Attempt = "engine returned HTTP 503", false, true, "d2", "d3", 2
+	client := testFailure("d1", "f3")
+	client.At, client.Counts, client.RequestID = eventsAt, false, "abc"
+	failedReq := testRequest("r2", "rt-1", "p1", "d1")
+	failedReq.Status, failedReq.ErrorKind, failedReq.FirstByteSeconds = 504, "first_token_timeout", nil
+	events := []schemas.Event{
+		f,
+		testRequest("r1", "rt-1", "p1", "d1"),
+		failedReq,
+		testEligibility("e1", "d1", false),
+		testEligibility("e2", "d1", true),
+		testProbe("pr1", "d1"),
+		&schemas.Probe{Envelope: envelope(schemas.SchemaProbe, "pr2", "", "b1", "d1", ""),
+			Outcome: "inconclusive", Phase: schemas.PhaseDecode, ProducerID: "p1", ConsumerID: "d1", Message: "producer p1 failed"},
+		&schemas.Quarantine{Envelope: envelope(schemas.SchemaQuarantine, "q1", "rt-1", "", "d1", ""),
+			DurationSeconds: 5, Until: eventsAt.Add(5 * time.Second), Reason: "first_token_timeout"},
+		&schemas.Handoff{Envelope: envelope(schemas.SchemaHandoff, "h1", "rt-1", "", "p1", "abc"),
+			Outcome: schemas.HandoffAbandoned, Reason: "decode_failed", ConsumerID: "d1", Connector: "nixl", AgeSeconds: 0.1, Released: true},
+		retry,
+		client,
+	}
+	for _, ev := range events {
+		payload, err := json.Marshal(ev)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := bus.ValidateEvent(payload); err != nil { // R-BUS-3
+			t.Fatalf("%v\n%s", err, payload)
+		}
+		if err := p.Print(ev.Subject(), payload); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// An event that is not JSON is shown raw.
+	if err := p.Print("narwhal.events.custom.x", []byte("not\njson")); err != nil {
+		t.Fatal(err)
+	}
+	want := []string{
+		`2026-11-30T05:59:14.123Z failure     d1 decode first_token_timeout 504 counts p1→d1 "engine first token timeout" (router rt-1, req abc)`,
+		`2026-11-30T05:59:14.123Z request     rt-1 200 /v1/chat/completions p1→d1 ttft=0.120s first_byte=0.340s attempts=1 (req req-r1, model m, 1.250s)`,
+		`2026-11-30T05:59:14.123Z request     rt-1 504 first_token_timeout /v1/chat/completions p1→d1 ttft=0.120s first_byte=- attempts=1 (req req-r2, model m, 1.250s)`,
+		`2026-11-30T05:59:14.123Z eligibility d1   ejected streak=3 "ejected after 3 failures" (breaker b1)`,
+		`2026-11-30T05:59:14.123Z eligibility d1   eligible streak=0 (breaker b1)`,
+		`2026-11-30T05:59:14.123Z probe       d1   success decode p1→d1 (breaker b1)`,
+		`2026-11-30T05:59:14.123Z probe       d1   inconclusive decode p1→d1 "producer p1 failed" (breaker b1)`,
+		`2026-11-30T05:59:14.123Z quarantine  d1   5.000s first_token_timeout until 2026-11-30T05:59:19.123Z (router rt-1)`,
+		`2026-11-30T05:59:14.123Z handoff     p1   abandoned decode_failed released p1→d1 nixl age=0.100s (router rt-1, req abc)`,
+		`2026-11-30T05:59:14.123Z failure     d2   prefill upstream_status 502 upstream=503 counts d2→d3 "engine returned HTTP 503" (router rt-1, req req-f2, attempt 2)`,
+		`2026-11-30T05:59:14.123Z failure     d1   decode first_token_timeout 504 uncounted p1→d1 "engine first token timeout" (router rt-1, req abc)`,
+		`-                        custom      x    not json`,
+	}
+	got := strings.Split(strings.TrimSuffix(out.String(), "\n"), "\n")
+	for i := range want {
+		if i >= len(got) || got[i] != want[i] {
+			t.Errorf("line %d:\n got %q\nwant %q", i, got[min(i, len(got)-1)], want[i])
+		}
+	}
+}
