@@ -66,9 +66,9 @@ func StartLocal(cfg LocalConfig) (*LocalEngines, error) {
 		return nil, err
 	}
 	l := &LocalEngines{Model: cfg.Model}
-	add := func(role string, i int) error {
-		id := role + "-" + strconv.Itoa(i)
-		s, err := sim.New(sim.Config{Role: role, EngineID: id, Model: cfg.Model, TTFT: cfg.TTFT, ITL: cfg.ITL})
+	add := func(role connector.Role, i int) error {
+		id := string(role) + "-" + strconv.Itoa(i)
+		s, err := sim.New(sim.Config{Role: string(role), EngineID: id, Model: cfg.Model, TTFT: cfg.TTFT, ITL: cfg.ITL})
 		if err != nil {
 			return err
 		}
@@ -77,8 +77,8 @@ func StartLocal(cfg LocalConfig) (*LocalEngines, error) {
 		if err != nil {
 			return err
 		}
-		e := engines.Engine{ID: id, URL: url, Role: engines.Role(role), Connector: conn}
-		if role == config.RolePrefill {
+		e := engines.Engine{ID: id, URL: url, Role: role, Connector: conn}
+		if role == connector.RolePrefill {
 			l.Prefill = append(l.Prefill, e)
 		} else {
 			l.Decode = append(l.Decode, e)
@@ -87,13 +87,13 @@ func StartLocal(cfg LocalConfig) (*LocalEngines, error) {
 		return nil
 	}
 	for i := 1; i <= cfg.Prefill; i++ {
-		if err := add(config.RolePrefill, i); err != nil {
+		if err := add(connector.RolePrefill, i); err != nil {
 			l.Close()
 			return nil, err
 		}
 	}
 	for i := 1; i <= cfg.Decode; i++ {
-		if err := add(config.RoleDecode, i); err != nil {
+		if err := add(connector.RoleDecode, i); err != nil {
 			l.Close()
 			return nil, err
 		}
@@ -120,7 +120,7 @@ func RouterConfigYAML(routerID string, fleet []config.EngineSpec) []byte {
 	for _, e := range fleet {
 		conn := e.Connector
 		if conn == "" {
-			conn = config.DefaultConnector
+			conn = connector.DefaultName
 		}
 		fmt.Fprintf(&b, "  - id: %s\n    url: %q\n    role: %s\n    connector: %s\n", e.ID, e.URL, e.Role, conn)
 	}

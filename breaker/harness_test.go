@@ -16,6 +16,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
@@ -92,7 +93,7 @@ func newHarness(t *testing.T, su setup) *harness {
 		}
 		t.Cleanup(func() { srv.Close() })
 		h.sims[sp.id] = srv
-		cfg.Fleet = append(cfg.Fleet, config.EngineSpec{ID: sp.id, URL: url, Role: sp.role, Connector: config.DefaultConnector})
+		cfg.Fleet = append(cfg.Fleet, config.EngineSpec{ID: sp.id, URL: url, Role: connector.Role(sp.role), Connector: connector.DefaultName})
 	}
 	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)

@@ -31,9 +31,9 @@ func startEngine(t *testing.T, cfg sim.Config) (*sim.Server, *engines.Engine) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { srv.Close() })
-	role := engines.Role(cfg.Role)
+	role := connector.Role(cfg.Role)
 	if role == "" {
-		role = engines.RoleBoth
+		role = connector.RoleBoth
 	}
 	return srv, &engines.Engine{ID: cfg.EngineID, URL: url, Role: role, Connector: connector.Nixl{}}
 }

@@ -10,6 +10,7 @@ import (
 	"github.com/nats-io/nuid"
 
 	"github.com/narwhalmesh/narwhal/engines"
+	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -108,9 +109,9 @@ func parallel(ps []*probe, fn func(*probe)) {
 // unknown). Called with s.mu held.
 func (s *Service) probePhase(e *engine) string {
 	switch {
-	case e.Role == engines.RolePrefill:
+	case e.Role == connector.RolePrefill:
 		return schemas.PhasePrefill
-	case e.Role == engines.RoleDecode:
+	case e.Role == connector.RoleDecode:
 		return schemas.PhaseDecode
 	case e.phase != "":
 		return e.phase
@@ -177,11 +178,11 @@ func (s *Service) check(ctx, pctx context.Context, p *probe) {
 // probe). With no partner the probe is inconclusive. Called with s.mu held.
 func (s *Service) pair(p *probe, eligible, checked map[string]bool) {
 	e := p.e
-	if e.Role == engines.RoleBoth {
+	if e.Role == connector.RoleBoth {
 		p.producer, p.consumer = e.ID, e.ID
 		return
 	}
-	wantProducer := e.Role == engines.RoleDecode
+	wantProducer := e.Role == connector.RoleDecode
 	can := func(c *engine) bool {
 		if wantProducer {
 			return c.Role.CanPrefill()

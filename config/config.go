@@ -20,30 +20,13 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/narwhalmesh/narwhal/engines/connector"
 )
 
 // EnvPrefix starts the name of every environment variable that overrides a
 // setting: NARWHAL_<SECTION>_<KEY>, e.g. NARWHAL_ENGINE_FIRST_TOKEN_TIMEOUT_S.
 const EnvPrefix = "NARWHAL_"
-
-// Engine roles, the values of EngineSpec.Role (SPEC §0).
-const (
-	// RolePrefill: the engine only runs prefill legs (KV producer).
-	RolePrefill = "prefill"
-	// RoleDecode: the engine only runs decode legs (KV consumer).
-	RoleDecode = "decode"
-	// RoleBoth: the engine runs either leg, and same-worker decode.
-	RoleBoth = "both"
-)
-
-// DefaultConnector is the KV connector an engine gets when its fleet entry
-// names none.
-const DefaultConnector = "nixl"
-
-// KnownConnectors lists the KV connectors a fleet entry or the engine
-// contract may name (SPEC R-DESC-3). Supporting another connector adds one
-// name here.
-var KnownConnectors = []string{"nixl"}
 
 // Log formats, the values of Router.LogFormat.
 const (
@@ -271,7 +254,7 @@ type Contract struct {
 	// ">=0.10,<0.12" (see VersionSatisfies).
 	Version string `yaml:"version"`
 	// Connector is the KV connector every engine must use; one of
-	// KnownConnectors.
+	// connector.Names().
 	Connector string `yaml:"connector"`
 }
 
@@ -284,10 +267,10 @@ type EngineSpec struct {
 	// URL is the engine's absolute http(s) base URL, e.g.
 	// "http://10.0.0.11:8000".
 	URL string `yaml:"url"`
-	// Role is RolePrefill, RoleDecode or RoleBoth.
-	Role string `yaml:"role"`
+	// Role is connector.RolePrefill, RoleDecode or RoleBoth.
+	Role connector.Role `yaml:"role"`
 	// Connector is the engine's KV connector; Load and Parse set
-	// DefaultConnector when the file names none.
+	// connector.DefaultName (nixl) when the file names none.
 	Connector string `yaml:"connector"`
 	// PrefillSlots and DecodeSlots are how many prefill / decode phases may
 	// run on the engine at once; 0 means no limit (R-OWN-3).
@@ -296,10 +279,10 @@ type EngineSpec struct {
 }
 
 // CanPrefill reports whether the engine's role permits the prefill leg.
-func (s EngineSpec) CanPrefill() bool { return s.Role == RolePrefill || s.Role == RoleBoth }
+func (s EngineSpec) CanPrefill() bool { return s.Role.CanPrefill() }
 
 // CanDecode reports whether the engine's role permits the decode leg.
-func (s EngineSpec) CanDecode() bool { return s.Role == RoleDecode || s.Role == RoleBoth }
+func (s EngineSpec) CanDecode() bool { return s.Role.CanDecode() }
 
 // Default returns the defaults of SPEC §11: engine timeouts 30/30/60 s,
 // request timeout 600 s, a 32 MiB body limit, n up to 16 and max_tokens up
@@ -413,8 +396,8 @@ func (e *KeyError) Error() string {
 // server.max_inflight >= 0, server.max_body_bytes_inflight >=
 // request.max_body_bytes; router.event_buffer > 0; router.id a valid id; router.log_format and
 // router.log_level from their sets; every fleet entry with a unique valid
-// id, an absolute http(s) URL, a role of RolePrefill, RoleDecode or
-// RoleBoth, a connector from KnownConnectors and slots >= 0; the engine
+// id, an absolute http(s) URL, a valid connector.Role, a connector
+// registered in engines/connector and slots >= 0; the engine
 // contract's version constraint parses and its connector, when set, is
 // known. An empty fleet is valid.
 func (c *Config) Validate() error {
@@ -501,8 +484,8 @@ func (c *Config) Validate() error {
 				bad("engine_contract.version", "%v", err)
 			}
 		}
-		if ec.Connector != "" && !slices.Contains(KnownConnectors, ec.Connector) {
-			bad("engine_contract.connector", "must be one of %s, got %q", strings.Join(KnownConnectors, ", "), ec.Connector)
+		if ec.Connector != "" && !slices.Contains(connector.Names(), ec.Connector) {
+			bad("engine_contract.connector", "must be one of %s, got %q", strings.Join(connector.Names(), ", "), ec.Connector)
 		}
 	}
 
@@ -522,11 +505,11 @@ func (c *Config) Validate() error {
 		if u, err := url.Parse(s.URL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 			bad(key("url"), "must be an absolute http or https URL, got %q", s.URL)
 		}
-		if s.Role != RolePrefill && s.Role != RoleDecode && s.Role != RoleBoth {
-			bad(key("role"), "must be %q, %q or %q, got %q", RolePrefill, RoleDecode, RoleBoth, s.Role)
+		if !s.Role.Valid() {
+			bad(key("role"), "must be %q, %q or %q, got %q", connector.RolePrefill, connector.RoleDecode, connector.RoleBoth, s.Role)
 		}
-		if !slices.Contains(KnownConnectors, s.Connector) {
-			bad(key("connector"), "must be one of %s, got %q", strings.Join(KnownConnectors, ", "), s.Connector)
+		if !slices.Contains(connector.Names(), s.Connector) {
+			bad(key("connector"), "must be one of %s, got %q", strings.Join(connector.Names(), ", "), s.Connector)
 		}
 		if s.PrefillSlots < 0 {
 			bad(key("prefill_slots"), "must be >= 0, got %d", s.PrefillSlots)

@@ -1,16 +1,22 @@
 package config
 
 import (
+	"context"
 	"errors"
 	"log/slog"
 	"math"
+	"net/http"
 	"os"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
+
+	"github.com/narwhalmesh/narwhal/engines/connector"
 )
 
 // specExample is the config file of SPEC §14, verbatim.
@@ -171,8 +177,8 @@ func TestSpecExampleLoads(t *testing.T) {
 		t.Errorf("contract %+v, want %+v", c.EngineContract, wantContract)
 	}
 	wantFleet := []EngineSpec{
-		{ID: "p1", URL: "http://10.0.0.11:8000", Role: RolePrefill, Connector: "nixl"},
-		{ID: "d1", URL: "http://10.0.0.21:8000", Role: RoleDecode, Connector: "nixl"},
+		{ID: "p1", URL: "http://10.0.0.11:8000", Role: connector.RolePrefill, Connector: "nixl"},
+		{ID: "d1", URL: "http://10.0.0.21:8000", Role: connector.RoleDecode, Connector: "nixl"},
 	}
 	if !reflect.DeepEqual(c.Fleet, wantFleet) {
 		t.Errorf("fleet %+v, want %+v", c.Fleet, wantFleet)
@@ -223,7 +229,7 @@ fleet:
 	if c.Recovery.RetryAttempts != 2 || c.Router.ID != "router-a" || c.Router.LogFormat != "json" || c.Router.Level() != slog.LevelDebug {
 		t.Errorf("recovery %+v router %+v", c.Recovery, c.Router)
 	}
-	want := EngineSpec{ID: "both1", URL: "https://e1.example:8443/", Role: RoleBoth, Connector: DefaultConnector, PrefillSlots: 4, DecodeSlots: 8}
+	want := EngineSpec{ID: "both1", URL: "https://e1.example:8443/", Role: connector.RoleBoth, Connector: connector.DefaultName, PrefillSlots: 4, DecodeSlots: 8}
 	if len(c.Fleet) != 1 || c.Fleet[0] != want || !c.Fleet[0].CanPrefill() || !c.Fleet[0].CanDecode() {
 		t.Errorf("fleet %+v, want [%+v] (connector defaults to nixl)", c.Fleet, want)
 	}
@@ -406,8 +412,8 @@ func TestValidateNamesEveryKey(t *testing.T) {
 	valid := func() Config {
 		c := Default()
 		c.Fleet = []EngineSpec{
-			{ID: "p1", URL: "http://10.0.0.11:8000", Role: RolePrefill, Connector: "nixl"},
-			{ID: "d1", URL: "https://10.0.0.21:8000", Role: RoleDecode, Connector: "nixl", DecodeSlots: 2},
+			{ID: "p1", URL: "http://10.0.0.11:8000", Role: connector.RolePrefill, Connector: "nixl"},
+			{ID: "d1", URL: "https://10.0.0.21:8000", Role: connector.RoleDecode, Connector: "nixl", DecodeSlots: 2},
 		}
 		c.EngineContract = &Contract{Model: "m", Engine: "vllm", Version: ">=0.10,<0.12", Connector: "nixl"}
 		return c
@@ -502,19 +508,39 @@ func TestValidateNamesEveryKey(t *testing.T) {
 	}
 }
 
-// TestKnownConnectorsIsTheOnlyList proves another connector is one line:
-// adding it to KnownConnectors makes it valid for the fleet and contract.
-func TestKnownConnectorsIsTheOnlyList(t *testing.T) {
-	saved := KnownConnectors
-	t.Cleanup(func() { KnownConnectors = saved })
-	doc := []byte("engine_contract:\n  connector: lmcache\nfleet:\n  - {id: e1, url: 'http://h:1', role: both, connector: lmcache}\n")
-	if _, err := load(doc, map[string]string{}); err == nil {
-		t.Fatal("lmcache accepted before it is known")
+// registryConnector is a connector registered only by
+// TestConnectorRegistryIsTheOnlyList.
+type registryConnector struct{}
+
+func (registryConnector) Name() string           { return "lmcache-test" }
+func (registryConnector) HandoffRequest() []byte { return []byte(`{}`) }
+func (registryConnector) Validate([]byte) (connector.Handoff, error) {
+	return connector.Handoff{}, nil
+}
+func (registryConnector) Release(context.Context, *http.Client, string, []byte) (bool, error) {
+	return false, nil
+}
+
+var registerOnce sync.Once
+
+// TestConnectorRegistryIsTheOnlyList proves connector names are defined
+// once, by the registry of engines/connector: a connector unknown there is
+// refused for the fleet and the contract, and registering it is all it
+// takes to make it valid.
+func TestConnectorRegistryIsTheOnlyList(t *testing.T) {
+	doc := []byte("engine_contract:\n  connector: lmcache-test\nfleet:\n  - {id: e1, url: 'http://h:1', role: both, connector: lmcache-test}\n")
+	if !slices.Contains(connector.Names(), "lmcache-test") {
+		if _, err := load(doc, map[string]string{}); err == nil {
+			t.Fatal("lmcache-test accepted before it is registered")
+		}
 	}
-	KnownConnectors = append([]string{}, saved...)
-	KnownConnectors = append(KnownConnectors, "lmcache")
+	registerOnce.Do(func() { connector.Register(registryConnector{}) })
 	if _, err := load(doc, map[string]string{}); err != nil {
-		t.Fatalf("lmcache rejected once known: %v", err)
+		t.Fatalf("lmcache-test rejected once registered: %v", err)
+	}
+	bad := []byte("fleet:\n  - {id: e1, url: 'http://h:1', role: producer}\n")
+	if _, err := load(bad, map[string]string{}); err == nil || !strings.Contains(err.Error(), `must be "prefill", "decode" or "both", got "producer"`) {
+		t.Fatalf("role producer: %v", err)
 	}
 }
 
@@ -582,8 +608,8 @@ func TestYAMLErrorsNameTheKey(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := []EngineSpec{
-		{ID: "p1", URL: "http://h:1", Role: RolePrefill, Connector: "nixl", PrefillSlots: 3},
-		{ID: "d1", URL: "http://h:1", Role: RoleDecode, Connector: "nixl", PrefillSlots: 3},
+		{ID: "p1", URL: "http://h:1", Role: connector.RolePrefill, Connector: "nixl", PrefillSlots: 3},
+		{ID: "d1", URL: "http://h:1", Role: connector.RoleDecode, Connector: "nixl", PrefillSlots: 3},
 	}
 	if !reflect.DeepEqual(c.Fleet, want) {
 		t.Errorf("merge keys: %+v, want %+v", c.Fleet, want)

@@ -23,22 +23,6 @@ import (
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
-// Role is what an engine may do (SPEC §0).
-type Role string
-
-// Engine roles.
-const (
-	RolePrefill Role = "prefill"
-	RoleDecode  Role = "decode"
-	RoleBoth    Role = "both"
-)
-
-// CanPrefill reports whether the role may produce KV (prefill or both).
-func (r Role) CanPrefill() bool { return r == RolePrefill || r == RoleBoth }
-
-// CanDecode reports whether the role may consume KV (decode or both).
-func (r Role) CanDecode() bool { return r == RoleDecode || r == RoleBoth }
-
 // Engine is one engine of the fleet as the client needs it.
 type Engine struct {
 	// ID is the fleet-unique engine id.
@@ -47,7 +31,7 @@ type Engine struct {
 	// "http://10.0.0.11:8000".
 	URL string
 	// Role is the engine's role.
-	Role Role
+	Role connector.Role
 	// Connector is the engine's KV connector.
 	Connector connector.Connector
 }

@@ -26,7 +26,7 @@ func startSim(t *testing.T, id, role string) (*sim.Server, *Engine) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { srv.Close() })
-	return srv, &Engine{ID: id, URL: url, Role: Role(role), Connector: connector.Nixl{}}
+	return srv, &Engine{ID: id, URL: url, Role: connector.Role(role), Connector: connector.Nixl{}}
 }
 
 func parse(t *testing.T, endpoint, body string) *schemas.Request {

@@ -91,7 +91,7 @@ func testRequest(url string) (*Request, *connector.PrefillResult) {
 	if err != nil {
 		panic(err)
 	}
-	e := &Engine{ID: "d1", URL: url, Role: RoleBoth, Connector: connector.Nixl{}}
+	e := &Engine{ID: "d1", URL: url, Role: connector.RoleBoth, Connector: connector.Nixl{}}
 	req := &Request{Body: body, BackendRequestID: "b-1", Producer: e, Consumer: e}
 	res := connector.NewPrefillResult(connector.PrefillResult{ProducerID: "d1", Endpoint: schemas.EndpointChat, Connector: "nixl", Started: time.Now()}, nil)
 	return req, res

@@ -60,7 +60,7 @@ func BenchmarkRelayChunk(b *testing.B) {
 func BenchmarkPlace(b *testing.B) {
 	f := &fleet{byID: map[string]*member{}}
 	models := []string{"m"}
-	for i, role := range []engines.Role{engines.RolePrefill, engines.RolePrefill, engines.RoleDecode, engines.RoleDecode, engines.RoleDecode, engines.RoleDecode} {
+	for i, role := range []connector.Role{connector.RolePrefill, connector.RolePrefill, connector.RoleDecode, connector.RoleDecode, connector.RoleDecode, connector.RoleDecode} {
 		m := &member{Engine: engines.Engine{ID: "e" + string(rune('0'+i)), Role: role, Connector: connector.Nixl{}}}
 		m.eligible.Store(true)
 		m.models.Store(&models)

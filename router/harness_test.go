@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
@@ -106,7 +107,7 @@ func newStack(t *testing.T, defs []engineDef, mutate func(*config.Config)) *stac
 		}
 		t.Cleanup(func() { srv.Close() })
 		s.sims[d.id] = srv
-		cfg.Fleet = append(cfg.Fleet, config.EngineSpec{ID: d.id, URL: url, Role: d.role, Connector: "nixl"})
+		cfg.Fleet = append(cfg.Fleet, config.EngineSpec{ID: d.id, URL: url, Role: connector.Role(d.role), Connector: "nixl"})
 	}
 	if mutate != nil {
 		mutate(&cfg)

@@ -111,7 +111,7 @@ func New(opts Options) (*Router, error) {
 		if err != nil {
 			return nil, fmt.Errorf("router: fleet engine %s: %w", spec.ID, err)
 		}
-		m := &member{Engine: engines.Engine{ID: spec.ID, URL: trimSlash(spec.URL), Role: engines.Role(spec.Role), Connector: conn}}
+		m := &member{Engine: engines.Engine{ID: spec.ID, URL: trimSlash(spec.URL), Role: spec.Role, Connector: conn}}
 		m.limit[prefillPhase] = int64(spec.PrefillSlots)
 		m.limit[decodePhase] = int64(spec.DecodeSlots)
 		m.eligible.Store(true)

@@ -15,6 +15,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
+	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
@@ -313,9 +314,9 @@ func TestIdleEnginesShareTheLoadROWN3(t *testing.T) {
 	f := &fleet{byID: map[string]*member{}}
 	models := []string{"m"}
 	for _, id := range []string{"p1", "p2", "d1", "d2", "d3"} {
-		role := engines.RoleDecode
+		role := connector.RoleDecode
 		if id[0] == 'p' {
-			role = engines.RolePrefill
+			role = connector.RolePrefill
 		}
 		m := &member{Engine: engines.Engine{ID: id, Role: role}}
 		m.eligible.Store(true)

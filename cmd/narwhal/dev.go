@@ -7,6 +7,7 @@ import (
 	"os"
 
 	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 )
 
@@ -76,7 +77,7 @@ func runDev(ctx context.Context, args []string) error {
 				return err
 			}
 		}
-		cfg.Fleet = append(cfg.Fleet, config.EngineSpec{ID: e.id, URL: url, Role: e.role, Connector: "nixl"})
+		cfg.Fleet = append(cfg.Fleet, config.EngineSpec{ID: e.id, URL: url, Role: connector.Role(e.role), Connector: connector.NixlName})
 	}
 	if err := cfg.Validate(); err != nil {
 		return err

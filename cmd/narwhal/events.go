@@ -132,4 +132,3 @@ func (h quietAfter) WithAttrs(attrs []slog.Attr) slog.Handler {
 func (h quietAfter) WithGroup(name string) slog.Handler {
 	return quietAfter{h.Handler.WithGroup(name), h.closing}
 }
-

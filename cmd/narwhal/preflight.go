@@ -79,7 +79,7 @@ func runPreflight(ctx context.Context, args []string, out io.Writer) error {
 		if err != nil {
 			return fmt.Errorf("fleet engine %s: %w", spec.ID, err)
 		}
-		fleet = append(fleet, &engines.Engine{ID: spec.ID, URL: strings.TrimRight(spec.URL, "/"), Role: engines.Role(spec.Role), Connector: conn})
+		fleet = append(fleet, &engines.Engine{ID: spec.ID, URL: strings.TrimRight(spec.URL, "/"), Role: spec.Role, Connector: conn})
 	}
 	client := breaker.NewProbeClient(cfg)
 	defer client.CloseIdleConnections()
