@@ -40,8 +40,9 @@ import (
 // Names on the bus (SPEC R-BRK-1, R-BRK-8, R-BUS-7).
 const (
 	// LeaseBucket is the KV bucket that holds the leader lease. Its TTL is
-	// breaker.lease_ttl_s; it is created or updated, never deleted.
-	LeaseBucket = "narwhal_breaker"
+	// the lease TTL; the admin creates it (bus.Setup, R-BUS-8) and the
+	// breaker only binds to it.
+	LeaseBucket = bus.LeaseBucket
 	// LeaseKey is the lease's key in LeaseBucket; its value is a Lease.
 	LeaseKey = "leader"
 	// ConsumerName is the durable consumer on stream NARWHAL_EVENTS that
@@ -231,8 +232,9 @@ func (s *Service) Leader() bool { return s.leader.Load() }
 // ID returns the Service's breaker_id.
 func (s *Service) ID() string { return s.id }
 
-// Run sets up KV bucket narwhal_breaker (TTL breaker.lease_ttl_s) and the
-// durable consumer narwhal-breaker with CreateOrUpdate only (R-BUS-7),
+// Run binds to KV bucket narwhal_breaker (whose TTL, when it differs from
+// breaker.lease_ttl_s, becomes the lease TTL: logged; R-BUS-8) and sets up
+// the durable consumer narwhal-breaker with CreateOrUpdate only (R-BUS-7),
 // then campaigns for the lease every lease_ttl_s/3: while it holds the
 // lease it leads (consumes events, ejects, probes, readmits); when a
 // renewal fails it stops leading at once and campaigns again (R-BRK-8).
@@ -240,8 +242,8 @@ func (s *Service) ID() string { return s.id }
 // Run blocks until ctx ends and then returns nil, after releasing the lease
 // it holds (so a standby takes over without waiting for it to lapse) and
 // stopping every goroutine it started. It returns an error when the
-// bucket or consumer cannot be set up for a reason waiting cannot fix, or
-// when called a second time.
+// bucket is missing (a *bus.NotSetUpError) or the consumer cannot be set up
+// for a reason waiting cannot fix, or when called a second time.
 func (s *Service) Run(ctx context.Context) error {
 	if !s.running.CompareAndSwap(false, true) {
 		return errors.New("breaker: Run called twice")
@@ -284,20 +286,19 @@ func (s *Service) Run(ctx context.Context) error {
 	}
 }
 
-// setup creates or updates the lease bucket and the durable consumer,
-// retrying while the bus is unreachable.
+// setup binds to the lease bucket as the admin made it (R-BUS-8) and
+// creates or updates the durable consumer, retrying while the bus is
+// unreachable. When the bucket's TTL differs from breaker.lease_ttl_s the
+// bucket wins — its TTL is when the lease lapses — and the difference is
+// logged.
 func (s *Service) setup(ctx context.Context) (jetstream.KeyValue, jetstream.Consumer, error) {
 	js := s.bus.JetStream()
 	for {
 		octx, cancel := context.WithTimeout(ctx, opTimeout)
-		lease, err := js.CreateOrUpdateKeyValue(octx, jetstream.KeyValueConfig{
-			Bucket:      LeaseBucket,
-			Description: "Narwhal breaker leader lease",
-			History:     1,
-			TTL:         s.leaseTTL,
-			Storage:     jetstream.FileStorage,
-			Replicas:    s.bus.Replicas(),
-		})
+		lease, err := s.bus.BindBucket(octx, LeaseBucket)
+		if err == nil {
+			err = s.adoptLeaseTTL(octx, lease)
+		}
 		var cons jetstream.Consumer
 		if err == nil {
 			cons, err = js.CreateOrUpdateConsumer(octx, bus.StreamName, jetstream.ConsumerConfig{
@@ -313,8 +314,6 @@ func (s *Service) setup(ctx context.Context) (jetstream.KeyValue, jetstream.Cons
 			if err != nil {
 				err = fmt.Errorf("breaker: consumer %s: %w", ConsumerName, err)
 			}
-		} else {
-			err = fmt.Errorf("breaker: bucket %s: %w", LeaseBucket, err)
 		}
 		cancel()
 		if err == nil {
@@ -328,6 +327,21 @@ func (s *Service) setup(ctx context.Context) (jetstream.KeyValue, jetstream.Cons
 			return nil, nil, ctx.Err()
 		}
 	}
+}
+
+// adoptLeaseTTL makes the lease bucket's TTL the Service's lease TTL.
+func (s *Service) adoptLeaseTTL(ctx context.Context, lease jetstream.KeyValue) error {
+	st, err := lease.Status(ctx)
+	if err != nil {
+		return fmt.Errorf("breaker: bucket %s: %w", LeaseBucket, err)
+	}
+	if ttl := st.TTL(); ttl > 0 && ttl != s.leaseTTL {
+		s.log.Warn("breaker: the lease bucket's TTL differs from breaker.lease_ttl_s; using the bucket's",
+			"bucket", LeaseBucket, "found", ttl, "wanted", s.leaseTTL)
+		s.leaseTTL = ttl
+		s.renewEvery = ttl / 3
+	}
+	return nil
 }
 
 // transient reports whether a bus error may go away by waiting.

@@ -57,7 +57,13 @@ const testModel = "m"
 
 func newHarness(t *testing.T, su setup) *harness {
 	t.Helper()
-	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1})
+	leaseTTLS := 1.0
+	if su.leaseTTLS > 0 {
+		leaseTTLS = su.leaseTTLS
+	}
+	// The bus's admin makes the lease bucket with the mesh's lease TTL
+	// (R-BUS-8); the breakers bind to it.
+	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1, LeaseTTL: config.Seconds(leaseTTLS)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -77,10 +83,7 @@ func newHarness(t *testing.T, su setup) *harness {
 	if su.readmitS > 0 {
 		cfg.Recovery.ReadmitIntervalS = su.readmitS
 	}
-	cfg.Breaker.LeaseTTLS = 1
-	if su.leaseTTLS > 0 {
-		cfg.Breaker.LeaseTTLS = su.leaseTTLS
-	}
+	cfg.Breaker.LeaseTTLS = leaseTTLS
 	cfg.EngineContract = su.contract
 	for _, sp := range su.fleet {
 		srv, err := sim.New(sim.Config{Role: sp.role, EngineID: sp.id, Model: testModel, EngineVersion: sp.version})

@@ -16,7 +16,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"slices"
+	"net/url"
+	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -46,14 +48,21 @@ const (
 	StreamDuplicates = 2 * time.Minute
 )
 
+// jsErrCodeClusterNoPeers is JetStream's "no suitable peers for
+// placement": a cluster still forming, or fewer servers than replicas.
+const jsErrCodeClusterNoPeers jetstream.ErrorCode = 10005
+
 // Connection tuning.
 const (
 	reconnectWait   = 250 * time.Millisecond
-	setupTimeout    = 5 * time.Second
+	bindTimeout     = 5 * time.Second
 	setupRetryDelay = 250 * time.Millisecond
+	// waitLogEvery is how often a Connect that waits for the bus says so.
+	waitLogEvery = 5 * time.Second
 )
 
-// ConnectOptions says where the bus is (SPEC R-BUS-4).
+// ConnectOptions says where the bus is and who connects (SPEC R-BUS-4,
+// R-BUS-8).
 type ConnectOptions struct {
 	// URL is the NATS server URL, e.g. NARWHAL_NATS_URL
 	// ("nats://h1:4222,nats://h2:4222" for a cluster). Ignored when
@@ -63,7 +72,8 @@ type ConnectOptions struct {
 	Embedded *Embedded
 	// Name is the client name the server shows, e.g. "narwhal-router-a".
 	Name string
-	// CredsFile is a NATS credentials file (JWT and seed), or "".
+	// CredsFile is a NATS credentials file (JWT and seed): the role's
+	// credential (R-BUS-8), or "".
 	CredsFile string
 	// TLSCA is a PEM file of CAs to trust for the server's certificate,
 	// or "".
@@ -71,42 +81,67 @@ type ConnectOptions struct {
 	// TLSCert and TLSKey are the client certificate and key (PEM files)
 	// for mutual TLS, or "".
 	TLSCert, TLSKey string
-	// Log, when set, receives disconnect, reconnect and async error
-	// notices.
+	// Log, when set, receives what a waiting Connect waits for (at once,
+	// then every 5 s), and disconnect, reconnect and async error notices.
 	Log *slog.Logger
-	// Replicas is the number of replicas of the stream and of every
-	// bucket Narwhal creates, for a NATS cluster (NARWHAL_NATS_REPLICAS);
-	// 0 means 1. Every process of a mesh must use the same value, since
-	// create-or-update applies it at each start.
-	Replicas int
+	// Setup, when set, makes this connection the admin's: Connect runs
+	// Setup with it (creating or updating the stream and every bucket)
+	// before binding. Nil for every other role, which only binds.
+	Setup *SetupOptions
 }
 
-// Bus is one connection to NATS with the events stream and the placement
-// bucket set up. It is safe for concurrent use.
+// Bus is one connection to NATS bound to the events stream and the
+// placement bucket. It is safe for concurrent use.
 type Bus struct {
 	nc        *nats.Conn
 	js        jetstream.JetStream
 	placement jetstream.KeyValue
-	replicas  int
+	// denied is the last permissions violation the server reported for
+	// this connection, or nil.
+	denied atomic.Pointer[error]
+	// dialErr is the last failed connection attempt, or nil.
+	dialErr atomic.Pointer[error]
 }
 
-// Connect connects to NATS and makes sure stream NARWHAL_EVENTS (subjects
-// narwhal.events.>, file storage, max age 24 h, max 1 GiB, duplicate window
-// 2 min) and KV bucket narwhal_placement exist, with CreateOrUpdate only:
-// an existing stream or bucket is updated in place, never deleted or
-// recreated (R-BUS-7).
+// Connect connects to NATS and binds to stream NARWHAL_EVENTS and KV
+// bucket narwhal_placement as they exist: it creates and changes nothing
+// unless opts.Setup is set (the admin, R-BUS-8). A stream or bucket that
+// does not exist is a *NotSetUpError naming it and the command that
+// creates it.
 //
-// The connection reconnects forever after a disconnect (R-BUS-6). While the
-// server cannot be reached, or answers that JetStream is not ready, Connect
-// keeps trying until ctx ends; it returns an error at once for bad options
-// (missing URL, unreadable credentials or TLS files) or when the server
-// rejects the stream or bucket configuration. The caller owns the Bus and
-// must Close it.
+// The connection reconnects forever after a disconnect (R-BUS-6). While
+// the server cannot be reached, or answers that JetStream is not ready,
+// Connect keeps trying until ctx ends (logging what it waits for at once
+// and every 5 s when opts.Log is set); it returns an error at once for bad
+// options (missing URL, unreadable credentials or TLS files), when the
+// server refuses the credential (authorization violation) or a permission
+// the role lacks, or when the stream or bucket is missing. The caller owns
+// the Bus and must Close it.
 func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
+	b := &Bus{}
+	log := opts.Log
 	nopts := []nats.Option{
 		nats.MaxReconnects(-1),
 		nats.ReconnectWait(reconnectWait),
 		nats.RetryOnFailedConnect(true),
+		nats.ReconnectErrHandler(func(_ *nats.Conn, err error) {
+			if err != nil {
+				b.dialErr.Store(&err)
+			}
+		}),
+		nats.ErrorHandler(func(_ *nats.Conn, sub *nats.Subscription, err error) {
+			if errors.Is(err, nats.ErrPermissionViolation) {
+				b.denied.Store(&err)
+			}
+			if log == nil {
+				return
+			}
+			subject := ""
+			if sub != nil {
+				subject = sub.Subject
+			}
+			log.Warn("bus async error", "subject", subject, "err", err)
+		}),
 	}
 	if opts.Name != "" {
 		nopts = append(nopts, nats.Name(opts.Name))
@@ -120,20 +155,13 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 	if opts.TLSCert != "" || opts.TLSKey != "" {
 		nopts = append(nopts, nats.ClientCert(opts.TLSCert, opts.TLSKey))
 	}
-	if log := opts.Log; log != nil {
+	if log != nil {
 		nopts = append(nopts,
 			nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
 				log.Warn("bus disconnected", "err", err)
 			}),
 			nats.ReconnectHandler(func(nc *nats.Conn) {
 				log.Info("bus reconnected", "url", nc.ConnectedUrlRedacted())
-			}),
-			nats.ErrorHandler(func(_ *nats.Conn, sub *nats.Subscription, err error) {
-				subject := ""
-				if sub != nil {
-					subject = sub.Subject
-				}
-				log.Warn("bus async error", "subject", subject, "err", err)
 			}),
 		)
 	}
@@ -154,86 +182,119 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 		nc.Close()
 		return nil, fmt.Errorf("bus: jetstream: %w", err)
 	}
-	b := &Bus{nc: nc, js: js, replicas: max(opts.Replicas, 1)}
+	b.nc, b.js = nc, js
+	if err := b.waitConnected(ctx, url, log); err != nil {
+		nc.Close()
+		return nil, err
+	}
+	if opts.Setup != nil {
+		if err := Setup(ctx, b, *opts.Setup); err != nil {
+			nc.Close()
+			return nil, err
+		}
+	}
 	for {
-		err := b.setup(ctx)
+		err := b.bind(ctx)
 		if err == nil {
 			return b, nil
+		}
+		if perm := b.permissionError(); perm != nil {
+			nc.Close()
+			return nil, fmt.Errorf("%w (%v)", err, perm)
 		}
 		if !retryable(nc, err) {
 			nc.Close()
 			return nil, err
 		}
-		t := time.NewTimer(setupRetryDelay)
-		select {
-		case <-ctx.Done():
-			t.Stop()
+		if !sleepCtx(ctx, setupRetryDelay) {
 			nc.Close()
 			return nil, fmt.Errorf("%w (gave up: %v)", err, context.Cause(ctx))
-		case <-t.C:
 		}
 	}
 }
 
-// setup creates or updates the stream and the bucket.
-func (b *Bus) setup(ctx context.Context) error {
-	ctx, cancel := context.WithTimeout(ctx, setupTimeout)
+// ErrUnreachable is wrapped by Connect's error when no server of the URL
+// could be reached before its context ended.
+var ErrUnreachable = errors.New("unreachable")
+
+// waitConnected waits until the connection is up, logging what it waits
+// for at once and every waitLogEvery. It fails when ctx ends first or the
+// client gave up (an authorization violation closes it).
+func (b *Bus) waitConnected(ctx context.Context, url string, log *slog.Logger) error {
+	var lastLog time.Time
+	t := time.NewTicker(20 * time.Millisecond)
+	defer t.Stop()
+	for !b.nc.IsConnected() {
+		if b.nc.IsClosed() {
+			return fmt.Errorf("bus: connect %s: %w", redactURLs(url), b.lastDialError())
+		}
+		if log != nil && time.Since(lastLog) >= waitLogEvery && b.lastDialError() != nil {
+			log.Warn("waiting for the bus", "url", redactURLs(url), "err", b.lastDialError())
+			lastLog = time.Now()
+		}
+		select {
+		case <-ctx.Done():
+			err := b.lastDialError()
+			if err == nil {
+				err = nats.ErrNoServers
+			}
+			return fmt.Errorf("bus: connect %s: %w: %w (gave up: %v)", redactURLs(url), ErrUnreachable, err, context.Cause(ctx))
+		case <-t.C:
+		}
+	}
+	if !lastLog.IsZero() {
+		log.Info("bus reachable", "url", b.nc.ConnectedUrlRedacted())
+	}
+	return nil
+}
+
+// lastDialError is the last failed connection attempt's error, the
+// connection's own last error, or nil.
+func (b *Bus) lastDialError() error {
+	if err := b.dialErr.Load(); err != nil {
+		return *err
+	}
+	return b.nc.LastError()
+}
+
+// permissionError returns the last permissions violation the server
+// reported on this connection, or nil.
+func (b *Bus) permissionError() error {
+	if err := b.denied.Load(); err != nil {
+		return *err
+	}
+	return nil
+}
+
+// bind binds to the stream and the placement bucket.
+func (b *Bus) bind(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, bindTimeout)
 	defer cancel()
-	want := jetstream.StreamConfig{
-		Name:        StreamName,
-		Description: "Narwhal events (failure, quarantine, handoff, request, probe, eligibility)",
-		Subjects:    []string{SubjectPrefix + ">"},
-		Retention:   jetstream.LimitsPolicy,
-		Discard:     jetstream.DiscardOld,
-		Storage:     jetstream.FileStorage,
-		MaxAge:      StreamMaxAge,
-		MaxBytes:    StreamMaxBytes,
-		Duplicates:  StreamDuplicates,
-		Replicas:    b.replicas,
-	}
-	// Update only what differs: every process starts with this, and a
-	// stream update that races other processes' consumer creation is
-	// needless churn on the server.
-	if st, err := b.js.Stream(ctx, StreamName); err != nil || !sameStream(st.CachedInfo().Config, want) {
-		if _, err := b.js.CreateOrUpdateStream(ctx, want); err != nil {
-			return fmt.Errorf("bus: stream %s: %w", StreamName, err)
+	if _, err := b.js.Stream(ctx, StreamName); err != nil {
+		if errors.Is(err, jetstream.ErrStreamNotFound) {
+			return &NotSetUpError{What: "stream", Name: StreamName}
 		}
+		return fmt.Errorf("bus: stream %s: %w", StreamName, err)
 	}
-	kvWant := jetstream.KeyValueConfig{
-		Bucket:      PlacementBucket,
-		Description: "Narwhal placement eligibility by engine id",
-		History:     1,
-		Storage:     jetstream.FileStorage,
-		Replicas:    b.replicas,
-	}
-	kv, err := b.js.KeyValue(ctx, PlacementBucket)
-	if err == nil {
-		if st, serr := kv.Status(ctx); serr != nil || st.History() != 1 || st.BackingStore() != "JetStream" {
-			err = errors.New("bucket settings differ")
-		} else if info, ierr := b.js.Stream(ctx, "KV_"+PlacementBucket); ierr != nil || info.CachedInfo().Config.Replicas != b.replicas {
-			err = errors.New("bucket settings differ")
-		}
-	}
+	kv, err := b.BindBucket(ctx, PlacementBucket)
 	if err != nil {
-		if kv, err = b.js.CreateOrUpdateKeyValue(ctx, kvWant); err != nil {
-			return fmt.Errorf("bus: bucket %s: %w", PlacementBucket, err)
-		}
+		return err
 	}
 	b.placement = kv
 	return nil
 }
 
-// sameStream reports whether the settings Narwhal manages are as wanted.
-func sameStream(have, want jetstream.StreamConfig) bool {
-	return slices.Equal(have.Subjects, want.Subjects) && have.Retention == want.Retention &&
-		have.Discard == want.Discard && have.Storage == want.Storage && have.MaxAge == want.MaxAge &&
-		have.MaxBytes == want.MaxBytes && have.Duplicates == want.Duplicates && have.Replicas == want.Replicas &&
-		have.Description == want.Description
-}
-
 // retryable reports whether a setup error may go away by waiting: the
-// connection is down, or JetStream did not answer (yet).
+// connection is down (not closed), or JetStream did not answer (yet), or a
+// cluster is still placing replicas.
 func retryable(nc *nats.Conn, err error) bool {
+	if nc.IsClosed() || errors.Is(err, ErrNotSetUp) {
+		return false
+	}
+	var apiErr *jetstream.APIError
+	if errors.As(err, &apiErr) && (apiErr.Code == 503 || apiErr.ErrorCode == jsErrCodeClusterNoPeers) {
+		return true
+	}
 	return !nc.IsConnected() ||
 		errors.Is(err, context.DeadlineExceeded) ||
 		errors.Is(err, nats.ErrTimeout) ||
@@ -243,12 +304,8 @@ func retryable(nc *nats.Conn, err error) bool {
 		errors.Is(err, nats.ErrDisconnected)
 }
 
-// Replicas returns the replica count for streams and buckets (at least 1);
-// other buckets a process creates use it too.
-func (b *Bus) Replicas() int { return b.replicas }
-
-// JetStream returns the Bus's JetStream context, for durable consumers,
-// watches and other buckets (use CreateOrUpdate only, R-BUS-7).
+// JetStream returns the Bus's JetStream context, for durable consumers and
+// watches; bind buckets with BindBucket (R-BUS-7, R-BUS-8).
 func (b *Bus) JetStream() jetstream.JetStream { return b.js }
 
 // Conn returns the underlying NATS connection.
@@ -265,3 +322,26 @@ func (b *Bus) Connected() bool { return b.nc.IsConnected() }
 // Close closes the connection; close every Publisher of the Bus first so
 // they can drain. Safe to call more than once.
 func (b *Bus) Close() { b.nc.Close() }
+
+// redactURLs returns urls (one URL or a comma-separated list) with any
+// password or token replaced by "xxxxx", for messages.
+func redactURLs(urls string) string {
+	parts := strings.Split(urls, ",")
+	for i, p := range parts {
+		u, err := url.Parse(strings.TrimSpace(p))
+		if err != nil || u.User == nil {
+			continue
+		}
+		if _, hasPassword := u.User.Password(); hasPassword {
+			u.User = url.UserPassword(u.User.Username(), "xxxxx")
+		} else {
+			u.User = url.User("xxxxx") // a token
+		}
+		parts[i] = u.String()
+	}
+	return strings.Join(parts, ",")
+}
+
+// RedactURL returns a NATS URL (or a comma-separated list) with any
+// password or token replaced by "xxxxx", for logs and messages.
+func RedactURL(urls string) string { return redactURLs(urls) }

@@ -145,10 +145,10 @@ func TestEmbeddedInProcessOnly(t *testing.T) {
 }
 
 // TestConnectNeverRecreates proves R-BUS-7 (and the stream of R-BUS-1):
-// Connect creates stream NARWHAL_EVENTS and bucket narwhal_placement with
-// their configuration, and connecting again — also after their
-// configuration was changed — keeps the same stream (same creation time)
-// with its stored messages and the bucket with its keys.
+// the embedded server sets up stream NARWHAL_EVENTS and bucket
+// narwhal_placement with their configuration, and setting up again — also
+// after their configuration was changed — keeps the same stream (same
+// creation time) with its stored messages and the bucket with its keys.
 func TestConnectNeverRecreates(t *testing.T) {
 	e := startServer(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1})
 	if !strings.HasPrefix(e.ClientURL(), "nats://127.0.0.1:") {
@@ -175,8 +175,8 @@ func TestConnectNeverRecreates(t *testing.T) {
 	if _, err := b.Placement().Put(ctx, "d1", []byte(`{"eligible":false}`)); err != nil {
 		t.Fatal(err)
 	}
-	// Someone changes the stream's limits; the next Connect updates them in
-	// place.
+	// Someone changes the stream's limits; the admin's next Connect
+	// (with Setup) updates them in place.
 	cfg.MaxAge = time.Hour
 	if _, err := b.JetStream().UpdateStream(ctx, cfg); err != nil {
 		t.Fatal(err)
@@ -184,9 +184,9 @@ func TestConnectNeverRecreates(t *testing.T) {
 	b.Close()
 
 	for i := range 2 {
-		opts := bus.ConnectOptions{URL: e.ClientURL()}
+		opts := bus.ConnectOptions{URL: e.ClientURL(), Setup: &bus.SetupOptions{}}
 		if i == 1 {
-			opts = bus.ConnectOptions{Embedded: e}
+			opts = bus.ConnectOptions{Embedded: e, Setup: &bus.SetupOptions{}}
 		}
 		b2, err := bus.Connect(ctx, opts)
 		if err != nil {

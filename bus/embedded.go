@@ -1,6 +1,7 @@
 package bus
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -30,6 +31,14 @@ type EmbeddedOptions struct {
 	// Log receives the server's notices, warnings and errors; nil keeps
 	// the server silent.
 	Log *slog.Logger
+	// LeaseTTL is the TTL of the breaker's lease bucket that the set-up
+	// creates (breaker.lease_ttl_s); 0 means DefaultLeaseTTL.
+	LeaseTTL time.Duration
+	// NoSetup leaves the stream and the buckets to the caller (Setup, or
+	// Connect with ConnectOptions.Setup), e.g. to wait for a cluster or
+	// to set up with the admin credential. Without it StartEmbedded sets
+	// everything up in-process, as the admin of its own server (R-BUS-8).
+	NoSetup bool
 }
 
 // Embedded is a running in-process NATS server with JetStream enabled.
@@ -40,11 +49,13 @@ type Embedded struct {
 	shutdown sync.Once
 }
 
-// StartEmbedded starts a NATS server with JetStream in this process and
-// waits until it accepts clients (SPEC R-BUS-4). It returns an error when
-// the store directory cannot be created, the options are rejected (e.g.
-// the port is taken) or the server is not ready within 10 s. The caller
-// owns the server and must call Shutdown.
+// StartEmbedded starts a NATS server with JetStream in this process, waits
+// until it accepts clients (SPEC R-BUS-4) and, unless opts.NoSetup, creates
+// the stream and every bucket in-process with one replica (Setup; the
+// embedded server is its own admin, R-BUS-8). It returns an error when the
+// store directory cannot be created, the options are rejected (e.g. the
+// port is taken), the server is not ready within 10 s or the set-up fails
+// within 10 s. The caller owns the server and must call Shutdown.
 func StartEmbedded(opts EmbeddedOptions) (*Embedded, error) {
 	e := &Embedded{listens: opts.Port != 0}
 	dir := opts.Dir
@@ -86,6 +97,16 @@ func StartEmbedded(opts EmbeddedOptions) (*Embedded, error) {
 	if !srv.JetStreamEnabled() {
 		e.Shutdown()
 		return nil, errors.New("bus: embedded server started without JetStream")
+	}
+	if !opts.NoSetup {
+		ctx, cancel := context.WithTimeout(context.Background(), embeddedReadyTimeout)
+		defer cancel()
+		b, err := Connect(ctx, ConnectOptions{Embedded: e, Name: "narwhal-setup", Setup: &SetupOptions{Replicas: 1, LeaseTTL: opts.LeaseTTL}})
+		if err != nil {
+			e.Shutdown()
+			return nil, fmt.Errorf("bus: embedded server set-up: %w", err)
+		}
+		b.Close()
 	}
 	return e, nil
 }

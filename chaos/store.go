@@ -18,13 +18,11 @@ import (
 
 // Bucket is the JetStream KV bucket of armed faults: key
 // <engine_id>.<fault_id>, value a Fault as JSON (SPEC R-CHAOS-1).
-const Bucket = "narwhal_chaos"
+// The admin creates it (bus.Setup, R-BUS-8); OpenStore only binds.
+const Bucket = bus.ChaosBucket
 
-// Bucket settings and bounds of the store's operations.
+// Bounds of the store's operations.
 const (
-	// limitMarkerTTL is how long the bucket keeps the marker a key leaves
-	// when its TTL removes it (watchers see the marker as a delete).
-	limitMarkerTTL = time.Minute
 	// spendAttempts bounds the revision-checked retries of one decrement.
 	spendAttempts = 16
 )
@@ -43,33 +41,23 @@ type Store struct {
 	keyTTL bool
 }
 
-// OpenStore makes sure bucket narwhal_chaos exists — CreateOrUpdate only,
-// never deleting it (R-BUS-7): file storage, history 1, MaxAge MaxFor, and
-// per-key TTLs with one-minute limit markers where the server supports
-// them — and returns a Store on it. pub, when not nil, receives the arm and
-// disarm events; the caller keeps owning it. It returns an error when the
-// bucket cannot be created or updated.
+// OpenStore binds to bucket narwhal_chaos as the admin made it (bus.Setup;
+// it creates and changes nothing, R-BUS-8) and returns a Store on it; keys
+// get their own TTLs when the bucket allows them (NATS >= 2.11). pub, when
+// not nil, receives the arm and disarm events; the caller keeps owning it.
+// It returns a *bus.NotSetUpError when the bucket does not exist, and the
+// server's error when it cannot be read.
 func OpenStore(ctx context.Context, b *bus.Bus, pub *bus.Publisher) (*Store, error) {
-	js := b.JetStream()
-	cfg := jetstream.KeyValueConfig{
-		Bucket:         Bucket,
-		Description:    "Narwhal chaos: armed faults by <engine_id>.<fault_id>",
-		History:        1,
-		TTL:            MaxFor,
-		Storage:        jetstream.FileStorage,
-		LimitMarkerTTL: limitMarkerTTL,
+	kv, err := b.BindBucket(ctx, Bucket)
+	if err != nil {
+		return nil, fmt.Errorf("chaos: %w", err)
 	}
-	keyTTL := true
-	kv, err := js.CreateOrUpdateKeyValue(ctx, cfg)
-	if errors.Is(err, jetstream.ErrLimitMarkerTTLNotSupported) {
-		cfg.LimitMarkerTTL = 0
-		keyTTL = false
-		kv, err = js.CreateOrUpdateKeyValue(ctx, cfg)
-	}
+	st, err := kv.Status(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("chaos: bucket %s: %w", Bucket, err)
 	}
-	return &Store{js: js, kv: kv, pub: pub, prefix: "$KV." + Bucket + ".", keyTTL: keyTTL}, nil
+	keyTTL := st.LimitMarkerTTL() > 0
+	return &Store{js: b.JetStream(), kv: kv, pub: pub, prefix: "$KV." + Bucket + ".", keyTTL: keyTTL}, nil
 }
 
 // Arm stores f in the bucket, replacing any fault with the same engine and

@@ -52,6 +52,10 @@ type Config struct {
 	// Server holds the front door's connection deadlines, caps and
 	// admission limits (SPEC R-API-7, R-API-8, R-TMO-6).
 	Server Server `yaml:"server" envPrefix:"SERVER_"`
+	// Bus says how every process reaches NATS (SPEC §9, R-BUS-4,
+	// R-BUS-8). Its variables are NARWHAL_NATS_<KEY>, e.g.
+	// NARWHAL_NATS_URL.
+	Bus Bus `yaml:"bus" envPrefix:"NATS_"`
 	// EngineContract pins what every engine must be (SPEC R-BRK-6,
 	// R-PRE-1); nil when the file has no engine_contract (development
 	// fleets). It is not read from the environment.
@@ -229,6 +233,48 @@ type Router struct {
 	LogLevel string `yaml:"log_level" env:"LOG_LEVEL"`
 }
 
+// Bus says how a process reaches NATS (SPEC §9, R-BUS-4, R-BUS-8). It is
+// read once, with the rest of the configuration, and handed to whatever
+// connects. The environment variables are NARWHAL_NATS_URL,
+// NARWHAL_NATS_CREDS, NARWHAL_NATS_TLS_CA, NARWHAL_NATS_TLS_CERT,
+// NARWHAL_NATS_TLS_KEY, NARWHAL_NATS_REPLICAS and
+// NARWHAL_NATS_CONNECT_TIMEOUT_S.
+type Bus struct {
+	// URL is the NATS server URL, or several separated by commas
+	// ("nats://h1:4222,nats://h2:4222"). Empty: a router starts its own
+	// embedded server; tools (`narwhal events`, `narwhal chaos`) use
+	// nats://127.0.0.1:4222, the default of `narwhal bus`.
+	URL string `yaml:"url" env:"URL"`
+	// Creds is a NATS credentials file (a user JWT and its seed), the
+	// credential of the process's role (router, breaker, chaos, viewer,
+	// admin; R-BUS-8). Empty: no credential.
+	Creds string `yaml:"creds" env:"CREDS"`
+	// TLSCA is a PEM file of CAs to trust for the server's certificate;
+	// empty: the system's roots.
+	TLSCA string `yaml:"tls_ca" env:"TLS_CA"`
+	// TLSCert and TLSKey are the client certificate and key (PEM files)
+	// for mutual TLS; both or neither.
+	TLSCert string `yaml:"tls_cert" env:"TLS_CERT"`
+	TLSKey  string `yaml:"tls_key" env:"TLS_KEY"`
+	// Replicas is the replica count of the stream and of every bucket
+	// when they are created (by `narwhal bus`, `narwhal bus setup` or an
+	// embedded server); an existing stream or bucket keeps its own
+	// (R-BUS-8). 1…5; default 1.
+	Replicas int `yaml:"replicas" env:"REPLICAS"`
+	// ConnectTimeoutS is how long a router, breaker or chaos proxy waits
+	// at start for the bus before it exits with an error, in seconds; 0
+	// (default) keeps trying for ever, logging what it waits for every
+	// few seconds.
+	ConnectTimeoutS float64 `yaml:"connect_timeout_s" env:"CONNECT_TIMEOUT_S"`
+}
+
+// ConnectTimeout returns ConnectTimeoutS as a Duration; 0 means no limit.
+func (b Bus) ConnectTimeout() time.Duration { return Seconds(b.ConnectTimeoutS) }
+
+// MaxReplicas is the largest bus.replicas Validate accepts: NATS keeps at
+// most five replicas of a stream.
+const MaxReplicas = 5
+
 // Level returns LogLevel as a slog.Level; an invalid level (which Validate
 // rejects) gives slog.LevelInfo.
 func (r Router) Level() slog.Level {
@@ -292,7 +338,8 @@ func (s EngineSpec) CanDecode() bool { return s.Role.CanDecode() }
 // event buffer of 4096, text logs at info; on the front door a stall
 // timeout of 30 s, a header timeout of 10 s, an idle timeout of 90 s,
 // 64 KiB of headers, 10,000 connections, no in-flight limit and 1 GiB of
-// request bodies in flight. The fleet is empty and there is no engine
+// request bodies in flight; no bus URL (embedded), one bus replica, no
+// bus connect timeout. The fleet is empty and there is no engine
 // contract.
 func Default() Config {
 	return Config{
@@ -304,6 +351,7 @@ func Default() Config {
 		Router:   Router{ID: defaultRouterID(), EventBuffer: 4096, LogFormat: LogFormatText, LogLevel: "info"},
 		Server: Server{StallTimeoutS: 30, HeaderTimeoutS: 10, IdleTimeoutS: 90, MaxHeaderBytes: 64 << 10,
 			MaxConnections: 10000, MaxInflight: 0, MaxBodyBytesInflight: 1 << 30},
+		Bus: Bus{Replicas: 1},
 	}
 }
 
@@ -395,7 +443,9 @@ func (e *KeyError) Error() string {
 // [MinHeaderBytes, MaxHeaderBytes], server.max_connections >= 1,
 // server.max_inflight >= 0, server.max_body_bytes_inflight >=
 // request.max_body_bytes; router.event_buffer > 0; router.id a valid id; router.log_format and
-// router.log_level from their sets; every fleet entry with a unique valid
+// router.log_level from their sets; bus.replicas 1…5,
+// bus.connect_timeout_s >= 0, bus.tls_cert and bus.tls_key both or
+// neither; every fleet entry with a unique valid
 // id, an absolute http(s) URL, a valid connector.Role, a connector
 // registered in engines/connector and slots >= 0; the engine
 // contract's version constraint parses and its connector, when set, is
@@ -476,6 +526,13 @@ func (c *Config) Validate() error {
 	}
 	if !slices.Contains(logLevels, c.Router.LogLevel) {
 		bad("router.log_level", "must be one of %s, got %q", strings.Join(logLevels, ", "), c.Router.LogLevel)
+	}
+	if r := c.Bus.Replicas; r < 1 || r > MaxReplicas {
+		bad("bus.replicas", "must be between 1 and %d, got %d", MaxReplicas, r)
+	}
+	nonNegative("bus.connect_timeout_s", c.Bus.ConnectTimeoutS)
+	if (c.Bus.TLSCert == "") != (c.Bus.TLSKey == "") {
+		bad("bus.tls_cert", "bus.tls_cert and bus.tls_key go together (a client certificate and its key), got only one")
 	}
 
 	if ec := c.EngineContract; ec != nil {

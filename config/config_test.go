@@ -248,7 +248,11 @@ func envNames(t *testing.T) map[string]string {
 			continue
 		}
 		section := yamlName(sf)
-		if want := strings.ToUpper(section) + "_"; prefix != want {
+		want := strings.ToUpper(section) + "_"
+		if section == "bus" {
+			want = "NATS_" // NARWHAL_NATS_URL and its siblings predate the section: a public interface
+		}
+		if prefix != want {
 			t.Errorf("section %s: envPrefix %q, want %q", section, prefix, want)
 		}
 		for j := range sf.Type.NumField() {
@@ -267,10 +271,12 @@ func envNames(t *testing.T) map[string]string {
 // the file.
 func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 	names := envNames(t)
-	if len(names) != 25 {
-		t.Fatalf("%d scalar keys, want 25: %v", len(names), names)
+	if len(names) != 32 {
+		t.Fatalf("%d scalar keys, want 32: %v", len(names), names)
 	}
 	if names["engine.first_token_timeout_s"] != "NARWHAL_ENGINE_FIRST_TOKEN_TIMEOUT_S" ||
+		names["bus.url"] != "NARWHAL_NATS_URL" || names["bus.creds"] != "NARWHAL_NATS_CREDS" ||
+		names["bus.tls_ca"] != "NARWHAL_NATS_TLS_CA" || names["bus.replicas"] != "NARWHAL_NATS_REPLICAS" ||
 		names["request.timeout_s"] != "NARWHAL_REQUEST_TIMEOUT_S" ||
 		names["recovery.eject_after"] != "NARWHAL_RECOVERY_EJECT_AFTER" {
 		t.Fatalf("variable names: %v", names)
@@ -286,6 +292,8 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		"server.stall_timeout_s": "26", "server.header_timeout_s": "27", "server.idle_timeout_s": "28",
 		"server.max_header_bytes": "29000", "server.max_connections": "30", "server.max_inflight": "31",
 		"server.max_body_bytes_inflight": "32",
+		"bus.url":                        "nats://file:4222", "bus.creds": "file.creds", "bus.tls_ca": "file-ca.pem", "bus.tls_cert": "file-cert.pem",
+		"bus.tls_key": "file-key.pem", "bus.replicas": "3", "bus.connect_timeout_s": "30",
 	}
 	envValues := map[string]string{
 		"engine.first_token_timeout_s": "1.5", "engine.decode_read_timeout_s": "0", "engine.prefill_timeout_s": "3",
@@ -298,6 +306,8 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		"server.stall_timeout_s": "0.5", "server.header_timeout_s": "1.25", "server.idle_timeout_s": "2",
 		"server.max_header_bytes": "8192", "server.max_connections": "11", "server.max_inflight": "12",
 		"server.max_body_bytes_inflight": "13",
+		"bus.url":                        "nats://env:4222,nats://env2:4222", "bus.creds": "env.creds", "bus.tls_ca": "env-ca.pem", "bus.tls_cert": "env-cert.pem",
+		"bus.tls_key": "env-key.pem", "bus.replicas": "5", "bus.connect_timeout_s": "2.5",
 	}
 	var file strings.Builder
 	sections := map[string][]string{}
@@ -330,11 +340,14 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		Router:   Router{ID: "from-env", EventBuffer: 10, LogFormat: "text", LogLevel: "error"},
 		Server: Server{StallTimeoutS: 0.5, HeaderTimeoutS: 1.25, IdleTimeoutS: 2, MaxHeaderBytes: 8192,
 			MaxConnections: 11, MaxInflight: 12, MaxBodyBytesInflight: 13},
+		Bus: Bus{URL: "nats://env:4222,nats://env2:4222", Creds: "env.creds", TLSCA: "env-ca.pem", TLSCert: "env-cert.pem",
+			TLSKey: "env-key.pem", Replicas: 5, ConnectTimeoutS: 2.5},
 	}
 	if !reflect.DeepEqual(*fromBoth, want) {
 		t.Errorf("env over file:\n got %+v\nwant %+v", *fromBoth, want)
 	}
-	if fromFile.Router.ID != "from-file" || fromFile.Engine.FirstTokenTimeoutS != 11 || fromFile.Recovery.RetryBudgetRatio != 0.5 {
+	if fromFile.Router.ID != "from-file" || fromFile.Engine.FirstTokenTimeoutS != 11 || fromFile.Recovery.RetryBudgetRatio != 0.5 ||
+		fromFile.Bus.URL != "nats://file:4222" || fromFile.Bus.Replicas != 3 || fromFile.Bus.ConnectTimeout() != 30*time.Second {
 		t.Errorf("file alone: %+v", *fromFile)
 	}
 
@@ -466,6 +479,10 @@ func TestValidateNamesEveryKey(t *testing.T) {
 		{func(c *Config) { c.Router.EventBuffer = 0 }, "config: router.event_buffer: must be > 0, got 0"},
 		{func(c *Config) { c.Router.LogFormat = "xml" }, `config: router.log_format: must be "text" or "json", got "xml"`},
 		{func(c *Config) { c.Router.LogLevel = "" }, `config: router.log_level: must be one of debug, info, warn, error, got ""`},
+		{func(c *Config) { c.Bus.Replicas = 0 }, "config: bus.replicas: must be between 1 and 5, got 0"},
+		{func(c *Config) { c.Bus.Replicas = 6 }, "config: bus.replicas: must be between 1 and 5, got 6"},
+		{func(c *Config) { c.Bus.ConnectTimeoutS = -1 }, "config: bus.connect_timeout_s: must be >= 0, got -1"},
+		{func(c *Config) { c.Bus.TLSCert = "cert.pem" }, "config: bus.tls_cert: bus.tls_cert and bus.tls_key go together (a client certificate and its key), got only one"},
 		{func(c *Config) { c.EngineContract.Version = "~0.10" }, `config: engine_contract.version: bad version constraint "~0.10": clause "~0.10": want a dotted numeric version such as 0.10`},
 		{func(c *Config) { c.EngineContract.Version = ">=0.10,," }, `config: engine_contract.version: bad version constraint ">=0.10,,": clause "": want a dotted numeric version such as 0.10`},
 		{func(c *Config) { c.EngineContract.Connector = "lmcache" }, `config: engine_contract.connector: must be one of nixl, got "lmcache"`},
@@ -552,7 +569,7 @@ func TestYAMLErrorsNameTheKey(t *testing.T) {
 		want string
 	}{
 		"unknown top-level key": {"engines:\n  first_token_timeout_s: 3\n",
-			"config: engines: unknown key (known keys here: engine, request, handoff, recovery, breaker, router, server, engine_contract, fleet)"},
+			"config: engines: unknown key (known keys here: engine, request, handoff, recovery, breaker, router, server, bus, engine_contract, fleet)"},
 		"unknown section key": {"engine:\n  first_token_timeout: 3\n",
 			"config: engine.first_token_timeout: unknown key (known keys here: first_token_timeout_s, decode_read_timeout_s, prefill_timeout_s)"},
 		"unknown contract key": {"engine_contract:\n  modle: m\n",

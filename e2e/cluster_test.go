@@ -261,10 +261,11 @@ request:
 }
 
 // startBus starts `narwhal bus` on the cluster's address and data dir and
-// waits for its listening line.
+// waits for its listening line. It gets the cluster's settings too: as the
+// bus's admin it makes the lease bucket with breaker.lease_ttl_s (R-BUS-8).
 func (c *cluster) startBus(t *testing.T) {
 	t.Helper()
-	c.busProc = spawn(t, "bus", nil, "bus", "--listen", c.busAddr, "--data", c.busData)
+	c.busProc = spawn(t, "bus", clusterEnv, "bus", "--listen", c.busAddr, "--data", c.busData)
 	waitFor(t, readyBound, "the bus's listening line", func() bool {
 		if c.busProc.exited() {
 			c.busProc.dump(t)

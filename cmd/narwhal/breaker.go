@@ -29,7 +29,7 @@ func init() {
 }
 
 // errNoNATSURL is returned by `narwhal breaker` without NARWHAL_NATS_URL.
-var errNoNATSURL = errors.New("NARWHAL_NATS_URL is not set: a standalone breaker joins the routers' NATS " +
+var errNoNATSURL = errors.New("NARWHAL_NATS_URL (bus.url) is not set: a standalone breaker joins the routers' NATS " +
 	"(a router without NARWHAL_NATS_URL runs its own breaker on its embedded bus)")
 
 // runBreakerCmd is `narwhal breaker --config FILE [--metrics HOST:PORT]`
@@ -47,19 +47,19 @@ func runBreakerCmd(ctx context.Context, args []string) error {
 	if *path == "" {
 		return errors.New("--config is required")
 	}
-	if os.Getenv("NARWHAL_NATS_URL") == "" {
-		return errNoNATSURL
-	}
 	cfg, err := config.Load(*path)
 	if err != nil {
 		return err
+	}
+	if cfg.Bus.URL == "" {
+		return errNoNATSURL
 	}
 	if len(cfg.Fleet) == 0 {
 		return errors.New("config: fleet: at least one engine is required")
 	}
 	log := newLogger(cfg, os.Stderr)
 	id := breakerID()
-	b, stopBus, err := busFromEnv(ctx, "narwhal-"+id, log)
+	b, stopBus, err := joinBus(ctx, cfg, "narwhal-"+id, log)
 	if err != nil {
 		return err
 	}

@@ -8,19 +8,18 @@ import (
 	"io"
 	"log/slog"
 	"net"
-	"net/url"
 	"os"
 	"path/filepath"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/config"
 )
 
 func init() {
 	commands["bus"] = command{
-		summary: "run a standalone NATS server with JetStream that Narwhal processes share (--listen HOST:PORT --data DIR)",
+		summary: "run a NATS server with JetStream that Narwhal processes share (--listen HOST:PORT --data DIR); bus setup, bus creds",
 		run: func(ctx context.Context, args []string) error {
 			return runBus(ctx, args, os.Stdout, os.Stderr)
 		},
@@ -34,33 +33,72 @@ const (
 	defaultBusListen = "127.0.0.1:4222"
 	// defaultBusData is the JetStream store without --data.
 	defaultBusData = "./narwhal-bus-data"
-	// busSetupBound bounds setting up the stream and the bucket at start.
+	// busSetupBound bounds setting up the stream and the buckets at the
+	// start of a single-node bus, and `narwhal bus setup`'s wait for the
+	// bus by default.
 	busSetupBound = 10 * time.Second
 )
 
-// runBus is `narwhal bus [--listen HOST:PORT] [--data DIR] [--verbose]`
-// (SPEC §14, R-BUS-4): the embedded NATS server with JetStream as a process
-// of its own, so that several Narwhal processes on one machine share a bus
-// with NARWHAL_NATS_URL=nats://HOST:PORT. It sets up stream NARWHAL_EVENTS
-// and bucket narwhal_placement with create-or-update only (R-BUS-7), writes
-// `bus listening on nats://HOST:PORT (data DIR)` to stdout, serves until ctx
-// ends (SIGINT/SIGTERM) and then shuts the server down, which flushes the
-// store: restarting on the same DIR keeps every stored event and key. Port 0
-// picks a free port (the line names it); an empty host listens on every
-// interface. Server warnings and errors go to stderr as slog text
-// (notices too with --verbose). It returns an error for bad flags, an
-// unusable DIR, a port in use, or a stream/bucket set-up that fails within
-// 10 s.
+const busUsage = `usage: narwhal bus [--listen HOST:PORT] [--data DIR] [--config FILE] [--verbose]
+       narwhal bus setup [--config FILE] [--connect-timeout DUR]
+       narwhal bus creds --out DIR
+
+narwhal bus         serves NATS with JetStream and sets up Narwhal's stream and
+                    buckets before it says it is listening; point Narwhal
+                    processes at it with NARWHAL_NATS_URL=nats://HOST:PORT.
+narwhal bus setup   creates or updates the stream and the buckets on the NATS at
+                    NARWHAL_NATS_URL with the admin credential (NARWHAL_NATS_CREDS).
+See docs/mesh.md.
+`
+
+// runBus is `narwhal bus` and its subcommands `setup` and `creds` (SPEC
+// §14, R-BUS-4, R-BUS-8).
 func runBus(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if len(args) > 0 {
+		switch args[0] {
+		case "setup":
+			return runBusSetup(ctx, args[1:], stdout, stderr)
+		case "help":
+			fmt.Fprint(stderr, busUsage)
+			return flag.ErrHelp
+		}
+	}
+	return runBusServe(ctx, args, stdout, stderr)
+}
+
+// busConfig loads the configuration of a bus command: the file at path
+// when it is not "", else the defaults and the environment.
+func busConfig(path string) (*config.Config, error) {
+	if path != "" {
+		return config.Load(path)
+	}
+	return config.Parse(nil)
+}
+
+// runBusServe is `narwhal bus [--listen HOST:PORT] [--data DIR] [--config
+// FILE] [--verbose]` (SPEC §14, R-BUS-4): the embedded NATS server with
+// JetStream as a process of its own, so that several Narwhal processes
+// share a bus with NARWHAL_NATS_URL=nats://HOST:PORT. As the bus's admin it
+// creates stream NARWHAL_EVENTS and every bucket (bus.Setup: replicas
+// bus.replicas on creation, the lease bucket's TTL breaker.lease_ttl_s;
+// R-BUS-8) before it writes `bus listening on nats://HOST:PORT (data DIR)`
+// to stdout, serves until ctx ends (SIGINT/SIGTERM) and then shuts the
+// server down, which flushes the store: restarting on the same DIR keeps
+// every stored event and key. Port 0 picks a free port (the line names
+// it); an empty host listens on every interface. Server warnings and
+// errors go to stderr as slog text (notices too with --verbose). It
+// returns an error for bad flags or configuration, an unusable DIR, a port
+// in use, or a set-up that fails within 10 s.
+func runBusServe(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("narwhal bus", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.Usage = func() {
-		fmt.Fprintln(stderr, "usage: narwhal bus [--listen HOST:PORT] [--data DIR] [--verbose]")
-		fmt.Fprintln(stderr, "Serves NATS with JetStream; point Narwhal processes at it with NARWHAL_NATS_URL=nats://HOST:PORT.")
+		fmt.Fprint(stderr, busUsage)
 		fs.PrintDefaults()
 	}
 	listen := fs.String("listen", defaultBusListen, "`HOST:PORT` for NATS clients (port 0: any free port; empty host: every interface)")
 	data := fs.String("data", defaultBusData, "JetStream store `DIR`; restarting on the same DIR keeps the events and the placement")
+	cfgPath := fs.String("config", "", "YAML configuration `FILE` for bus.replicas and breaker.lease_ttl_s (default: defaults and environment)")
 	verbose := fs.Bool("verbose", false, "log the NATS server's notices, not only its warnings and errors")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -75,6 +113,10 @@ func runBus(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	if *data == "" {
 		return errors.New("--data: a directory is required")
 	}
+	cfg, err := busConfig(*cfgPath)
+	if err != nil {
+		return err
+	}
 	dir, err := filepath.Abs(*data)
 	if err != nil {
 		return fmt.Errorf("--data %s: %w", *data, err)
@@ -88,13 +130,18 @@ func runBus(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	}
 	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
 
-	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: dir, Host: host, Port: port, Log: log})
+	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: dir, Host: host, Port: port, Log: log, NoSetup: true})
 	if err != nil {
 		return err
 	}
 	defer emb.Shutdown()
 	setupCtx, cancel := context.WithTimeout(ctx, busSetupBound)
-	b, err := bus.Connect(setupCtx, bus.ConnectOptions{Embedded: emb, Name: "narwhal-bus"})
+	b, err := bus.Connect(setupCtx, bus.ConnectOptions{
+		Embedded: emb,
+		Name:     "narwhal-bus",
+		Log:      log,
+		Setup:    &bus.SetupOptions{Replicas: cfg.Bus.Replicas, LeaseTTL: cfg.Breaker.LeaseTTL(), Log: log},
+	})
 	cancel()
 	if err != nil {
 		if ctx.Err() != nil {
@@ -106,6 +153,47 @@ func runBus(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	fmt.Fprintf(stdout, "bus listening on %s (data %s)\n", emb.ClientURL(), dir)
 	<-ctx.Done()
 	return nil
+}
+
+// runBusSetup is `narwhal bus setup [--config FILE] [--connect-timeout
+// DUR]` (SPEC R-BUS-8): with the admin credential (NARWHAL_NATS_CREDS) it
+// creates stream NARWHAL_EVENTS and every bucket on the NATS at
+// NARWHAL_NATS_URL (default nats://127.0.0.1:4222), or updates those whose
+// settings differ — keeping the replicas of any that exists, logged as
+// found versus wanted — prints `bus set up on URL` and exits. It returns an
+// error when the bus is not reachable in time, the credential may not do
+// it, or the server refuses a configuration.
+func runBusSetup(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("narwhal bus setup", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	cfgPath := fs.String("config", "", "YAML configuration `FILE` for bus.* and breaker.lease_ttl_s (default: defaults and environment)")
+	bound := fs.Duration("connect-timeout", busSetupBound, "give up when the bus is not reachable and set up within `DUR`")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	cfg, err := busConfig(*cfgPath)
+	if err != nil {
+		return err
+	}
+	if cfg.Bus.URL == "" {
+		cfg.Bus.URL = defaultNATSURL
+	}
+	log := slog.New(slog.NewTextHandler(stderr, nil))
+	opts := busOptions(cfg.Bus, "narwhal-bus-setup", log)
+	opts.Setup = &bus.SetupOptions{Replicas: cfg.Bus.Replicas, LeaseTTL: cfg.Breaker.LeaseTTL(), Log: log}
+	cctx, cancel := context.WithTimeout(ctx, *bound)
+	defer cancel()
+	b, err := bus.Connect(cctx, opts)
+	if err != nil {
+		return fmt.Errorf("bus %s: %w", redactNATSURL(cfg.Bus.URL), err)
+	}
+	b.Close()
+	_, err = fmt.Fprintf(stdout, "bus set up on %s: stream %s, buckets %s, %s, %s\n", redactNATSURL(cfg.Bus.URL),
+		bus.StreamName, bus.PlacementBucket, bus.LeaseBucket, bus.ChaosBucket)
+	return err
 }
 
 // parseListen splits a --listen HOST:PORT into the embedded server's host
@@ -130,48 +218,36 @@ func parseListen(listen string) (host string, port int, err error) {
 	return host, port, nil
 }
 
-// natsFromEnv returns the options to connect to the external NATS at
-// natsURL with the credentials file and TLS files named by
-// NARWHAL_NATS_CREDS, NARWHAL_NATS_TLS_CA, NARWHAL_NATS_TLS_CERT and
-// NARWHAL_NATS_TLS_KEY (each unset = not used), under client name name
-// (SPEC R-BUS-4, §14). Every process that joins a mesh uses it.
-func natsFromEnv(natsURL, name string) bus.ConnectOptions {
+// busOptions returns the options to connect to the NATS of c (URL,
+// credential, TLS; SPEC R-BUS-4, R-BUS-8) under client name name, logging
+// to log. Every process that joins a mesh uses it.
+func busOptions(c config.Bus, name string, log *slog.Logger) bus.ConnectOptions {
 	return bus.ConnectOptions{
-		URL:       natsURL,
+		URL:       c.URL,
 		Name:      name,
-		CredsFile: os.Getenv("NARWHAL_NATS_CREDS"),
-		TLSCA:     os.Getenv("NARWHAL_NATS_TLS_CA"),
-		TLSCert:   os.Getenv("NARWHAL_NATS_TLS_CERT"),
-		TLSKey:    os.Getenv("NARWHAL_NATS_TLS_KEY"),
-		Replicas:  natsReplicas(),
+		CredsFile: c.Creds,
+		TLSCA:     c.TLSCA,
+		TLSCert:   c.TLSCert,
+		TLSKey:    c.TLSKey,
+		Log:       log,
 	}
 }
 
-// natsReplicas reads NARWHAL_NATS_REPLICAS (replicas of the stream and the
-// buckets on a NATS cluster); unset or invalid means 1.
-func natsReplicas() int {
-	n, err := strconv.Atoi(os.Getenv("NARWHAL_NATS_REPLICAS"))
-	if err != nil || n < 1 {
-		return 1
+// toolBus returns the bus section of the configuration of a tool that
+// takes no --config (`narwhal events`, `narwhal chaos`, `narwhal bus
+// setup`): the defaults and the NARWHAL_NATS_* variables, with the URL
+// defaulting to defaultNATSURL, the bus `narwhal bus` serves by default.
+func toolBus() (config.Bus, error) {
+	cfg, err := config.Parse(nil)
+	if err != nil {
+		return config.Bus{}, err
 	}
-	return n
+	if cfg.Bus.URL == "" {
+		cfg.Bus.URL = defaultNATSURL
+	}
+	return cfg.Bus, nil
 }
 
 // redactNATSURL returns natsURL (one URL or a comma-separated list) with
 // any password or token replaced by "xxxxx", for messages.
-func redactNATSURL(natsURL string) string {
-	parts := strings.Split(natsURL, ",")
-	for i, p := range parts {
-		u, err := url.Parse(strings.TrimSpace(p))
-		if err != nil || u.User == nil {
-			continue
-		}
-		if _, hasPassword := u.User.Password(); hasPassword {
-			u.User = url.UserPassword(u.User.Username(), "xxxxx")
-		} else {
-			u.User = url.User("xxxxx") // a token
-		}
-		parts[i] = u.String()
-	}
-	return strings.Join(parts, ",")
-}
+func redactNATSURL(natsURL string) string { return bus.RedactURL(natsURL) }

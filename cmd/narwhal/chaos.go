@@ -31,9 +31,6 @@ func init() {
 
 // Defaults of `narwhal chaos`.
 const (
-	// defaultChaosNATSURL is the bus the chaos commands use when
-	// NARWHAL_NATS_URL is unset: `narwhal bus` with its default --listen.
-	defaultChaosNATSURL = "nats://127.0.0.1:4222"
 	// defaultChaosConnectBound is how long a chaos command waits for the
 	// bus before it gives up.
 	defaultChaosConnectBound = 5 * time.Second
@@ -59,7 +56,7 @@ subcommands:
           play a timed YAML scenario of arm and disarm steps
 
 Faults: ` + "%s" + `
-Every command reaches NATS through NARWHAL_NATS_URL (default ` + defaultChaosNATSURL + `),
+Every command reaches NATS through NARWHAL_NATS_URL (default ` + defaultNATSURL + `),
 with NARWHAL_NATS_CREDS and NARWHAL_NATS_TLS_{CA,CERT,KEY}. See docs/chaos.md.
 `
 
@@ -100,19 +97,19 @@ type chaosBus struct {
 	store *chaos.Store
 }
 
-// connectChaos connects to NARWHAL_NATS_URL (default
-// nats://127.0.0.1:4222, credentials and TLS as natsFromEnv reads them)
-// within bound and opens bucket narwhal_chaos.
-func connectChaos(ctx context.Context, name string, bound time.Duration) (*chaosBus, error) {
-	natsURL := os.Getenv("NARWHAL_NATS_URL")
-	if natsURL == "" {
-		natsURL = defaultChaosNATSURL
+// connectChaos connects to the bus of c (URL, credential, TLS) within
+// bound (0: no limit, logging to log what it waits for) and binds to
+// bucket narwhal_chaos.
+func connectChaos(ctx context.Context, c config.Bus, name string, bound time.Duration, log *slog.Logger) (*chaosBus, error) {
+	cctx := ctx
+	if bound > 0 {
+		var cancel context.CancelFunc
+		cctx, cancel = context.WithTimeout(ctx, bound)
+		defer cancel()
 	}
-	cctx, cancel := context.WithTimeout(ctx, bound)
-	defer cancel()
-	b, err := bus.Connect(cctx, natsFromEnv(natsURL, name))
+	b, err := bus.Connect(cctx, busOptions(c, name, log))
 	if err != nil {
-		return nil, fmt.Errorf("bus %s: %w", redactNATSURL(natsURL), err)
+		return nil, fmt.Errorf("bus %s: %w", redactNATSURL(c.URL), err)
 	}
 	pub := bus.NewPublisher(b, chaosEventBuffer, nil)
 	store, err := chaos.OpenStore(cctx, b, pub)
@@ -122,6 +119,17 @@ func connectChaos(ctx context.Context, name string, bound time.Duration) (*chaos
 		return nil, err
 	}
 	return &chaosBus{b: b, pub: pub, store: store}, nil
+}
+
+// connectChaosTool is connectChaos for a chaos command: the bus section
+// from the environment (default nats://127.0.0.1:4222), bound by the
+// command's --connect-timeout.
+func connectChaosTool(ctx context.Context, name string, bound time.Duration, log *slog.Logger) (*chaosBus, error) {
+	c, err := toolBus()
+	if err != nil {
+		return nil, err
+	}
+	return connectChaos(ctx, c, name, bound, log)
 }
 
 // close publishes the buffered events and closes the connection.
@@ -184,7 +192,7 @@ func runChaosArm(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	if len(params) == 0 {
 		f.Params = nil
 	}
-	cb, err := connectChaos(ctx, "narwhal-chaos-arm", *bound)
+	cb, err := connectChaosTool(ctx, "narwhal-chaos-arm", *bound, nil)
 	if err != nil {
 		return err
 	}
@@ -204,7 +212,7 @@ func runChaosList(ctx context.Context, args []string, stdout, stderr io.Writer) 
 	if err := parseChaosFlags(fs, args, false); err != nil {
 		return err
 	}
-	cb, err := connectChaos(ctx, "narwhal-chaos-list", *bound)
+	cb, err := connectChaosTool(ctx, "narwhal-chaos-list", *bound, nil)
 	if err != nil {
 		return err
 	}
@@ -261,7 +269,7 @@ func runChaosDisarm(ctx context.Context, args []string, stdout, stderr io.Writer
 	if *all && *id != "" {
 		return errors.New("--id needs --engine")
 	}
-	cb, err := connectChaos(ctx, "narwhal-chaos-disarm", *bound)
+	cb, err := connectChaosTool(ctx, "narwhal-chaos-disarm", *bound, nil)
 	if err != nil {
 		return err
 	}
@@ -313,7 +321,7 @@ func runChaosRun(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	if err != nil {
 		return err
 	}
-	cb, err := connectChaos(ctx, "narwhal-chaos-run", *bound)
+	cb, err := connectChaosTool(ctx, "narwhal-chaos-run", *bound, nil)
 	if err != nil {
 		return err
 	}
@@ -330,7 +338,9 @@ func runChaosRun(ctx context.Context, args []string, stdout, stderr io.Writer) e
 // --engine-id ID`: it serves a chaos proxy for one engine until ctx ends
 // (SIGINT), printing "chaos proxy <id> listening on <url> -> <target>".
 func runChaosProxy(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs, bound := chaosFlags("proxy", stderr)
+	fs := flag.NewFlagSet("narwhal chaos proxy", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	bound := fs.Duration("connect-timeout", 0, "give up when the bus is not reachable within `DUR` (0: bus.connect_timeout_s, whose default 0 keeps trying)")
 	target := fs.String("target", "", "the engine's base `URL`, e.g. http://10.0.0.21:8000 (required)")
 	listen := fs.String("listen", "127.0.0.1:0", "`HOST:PORT` to serve on (port 0: any free port)")
 	engine := fs.String("engine-id", "", "the engine's `ID` in the fleet: the proxy injects the faults armed for it (required)")
@@ -346,7 +356,14 @@ func runChaosProxy(ctx context.Context, args []string, stdout, stderr io.Writer)
 		level = slog.LevelDebug
 	}
 	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
-	cb, err := connectChaos(ctx, "narwhal-chaos-proxy-"+*engine, *bound)
+	c, err := toolBus()
+	if err != nil {
+		return err
+	}
+	if *bound == 0 {
+		*bound = c.ConnectTimeout()
+	}
+	cb, err := connectChaos(ctx, c, "narwhal-chaos-proxy-"+*engine, *bound, log)
 	if err != nil {
 		return err
 	}
@@ -404,13 +421,12 @@ func serveChaosProxy(ctx context.Context, store *chaos.Store, engine, target, li
 // on TCP (so that `narwhal chaos arm` in another terminal reaches it) and a
 // chaos proxy in front of each simulator.
 type devChaos struct {
-	natsURL  string
-	emb      *bus.Embedded // nil when NARWHAL_NATS_URL was set
-	cb       *chaosBus
-	breaker  func() // stops the dev breaker; nil when none runs
-	stops    []func()
-	fronts   []string // "<engine> <proxy URL> -> <sim URL>"
-	restored func()   // puts NARWHAL_NATS_URL back as it was
+	natsURL string
+	emb     *bus.Embedded // nil when bus.url was set
+	cb      *chaosBus
+	breaker func() // stops the dev breaker; nil when none runs
+	stops   []func()
+	fronts  []string // "<engine> <proxy URL> -> <sim URL>"
 }
 
 // devChaosPort is the port the bus of `narwhal dev --chaos` tries first:
@@ -420,16 +436,16 @@ const devChaosPort = 4222
 // startDevChaos starts the bus of `narwhal dev --chaos`: an embedded NATS
 // server with JetStream on 127.0.0.1:port, or on a free port when that is
 // taken or port is -1 (store NARWHAL_DATA_DIR, or a temporary folder
-// removed at exit) — unless NARWHAL_NATS_URL names a bus already. It sets
-// NARWHAL_NATS_URL so that the dev router joins the same bus; close puts
-// it back.
-func startDevChaos(ctx context.Context, log *slog.Logger, port int) (*devChaos, error) {
-	d := &devChaos{natsURL: os.Getenv("NARWHAL_NATS_URL")}
+// removed at exit), which sets itself up in-process — unless cfg.Bus.URL
+// names a bus already. It sets cfg.Bus.URL so that the dev router joins the
+// same bus.
+func startDevChaos(ctx context.Context, cfg *config.Config, log *slog.Logger, port int) (*devChaos, error) {
+	d := &devChaos{natsURL: cfg.Bus.URL}
 	if d.natsURL == "" {
 		if port > 0 && !portFree(port) {
 			port = -1 // taken: a free one at once, not after the server's ready timeout
 		}
-		opts := bus.EmbeddedOptions{Dir: os.Getenv("NARWHAL_DATA_DIR"), Host: "127.0.0.1", Port: port}
+		opts := bus.EmbeddedOptions{Dir: os.Getenv("NARWHAL_DATA_DIR"), Host: "127.0.0.1", Port: port, LeaseTTL: cfg.Breaker.LeaseTTL()}
 		emb, err := bus.StartEmbedded(opts)
 		if err != nil && port != -1 {
 			opts.Port = -1
@@ -439,17 +455,9 @@ func startDevChaos(ctx context.Context, log *slog.Logger, port int) (*devChaos, 
 			return nil, fmt.Errorf("dev chaos bus: %w", err)
 		}
 		d.emb, d.natsURL = emb, emb.ClientURL()
-		prev, had := os.LookupEnv("NARWHAL_NATS_URL")
-		os.Setenv("NARWHAL_NATS_URL", d.natsURL)
-		d.restored = func() {
-			if had {
-				os.Setenv("NARWHAL_NATS_URL", prev)
-			} else {
-				os.Unsetenv("NARWHAL_NATS_URL")
-			}
-		}
+		cfg.Bus.URL = d.natsURL
 	}
-	cb, err := connectChaos(ctx, "narwhal-dev-chaos", 10*time.Second)
+	cb, err := connectChaos(ctx, cfg.Bus, "narwhal-dev-chaos", 10*time.Second, log)
 	if err != nil {
 		d.close()
 		return nil, err
@@ -483,7 +491,7 @@ func (d *devChaos) front(ctx context.Context, engine, simURL string, log *slog.L
 
 // startBreaker runs the dev stack's breaker for cfg on the dev bus when
 // dev started that bus itself: the router, which now reaches its bus
-// through NARWHAL_NATS_URL, runs none then (a router on an external bus
+// through bus.url, runs none then (a router on an external bus
 // leaves the breaker to `narwhal breaker`). On a bus NARWHAL_NATS_URL
 // named, it does nothing.
 func (d *devChaos) startBreaker(ctx context.Context, cfg *config.Config, log *slog.Logger) error {
@@ -518,7 +526,7 @@ narwhal chaos disarm --all
 }
 
 // close stops the breaker, the proxies, the bus link and the embedded
-// server, and puts NARWHAL_NATS_URL back.
+// server.
 func (d *devChaos) close() {
 	if d.breaker != nil {
 		d.breaker()
@@ -533,8 +541,5 @@ func (d *devChaos) close() {
 	}
 	if d.emb != nil {
 		d.emb.Shutdown()
-	}
-	if d.restored != nil {
-		d.restored()
 	}
 }

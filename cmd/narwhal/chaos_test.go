@@ -347,11 +347,11 @@ $`)
 }
 
 // TestDevChaos proves the chaos side of `narwhal dev --chaos`: the bus
-// listens on TCP and NARWHAL_NATS_URL names it (for the router and for
-// `narwhal chaos arm` in another terminal), each simulator gets a proxy
-// that applies what the CLI arms, the dev breaker runs on that bus, the
-// banner says how to arm, and closing stops it all and puts the
-// environment back.
+// listens on TCP and the configuration's bus.url names it (for the router),
+// as the banner does for `narwhal chaos arm` in another terminal; each
+// simulator gets a proxy that applies what the CLI arms, the dev breaker
+// runs on that bus, and closing stops it all without touching the
+// environment.
 func TestDevChaos(t *testing.T) {
 	chaosLeakCheck(t)
 	t.Setenv("NARWHAL_NATS_URL", "")
@@ -360,7 +360,11 @@ func TestDevChaos(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), chaosTestBound)
 	defer cancel()
 	log := slog.New(slog.DiscardHandler)
-	dc, err := startDevChaos(ctx, log, -1)
+	cfg, err := config.Parse(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dc, err := startDevChaos(ctx, cfg, log, -1)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -370,9 +374,12 @@ func TestDevChaos(t *testing.T) {
 			dc.close()
 		}
 	}()
-	url := os.Getenv("NARWHAL_NATS_URL")
+	url := cfg.Bus.URL
 	if !regexp.MustCompile(`^nats://127\.0\.0\.1:[0-9]+$`).MatchString(url) {
-		t.Fatalf("NARWHAL_NATS_URL %q", url)
+		t.Fatalf("bus.url %q", url)
+	}
+	if v, ok := os.LookupEnv("NARWHAL_NATS_URL"); ok {
+		t.Fatalf("NARWHAL_NATS_URL set to %q", v)
 	}
 	s, err := sim.New(sim.Config{EngineID: "decode-1", Model: "m"})
 	if err != nil {
@@ -389,10 +396,6 @@ func TestDevChaos(t *testing.T) {
 	}
 	// The dev breaker runs on the dev bus until close stops it (the leak
 	// check proves it stopped).
-	cfg, err := config.Parse(nil)
-	if err != nil {
-		t.Fatal(err)
-	}
 	cfg.Fleet = []config.EngineSpec{{ID: "decode-1", URL: proxyURL, Role: "both", Connector: "nixl"}}
 	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)
@@ -406,6 +409,7 @@ func TestDevChaos(t *testing.T) {
 			t.Errorf("banner lacks %q:\n%s", want, banner)
 		}
 	}
+	t.Setenv("NARWHAL_NATS_URL", url) // as the banner says
 	mustChaos(t, "arm", "--engine", "decode-1", "--fault", "http-status", "--param", "code=503")
 	tr := &http.Transport{}
 	defer tr.CloseIdleConnections()
@@ -425,9 +429,6 @@ func TestDevChaos(t *testing.T) {
 	}
 	dc.close()
 	closed = true
-	if v, ok := os.LookupEnv("NARWHAL_NATS_URL"); ok {
-		t.Errorf("NARWHAL_NATS_URL left at %q", v)
-	}
 }
 
 // lockedBuffer is a bytes.Buffer safe for a command writing while the test

@@ -54,7 +54,7 @@ func runDev(ctx context.Context, args []string) error {
 	// The dev bus listens on TCP (127.0.0.1:4222, or a free port) so that
 	// `narwhal events` and `narwhal chaos` can follow and steer the stack
 	// from another terminal; dev runs the breaker on it itself.
-	dc, err := startDevChaos(ctx, log, devChaosPort)
+	dc, err := startDevChaos(ctx, cfg, log, devChaosPort)
 	if err != nil {
 		return err
 	}

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -38,7 +39,8 @@ const (
 // runEvents is `narwhal events [--kind K] [--engine ID] [--since DUR]
 // [--json] [--connect-timeout DUR]` (SPEC §14, R-BUS-5): it follows stream
 // NARWHAL_EVENTS on NARWHAL_NATS_URL (default nats://127.0.0.1:4222, with
-// the credentials and TLS variables of natsFromEnv) and writes each event to
+// the credential and TLS variables of the bus section; a viewer credential
+// suffices, and it changes nothing on the bus, R-BUS-8) and writes each event to
 // stdout, one line per event: readable (see eventview.Printer) or, with --json,
 // the JSON object exactly as published. A line naming the filter and start
 // goes to stderr once the consumer exists, and so do connection notices.
@@ -87,13 +89,13 @@ func runEvents(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		return err
 	}
 
-	natsURL := os.Getenv("NARWHAL_NATS_URL")
-	if natsURL == "" {
-		natsURL = defaultNATSURL
+	busCfg, err := toolBus()
+	if err != nil {
+		return err
 	}
-	opts := natsFromEnv(natsURL, "narwhal-events")
+	natsURL := busCfg.URL
 	var closing atomic.Bool // set at exit: closing the connection is no news
-	opts.Log = slog.New(quietAfter{slog.NewTextHandler(stderr, nil), &closing})
+	opts := busOptions(busCfg, "narwhal-events", slog.New(quietAfter{slog.NewTextHandler(stderr, nil), &closing}))
 	connectCtx, cancel := context.WithTimeout(ctx, *bound)
 	b, err := bus.Connect(connectCtx, opts)
 	cancel()
@@ -101,7 +103,10 @@ func runEvents(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		if ctx.Err() != nil {
 			return nil // interrupted while connecting
 		}
-		return fmt.Errorf("bus %s not reachable within %v: %w", redactNATSURL(natsURL), *bound, err)
+		if errors.Is(err, bus.ErrUnreachable) {
+			return fmt.Errorf("bus %s not reachable within %v: %w", redactNATSURL(natsURL), *bound, err)
+		}
+		return fmt.Errorf("bus %s: %w", redactNATSURL(natsURL), err)
 	}
 	defer func() {
 		closing.Store(true)

@@ -27,17 +27,25 @@ func newLogger(cfg *config.Config, w io.Writer) *slog.Logger {
 	return slog.New(slog.NewTextHandler(w, opts))
 }
 
-// busFromEnv connects to NARWHAL_NATS_URL when it is set, or starts an
-// embedded NATS server with JetStream whose store is NARWHAL_DATA_DIR (a
-// fresh temporary folder, removed at exit, when that is unset) (SPEC
-// R-BUS-4). The returned stop function closes everything it started.
-func busFromEnv(ctx context.Context, name string, log *slog.Logger) (*bus.Bus, func(), error) {
-	if url := os.Getenv("NARWHAL_NATS_URL"); url != "" {
-		b, err := bus.Connect(ctx, natsFromEnv(url, name))
+// joinBus connects to cfg.Bus.URL when it is set — binding to what the
+// admin set up, waiting for the bus (and logging what it waits for) at most
+// bus.connect_timeout_s, or for ever when that is 0 (R-BUS-8) — or else
+// starts an embedded NATS server with JetStream whose store is
+// NARWHAL_DATA_DIR (a fresh temporary folder, removed at exit, when that is
+// unset) and which sets itself up (SPEC R-BUS-4). The returned stop
+// function closes everything it started.
+func joinBus(ctx context.Context, cfg *config.Config, name string, log *slog.Logger) (*bus.Bus, func(), error) {
+	if url := cfg.Bus.URL; url != "" {
+		if d := cfg.Bus.ConnectTimeout(); d > 0 {
+			var cancel context.CancelFunc
+			ctx, cancel = context.WithTimeout(ctx, d)
+			defer cancel()
+		}
+		b, err := bus.Connect(ctx, busOptions(cfg.Bus, name, log))
 		if err != nil {
 			return nil, nil, fmt.Errorf("bus %s: %w", redactNATSURL(url), err)
 		}
-		log.Info("bus connected", "url", redactNATSURL(url))
+		log.Info("bus connected", "url", b.Conn().ConnectedUrlRedacted())
 		return b, b.Close, nil
 	}
 	dir := os.Getenv("NARWHAL_DATA_DIR")
@@ -50,12 +58,12 @@ func busFromEnv(ctx context.Context, name string, log *slog.Logger) (*bus.Bus, f
 		dir = d
 		cleanup = func() { os.RemoveAll(d) }
 	}
-	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: dir, Port: 0})
+	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: dir, Port: 0, LeaseTTL: cfg.Breaker.LeaseTTL()})
 	if err != nil {
 		cleanup()
 		return nil, nil, fmt.Errorf("embedded bus: %w", err)
 	}
-	b, err := bus.Connect(ctx, bus.ConnectOptions{Embedded: emb, Name: name})
+	b, err := bus.Connect(ctx, bus.ConnectOptions{Embedded: emb, Name: name, Log: log})
 	if err != nil {
 		emb.Shutdown()
 		cleanup()
@@ -70,12 +78,12 @@ func busFromEnv(ctx context.Context, name string, log *slog.Logger) (*bus.Bus, f
 }
 
 // runRouter serves a router for cfg on listen until ctx ends, then shuts it
-// down gracefully. Without NARWHAL_NATS_URL it also runs an in-process
+// down gracefully. Without a bus URL it also runs an in-process
 // breaker on its embedded bus, stopped after the router's shutdown and
 // before the bus closes. onReady, when set, is called with the router's
 // base URL once it accepts connections.
 func runRouter(ctx context.Context, cfg *config.Config, listen string, log *slog.Logger, onReady func(baseURL string)) error {
-	b, stopBus, err := busFromEnv(ctx, "narwhal-router-"+cfg.Router.ID, log)
+	b, stopBus, err := joinBus(ctx, cfg, "narwhal-router-"+cfg.Router.ID, log)
 	if err != nil {
 		return err
 	}
@@ -84,7 +92,7 @@ func runRouter(ctx context.Context, cfg *config.Config, listen string, log *slog
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	pub := bus.NewPublisher(b, cfg.Router.EventBuffer, reg)
 	defer pub.Close()
-	if os.Getenv("NARWHAL_NATS_URL") == "" {
+	if cfg.Bus.URL == "" {
 		// A single node is complete: on its own embedded bus the router
 		// runs its own breaker (SPEC §14). It outlives the router's
 		// graceful shutdown and stops before the bus closes.

@@ -1,0 +1,299 @@
+package bus
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// The buckets besides narwhal_placement (SPEC R-BRK-8, R-CHAOS-1). They
+// are named here, with the stream and the placement bucket, because one
+// process — the admin (`narwhal bus`, `narwhal bus setup`, an embedded
+// server) — creates all of them and everyone else only binds (R-BUS-8).
+const (
+	// LeaseBucket is the KV bucket of the breaker's leader lease (key
+	// "leader"); its TTL is the lease TTL.
+	LeaseBucket = "narwhal_breaker"
+	// ChaosBucket is the KV bucket of armed chaos faults, key
+	// <engine_id>.<fault_id>.
+	ChaosBucket = "narwhal_chaos"
+)
+
+// Settings of the buckets Setup creates.
+const (
+	// DefaultLeaseTTL is the lease bucket's TTL when SetupOptions.LeaseTTL
+	// is 0: the default of breaker.lease_ttl_s.
+	DefaultLeaseTTL = 5 * time.Second
+	// ChaosMaxAge is the chaos bucket's TTL, the longest a fault may stay
+	// armed.
+	ChaosMaxAge = 24 * time.Hour
+	// chaosLimitMarkerTTL is how long the chaos bucket keeps the marker a
+	// key leaves when its own TTL ends (per-key TTLs, NATS >= 2.11).
+	chaosLimitMarkerTTL = time.Minute
+)
+
+// setupAttemptTimeout bounds one attempt of Setup; setupLogEvery is how
+// often a waiting Setup says what it waits for.
+const (
+	setupAttemptTimeout = 5 * time.Second
+	setupLogEvery       = 3 * time.Second
+)
+
+// SetupOptions are the admin's choices for the stream and the buckets
+// (SPEC R-BUS-8).
+type SetupOptions struct {
+	// Replicas applies to a stream or bucket that Setup creates; one that
+	// exists keeps its replicas (logged as found versus wanted). 0 means 1.
+	Replicas int
+	// LeaseTTL is the TTL of bucket narwhal_breaker, i.e. the breaker's
+	// lease (breaker.lease_ttl_s); 0 means DefaultLeaseTTL.
+	LeaseTTL time.Duration
+	// Log receives one line per stream or bucket created or updated, each
+	// replica count kept, and what a waiting Setup waits for; nil: silent.
+	Log *slog.Logger
+}
+
+// NotSetUpError says that a stream or bucket a process binds to does not
+// exist, and which command creates it (SPEC R-BUS-8).
+type NotSetUpError struct {
+	// What is "stream" or "bucket".
+	What string
+	// Name is the stream's or bucket's name.
+	Name string
+}
+
+// Error names the missing stream or bucket and the commands that create it.
+func (e *NotSetUpError) Error() string {
+	return fmt.Sprintf("bus: %s %s does not exist: create it with `narwhal bus setup` (admin credential) "+
+		"against this NATS, or run the bus with `narwhal bus`", e.What, e.Name)
+}
+
+// Is makes errors.Is(err, ErrNotSetUp) true for every NotSetUpError.
+func (e *NotSetUpError) Is(target error) bool { return target == ErrNotSetUp }
+
+// ErrNotSetUp matches every *NotSetUpError with errors.Is.
+var ErrNotSetUp = errors.New("bus: not set up")
+
+// streamConfig is stream NARWHAL_EVENTS as Setup creates it.
+func streamConfig(replicas int) jetstream.StreamConfig {
+	return jetstream.StreamConfig{
+		Name:        StreamName,
+		Description: "Narwhal events (failure, quarantine, handoff, request, probe, eligibility)",
+		Subjects:    []string{SubjectPrefix + ">"},
+		Retention:   jetstream.LimitsPolicy,
+		Discard:     jetstream.DiscardOld,
+		Storage:     jetstream.FileStorage,
+		MaxAge:      StreamMaxAge,
+		MaxBytes:    StreamMaxBytes,
+		Duplicates:  StreamDuplicates,
+		Replicas:    replicas,
+	}
+}
+
+// bucketConfigs are the KV buckets as Setup creates them.
+func bucketConfigs(replicas int, leaseTTL time.Duration) []jetstream.KeyValueConfig {
+	return []jetstream.KeyValueConfig{
+		{
+			Bucket:      PlacementBucket,
+			Description: "Narwhal placement eligibility by engine id",
+			History:     1,
+			Storage:     jetstream.FileStorage,
+			Replicas:    replicas,
+		},
+		{
+			Bucket:      LeaseBucket,
+			Description: "Narwhal breaker leader lease",
+			History:     1,
+			TTL:         leaseTTL,
+			Storage:     jetstream.FileStorage,
+			Replicas:    replicas,
+		},
+		{
+			Bucket:         ChaosBucket,
+			Description:    "Narwhal chaos: armed faults by <engine_id>.<fault_id>",
+			History:        1,
+			TTL:            ChaosMaxAge,
+			Storage:        jetstream.FileStorage,
+			LimitMarkerTTL: chaosLimitMarkerTTL,
+			Replicas:       replicas,
+		},
+	}
+}
+
+// Setup creates stream NARWHAL_EVENTS and buckets narwhal_placement,
+// narwhal_breaker and narwhal_chaos on js, or updates those whose settings
+// differ from Narwhal's — never deleting or recreating any (R-BUS-7), and
+// never changing the replicas of one that exists: it logs the replicas it
+// found against those it wanted and keeps them (R-BUS-8). It is the admin's
+// act: `narwhal bus`, `narwhal bus setup` and embedded servers run it;
+// every other process binds to what it made.
+//
+// While the server cannot be reached or JetStream is not ready (e.g. a
+// cluster still forming a quorum), Setup keeps trying until ctx ends,
+// logging what it waits for every few seconds. It returns an error when
+// ctx ends first, or at once when the server refuses a configuration or
+// the credential may not make it.
+func Setup(ctx context.Context, b *Bus, opts SetupOptions) error {
+	replicas := max(opts.Replicas, 1)
+	leaseTTL := opts.LeaseTTL
+	if leaseTTL <= 0 {
+		leaseTTL = DefaultLeaseTTL
+	}
+	log := opts.Log
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	var lastLog time.Time
+	for {
+		err := b.setupOnce(ctx, streamConfig(replicas), bucketConfigs(replicas, leaseTTL), log)
+		if err == nil {
+			return nil
+		}
+		if perm := b.permissionError(); perm != nil {
+			return fmt.Errorf("%w (%v)", err, perm)
+		}
+		if !retryable(b.nc, err) {
+			return err
+		}
+		if time.Since(lastLog) >= setupLogEvery {
+			log.Warn("bus setup waiting", "url", b.nc.ConnectedUrlRedacted(), "err", err)
+			lastLog = time.Now()
+		}
+		if !sleepCtx(ctx, setupRetryDelay) {
+			return fmt.Errorf("%w (gave up: %v)", err, context.Cause(ctx))
+		}
+	}
+}
+
+// setupOnce is one attempt of Setup.
+func (b *Bus) setupOnce(ctx context.Context, stream jetstream.StreamConfig, buckets []jetstream.KeyValueConfig, log *slog.Logger) error {
+	ctx, cancel := context.WithTimeout(ctx, setupAttemptTimeout)
+	defer cancel()
+	if err := ensureStream(ctx, b.js, stream, log); err != nil {
+		return err
+	}
+	for _, want := range buckets {
+		if err := ensureBucket(ctx, b.js, want, log); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// ensureStream creates want, or updates the stream when the settings
+// Narwhal manages differ, keeping the replicas it has.
+func ensureStream(ctx context.Context, js jetstream.JetStream, want jetstream.StreamConfig, log *slog.Logger) error {
+	st, err := js.Stream(ctx, want.Name)
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		if _, err := js.CreateStream(ctx, want); err != nil {
+			return fmt.Errorf("bus: create stream %s: %w", want.Name, err)
+		}
+		log.Info("bus: stream created", "stream", want.Name, "replicas", want.Replicas)
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("bus: stream %s: %w", want.Name, err)
+	}
+	have := st.CachedInfo().Config
+	if have.Replicas != want.Replicas {
+		log.Warn("bus: keeping the replicas of an existing stream", "stream", want.Name,
+			"found", have.Replicas, "wanted", want.Replicas)
+		want.Replicas = have.Replicas
+	}
+	if sameStream(have, want) {
+		return nil
+	}
+	if _, err := js.UpdateStream(ctx, want); err != nil {
+		return fmt.Errorf("bus: update stream %s: %w", want.Name, err)
+	}
+	log.Info("bus: stream updated to Narwhal's settings", "stream", want.Name)
+	return nil
+}
+
+// sameStream reports whether the settings Narwhal manages are as wanted.
+func sameStream(have, want jetstream.StreamConfig) bool {
+	return slices.Equal(have.Subjects, want.Subjects) && have.Retention == want.Retention &&
+		have.Discard == want.Discard && have.Storage == want.Storage && have.MaxAge == want.MaxAge &&
+		have.MaxBytes == want.MaxBytes && have.Duplicates == want.Duplicates && have.Replicas == want.Replicas &&
+		have.Description == want.Description
+}
+
+// ensureBucket creates want, or updates the bucket when the settings
+// Narwhal manages differ, keeping the replicas it has. A server without
+// per-key TTLs (NATS < 2.11) gets the bucket without limit markers.
+func ensureBucket(ctx context.Context, js jetstream.JetStream, want jetstream.KeyValueConfig, log *slog.Logger) error {
+	kv, err := js.KeyValue(ctx, want.Bucket)
+	if errors.Is(err, jetstream.ErrBucketNotFound) {
+		_, err = js.CreateKeyValue(ctx, want)
+		if errors.Is(err, jetstream.ErrLimitMarkerTTLNotSupported) {
+			want.LimitMarkerTTL = 0
+			_, err = js.CreateKeyValue(ctx, want)
+		}
+		if err != nil {
+			return fmt.Errorf("bus: create bucket %s: %w", want.Bucket, err)
+		}
+		log.Info("bus: bucket created", "bucket", want.Bucket, "replicas", want.Replicas)
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("bus: bucket %s: %w", want.Bucket, err)
+	}
+	st, err := kv.Status(ctx)
+	if err != nil {
+		return fmt.Errorf("bus: bucket %s: %w", want.Bucket, err)
+	}
+	info := st.(*jetstream.KeyValueBucketStatus).StreamInfo()
+	if have := info.Config.Replicas; have != want.Replicas {
+		log.Warn("bus: keeping the replicas of an existing bucket", "bucket", want.Bucket,
+			"found", have, "wanted", want.Replicas)
+		want.Replicas = have
+	}
+	if want.LimitMarkerTTL != 0 && st.LimitMarkerTTL() == 0 && !info.Config.AllowMsgTTL {
+		// Made by a server without per-key TTLs: leave it so.
+		want.LimitMarkerTTL = 0
+	}
+	if st.History() == int64(want.History) && st.TTL() == want.TTL && info.Config.Storage == want.Storage &&
+		info.Config.Description == want.Description && st.LimitMarkerTTL() == want.LimitMarkerTTL {
+		return nil
+	}
+	if _, err := js.UpdateKeyValue(ctx, want); err != nil {
+		return fmt.Errorf("bus: update bucket %s: %w", want.Bucket, err)
+	}
+	log.Info("bus: bucket updated to Narwhal's settings", "bucket", want.Bucket)
+	return nil
+}
+
+// BindBucket returns KV bucket name as it exists on b, without creating or
+// changing it (SPEC R-BUS-8). It returns a *NotSetUpError when the bucket
+// does not exist, and the server's error (or the permission the
+// credential lacks) otherwise.
+func (b *Bus) BindBucket(ctx context.Context, name string) (jetstream.KeyValue, error) {
+	kv, err := b.js.KeyValue(ctx, name)
+	if errors.Is(err, jetstream.ErrBucketNotFound) {
+		return nil, &NotSetUpError{What: "bucket", Name: name}
+	}
+	if err != nil {
+		if perm := b.permissionError(); perm != nil {
+			return nil, fmt.Errorf("bus: bucket %s: %w (%v)", name, err, perm)
+		}
+		return nil, fmt.Errorf("bus: bucket %s: %w", name, err)
+	}
+	return kv, nil
+}
+
+// sleepCtx waits for d or until ctx ends; it reports whether d passed.
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
