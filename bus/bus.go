@@ -198,7 +198,7 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 		if err == nil {
 			return b, nil
 		}
-		if perm := b.permissionError(); perm != nil {
+		if perm := b.PermissionError(); perm != nil {
 			nc.Close()
 			return nil, fmt.Errorf("%w (%v)", err, perm)
 		}
@@ -257,9 +257,12 @@ func (b *Bus) lastDialError() error {
 	return b.nc.LastError()
 }
 
-// permissionError returns the last permissions violation the server
-// reported on this connection, or nil.
-func (b *Bus) permissionError() error {
+// PermissionError returns the last permissions violation the server
+// reported on this connection — an act the role's credential does not
+// allow, e.g. "nats: permissions violation: Permissions Violation for
+// Publish to "$KV.narwhal_placement.d1"" (R-BUS-8) — or nil. The act itself
+// fails with no reply (a timeout), since NATS drops what it denies.
+func (b *Bus) PermissionError() error {
 	if err := b.denied.Load(); err != nil {
 		return *err
 	}

@@ -5,7 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -34,6 +38,22 @@ type EmbeddedOptions struct {
 	// LeaseTTL is the TTL of the breaker's lease bucket that the set-up
 	// creates (breaker.lease_ttl_s); 0 means DefaultLeaseTTL.
 	LeaseTTL time.Duration
+	// AuthDir, when set, is a directory WriteCredentials made: the server
+	// enforces its decentralised JWT auth (auth.conf: the operator, the
+	// accounts), so only the role credentials of that directory connect
+	// (R-BUS-8). The in-process set-up then uses its admin.creds.
+	AuthDir string
+	// ServerName names the server in a cluster (nats-server's
+	// server_name); "narwhal" when empty. Every server of a cluster needs
+	// its own.
+	ServerName string
+	// Cluster, when set, is the HOST:PORT this server listens on for the
+	// other servers of its JetStream cluster (nats-server's cluster
+	// listen); empty: a single server.
+	Cluster string
+	// Routes are the other servers' cluster URLs, e.g.
+	// "nats://h2:6222" (nats-server's routes); used with Cluster.
+	Routes []string
 	// NoSetup leaves the stream and the buckets to the caller (Setup, or
 	// Connect with ConnectOptions.Setup), e.g. to wait for a cluster or
 	// to set up with the admin credential. Without it StartEmbedded sets
@@ -70,15 +90,38 @@ func StartEmbedded(opts EmbeddedOptions) (*Embedded, error) {
 	if host == "" {
 		host = "127.0.0.1"
 	}
-	sopts := &server.Options{
-		ServerName: "narwhal",
-		Host:       host,
-		Port:       opts.Port,
-		DontListen: opts.Port == 0,
-		JetStream:  true,
-		StoreDir:   dir,
-		NoSigs:     true,
-		NoLog:      true,
+	sopts := &server.Options{}
+	if opts.AuthDir != "" {
+		conf := filepath.Join(opts.AuthDir, AuthConfFile)
+		parsed, err := server.ProcessConfigFile(conf)
+		if err != nil {
+			e.removeTemp()
+			return nil, fmt.Errorf("bus: --auth %s: %w", opts.AuthDir, err)
+		}
+		if len(parsed.TrustedOperators) == 0 {
+			e.removeTemp()
+			return nil, fmt.Errorf("bus: --auth %s: %s names no operator", opts.AuthDir, conf)
+		}
+		sopts = parsed
+	}
+	sopts.ServerName = opts.ServerName
+	if sopts.ServerName == "" {
+		sopts.ServerName = "narwhal"
+	}
+	sopts.Host, sopts.Port, sopts.DontListen = host, opts.Port, opts.Port == 0
+	sopts.JetStream, sopts.StoreDir = true, dir
+	sopts.NoSigs, sopts.NoLog = true, true
+	if opts.Cluster != "" {
+		chost, cport, err := splitHostPort(opts.Cluster)
+		if err != nil {
+			e.removeTemp()
+			return nil, fmt.Errorf("bus: cluster address: %w", err)
+		}
+		sopts.Cluster = server.ClusterOpts{Name: ClusterName, Host: chost, Port: cport}
+		sopts.Routes = server.RoutesFromStr(strings.Join(opts.Routes, ","))
+	} else if len(opts.Routes) > 0 {
+		e.removeTemp()
+		return nil, errors.New("bus: routes need a cluster address of this server")
 	}
 	srv, err := server.NewServer(sopts)
 	if err != nil {
@@ -101,7 +144,11 @@ func StartEmbedded(opts EmbeddedOptions) (*Embedded, error) {
 	if !opts.NoSetup {
 		ctx, cancel := context.WithTimeout(context.Background(), embeddedReadyTimeout)
 		defer cancel()
-		b, err := Connect(ctx, ConnectOptions{Embedded: e, Name: "narwhal-setup", Setup: &SetupOptions{Replicas: 1, LeaseTTL: opts.LeaseTTL}})
+		co := ConnectOptions{Embedded: e, Name: "narwhal-setup", Setup: &SetupOptions{Replicas: 1, LeaseTTL: opts.LeaseTTL}}
+		if opts.AuthDir != "" {
+			co.CredsFile = filepath.Join(opts.AuthDir, CredsFile(RoleAdmin))
+		}
+		b, err := Connect(ctx, co)
 		if err != nil {
 			e.Shutdown()
 			return nil, fmt.Errorf("bus: embedded server set-up: %w", err)
@@ -109,6 +156,28 @@ func StartEmbedded(opts EmbeddedOptions) (*Embedded, error) {
 		b.Close()
 	}
 	return e, nil
+}
+
+// ClusterName is the name of the JetStream cluster a clustered embedded
+// server joins (nats-server's cluster name); every server of one mesh's
+// cluster uses it.
+const ClusterName = "narwhal"
+
+// splitHostPort splits a HOST:PORT with a numeric port; an empty host is
+// every interface.
+func splitHostPort(hp string) (string, int, error) {
+	host, p, err := net.SplitHostPort(hp)
+	if err != nil {
+		return "", 0, err
+	}
+	port, err := strconv.Atoi(p)
+	if err != nil || port < 0 || port > 65535 {
+		return "", 0, fmt.Errorf("%q: port must be 0…65535", hp)
+	}
+	if host == "" {
+		host = "0.0.0.0"
+	}
+	return host, port, nil
 }
 
 // ClientURL returns the nats:// URL other processes connect to, e.g.

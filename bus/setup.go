@@ -154,7 +154,7 @@ func Setup(ctx context.Context, b *Bus, opts SetupOptions) error {
 		if err == nil {
 			return nil
 		}
-		if perm := b.permissionError(); perm != nil {
+		if perm := b.PermissionError(); perm != nil {
 			return fmt.Errorf("%w (%v)", err, perm)
 		}
 		if !retryable(b.nc, err) {
@@ -278,7 +278,7 @@ func (b *Bus) BindBucket(ctx context.Context, name string) (jetstream.KeyValue, 
 		return nil, &NotSetUpError{What: "bucket", Name: name}
 	}
 	if err != nil {
-		if perm := b.permissionError(); perm != nil {
+		if perm := b.PermissionError(); perm != nil {
 			return nil, fmt.Errorf("bus: bucket %s: %w (%v)", name, err, perm)
 		}
 		return nil, fmt.Errorf("bus: bucket %s: %w", name, err)

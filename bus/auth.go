@@ -1,0 +1,315 @@
+package bus
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+
+	"github.com/nats-io/jwt/v2"
+	"github.com/nats-io/nkeys"
+)
+
+// The roles of a mesh, each with its own NATS credential (SPEC R-BUS-8).
+const (
+	// RoleRouter publishes failure, quarantine, handoff and request
+	// events and reads placement and chaos state.
+	RoleRouter = "router"
+	// RoleBreaker consumes events through its durable consumer, writes
+	// placement and its lease, and publishes eligibility and probe
+	// events.
+	RoleBreaker = "breaker"
+	// RoleChaos writes the chaos bucket and publishes chaos events.
+	RoleChaos = "chaos"
+	// RoleViewer reads everything and may make its own consumers of the
+	// events (dashboards, `narwhal events`, `narwhal chaos list`).
+	RoleViewer = "viewer"
+	// RoleAdmin creates and updates the stream and the buckets.
+	RoleAdmin = "admin"
+)
+
+// Roles lists every role, in the order the credentials are written.
+var Roles = []string{RoleRouter, RoleBreaker, RoleChaos, RoleViewer, RoleAdmin}
+
+// The breaker's durable consumer on NARWHAL_EVENTS: only the breaker role
+// may make, read from or acknowledge on it. It is the name of
+// breaker.ConsumerName.
+const BreakerConsumer = "narwhal-breaker"
+
+// Files of a credentials directory (WriteCredentials).
+const (
+	// AuthConfFile is the server side: nats-server configuration (the
+	// operator, the system account and a memory resolver preloaded with
+	// the account JWTs). `narwhal bus --auth DIR` reads it; an official
+	// nats-server can `include` it.
+	AuthConfFile = "auth.conf"
+	// AccountName is the NATS account every role's user belongs to.
+	AccountName = "NARWHAL"
+	// keysDir holds the operator's and the account's signing seeds, needed
+	// only to issue more credentials: keep it off the servers.
+	keysDir = "keys"
+)
+
+// CredsFile returns the credential file name of role, e.g. "router.creds".
+func CredsFile(role string) string { return role + ".creds" }
+
+// jsAPI is the JetStream API subject prefix.
+const jsAPI = "$JS.API."
+
+// bucketRead is what reading KV bucket name takes: its stream's info, gets
+// (direct and through the API) and watches (ephemeral ordered consumers,
+// with their flow control).
+func bucketRead(name string) []string {
+	stream := "KV_" + name
+	return []string{
+		jsAPI + "STREAM.INFO." + stream,
+		jsAPI + "DIRECT.GET." + stream,
+		jsAPI + "DIRECT.GET." + stream + ".>",
+		jsAPI + "STREAM.MSG.GET." + stream,
+		jsAPI + "CONSUMER.CREATE." + stream,
+		jsAPI + "CONSUMER.CREATE." + stream + ".>",
+		jsAPI + "CONSUMER.INFO." + stream + ".>",
+		jsAPI + "CONSUMER.DELETE." + stream + ".>",
+		"$JS.FC." + stream + ".>",
+	}
+}
+
+// bucketWrite is what writing keys of KV bucket name takes (a put, a
+// delete and a purge are each a publish on the key's subject).
+func bucketWrite(name string) []string { return []string{"$KV." + name + ".>"} }
+
+// eventsPub is what publishing events of kind takes.
+func eventsPub(kinds ...string) []string {
+	out := make([]string, 0, len(kinds))
+	for _, k := range kinds {
+		out = append(out, SubjectPrefix+k+".*")
+	}
+	return out
+}
+
+// breakerConsumerSubjects are the API subjects of the breaker's durable
+// consumer that only the breaker may use.
+func breakerConsumerSubjects() []string {
+	return []string{
+		jsAPI + "CONSUMER.CREATE." + StreamName + "." + BreakerConsumer,
+		jsAPI + "CONSUMER.CREATE." + StreamName + "." + BreakerConsumer + ".>",
+		jsAPI + "CONSUMER.DURABLE.CREATE." + StreamName + "." + BreakerConsumer,
+		jsAPI + "CONSUMER.DELETE." + StreamName + "." + BreakerConsumer,
+		jsAPI + "CONSUMER.MSG.NEXT." + StreamName + "." + BreakerConsumer,
+		"$JS.ACK." + StreamName + "." + BreakerConsumer + ".>",
+	}
+}
+
+// RolePermissions returns the NATS publish and subscribe permissions of
+// role (SPEC R-BUS-8), as they go into its user JWT; docs/mesh.md lists
+// them. Every role may subscribe to _INBOX.> (replies) and read the
+// stream's info; beyond that:
+//
+//   - router: publish failure, quarantine, handoff and request events;
+//     subscribe to quarantine events; read narwhal_placement and
+//     narwhal_chaos;
+//   - breaker: publish eligibility and probe events; write and read
+//     narwhal_placement and narwhal_breaker; make, read from and
+//     acknowledge on its durable consumer narwhal-breaker;
+//   - chaos: publish chaos events; write and read narwhal_chaos; read
+//     narwhal_placement's info;
+//   - viewer: subscribe to every event; read every bucket and stored
+//     event; make, read and delete consumers of NARWHAL_EVENTS other than
+//     narwhal-breaker;
+//   - admin: everything ("> ").
+//
+// It returns an error for an unknown role.
+func RolePermissions(role string) (jwt.Permissions, error) {
+	var pub, sub, deny []string
+	common := []string{jsAPI + "INFO", jsAPI + "STREAM.INFO." + StreamName}
+	sub = []string{"_INBOX.>"}
+	switch role {
+	case RoleRouter:
+		pub = slices.Concat(common,
+			eventsPub("failure", "quarantine", "handoff", "request"),
+			bucketRead(PlacementBucket), bucketRead(ChaosBucket))
+		sub = append(sub, SubjectPrefix+"quarantine.>")
+		deny = breakerConsumerSubjects()
+	case RoleBreaker:
+		pub = slices.Concat(common,
+			eventsPub("eligibility", "probe"),
+			bucketRead(PlacementBucket), bucketWrite(PlacementBucket),
+			bucketRead(LeaseBucket), bucketWrite(LeaseBucket),
+			[]string{
+				jsAPI + "CONSUMER.CREATE." + StreamName + "." + BreakerConsumer,
+				jsAPI + "CONSUMER.CREATE." + StreamName + "." + BreakerConsumer + ".>",
+				jsAPI + "CONSUMER.DURABLE.CREATE." + StreamName + "." + BreakerConsumer,
+				jsAPI + "CONSUMER.INFO." + StreamName + "." + BreakerConsumer,
+				jsAPI + "CONSUMER.MSG.NEXT." + StreamName + "." + BreakerConsumer,
+				"$JS.ACK." + StreamName + "." + BreakerConsumer + ".>",
+			})
+	case RoleChaos:
+		pub = slices.Concat(common,
+			eventsPub("chaos"),
+			bucketRead(ChaosBucket), bucketWrite(ChaosBucket),
+			[]string{jsAPI + "STREAM.INFO.KV_" + PlacementBucket})
+		deny = breakerConsumerSubjects()
+	case RoleViewer:
+		pub = slices.Concat(common,
+			bucketRead(PlacementBucket), bucketRead(LeaseBucket), bucketRead(ChaosBucket),
+			[]string{
+				jsAPI + "STREAM.NAMES",
+				jsAPI + "STREAM.LIST",
+				jsAPI + "STREAM.MSG.GET." + StreamName,
+				jsAPI + "DIRECT.GET." + StreamName,
+				jsAPI + "DIRECT.GET." + StreamName + ".>",
+				jsAPI + "CONSUMER.CREATE." + StreamName,
+				jsAPI + "CONSUMER.CREATE." + StreamName + ".>",
+				jsAPI + "CONSUMER.INFO." + StreamName + ".>",
+				jsAPI + "CONSUMER.NAMES." + StreamName,
+				jsAPI + "CONSUMER.LIST." + StreamName,
+				jsAPI + "CONSUMER.DELETE." + StreamName + ".>",
+				jsAPI + "CONSUMER.MSG.NEXT." + StreamName + ".>",
+				"$JS.FC." + StreamName + ".>",
+			})
+		sub = append(sub, SubjectPrefix+">")
+		deny = breakerConsumerSubjects()
+	case RoleAdmin:
+		pub, sub = []string{">"}, []string{">"}
+	default:
+		return jwt.Permissions{}, fmt.Errorf("bus: unknown role %q (want one of %s)", role, strings.Join(Roles, ", "))
+	}
+	return jwt.Permissions{
+		Pub: jwt.Permission{Allow: pub, Deny: deny},
+		Sub: jwt.Permission{Allow: sub},
+	}, nil
+}
+
+// WriteCredentials creates dir (and its parents) when missing and writes a
+// complete decentralised-JWT set-up for one mesh into it (SPEC R-BUS-8):
+// a new operator, a system account and account NARWHAL (JetStream
+// enabled), one user per role with RolePermissions — the credential files
+// router.creds, breaker.creds, chaos.creds, viewer.creds and admin.creds
+// (mode 0600) — the server side auth.conf (public JWTs only), and the
+// operator's and account's seeds under keys/ (0600; needed only to issue
+// more users, e.g. with nsc). It refuses to overwrite: it returns an error
+// when any of these files exists already, when dir cannot be created or
+// written, or when a key cannot be made.
+func WriteCredentials(dir string) error {
+	files := []string{AuthConfFile, filepath.Join(keysDir, "operator.nk"), filepath.Join(keysDir, "account.nk")}
+	for _, r := range Roles {
+		files = append(files, CredsFile(r))
+	}
+	for _, f := range files {
+		if _, err := os.Stat(filepath.Join(dir, f)); err == nil {
+			return fmt.Errorf("bus: %s exists already: refusing to replace the credentials of a mesh (use an empty directory)", filepath.Join(dir, f))
+		} else if !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("bus: %w", err)
+		}
+	}
+	if err := os.MkdirAll(filepath.Join(dir, keysDir), 0o700); err != nil {
+		return fmt.Errorf("bus: %w", err)
+	}
+
+	operator, err := nkeys.CreateOperator()
+	if err != nil {
+		return fmt.Errorf("bus: operator key: %w", err)
+	}
+	opPub, _ := operator.PublicKey()
+	sys, err := nkeys.CreateAccount()
+	if err != nil {
+		return fmt.Errorf("bus: system account key: %w", err)
+	}
+	sysPub, _ := sys.PublicKey()
+	acct, err := nkeys.CreateAccount()
+	if err != nil {
+		return fmt.Errorf("bus: account key: %w", err)
+	}
+	acctPub, _ := acct.PublicKey()
+
+	oc := jwt.NewOperatorClaims(opPub)
+	oc.Name = "narwhal"
+	oc.SystemAccount = sysPub
+	opJWT, err := oc.Encode(operator)
+	if err != nil {
+		return fmt.Errorf("bus: operator: %w", err)
+	}
+	sc := jwt.NewAccountClaims(sysPub)
+	sc.Name = "SYS"
+	sysJWT, err := sc.Encode(operator)
+	if err != nil {
+		return fmt.Errorf("bus: system account: %w", err)
+	}
+	ac := jwt.NewAccountClaims(acctPub)
+	ac.Name = AccountName
+	ac.Limits.JetStreamLimits = jwt.JetStreamLimits{
+		MemoryStorage: jwt.NoLimit, DiskStorage: jwt.NoLimit, Streams: jwt.NoLimit, Consumer: jwt.NoLimit,
+		MaxAckPending: jwt.NoLimit, MemoryMaxStreamBytes: jwt.NoLimit, DiskMaxStreamBytes: jwt.NoLimit,
+	}
+	acctJWT, err := ac.Encode(operator)
+	if err != nil {
+		return fmt.Errorf("bus: account: %w", err)
+	}
+
+	for _, role := range Roles {
+		perms, err := RolePermissions(role)
+		if err != nil {
+			return err
+		}
+		user, err := nkeys.CreateUser()
+		if err != nil {
+			return fmt.Errorf("bus: %s key: %w", role, err)
+		}
+		userPub, _ := user.PublicKey()
+		uc := jwt.NewUserClaims(userPub)
+		uc.Name = "narwhal-" + role
+		uc.Permissions = perms
+		userJWT, err := uc.Encode(acct)
+		if err != nil {
+			return fmt.Errorf("bus: %s: %w", role, err)
+		}
+		seed, _ := user.Seed()
+		creds, err := jwt.FormatUserConfig(userJWT, seed)
+		if err != nil {
+			return fmt.Errorf("bus: %s: %w", role, err)
+		}
+		if err := writeNew(filepath.Join(dir, CredsFile(role)), creds, 0o600); err != nil {
+			return err
+		}
+	}
+	opSeed, _ := operator.Seed()
+	acctSeed, _ := acct.Seed()
+	if err := writeNew(filepath.Join(dir, keysDir, "operator.nk"), opSeed, 0o600); err != nil {
+		return err
+	}
+	if err := writeNew(filepath.Join(dir, keysDir, "account.nk"), acctSeed, 0o600); err != nil {
+		return err
+	}
+	conf := fmt.Sprintf(`# Narwhal mesh: the server side of decentralised JWT auth (docs/mesh.md).
+# Public JWTs only; the seeds stay in keys/ and the .creds files.
+# narwhal bus --auth DIR reads this file; a nats-server config can include it.
+operator: %s
+system_account: %s
+resolver: MEMORY
+resolver_preload: {
+  # %s
+  %s: %s
+  # SYS
+  %s: %s
+}
+`, opJWT, sysPub, AccountName, acctPub, acctJWT, sysPub, sysJWT)
+	return writeNew(filepath.Join(dir, AuthConfFile), []byte(conf), 0o644)
+}
+
+// writeNew writes data to a file that must not exist yet.
+func writeNew(path string, data []byte, mode os.FileMode) error {
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, mode)
+	if err != nil {
+		return fmt.Errorf("bus: %w", err)
+	}
+	if _, err := f.Write(data); err != nil {
+		f.Close()
+		return fmt.Errorf("bus: %s: %w", path, err)
+	}
+	if err := f.Close(); err != nil {
+		return fmt.Errorf("bus: %s: %w", path, err)
+	}
+	return nil
+}
