@@ -1,6 +1,32 @@
 package schemas
 
-import "time"
+import (
+	"time"
+	"unicode/utf8"
+)
+
+// MaxFieldBytes is how many bytes of a client-supplied string (a model
+// name, a request id, an API key's name) an event or a log line carries;
+// BoundField cuts longer ones, so that no client can put unbounded bytes
+// on the bus or in the logs.
+const MaxFieldBytes = 256
+
+// TruncatedMarker ends a string that BoundField cut.
+const TruncatedMarker = "…[truncated]"
+
+// BoundField returns s when it is at most MaxFieldBytes long, else its
+// first MaxFieldBytes bytes (fewer, to end on a whole UTF-8 character)
+// followed by TruncatedMarker. It allocates only when it cuts.
+func BoundField(s string) string {
+	if len(s) <= MaxFieldBytes {
+		return s
+	}
+	n := MaxFieldBytes
+	for n > MaxFieldBytes-utf8.UTFMax && n > 0 && !utf8.RuneStart(s[n]) {
+		n--
+	}
+	return s[:n] + TruncatedMarker
+}
 
 // Event schema names, carried in every event's "schema" field (SPEC R-BUS-3).
 // Each has a JSON Schema file in this folder, <name>.json (see SchemaFS).

@@ -10,6 +10,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/narwhalmesh/narwhal/schemas"
 	"github.com/santhosh-tekuri/jsonschema/v6"
@@ -362,5 +363,29 @@ func TestSchemasMatchGoTypes(t *testing.T) {
 				t.Errorf("%s.%s: type %v, want %v", name, tag, p["type"], want)
 			}
 		}
+	}
+}
+
+// TestBoundField proves that client strings put in events and logs are
+// bounded: at most schemas.MaxFieldBytes bytes of the original, cut on a UTF-8
+// boundary, then the marker; short strings unchanged.
+func TestBoundField(t *testing.T) {
+	if got := schemas.BoundField("llama-3"); got != "llama-3" {
+		t.Fatalf("short string changed: %q", got)
+	}
+	exact := strings.Repeat("a", schemas.MaxFieldBytes)
+	if got := schemas.BoundField(exact); got != exact {
+		t.Fatalf("string of exactly schemas.MaxFieldBytes changed")
+	}
+	long := strings.Repeat("b", 1<<20)
+	got := schemas.BoundField(long)
+	if got != strings.Repeat("b", schemas.MaxFieldBytes)+schemas.TruncatedMarker {
+		t.Fatalf("1 MiB string bounded to %d bytes: %.40q…", len(got), got)
+	}
+	// A 3-byte character straddling the cut is dropped whole.
+	multi := strings.Repeat("a", schemas.MaxFieldBytes-1) + "€€€"
+	got = schemas.BoundField(multi)
+	if !utf8.ValidString(got) || got != strings.Repeat("a", schemas.MaxFieldBytes-1)+schemas.TruncatedMarker {
+		t.Fatalf("cut inside a character: %q", got[len(got)-20:])
 	}
 }

@@ -3,6 +3,7 @@ package schemas
 import (
 	"bytes"
 	"encoding/json"
+	"math"
 	"strconv"
 )
 
@@ -114,15 +115,33 @@ func splitObject(buf []byte, into []member) (members []member, ok bool) {
 	return members, true
 }
 
-// ParseRequest validates a client body for endpoint (SPEC R-API-4) and
+// Limits are the caps ParseLimited applies to a client request (SPEC
+// R-API-8). A zero field means no cap.
+type Limits struct {
+	// MaxN is the largest n accepted.
+	MaxN int
+	// MaxTokens is the largest max_tokens or max_completion_tokens
+	// accepted, in tokens.
+	MaxTokens int
+}
+
+// ParseRequest is ParseLimited with no caps.
+func ParseRequest(endpoint string, body []byte) (*Request, error) {
+	return ParseLimited(endpoint, body, Limits{})
+}
+
+// ParseLimited validates a client body for endpoint (SPEC R-API-4) and
 // returns the parsed request with kv_transfer_params removed (R-API-5).
 // It keeps a private copy of body. It returns a *RequestError (status 400)
 // for invalid JSON, a body that is not an object, a missing or non-string
 // model, missing messages (chat) or prompt (completions), a non-boolean
 // stream, max_tokens or max_completion_tokens that is not an integer ≥ 1,
-// or n that is not an integer ≥ 1. Whether the model exists is the
-// caller's check (404).
-func ParseRequest(endpoint string, body []byte) (*Request, error) {
+// or n that is not an integer ≥ 1; and, for a cap of lim that is set
+// (R-API-8), n above lim.MaxN ("n must be at most …") or max_tokens /
+// max_completion_tokens above lim.MaxTokens ("<field> must be at most …"),
+// however many digits the value has. Param names the field. Whether the
+// model exists is the caller's check (404).
+func ParseLimited(endpoint string, body []byte, lim Limits) (*Request, error) {
 	r := &Request{Endpoint: endpoint, N: 1, body: append([]byte(nil), body...)}
 	members, ok := splitObject(r.body, make([]member, 0, 16))
 	if !ok {
@@ -165,6 +184,13 @@ func ParseRequest(endpoint string, body []byte) (*Request, error) {
 			n, err := positiveInt(m.raw)
 			if err != nil {
 				return nil, badRequest(string(m.key), string(m.key)+" must be at least 1")
+			}
+			limit := lim.MaxTokens
+			if string(m.key) == "n" {
+				limit = lim.MaxN
+			}
+			if limit > 0 && n > limit {
+				return nil, badRequest(string(m.key), string(m.key)+" must be at most "+strconv.Itoa(limit))
 			}
 			switch {
 			case string(m.key) == "n":
@@ -243,9 +269,11 @@ func isNull(raw []byte) bool {
 	return string(raw) == "null"
 }
 
-// positiveInt parses a JSON integer literal ≥ 1 without allocating.
+// positiveInt parses a JSON integer literal ≥ 1 without allocating. A
+// literal beyond the int range saturates at math.MaxInt, so that a cap
+// check sees it as too large rather than as no integer at all.
 func positiveInt(raw []byte) (int, error) {
-	if len(raw) == 0 || len(raw) > 18 {
+	if len(raw) == 0 {
 		return 0, strconv.ErrSyntax
 	}
 	n := 0
@@ -253,7 +281,12 @@ func positiveInt(raw []byte) (int, error) {
 		if c < '0' || c > '9' {
 			return 0, strconv.ErrSyntax
 		}
-		n = n*10 + int(c-'0')
+		d := int(c - '0')
+		if n > (math.MaxInt-d)/10 {
+			n = math.MaxInt
+			continue
+		}
+		n = n*10 + d
 	}
 	if n < 1 {
 		return 0, strconv.ErrSyntax

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"math"
 	"reflect"
 	"strings"
 	"testing"
@@ -226,5 +227,48 @@ func BenchmarkPrefillRewrite(b *testing.B) {
 		}
 		dst = r.AppendPrefillBody(dst[:0], []byte(handoff))
 		dst = r.AppendDecodeBody(dst[:0], desc)
+	}
+}
+
+// TestParseLimitedCapsRAPI8 proves R-API-8's caps: n above MaxN and
+// max_tokens / max_completion_tokens above MaxTokens get 400 naming the
+// field, a value of any size (2^63, a hundred digits) gets the cap's
+// message and not "at least 1", and values at the caps pass.
+func TestParseLimitedCapsRAPI8(t *testing.T) {
+	lim := Limits{MaxN: 16, MaxTokens: 1 << 20}
+	chat := func(extra string) string {
+		return `{"model":"m","messages":[{"role":"user","content":"x"}],` + extra + `}`
+	}
+	cases := []struct {
+		name, body, param, msg string
+	}{
+		{"n above", chat(`"n":17`), "n", "n must be at most 16"},
+		{"n huge", chat(`"n":9223372036854775808`), "n", "n must be at most 16"},
+		{"max_tokens above", chat(`"max_tokens":1048577`), "max_tokens", "max_tokens must be at most 1048576"},
+		{"max_tokens 2^63", chat(`"max_tokens":9223372036854775808`), "max_tokens", "max_tokens must be at most 1048576"},
+		{"max_tokens 100 digits", chat(`"max_tokens":` + strings.Repeat("9", 100)), "max_tokens", "max_tokens must be at most 1048576"},
+		{"max_completion_tokens 2^64", chat(`"max_completion_tokens":18446744073709551616`), "max_completion_tokens", "max_completion_tokens must be at most 1048576"},
+		{"max_completion_tokens above, max_tokens fine", chat(`"max_tokens":5,"max_completion_tokens":2000000`), "max_completion_tokens", "max_completion_tokens must be at most 1048576"},
+		{"negative still at least 1", chat(`"max_tokens":-9223372036854775809`), "max_tokens", "max_tokens must be at least 1"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := ParseLimited(EndpointChat, []byte(c.body), lim)
+			var re *RequestError
+			if !errors.As(err, &re) {
+				t.Fatalf("error %v, want a RequestError", err)
+			}
+			if re.Status != 400 || re.Param != c.param || re.Message != c.msg {
+				t.Fatalf("got %+v, want 400 %q naming %q", re, c.msg, c.param)
+			}
+		})
+	}
+	r, err := ParseLimited(EndpointChat, []byte(chat(`"n":16,"max_tokens":1048576`)), lim)
+	if err != nil || r.N != 16 || r.MaxTokens != 1<<20 {
+		t.Fatalf("values at the caps: %+v %v", r, err)
+	}
+	// Without caps a huge value parses (saturated), as before the caps.
+	if r, err := ParseRequest(EndpointChat, []byte(chat(`"max_tokens":9223372036854775808`))); err != nil || r.MaxTokens != math.MaxInt {
+		t.Fatalf("no caps: %+v %v", r, err)
 	}
 }
