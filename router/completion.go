@@ -48,15 +48,30 @@ type call struct {
 	chunks           int
 	finished         bool
 	cancelDeadline   context.CancelFunc
+	bodyBytes        int64 // held against server.max_body_bytes_inflight until finish
 }
 
 // serveCompletion handles POST /v1/chat/completions and /v1/completions.
 func (rt *Router) serveCompletion(fctx *fasthttp.RequestCtx, endpoint string) {
-	c := &call{rt: rt, arrival: time.Now(), id: requestID(fctx)}
-	rt.inflight.Add(1)
+	arrival := time.Now()
+	id := requestID(fctx)
+	// R-API-8: admission and the body bound answer before anything else.
+	body, ok := rt.front.holdBody(fctx)
+	if !ok {
+		rt.front.refuseBodyMemory(fctx)
+		return
+	}
+	if !rt.front.admit(&rt.inflight) {
+		rt.front.releaseBody(body)
+		rt.front.refuseInflight(fctx)
+		return
+	}
+	c := &call{rt: rt, arrival: arrival, id: id, bodyBytes: body}
 	rt.metrics.inflight.Inc()
 
-	req, err := schemas.ParseRequest(endpoint, fctx.PostBody())
+	req, err := schemas.ParseLimited(endpoint, fctx.PostBody(), rt.limits)
+	// The parsed request keeps its own copy: drop fasthttp's now.
+	fctx.Request.ResetBody()
 	if err != nil {
 		var re *schemas.RequestError
 		if errors.As(err, &re) {
@@ -70,7 +85,7 @@ func (rt *Router) serveCompletion(fctx *fasthttp.RequestCtx, endpoint string) {
 	}
 	c.req = req
 	if !rt.fleet.servesModel(req.Model) {
-		c.reject(fctx, 404, "The model `"+req.Model+"` does not exist.", "client_error")
+		c.reject(fctx, 404, "The model `"+schemas.BoundField(req.Model)+"` does not exist.", "client_error")
 		return
 	}
 	rt.budget.request()
@@ -592,6 +607,8 @@ func (c *call) finish() {
 	}
 	c.releasePrefill()
 	c.releaseDecode()
+	rt.front.releaseBody(c.bodyBytes)
+	c.bodyBytes = 0
 	if c.cancel != nil {
 		c.cancel(context.Canceled)
 		c.cancelDeadline()
@@ -608,7 +625,7 @@ func (c *call) finish() {
 	ev := &schemas.RequestCompleted{
 		Envelope:         schemas.Envelope{Schema: schemas.SchemaRequest, RouterID: rt.id, RequestID: c.id},
 		Endpoint:         c.req.Endpoint,
-		Model:            c.req.Model,
+		Model:            schemas.BoundField(c.req.Model), // a bounded client string
 		Stream:           c.req.Stream,
 		Status:           c.status,
 		Attempts:         c.attempts,

@@ -76,8 +76,10 @@ type Router struct {
 	reg     *prometheus.Registry
 	metrics *metrics
 	budget  *retryBudget
+	limits  schemas.Limits
 	watcher *disconnectWatcher
 	server  *fasthttp.Server
+	front   *frontDoor
 	ready   func() bool
 
 	base       context.Context
@@ -149,6 +151,7 @@ func New(opts Options) (*Router, error) {
 		fleet:   f,
 		reg:     reg,
 		budget:  newRetryBudget(cfg.Recovery.RetryBudgetRatio, 10*time.Second, 3),
+		limits:  schemas.Limits{MaxN: cfg.Request.MaxN, MaxTokens: cfg.Request.MaxTokensLimit},
 		watcher: w,
 		ready:   opts.Ready,
 		grace:   opts.ShutdownGrace,
@@ -171,12 +174,12 @@ func New(opts Options) (*Router, error) {
 		NoDefaultServerHeader:         true,
 		NoDefaultDate:                 false,
 		DisableHeaderNamesNormalizing: false,
-		ReadTimeout:                   0,
-		IdleTimeout:                   90 * time.Second,
 		CloseOnShutdown:               true,
 		StreamRequestBody:             false,
 		Logger:                        fasthttpLogger{rt.log},
 	}
+	// Deadlines, caps and the body bound of the front door (R-API-7, R-API-8).
+	rt.front = newFrontDoor(cfg, rt.log, reg, rt.server)
 	return rt, nil
 }
 
@@ -208,6 +211,8 @@ func (rt *Router) Registry() *prometheus.Registry { return rt.reg }
 // Serve refreshes the fleet's models in the background and serves HTTP on
 // ln until Shutdown. It returns nil after a clean shutdown.
 func (rt *Router) Serve(ln net.Listener) error {
+	// Accept errors such as EMFILE back off instead of ending Serve (R-API-7).
+	ln = rt.front.listener(ln)
 	rt.lnMu.Lock()
 	if rt.stopping {
 		rt.lnMu.Unlock()
@@ -217,8 +222,12 @@ func (rt *Router) Serve(ln net.Listener) error {
 	rt.ln = ln
 	rt.lnMu.Unlock()
 	rt.RefreshModels(rt.base)
-	rt.wg.Add(1)
+	rt.wg.Add(2)
 	go rt.refreshLoop()
+	go func() {
+		defer rt.wg.Done()
+		rt.front.bodies.sweepLoop(rt.base)
+	}()
 	err := rt.server.Serve(ln)
 	if err != nil && rt.base.Err() != nil {
 		return nil
@@ -327,9 +336,12 @@ func (rt *Router) serve(ctx *fasthttp.RequestCtx) {
 	case schemas.EndpointChat, schemas.EndpointCompletions:
 		if !ctx.IsPost() {
 			requestID(ctx)
+			rt.front.dropBody(ctx)
 		}
 	default:
 		requestID(ctx)
+		// These handlers never keep a body (R-API-8).
+		rt.front.dropBody(ctx)
 	}
 	switch string(path) {
 	case schemas.EndpointChat:
@@ -361,22 +373,6 @@ func (rt *Router) post(ctx *fasthttp.RequestCtx) bool {
 	ctx.Response.Header.Set("Allow", "POST")
 	writeError(ctx, 405, "Method Not Allowed")
 	return false
-}
-
-// serverError answers the errors fasthttp raises before the handler runs,
-// above all a body over the limit (413, R-API-4), in the OpenAI shape.
-func (rt *Router) serverError(ctx *fasthttp.RequestCtx, err error) {
-	requestID(ctx)
-	var tooLarge bool
-	if errors.Is(err, fasthttp.ErrBodyTooLarge) {
-		tooLarge = true
-	}
-	if tooLarge {
-		writeError(ctx, 413, fmt.Sprintf("request body exceeds the limit of %d bytes (request.max_body_bytes)", rt.cfg.Request.MaxBodyBytes))
-		rt.metrics.requests.WithLabelValues("", "413", "client_error").Inc()
-		return
-	}
-	writeError(ctx, 400, "malformed HTTP request: "+err.Error())
 }
 
 func writeError(ctx *fasthttp.RequestCtx, status int, message string) {

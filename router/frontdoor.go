@@ -1,0 +1,404 @@
+package router
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"net"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/valyala/fasthttp"
+
+	"github.com/narwhalmesh/narwhal/config"
+)
+
+// The front door (SPEC R-API-7, R-API-8): deadlines on every connection, a
+// cap on connections and header bytes, admission of completion requests
+// and a memory bound on the request bodies held at once. Everything here
+// answers before any engine is touched. docs/security.md is the threat
+// model behind each setting.
+
+// Reasons a request is refused at the door, the reason label of
+// narwhal_front_door_refused_total.
+const (
+	refusedHeaderTooLarge = "header_too_large"
+	refusedHeaderTimeout  = "header_timeout"
+	refusedBodyTooLarge   = "body_too_large"
+	refusedMalformed      = "malformed"
+	refusedInflight       = "max_inflight"
+	refusedBodyMemory     = "body_memory"
+)
+
+// retryAfterS is the Retry-After, in seconds, of the door's 503s: the
+// condition (requests or bodies in flight) usually clears within a second.
+const retryAfterS = "1"
+
+// frontDoor holds the front door's limits and counters. Its methods are
+// safe for concurrent use; none takes a lock on the request path.
+type frontDoor struct {
+	cfg         config.Server
+	maxBody     int64 // request.max_body_bytes
+	maxInflight int64 // 0 = no limit
+	log         *slog.Logger
+
+	bodies bodyBudget
+
+	acceptErrors  prometheus.Counter
+	refused       *prometheus.CounterVec // reason
+	lastAcceptLog atomic.Int64           // unix nanoseconds of the last accept-error log line
+	acceptQuiet   atomic.Int64           // accept errors not logged since then
+}
+
+func newFrontDoor(cfg *config.Config, log *slog.Logger, reg prometheus.Registerer, srv *fasthttp.Server) *frontDoor {
+	fd := &frontDoor{
+		cfg:         cfg.Server,
+		maxBody:     int64(cfg.Request.MaxBodyBytes),
+		maxInflight: int64(cfg.Server.MaxInflight),
+		log:         log,
+		bodies:      bodyBudget{limit: int64(cfg.Server.MaxBodyBytesInflight), hold: cfg.Server.HeaderTimeout() + time.Second},
+		acceptErrors: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "narwhal_accept_errors_total",
+			Help: "Errors accepting client connections (such as running out of file descriptors); the router backs off and keeps serving.",
+		}),
+		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "narwhal_front_door_refused_total",
+			Help: "Requests refused before reaching an engine, by reason: header_too_large (431), header_timeout (408), body_too_large (413), malformed (400), max_inflight and body_memory (503).",
+		}, []string{"reason"}),
+	}
+	for _, r := range []string{refusedHeaderTooLarge, refusedHeaderTimeout, refusedBodyTooLarge, refusedMalformed, refusedInflight, refusedBodyMemory} {
+		fd.refused.WithLabelValues(r)
+	}
+	reg.MustRegister(fd.acceptErrors, fd.refused,
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "narwhal_connections_refused_total",
+			Help: "Client connections answered 503 and closed at once because server.max_connections were open.",
+		}, func() float64 { return float64(srv.GetRejectedConnectionsCount()) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "narwhal_body_bytes_inflight",
+			Help: "Bytes of request bodies held now, counted against server.max_body_bytes_inflight.",
+		}, func() float64 { return float64(fd.bodies.used.Load()) }))
+
+	// R-API-7: deadlines and caps are fasthttp's own settings.
+	srv.ReadTimeout = cfg.Server.HeaderTimeout()
+	srv.IdleTimeout = cfg.Server.IdleTimeout()
+	srv.WriteTimeout = cfg.Server.StallTimeout()
+	srv.ReadBufferSize = cfg.Server.MaxHeaderBytes
+	srv.Concurrency = cfg.Server.MaxConnections
+	// A connection holds a read buffer of max_header_bytes only while it
+	// reads a request, not while it waits or streams.
+	srv.ReduceMemoryUsage = true
+	// fasthttp's messages never quote request bytes.
+	srv.SecureErrorLogMessage = true
+	srv.HeaderReceived = fd.headerReceived
+	return fd
+}
+
+// listener wraps ln so that accept errors never end Serve (R-API-7).
+func (fd *frontDoor) listener(ln net.Listener) *doorListener {
+	return &doorListener{Listener: ln, fd: fd, done: make(chan struct{})}
+}
+
+// doorListener is the client listener. Accept retries every error but
+// the listener's own closing: out of file descriptors (EMFILE, ENFILE),
+// out of buffers, aborted handshakes. It backs off from 5 ms, doubling up
+// to 1 s, counts each error in narwhal_accept_errors_total and logs at
+// most one line a second, so fasthttp's Serve, which returns on any
+// accept error, keeps serving.
+type doorListener struct {
+	net.Listener
+	fd        *frontDoor
+	done      chan struct{}
+	closeOnce sync.Once
+}
+
+// Accept waits for the next connection; it returns an error only once the
+// listener is closed.
+func (l *doorListener) Accept() (net.Conn, error) {
+	var delay time.Duration
+	for {
+		c, err := l.Listener.Accept()
+		if err == nil {
+			return c, nil
+		}
+		select {
+		case <-l.done:
+			return nil, net.ErrClosed
+		default:
+		}
+		if errors.Is(err, net.ErrClosed) {
+			return nil, err
+		}
+		l.fd.acceptError(err)
+		if delay == 0 {
+			delay = 5 * time.Millisecond
+		} else if delay *= 2; delay > time.Second {
+			delay = time.Second
+		}
+		t := time.NewTimer(delay)
+		select {
+		case <-t.C:
+		case <-l.done:
+			t.Stop()
+			return nil, net.ErrClosed
+		}
+	}
+}
+
+// Close closes the listener and ends a backoff in progress.
+func (l *doorListener) Close() error {
+	l.closeOnce.Do(func() { close(l.done) })
+	return l.Listener.Close()
+}
+
+// acceptError counts err and logs it, at most once a second with the
+// number of errors not logged since.
+func (fd *frontDoor) acceptError(err error) {
+	fd.acceptErrors.Inc()
+	now := time.Now().UnixNano()
+	last := fd.lastAcceptLog.Load()
+	if now-last < int64(time.Second) || !fd.lastAcceptLog.CompareAndSwap(last, now) {
+		fd.acceptQuiet.Add(1)
+		return
+	}
+	fd.log.Error("accepting client connections failed; backing off", "err", err, "errors_not_logged", fd.acceptQuiet.Swap(0))
+}
+
+// admit takes a place among the completion requests in flight (R-API-8):
+// it increments inflight and reports true, or, when server.max_inflight
+// are already running, leaves inflight as it was and reports false.
+func (fd *frontDoor) admit(inflight *atomic.Int64) bool {
+	n := inflight.Add(1)
+	if fd.maxInflight > 0 && n > fd.maxInflight {
+		inflight.Add(-1)
+		return false
+	}
+	return true
+}
+
+// refuse answers a request the door will not serve now with 503 and
+// Retry-After (R-API-8), touching no engine, publishing no event.
+func (fd *frontDoor) refuse(ctx *fasthttp.RequestCtx, reason, message string) {
+	fd.refused.WithLabelValues(reason).Inc()
+	ctx.Response.Header.Set("Retry-After", retryAfterS)
+	writeError(ctx, fasthttp.StatusServiceUnavailable, message)
+}
+
+// refuseInflight is refuse for a request beyond server.max_inflight.
+func (fd *frontDoor) refuseInflight(ctx *fasthttp.RequestCtx) {
+	fd.refuse(ctx, refusedInflight, "the router is at capacity: "+strconv.FormatInt(fd.maxInflight, 10)+" requests in flight (server.max_inflight); retry shortly")
+}
+
+// refuseBodyMemory is refuse for a body that does not fit in
+// server.max_body_bytes_inflight.
+func (fd *frontDoor) refuseBodyMemory(ctx *fasthttp.RequestCtx) {
+	ctx.SetConnectionClose() // the body may be on the wire, unread
+	fd.refuse(ctx, refusedBodyMemory, "the router holds too many request bodies at once ("+strconv.FormatInt(fd.bodies.limit, 10)+" bytes, server.max_body_bytes_inflight); retry shortly")
+}
+
+// serverError answers the errors fasthttp raises before the handler runs,
+// in the OpenAI shape, never quoting the request (R-API-3, R-API-7):
+// headers over server.max_header_bytes → 431, a request not read within
+// server.header_timeout_s → 408, a body over request.max_body_bytes → 413,
+// a body that does not fit the in-flight bound → 503, anything else → 400.
+// fasthttp closes the connection after it.
+func (rt *Router) serverError(ctx *fasthttp.RequestCtx, err error) {
+	fd := rt.front
+	requestID(ctx)
+	reserved, full := fd.bodies.claim(&ctx.Request.Header)
+	fd.bodies.release(reserved)
+	var small *fasthttp.ErrSmallBuffer
+	var netErr net.Error
+	switch {
+	case errors.As(err, &small):
+		fd.refused.WithLabelValues(refusedHeaderTooLarge).Inc()
+		writeError(ctx, fasthttp.StatusRequestHeaderFieldsTooLarge, "request headers exceed the limit of "+strconv.Itoa(fd.cfg.MaxHeaderBytes)+" bytes (server.max_header_bytes)")
+	case full && errors.Is(err, fasthttp.ErrBodyTooLarge):
+		fd.refuseBodyMemory(ctx)
+	case errors.Is(err, fasthttp.ErrBodyTooLarge):
+		fd.refused.WithLabelValues(refusedBodyTooLarge).Inc()
+		writeError(ctx, fasthttp.StatusRequestEntityTooLarge, "request body exceeds the limit of "+strconv.FormatInt(fd.maxBody, 10)+" bytes (request.max_body_bytes)")
+		rt.metrics.requests.WithLabelValues("", "413", "client_error").Inc()
+	case errors.As(err, &netErr) && netErr.Timeout():
+		fd.refused.WithLabelValues(refusedHeaderTimeout).Inc()
+		writeError(ctx, fasthttp.StatusRequestTimeout, "request not received within "+strconv.FormatFloat(fd.cfg.HeaderTimeoutS, 'g', -1, 64)+" s (server.header_timeout_s)")
+	default:
+		fd.refused.WithLabelValues(refusedMalformed).Inc()
+		writeError(ctx, fasthttp.StatusBadRequest, "malformed HTTP request")
+	}
+}
+
+// bodyHeader carries a request's body reservation from headerReceived to
+// the handler: a ticket number, or bodyFull when none could be taken. A
+// client's own copy of the header is deleted before it is set.
+const (
+	bodyHeader = "X-Narwhal-Body-Ticket"
+	bodyFull   = "full"
+)
+
+// headerReceived runs after a request's headers are read and before its
+// body is: it reserves the announced body (Content-Length, or
+// request.max_body_bytes for a chunked body) against
+// server.max_body_bytes_inflight, so a burst of large bodies cannot grow
+// memory without bound (R-API-8). A body that does not fit is not read:
+// fasthttp refuses it as too large, and serverError answers 503.
+func (fd *frontDoor) headerReceived(h *fasthttp.RequestHeader) fasthttp.RequestConfig {
+	h.Del(bodyHeader)
+	var need int64
+	switch cl := h.ContentLength(); {
+	case cl > 0:
+		need = int64(cl)
+	case cl == -1: // chunked: its size is known only once read
+		need = fd.maxBody
+	}
+	if need == 0 || need > fd.maxBody {
+		return fasthttp.RequestConfig{} // no body, or one fasthttp refuses with 413 unread
+	}
+	id, ok := fd.bodies.reserve(need)
+	if !ok {
+		h.Set(bodyHeader, bodyFull)
+		return fasthttp.RequestConfig{MaxRequestBodySize: 1}
+	}
+	h.Set(bodyHeader, strconv.FormatUint(id, 10))
+	return fasthttp.RequestConfig{}
+}
+
+// holdBody makes a handler the owner of its request's body reservation,
+// adjusted to the body's real length, and removes the ticket header. It
+// returns the bytes now held (release them with releaseBody when the
+// request ends) and false when the body does not fit the bound.
+func (fd *frontDoor) holdBody(ctx *fasthttp.RequestCtx) (int64, bool) {
+	reserved, full := fd.bodies.claim(&ctx.Request.Header)
+	if full {
+		fd.bodies.release(reserved)
+		return 0, false
+	}
+	n := int64(len(ctx.Request.Body()))
+	switch {
+	case n == reserved:
+	case n < reserved:
+		fd.bodies.release(reserved - n)
+	default:
+		// The ticket expired before the handler ran (a very slow
+		// scheduler), or the body was not announced: reserve it now.
+		if _, ok := fd.bodies.reserveUntracked(n - reserved); !ok {
+			fd.bodies.release(reserved)
+			return 0, false
+		}
+	}
+	return n, true
+}
+
+// dropBody releases the body reservation of a request whose handler does
+// not keep its body.
+func (fd *frontDoor) dropBody(ctx *fasthttp.RequestCtx) {
+	reserved, _ := fd.bodies.claim(&ctx.Request.Header)
+	fd.bodies.release(reserved)
+}
+
+// releaseBody gives back n bytes held by holdBody.
+func (fd *frontDoor) releaseBody(n int64) { fd.bodies.release(n) }
+
+// bodyBudget counts the bytes of request bodies held, against limit.
+// Reservations taken before a body is read are tickets: the handler (or
+// the error handler) claims its ticket; a ticket nobody claimed within
+// hold (the request's read deadline plus a second: the connection died
+// while its body was read) is swept and its bytes return, so no path
+// leaks budget.
+type bodyBudget struct {
+	limit  int64
+	hold   time.Duration
+	used   atomic.Int64
+	nextID atomic.Uint64
+	open   sync.Map // uint64 → *bodyTicket
+}
+
+type bodyTicket struct {
+	bytes   int64
+	expires int64 // unix nanoseconds
+}
+
+// reserveUntracked adds n to used if it fits under limit.
+func (b *bodyBudget) reserveUntracked(n int64) (int64, bool) {
+	for {
+		used := b.used.Load()
+		if used+n > b.limit {
+			return used, false
+		}
+		if b.used.CompareAndSwap(used, used+n) {
+			return used + n, true
+		}
+	}
+}
+
+// reserve takes a ticket for n bytes, sweeping expired tickets first when
+// the budget looks full.
+func (b *bodyBudget) reserve(n int64) (uint64, bool) {
+	if _, ok := b.reserveUntracked(n); !ok {
+		b.sweep(time.Now().UnixNano())
+		if _, ok := b.reserveUntracked(n); !ok {
+			return 0, false
+		}
+	}
+	id := b.nextID.Add(1)
+	b.open.Store(id, &bodyTicket{bytes: n, expires: time.Now().Add(b.hold).UnixNano()})
+	return id, true
+}
+
+// claim removes the ticket named in h and returns its bytes (0 when there
+// is none, or it was swept) and whether h says the body did not fit.
+func (b *bodyBudget) claim(h *fasthttp.RequestHeader) (bytes int64, full bool) {
+	v := h.Peek(bodyHeader)
+	if len(v) == 0 {
+		return 0, false
+	}
+	defer h.Del(bodyHeader)
+	if string(v) == bodyFull {
+		return 0, true
+	}
+	id, err := strconv.ParseUint(string(v), 10, 64)
+	if err != nil {
+		return 0, false
+	}
+	if t, ok := b.open.LoadAndDelete(id); ok {
+		return t.(*bodyTicket).bytes, false
+	}
+	return 0, false
+}
+
+// release gives back n bytes.
+func (b *bodyBudget) release(n int64) {
+	if n > 0 {
+		b.used.Add(-n)
+	}
+}
+
+// sweep releases the tickets that expired before now.
+func (b *bodyBudget) sweep(now int64) {
+	b.open.Range(func(k, v any) bool {
+		if v.(*bodyTicket).expires < now {
+			if t, ok := b.open.LoadAndDelete(k); ok {
+				b.release(t.(*bodyTicket).bytes)
+			}
+		}
+		return true
+	})
+}
+
+// sweepLoop sweeps expired tickets every few seconds, so an idle router's
+// gauge settles too; it exits with ctx.
+func (b *bodyBudget) sweepLoop(ctx context.Context) {
+	t := time.NewTicker(b.hold)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case now := <-t.C:
+			b.sweep(now.UnixNano())
+		}
+	}
+}
