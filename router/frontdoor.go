@@ -59,7 +59,7 @@ func newFrontDoor(cfg *config.Config, log *slog.Logger, reg prometheus.Registere
 		maxBody:     int64(cfg.Request.MaxBodyBytes),
 		maxInflight: int64(cfg.Server.MaxInflight),
 		log:         log,
-		bodies:      bodyBudget{limit: int64(cfg.Server.MaxBodyBytesInflight), hold: cfg.Server.HeaderTimeout() + time.Second},
+		bodies:      bodyBudget{limit: int64(cfg.Server.MaxBodyBytesInflight), hold: cfg.Server.HeaderTimeout() + ticketMargin},
 		acceptErrors: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "narwhal_accept_errors_total",
 			Help: "Errors accepting client connections (such as running out of file descriptors); the router backs off and keeps serving.",
@@ -243,8 +243,11 @@ const (
 // body is: it reserves the announced body (Content-Length, or
 // request.max_body_bytes for a chunked body) against
 // server.max_body_bytes_inflight, so a burst of large bodies cannot grow
-// memory without bound (R-API-8). A body that does not fit is not read:
-// fasthttp refuses it as too large, and serverError answers 503.
+// memory without bound (R-API-8). When the bound is full it waits for
+// room, up to server.header_timeout_s, with the body left unread in the
+// socket (TCP holds the client back); the body then gets a fresh
+// server.header_timeout_s to arrive. A body still without room is not
+// read: fasthttp refuses it as too large, and serverError answers 503.
 func (fd *frontDoor) headerReceived(h *fasthttp.RequestHeader) fasthttp.RequestConfig {
 	h.Del(bodyHeader)
 	var need int64
@@ -258,12 +261,17 @@ func (fd *frontDoor) headerReceived(h *fasthttp.RequestHeader) fasthttp.RequestC
 		return fasthttp.RequestConfig{} // no body, or one fasthttp refuses with 413 unread
 	}
 	id, ok := fd.bodies.reserve(need)
+	var rc fasthttp.RequestConfig
+	if !ok {
+		id, ok = fd.bodies.reserveWait(need, fd.cfg.HeaderTimeout())
+		rc.ReadTimeout = fd.cfg.HeaderTimeout()
+	}
 	if !ok {
 		h.Set(bodyHeader, bodyFull)
 		return fasthttp.RequestConfig{MaxRequestBodySize: 1}
 	}
 	h.Set(bodyHeader, strconv.FormatUint(id, 10))
-	return fasthttp.RequestConfig{}
+	return rc
 }
 
 // holdBody makes a handler the owner of its request's body reservation,
@@ -302,18 +310,29 @@ func (fd *frontDoor) dropBody(ctx *fasthttp.RequestCtx) {
 // releaseBody gives back n bytes held by holdBody.
 func (fd *frontDoor) releaseBody(n int64) { fd.bodies.release(n) }
 
+// ticketMargin is how long after its read deadline a body reservation
+// nobody claimed is swept, and how often the sweep runs.
+const ticketMargin = 250 * time.Millisecond
+
 // bodyBudget counts the bytes of request bodies held, against limit.
 // Reservations taken before a body is read are tickets: the handler (or
 // the error handler) claims its ticket; a ticket nobody claimed within
-// hold (the request's read deadline plus a second: the connection died
-// while its body was read) is swept and its bytes return, so no path
-// leaks budget.
+// hold (the body's read deadline plus ticketMargin: the connection died,
+// or its body never came) is swept and its bytes return, so no path leaks
+// budget. A handler that starts after its ticket was swept reserves its
+// body again.
 type bodyBudget struct {
 	limit  int64
 	hold   time.Duration
 	used   atomic.Int64
 	nextID atomic.Uint64
 	open   sync.Map // uint64 → *bodyTicket
+
+	// Waiters for room: release closes room (and makes a new one) when
+	// there are any, so the path without waiters takes no lock.
+	waiters atomic.Int64
+	mu      sync.Mutex
+	room    chan struct{}
 }
 
 type bodyTicket struct {
@@ -348,6 +367,32 @@ func (b *bodyBudget) reserve(n int64) (uint64, bool) {
 	return id, true
 }
 
+// reserveWait is reserve that waits up to max for room.
+func (b *bodyBudget) reserveWait(n int64, max time.Duration) (uint64, bool) {
+	b.waiters.Add(1)
+	defer b.waiters.Add(-1)
+	t := time.NewTimer(max)
+	defer t.Stop()
+	for {
+		// Take the channel before trying: a release after a failed try
+		// then closes this channel or an older one, never a wake-up lost.
+		b.mu.Lock()
+		if b.room == nil {
+			b.room = make(chan struct{})
+		}
+		room := b.room
+		b.mu.Unlock()
+		if id, ok := b.reserve(n); ok {
+			return id, true
+		}
+		select {
+		case <-room:
+		case <-t.C:
+			return 0, false
+		}
+	}
+}
+
 // claim removes the ticket named in h and returns its bytes (0 when there
 // is none, or it was swept) and whether h says the body did not fit.
 func (b *bodyBudget) claim(h *fasthttp.RequestHeader) (bytes int64, full bool) {
@@ -369,10 +414,19 @@ func (b *bodyBudget) claim(h *fasthttp.RequestHeader) (bytes int64, full bool) {
 	return 0, false
 }
 
-// release gives back n bytes.
+// release gives back n bytes and wakes the waiters for room.
 func (b *bodyBudget) release(n int64) {
-	if n > 0 {
-		b.used.Add(-n)
+	if n <= 0 {
+		return
+	}
+	b.used.Add(-n)
+	if b.waiters.Load() > 0 {
+		b.mu.Lock()
+		if b.room != nil {
+			close(b.room)
+			b.room = nil
+		}
+		b.mu.Unlock()
 	}
 }
 
@@ -388,10 +442,9 @@ func (b *bodyBudget) sweep(now int64) {
 	})
 }
 
-// sweepLoop sweeps expired tickets every few seconds, so an idle router's
-// gauge settles too; it exits with ctx.
+// sweepLoop sweeps expired tickets every ticketMargin; it exits with ctx.
 func (b *bodyBudget) sweepLoop(ctx context.Context) {
-	t := time.NewTicker(b.hold)
+	t := time.NewTicker(ticketMargin)
 	defer t.Stop()
 	for {
 		select {

@@ -1,0 +1,552 @@
+package router
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+
+	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// addr returns the router's host:port.
+func (s *stack) addr() string { return strings.TrimPrefix(s.url, "http://") }
+
+// dial opens a raw TCP connection to the router.
+func (s *stack) dial() net.Conn {
+	s.t.Helper()
+	c, err := net.Dial("tcp", s.addr())
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	s.t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// counterValue reads a counter (or the sum of a counter family's series
+// whose labels include match) from the router's registry.
+func counterValue(t *testing.T, reg *prometheus.Registry, name string, match map[string]string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sum float64
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			if !labelsMatch(m, match) {
+				continue
+			}
+			switch {
+			case m.Counter != nil:
+				sum += m.Counter.GetValue()
+			case m.Gauge != nil:
+				sum += m.Gauge.GetValue()
+			}
+		}
+	}
+	return sum
+}
+
+func labelsMatch(m *dto.Metric, match map[string]string) bool {
+	for k, v := range match {
+		found := false
+		for _, lp := range m.GetLabel() {
+			if lp.GetName() == k && lp.GetValue() == v {
+				found = true
+			}
+		}
+		if !found {
+			return false
+		}
+	}
+	return true
+}
+
+// readResponse reads one HTTP response from c, failing the test after d.
+func readResponse(t *testing.T, c net.Conn, d time.Duration) (*http.Response, []byte) {
+	t.Helper()
+	_ = c.SetReadDeadline(time.Now().Add(d))
+	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+	if err != nil {
+		t.Fatalf("reading the response: %v", err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp, b
+}
+
+// errorObject decodes an OpenAI-shaped error body (R-API-3).
+func errorObject(t *testing.T, b []byte) schemas.ErrorObject {
+	t.Helper()
+	var e struct {
+		Error *schemas.ErrorObject `json:"error"`
+	}
+	if err := json.Unmarshal(b, &e); err != nil || e.Error == nil {
+		t.Fatalf("not an OpenAI error body: %q (%v)", b, err)
+	}
+	return *e.Error
+}
+
+const doorChat = `{"model":"sim-model","messages":[{"role":"user","content":"hello"}],"max_tokens":4}`
+
+// TestHeadersOverLimit431RAPI7 proves R-API-7's header cap: headers over
+// server.max_header_bytes get 431 with an OpenAI-shaped error that quotes
+// nothing of the request, and the connection is closed; headers just
+// under the cap are served.
+func TestHeadersOverLimit431RAPI7(t *testing.T) {
+	s := newStack(t, pd(), func(c *config.Config) { c.Server.MaxHeaderBytes = 8192 })
+	s.waitModels()
+	secret := "SECRET-" + strings.Repeat("x", 9000)
+	c := s.dial()
+	fmt.Fprintf(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Big: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", secret, len(doorChat), doorChat)
+	resp, b := readResponse(t, c, 5*time.Second)
+	if resp.StatusCode != 431 {
+		t.Fatalf("status %d, want 431: %s", resp.StatusCode, b)
+	}
+	e := errorObject(t, b)
+	if !strings.Contains(e.Message, "server.max_header_bytes") || e.Code != 431 {
+		t.Fatalf("error %+v", e)
+	}
+	if bytes.Contains(b, []byte("SECRET")) || bytes.Contains(b, []byte("xxxx")) {
+		t.Fatalf("the 431 quotes the request: %s", b)
+	}
+	if !resp.Close {
+		t.Error("431 without Connection: close")
+	}
+	if got := counterValue(t, s.rt.Registry(), "narwhal_front_door_refused_total", map[string]string{"reason": refusedHeaderTooLarge}); got != 1 {
+		t.Errorf("header_too_large refusals %v, want 1", got)
+	}
+	// Under the cap: served.
+	resp, b = s.post(schemas.EndpointChat, doorChat, "X-Big", strings.Repeat("y", 6000))
+	if resp.StatusCode != 200 {
+		t.Fatalf("headers under the cap: %d %s", resp.StatusCode, b)
+	}
+	if st := s.sims["p1"].Stats().Prefills + s.sims["p2"].Stats().Prefills; st != 1 {
+		t.Errorf("prefills %d, want 1 (the 431 touched no engine)", st)
+	}
+}
+
+// TestMalformedRequestNotEchoedRAPI7 proves a malformed request gets an
+// OpenAI-shaped 400 that quotes none of its bytes.
+func TestMalformedRequestNotEchoedRAPI7(t *testing.T) {
+	s := newStack(t, pd(), nil)
+	c := s.dial()
+	fmt.Fprintf(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nBad Header With Spaces SECRET\r\nContent-Length: notanumber-SECRET\r\n\r\n")
+	resp, b := readResponse(t, c, 5*time.Second)
+	if resp.StatusCode != 400 {
+		t.Fatalf("status %d: %s", resp.StatusCode, b)
+	}
+	if e := errorObject(t, b); e.Message != "malformed HTTP request" {
+		t.Fatalf("message %q", e.Message)
+	}
+	if bytes.Contains(b, []byte("SECRET")) {
+		t.Fatalf("the 400 quotes the request: %s", b)
+	}
+}
+
+// slowClient is one hostile connection of the slowloris test.
+type slowClient struct {
+	c        net.Conn
+	trickle  bool // sends headers one byte at a time; else sends nothing
+	opened   time.Time
+	closedIn time.Duration
+	err      error
+}
+
+// run trickles (or not) and waits for the router to close the connection.
+func (sc *slowClient) run(stop <-chan struct{}) {
+	closed := make(chan struct{})
+	go func() {
+		defer close(closed)
+		_, _ = io.Copy(io.Discard, sc.c) // until the router closes it
+		sc.closedIn = time.Since(sc.opened)
+	}()
+	if sc.trickle {
+		req := "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Pad: " + strings.Repeat("p", 1000) + "\r\n\r\n"
+		t := time.NewTicker(20 * time.Millisecond)
+		defer t.Stop()
+	send:
+		for i := 0; i < len(req); i++ {
+			select {
+			case <-closed:
+				break send
+			case <-stop:
+				break send
+			case <-t.C:
+			}
+			if _, err := sc.c.Write([]byte{req[i]}); err != nil {
+				break
+			}
+		}
+	}
+	select {
+	case <-closed:
+	case <-stop:
+		sc.err = fmt.Errorf("still open after %v", time.Since(sc.opened))
+	}
+}
+
+// TestSlowlorisClosedWithinHeaderTimeoutRAPI7 proves R-API-7's read
+// deadline: connections that send headers one byte every 20 ms and
+// connections that send nothing are each closed within
+// server.header_timeout_s plus a margin, while normal requests keep
+// succeeding on other connections meanwhile.
+func TestSlowlorisClosedWithinHeaderTimeoutRAPI7(t *testing.T) {
+	const headerTimeout = 500 * time.Millisecond
+	const margin = 700 * time.Millisecond
+	s := newStack(t, pd(), func(c *config.Config) { c.Server.HeaderTimeoutS = headerTimeout.Seconds() })
+	s.waitModels()
+	var clients []*slowClient
+	for i := 0; i < 40; i++ {
+		clients = append(clients, &slowClient{c: s.dial(), trickle: i%2 == 0, opened: time.Now()})
+	}
+	stop := make(chan struct{})
+	time.AfterFunc(headerTimeout+margin, func() { close(stop) })
+	var wg sync.WaitGroup
+	for _, sc := range clients {
+		wg.Add(1)
+		go func() { defer wg.Done(); sc.run(stop) }()
+	}
+	// Normal requests meanwhile, each on a fresh connection.
+	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
+	served := 0
+	for deadline := time.Now().Add(headerTimeout); time.Now().Before(deadline); served++ {
+		req, _ := http.NewRequest("POST", s.url+schemas.EndpointChat, strings.NewReader(doorChat))
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatalf("normal request during the attack: %v", err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			t.Fatalf("normal request during the attack: %d %s", resp.StatusCode, b)
+		}
+	}
+	wg.Wait()
+	for i, sc := range clients {
+		if sc.err != nil {
+			t.Errorf("slow connection %d (trickle %v): %v", i, sc.trickle, sc.err)
+		}
+	}
+	if served == 0 {
+		t.Fatal("no normal request was served during the attack")
+	}
+	t.Logf("%d normal requests served while 40 slow connections were held and closed", served)
+	if got := counterValue(t, s.rt.Registry(), "narwhal_front_door_refused_total", map[string]string{"reason": refusedHeaderTimeout}); got < 20 {
+		t.Errorf("header_timeout refusals %v, want >= 20 (the trickling connections)", got)
+	}
+}
+
+// TestIdleKeepAliveClosedRAPI7 proves the keep-alive idle deadline: a
+// connection that served a request and then sends nothing is closed once
+// server.idle_timeout_s has passed.
+func TestIdleKeepAliveClosedRAPI7(t *testing.T) {
+	const idle = 300 * time.Millisecond
+	s := newStack(t, pd(), func(c *config.Config) { c.Server.IdleTimeoutS = idle.Seconds() })
+	s.waitModels()
+	c := s.dial()
+	fmt.Fprintf(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(doorChat), doorChat)
+	br := bufio.NewReader(c)
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 || resp.Close {
+		t.Fatalf("status %d close %v", resp.StatusCode, resp.Close)
+	}
+	start := time.Now()
+	_ = c.SetReadDeadline(time.Now().Add(idle + time.Second))
+	n, err := br.Read(make([]byte, 1))
+	if n != 0 || err != io.EOF {
+		t.Fatalf("idle connection: read %d %v, want EOF", n, err)
+	}
+	if el := time.Since(start); el < idle-50*time.Millisecond || el > idle+700*time.Millisecond {
+		t.Fatalf("closed after %v, want about %v", el, idle)
+	}
+}
+
+// TestMaxConnectionsRefusedAtOnceRAPI7 proves the connection cap: with
+// server.max_connections open, a new connection gets 503 and is closed at
+// once; once one closes, new connections are served again.
+func TestMaxConnectionsRefusedAtOnceRAPI7(t *testing.T) {
+	s := newStack(t, pd(), func(c *config.Config) { c.Server.MaxConnections = 4 })
+	s.waitModels()
+	var held []net.Conn
+	for i := 0; i < 4; i++ {
+		held = append(held, s.dial())
+	}
+	waitFor(t, 2*time.Second, "4 connections open", func() bool { return s.rt.server.GetOpenConnectionsCount() >= 4 })
+	extra := s.dial()
+	start := time.Now()
+	resp, _ := readResponse(t, extra, 2*time.Second)
+	if resp.StatusCode != 503 {
+		t.Fatalf("connection over the cap: status %d, want 503", resp.StatusCode)
+	}
+	if n, err := extra.Read(make([]byte, 1)); n != 0 || err == nil {
+		t.Fatalf("connection over the cap not closed: %d %v", n, err)
+	}
+	if el := time.Since(start); el > time.Second {
+		t.Errorf("refused after %v, want at once", el)
+	}
+	if got := counterValue(t, s.rt.Registry(), "narwhal_connections_refused_total", nil); got < 1 {
+		t.Errorf("narwhal_connections_refused_total %v", got)
+	}
+	held[0].Close()
+	waitFor(t, 2*time.Second, "a place free", func() bool { return s.rt.server.GetOpenConnectionsCount() < 5 })
+	resp2, b := s.post(schemas.EndpointChat, doorChat)
+	if resp2.StatusCode != 200 {
+		t.Fatalf("after a connection closed: %d %s", resp2.StatusCode, b)
+	}
+}
+
+// TestCapsOnNAndMaxTokensRAPI8 proves R-API-8's caps through the router: n
+// above request.max_n and max_tokens / max_completion_tokens above
+// request.max_tokens_limit (2^63 included) get 400 naming the field, with
+// no engine touched.
+func TestCapsOnNAndMaxTokensRAPI8(t *testing.T) {
+	s := newStack(t, pd(), func(c *config.Config) { c.Request.MaxN = 4; c.Request.MaxTokensLimit = 1000 })
+	s.waitModels()
+	cases := []struct{ extra, want string }{
+		{`"n":5`, "n must be at most 4"},
+		{`"max_tokens":1001`, "max_tokens must be at most 1000"},
+		{`"max_tokens":9223372036854775808`, "max_tokens must be at most 1000"},
+		{`"max_completion_tokens":18446744073709551616`, "max_completion_tokens must be at most 1000"},
+	}
+	for _, tc := range cases {
+		resp, b := s.post(schemas.EndpointChat, `{"model":"sim-model","messages":[{"role":"user","content":"x"}],`+tc.extra+`}`)
+		if resp.StatusCode != 400 {
+			t.Fatalf("%s: status %d %s", tc.extra, resp.StatusCode, b)
+		}
+		if e := errorObject(t, b); e.Message != tc.want {
+			t.Errorf("%s: message %q, want %q", tc.extra, e.Message, tc.want)
+		}
+	}
+	resp, b := s.post(schemas.EndpointChat, `{"model":"sim-model","messages":[{"role":"user","content":"x"}],"n":4,"max_tokens":3}`)
+	if resp.StatusCode != 200 {
+		t.Fatalf("at the caps: %d %s", resp.StatusCode, b)
+	}
+	if st := s.sims["p1"].Stats().Prefills + s.sims["p2"].Stats().Prefills; st != 1 {
+		t.Errorf("prefills %d, want 1: the refused requests touched an engine", st)
+	}
+}
+
+// holdStreams starts n streaming requests that wait for their first token
+// (the decode engines' TTFT is long) and returns a cancel that ends them.
+func (s *stack) holdStreams(n int, body string) func() {
+	s.t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			req, _ := http.NewRequestWithContext(ctx, "POST", s.url+schemas.EndpointChat, strings.NewReader(body))
+			req.Header.Set("Content-Type", "application/json")
+			if resp, err := http.DefaultClient.Do(req); err == nil {
+				_, _ = io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+			}
+		}()
+	}
+	return func() { cancel(); wg.Wait() }
+}
+
+// slowDecode is pd() with decode engines whose first token takes 10 s, so
+// requests stay in flight.
+func slowDecode() []engineDef {
+	defs := pd()
+	for i := range defs {
+		if defs[i].role == "decode" {
+			defs[i].cfg.TTFT = 10 * time.Second
+		}
+	}
+	return defs
+}
+
+// TestMaxInflightAdmissionRAPI8 proves R-API-8's admission: with
+// server.max_inflight requests running, the next one gets 503 with
+// Retry-After at once, no engine touched and no event published; once
+// they end, requests are admitted again.
+func TestMaxInflightAdmissionRAPI8(t *testing.T) {
+	s := newStack(t, slowDecode(), func(c *config.Config) { c.Server.MaxInflight = 2 })
+	s.waitModels()
+	release := s.holdStreams(2, `{"model":"sim-model","messages":[{"role":"user","content":"x"}],"stream":true}`)
+	waitFor(t, 3*time.Second, "2 requests in flight", func() bool { return s.rt.InFlight() == 2 })
+	waitFor(t, 3*time.Second, "both decodes started", func() bool {
+		return s.sims["d1"].Stats().ActiveStreams+s.sims["d2"].Stats().ActiveStreams == 2
+	})
+	prefills := s.sims["p1"].Stats().Prefills + s.sims["p2"].Stats().Prefills
+	events := len(s.events.requests())
+	start := time.Now()
+	resp, b := s.post(schemas.EndpointChat, doorChat)
+	el := time.Since(start)
+	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") != "1" {
+		t.Fatalf("over max_inflight: %d Retry-After %q: %s", resp.StatusCode, resp.Header.Get("Retry-After"), b)
+	}
+	if e := errorObject(t, b); !strings.Contains(e.Message, "server.max_inflight") || e.Code != 503 {
+		t.Fatalf("error %+v", e)
+	}
+	if resp.Header.Get("X-Request-Id") == "" {
+		t.Error("no X-Request-Id on the 503")
+	}
+	t.Logf("refused in %v (client round trip on loopback)", el)
+	if got := s.sims["p1"].Stats().Prefills + s.sims["p2"].Stats().Prefills; got != prefills {
+		t.Errorf("prefills %d → %d: the refused request touched an engine", prefills, got)
+	}
+	if got := len(s.events.requests()); got != events {
+		t.Errorf("request events %d → %d: a refusal at the door published one", events, got)
+	}
+	if got := counterValue(t, s.rt.Registry(), "narwhal_front_door_refused_total", map[string]string{"reason": refusedInflight}); got != 1 {
+		t.Errorf("max_inflight refusals %v, want 1", got)
+	}
+	if s.rt.InFlight() != 2 {
+		t.Errorf("in flight %d after the refusal, want 2", s.rt.InFlight())
+	}
+	release()
+	s.idle()
+	// Admitted again: it reaches the engines and runs into its own short
+	// deadline instead of a 503.
+	resp, b = s.post(schemas.EndpointChat, doorChat, "X-Request-Timeout", "0.2")
+	if resp.StatusCode != 504 {
+		t.Fatalf("after the others ended: %d %s, want the request's own 504", resp.StatusCode, b)
+	}
+	if got := s.sims["p1"].Stats().Prefills + s.sims["p2"].Stats().Prefills; got != prefills+1 {
+		t.Errorf("prefills %d, want %d", got, prefills+1)
+	}
+}
+
+// bigChat returns a streaming chat body of about size bytes whose prompt
+// is short: the bulk is the "user" member, which engines ignore.
+func bigChat(size int) string {
+	pad := size - 120
+	if pad < 1 {
+		pad = 1
+	}
+	return `{"model":"sim-model","messages":[{"role":"user","content":"x"}],"stream":true,"max_tokens":2,"user":"` + strings.Repeat("u", pad) + `"}`
+}
+
+// TestBodyBytesInflightBoundRAPI8 proves the in-flight body bound: while
+// requests whose bodies fill server.max_body_bytes_inflight are running,
+// another body waits unread for room, up to server.header_timeout_s, and
+// is then refused with 503 and Retry-After; a body waiting when room frees
+// is read and served. The bound's gauge returns to 0 when requests end,
+// and a client that dies in the middle of its body, or never sends it,
+// gives its reservation back too.
+func TestBodyBytesInflightBoundRAPI8(t *testing.T) {
+	const mib = 1 << 20
+	const headerTimeout = 700 * time.Millisecond
+	s := newStack(t, slowDecode(), func(c *config.Config) {
+		c.Request.MaxBodyBytes = mib
+		c.Server.MaxBodyBytesInflight = 2 * mib
+		c.Server.HeaderTimeoutS = headerTimeout.Seconds()
+	})
+	s.waitModels()
+	gauge := func() float64 { return counterValue(t, s.rt.Registry(), "narwhal_body_bytes_inflight", nil) }
+	body := bigChat(mib - 1000)
+	head := fmt.Sprintf("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n", len(body))
+	release := s.holdStreams(2, body)
+	waitFor(t, 5*time.Second, "2 large requests waiting for their first token", func() bool {
+		return s.sims["d1"].Stats().ActiveStreams+s.sims["d2"].Stats().ActiveStreams == 2
+	})
+	if g := gauge(); g != float64(2*len(body)) {
+		t.Fatalf("body bytes in flight %v, want %d", g, 2*len(body))
+	}
+
+	// No room: the body waits, then is refused without being read.
+	c := s.dial()
+	start := time.Now()
+	fmt.Fprint(c, head)
+	resp, b := readResponse(t, c, 5*time.Second)
+	waited := time.Since(start)
+	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") != "1" {
+		t.Fatalf("a body over the bound: %d Retry-After %q %s", resp.StatusCode, resp.Header.Get("Retry-After"), b)
+	}
+	if e := errorObject(t, b); !strings.Contains(e.Message, "server.max_body_bytes_inflight") {
+		t.Fatalf("error %+v", e)
+	}
+	if waited < headerTimeout-50*time.Millisecond {
+		t.Errorf("refused after %v, want a wait of about %v for room", waited, headerTimeout)
+	}
+	if got := counterValue(t, s.rt.Registry(), "narwhal_front_door_refused_total", map[string]string{"reason": refusedBodyMemory}); got != 1 {
+		t.Errorf("body_memory refusals %v, want 1", got)
+	}
+	// Requests without a body are not held back.
+	if resp, b := s.get("/v1/models"); resp.StatusCode != 200 {
+		t.Fatalf("/v1/models while the bound is full: %d %s", resp.StatusCode, b)
+	}
+
+	// Room frees while a body waits: it is read and served.
+	w := s.dial()
+	go func() { fmt.Fprint(w, head+body) }()
+	waitFor(t, 2*time.Second, "the third body waiting", func() bool { return s.rt.front.bodies.waiters.Load() == 1 })
+	release()
+	waitFor(t, 3*time.Second, "the waiting body admitted", func() bool {
+		return s.rt.InFlight() == 1 && gauge() == float64(len(body))
+	})
+	w.Close()
+	s.idle()
+	waitFor(t, 2*time.Second, "body bytes back to 0", func() bool { return gauge() == 0 })
+
+	// A client announcing a body and dying halfway through it.
+	d := s.dial()
+	fmt.Fprint(d, head+body[:len(body)/2])
+	waitFor(t, 2*time.Second, "the half body reserved", func() bool { return gauge() == float64(len(body)) })
+	d.Close()
+	waitFor(t, 2*headerTimeout+2*time.Second, "the dead client's reservation back", func() bool { return gauge() == 0 })
+	// A client announcing a body and sending none of it: the header
+	// timeout ends it with a 408 and the reservation returns.
+	q := s.dial()
+	fmt.Fprint(q, head)
+	waitFor(t, 2*time.Second, "the silent body reserved", func() bool { return gauge() == float64(len(body)) })
+	resp, _ = readResponse(t, q, 3*time.Second)
+	if resp.StatusCode != 408 {
+		t.Fatalf("silent body: status %d, want 408", resp.StatusCode)
+	}
+	waitFor(t, 2*time.Second, "the silent client's reservation back", func() bool { return gauge() == 0 })
+}
+
+// TestModelNameBoundedInEvents proves that a client's model name reaches
+// the request event and the 404 message bounded to MaxFieldBytes plus the
+// marker, however long it was.
+func TestModelNameBoundedInEvents(t *testing.T) {
+	s := newStack(t, pd(), nil)
+	s.waitModels()
+	long := strings.Repeat("m", 100000)
+	resp, b := s.post(schemas.EndpointChat, `{"model":"`+long+`","messages":[{"role":"user","content":"x"}]}`)
+	if resp.StatusCode != 404 {
+		t.Fatalf("status %d", resp.StatusCode)
+	}
+	if len(b) > 1024 {
+		t.Errorf("404 body of %d bytes for a long model name", len(b))
+	}
+	var ev *schemas.RequestCompleted
+	waitFor(t, 2*time.Second, "the request event", func() bool {
+		evs := s.events.requests()
+		if len(evs) > 0 {
+			ev = evs[len(evs)-1]
+		}
+		return ev != nil
+	})
+	if want := strings.Repeat("m", schemas.MaxFieldBytes) + schemas.TruncatedMarker; ev.Model != want {
+		t.Fatalf("event model of %d bytes, want %d", len(ev.Model), len(want))
+	}
+}
