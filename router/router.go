@@ -332,16 +332,16 @@ func requestID(ctx *fasthttp.RequestCtx) string {
 // (R-API-6); the completion handler sets its own.
 func (rt *Router) serve(ctx *fasthttp.RequestCtx) {
 	path := ctx.Path()
+	// A body reservation the handler did not take over ends with the
+	// handler (R-API-8).
+	defer rt.front.dropBody(ctx)
 	switch string(path) {
 	case schemas.EndpointChat, schemas.EndpointCompletions:
 		if !ctx.IsPost() {
 			requestID(ctx)
-			rt.front.dropBody(ctx)
 		}
 	default:
 		requestID(ctx)
-		// These handlers never keep a body (R-API-8).
-		rt.front.dropBody(ctx)
 	}
 	switch string(path) {
 	case schemas.EndpointChat:
