@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/engines/sim/simtest"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -19,16 +20,7 @@ import (
 func startSim(t *testing.T, cfg sim.Config) string {
 	t.Helper()
 	cfg.Role, cfg.EngineID, cfg.Model = "both", "sim-1", "m"
-	s, err := sim.New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	url, err := s.Start("127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { s.Close() })
-	return url
+	return simtest.Start(t, cfg).URL()
 }
 
 func testWorkload(model string, tokens int) Workload {

@@ -13,12 +13,15 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 	"go.uber.org/goleak"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
+
+// waitBound bounds every wait of the bus tests.
+const waitBound = 10 * time.Second
 
 func TestMain(m *testing.M) {
 	goleak.VerifyTestMain(m)
@@ -52,19 +55,6 @@ func connect(t *testing.T, e *bus.Embedded) *bus.Bus {
 	}
 	t.Cleanup(b.Close)
 	return b
-}
-
-// waitFor polls cond every 5 ms until it holds, failing the test after
-// 10 s.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
 }
 
 // received collects what a subscription delivers.
@@ -244,8 +234,8 @@ func TestPublishSubscribe(t *testing.T) {
 	for _, ev := range events {
 		p.Publish(ev)
 	}
-	waitFor(t, "every event delivered", func() bool { return got.count() == len(events) })
-	waitFor(t, "every event acknowledged", func() bool { return p.Published() == uint64(len(events)) })
+	testkit.WaitFor(t, waitBound, "every event delivered", func() bool { return got.count() == len(events) })
+	testkit.WaitFor(t, waitBound, "every event acknowledged", func() bool { return p.Published() == uint64(len(events)) })
 
 	for i, ev := range events {
 		subject, payload := got.get(i)
@@ -279,7 +269,7 @@ func TestPublishSubscribe(t *testing.T) {
 	if p.Dropped() != 0 {
 		t.Errorf("dropped %d", p.Dropped())
 	}
-	if v := counterValue(t, reg, "narwhal_events_published_total", ""); v != float64(len(events)) {
+	if v := testkit.GatheredSum(t, reg, "narwhal_events_published_total"); v != float64(len(events)) {
 		t.Errorf("narwhal_events_published_total = %v, want %d", v, len(events))
 	}
 
@@ -288,41 +278,11 @@ func TestPublishSubscribe(t *testing.T) {
 	ev := failure("d2")
 	ev.ID, ev.At = "my-id", at
 	p.Publish(ev)
-	waitFor(t, "the event with an id", func() bool { return got.count() == len(events)+1 })
+	testkit.WaitFor(t, waitBound, "the event with an id", func() bool { return got.count() == len(events)+1 })
 	_, payload = got.get(len(events))
 	if err := json.Unmarshal(payload, &f); err != nil || f.ID != "my-id" || !f.At.Equal(at) {
 		t.Errorf("given id and at: %+v %v", f.Envelope, err)
 	}
-}
-
-// counterValue returns the value of counter name (with label
-// reason=reason when reason is not empty) from reg.
-func counterValue(t *testing.T, reg *prometheus.Registry, name, reason string) float64 {
-	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			if reason == "" || labelValue(m, "reason") == reason {
-				return m.GetCounter().GetValue()
-			}
-		}
-	}
-	return 0
-}
-
-func labelValue(m *dto.Metric, name string) string {
-	for _, l := range m.GetLabel() {
-		if l.GetName() == name {
-			return l.GetValue()
-		}
-	}
-	return ""
 }
 
 // TestDuplicateIDDropped proves R-BUS-3: an event re-published with the
@@ -343,8 +303,8 @@ func TestDuplicateIDDropped(t *testing.T) {
 	p.Publish(first)
 	p.Publish(again)
 	p.Publish(sentinel)
-	waitFor(t, "three acks", func() bool { return p.Published() == 3 })
-	waitFor(t, "the sentinel", func() bool {
+	testkit.WaitFor(t, waitBound, "three acks", func() bool { return p.Published() == 3 })
+	testkit.WaitFor(t, waitBound, "the sentinel", func() bool {
 		if got.count() == 0 {
 			return false
 		}
@@ -381,7 +341,7 @@ func TestOutageBuffersThenDropsWithoutBlocking(t *testing.T) {
 	defer p.Close()
 
 	e.Shutdown()
-	waitFor(t, "the disconnect", func() bool { return !b.Connected() })
+	testkit.WaitFor(t, waitBound, "the disconnect", func() bool { return !b.Connected() })
 
 	const sent = 20
 	done := make(chan struct{})
@@ -404,16 +364,16 @@ func TestOutageBuffersThenDropsWithoutBlocking(t *testing.T) {
 	if dropped != sent-buffer && dropped != sent-buffer-1 {
 		t.Fatalf("dropped %d of %d with a buffer of %d", dropped, sent, buffer)
 	}
-	if v := counterValue(t, reg, "narwhal_events_dropped_total", bus.DropBufferFull); v != float64(dropped) {
+	if v := testkit.GatheredSum(t, reg, "narwhal_events_dropped_total", "reason", bus.DropBufferFull); v != float64(dropped) {
 		t.Errorf("narwhal_events_dropped_total{reason=buffer_full} = %v, want %d", v, dropped)
 	}
 
 	e2 := startServer(t, bus.EmbeddedOptions{Dir: dir, Port: port})
-	waitFor(t, "the reconnect", b.Connected)
+	testkit.WaitFor(t, waitBound, "the reconnect", b.Connected)
 	kept := uint64(sent) - dropped
-	waitFor(t, "the buffered events", func() bool { return p.Published() == kept })
+	testkit.WaitFor(t, waitBound, "the buffered events", func() bool { return p.Published() == kept })
 	got := subscribe(t, b, "narwhal.events.failure.d1", true)
-	waitFor(t, "the stored events", func() bool { return got.count() == int(kept) })
+	testkit.WaitFor(t, waitBound, "the stored events", func() bool { return got.count() == int(kept) })
 	if p.Dropped() != dropped {
 		t.Errorf("dropped grew to %d after the reconnect", p.Dropped())
 	}
@@ -445,16 +405,16 @@ func TestRestartRepublishesInFlightEvents(t *testing.T) {
 			p.Publish(ev)
 		}
 	}()
-	waitFor(t, "the first acks", func() bool { return p.Published() >= 500 })
+	testkit.WaitFor(t, waitBound, "the first acks", func() bool { return p.Published() >= 500 })
 	e.Shutdown() // with events in flight
 	<-done
 	startServer(t, bus.EmbeddedOptions{Dir: dir, Port: port})
-	waitFor(t, "every event acknowledged or dropped", func() bool { return p.Published()+p.Dropped() == sent })
+	testkit.WaitFor(t, waitBound, "every event acknowledged or dropped", func() bool { return p.Published()+p.Dropped() == sent })
 	if p.Dropped() != 0 {
 		t.Fatalf("dropped %d of %d events across the restart", p.Dropped(), sent)
 	}
 	got := subscribe(t, b, "narwhal.events.failure.d1", true)
-	waitFor(t, "the stored events", func() bool { return got.count() >= sent })
+	testkit.WaitFor(t, waitBound, "the stored events", func() bool { return got.count() >= sent })
 	seen := map[string]bool{}
 	for i := range got.count() {
 		_, payload := got.get(i)
@@ -481,7 +441,7 @@ func TestCloseWhileDownIsBounded(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	p := bus.NewPublisher(b, 8, reg)
 	e.Shutdown()
-	waitFor(t, "the disconnect", func() bool { return !b.Connected() })
+	testkit.WaitFor(t, waitBound, "the disconnect", func() bool { return !b.Connected() })
 	for range 5 {
 		p.Publish(failure("d1"))
 	}
@@ -499,7 +459,7 @@ func TestCloseWhileDownIsBounded(t *testing.T) {
 	if p.Dropped() != 6 {
 		t.Errorf("Publish after Close: dropped %d, want 6", p.Dropped())
 	}
-	if v := counterValue(t, reg, "narwhal_events_dropped_total", bus.DropClosed); v != 6 {
+	if v := testkit.GatheredSum(t, reg, "narwhal_events_dropped_total", "reason", bus.DropClosed); v != 6 {
 		t.Errorf("narwhal_events_dropped_total{reason=closed} = %v, want 6", v)
 	}
 	p.Close()
@@ -536,8 +496,8 @@ func TestInvalidEventDropped(t *testing.T) {
 	p := bus.NewPublisher(b, 4, reg)
 	defer p.Close()
 	p.Publish(failure(""))
-	waitFor(t, "the drop", func() bool { return p.Dropped() == 1 })
-	if v := counterValue(t, reg, "narwhal_events_dropped_total", bus.DropInvalid); v != 1 {
+	testkit.WaitFor(t, waitBound, "the drop", func() bool { return p.Dropped() == 1 })
+	if v := testkit.GatheredSum(t, reg, "narwhal_events_dropped_total", "reason", bus.DropInvalid); v != 1 {
 		t.Errorf("narwhal_events_dropped_total{reason=invalid} = %v", v)
 	}
 }
@@ -554,7 +514,7 @@ func TestPublishersShareRegistry(t *testing.T) {
 	p2.Publish(failure("d2"))
 	p1.Close()
 	p2.Close()
-	if v := counterValue(t, reg, "narwhal_events_published_total", ""); v != 2 {
+	if v := testkit.GatheredSum(t, reg, "narwhal_events_published_total"); v != 2 {
 		t.Errorf("shared narwhal_events_published_total = %v, want 2", v)
 	}
 }
@@ -585,8 +545,8 @@ func TestSubscribeFilterAndStop(t *testing.T) {
 	if _, err := js.Publish(ctx, "narwhal.events.failure.d1", []byte(`{"n":2}`)); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "both events", func() bool { return r.count() == 2 })
-	waitFor(t, "the failure", func() bool { return failures.count() == 1 })
+	testkit.WaitFor(t, waitBound, "both events", func() bool { return r.count() == 2 })
+	testkit.WaitFor(t, waitBound, "the failure", func() bool { return failures.count() == 1 })
 	if s, _ := failures.get(0); s != "narwhal.events.failure.d1" {
 		t.Errorf("filtered subscription got %q", s)
 	}
@@ -596,7 +556,7 @@ func TestSubscribeFilterAndStop(t *testing.T) {
 	if _, err := js.Publish(ctx, "narwhal.events.failure.d2", []byte(`{"n":3}`)); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the second failure", func() bool { return failures.count() == 2 })
+	testkit.WaitFor(t, waitBound, "the second failure", func() bool { return failures.count() == 2 })
 	if n := r.count(); n != 2 {
 		t.Errorf("stopped subscription got %d events, want 2", n)
 	}

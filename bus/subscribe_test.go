@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 // TestSubscribeWithSince proves the start choices of SubscribeWith for
@@ -54,7 +55,7 @@ func TestSubscribeWithSince(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(stop)
-	waitFor(t, "the events since the cut", func() bool { return since.count() >= 2 })
+	testkit.WaitFor(t, waitBound, "the events since the cut", func() bool { return since.count() >= 2 })
 	for i, want := range []string{`{"n":"cut"}`, `{"n":"later"}`} {
 		if _, payload := since.get(i); string(payload) != want {
 			t.Errorf("since: event %d = %s, want %s", i, payload, want)
@@ -67,7 +68,7 @@ func TestSubscribeWithSince(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(stopAll)
-	waitFor(t, "every stored event", func() bool { return all.count() >= 4 })
+	testkit.WaitFor(t, waitBound, "every stored event", func() bool { return all.count() >= 4 })
 	if _, payload := all.get(0); string(payload) != `{"n":"old"}` {
 		t.Errorf("deliver all: first event %s, want the oldest", payload)
 	}
@@ -77,7 +78,7 @@ func TestSubscribeWithSince(t *testing.T) {
 	if _, err := js.Publish(ctx, "narwhal.events.failure.d3", []byte(`{"n":"sentinel"}`)); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the sentinel", func() bool { return since.count() >= 3 })
+	testkit.WaitFor(t, waitBound, "the sentinel", func() bool { return since.count() >= 3 })
 	if _, payload := since.get(2); string(payload) != `{"n":"sentinel"}` || since.count() != 3 {
 		t.Errorf("since: third event %s of %d, want the sentinel of 3", payload, since.count())
 	}

@@ -19,6 +19,8 @@ import (
 
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/engines/sim/simtest"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -39,19 +41,6 @@ func testContext(t *testing.T) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), testBound)
 	t.Cleanup(cancel)
 	return ctx
-}
-
-// waitFor polls cond every 5 ms until it holds, failing the test after
-// testBound.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(testBound)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
 }
 
 // testBus is an embedded NATS server with a connection, an event
@@ -159,7 +148,7 @@ func (l *eventLog) of(action string) []schemas.Chaos {
 // failing the test on an invalid event.
 func (l *eventLog) wait(t *testing.T, action string, n int) []schemas.Chaos {
 	t.Helper()
-	waitFor(t, "chaos events", func() bool { return len(l.of(action)) >= n })
+	testkit.WaitFor(t, testBound, "chaos events", func() bool { return len(l.of(action)) >= n })
 	l.mu.Lock()
 	invalid := l.invalid
 	l.mu.Unlock()
@@ -173,15 +162,7 @@ func (l *eventLog) wait(t *testing.T, action string, n int) []schemas.Chaos {
 // ends.
 func startSim(t *testing.T, id string, itl time.Duration) *sim.Server {
 	t.Helper()
-	s, err := sim.New(sim.Config{EngineID: id, Model: testModel, ITL: itl})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := s.Start("127.0.0.1:0"); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { s.Close() })
-	return s
+	return simtest.Start(t, sim.Config{EngineID: id, Model: testModel, ITL: itl})
 }
 
 // startProxy starts a chaos proxy for engine in front of target, serves it
@@ -372,7 +353,7 @@ func armAndWait(t *testing.T, st *Store, p *Proxy, f Fault, d time.Duration) Fau
 	if err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the proxy to apply "+armed.Key(), func() bool {
+	testkit.WaitFor(t, testBound, "the proxy to apply "+armed.Key(), func() bool {
 		for _, g := range p.Faults() {
 			if g.Key() == armed.Key() && g.ArmedAt.Equal(armed.ArmedAt) {
 				return true
@@ -390,5 +371,5 @@ func disarmAndWait(t *testing.T, st *Store, p *Proxy) {
 	if _, err := st.Disarm(testContext(t), p.EngineID(), ""); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the proxy to drop its faults", func() bool { return len(p.Faults()) == 0 })
+	testkit.WaitFor(t, testBound, "the proxy to drop its faults", func() bool { return len(p.Faults()) == 0 })
 }

@@ -12,11 +12,14 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/narwhalmesh/narwhal/engines/connector"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
+	"golang.org/x/sync/errgroup"
 )
 
 // TestTransparentWithNothingArmed proves that a chaos proxy with nothing
@@ -522,7 +525,7 @@ func TestAnsweringFaultsWin(t *testing.T) {
 		resp.Body.Close()
 		t.Fatalf("HTTP %d, want the connection refused", resp.StatusCode)
 	}
-	waitFor(t, "connect-refused to be spent", func() bool {
+	testkit.WaitFor(t, testBound, "connect-refused to be spent", func() bool {
 		for _, f := range p.Faults() {
 			if f.Key() == refused.Key() {
 				return false
@@ -614,27 +617,26 @@ func TestCountStrikesExactlyN(t *testing.T) {
 	// Many requests race for 5 strikes.
 	tb.events.reset()
 	armAndWait(t, tb.store, p, Fault{EngineID: "d1", Name: FaultHTTPStatus, Probability: 1, Count: 5}, time.Minute)
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	struck := 0
+	var g errgroup.Group
+	var struck atomic.Int64
 	for i := range 24 {
-		wg.Go(func() {
+		g.Go(func() error {
 			resp, err := post(t, testContext(t), c, proxyURL, "/v1/chat/completions", "race"+strconv.Itoa(i), chatPlain)
 			if err != nil {
-				t.Error(err)
-				return
+				return err
 			}
 			_, _ = io.Copy(io.Discard, resp.Body)
 			resp.Body.Close()
 			if resp.StatusCode == 500 {
-				mu.Lock()
-				struck++
-				mu.Unlock()
+				struck.Add(1)
 			}
+			return nil
 		})
 	}
-	wg.Wait()
-	if struck != 5 {
+	if err := g.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	if struck := struck.Load(); struck != 5 {
 		t.Errorf("%d of 24 racing requests struck, want exactly 5", struck)
 	}
 	if evs := tb.events.wait(t, schemas.ChaosInject, 5); len(evs) != 5 {
@@ -654,18 +656,18 @@ func TestExpiryEndsAFault(t *testing.T) {
 	if r := do(t, c, proxyURL, "/v1/chat/completions", "x0", chatPlain); r.status != 500 && time.Now().Before(f.Expires) {
 		t.Fatalf("before expiry: HTTP %d", r.status)
 	}
-	waitFor(t, "the fault to end", func() bool {
+	testkit.WaitFor(t, testBound, "the fault to end", func() bool {
 		r := do(t, c, proxyURL, "/v1/chat/completions", "x1", chatPlain)
 		if r.status == 200 && r.end.Before(f.Expires) {
 			t.Fatalf("the fault ended %v before its expiry", f.Expires.Sub(r.end))
 		}
 		return r.status == 200
 	})
-	waitFor(t, "the bucket to drop the expired key", func() bool {
+	testkit.WaitFor(t, testBound, "the bucket to drop the expired key", func() bool {
 		_, err := tb.store.kv.Get(testContext(t), f.Key())
 		return err != nil
 	})
-	waitFor(t, "the proxy to forget it", func() bool { return p.armed.Load() == 0 })
+	testkit.WaitFor(t, testBound, "the proxy to forget it", func() bool { return p.armed.Load() == 0 })
 	if faults, err := tb.store.List(testContext(t), ""); err != nil || len(faults) != 0 {
 		t.Errorf("list after expiry: %v %v", faults, err)
 	}
@@ -685,7 +687,7 @@ func TestArmReachesRunningProxy(t *testing.T) {
 	if _, err := other.Arm(testContext(t), Fault{EngineID: "d1", Name: FaultHTTPStatus, Probability: 1, Params: map[string]string{ParamCode: "503"}}, time.Minute); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the fault to strike", func() bool {
+	testkit.WaitFor(t, testBound, "the fault to strike", func() bool {
 		return do(t, c, proxyURL, "/v1/chat/completions", "", chatPlain).status == 503
 	})
 	if d := time.Since(start); d > time.Second {
@@ -695,7 +697,7 @@ func TestArmReachesRunningProxy(t *testing.T) {
 	if _, err := other.Disarm(testContext(t), "d1", ""); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the fault to stop", func() bool {
+	testkit.WaitFor(t, testBound, "the fault to stop", func() bool {
 		return do(t, c, proxyURL, "/v1/chat/completions", "", chatPlain).status == 200
 	})
 	if d := time.Since(start); d > time.Second {
@@ -780,7 +782,7 @@ func TestClientGoneCancelsUpstream(t *testing.T) {
 	}
 	abortedAfter := func(t *testing.T, before int64) {
 		t.Helper()
-		waitFor(t, "the engine to see the request aborted", func() bool {
+		testkit.WaitFor(t, testBound, "the engine to see the request aborted", func() bool {
 			st := s.Stats()
 			return st.Aborted > before && st.ActiveStreams == 0
 		})

@@ -14,6 +14,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/breaker"
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -205,7 +206,7 @@ func TestChaosStorm(t *testing.T) {
 
 	// Every request ended as its router's event says.
 	var requests []event
-	waitFor(t, readyBound, fmt.Sprintf("%d request events", tally.requests), func() bool {
+	testkit.WaitEvery(t, readyBound, pollInterval, fmt.Sprintf("%d request events", tally.requests), func() bool {
 		requests = c.list(t, func(e event) bool {
 			return e.kind == schemas.KindRequest && strings.HasPrefix(e.RequestID, "e2e-chaos-")
 		})
@@ -334,7 +335,7 @@ func retriesOf(t *testing.T, c *cluster) map[string]float64 {
 	t.Helper()
 	out := map[string]float64{}
 	for _, r := range c.routers {
-		out[r.id] = metricSum(t, r, "narwhal_retries_total")
+		out[r.id] = testkit.ScrapedSum(t, probeClient, r.url+"/metrics", "narwhal_retries_total")
 	}
 	return out
 }

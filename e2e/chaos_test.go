@@ -18,6 +18,7 @@ import (
 	"github.com/narwhalmesh/narwhal/breaker"
 	"github.com/narwhalmesh/narwhal/chaos"
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -360,7 +361,7 @@ func (c *cluster) waitEveryEngineAvailable(t *testing.T) {
 // every failure and request event on the stream (R-BRK-1).
 func (c *cluster) breakerCaughtUp(t *testing.T) {
 	t.Helper()
-	waitFor(t, decisionBound, "the breaker to apply every event", func() bool {
+	testkit.WaitEvery(t, decisionBound, pollInterval, "the breaker to apply every event", func() bool {
 		ci := c.consumerInfo(t, breaker.ConsumerName)
 		return ci.NumPending == 0 && ci.NumAckPending == 0
 	})

@@ -13,6 +13,7 @@ import (
 	"github.com/narwhalmesh/narwhal/breaker"
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -325,7 +326,7 @@ func TestClusterBreakerHandover(t *testing.T) {
 
 	c.arm(t, d1, `{"kind":"status","status":500,"phase":"decode","message":"d1 is broken"}`)
 	c.failTimes(t, ejectAfter-1)
-	waitFor(t, decisionBound, "d1's streak 2 applied and every event acknowledged", func() bool {
+	testkit.WaitEvery(t, decisionBound, pollInterval, "d1's streak 2 applied and every event acknowledged", func() bool {
 		e, _ := c.placement(t, "d1")
 		ci := c.consumerInfo(t, breaker.ConsumerName)
 		return e.Streak == ejectAfter-1 && ci.NumAckPending == 0 && ci.NumPending == 0
@@ -339,7 +340,7 @@ func TestClusterBreakerHandover(t *testing.T) {
 		t.Fatalf("%s already led when the failure was published; the test needs it published while nobody leads", l)
 	}
 	var newLeader string
-	waitFor(t, decisionBound, "the standby taking the lease", func() bool {
+	testkit.WaitEvery(t, decisionBound, pollInterval, "the standby taking the lease", func() bool {
 		newLeader = c.leader(t)
 		return c.breakerOf(newLeader) == standby
 	})
@@ -352,7 +353,7 @@ func TestClusterBreakerHandover(t *testing.T) {
 	if ej.BreakerID != newLeader || ej.Streak != ejectAfter {
 		t.Fatalf("ejection %s: want it from %s with streak %d (two failures before the kill, one after)", ej.raw, newLeader, ejectAfter)
 	}
-	waitFor(t, decisionBound, "every breaker event acknowledged", func() bool {
+	testkit.WaitEvery(t, decisionBound, pollInterval, "every breaker event acknowledged", func() bool {
 		ci := c.consumerInfo(t, breaker.ConsumerName)
 		return ci.NumAckPending == 0 && ci.NumPending == 0
 	})
@@ -366,7 +367,7 @@ func TestClusterBreakerHandover(t *testing.T) {
 	waitHTTP(t, r2.p, r2.url+"/readyz")
 	stopped := time.Now()
 	standby.halt(t)
-	waitFor(t, decisionBound, "the restarted breaker taking the lease", func() bool {
+	testkit.WaitEvery(t, decisionBound, pollInterval, "the restarted breaker taking the lease", func() bool {
 		return c.breakerOf(c.leader(t)) == restarted
 	})
 	t.Logf("R-BRK-8: after a clean stop the restarted breaker leads %v later", time.Since(stopped).Round(time.Millisecond))

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -69,12 +70,12 @@ func TestClusterBusRestart(t *testing.T) {
 	stopClients := func() { stopOnce.Do(func() { cancel(); wg.Wait() }) }
 	t.Cleanup(stopClients)
 
-	waitFor(t, readyBound, "20 answered requests", func() bool { return answered.Load() >= 20 })
+	testkit.WaitEvery(t, readyBound, pollInterval, "20 answered requests", func() bool { return answered.Load() >= 20 })
 	down := time.Now()
 	c.busProc.halt(t)
 	n := answered.Load()
 	// Down for longer than the breakers' lease, so that they lose it too.
-	waitFor(t, readyBound, "30 more answered requests and a lapsed lease with the bus down", func() bool {
+	testkit.WaitEvery(t, readyBound, pollInterval, "30 more answered requests and a lapsed lease with the bus down", func() bool {
 		return answered.Load() >= n+30 && time.Since(down) > leaseTTL+handoverMargin
 	})
 	if c.conn.Connected() {
@@ -102,7 +103,7 @@ func TestClusterBusRestart(t *testing.T) {
 	for i, at := range c.watchAvailability("d1", true, decisionBound).wait(t) {
 		t.Logf("R-BUS-6: router %s placed on d1 again %v after the bus restarted", c.routers[i].id, at.Sub(up).Round(time.Millisecond))
 	}
-	waitFor(t, readyBound, "d1 serving the clients again", func() bool { return len(routed(t, d1)) > d1Before })
+	testkit.WaitEvery(t, readyBound, pollInterval, "d1 serving the clients again", func() bool { return len(routed(t, d1)) > d1Before })
 	stopClients()
 	if len(bad) > 0 {
 		t.Fatalf("%d requests failed across the bus restart, first: %s", len(bad), bad[0])
@@ -113,7 +114,7 @@ func TestClusterBusRestart(t *testing.T) {
 	// when the bus went were published again (R-BUS-3, R-BUS-6).
 	var missing []string
 	var duringOutage int
-	waitFor(t, decisionBound, "every answered request's event on the stream", func() bool {
+	testkit.WaitEvery(t, decisionBound, pollInterval, "every answered request's event on the stream", func() bool {
 		stored := map[string]int{}
 		duringOutage = 0
 		for _, be := range c.storedEvents(t) {
@@ -142,7 +143,7 @@ func TestClusterBusRestart(t *testing.T) {
 		t.Fatal("no request event from the outage reached the stream: routers did not buffer them")
 	}
 	for _, r := range c.routers {
-		if n := metricSum(t, r, "narwhal_events_dropped_total"); n != 0 {
+		if n := testkit.ScrapedSum(t, probeClient, r.url+"/metrics", "narwhal_events_dropped_total"); n != 0 {
 			t.Errorf("router %s dropped %v events across a short bus restart", r.id, n)
 		}
 	}
@@ -165,7 +166,7 @@ func TestClusterEventsCommand(t *testing.T) {
 	d1 := c.sims["d1"]
 	events := spawn(t, "events", []string{"NARWHAL_NATS_URL=" + c.natsURL}, "events", "--json")
 	c.extra = append(c.extra, events)
-	waitFor(t, readyBound, "narwhal events following the bus", func() bool {
+	testkit.WaitEvery(t, readyBound, pollInterval, "narwhal events following the bus", func() bool {
 		if events.exited() {
 			events.dump(t)
 			t.Fatalf("narwhal events exited: %v", events.waitErr)
@@ -202,7 +203,7 @@ func TestClusterEventsCommand(t *testing.T) {
 	ej := c.waitEvents(t, decisionBound, 1, "d1's ejection", isEjection("d1"))[0]
 	c.disarm(t, d1)
 	rd := c.waitEvents(t, decisionBound, 1, "d1's readmission", after(ej, isReadmission("d1")))[0]
-	waitFor(t, readyBound, "the readmission in narwhal events' output", func() bool {
+	testkit.WaitEvery(t, readyBound, pollInterval, "the readmission in narwhal events' output", func() bool {
 		return strings.Contains(events.stdout.String(), string(rd.raw))
 	})
 	if err := events.stop(os.Interrupt); err != nil {

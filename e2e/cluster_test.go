@@ -1,7 +1,6 @@
 package e2e
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -22,6 +21,7 @@ import (
 	"github.com/narwhalmesh/narwhal/breaker"
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -246,7 +246,7 @@ request:
 	for range nBreakers {
 		c.startBreaker(t)
 	}
-	waitFor(t, readyBound, "a leading breaker and a placement entry for every engine", func() bool {
+	testkit.WaitEvery(t, readyBound, pollInterval, "a leading breaker and a placement entry for every engine", func() bool {
 		if c.leader(t) == "" {
 			return false
 		}
@@ -266,7 +266,7 @@ request:
 func (c *cluster) startBus(t *testing.T) {
 	t.Helper()
 	c.busProc = spawn(t, "bus", clusterEnv, "bus", "--listen", c.busAddr, "--data", c.busData)
-	waitFor(t, readyBound, "the bus's listening line", func() bool {
+	testkit.WaitEvery(t, readyBound, pollInterval, "the bus's listening line", func() bool {
 		if c.busProc.exited() {
 			c.busProc.dump(t)
 			t.Fatalf("narwhal bus exited: %v", c.busProc.waitErr)
@@ -294,7 +294,7 @@ func (c *cluster) spawnSim(t *testing.T, s *simProc, args ...string) {
 func (c *cluster) waitSim(t *testing.T, s *simProc) {
 	t.Helper()
 	waitHTTP(t, s.p, s.url+"/health")
-	waitFor(t, readyBound, s.id+"'s listening line", func() bool { return kvLine.MatchString(s.p.stdout.String()) })
+	testkit.WaitEvery(t, readyBound, pollInterval, s.id+"'s listening line", func() bool { return kvLine.MatchString(s.p.stdout.String()) })
 	s.kvAddr = kvLine.FindStringSubmatch(s.p.stdout.String())[2]
 }
 
@@ -329,7 +329,7 @@ func (c *cluster) startFronts(t *testing.T, ids []string) {
 	}
 	for _, id := range ids {
 		f := c.fronts[id]
-		waitFor(t, readyBound, "chaos proxy "+id+"'s listening line", func() bool {
+		testkit.WaitEvery(t, readyBound, pollInterval, "chaos proxy "+id+"'s listening line", func() bool {
 			if f.p.exited() {
 				f.p.dump(t)
 				t.Fatalf("chaos proxy %s exited: %v", id, f.p.waitErr)
@@ -432,7 +432,7 @@ func (c *cluster) storedEvents(t *testing.T) []busEvent {
 	}
 	defer stop()
 	want := int(info.State.Msgs)
-	waitFor(t, readyBound, fmt.Sprintf("%d stored events", want), func() bool { return len(log.snapshot()) >= want })
+	testkit.WaitEvery(t, readyBound, pollInterval, fmt.Sprintf("%d stored events", want), func() bool { return len(log.snapshot()) >= want })
 	return log.snapshot()
 }
 
@@ -575,48 +575,15 @@ func (c *cluster) failTimes(t *testing.T, n int, also ...int) {
 // available reads narwhal_engine_available{engine="id"} from r's /metrics:
 // 1 when r may place on the engine (eligible and not quarantined).
 func available(r *routerProc, id string) (bool, error) {
-	resp, err := probeClient.Get(r.url + "/metrics")
+	mfs, err := testkit.Scrape(probeClient, r.url+"/metrics")
 	if err != nil {
 		return false, err
 	}
-	defer resp.Body.Close()
-	prefix := `narwhal_engine_available{engine="` + id + `"} `
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 0, 64<<10), 1<<20)
-	for sc.Scan() {
-		if v, ok := strings.CutPrefix(sc.Text(), prefix); ok {
-			return v == "1", nil
-		}
+	v, found := testkit.Sum(mfs, "narwhal_engine_available", "engine", id)
+	if !found {
+		return false, fmt.Errorf("router %s: no narwhal_engine_available{engine=%q} in /metrics", r.id, id)
 	}
-	if err := sc.Err(); err != nil {
-		return false, err
-	}
-	return false, fmt.Errorf("router %s: no %s… in /metrics", r.id, prefix)
-}
-
-// metricSum adds up every sample of the metric name on r's /metrics.
-func metricSum(t *testing.T, r *routerProc, name string) float64 {
-	t.Helper()
-	resp, err := probeClient.Get(r.url + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	var sum float64
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 0, 64<<10), 1<<20)
-	for sc.Scan() {
-		line := sc.Text()
-		if !strings.HasPrefix(line, name+" ") && !strings.HasPrefix(line, name+"{") {
-			continue
-		}
-		v, err := strconv.ParseFloat(line[strings.LastIndexByte(line, ' ')+1:], 64)
-		if err != nil {
-			t.Fatalf("router %s: %q: %v", r.id, line, err)
-		}
-		sum += v
-	}
-	return sum
+	return v == 1, nil
 }
 
 // availabilityWatch polls every router's /metrics from its start and
@@ -816,7 +783,7 @@ func (c *cluster) list(t *testing.T, match func(event) bool) []event {
 func (c *cluster) waitEvents(t *testing.T, bound time.Duration, n int, what string, match func(event) bool) []event {
 	t.Helper()
 	var got []event
-	waitFor(t, bound, what, func() bool {
+	testkit.WaitEvery(t, bound, pollInterval, what, func() bool {
 		got = c.list(t, match)
 		return len(got) >= n
 	})

@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 // devModel is the model `narwhal dev` serves.
@@ -27,7 +28,7 @@ var curlLine = regexp.MustCompile(`(?m)^curl -N (\S+) -H '([^']*)' -d '([^']*)'$
 func TestDevStackCurl(t *testing.T) {
 	port := freePorts(t, 1)[0]
 	dev := startProcess(t, "dev", nil, "dev", "--listen", hostPort(port))
-	waitFor(t, readyBound, "the curl line on stdout", func() bool {
+	testkit.WaitEvery(t, readyBound, pollInterval, "the curl line on stdout", func() bool {
 		if dev.exited() {
 			t.Fatalf("narwhal dev exited: %v", dev.waitErr)
 		}

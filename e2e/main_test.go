@@ -239,19 +239,6 @@ func waitHTTP(t *testing.T, p *process, url string) {
 	}
 }
 
-// waitFor polls cond every pollInterval until it holds or bound passes;
-// the test fails with what otherwise.
-func waitFor(t *testing.T, bound time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(bound)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", bound, what)
-		}
-		time.Sleep(pollInterval)
-	}
-}
-
 // freePorts returns n distinct TCP ports on 127.0.0.1 that were free a
 // moment ago: it holds n listeners on port 0 at once, then closes them.
 func freePorts(t *testing.T, n int) []int {

@@ -16,6 +16,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 // meshModel is the model every simulator of the mesh serves.
@@ -146,7 +147,7 @@ func startMesh(t *testing.T) *mesh {
 	}
 	for _, s := range m.sims {
 		waitHTTP(t, s.p, s.url+"/health")
-		waitFor(t, readyBound, s.id+"'s listening line", func() bool { return kvLine.MatchString(s.p.stdout.String()) })
+		testkit.WaitEvery(t, readyBound, pollInterval, s.id+"'s listening line", func() bool { return kvLine.MatchString(s.p.stdout.String()) })
 		match := kvLine.FindStringSubmatch(s.p.stdout.String())
 		if match[1] != s.url {
 			t.Fatalf("sim %s says it listens on %s, want %s", s.id, match[1], s.url)
@@ -196,7 +197,7 @@ func (m *mesh) allEvents(t *testing.T) []busEvent {
 		t.Fatal(err)
 	}
 	want := int(info.State.Msgs)
-	waitFor(t, readyBound, fmt.Sprintf("%d events from the subscription", want), func() bool {
+	testkit.WaitEvery(t, readyBound, pollInterval, fmt.Sprintf("%d events from the subscription", want), func() bool {
 		return len(m.events.snapshot()) >= want
 	})
 	return m.events.snapshot()

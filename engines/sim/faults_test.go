@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 // streamReq is a 6-token streaming chat request that never stops early.
@@ -115,7 +117,7 @@ func TestFaultSilence(t *testing.T) {
 	}
 	cancel()
 	resp.Body.Close()
-	waitFor(t, "the abort", func() bool { st := s.Stats(); return st.Aborted == 1 && st.ActiveStreams == 0 })
+	testkit.WaitFor(t, 5*time.Second, "the abort", func() bool { st := s.Stats(); return st.Aborted == 1 && st.ActiveStreams == 0 })
 
 	s.Arm(Fault{Kind: FaultSilence, AfterTokens: 3, DelayMS: 40, Count: 1})
 	start := time.Now()

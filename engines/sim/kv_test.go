@@ -11,6 +11,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 // handoffRequest is nixl's "please hand off" kv_transfer_params (R-LEG-1).
@@ -281,7 +283,7 @@ func TestHandoffExpires(t *testing.T) {
 	c := newClient(t)
 	client := chatBody("hello", "stream", true)
 	desc := runPrefill(t, c, pURL, "/v1/chat/completions", client, "x1")
-	waitFor(t, "the handoff to expire", func() bool { st := p.Stats(); return st.KVExpired == 1 && st.KVHeld == 0 })
+	testkit.WaitFor(t, 5*time.Second, "the handoff to expire", func() bool { st := p.Stats(); return st.KVExpired == 1 && st.KVHeld == 0 })
 	expectKVFailure(t, c, dURL, "/v1/chat/completions", decodeBody(client, desc), "expired")
 	if st := p.Stats(); st.KVServed != 0 || st.KVExpired != 1 {
 		t.Fatalf("producer %+v", st)

@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 // TestChatStreamShapes checks a chat stream chunk by chunk against
@@ -469,7 +471,7 @@ func TestClientDisconnectAborts(t *testing.T) {
 		t.Fatalf("active streams %d", s.Stats().ActiveStreams)
 	}
 	cancel()
-	waitFor(t, "the abort to be counted", func() bool { st := s.Stats(); return st.Aborted == 1 && st.ActiveStreams == 0 })
+	testkit.WaitFor(t, 5*time.Second, "the abort to be counted", func() bool { st := s.Stats(); return st.Aborted == 1 && st.ActiveStreams == 0 })
 	if st := s.Stats(); st.Completed != 0 {
 		t.Fatalf("aborted request counted as completed: %+v", st)
 	}

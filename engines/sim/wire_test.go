@@ -281,19 +281,6 @@ func tokensOf(t testing.TB, evs []sseEvent, j int) []string {
 	return toks
 }
 
-// waitFor polls cond every few milliseconds until it holds, failing the
-// test after 5 seconds.
-func waitFor(t testing.TB, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
-}
-
 func chatBody(content string, fields ...any) map[string]any {
 	b := map[string]any{
 		"model":    "m",

@@ -1,0 +1,173 @@
+package testkit
+
+import (
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+)
+
+// recordingTB is a testing.TB whose Fatalf records the message and ends
+// the goroutine, as the real one does.
+type recordingTB struct {
+	testing.TB
+	mu       sync.Mutex
+	failed   string
+	errors   []string
+	cleanups []func()
+}
+
+func (r *recordingTB) Helper() {}
+
+func (r *recordingTB) Error(args ...any) { r.errors = append(r.errors, fmt.Sprint(args...)) }
+
+func (r *recordingTB) Errorf(format string, args ...any) {
+	r.errors = append(r.errors, fmt.Sprintf(format, args...))
+}
+
+func (r *recordingTB) Cleanup(f func()) { r.cleanups = append(r.cleanups, f) }
+
+func (r *recordingTB) runCleanups() {
+	for i := len(r.cleanups) - 1; i >= 0; i-- {
+		r.cleanups[i]()
+	}
+}
+
+func (r *recordingTB) Fatalf(format string, args ...any) {
+	r.mu.Lock()
+	r.failed = fmt.Sprintf(format, args...)
+	r.mu.Unlock()
+	runtime.Goexit()
+}
+
+// run calls f with a recordingTB on a goroutine of its own and returns
+// the Fatalf message, empty when f returned normally.
+func run(t *testing.T, f func(tb testing.TB)) string {
+	r := &recordingTB{TB: t}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		f(r)
+	}()
+	<-done
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.failed
+}
+
+func TestWaitForReturnsOnceTheConditionHolds(t *testing.T) {
+	n := 0
+	msg := run(t, func(tb testing.TB) {
+		WaitFor(tb, time.Second, "three checks", func() bool { n++; return n == 3 })
+	})
+	if msg != "" || n != 3 {
+		t.Fatalf("WaitFor failed with %q after %d checks, want success after 3", msg, n)
+	}
+}
+
+func TestWaitForFailsAfterItsBound(t *testing.T) {
+	start := time.Now()
+	msg := run(t, func(tb testing.TB) {
+		WaitFor(tb, 50*time.Millisecond, "never", func() bool { return false })
+	})
+	if took := time.Since(start); took < 50*time.Millisecond || took > 5*time.Second {
+		t.Errorf("WaitFor gave up after %v, want just past 50ms", took)
+	}
+	if msg != "timed out after 50ms waiting for never" {
+		t.Errorf("WaitFor failed with %q", msg)
+	}
+}
+
+// TestCheckLeaksFindsALeftGoroutine proves the leak check can fail: a
+// goroutine started after CheckLeaks and still running at cleanup is
+// reported, and none is once it has ended.
+func TestCheckLeaksFindsALeftGoroutine(t *testing.T) {
+	leaky := &recordingTB{TB: t}
+	CheckLeaks(leaky)
+	stop := make(chan struct{})
+	ended := make(chan struct{})
+	go func() { defer close(ended); <-stop }()
+	leaky.runCleanups()
+	close(stop)
+	<-ended
+	if len(leaky.errors) == 0 {
+		t.Fatal("CheckLeaks did not report a goroutine left running")
+	}
+	if !strings.Contains(strings.Join(leaky.errors, "\n"), "TestCheckLeaksFindsALeftGoroutine") {
+		t.Errorf("the report does not name the leaked goroutine: %v", leaky.errors)
+	}
+
+	clean := &recordingTB{TB: t}
+	CheckLeaks(clean)
+	go func() {}()
+	clean.runCleanups()
+	if len(clean.errors) != 0 {
+		t.Errorf("CheckLeaks reported a goroutine that had ended: %v", clean.errors)
+	}
+}
+
+func testRegistry(t *testing.T) *prometheus.Registry {
+	reg := prometheus.NewRegistry()
+	c := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "t_requests_total", Help: "h"}, []string{"engine", "phase"})
+	g := prometheus.NewGauge(prometheus.GaugeOpts{Name: "t_inflight", Help: "h"})
+	h := prometheus.NewHistogram(prometheus.HistogramOpts{Name: "t_seconds", Help: "h"})
+	reg.MustRegister(c, g, h)
+	c.WithLabelValues("d1", "decode").Add(2)
+	c.WithLabelValues("d1", "prefill").Add(3)
+	c.WithLabelValues("d2", "decode").Add(5)
+	g.Set(7)
+	h.Observe(0.1)
+	h.Observe(0.2)
+	return reg
+}
+
+func TestGatheredSum(t *testing.T) {
+	reg := testRegistry(t)
+	for _, c := range []struct {
+		name   string
+		labels []string
+		want   float64
+	}{
+		{"t_requests_total", nil, 10},
+		{"t_requests_total", []string{"engine", "d1"}, 5},
+		{"t_requests_total", []string{"engine", "d1", "phase", "decode"}, 2},
+		{"t_requests_total", []string{"engine", "d3"}, 0},
+		{"t_inflight", nil, 7},
+		{"t_seconds", nil, 2},
+		{"t_absent", nil, 0},
+	} {
+		if got := GatheredSum(t, reg, c.name, c.labels...); got != c.want {
+			t.Errorf("GatheredSum(%s, %v) = %v, want %v", c.name, c.labels, got, c.want)
+		}
+	}
+}
+
+func TestScrapeReadsTheTextFormat(t *testing.T) {
+	srv := httptest.NewServer(promhttp.HandlerFor(testRegistry(t), promhttp.HandlerOpts{}))
+	defer srv.Close()
+	if got := ScrapedSum(t, srv.Client(), srv.URL, "t_requests_total", "phase", "decode"); got != 7 {
+		t.Errorf("ScrapedSum = %v, want 7", got)
+	}
+	mfs, err := Scrape(srv.Client(), srv.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, found := Sum(mfs, "t_requests_total", "engine", "d3"); found {
+		t.Error("Sum found a series that is absent")
+	}
+	if v, found := Sum(mfs, "t_inflight"); !found || v != 7 {
+		t.Errorf("Sum(t_inflight) = %v, %v; want 7, true", v, found)
+	}
+	bad := httptest.NewServer(http.NotFoundHandler())
+	defer bad.Close()
+	if _, err := Scrape(bad.Client(), bad.URL); err == nil || !strings.Contains(err.Error(), "HTTP 404") {
+		t.Errorf("Scrape of a 404 page: %v", err)
+	}
+}
