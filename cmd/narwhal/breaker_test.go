@@ -7,10 +7,9 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/goleak"
-
 	"github.com/narwhalmesh/narwhal/breaker"
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -29,8 +28,7 @@ func TestBreakerNeedsNATSURL(t *testing.T) {
 // every engine's placement entry (R-BRK-8), and returns cleanly when its
 // context ends (SIGINT/SIGTERM), releasing the lease.
 func TestBreakerCommandLeads(t *testing.T) {
-	before := goleak.IgnoreCurrent()
-	t.Cleanup(func() { goleak.VerifyNone(t, before) })
+	testkit.CheckLeaks(t)
 	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1})
 	if err != nil {
 		t.Fatal(err)

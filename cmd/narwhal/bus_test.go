@@ -15,23 +15,15 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
-	"go.uber.org/goleak"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
 // cmdTestBound bounds every wait of these tests: generous next to what the
 // commands need (milliseconds), short enough that a hang fails quickly.
 const cmdTestBound = 10 * time.Second
-
-// checkCmdLeaks fails the test when it leaves a goroutine behind. Call it
-// first: its check runs after every other cleanup of the test.
-func checkCmdLeaks(t *testing.T) {
-	t.Helper()
-	before := goleak.IgnoreCurrent()
-	t.Cleanup(func() { goleak.VerifyNone(t, before) })
-}
 
 // capturedOutput is an io.Writer a command writes to while the test reads
 // it.
@@ -61,19 +53,6 @@ func (o *capturedOutput) lines() []string {
 	return nil
 }
 
-// pollFor polls cond every 5 ms until it holds, failing the test after
-// cmdTestBound.
-func pollFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(cmdTestBound)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 // runningCmd is a command run in-process by a test.
 type runningCmd struct {
 	stdout, stderr *capturedOutput
@@ -97,7 +76,7 @@ func startCmd(t *testing.T, run func(context.Context, []string, io.Writer, io.Wr
 // command ends first.
 func (c *runningCmd) waitStderr(t *testing.T, want string) {
 	t.Helper()
-	pollFor(t, "stderr "+strconv.Quote(want), func() bool {
+	testkit.WaitFor(t, cmdTestBound, "stderr "+strconv.Quote(want), func() bool {
 		select {
 		case err := <-c.errc:
 			c.errc <- err
@@ -132,7 +111,7 @@ func startBusCmd(t *testing.T, data string) (*runningCmd, string) {
 	t.Helper()
 	c := startCmd(t, runBus, "--listen", "127.0.0.1:0", "--data", data)
 	var m []string
-	pollFor(t, "the bus listening line", func() bool {
+	testkit.WaitFor(t, cmdTestBound, "the bus listening line", func() bool {
 		select {
 		case err := <-c.errc:
 			c.errc <- err
@@ -177,7 +156,7 @@ func natsClient(t *testing.T, url string) (*nats.Conn, jetstream.JetStream) {
 // cleanly on cancel (SIGINT), and a restart on the same --data keeps the
 // stream (same creation time), its events and the bucket's keys.
 func TestBusCommandKeepsStoreAcrossRestart(t *testing.T) {
-	checkCmdLeaks(t)
+	testkit.CheckLeaks(t)
 	data := filepath.Join(t.TempDir(), "store") // runBus creates it
 	ctx, cancel := context.WithTimeout(context.Background(), cmdTestBound)
 	defer cancel()

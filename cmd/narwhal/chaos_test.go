@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -17,24 +18,14 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
-	"go.uber.org/goleak"
 
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/engines/sim/simtest"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
-
-// chaosTestBound bounds every wait of the chaos command tests.
-const chaosTestBound = 10 * time.Second
-
-// chaosLeakCheck fails the test when it leaves a goroutine behind; call it
-// first so that its check runs after every other cleanup.
-func chaosLeakCheck(t *testing.T) {
-	t.Helper()
-	before := goleak.IgnoreCurrent()
-	t.Cleanup(func() { goleak.VerifyNone(t, before) })
-}
 
 // chaosTestBus starts an embedded NATS server on a free TCP port, points
 // NARWHAL_NATS_URL at it for the test, and collects the chaos events
@@ -85,32 +76,28 @@ type chaosEvents struct {
 // wait waits for n events and returns them as "action engine/fault_id".
 func (e *chaosEvents) wait(t *testing.T, n int) []string {
 	t.Helper()
-	deadline := time.Now().Add(chaosTestBound)
-	for {
+	var got []schemas.Chaos
+	testkit.WaitFor(t, cmdTestBound, fmt.Sprintf("%d chaos events", n), func() bool {
 		e.mu.Lock()
-		got, invalid := append([]schemas.Chaos(nil), e.list...), e.invalid
+		got = append(got[:0], e.list...)
+		invalid := e.invalid
 		e.mu.Unlock()
 		if len(invalid) > 0 {
 			t.Fatalf("invalid chaos events: %v", invalid)
 		}
-		if len(got) >= n {
-			out := make([]string, len(got))
-			for i, ev := range got {
-				out[i] = ev.Action + " " + ev.EngineID + "/" + ev.FaultID
-			}
-			return out
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d chaos events, want %d", len(got), n)
-		}
-		time.Sleep(5 * time.Millisecond)
+		return len(got) >= n
+	})
+	out := make([]string, len(got))
+	for i, ev := range got {
+		out[i] = ev.Action + " " + ev.EngineID + "/" + ev.FaultID
 	}
+	return out
 }
 
 // chaosCmd runs `narwhal chaos args…` in-process and returns its stdout.
 func chaosCmd(t *testing.T, args ...string) (string, error) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), chaosTestBound)
+	ctx, cancel := context.WithTimeout(context.Background(), cmdTestBound)
 	defer cancel()
 	var stdout, stderr bytes.Buffer
 	err := runChaos(ctx, args, &stdout, &stderr)
@@ -132,7 +119,7 @@ func mustChaos(t *testing.T, args ...string) string {
 // shows as a table, disarm removes; each change is an event on
 // narwhal.events.chaos.<engine_id>.
 func TestChaosArmListDisarm(t *testing.T) {
-	chaosLeakCheck(t)
+	testkit.CheckLeaks(t)
 	events := chaosTestBus(t)
 
 	if out := mustChaos(t, "list"); out != "no faults armed\n" {
@@ -191,7 +178,7 @@ func TestChaosArmListDisarm(t *testing.T) {
 // TestChaosCommandErrors proves bad invocations fail with a message and
 // touch nothing.
 func TestChaosCommandErrors(t *testing.T) {
-	chaosLeakCheck(t)
+	testkit.CheckLeaks(t)
 	chaosTestBus(t)
 	for _, tc := range []struct {
 		args []string
@@ -227,7 +214,7 @@ func TestChaosCommandErrors(t *testing.T) {
 // TestChaosUnreachableBus proves the commands give up after
 // --connect-timeout when the bus is not there.
 func TestChaosUnreachableBus(t *testing.T) {
-	chaosLeakCheck(t)
+	testkit.CheckLeaks(t)
 	t.Setenv("NARWHAL_NATS_URL", "nats://127.0.0.1:1")
 	start := time.Now()
 	_, err := chaosCmd(t, "list", "--connect-timeout", "300ms")
@@ -243,19 +230,12 @@ func TestChaosUnreachableBus(t *testing.T) {
 // proxy for its engine, applies what `narwhal chaos arm` arms, publishes
 // the injection, and stops cleanly on cancel (SIGINT).
 func TestChaosProxyCommand(t *testing.T) {
-	chaosLeakCheck(t)
+	testkit.CheckLeaks(t)
 	events := chaosTestBus(t)
-	s, err := sim.New(sim.Config{EngineID: "decode-1", Model: "m"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	simURL, err := s.Start("127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { s.Close() })
+	simURL := simtest.Start(t, sim.Config{EngineID: "decode-1", Model: "m"}).URL()
 
 	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
 	stdout := &lockedBuffer{}
 	done := make(chan error, 1)
 	go func() {
@@ -263,20 +243,16 @@ func TestChaosProxyCommand(t *testing.T) {
 	}()
 	line := regexp.MustCompile(`^chaos proxy decode-1 listening on (http://127\.0\.0\.1:[0-9]+) -> ` + regexp.QuoteMeta(simURL) + "\n$")
 	var proxyURL string
-	deadline := time.Now().Add(chaosTestBound)
-	for proxyURL == "" {
+	testkit.WaitFor(t, cmdTestBound, "the proxy's listening line", func() bool {
 		if m := line.FindStringSubmatch(stdout.String()); m != nil {
 			proxyURL = m[1]
-		} else if time.Now().After(deadline) {
-			cancel()
-			t.Fatalf("proxy printed %q", stdout.String())
 		}
-		time.Sleep(5 * time.Millisecond)
-	}
+		return proxyURL != ""
+	})
 
 	tr := &http.Transport{}
 	defer tr.CloseIdleConnections()
-	client := &http.Client{Transport: tr, Timeout: chaosTestBound}
+	client := &http.Client{Transport: tr, Timeout: cmdTestBound}
 	status := func() int {
 		req, _ := http.NewRequest(http.MethodPost, proxyURL+"/v1/chat/completions",
 			strings.NewReader(`{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`))
@@ -293,12 +269,7 @@ func TestChaosProxyCommand(t *testing.T) {
 		t.Errorf("nothing armed: HTTP %d", got)
 	}
 	mustChaos(t, "arm", "--engine", "decode-1", "--fault", "http-status", "--param", "code=429", "--count", "1")
-	deadline = time.Now().Add(chaosTestBound)
-	for status() != 429 {
-		if time.Now().After(deadline) {
-			t.Fatal("the armed fault never struck")
-		}
-	}
+	testkit.WaitFor(t, cmdTestBound, "the armed fault to strike", func() bool { return status() == 429 })
 	if got := status(); got != 200 {
 		t.Errorf("after the count: HTTP %d", got)
 	}
@@ -313,7 +284,7 @@ func TestChaosProxyCommand(t *testing.T) {
 		if err != nil {
 			t.Errorf("proxy returned %v", err)
 		}
-	case <-time.After(chaosTestBound):
+	case <-time.After(cmdTestBound):
 		t.Fatal("proxy did not stop")
 	}
 }
@@ -321,7 +292,7 @@ func TestChaosProxyCommand(t *testing.T) {
 // TestChaosRunCommand proves `narwhal chaos run FILE`: it prints the
 // scenario, each step as it runs, and its end.
 func TestChaosRunCommand(t *testing.T) {
-	chaosLeakCheck(t)
+	testkit.CheckLeaks(t)
 	events := chaosTestBus(t)
 	file := filepath.Join(t.TempDir(), "scenario.yaml")
 	if err := os.WriteFile(file, []byte(`steps:
@@ -353,11 +324,11 @@ $`)
 // runs on that bus, and closing stops it all without touching the
 // environment.
 func TestDevChaos(t *testing.T) {
-	chaosLeakCheck(t)
+	testkit.CheckLeaks(t)
 	t.Setenv("NARWHAL_NATS_URL", "")
 	os.Unsetenv("NARWHAL_NATS_URL")
 	t.Setenv("NARWHAL_DATA_DIR", t.TempDir())
-	ctx, cancel := context.WithTimeout(context.Background(), chaosTestBound)
+	ctx, cancel := context.WithTimeout(context.Background(), cmdTestBound)
 	defer cancel()
 	log := slog.New(slog.DiscardHandler)
 	cfg, err := config.Parse(nil)
@@ -381,15 +352,7 @@ func TestDevChaos(t *testing.T) {
 	if v, ok := os.LookupEnv("NARWHAL_NATS_URL"); ok {
 		t.Fatalf("NARWHAL_NATS_URL set to %q", v)
 	}
-	s, err := sim.New(sim.Config{EngineID: "decode-1", Model: "m"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	simURL, err := s.Start("127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
+	simURL := simtest.Start(t, sim.Config{EngineID: "decode-1", Model: "m"}).URL()
 	proxyURL, err := dc.front(ctx, "decode-1", simURL, log)
 	if err != nil {
 		t.Fatal(err)
@@ -413,20 +376,14 @@ func TestDevChaos(t *testing.T) {
 	mustChaos(t, "arm", "--engine", "decode-1", "--fault", "http-status", "--param", "code=503")
 	tr := &http.Transport{}
 	defer tr.CloseIdleConnections()
-	deadline := time.Now().Add(chaosTestBound)
-	for {
+	testkit.WaitFor(t, cmdTestBound, "the armed 503", func() bool {
 		resp, err := (&http.Client{Transport: tr}).Post(proxyURL+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"hi","max_tokens":1}`))
 		if err != nil {
 			t.Fatal(err)
 		}
 		resp.Body.Close()
-		if resp.StatusCode == 503 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("HTTP %d, want the armed 503", resp.StatusCode)
-		}
-	}
+		return resp.StatusCode == 503
+	})
 	dc.close()
 	closed = true
 }

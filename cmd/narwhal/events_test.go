@@ -12,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -113,7 +114,7 @@ func startEvents(t *testing.T, args ...string) *runningCmd {
 // waitLines waits until c has written n lines to stdout and returns them.
 func waitLines(t *testing.T, c *runningCmd, n int) []string {
 	t.Helper()
-	pollFor(t, "output lines", func() bool { return len(c.stdout.lines()) >= n })
+	testkit.WaitFor(t, cmdTestBound, "output lines", func() bool { return len(c.stdout.lines()) >= n })
 	return c.stdout.lines()
 }
 
@@ -122,7 +123,7 @@ func waitLines(t *testing.T, c *runningCmd, n int) []string {
 // out as the JSON object exactly as published, one per line, in stream
 // order; and it stops cleanly when its context ends.
 func TestEventsJSONExactlyAsPublished(t *testing.T) {
-	checkCmdLeaks(t)
+	testkit.CheckLeaks(t)
 	b := eventsBus(t)
 	f := testFailure("d1", "f1")
 	f.At = eventsAt
@@ -154,7 +155,7 @@ func TestEventsJSONExactlyAsPublished(t *testing.T) {
 // ends with a sentinel only it must show: any stored event it should not
 // show would have come out before the sentinel (the stream is ordered).
 func TestEventsKindAndEngineFilters(t *testing.T) {
-	checkCmdLeaks(t)
+	testkit.CheckLeaks(t)
 	b := eventsBus(t)
 	stored := []schemas.Event{
 		testFailure("d1", "f-d1"),                   // 0
@@ -220,7 +221,7 @@ func TestEventsKindAndEngineFilters(t *testing.T) {
 		}
 		want = append(want, string(sentinel))
 		got := waitLines(t, followers[i], len(want))
-		pollFor(t, "the sentinel", func() bool {
+		testkit.WaitFor(t, cmdTestBound, "the sentinel", func() bool {
 			got = followers[i].stdout.lines()
 			return strings.Contains(strings.Join(got, "\n"), string(sentinel))
 		})
@@ -234,7 +235,7 @@ func TestEventsKindAndEngineFilters(t *testing.T) {
 // only events published after it started; --since DUR from that far back;
 // --since at an RFC 3339 time from the first event stored then.
 func TestEventsSince(t *testing.T) {
-	checkCmdLeaks(t)
+	testkit.CheckLeaks(t)
 	b := eventsBus(t)
 	past, _ := publishEvent(t, b, testFailure("d1", "past"))
 	cut, cutAt := publishEvent(t, b, testFailure("d1", "cut"))
@@ -257,7 +258,7 @@ func TestEventsSince(t *testing.T) {
 		{"--since " + cutAt.String(), at, []string{string(cut), string(live)}},
 	} {
 		var got []string
-		pollFor(t, c.name+": the live event", func() bool {
+		testkit.WaitFor(t, cmdTestBound, c.name+": the live event", func() bool {
 			got = c.cmd.stdout.lines()
 			return len(got) > 0 && got[len(got)-1] == string(live)
 		})
@@ -271,7 +272,7 @@ func TestEventsSince(t *testing.T) {
 // clear error within --connect-timeout when nothing listens at
 // NARWHAL_NATS_URL.
 func TestEventsUnreachableBus(t *testing.T) {
-	checkCmdLeaks(t)
+	testkit.CheckLeaks(t)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -299,7 +300,7 @@ func (failingWriter) Write([]byte) (int, error) { return 0, errors.New("broken p
 // TestEventsStopsWhenOutputFails checks that `narwhal events` ends with an
 // error, instead of following on, when stdout cannot be written.
 func TestEventsStopsWhenOutputFails(t *testing.T) {
-	checkCmdLeaks(t)
+	testkit.CheckLeaks(t)
 	b := eventsBus(t)
 	publishEvent(t, b, testFailure("d1", "f1"))
 	errc := make(chan error, 1)

@@ -10,9 +10,9 @@ import (
 	"strings"
 	"testing"
 
-	"go.uber.org/goleak"
-
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/engines/sim/simtest"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 // preflightFleet starts simulators (id → role) serving model "m" and
@@ -24,17 +24,9 @@ func preflightFleet(t *testing.T, engines [][2]string) (string, map[string]*sim.
 	var yaml strings.Builder
 	yaml.WriteString("engine:\n  first_token_timeout_s: 2\nengine_contract:\n  model: m\n  engine: vllm\n  version: \">=0.10\"\n  connector: nixl\nfleet:\n")
 	for _, e := range engines {
-		srv, err := sim.New(sim.Config{EngineID: e[0], Role: e[1], Model: "m"})
-		if err != nil {
-			t.Fatal(err)
-		}
-		url, err := srv.Start("127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { srv.Close() })
+		srv := simtest.Start(t, sim.Config{EngineID: e[0], Role: e[1], Model: "m"})
 		sims[e[0]] = srv
-		fmt.Fprintf(&yaml, "  - id: %s\n    url: %s\n    role: %s\n", e[0], url, e[1])
+		fmt.Fprintf(&yaml, "  - id: %s\n    url: %s\n    role: %s\n", e[0], srv.URL(), e[1])
 	}
 	path := filepath.Join(t.TempDir(), "narwhal.yaml")
 	if err := os.WriteFile(path, []byte(yaml.String()), 0o600); err != nil {
@@ -48,8 +40,7 @@ func preflightFleet(t *testing.T, engines [][2]string) (string, map[string]*sim.
 // prefill to decode, prefill to both, both to decode, and both
 // same-worker — is probed for real and passes; the command succeeds.
 func TestPreflightHealthyFleet(t *testing.T) {
-	before := goleak.IgnoreCurrent()
-	t.Cleanup(func() { goleak.VerifyNone(t, before) })
+	testkit.CheckLeaks(t)
 	path, sims := preflightFleet(t, [][2]string{{"p1", "prefill"}, {"d1", "decode"}, {"b1", "both"}})
 
 	var out bytes.Buffer
@@ -80,8 +71,7 @@ func TestPreflightHealthyFleet(t *testing.T) {
 // its decode leg makes every transfer to it fail; the table and the error
 // name the failing pairs, and the other pairs still pass.
 func TestPreflightBrokenTransfer(t *testing.T) {
-	before := goleak.IgnoreCurrent()
-	t.Cleanup(func() { goleak.VerifyNone(t, before) })
+	testkit.CheckLeaks(t)
 	path, sims := preflightFleet(t, [][2]string{{"p1", "prefill"}, {"p2", "prefill"}, {"d1", "decode"}, {"d2", "decode"}})
 	sims["d2"].Arm(sim.Fault{Kind: sim.FaultStatus, Phase: sim.PhaseDecode, Status: 500, Message: "decode broken"})
 
