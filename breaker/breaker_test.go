@@ -12,6 +12,7 @@ import (
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -36,7 +37,7 @@ func TestStreakEjectsAfterEjectAfter(t *testing.T) {
 		}
 		// The event reaches the test's subscription a little after the
 		// entry is written.
-		waitFor(t, "the seed event of "+id, func() bool { return len(h.eligibilities(id)) > 0 })
+		testkit.WaitFor(t, waitBound, "the seed event of "+id, func() bool { return len(h.eligibilities(id)) > 0 })
 		evs := h.eligibilities(id)
 		if len(evs) != 1 || evs[0].State != schemas.StateEligible {
 			t.Fatalf("seed events of %s: %+v", id, evs)
@@ -75,7 +76,7 @@ func TestStreakEjectsAfterEjectAfter(t *testing.T) {
 		t.Fatalf("after the third counted failure: %+v", e)
 	}
 	evs := h.eligibilities("d1")
-	waitFor(t, "the ejection event", func() bool { evs = h.eligibilities("d1"); return len(evs) == 2 })
+	testkit.WaitFor(t, waitBound, "the ejection event", func() bool { evs = h.eligibilities("d1"); return len(evs) == 2 })
 	if last := evs[1]; last.Eligible || last.State != schemas.StateEjected || last.Streak != 3 || last.ID != e.ID {
 		t.Fatalf("ejection event %+v, entry %+v", last, e)
 	}
@@ -147,7 +148,7 @@ func (h *harness) created() busObjects {
 func TestOneLeaderAndGracefulHandover(t *testing.T) {
 	h := newHarness(t, setup{fleet: prefillAndDecode, readmitS: 60})
 	a, b := h.start("breaker-a"), h.start("breaker-b")
-	waitFor(t, "a leader", func() bool { return a.Leader() || b.Leader() })
+	testkit.WaitFor(t, waitBound, "a leader", func() bool { return a.Leader() || b.Leader() })
 	// Over three lease lifetimes (nine renewals) never two leaders, and
 	// always one.
 	end := time.Now().Add(3 * h.cfg.Breaker.LeaseTTL())
@@ -167,7 +168,7 @@ func TestOneLeaderAndGracefulHandover(t *testing.T) {
 	stopped := time.Now()
 	leader.stop(t)
 	seq := h.fail("d1", schemas.PhaseDecode, true, "p1", "d1")
-	waitFor(t, "the standby to lead", standby.Leader)
+	testkit.WaitFor(t, waitBound, "the standby to lead", standby.Leader)
 	if took, ttl := time.Since(stopped), h.cfg.Breaker.LeaseTTL(); took > ttl {
 		t.Errorf("handover took %v, more than the lease TTL %v", took, ttl)
 	}
@@ -209,8 +210,8 @@ func TestCrashedLeaderLeaseLapses(t *testing.T) {
 	if b.Leader() {
 		t.Log("the standby led before the events were published; the test still proves no event is lost")
 	}
-	waitFor(t, "the old leader to step down", func() bool { return !a.Leader() })
-	waitFor(t, "the standby to lead", b.Leader)
+	testkit.WaitFor(t, waitBound, "the old leader to step down", func() bool { return !a.Leader() })
+	testkit.WaitFor(t, waitBound, "the standby to lead", b.Leader)
 	h.applied(seq)
 	if e := h.mustEntry("d1"); e.Streak != 2 || e.State != schemas.StateEligible {
 		t.Fatalf("d1 after the takeover: %+v, want streak 2", e)
@@ -265,7 +266,7 @@ func TestReadmissionOnlyAfterSuccessfulProbe(t *testing.T) {
 	if st := h.sims["d1"].Stats(); st.KVPulled != 1 {
 		t.Fatalf("the decode probe did not pull the handoff: %+v", st)
 	}
-	waitFor(t, "the readmission event", func() bool {
+	testkit.WaitFor(t, waitBound, "the readmission event", func() bool {
 		evs := h.eligibilities("d1")
 		return len(evs) == 3 && evs[2].State == schemas.StateEligible && evs[2].Eligible
 	})
@@ -284,7 +285,7 @@ func TestReadmissionOnlyAfterSuccessfulProbe(t *testing.T) {
 	if len(order) != 2 || order[0] != probeSubject || order[1] != eligibilitySubject {
 		t.Fatalf("events in stream order %v: want the successful probe, then the readmission", order)
 	}
-	waitFor(t, "the backoff to reset", func() bool { return backoffOf(s.Service, "d1") == 1 })
+	testkit.WaitFor(t, waitBound, "the backoff to reset", func() bool { return backoffOf(s.Service, "d1") == 1 })
 }
 
 // TestHealthyButInferenceFailingStaysOut proves R-BRK-3: a passing health
@@ -343,7 +344,7 @@ func TestContractMismatchKeepsEngineOut(t *testing.T) {
 	h.sims["d1"].Disarm()
 	h.waitState("d1", schemas.StateEligible)
 	before := len(h.probes("d2"))
-	waitFor(t, "another probe of d2", func() bool { return len(h.probes("d2")) > before })
+	testkit.WaitFor(t, waitBound, "another probe of d2", func() bool { return len(h.probes("d2")) > before })
 	if e := h.mustEntry("d2"); e.State != schemas.StateEjected {
 		t.Fatalf("d2 readmitted against the contract: %+v", e)
 	}
@@ -420,7 +421,7 @@ func TestWholeWaveProbedInParallel(t *testing.T) {
 		h.sims[id].Disarm()
 		h.sims[id].Arm(sim.Fault{Kind: sim.FaultFirstTokenDelay, Phase: sim.PhaseDecode, DelayMS: 600, Count: 1})
 	}
-	waitFor(t, "both decode probes in flight together", func() bool {
+	testkit.WaitFor(t, waitBound, "both decode probes in flight together", func() bool {
 		return h.sims["d1"].Stats().ActiveStreams > 0 && h.sims["d2"].Stats().ActiveStreams > 0
 	})
 	h.waitState("d1", schemas.StateEligible)
@@ -457,7 +458,7 @@ func TestInconclusiveProbeChangesNothing(t *testing.T) {
 	h.ejectDecode("d1", "p1")
 	before := len(h.probes("p1"))
 	var p schemas.Probe
-	waitFor(t, "a probe of p1 without partner", func() bool {
+	testkit.WaitFor(t, waitBound, "a probe of p1 without partner", func() bool {
 		ps := h.probes("p1")
 		for _, q := range ps[before:] {
 			if strings.Contains(q.Message, "no eligible decode engine") {

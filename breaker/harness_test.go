@@ -18,8 +18,13 @@ import (
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/engines/sim/simtest"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
+
+// waitBound bounds every wait of the breaker tests.
+const waitBound = 20 * time.Second
 
 func TestMain(m *testing.M) {
 	goleak.VerifyTestMain(m)
@@ -86,17 +91,9 @@ func newHarness(t *testing.T, su setup) *harness {
 	cfg.Breaker.LeaseTTLS = leaseTTLS
 	cfg.EngineContract = su.contract
 	for _, sp := range su.fleet {
-		srv, err := sim.New(sim.Config{Role: sp.role, EngineID: sp.id, Model: testModel, EngineVersion: sp.version})
-		if err != nil {
-			t.Fatal(err)
-		}
-		url, err := srv.Start("127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { srv.Close() })
+		srv := simtest.Start(t, sim.Config{Role: sp.role, EngineID: sp.id, Model: testModel, EngineVersion: sp.version})
 		h.sims[sp.id] = srv
-		cfg.Fleet = append(cfg.Fleet, config.EngineSpec{ID: sp.id, URL: url, Role: connector.Role(sp.role), Connector: connector.DefaultName})
+		cfg.Fleet = append(cfg.Fleet, config.EngineSpec{ID: sp.id, URL: srv.URL(), Role: connector.Role(sp.role), Connector: connector.DefaultName})
 	}
 	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)
@@ -166,9 +163,9 @@ func (h *harness) start(id string) *running {
 func (h *harness) startLeader(id string) *running {
 	h.t.Helper()
 	r := h.start(id)
-	waitFor(h.t, id+" to lead", r.Leader)
+	testkit.WaitFor(h.t, waitBound, id+" to lead", r.Leader)
 	for _, e := range h.cfg.Fleet {
-		waitFor(h.t, "placement entry of "+e.ID, func() bool { _, ok := h.entry(e.ID); return ok })
+		testkit.WaitFor(h.t, waitBound, "placement entry of "+e.ID, func() bool { _, ok := h.entry(e.ID); return ok })
 	}
 	return r
 }
@@ -260,7 +257,7 @@ func (h *harness) succeed(producer, consumer string) uint64 {
 // event up to it has been applied.
 func (h *harness) applied(seq uint64) {
 	h.t.Helper()
-	waitFor(h.t, "events applied up to sequence", func() bool {
+	testkit.WaitFor(h.t, waitBound, "events applied up to sequence", func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		defer cancel()
 		cons, err := h.bus.JetStream().Consumer(ctx, bus.StreamName, ConsumerName)
@@ -308,7 +305,7 @@ func (h *harness) mustEntry(engine string) schemas.Eligibility {
 func (h *harness) waitState(engine, state string) schemas.Eligibility {
 	h.t.Helper()
 	var last schemas.Eligibility
-	waitFor(h.t, engine+" "+state, func() bool {
+	testkit.WaitFor(h.t, waitBound, engine+" "+state, func() bool {
 		e, ok := h.entry(engine)
 		last = e
 		return ok && e.State == state
@@ -334,7 +331,7 @@ func (h *harness) probes(engine string) []schemas.Probe {
 func (h *harness) waitProbes(engine, outcome string, n int) []schemas.Probe {
 	h.t.Helper()
 	var got []schemas.Probe
-	waitFor(h.t, "probes of "+engine+" with outcome "+outcome, func() bool {
+	testkit.WaitFor(h.t, waitBound, "probes of "+engine+" with outcome "+outcome, func() bool {
 		got = got[:0]
 		for _, p := range h.probes(engine) {
 			if p.Outcome == outcome {
@@ -412,19 +409,6 @@ func (l *eventLog) all() [][]byte {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return append([][]byte(nil), l.payloads...)
-}
-
-// waitFor polls cond every 5 ms until it holds, failing the test after
-// 20 s.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
 }
 
 // backoffOf reads a Service's probe backoff of engine.

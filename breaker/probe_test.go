@@ -12,6 +12,7 @@ import (
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/engines/sim/simtest"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -22,20 +23,12 @@ func startEngine(t *testing.T, cfg sim.Config) (*sim.Server, *engines.Engine) {
 	if cfg.Model == "" {
 		cfg.Model = testModel
 	}
-	srv, err := sim.New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	url, err := srv.Start("127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { srv.Close() })
+	srv := simtest.Start(t, cfg)
 	role := connector.Role(cfg.Role)
 	if role == "" {
 		role = connector.RoleBoth
 	}
-	return srv, &engines.Engine{ID: cfg.EngineID, URL: url, Role: role, Connector: connector.Nixl{}}
+	return srv, &engines.Engine{ID: cfg.EngineID, URL: srv.URL(), Role: role, Connector: connector.Nixl{}}
 }
 
 func probeClient(t *testing.T) *engines.Client {
