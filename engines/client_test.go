@@ -12,21 +12,14 @@ import (
 
 	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/engines/sim/simtest"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
 func startSim(t *testing.T, id, role string) (*sim.Server, *Engine) {
 	t.Helper()
-	srv, err := sim.New(sim.Config{Role: role, EngineID: id, Model: "m"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	url, err := srv.Start("127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { srv.Close() })
-	return srv, &Engine{ID: id, URL: url, Role: connector.Role(role), Connector: connector.Nixl{}}
+	srv := simtest.Start(t, sim.Config{Role: role, EngineID: id, Model: "m"})
+	return srv, &Engine{ID: id, URL: srv.URL(), Role: connector.Role(role), Connector: connector.Nixl{}}
 }
 
 func parse(t *testing.T, endpoint, body string) *schemas.Request {
