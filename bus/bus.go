@@ -32,6 +32,10 @@ const (
 	// PlacementBucket is the KV bucket of placement eligibility: key =
 	// engine id, value = a schemas.Eligibility as JSON.
 	PlacementBucket = "narwhal_placement"
+	// HistoryStream is the stream that keeps the mesh's history — every
+	// event except request events — sourced from StreamName, with limits
+	// of its own, so that a flood of request events cannot evict it.
+	HistoryStream = "NARWHAL_HISTORY"
 	// SubjectPrefix starts every event subject:
 	// narwhal.events.<kind>.<engine_id|router_id>.
 	SubjectPrefix = "narwhal.events."
@@ -44,9 +48,26 @@ const (
 	// StreamMaxBytes caps the stream's size; the oldest events go first.
 	StreamMaxBytes = 1 << 30
 	// StreamDuplicates is the window in which a re-published event id is
-	// dropped as a duplicate (R-BUS-3).
-	StreamDuplicates = 2 * time.Minute
+	// dropped as a duplicate (R-BUS-3). Publishers retry an event for
+	// RetryHorizon, a minute less, so every retry falls inside it
+	// (R-BUS-10).
+	StreamDuplicates = 5 * time.Minute
+	// StreamMaxMsgSize is the largest event either stream stores; a
+	// larger one is refused (and counted as invalid by the publisher).
+	StreamMaxMsgSize = 256 << 10
 )
+
+// Limits of NARWHAL_HISTORY.
+const (
+	// HistoryMaxAge is how long the history keeps an event.
+	HistoryMaxAge = 30 * 24 * time.Hour
+	// HistoryMaxBytes caps the history's size; the oldest events go first.
+	HistoryMaxBytes = 512 << 20
+)
+
+// HistoryKinds are the event kinds NARWHAL_HISTORY keeps: all but
+// request events.
+var HistoryKinds = []string{"failure", "quarantine", "handoff", "probe", "eligibility", "chaos"}
 
 // jsErrCodeClusterNoPeers is JetStream's "no suitable peers for
 // placement": a cluster still forming, or fewer servers than replicas.
@@ -101,6 +122,8 @@ type Bus struct {
 	denied atomic.Pointer[error]
 	// dialErr is the last failed connection attempt, or nil.
 	dialErr atomic.Pointer[error]
+	// log is ConnectOptions.Log (nil: no logs), also the publishers'.
+	log *slog.Logger
 }
 
 // Connect connects to NATS and binds to stream NARWHAL_EVENTS and KV
@@ -118,7 +141,7 @@ type Bus struct {
 // the role lacks, or when the stream or bucket is missing. The caller owns
 // the Bus and must Close it.
 func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
-	b := &Bus{}
+	b := &Bus{log: opts.Log}
 	log := opts.Log
 	nopts := []nats.Option{
 		nats.MaxReconnects(-1),

@@ -3,6 +3,7 @@ package bus
 import (
 	"encoding/json"
 	"errors"
+	"log/slog"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -18,59 +19,69 @@ import (
 
 // Publisher tuning.
 const (
-	// maxPendingAcks bounds the async publishes awaiting their ack.
-	maxPendingAcks = 256
-	// ackTimeout is how long an async publish may wait for its ack before
-	// it counts as dropped.
-	ackTimeout = 5 * time.Second
-	// stallWait is how long the publisher's goroutine waits for a free ack
-	// slot before it drops an event.
-	stallWait = 50 * time.Millisecond
+	// publishWindow bounds the events published at once, awaiting their
+	// acks: the publisher sends up to this many, waits until each is
+	// acknowledged or has failed, and only then sends the next ones, so
+	// that a failed event is published again before any later one
+	// (R-BUS-10: each publisher's order is kept).
+	publishWindow = 256
+	// ackTimeout is how long one publish waits for its ack before it
+	// counts as failed (and is published again).
+	ackTimeout = 2 * time.Second
+	// retryPauseMin and retryPauseMax bound the pause before a window
+	// with failed events is published again; it doubles after each
+	// window that failed entirely and resets after an ack.
+	retryPauseMin = 50 * time.Millisecond
+	retryPauseMax = time.Second
+	// RetryHorizon is how long an event that was sent but not acknowledged
+	// is published again under its message id. It stays a minute inside
+	// StreamDuplicates, so the stream still remembers the id of any
+	// earlier attempt that was stored although its ack was lost, and
+	// stores the event once (R-BUS-3, R-BUS-10). An event older than that
+	// is given up on and counted (DropExpired).
+	RetryHorizon = StreamDuplicates - time.Minute
 	// reconnectPoll is how often a publisher waiting for the connection
 	// checks it, besides the connection's status notifications.
 	reconnectPoll = 250 * time.Millisecond
 	// closeDrainBound bounds how long Close spends publishing what is
 	// buffered and waiting for acks.
 	closeDrainBound = 2 * time.Second
-	// maxPublishAttempts is how often one event is published before its
-	// failure counts as a drop: an event whose ack the connection's loss
-	// (or a server going down) took away is published again once the
-	// connection is back, under the same message id, so that it is stored
-	// once however often it is sent (R-BUS-3, R-BUS-6).
-	maxPublishAttempts = 4
-	// republishPause is the pause before an event is published again, so
-	// that a server still shutting down or starting is not hammered.
-	republishPause = 100 * time.Millisecond
+	// dropLogEvery rate-limits the "events dropped" log line.
+	dropLogEvery = 5 * time.Second
 )
 
 // Reasons for dropping an event: the "reason" label of
 // narwhal_events_dropped_total.
 const (
-	// DropBufferFull: Publish found the buffer full (the bus is down or
-	// slower than the event rate).
+	// DropBufferFull: Publish found the buffer (router.event_buffer) full:
+	// the bus has been unable to take events for longer than the buffer
+	// lasts, or is slower than the event rate.
 	DropBufferFull = "buffer_full"
-	// DropBusError: the publish failed or its ack did not arrive in time.
-	DropBusError = "bus_error"
-	// DropInvalid: the event could not be marshalled or its subject is not
-	// a valid NATS subject (an empty id).
+	// DropExpired: the event was published again for RetryHorizon without
+	// an ack; past it a further attempt could be stored twice.
+	DropExpired = "expired"
+	// DropInvalid: the event could not be marshalled, its subject is not
+	// a valid NATS subject (an empty id), or the stream refused it for
+	// good (e.g. larger than the stream's maximum message size).
 	DropInvalid = "invalid"
 	// DropClosed: the event arrived after Close began, or was still
-	// buffered when Close's bound ran out.
+	// waiting when Close's bound ran out.
 	DropClosed = "closed"
 )
 
 // Publisher publishes events to stream NARWHAL_EVENTS from its own
 // goroutine so that Publish never blocks its caller (SPEC R-BUS-6): events
-// wait in a bounded buffer, and when it is full they are dropped and
-// counted. While the connection is down the goroutine waits for it, so the
-// buffer carries events across a short outage; an event that was in flight
-// when the connection went (its ack never came) is published again once it
-// is back, up to maxPublishAttempts times in all. Each event's ID is its
-// JetStream message id, so a re-published event is dropped by the stream
-// as a duplicate (R-BUS-3). Safe for concurrent use.
+// wait in a bounded buffer and are dropped, counted per kind, only when it
+// is full. Every other event is published, in the order of Publish, and
+// published again under its own message id until the stream acknowledges
+// it — across a stream leader election, a lost quorum, a reconnect or a
+// server restart — for up to RetryHorizon (SPEC R-BUS-10). The message id
+// makes the stream drop a re-published event that was stored already
+// (R-BUS-3). Safe for concurrent use.
 type Publisher struct {
 	nc     *nats.Conn
-	js     jetstream.JetStream // the publisher's own, with its ack handlers
+	js     jetstream.JetStream
+	log    *slog.Logger
 	events chan schemas.Event
 	status chan nats.Status // connection status notifications
 	stop   chan struct{}    // closed by Close
@@ -79,39 +90,49 @@ type Publisher struct {
 	mu     sync.RWMutex // held for reading by Publish, for writing by Close
 	closed bool
 
-	// again holds events to publish once more (see retry); attempts
-	// counts the publishes of each, by message id. Both are guarded by
-	// againMu; againClosed is set when nothing will read again any more.
-	again       chan *nats.Msg
-	againMu     sync.Mutex
-	attempts    map[string]int
-	againClosed bool
+	// capacity is the buffer's size; pending counts the events accepted
+	// and not yet acknowledged or dropped (buffered, in the window, or
+	// waiting to be published again), at most capacity.
+	capacity int64
+	pending  atomic.Int64
 
 	published atomic.Uint64
-	// outstanding counts publishes whose ack or error handler has not run
-	// yet, so Close can wait for the handlers, not only for the acks.
-	outstanding atomic.Int64
-	dropped     atomic.Uint64
+	dropped   atomic.Uint64
+	// lastDropLog is the UnixNano of the last "events dropped" line;
+	// droppedLogged the dropped count it reported.
+	lastDropLog   atomic.Int64
+	droppedLogged atomic.Uint64
 
 	publishedTotal prometheus.Counter
 	droppedTotal   *prometheus.CounterVec
 }
 
+// queued is one event the publisher's goroutine holds: marshalled, with
+// the time of its first publish (zero until then).
+type queued struct {
+	msg   *nats.Msg
+	kind  string
+	first time.Time
+}
+
 // NewPublisher returns a Publisher on b with room for buffer waiting events
-// (buffer < 1 is taken as 1) and starts its goroutine; the caller owns it
-// and must Close it before closing b. When reg is not nil it registers
-// narwhal_events_published_total (events the stream acknowledged) and
-// narwhal_events_dropped_total{reason} (events given up on, see the Drop*
-// reasons); publishers sharing a registry share these counters.
+// (router.event_buffer; buffer < 1 is taken as 1) and starts its
+// goroutine; the caller owns it and must Close it before closing b. When
+// reg is not nil it registers narwhal_events_published_total (events the
+// stream acknowledged), narwhal_events_dropped_total{reason,kind} (events
+// given up on, see the Drop* reasons), narwhal_events_pending (events
+// accepted and not yet acknowledged) and narwhal_bus_connected (1 while
+// the connection is up); publishers sharing a registry share these. It
+// logs drops (at most every 5 s) to the Bus's logger (ConnectOptions.Log).
 func NewPublisher(b *Bus, buffer int, reg prometheus.Registerer) *Publisher {
 	if buffer < 1 {
 		buffer = 1
 	}
 	p := &Publisher{
 		nc:       b.nc,
+		log:      b.log,
 		events:   make(chan schemas.Event, buffer),
-		again:    make(chan *nats.Msg, buffer),
-		attempts: map[string]int{},
+		capacity: int64(buffer),
 		stop:     make(chan struct{}),
 		done:     make(chan struct{}),
 		publishedTotal: prometheus.NewCounter(prometheus.CounterOpts{
@@ -120,28 +141,29 @@ func NewPublisher(b *Bus, buffer int, reg prometheus.Registerer) *Publisher {
 		}),
 		droppedTotal: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "narwhal_events_dropped_total",
-			Help: "Bus events given up on, by reason (buffer_full, bus_error, invalid, closed).",
-		}, []string{"reason"}),
+			Help: "Bus events given up on, by reason (buffer_full, expired, invalid, closed) and event kind.",
+		}, []string{"reason", "kind"}),
 	}
 	if reg != nil {
 		p.publishedTotal = register(reg, p.publishedTotal)
 		p.droppedTotal = register(reg, p.droppedTotal)
+		register(reg, prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "narwhal_events_pending",
+			Help: "Bus events accepted and not yet acknowledged by the stream (buffered or being published again).",
+		}, func() float64 { return float64(p.pending.Load()) }))
+		register(reg, prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "narwhal_bus_connected",
+			Help: "1 while the connection to NATS is up, else 0.",
+		}, func() float64 {
+			if p.nc.IsConnected() {
+				return 1
+			}
+			return 0
+		}))
 	}
 	js, err := jetstream.New(b.nc,
-		jetstream.WithPublishAsyncMaxPending(maxPendingAcks),
+		jetstream.WithPublishAsyncMaxPending(publishWindow),
 		jetstream.WithPublishAsyncTimeout(ackTimeout),
-		jetstream.WithPublishAsyncAckHandler(func(_ jetstream.JetStream, m *nats.Msg, _ *jetstream.PubAck) {
-			p.settled(m)
-			p.published.Add(1)
-			p.publishedTotal.Inc()
-			p.outstanding.Add(-1)
-		}),
-		jetstream.WithPublishAsyncErrHandler(func(_ jetstream.JetStream, m *nats.Msg, _ error) {
-			if !p.retry(m) {
-				p.drop(DropBusError)
-			}
-			p.outstanding.Add(-1)
-		}),
 	)
 	if err != nil { // only for invalid options, which are constants here
 		panic("bus: jetstream publisher options: " + err.Error())
@@ -171,7 +193,7 @@ func register[C prometheus.Collector](reg prometheus.Registerer, c C) C {
 // (R-BUS-6). It sets ev.Head().ID to a new NUID when empty and
 // ev.Head().At to time.Now().UTC() when zero. From then on ev belongs to the
 // publisher: the caller must not change it. When the buffer is full, or
-// after Close, the event is dropped and counted.
+// after Close, the event is dropped and counted (R-BUS-10).
 func (p *Publisher) Publish(ev schemas.Event) {
 	h := ev.Head()
 	if h.ID == "" {
@@ -183,14 +205,15 @@ func (p *Publisher) Publish(ev schemas.Event) {
 	p.mu.RLock()
 	defer p.mu.RUnlock()
 	if p.closed {
-		p.drop(DropClosed)
+		p.drop(DropClosed, kindOf(ev.Subject()))
 		return
 	}
-	select {
-	case p.events <- ev:
-	default:
-		p.drop(DropBufferFull)
+	if p.pending.Add(1) > p.capacity {
+		p.pending.Add(-1)
+		p.drop(DropBufferFull, kindOf(ev.Subject()))
+		return
 	}
+	p.events <- ev // never blocks: pending ≤ capacity = cap(events)
 }
 
 // Published returns how many of this publisher's events the stream has
@@ -201,13 +224,49 @@ func (p *Publisher) Published() uint64 { return p.published.Load() }
 // for any reason.
 func (p *Publisher) Dropped() uint64 { return p.dropped.Load() }
 
-func (p *Publisher) drop(reason string) {
-	p.dropped.Add(1)
-	p.droppedTotal.WithLabelValues(reason).Inc()
+// Pending returns how many events were accepted and are not yet
+// acknowledged or dropped.
+func (p *Publisher) Pending() int { return int(p.pending.Load()) }
+
+// drop counts one dropped event of kind and logs drops, at most every
+// dropLogEvery.
+func (p *Publisher) drop(reason, kind string) {
+	n := p.dropped.Add(1)
+	p.droppedTotal.WithLabelValues(reason, kind).Inc()
+	if p.log == nil {
+		return
+	}
+	now := time.Now().UnixNano()
+	last := p.lastDropLog.Load()
+	if now-last < int64(dropLogEvery) || !p.lastDropLog.CompareAndSwap(last, now) {
+		return
+	}
+	since := n - p.droppedLogged.Swap(n)
+	p.log.Warn("bus events dropped", "dropped", since, "dropped_total", n, "last_reason", reason, "last_kind", kind,
+		"pending", p.pending.Load())
 }
 
-// Close stops accepting events, publishes what is buffered and waits for
-// the acks for at most 2 s in all (events still buffered then are dropped
+// settle removes one accepted event from the pending count.
+func (p *Publisher) settle() { p.pending.Add(-1) }
+
+// kindOf returns the kind token of an event subject
+// (narwhal.events.<kind>.<id>), or "unknown".
+func kindOf(subject string) string {
+	rest, ok := strings.CutPrefix(subject, SubjectPrefix)
+	if !ok {
+		return "unknown"
+	}
+	kind, _, _ := strings.Cut(rest, ".")
+	switch kind {
+	case schemas.KindFailure, schemas.KindQuarantine, schemas.KindHandoff, schemas.KindRequest,
+		schemas.KindProbe, schemas.KindEligibility, schemas.KindChaos:
+		return kind
+	}
+	return "unknown"
+}
+
+// Close stops accepting events, publishes what is waiting and waits for
+// the acks for at most 2 s in all (events still waiting then are dropped
 // and counted), and stops the publisher's goroutine. Safe to call more than
 // once.
 func (p *Publisher) Close() {
@@ -223,85 +282,193 @@ func (p *Publisher) Close() {
 	<-p.done
 }
 
-// run is the publisher's goroutine: it owns the JetStream publishing and
-// exits when Close closes stop.
+// run is the publisher's goroutine: it owns the queue of events being
+// published and exits when Close closes stop.
 func (p *Publisher) run() {
 	defer close(p.done)
 	defer p.nc.RemoveStatusListener(p.status)
-	defer p.cleanup()
+	var (
+		queue   []queued
+		pause   = retryPauseMin
+		waiting bool // the last window failed: an outage is under way
+	)
 	for {
-		select {
-		case <-p.stop:
-			p.drain()
+		if len(queue) == 0 {
+			select {
+			case <-p.stop:
+				p.drain(queue)
+				return
+			case ev := <-p.events:
+				queue = p.enqueue(queue, ev)
+			}
+		}
+		queue = p.take(queue)
+		if len(queue) == 0 {
+			continue
+		}
+		if !p.awaitConnection() {
+			p.drain(queue)
 			return
-		case ev := <-p.events:
-			if !p.awaitConnection() {
-				p.drop(DropClosed)
-				p.drain()
+		}
+		var acked int
+		var lastErr error
+		queue, acked, lastErr = p.sendWindow(queue)
+		switch {
+		case acked > 0 && lastErr == nil:
+			if waiting && p.log != nil {
+				p.log.Info("bus events flowing again", "pending", p.pending.Load())
+			}
+			waiting, pause = false, retryPauseMin
+		case lastErr != nil:
+			if !waiting && p.log != nil {
+				p.log.Warn("bus events waiting for the stream; publishing them again until it acknowledges them",
+					"err", lastErr, "pending", p.pending.Load())
+			}
+			waiting = true
+			if acked > 0 {
+				pause = retryPauseMin
+			}
+			if !p.sleep(pause) {
+				p.drain(queue)
 				return
 			}
-			p.send(ev)
-		case m := <-p.again:
-			// One pause, then everything queued by then goes again.
-			if !p.pause() || !p.awaitConnection() {
-				p.resendOrDrop(m)
-				p.drain()
-				return
+			if acked == 0 {
+				pause = min(2*pause, retryPauseMax)
 			}
-			p.resend(m)
-			p.resendQueued(false)
 		}
 	}
 }
 
-// cleanup fails (and so counts) the acks still pending when the publisher
-// stops. With none pending it leaves the JetStream publisher alone: its
-// helper goroutine, started by the first publish, then ends when the
-// connection closes, whereas cleaning up before that goroutine has run
-// would strand it for good (nats.go's jetstream reads a nil status channel
-// then).
-func (p *Publisher) cleanup() {
-	if p.js.PublishAsyncPending() > 0 {
-		p.js.CleanupPublisher()
+// enqueue marshals ev and appends it to queue; an event that cannot be
+// published is dropped and counted instead.
+func (p *Publisher) enqueue(queue []queued, ev schemas.Event) []queued {
+	subject := ev.Subject()
+	kind := kindOf(subject)
+	if !validSubject(subject) {
+		p.settle()
+		p.drop(DropInvalid, kind)
+		return queue
 	}
+	data, err := json.Marshal(ev)
+	if err != nil {
+		p.settle()
+		p.drop(DropInvalid, kind)
+		return queue
+	}
+	m := &nats.Msg{Subject: subject, Data: data, Header: nats.Header{jetstream.MsgIDHeader: []string{ev.Head().ID}}}
+	return append(queue, queued{msg: m, kind: kind})
 }
 
-// retry queues m, whose publish failed, to be published again; it returns
-// false when m has had its maxPublishAttempts, the queue is full or the
-// publisher is closing, and m then counts as dropped. Called from the
-// publisher's ack handling.
-func (p *Publisher) retry(m *nats.Msg) bool {
-	id := m.Header.Get(jetstream.MsgIDHeader)
-	p.againMu.Lock()
-	defer p.againMu.Unlock()
-	n := p.attempts[id] + 1 // publishes so far
-	if p.againClosed || id == "" || n >= maxPublishAttempts {
-		delete(p.attempts, id)
-		return false
+// take moves buffered events into queue until it holds a window's worth.
+func (p *Publisher) take(queue []queued) []queued {
+	for len(queue) < publishWindow {
+		select {
+		case ev := <-p.events:
+			queue = p.enqueue(queue, ev)
+		default:
+			return queue
+		}
 	}
-	select {
-	case p.again <- m:
-		p.attempts[id] = n
+	return queue
+}
+
+// sendWindow publishes the head of queue (up to publishWindow events) and
+// waits until each is acknowledged or has failed. It returns queue without
+// the acknowledged events (and those given up on), in their order, how
+// many were acknowledged, and the last publish error (nil when every
+// event was acknowledged).
+func (p *Publisher) sendWindow(queue []queued) ([]queued, int, error) {
+	n := min(len(queue), publishWindow)
+	futures := make([]jetstream.PubAckFuture, n)
+	errs := make([]error, n)
+	now := time.Now()
+	for i := range n {
+		q := &queue[i]
+		if q.first.IsZero() {
+			q.first = now
+		}
+		// A new message each time: a sent one holds its reply subject.
+		m := &nats.Msg{Subject: q.msg.Subject, Header: q.msg.Header, Data: q.msg.Data}
+		futures[i], errs[i] = p.js.PublishMsgAsync(m)
+	}
+	// Each future settles within ackTimeout (the jetstream publisher's
+	// own timeout); the bound below only guards against a lost one.
+	bound := time.NewTimer(ackTimeout + time.Second)
+	defer bound.Stop()
+wait:
+	for i, f := range futures {
+		if errs[i] != nil {
+			continue
+		}
+		select {
+		case <-f.Ok():
+		case err := <-f.Err():
+			errs[i] = err
+		case <-bound.C:
+			lost := errors.New("no ack within " + (ackTimeout + time.Second).String())
+			for j := i; j < n; j++ {
+				if errs[j] == nil {
+					select {
+					case <-futures[j].Ok():
+					case err := <-futures[j].Err():
+						errs[j] = err
+					default:
+						errs[j] = lost
+					}
+				}
+			}
+			break wait
+		}
+	}
+	var (
+		acked   int
+		lastErr error
+		kept    = queue[:0]
+	)
+	for i := range n {
+		q := queue[i]
+		switch {
+		case errs[i] == nil:
+			acked++
+			p.published.Add(1)
+			p.publishedTotal.Inc()
+			p.settle()
+		case permanent(errs[i]):
+			lastErr = errs[i]
+			p.settle()
+			p.drop(DropInvalid, q.kind)
+		case now.Sub(q.first) > RetryHorizon:
+			lastErr = errs[i]
+			p.settle()
+			p.drop(DropExpired, q.kind)
+		default:
+			lastErr = errs[i]
+			kept = append(kept, q)
+		}
+	}
+	kept = append(kept, queue[n:]...)
+	// Let the dropped tail be collected.
+	clear(queue[len(kept):])
+	if len(kept) == 0 && cap(kept) > 4*publishWindow {
+		kept = nil
+	}
+	return kept, acked, lastErr
+}
+
+// permanent reports whether a publish error will not go away by waiting:
+// the stream refuses the message itself.
+func permanent(err error) bool {
+	var apiErr *jetstream.APIError
+	if errors.As(err, &apiErr) && apiErr.ErrorCode == jetstream.JSErrCodeStreamMessageExceedsMaximum {
 		return true
-	default:
-		delete(p.attempts, id)
-		return false
 	}
+	return errors.Is(err, jetstream.ErrStreamMessageExceedsMaximum) || errors.Is(err, nats.ErrMaxPayload) ||
+		errors.Is(err, nats.ErrBadSubject)
 }
 
-// settled forgets the publish attempts of m (acknowledged or dropped).
-func (p *Publisher) settled(m *nats.Msg) {
-	p.againMu.Lock()
-	if len(p.attempts) > 0 {
-		delete(p.attempts, m.Header.Get(jetstream.MsgIDHeader))
-	}
-	p.againMu.Unlock()
-}
-
-// pause waits republishPause; it returns false when Close was called
-// meanwhile.
-func (p *Publisher) pause() bool {
-	t := time.NewTimer(republishPause)
+// sleep waits d; it returns false when Close was called meanwhile.
+func (p *Publisher) sleep(d time.Duration) bool {
+	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
 	case <-p.stop:
@@ -309,40 +476,6 @@ func (p *Publisher) pause() bool {
 	case <-t.C:
 		return true
 	}
-}
-
-// resendQueued publishes again every event queued to be (see retry); when
-// closing, only while the connection is up (the others are dropped).
-func (p *Publisher) resendQueued(closing bool) {
-	for {
-		select {
-		case m := <-p.again:
-			if closing {
-				p.resendOrDrop(m)
-			} else {
-				p.resend(m)
-			}
-		default:
-			return
-		}
-	}
-}
-
-// resendOrDrop publishes m again while the connection is up, else drops it
-// (Close is under way).
-func (p *Publisher) resendOrDrop(m *nats.Msg) {
-	if p.nc.IsConnected() {
-		p.resend(m)
-		return
-	}
-	p.settled(m)
-	p.drop(DropClosed)
-}
-
-// resend publishes m again, with its message id (a new message: m holds
-// the reply subject of its last attempt).
-func (p *Publisher) resend(m *nats.Msg) {
-	p.publish(&nats.Msg{Subject: m.Subject, Header: m.Header, Data: m.Data})
 }
 
 // awaitConnection waits until the connection is up; it returns false when
@@ -364,103 +497,34 @@ func (p *Publisher) awaitConnection() bool {
 	return true
 }
 
-// send marshals ev and publishes it asynchronously with its ID as the
-// message id.
-func (p *Publisher) send(ev schemas.Event) {
-	subject := ev.Subject()
-	if !validSubject(subject) {
-		p.drop(DropInvalid)
-		return
-	}
-	data, err := json.Marshal(ev)
-	if err != nil {
-		p.drop(DropInvalid)
-		return
-	}
-	p.publish(&nats.Msg{Subject: subject, Data: data, Header: nats.Header{jetstream.MsgIDHeader: []string{ev.Head().ID}}})
-}
-
-// publish publishes m asynchronously; when that fails at once (the
-// connection broke under the write, too many acks pending) m is queued to
-// be published again (see retry) or, past its attempts, dropped.
-func (p *Publisher) publish(m *nats.Msg) {
-	p.outstanding.Add(1)
-	if _, err := p.js.PublishMsgAsync(m, jetstream.WithStallWait(stallWait)); err != nil {
-		p.outstanding.Add(-1) // no handler will run for it
-		if !p.retry(m) {
-			p.drop(DropBusError)
+// drain publishes what is queued and buffered while the connection is up,
+// within closeDrainBound; what is left then is dropped and counted.
+func (p *Publisher) drain(queue []queued) {
+	deadline := time.Now().Add(closeDrainBound)
+	for {
+		queue = p.take(queue)
+		if len(queue) == 0 {
+			break
+		}
+		if !p.nc.IsConnected() || time.Now().After(deadline) {
+			break
+		}
+		var err error
+		queue, _, err = p.sendWindow(queue)
+		if err != nil {
+			t := time.NewTimer(retryPauseMin)
+			<-t.C
 		}
 	}
-}
-
-// drain publishes what is buffered while the connection is up, then waits
-// for the pending acks, all within closeDrainBound; what is left is
-// dropped, and from then on a failed publish is not retried.
-func (p *Publisher) drain() {
-	bound := time.NewTimer(closeDrainBound)
-	defer bound.Stop()
-	defer p.closeAgain()
-	p.resendQueued(true)
+	for _, q := range queue {
+		p.settle()
+		p.drop(DropClosed, q.kind)
+	}
 	for {
 		select {
 		case ev := <-p.events:
-			select {
-			case <-bound.C:
-				p.drop(DropClosed)
-				p.dropBuffered()
-				return
-			default:
-			}
-			if p.nc.IsConnected() {
-				p.send(ev)
-			} else {
-				p.drop(DropClosed)
-			}
-			continue
-		default:
-		}
-		break
-	}
-	select {
-	case <-p.js.PublishAsyncComplete():
-	case <-bound.C:
-		return
-	}
-	// The acks are in; their handlers (which count them) may still run.
-	for p.outstanding.Load() > 0 {
-		t := time.NewTimer(time.Millisecond)
-		select {
-		case <-t.C:
-		case <-bound.C:
-			t.Stop()
-			return
-		}
-	}
-}
-
-// closeAgain stops retries: every event still queued to be published
-// again is dropped and counted.
-func (p *Publisher) closeAgain() {
-	p.againMu.Lock()
-	defer p.againMu.Unlock()
-	p.againClosed = true
-	for {
-		select {
-		case <-p.again:
-			p.drop(DropClosed)
-		default:
-			clear(p.attempts)
-			return
-		}
-	}
-}
-
-// dropBuffered drops and counts every buffered event.
-func (p *Publisher) dropBuffered() {
-	for {
-		select {
-		case <-p.events:
-			p.drop(DropClosed)
+			p.settle()
+			p.drop(DropClosed, kindOf(ev.Subject()))
 		default:
 			return
 		}

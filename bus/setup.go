@@ -91,6 +91,30 @@ func streamConfig(replicas int) jetstream.StreamConfig {
 		MaxAge:      StreamMaxAge,
 		MaxBytes:    StreamMaxBytes,
 		Duplicates:  StreamDuplicates,
+		MaxMsgSize:  StreamMaxMsgSize,
+		Replicas:    replicas,
+	}
+}
+
+// historyConfig is stream NARWHAL_HISTORY as Setup creates it: no
+// subjects of its own, sourced from NARWHAL_EVENTS with one filter per
+// HistoryKinds kind, limits by age (30 days) and size (512 MiB).
+func historyConfig(replicas int) jetstream.StreamConfig {
+	src := &jetstream.StreamSource{Name: StreamName}
+	for _, k := range HistoryKinds {
+		f := SubjectPrefix + k + ".>"
+		src.SubjectTransforms = append(src.SubjectTransforms, jetstream.SubjectTransformConfig{Source: f, Destination: f})
+	}
+	return jetstream.StreamConfig{
+		Name:        HistoryStream,
+		Description: "Narwhal history: every event but request events, kept apart from them",
+		Sources:     []*jetstream.StreamSource{src},
+		Retention:   jetstream.LimitsPolicy,
+		Discard:     jetstream.DiscardOld,
+		Storage:     jetstream.FileStorage,
+		MaxAge:      HistoryMaxAge,
+		MaxBytes:    HistoryMaxBytes,
+		MaxMsgSize:  StreamMaxMsgSize,
 		Replicas:    replicas,
 	}
 }
@@ -177,6 +201,9 @@ func (b *Bus) setupOnce(ctx context.Context, stream jetstream.StreamConfig, buck
 	if err := ensureStream(ctx, b.js, stream, log); err != nil {
 		return err
 	}
+	if err := ensureStream(ctx, b.js, historyConfig(stream.Replicas), log); err != nil {
+		return err
+	}
 	for _, want := range buckets {
 		if err := ensureBucket(ctx, b.js, want, log); err != nil {
 			return err
@@ -217,10 +244,20 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, want jetstream.St
 
 // sameStream reports whether the settings Narwhal manages are as wanted.
 func sameStream(have, want jetstream.StreamConfig) bool {
-	return slices.Equal(have.Subjects, want.Subjects) && have.Retention == want.Retention &&
+	return slices.Equal(have.Subjects, want.Subjects) && sameSources(have.Sources, want.Sources) &&
+		have.MaxMsgSize == want.MaxMsgSize && have.Retention == want.Retention &&
 		have.Discard == want.Discard && have.Storage == want.Storage && have.MaxAge == want.MaxAge &&
 		have.MaxBytes == want.MaxBytes && have.Duplicates == want.Duplicates && have.Replicas == want.Replicas &&
 		have.Description == want.Description
+}
+
+// sameSources reports whether two source lists name the same streams
+// with the same filters.
+func sameSources(have, want []*jetstream.StreamSource) bool {
+	return slices.EqualFunc(have, want, func(a, b *jetstream.StreamSource) bool {
+		return a.Name == b.Name && a.FilterSubject == b.FilterSubject &&
+			slices.Equal(a.SubjectTransforms, b.SubjectTransforms)
+	})
 }
 
 // ensureBucket creates want, or updates the bucket when the settings
