@@ -139,11 +139,18 @@ type Recovery struct {
 	// ReadmitIntervalS is the breaker's probe cadence for ejected engines,
 	// before backoff (R-BRK-5, R-BRK-7). Seconds, > 0; default 5.
 	ReadmitIntervalS float64 `yaml:"readmit_interval_s" env:"READMIT_INTERVAL_S"`
+	// MaxQuarantineS caps the duration of a quarantine another router
+	// announces on the bus: a longer one is applied for this long
+	// (R-BUS-9). Seconds, > 0; default 300.
+	MaxQuarantineS float64 `yaml:"max_quarantine_s" env:"MAX_QUARANTINE_S"`
 }
 
 // FailureQuarantine returns FailureQuarantineS as a Duration; 0 means
 // quarantine is off (R-QUAR-1).
 func (r Recovery) FailureQuarantine() time.Duration { return Seconds(r.FailureQuarantineS) }
+
+// MaxQuarantine returns MaxQuarantineS as a Duration (R-BUS-9).
+func (r Recovery) MaxQuarantine() time.Duration { return Seconds(r.MaxQuarantineS) }
 
 // ReadmitInterval returns ReadmitIntervalS as a Duration (R-BRK-5).
 func (r Recovery) ReadmitInterval() time.Duration { return Seconds(r.ReadmitIntervalS) }
@@ -346,7 +353,7 @@ func Default() Config {
 		Engine:   Engine{FirstTokenTimeoutS: 30, DecodeReadTimeoutS: 30, PrefillTimeoutS: 60},
 		Request:  Request{TimeoutS: 600, MaxBodyBytes: 32 << 20, MaxN: 16, MaxTokensLimit: 1 << 20},
 		Handoff:  Handoff{MaxAgeS: 120},
-		Recovery: Recovery{EjectAfter: 3, FailureQuarantineS: 0, RetryAttempts: 0, RetryBudgetRatio: 0.2, ReadmitIntervalS: 5},
+		Recovery: Recovery{EjectAfter: 3, FailureQuarantineS: 0, RetryAttempts: 0, RetryBudgetRatio: 0.2, ReadmitIntervalS: 5, MaxQuarantineS: 300},
 		Breaker:  Breaker{LeaseTTLS: 5},
 		Router:   Router{ID: defaultRouterID(), EventBuffer: 4096, LogFormat: LogFormatText, LogLevel: "info"},
 		Server: Server{StallTimeoutS: 30, HeaderTimeoutS: 10, IdleTimeoutS: 90, MaxHeaderBytes: 64 << 10,
@@ -510,6 +517,7 @@ func (c *Config) Validate() error {
 		bad("recovery.retry_budget_ratio", "must be between 0 and 1, got %v", r)
 	}
 	positive("recovery.readmit_interval_s", c.Recovery.ReadmitIntervalS)
+	positive("recovery.max_quarantine_s", c.Recovery.MaxQuarantineS)
 	if v := c.Breaker.LeaseTTLS; !finite(v) {
 		bad("breaker.lease_ttl_s", "must be a finite number, got %v", v)
 	} else if v < MinLeaseTTLS {

@@ -79,6 +79,7 @@ func TestDefaults(t *testing.T) {
 		"recovery.retry_attempts":        0,
 		"recovery.retry_budget_ratio":    0.2,
 		"recovery.readmit_interval_s":    5,
+		"recovery.max_quarantine_s":      300,
 		"breaker.lease_ttl_s":            5,
 		"request.max_body_bytes":         32 << 20,
 		"router.event_buffer":            4096,
@@ -103,6 +104,7 @@ func TestDefaults(t *testing.T) {
 		"recovery.retry_attempts":        float64(d.Recovery.RetryAttempts),
 		"recovery.retry_budget_ratio":    d.Recovery.RetryBudgetRatio,
 		"recovery.readmit_interval_s":    d.Recovery.ReadmitIntervalS,
+		"recovery.max_quarantine_s":      d.Recovery.MaxQuarantineS,
 		"breaker.lease_ttl_s":            d.Breaker.LeaseTTLS,
 		"request.max_body_bytes":         float64(d.Request.MaxBodyBytes),
 		"router.event_buffer":            float64(d.Router.EventBuffer),
@@ -271,8 +273,8 @@ func envNames(t *testing.T) map[string]string {
 // the file.
 func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 	names := envNames(t)
-	if len(names) != 32 {
-		t.Fatalf("%d scalar keys, want 32: %v", len(names), names)
+	if len(names) != 33 {
+		t.Fatalf("%d scalar keys, want 33: %v", len(names), names)
 	}
 	if names["engine.first_token_timeout_s"] != "NARWHAL_ENGINE_FIRST_TOKEN_TIMEOUT_S" ||
 		names["bus.url"] != "NARWHAL_NATS_URL" || names["bus.creds"] != "NARWHAL_NATS_CREDS" ||
@@ -287,7 +289,8 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		"handoff.max_age_s":    "16",
 		"recovery.eject_after": "17", "recovery.failure_quarantine_s": "18", "recovery.retry_attempts": "19",
 		"recovery.retry_budget_ratio": "0.5", "recovery.readmit_interval_s": "21", "breaker.lease_ttl_s": "23",
-		"router.id": "from-file", "router.event_buffer": "22", "router.log_format": "json", "router.log_level": "warn",
+		"recovery.max_quarantine_s": "33",
+		"router.id":                 "from-file", "router.event_buffer": "22", "router.log_format": "json", "router.log_level": "warn",
 		"request.max_n": "24", "request.max_tokens_limit": "25",
 		"server.stall_timeout_s": "26", "server.header_timeout_s": "27", "server.idle_timeout_s": "28",
 		"server.max_header_bytes": "29000", "server.max_connections": "30", "server.max_inflight": "31",
@@ -301,7 +304,8 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		"handoff.max_age_s":    "6",
 		"recovery.eject_after": "7", "recovery.failure_quarantine_s": "8", "recovery.retry_attempts": "9",
 		"recovery.retry_budget_ratio": "1", "recovery.readmit_interval_s": "0.25", "breaker.lease_ttl_s": "0.75",
-		"router.id": "from-env", "router.event_buffer": "10", "router.log_format": "text", "router.log_level": "error",
+		"recovery.max_quarantine_s": "34",
+		"router.id":                 "from-env", "router.event_buffer": "10", "router.log_format": "text", "router.log_level": "error",
 		"request.max_n": "2", "request.max_tokens_limit": "3",
 		"server.stall_timeout_s": "0.5", "server.header_timeout_s": "1.25", "server.idle_timeout_s": "2",
 		"server.max_header_bytes": "8192", "server.max_connections": "11", "server.max_inflight": "12",
@@ -335,7 +339,7 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		Engine:   Engine{FirstTokenTimeoutS: 1.5, DecodeReadTimeoutS: 0, PrefillTimeoutS: 3},
 		Request:  Request{TimeoutS: 4, MaxBodyBytes: 5, MaxN: 2, MaxTokensLimit: 3},
 		Handoff:  Handoff{MaxAgeS: 6},
-		Recovery: Recovery{EjectAfter: 7, FailureQuarantineS: 8, RetryAttempts: 9, RetryBudgetRatio: 1, ReadmitIntervalS: 0.25},
+		Recovery: Recovery{EjectAfter: 7, FailureQuarantineS: 8, RetryAttempts: 9, RetryBudgetRatio: 1, ReadmitIntervalS: 0.25, MaxQuarantineS: 34},
 		Breaker:  Breaker{LeaseTTLS: 0.75},
 		Router:   Router{ID: "from-env", EventBuffer: 10, LogFormat: "text", LogLevel: "error"},
 		Server: Server{StallTimeoutS: 0.5, HeaderTimeoutS: 1.25, IdleTimeoutS: 2, MaxHeaderBytes: 8192,
@@ -473,6 +477,7 @@ func TestValidateNamesEveryKey(t *testing.T) {
 		{func(c *Config) { c.Recovery.RetryBudgetRatio = -0.1 }, "config: recovery.retry_budget_ratio: must be between 0 and 1, got -0.1"},
 		{func(c *Config) { c.Recovery.RetryBudgetRatio = math.NaN() }, "config: recovery.retry_budget_ratio: must be between 0 and 1, got NaN"},
 		{func(c *Config) { c.Recovery.ReadmitIntervalS = 0 }, "config: recovery.readmit_interval_s: must be > 0, got 0"},
+		{func(c *Config) { c.Recovery.MaxQuarantineS = 0 }, "config: recovery.max_quarantine_s: must be > 0, got 0"},
 		{func(c *Config) { c.Breaker.LeaseTTLS = 0.2 }, "config: breaker.lease_ttl_s: must be >= 0.5, got 0.2"},
 		{func(c *Config) { c.Router.ID = "" }, `config: router.id: must be non-empty and hold only letters, digits, '-' and '_', got ""`},
 		{func(c *Config) { c.Router.ID = "host.example.com-1" }, `config: router.id: must be non-empty and hold only letters, digits, '-' and '_', got "host.example.com-1"`},

@@ -40,6 +40,12 @@ const (
 	SchemaChaos       = "narwhal.chaos.v1"
 )
 
+// SchemaPlacement names the JSON Schema of a value in KV bucket
+// narwhal_placement (narwhal.placement.v1.json): an Eligibility that
+// carries its writer's breaker_id and lease_term (SPEC R-BUS-2, R-BUS-9).
+// It is not an event: the values keep "schema": SchemaEligibility.
+const SchemaPlacement = "narwhal.placement.v1"
+
 // Event kinds: the <kind> part of the subject narwhal.events.<kind>.<id>
 // (SPEC R-BUS-1).
 const (
@@ -272,6 +278,11 @@ type Eligibility struct {
 	Reason string `json:"reason,omitempty"`
 	// Streak is the engine's current consecutive-failure count.
 	Streak int `json:"streak"`
+	// LeaseTerm is the term of the writing breaker's leader lease (the
+	// KV revision at which it took the lease); routers apply a placement
+	// value only from the current term's holder (R-BUS-9). 0 (omitted)
+	// outside placement.
+	LeaseTerm uint64 `json:"lease_term,omitempty"`
 }
 
 // Subject returns narwhal.events.eligibility.<engine_id>.

@@ -125,14 +125,14 @@ func samples() []sample {
 }
 
 // TestEverySchemaFileIsAnEvent proves R-BUS-3: SchemaFS holds exactly one
-// file per event schema name.
+// file per event schema name, and the placement value's (R-BUS-9).
 func TestEverySchemaFileIsAnEvent(t *testing.T) {
 	compiled := compileSchemas(t)
 	var got []string
 	for name := range compiled {
 		got = append(got, name)
 	}
-	want := []string{schemas.SchemaRequest, schemas.SchemaFailure, schemas.SchemaQuarantine, schemas.SchemaHandoff, schemas.SchemaProbe, schemas.SchemaEligibility, schemas.SchemaChaos}
+	want := []string{schemas.SchemaRequest, schemas.SchemaFailure, schemas.SchemaQuarantine, schemas.SchemaHandoff, schemas.SchemaProbe, schemas.SchemaEligibility, schemas.SchemaChaos, schemas.SchemaPlacement}
 	sort.Strings(got)
 	sort.Strings(want)
 	if !slices.Equal(got, want) {
@@ -357,7 +357,7 @@ func TestSchemasMatchGoTypes(t *testing.T) {
 					t.Errorf("%s.%s: additionalProperties %v, want string values", name, tag, p["additionalProperties"])
 				}
 			default:
-				want = map[reflect.Kind]string{reflect.String: "string", reflect.Bool: "boolean", reflect.Int: "integer", reflect.Float64: "number"}[f.Type.Kind()]
+				want = map[reflect.Kind]string{reflect.String: "string", reflect.Bool: "boolean", reflect.Int: "integer", reflect.Uint64: "integer", reflect.Float64: "number"}[f.Type.Kind()]
 			}
 			if !reflect.DeepEqual(p["type"], want) {
 				t.Errorf("%s.%s: type %v, want %v", name, tag, p["type"], want)

@@ -9,7 +9,8 @@ import "embed"
 // schemas match the event types of this package field for field, with
 // "additionalProperties": false, "schema" as a const and "at" as an
 // RFC 3339 UTC date-time; a dashboard or a test validates a message by the
-// file its "schema" field names.
+// file its "schema" field names. narwhal.placement.v1.json
+// (SchemaPlacement) is the schema of a narwhal_placement value.
 //
 //go:embed *.json
 var SchemaFS embed.FS
