@@ -44,7 +44,7 @@ const (
 	// breaker only binds to it.
 	LeaseBucket = bus.LeaseBucket
 	// LeaseKey is the lease's key in LeaseBucket; its value is a Lease.
-	LeaseKey = "leader"
+	LeaseKey = bus.LeaseKey
 	// ConsumerName is the durable consumer on stream NARWHAL_EVENTS that
 	// every breaker shares; only the leader pulls from it. It is created or
 	// updated, never deleted.
@@ -83,13 +83,9 @@ const (
 	eventBuffer = 1024
 )
 
-// Lease is the value of LeaseKey: who holds the lease, and since when.
-type Lease struct {
-	// BreakerID is the leader's breaker_id.
-	BreakerID string `json:"breaker_id"`
-	// Since is when it took the lease (UTC).
-	Since time.Time `json:"since"`
-}
+// Lease is the value of LeaseKey: who holds the lease, since when, and in
+// which term (see bus.Lease).
+type Lease = bus.Lease
 
 // Options configures a Service.
 type Options struct {
@@ -136,6 +132,13 @@ type Service struct {
 
 	running atomic.Bool
 	leader  atomic.Bool
+	// term is the lease term while leading (the revision at which the
+	// lease was taken), written into every placement value (R-BUS-9).
+	term atomic.Uint64
+	// position is the stream sequence up to which events were applied
+	// (or the consumer's ack floor when it was last read): where a
+	// recreated consumer starts (R-BUS-9).
+	position atomic.Uint64
 	pub     *bus.Publisher // set by Run before any goroutine uses it
 
 	// mu guards the leader-only state of every engine: its cached
@@ -272,7 +275,7 @@ func (s *Service) Run(ctx context.Context) error {
 		cancel()
 		switch {
 		case err == nil:
-			s.lead(ctx, lease, cons, value, rev)
+			s.lead(ctx, lease, cons, rev)
 		case errors.Is(err, jetstream.ErrKeyExists):
 			// Another breaker leads: stand by.
 		case ctx.Err() == nil:
@@ -301,18 +304,17 @@ func (s *Service) setup(ctx context.Context) (jetstream.KeyValue, jetstream.Cons
 		}
 		var cons jetstream.Consumer
 		if err == nil {
-			cons, err = js.CreateOrUpdateConsumer(octx, bus.StreamName, jetstream.ConsumerConfig{
-				Durable:        ConsumerName,
-				Description:    "Narwhal breaker: failure and request events",
-				FilterSubjects: FilterSubjects,
-				DeliverPolicy:  jetstream.DeliverNewPolicy,
-				AckPolicy:      jetstream.AckExplicitPolicy,
-				AckWait:        consumerAckWait,
-				MaxAckPending:  consumerMaxAckPending,
-				MaxDeliver:     -1,
-			})
+			// An existing consumer is used as it is: it may have been
+			// recreated at a position (see recreateConsumer), a setting
+			// an update could not change.
+			cons, err = js.Consumer(octx, bus.StreamName, ConsumerName)
+			if errors.Is(err, jetstream.ErrConsumerNotFound) {
+				cons, err = js.CreateOrUpdateConsumer(octx, bus.StreamName, consumerConfig(0))
+			}
 			if err != nil {
 				err = fmt.Errorf("breaker: consumer %s: %w", ConsumerName, err)
+			} else {
+				s.position.Store(cons.CachedInfo().AckFloor.Stream)
 			}
 		}
 		cancel()
@@ -344,6 +346,27 @@ func (s *Service) adoptLeaseTTL(ctx context.Context, lease jetstream.KeyValue) e
 	return nil
 }
 
+// consumerConfig is the durable consumer's configuration: from the
+// events published after its creation, or — recreated after it vanished —
+// from stream sequence start (R-BRK-1, R-BUS-9).
+func consumerConfig(start uint64) jetstream.ConsumerConfig {
+	cfg := jetstream.ConsumerConfig{
+		Durable:        ConsumerName,
+		Description:    "Narwhal breaker: failure and request events",
+		FilterSubjects: FilterSubjects,
+		DeliverPolicy:  jetstream.DeliverNewPolicy,
+		AckPolicy:      jetstream.AckExplicitPolicy,
+		AckWait:        consumerAckWait,
+		MaxAckPending:  consumerMaxAckPending,
+		MaxDeliver:     -1,
+	}
+	if start > 0 {
+		cfg.DeliverPolicy = jetstream.DeliverByStartSequencePolicy
+		cfg.OptStartSeq = start
+	}
+	return cfg
+}
+
 // transient reports whether a bus error may go away by waiting.
 func (s *Service) transient(err error) bool {
 	return !s.bus.Connected() ||
@@ -370,16 +393,25 @@ func sleep(ctx context.Context, d time.Duration) bool {
 // errLeaseLost cancels the leading context when a renewal fails.
 var errLeaseLost = errors.New("breaker: lease lost")
 
-// lead runs the leader's work while the lease (value, at revision rev) is
-// held: it renews the lease every lease_ttl_s/3, takes over placement,
-// consumes events and runs readmission rounds. It returns when ctx ends (releasing
-// the lease) or the lease is lost.
-func (s *Service) lead(ctx context.Context, lease jetstream.KeyValue, cons jetstream.Consumer, value []byte, rev uint64) {
+// renewRetry is the pause between attempts of a failed lease renewal.
+const renewRetry = 50 * time.Millisecond
+
+// lead runs the leader's work while the lease (taken at revision rev, the
+// lease term) is held: it renews the lease every lease_ttl_s/3, takes over
+// placement, consumes events and runs readmission rounds. A renewal that
+// fails for a reason other than another breaker's lease (a leader election
+// of the bucket, a reconnect) is retried until the lease would lapse, less
+// a tenth of the TTL; only then, or when another breaker holds the lease,
+// does it stop leading (R-BRK-8). It returns when ctx ends (releasing the
+// lease) or the lease is lost.
+func (s *Service) lead(ctx context.Context, lease jetstream.KeyValue, cons jetstream.Consumer, rev uint64) {
 	lctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
+	s.term.Store(rev)
 	s.leader.Store(true)
 	s.metrics.leader.Set(1)
-	s.log.Info("breaker leading", "lease_ttl", s.leaseTTL)
+	s.log.Info("breaker leading", "lease_ttl", s.leaseTTL, "lease_term", rev)
+	value, _ := json.Marshal(Lease{BreakerID: s.id, Since: time.Now().UTC(), Term: rev})
 
 	var held atomic.Uint64
 	held.Store(rev)
@@ -389,15 +421,14 @@ func (s *Service) lead(ctx context.Context, lease jetstream.KeyValue, cons jetst
 		defer wg.Done()
 		t := time.NewTicker(s.renewEvery)
 		defer t.Stop()
+		renewed := time.Now()
 		for {
 			select {
 			case <-lctx.Done():
 				return
 			case <-t.C:
 			}
-			rctx, rcancel := context.WithTimeout(lctx, s.renewEvery)
-			next, err := lease.Update(rctx, LeaseKey, value, held.Load())
-			rcancel()
+			next, err := s.renew(lctx, lease, value, held.Load(), renewed.Add(s.leaseTTL-s.leaseTTL/10))
 			if err != nil {
 				if lctx.Err() != nil {
 					return
@@ -411,6 +442,7 @@ func (s *Service) lead(ctx context.Context, lease jetstream.KeyValue, cons jetst
 				return
 			}
 			held.Store(next)
+			renewed = time.Now()
 		}
 	}()
 
@@ -433,6 +465,44 @@ func (s *Service) lead(ctx context.Context, lease jetstream.KeyValue, cons jetst
 		}
 		rcancel()
 		s.log.Info("breaker stopped leading")
+	}
+}
+
+// renew renews the lease held at revision rev with value, retrying every
+// renewRetry until deadline (shortly before the lease would lapse). A
+// revision mismatch after a failed attempt may be that attempt's own
+// write: when the stored lease is still this breaker's term, its revision
+// is taken. It returns the new revision, or why the lease is lost.
+func (s *Service) renew(ctx context.Context, lease jetstream.KeyValue, value []byte, rev uint64, deadline time.Time) (uint64, error) {
+	retried := false
+	for {
+		rctx, rcancel := context.WithTimeout(ctx, min(s.renewEvery, max(time.Until(deadline), time.Millisecond)))
+		next, err := lease.Update(rctx, LeaseKey, value, rev)
+		if err != nil && errors.Is(err, jetstream.ErrKeyRevisionMismatch) {
+			if e, gerr := lease.Get(rctx, LeaseKey); gerr == nil {
+				if l, ok := bus.LeaseOf(e); ok && l.BreakerID == s.id && l.Term == s.term.Load() {
+					next, err = e.Revision(), nil
+				}
+			}
+		}
+		rcancel()
+		if err == nil {
+			if retried {
+				s.log.Info("breaker lease renewed after a failed attempt")
+			}
+			return next, nil
+		}
+		if errors.Is(err, jetstream.ErrKeyRevisionMismatch) || errors.Is(err, jetstream.ErrKeyNotFound) ||
+			errors.Is(err, jetstream.ErrKeyDeleted) || ctx.Err() != nil || time.Now().After(deadline) {
+			return 0, err
+		}
+		if !retried {
+			s.log.Warn("breaker lease renewal failed; retrying until the lease would lapse", "err", err)
+		}
+		retried = true
+		if !sleep(ctx, renewRetry) {
+			return 0, ctx.Err()
+		}
 	}
 }
 

@@ -23,17 +23,29 @@ var (
 // lease is held) and applies them one at a time, in stream order,
 // acknowledging each after it is applied: a leader that stops mid-way
 // leaves the rest to the next one, from the ack floor (R-BRK-1). Events
-// fetched after the lease was lost are handed back unapplied.
+// fetched after the lease was lost are handed back unapplied. When the
+// consumer has vanished (deleted by hand or by a hostile client) it is
+// recreated, from the event after the last one applied, within half a
+// readmission interval (R-BUS-9).
 func (s *Service) consume(ctx context.Context, cons jetstream.Consumer) {
 	wait := min(s.renewEvery, maxFetchWait)
+	checkEvery := max(min(s.interval/2, maxFetchWait), 50*time.Millisecond)
+	checked := time.Now()
 	for ctx.Err() == nil {
-		fctx, cancel := context.WithTimeout(ctx, wait)
+		if time.Since(checked) >= checkEvery {
+			checked = time.Now()
+			s.checkConsumer(ctx, cons)
+		}
+		fctx, cancel := context.WithTimeout(ctx, min(wait, checkEvery))
 		batch, err := cons.Fetch(fetchBatch, jetstream.FetchContext(fctx))
 		if err != nil {
 			cancel()
 			if ctx.Err() == nil {
 				s.log.Debug("breaker fetch", "err", err)
-				sleep(ctx, wait)
+				if errors.Is(err, jetstream.ErrConsumerNotFound) || errors.Is(err, jetstream.ErrConsumerDeleted) {
+					checked = time.Time{}
+				}
+				sleep(ctx, min(wait, checkEvery))
 			}
 			continue
 		}
@@ -49,10 +61,43 @@ func (s *Service) consume(ctx context.Context, cons jetstream.Consumer) {
 		cancel()
 		if err := batch.Error(); err != nil && ctx.Err() == nil && !errors.Is(err, context.DeadlineExceeded) {
 			s.log.Debug("breaker fetch", "err", err)
+			if errors.Is(err, jetstream.ErrConsumerNotFound) || errors.Is(err, jetstream.ErrConsumerDeleted) {
+				checked = time.Time{}
+			}
 			if n == 0 {
-				sleep(ctx, wait)
+				sleep(ctx, min(wait, checkEvery))
 			}
 		}
+	}
+}
+
+// checkConsumer reads the durable consumer's state; when the server says
+// it does not exist, it creates it again from the event after the last
+// one applied (R-BUS-9). Other errors (the bus is down) are left to the
+// next check.
+func (s *Service) checkConsumer(ctx context.Context, cons jetstream.Consumer) {
+	octx, cancel := context.WithTimeout(ctx, opTimeout)
+	defer cancel()
+	info, err := cons.Info(octx)
+	if err == nil {
+		if f := info.AckFloor.Stream; f > s.position.Load() {
+			s.position.Store(f)
+		}
+		return
+	}
+	if !errors.Is(err, jetstream.ErrConsumerNotFound) {
+		return
+	}
+	from := s.position.Load() + 1
+	_, err = s.bus.JetStream().CreateConsumer(octx, bus.StreamName, consumerConfig(from))
+	switch {
+	case err == nil:
+		s.metrics.consumerRecreated.Inc()
+		s.log.Warn("breaker consumer was gone; recreated it", "consumer", ConsumerName, "from_stream_seq", from)
+	case errors.Is(err, jetstream.ErrConsumerExists):
+		// Another breaker recreated it first.
+	default:
+		s.log.Warn("breaker consumer is gone and could not be recreated yet", "consumer", ConsumerName, "err", err)
 	}
 }
 
@@ -71,6 +116,11 @@ func (s *Service) handle(ctx context.Context, msg jetstream.Msg) {
 		err = s.applyRequest(ctx, msg.Data())
 	}
 	var bad *malformedError
+	if md, merr := msg.Metadata(); merr == nil && (err == nil || errors.As(err, new(*malformedError))) {
+		if seq := md.Sequence.Stream; seq > s.position.Load() {
+			s.position.Store(seq)
+		}
+	}
 	switch {
 	case err == nil:
 		_ = msg.Ack()

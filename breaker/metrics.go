@@ -21,6 +21,9 @@ type metrics struct {
 	// events is narwhal_breaker_events_total{kind}: failure and request
 	// events consumed.
 	events *prometheus.CounterVec
+	// consumerRecreated is narwhal_breaker_consumer_recreated_total: the
+	// durable consumer was found gone and created again (R-BUS-9).
+	consumerRecreated prometheus.Counter
 }
 
 // newMetrics builds the collectors and registers them on reg when it is
@@ -48,6 +51,10 @@ func newMetrics(reg prometheus.Registerer, breakerID string) *metrics {
 			Name: "narwhal_breaker_events_total",
 			Help: "Failure and request events the breaker consumed, by kind.",
 		}, []string{"kind"}),
+		consumerRecreated: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "narwhal_breaker_consumer_recreated_total",
+			Help: "Times the breaker found its durable consumer gone and created it again.",
+		}),
 	}
 	if reg != nil {
 		leader = register(reg, leader)
@@ -55,6 +62,7 @@ func newMetrics(reg prometheus.Registerer, breakerID string) *metrics {
 		m.readmissions = register(reg, m.readmissions)
 		m.probes = register(reg, m.probes)
 		m.events = register(reg, m.events)
+		m.consumerRecreated = register(reg, m.consumerRecreated)
 	}
 	m.leader = leader.WithLabelValues(breakerID)
 	return m

@@ -20,7 +20,9 @@ const maxCASAttempts = 4
 // takeOver prepares placement for a new leader (R-BRK-8): every fleet
 // engine without an entry in narwhal_placement gets {eligible:true,
 // state:"eligible"} (and an eligibility event); existing entries — the
-// previous leader's decisions and streaks — are kept and loaded. Ejected
+// previous leader's decisions and streaks — are kept, loaded and written
+// again in this leader's name and lease term, since routers apply only
+// values of the current lease holder (R-BUS-9). Ejected
 // engines are due for a probe at the first readmission round. It retries
 // until it succeeds or ctx ends, and reports whether it succeeded.
 func (s *Service) takeOver(ctx context.Context) bool {
@@ -64,7 +66,14 @@ func (s *Service) seed(ctx context.Context, e *engine) error {
 		s.publish(cloneEligibility(entry))
 		return nil
 	case errors.Is(err, jetstream.ErrKeyExists):
-		return s.reload(octx, e)
+		if err := s.reload(octx, e); err != nil {
+			return err
+		}
+		if e.entry.BreakerID == s.id && e.entry.LeaseTerm == s.term.Load() {
+			return nil
+		}
+		_, err = s.update(ctx, e, false, func(cur schemas.Eligibility) (schemas.Eligibility, error) { return cur, nil })
+		return err
 	}
 	return err
 }
@@ -106,6 +115,7 @@ func (s *Service) eligibility(id string, next schemas.Eligibility) *schemas.Elig
 		BreakerID: s.id,
 		EngineID:  id,
 	}
+	next.LeaseTerm = s.term.Load()
 	next.Eligible = next.State == schemas.StateEligible
 	return &next
 }

@@ -91,3 +91,27 @@ func compileEventSchemas() {
 	}
 	eventSchemas.byName = byName
 }
+
+// ValidatePlacement checks a value of KV bucket narwhal_placement against
+// schemas/narwhal.placement.v1.json (SPEC R-BUS-9): an eligibility object
+// with its writer's breaker_id and lease_term. It returns nil for a valid
+// value and an error listing what is wrong otherwise. It does not check
+// that the writer holds the lease; routers do that against the lease.
+func ValidatePlacement(value []byte) error {
+	eventSchemas.once.Do(compileEventSchemas)
+	if eventSchemas.err != nil {
+		return eventSchemas.err
+	}
+	sch, ok := eventSchemas.byName[schemas.SchemaPlacement]
+	if !ok {
+		return fmt.Errorf("bus: no schema %s", schemas.SchemaPlacement)
+	}
+	inst, err := jsonschema.UnmarshalJSON(bytes.NewReader(value))
+	if err != nil {
+		return fmt.Errorf("bus: placement value is not JSON: %w", err)
+	}
+	if err := sch.Validate(inst); err != nil {
+		return fmt.Errorf("bus: placement value does not match schema %s: %w", schemas.SchemaPlacement, err)
+	}
+	return nil
+}

@@ -3,6 +3,8 @@ package router
 import (
 	"context"
 	"encoding/json"
+	"errors"
+	"math"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -12,20 +14,79 @@ import (
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
-// meshResyncPoll is how often the router checks its bus connection to
-// resynchronise placement after a reconnect (R-BUS-6).
-const meshResyncPoll = 250 * time.Millisecond
+// Tuning of the placement watch (R-BUS-2, R-BUS-10).
+const (
+	// watchHeartbeat is the idle heartbeat of the placement watch's
+	// consumer (the server's minimum): the server sends one while there is
+	// nothing to deliver, and a watch that misses two (its consumer or the
+	// server holding it is gone) is replaced at once, so a dead watch is
+	// noticed within 2 × watchHeartbeat = 1 s even while the connection
+	// lives elsewhere. A watch on the connection's own server ends sooner:
+	// the reconnect restarts it.
+	watchHeartbeat = 500 * time.Millisecond
+	// watchExpiry is how long one pull of the watch waits.
+	watchExpiry = 5 * time.Second
+	// watchRetry is the pause before a failed watch is set up again.
+	watchRetry = 100 * time.Millisecond
+	// watchSetupTimeout bounds the creation of the watch's consumer.
+	watchSetupTimeout = 2 * time.Second
+	// watchInactive is how long the server keeps a consumer nobody pulls
+	// from (one left behind by a dead connection).
+	watchInactive = 10 * time.Second
+	// leaseRefreshMin is the least time between two reads of the leader
+	// lease caused by placement values naming another term.
+	leaseRefreshMin = 50 * time.Millisecond
+	// maxPlacementValue is the largest placement value a router reads;
+	// a larger one is ignored as invalid.
+	maxPlacementValue = 4096
+)
+
+// Reasons a placement value is ignored: the reason label of
+// narwhal_placement_ignored_total (R-BUS-9).
+const (
+	// ignoredInvalid: not a placement value (not JSON, not schema-valid,
+	// too large, or for another key).
+	ignoredInvalid = "invalid"
+	// ignoredNotLeader: schema-valid, but not written by the current
+	// lease holder in its term.
+	ignoredNotLeader = "not_leader"
+	// ignoredDeleted: the key was deleted or purged, which no breaker
+	// does; the engine keeps its state.
+	ignoredDeleted = "deleted"
+)
+
+// mesh is the router's view of the bus: the leader lease it checks
+// placement values against, and which keys' ignored values it has logged.
+// Used by the placement loop's goroutine only, except where noted.
+type mesh struct {
+	bus   *bus.Bus
+	lease bus.Lease // the current lease as last read; zero when unknown
+	// leaseKV is bucket narwhal_breaker, bound on first use.
+	leaseKV     jetstream.KeyValue
+	leaseReadAt time.Time
+	// logged holds the keys whose ignored value was logged, until a valid
+	// value arrives for the key.
+	logged map[string]bool
+}
 
 // JoinMesh makes the router a member of the mesh on b (SPEC §9):
 //
 //   - it reads the whole narwhal_placement bucket, then watches it, and
 //     applies each engine's eligibility as it changes — a push, well within
-//     the second R-BRK-8 allows (R-BUS-2);
+//     the second R-BRK-8 allows (R-BUS-2) — but only values that are
+//     schema-valid and written by the current holder of the breakers'
+//     leader lease in its term; anything else is ignored, logged once per
+//     key and counted in narwhal_placement_ignored_total, and the engine
+//     keeps its state (R-BUS-9);
+//   - the watch's consumer sends idle heartbeats: when two are missed (the
+//     NATS server holding it died while the connection lived elsewhere)
+//     or the connection comes back, it is set up again and the whole
+//     bucket read anew (R-BUS-10);
 //   - it applies quarantine events published by other routers as they
-//     arrive (R-QUAR-1);
+//     arrive, never for longer than recovery.max_quarantine_s (R-QUAR-1,
+//     R-BUS-9);
 //   - when the bus goes away it keeps serving on the last known placement
-//     and its own quarantines, and after a reconnect it reads the bucket
-//     again (R-BUS-6).
+//     and its own quarantines (R-BUS-6).
 //
 // The goroutines it starts belong to the router and stop at Shutdown.
 // JoinMesh waits until the initial placement is loaded or wait passes
@@ -33,6 +94,7 @@ const meshResyncPoll = 250 * time.Millisecond
 // an error only when the quarantine subscription cannot be made.
 func (rt *Router) JoinMesh(b *bus.Bus, wait time.Duration) error {
 	rt.meshBus = b
+	m := &mesh{bus: b, logged: map[string]bool{}}
 	sub, err := b.Conn().Subscribe(bus.SubjectPrefix+schemas.KindQuarantine+".>", rt.applyQuarantine)
 	if err != nil {
 		return err
@@ -42,7 +104,7 @@ func (rt *Router) JoinMesh(b *bus.Bus, wait time.Duration) error {
 	go func() {
 		defer rt.wg.Done()
 		defer sub.Unsubscribe()
-		rt.placementLoop(b, loaded)
+		rt.placementLoop(m, loaded)
 	}()
 	t := time.NewTimer(wait)
 	defer t.Stop()
@@ -67,9 +129,10 @@ func (rt *Router) meshReady() bool {
 	return rt.meshBus.Connected() || rt.placementLoaded.Load()
 }
 
-// placementLoop keeps a watch on the placement bucket open, starting a new
-// one (a full resync) after every reconnect, until the router shuts down.
-func (rt *Router) placementLoop(b *bus.Bus, loaded chan struct{}) {
+// placementLoop keeps a watch on the placement bucket, setting up a new
+// one (a full resync) whenever the last one died or the connection came
+// back, until the router shuts down.
+func (rt *Router) placementLoop(m *mesh, loaded chan struct{}) {
 	signal := func() {
 		if loaded != nil {
 			close(loaded)
@@ -77,94 +140,284 @@ func (rt *Router) placementLoop(b *bus.Bus, loaded chan struct{}) {
 		}
 	}
 	defer signal()
+	status := m.bus.Conn().StatusChanged(nats.CONNECTED)
+	defer m.bus.Conn().RemoveStatusListener(status)
+	first, failing := true, false
 	for rt.base.Err() == nil {
-		if !b.Connected() {
-			if !rt.sleep(meshResyncPoll) {
+		if !m.bus.Connected() {
+			if !rt.sleep(watchRetry) {
 				return
 			}
 			continue
 		}
-		ctx, cancel := context.WithCancel(rt.base)
-		w, err := b.Placement().WatchAll(ctx)
-		if err != nil {
-			cancel()
-			rt.log.Warn("placement watch failed", "err", err)
-			if !rt.sleep(meshResyncPoll) {
-				return
-			}
-			continue
-		}
-		rt.watchPlacement(w, signal)
-		_ = w.Stop()
-		cancel()
-		if !rt.sleep(meshResyncPoll / 5) { // no hot loop if a watch keeps ending
+		why, err := rt.watchPlacement(m, status, first, signal)
+		switch {
+		case rt.base.Err() != nil:
 			return
+		case err != nil:
+			if !failing {
+				rt.log.Warn("placement watch could not be set up; retrying", "err", err)
+			}
+			failing = true
+			if !rt.sleep(watchRetry) {
+				return
+			}
+			continue
 		}
+		failing, first = false, false
+		rt.log.Warn("placement watch lost; re-establishing it and resynchronising", "why", why)
 	}
 }
 
-// watchPlacement applies updates until the connection drops (then returns,
-// so the caller resyncs) or the router shuts down.
-func (rt *Router) watchPlacement(w jetstream.KeyWatcher, loaded func()) {
-	tick := time.NewTicker(meshResyncPoll)
-	defer tick.Stop()
-	wasDown := false
+// watchPlacement sets up one watch — an ephemeral consumer on the bucket's
+// stream delivering the last value of every key, then every change —
+// applies what it delivers, and returns why it ended (its heartbeats
+// stopped, its consumer vanished, the connection came back), or the
+// error that kept it from starting.
+func (rt *Router) watchPlacement(m *mesh, status <-chan nats.Status, first bool, loaded func()) (string, error) {
+	js := m.bus.JetStream()
+	stream := "KV_" + bus.PlacementBucket
+	ctx, cancel := context.WithTimeout(rt.base, watchSetupTimeout)
+	cons, err := js.CreateConsumer(ctx, stream, jetstream.ConsumerConfig{
+		Description:       "placement watch of router " + rt.id,
+		DeliverPolicy:     jetstream.DeliverLastPerSubjectPolicy,
+		AckPolicy:         jetstream.AckNonePolicy,
+		FilterSubject:     "$KV." + bus.PlacementBucket + ".>",
+		MemoryStorage:     true,
+		Replicas:          1,
+		InactiveThreshold: watchInactive,
+	})
+	cancel()
+	if err != nil {
+		return "", err
+	}
+	name := cons.CachedInfo().Name
+	defer func() {
+		// Best effort: the server drops it after watchInactive anyway.
+		go func() {
+			dctx, dcancel := context.WithTimeout(context.Background(), watchSetupTimeout)
+			defer dcancel()
+			_ = js.DeleteConsumer(dctx, stream, name)
+		}()
+	}()
+	start := time.Now()
+	snapshot := cons.CachedInfo().NumPending
+	seen := map[string]bool{}
+	inSnapshot := true
+	finish := func() {
+		inSnapshot = false
+		rt.endSnapshot(seen)
+		rt.placementLoaded.Store(true)
+		loaded()
+		if first {
+			rt.log.Info("placement loaded", "keys", len(seen), "took", time.Since(start))
+		} else {
+			rt.log.Info("placement resynchronised", "keys", len(seen), "took", time.Since(start))
+		}
+	}
+	if snapshot == 0 {
+		finish()
+	}
+
+	msgs := make(chan jetstream.Msg, 64)
+	dead := make(chan error, 1)
+	cc, err := cons.Consume(func(msg jetstream.Msg) {
+		select {
+		case msgs <- msg:
+		case <-rt.base.Done():
+		}
+	},
+		jetstream.PullHeartbeat(watchHeartbeat),
+		jetstream.PullExpiry(watchExpiry),
+		jetstream.ConsumeErrHandler(func(_ jetstream.ConsumeContext, err error) {
+			if errors.Is(err, jetstream.ErrNoHeartbeat) || errors.Is(err, jetstream.ErrConsumerDeleted) ||
+				errors.Is(err, jetstream.ErrConsumerNotFound) || errors.Is(err, nats.ErrConnectionClosed) {
+				select {
+				case dead <- err:
+				default:
+				}
+			}
+		}))
+	if err != nil {
+		return "", err
+	}
+	defer cc.Stop()
+	// A reconnect that happened before this watch started is already
+	// covered by it.
+	for len(status) > 0 {
+		<-status
+	}
 	for {
 		select {
 		case <-rt.base.Done():
-			return
-		case e, ok := <-w.Updates():
-			if !ok {
-				return
-			}
-			if e == nil { // the initial values are all delivered
-				rt.placementLoaded.Store(true)
-				loaded()
+			return "shutdown", nil
+		case err := <-dead:
+			return err.Error(), nil
+		case <-status:
+			return "the connection came back", nil
+		case msg := <-msgs:
+			key := rt.applyPlacement(m, msg)
+			if !inSnapshot {
 				continue
 			}
-			rt.applyPlacement(e)
-		case <-tick.C:
-			up := rt.meshBus.Conn().Status() == nats.CONNECTED
-			if !up {
-				wasDown = true
-			} else if wasDown {
-				rt.log.Info("bus back: resynchronising placement")
-				return
+			if key != "" {
+				seen[key] = true
+			}
+			if md, err := msg.Metadata(); err == nil && md.NumPending == 0 {
+				finish()
 			}
 		}
 	}
 }
 
-// applyPlacement applies one entry of narwhal_placement. A deleted or
-// purged key, or a value that is not an eligibility object, makes the
-// engine eligible (no verdict stands against it).
-func (rt *Router) applyPlacement(e jetstream.KeyValueEntry) {
-	eligible := true
-	if e.Operation() == jetstream.KeyValuePut {
-		var ev schemas.Eligibility
-		if err := json.Unmarshal(e.Value(), &ev); err != nil {
-			rt.log.Warn("bad placement entry", "engine_id", e.Key(), "err", err)
-		} else {
-			eligible = ev.Eligible
+// endSnapshot makes every fleet engine without a key in a full read of
+// the bucket eligible: no verdict stands against it (R-BUS-2).
+func (rt *Router) endSnapshot(seen map[string]bool) {
+	for _, mb := range rt.fleet.members {
+		if !seen[mb.ID] {
+			rt.setEligibility(mb.ID, true, "no placement entry")
 		}
-	}
-	if rt.SetEligible(e.Key(), eligible) {
-		rt.log.Info("placement", "engine_id", e.Key(), "eligible", eligible)
 	}
 }
 
-// applyQuarantine applies another router's quarantine event (R-QUAR-1).
-func (rt *Router) applyQuarantine(m *nats.Msg) {
+// applyPlacement applies one message of the bucket's stream and returns
+// its key ("" when the subject is not a key of the bucket). A value is
+// applied only when it is a schema-valid placement value for its key,
+// written by the current lease holder in its term (R-BUS-9); otherwise,
+// and for a deleted key, the engine keeps its state and the value is
+// counted and logged once per key.
+func (rt *Router) applyPlacement(m *mesh, msg jetstream.Msg) string {
+	key, ok := cutKey(msg.Subject())
+	if !ok {
+		return ""
+	}
+	if _, inFleet := rt.fleet.byID[key]; !inFleet {
+		return key // not ours to apply; nothing to keep
+	}
+	if op := msg.Headers().Get("KV-Operation"); op == "DEL" || op == "PURGE" {
+		rt.ignorePlacement(m, key, ignoredDeleted, "key "+op)
+		return key
+	}
+	value := msg.Data()
+	if len(value) > maxPlacementValue {
+		rt.ignorePlacement(m, key, ignoredInvalid, "value larger than 4096 bytes")
+		return key
+	}
+	if err := bus.ValidatePlacement(value); err != nil {
+		rt.ignorePlacement(m, key, ignoredInvalid, err.Error())
+		return key
+	}
+	var ev schemas.Eligibility
+	if err := json.Unmarshal(value, &ev); err != nil || ev.EngineID != key {
+		rt.ignorePlacement(m, key, ignoredInvalid, "engine_id is not the key")
+		return key
+	}
+	if !m.leader(rt, ev.BreakerID, ev.LeaseTerm) {
+		rt.ignorePlacement(m, key, ignoredNotLeader, "written by "+ev.BreakerID+", not by the lease holder "+m.lease.BreakerID)
+		return key
+	}
+	delete(m.logged, key)
+	rt.setEligibility(key, ev.Eligible, ev.Reason)
+	return key
+}
+
+// ignorePlacement counts an ignored placement value and logs it, once per
+// key until a valid value arrives for it (R-BUS-9).
+func (rt *Router) ignorePlacement(m *mesh, key, reason, detail string) {
+	rt.metrics.placementIgnored.WithLabelValues(reason).Inc()
+	if m.logged[key] {
+		return
+	}
+	m.logged[key] = true
+	rt.log.Warn("placement value ignored; the engine keeps its state", "engine_id", key, "reason", reason, "detail", detail)
+}
+
+// setEligibility applies a verdict and logs it only when it changes the
+// engine's eligibility on this router.
+func (rt *Router) setEligibility(id string, eligible bool, reason string) {
+	mb, ok := rt.fleet.byID[id]
+	if !ok {
+		return
+	}
+	if mb.eligible.Swap(eligible) != eligible {
+		rt.log.Info("placement changed", "engine_id", id, "eligible", eligible, "reason", reason)
+	}
+}
+
+// leader reports whether breakerID in term holds the lease. A value naming
+// a term other than the one last read makes it read the lease again (at
+// most every leaseRefreshMin): a new leader rewrites every entry right
+// after taking the lease, and its values may arrive before the router has
+// read the new lease.
+func (m *mesh) leader(rt *Router, breakerID string, term uint64) bool {
+	if m.lease.Term == 0 || term > m.lease.Term {
+		m.readLease(rt)
+	}
+	return m.lease.Term != 0 && term == m.lease.Term && breakerID == m.lease.BreakerID
+}
+
+// readLease reads the leader lease. A lease that cannot be read (none is
+// held right now, the bus is busy) leaves the last one known in place.
+func (m *mesh) readLease(rt *Router) {
+	if time.Since(m.leaseReadAt) < leaseRefreshMin {
+		return
+	}
+	m.leaseReadAt = time.Now()
+	ctx, cancel := context.WithTimeout(rt.base, watchSetupTimeout)
+	defer cancel()
+	if m.leaseKV == nil {
+		kv, err := m.bus.JetStream().KeyValue(ctx, bus.LeaseBucket)
+		if err != nil {
+			return
+		}
+		m.leaseKV = kv
+	}
+	e, err := m.leaseKV.Get(ctx, bus.LeaseKey)
+	if err != nil {
+		return
+	}
+	if l, ok := bus.LeaseOf(e); ok && l.Term >= m.lease.Term {
+		m.lease = l
+	}
+}
+
+// cutKey returns the key of a subject $KV.narwhal_placement.<key>.
+func cutKey(subject string) (string, bool) {
+	const prefix = "$KV." + bus.PlacementBucket + "."
+	if len(subject) <= len(prefix) || subject[:len(prefix)] != prefix {
+		return "", false
+	}
+	return subject[len(prefix):], true
+}
+
+// applyQuarantine applies another router's quarantine event (R-QUAR-1):
+// until its "until", but never longer than its duration_s from arrival (a
+// skewed clock cannot stretch it) nor than recovery.max_quarantine_s (a
+// hostile one cannot either, R-BUS-9). Malformed events are ignored.
+func (rt *Router) applyQuarantine(msg *nats.Msg) {
 	var q schemas.Quarantine
-	if err := json.Unmarshal(m.Data, &q); err != nil || q.EngineID == "" {
+	if err := json.Unmarshal(msg.Data, &q); err != nil || q.EngineID == "" {
 		return
 	}
 	if q.RouterID == rt.id {
 		return // ours, applied when it was made
 	}
+	d := q.DurationSeconds
+	if math.IsNaN(d) || d <= 0 {
+		return
+	}
+	limit := rt.cfg.Recovery.MaxQuarantine()
+	if limit <= 0 {
+		limit = 300 * time.Second
+	}
+	now := time.Now()
 	until := q.Until
-	if max := time.Now().Add(time.Duration(q.DurationSeconds * float64(time.Second))); until.After(max) {
-		until = max // never trust a skewed clock beyond the stated duration
+	bound := now.Add(limit)
+	if d < limit.Seconds() {
+		bound = now.Add(time.Duration(d * float64(time.Second)))
+	}
+	if until.After(bound) {
+		until = bound
 	}
 	if rt.Quarantine(q.EngineID, until) {
 		rt.log.Info("quarantine from another router", "engine_id", q.EngineID, "router", q.RouterID, "until", until)

@@ -3,12 +3,19 @@ package router
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"net"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/nats-io/nats.go/jetstream"
+
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -21,6 +28,7 @@ type meshBus struct {
 	emb  *bus.Embedded
 	b    *bus.Bus // the router's connection
 	peer *bus.Bus // another process's view, to write the bucket and publish
+	term uint64   // the lease term of "test-breaker", which writes placement
 }
 
 func freePort(t *testing.T) int {
@@ -59,7 +67,26 @@ func newMeshBus(t *testing.T) *meshBus {
 		m.peer.Close()
 		m.emb.Shutdown()
 	})
+	m.term = m.takeLease("test-breaker")
 	return m
+}
+
+// takeLease makes breaker id the holder of the leader lease (R-BUS-9) and
+// returns its term.
+func (m *meshBus) takeLease(id string) uint64 {
+	m.t.Helper()
+	ctx := context.Background()
+	kv, err := m.peer.JetStream().CreateOrUpdateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: bus.LeaseBucket, History: 1})
+	if err != nil {
+		m.t.Fatal(err)
+	}
+	_ = kv.Delete(ctx, bus.LeaseKey)
+	v, _ := json.Marshal(bus.Lease{BreakerID: id, Since: time.Now().UTC()})
+	rev, err := kv.Create(ctx, bus.LeaseKey, v)
+	if err != nil {
+		m.t.Fatal(err)
+	}
+	return rev
 }
 
 func (m *meshBus) setEligible(engine string, eligible bool) {
@@ -69,7 +96,7 @@ func (m *meshBus) setEligible(engine string, eligible bool) {
 		state = "ejected"
 	}
 	ev := schemas.Eligibility{Envelope: schemas.Envelope{Schema: schemas.SchemaEligibility, ID: newID(), At: nowUTC(), BreakerID: "test-breaker", EngineID: engine},
-		Eligible: eligible, State: state}
+		Eligible: eligible, State: state, LeaseTerm: m.term}
 	b, _ := json.Marshal(ev)
 	if _, err := m.peer.Placement().Put(context.Background(), engine, b); err != nil {
 		m.t.Fatal(err)
@@ -179,4 +206,111 @@ func TestBusOutageKeepsServingRBUS6(t *testing.T) {
 	waitFor(t, 10*time.Second, "reconnected", func() bool { return m.b.Connected() && m.peer.Connected() })
 	m.setEligible("d1", true)
 	waitFor(t, 3*time.Second, "d1 readmitted after resync", func() bool { return s.rt.fleet.byID["d1"].eligible.Load() })
+}
+
+// TestRoutersTrustNothingTheyReadRBUS9 proves R-BUS-9 on one router:
+// malformed JSON, `{}`, a value for another key, a value written by a
+// breaker that does not hold the lease, a value of an old lease term and
+// a deleted key are all ignored — the engine keeps its state — and counted
+// in narwhal_placement_ignored_total; a new lease holder's values apply
+// (the router reads the new lease when a value names a newer term); a
+// quarantine event with a huge duration is cut to
+// recovery.max_quarantine_s.
+func TestRoutersTrustNothingTheyReadRBUS9(t *testing.T) {
+	s := newStack(t, pd(), func(c *config.Config) { c.Recovery.MaxQuarantineS = 2 })
+	s.waitModels()
+	m := newMeshBus(t)
+	m.setEligible("d1", false)
+	if err := s.rt.JoinMesh(m.b, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	d1 := s.rt.fleet.byID["d1"]
+	if d1.eligible.Load() {
+		t.Fatal("d1 eligible after a valid ejection")
+	}
+	ignored := func() float64 { return counterSum(t, s.rt.Registry(), "narwhal_placement_ignored_total") }
+	put := func(key, value string) {
+		t.Helper()
+		if _, err := m.peer.Placement().Put(context.Background(), key, []byte(value)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	value := func(breaker string, term uint64, engine string, eligible bool) string {
+		state := "eligible"
+		if !eligible {
+			state = "ejected"
+		}
+		b, _ := json.Marshal(schemas.Eligibility{Envelope: schemas.Envelope{Schema: schemas.SchemaEligibility, ID: newID(), At: nowUTC(), BreakerID: breaker, EngineID: engine},
+			Eligible: eligible, State: state, LeaseTerm: term})
+		return string(b)
+	}
+	forged := []string{
+		`not json`,
+		`{}`,
+		`{"eligible":true}`,
+		value("test-breaker", m.term, "d2", true),                                                                // for another key
+		value("standby-breaker", m.term, "d1", true),                                                             // not the lease holder
+		value("test-breaker", m.term+1000, "d1", true),                                                           // a term nobody holds
+		strings.Replace(value("test-breaker", m.term, "d1", true), `"state":"eligible"`, `"state":"ejected"`, 1), // eligible but ejected
+	}
+	for i, v := range forged {
+		before := ignored()
+		put("d1", v)
+		waitFor(t, time.Second, fmt.Sprintf("forged value %d counted", i), func() bool { return ignored() > before })
+		if d1.eligible.Load() {
+			t.Fatalf("forged value %d made d1 eligible: %s", i, v)
+		}
+	}
+	before := ignored()
+	if err := m.peer.Placement().Delete(context.Background(), "d1"); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, time.Second, "the deletion counted", func() bool { return ignored() > before })
+	if d1.eligible.Load() {
+		t.Fatal("deleting d1's key made it eligible")
+	}
+	if v := counterSum(t, s.rt.Registry(), "narwhal_placement_ignored_total"); v < float64(len(forged)+1) {
+		t.Fatalf("narwhal_placement_ignored_total = %v, want >= %d", v, len(forged)+1)
+	}
+
+	// A new leader: its values apply, the old one's are stale.
+	old := m.term
+	m.term = m.takeLease("new-breaker")
+	put("d1", value("new-breaker", m.term, "d1", true))
+	waitFor(t, time.Second, "the new leader's readmission", d1.eligible.Load)
+	before = ignored()
+	put("d1", value("test-breaker", old, "d1", false))
+	waitFor(t, time.Second, "the old leader's value counted", func() bool { return ignored() > before })
+	if !d1.eligible.Load() {
+		t.Fatal("a value of an old lease term was applied")
+	}
+
+	// A huge quarantine is capped (R-BUS-9).
+	pub := bus.NewPublisher(m.peer, 16, nil)
+	defer pub.Close()
+	pub.Publish(&schemas.Quarantine{Envelope: schemas.Envelope{Schema: schemas.SchemaQuarantine, RouterID: "hostile", EngineID: "d2"},
+		DurationSeconds: 1e9, Until: time.Now().Add(1e6 * time.Hour).UTC(), Reason: "x"})
+	d2 := s.rt.fleet.byID["d2"]
+	waitFor(t, time.Second, "the quarantine applied", func() bool { return d2.quarantinedUntil.Load() > nowNano() })
+	if until := time.Unix(0, d2.quarantinedUntil.Load()); time.Until(until) > 2*time.Second {
+		t.Fatalf("a 1e9 s quarantine lasts until %v, beyond recovery.max_quarantine_s = 2", until)
+	}
+}
+
+// counterSum adds up every series of counter name in reg.
+func counterSum(t *testing.T, reg *prometheus.Registry, name string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sum float64
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			for _, m := range mf.GetMetric() {
+				sum += m.GetCounter().GetValue()
+			}
+		}
+	}
+	return sum
 }

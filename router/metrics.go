@@ -21,6 +21,9 @@ type metrics struct {
 	abandoned     prometheus.Counter
 	quarantines   prometheus.Counter
 	relayedChunks prometheus.Counter
+	// placementIgnored is narwhal_placement_ignored_total{reason}: values
+	// of narwhal_placement the router did not apply (R-BUS-9).
+	placementIgnored *prometheus.CounterVec
 }
 
 // latencyBuckets span 0.5 ms to ~2 min.
@@ -68,9 +71,13 @@ func newMetrics(reg prometheus.Registerer, f *fleet) *metrics {
 		relayedChunks: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "narwhal_relayed_chunks_total", Help: "Decode SSE events relayed to clients.",
 		}),
+		placementIgnored: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "narwhal_placement_ignored_total",
+			Help: "Placement values not applied, by reason: invalid (not a valid placement value), not_leader (not written by the current lease holder), deleted (a deleted key).",
+		}, []string{"reason"}),
 	}
 	reg.MustRegister(m.requests, m.duration, m.ttft, m.firstByte, m.leg, m.faults, m.retries, m.retryDenied,
-		m.disconnects, m.inflight, m.abandoned, m.quarantines, m.relayedChunks, &reservationCollector{f: f})
+		m.disconnects, m.inflight, m.abandoned, m.quarantines, m.relayedChunks, m.placementIgnored, &reservationCollector{f: f})
 	return m
 }
 
