@@ -139,7 +139,7 @@ type Service struct {
 	// (or the consumer's ack floor when it was last read): where a
 	// recreated consumer starts (R-BUS-9).
 	position atomic.Uint64
-	pub     *bus.Publisher // set by Run before any goroutine uses it
+	pub      *bus.Publisher // set by Run before any goroutine uses it
 
 	// mu guards the leader-only state of every engine: its cached
 	// placement entry and probe schedule. KV writes happen under it so that

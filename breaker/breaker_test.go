@@ -89,7 +89,8 @@ func TestStreakEjectsAfterEjectAfter(t *testing.T) {
 
 // TestEjectionSurvivesRestart proves R-BRK-1 and R-BRK-8 across a breaker
 // restart: the ejection and the streak live in narwhal_placement, so a new
-// breaker keeps the one and continues the other; and R-BUS-7: restarting
+// breaker keeps the one and continues the other (writing the entries
+// again in its own name and lease term, R-BUS-9); and R-BUS-7: restarting
 // deletes or recreates no stream, bucket or consumer.
 func TestEjectionSurvivesRestart(t *testing.T) {
 	h := newHarness(t, setup{fleet: []simSpec{{id: "p1", role: "prefill"}, {id: "d1", role: "decode"}, {id: "d2", role: "decode"}}, readmitS: 60})
@@ -103,8 +104,9 @@ func TestEjectionSurvivesRestart(t *testing.T) {
 	a.stop(t)
 
 	h.startLeader("breaker-b")
-	if e := h.mustEntry("d1"); e.State != schemas.StateEjected || e.Eligible || e.BreakerID != "breaker-a" {
-		t.Fatalf("after the restart d1 is %+v, want still ejected by breaker-a", e)
+	if e := h.mustEntry("d1"); e.State != schemas.StateEjected || e.Eligible || e.Streak != 3 ||
+		!strings.HasPrefix(e.Reason, "ejected after 3") || e.BreakerID != "breaker-b" || e.LeaseTerm == 0 {
+		t.Fatalf("after the restart d1 is %+v, want still ejected, rewritten in breaker-b's term", e)
 	}
 	h.applied(h.fail("d2", schemas.PhaseDecode, true, "p1", "d2"))
 	if e := h.mustEntry("d2"); e.State != schemas.StateEjected || e.Streak != 3 || e.BreakerID != "breaker-b" {
@@ -545,5 +547,40 @@ func TestWholeFleetEjectedProbesTogether(t *testing.T) {
 		if p := h.waitProbes(id, schemas.ProbeSuccess, 1)[0]; p.ProducerID != "p1" || p.ConsumerID != "d1" {
 			t.Fatalf("probe of %s: %+v", id, p)
 		}
+	}
+}
+
+// TestDeletedConsumerIsRecreatedRBUS9 proves R-BUS-9: a client deletes the
+// breaker's durable consumer; the leader notices and creates it again
+// within a readmission interval, from the event after the last one it
+// applied, so the failures published while it was gone are applied and
+// eject the engine; it says so in its log and its metric.
+func TestDeletedConsumerIsRecreatedRBUS9(t *testing.T) {
+	h := newHarness(t, setup{fleet: []simSpec{{id: "p1", role: "prefill"}, {id: "d1", role: "decode"}}, readmitS: 0.5})
+	h.sims["d1"].Arm(sim.Fault{Kind: sim.FaultHealthStatus}) // keep it out once ejected
+	h.startLeader("breaker-a")
+	h.applied(h.fail("d1", schemas.PhaseDecode, true, "p1", "d1"))
+	ctx := context.Background()
+	if err := h.bus.JetStream().DeleteConsumer(ctx, bus.StreamName, ConsumerName); err != nil {
+		t.Fatal(err)
+	}
+	deleted := time.Now()
+	h.fail("d1", schemas.PhaseDecode, true, "p1", "d1")
+	h.fail("d1", schemas.PhaseDecode, true, "p1", "d1")
+	var recreated time.Time
+	waitFor(t, "the consumer recreated", func() bool {
+		octx, cancel := context.WithTimeout(ctx, time.Second)
+		defer cancel()
+		if _, err := h.bus.JetStream().Consumer(octx, bus.StreamName, ConsumerName); err != nil {
+			return false
+		}
+		recreated = time.Now()
+		return true
+	})
+	if took := recreated.Sub(deleted); took > h.cfg.Recovery.ReadmitInterval() {
+		t.Errorf("the consumer came back after %v, beyond the readmission interval %v", took, h.cfg.Recovery.ReadmitInterval())
+	}
+	if e := h.waitState("d1", schemas.StateEjected); e.Streak != 3 {
+		t.Fatalf("d1 after the recreation: %+v, want ejected with streak 3 (the failures published while the consumer was gone applied once)", e)
 	}
 }
