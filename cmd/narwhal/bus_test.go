@@ -170,7 +170,7 @@ func TestBusCommandKeepsStoreAcrossRestart(t *testing.T) {
 	info := stream.CachedInfo()
 	if cfg := info.Config; len(cfg.Subjects) != 1 || cfg.Subjects[0] != "narwhal.events.>" ||
 		cfg.Storage != jetstream.FileStorage || cfg.MaxAge != 24*time.Hour || cfg.MaxBytes != 1<<30 ||
-		cfg.Duplicates != 2*time.Minute {
+		cfg.Duplicates != bus.StreamDuplicates {
 		t.Errorf("stream config %+v", cfg)
 	}
 	kv, err := js.KeyValue(ctx, bus.PlacementBucket)
