@@ -72,6 +72,7 @@ func bucketRead(name string) []string {
 		jsAPI + "CONSUMER.CREATE." + stream + ".>",
 		jsAPI + "CONSUMER.INFO." + stream + ".>",
 		jsAPI + "CONSUMER.DELETE." + stream + ".>",
+		jsAPI + "CONSUMER.MSG.NEXT." + stream + ".>", // a pull watch (routers' placement watch)
 		"$JS.FC." + stream + ".>",
 	}
 }
@@ -108,8 +109,9 @@ func breakerConsumerSubjects() []string {
 // stream's info; beyond that:
 //
 //   - router: publish failure, quarantine, handoff and request events;
-//     subscribe to quarantine events; read narwhal_placement and
-//     narwhal_chaos;
+//     subscribe to quarantine events; read narwhal_placement,
+//     narwhal_breaker (the lease its placement values are checked
+//     against, R-BUS-9) and narwhal_chaos;
 //   - breaker: publish eligibility and probe events; write and read
 //     narwhal_placement and narwhal_breaker; make, read from and
 //     acknowledge on its durable consumer narwhal-breaker;
@@ -129,7 +131,7 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 	case RoleRouter:
 		pub = slices.Concat(common,
 			eventsPub("failure", "quarantine", "handoff", "request"),
-			bucketRead(PlacementBucket), bucketRead(ChaosBucket))
+			bucketRead(PlacementBucket), bucketRead(LeaseBucket), bucketRead(ChaosBucket))
 		sub = append(sub, SubjectPrefix+"quarantine.>")
 		deny = breakerConsumerSubjects()
 	case RoleBreaker:
