@@ -351,15 +351,17 @@ func (rt *Router) setEligibility(id string, eligible bool, reason string) {
 // read the new lease.
 func (m *mesh) leader(rt *Router, breakerID string, term uint64) bool {
 	if m.lease.Term == 0 || term > m.lease.Term {
-		m.readLease(rt)
+		m.readLease(rt, term > m.lease.Term)
 	}
 	return m.lease.Term != 0 && term == m.lease.Term && breakerID == m.lease.BreakerID
 }
 
-// readLease reads the leader lease. A lease that cannot be read (none is
-// held right now, the bus is busy) leaves the last one known in place.
-func (m *mesh) readLease(rt *Router) {
-	if time.Since(m.leaseReadAt) < leaseRefreshMin {
+// readLease reads the leader lease; unless newer (a value names a newer
+// term than the one known), at most every leaseRefreshMin. A lease that
+// cannot be read (none is held right now, the bus is busy) leaves the last
+// one known in place.
+func (m *mesh) readLease(rt *Router, newer bool) {
+	if !newer && time.Since(m.leaseReadAt) < leaseRefreshMin {
 		return
 	}
 	m.leaseReadAt = time.Now()
