@@ -459,7 +459,6 @@ func TestRestartRepublishesInFlightEvents(t *testing.T) {
 	}
 }
 
-
 // TestCloseWhileDownIsBounded proves R-BUS-6 and the publisher's exit:
 // Close returns although the bus is down, dropping and counting what it
 // could not publish; Publish after Close drops too; Close is idempotent.
