@@ -568,7 +568,7 @@ func TestDeletedConsumerIsRecreatedRBUS9(t *testing.T) {
 	h.fail("d1", schemas.PhaseDecode, true, "p1", "d1")
 	h.fail("d1", schemas.PhaseDecode, true, "p1", "d1")
 	var recreated time.Time
-	waitFor(t, "the consumer recreated", func() bool {
+	testkit.WaitFor(t, waitBound, "the consumer recreated", func() bool {
 		octx, cancel := context.WithTimeout(ctx, time.Second)
 		defer cancel()
 		if _, err := h.bus.JetStream().Consumer(octx, bus.StreamName, ConsumerName); err != nil {
