@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
@@ -36,11 +37,23 @@ func NewFloorTarget(prefill, decode []engines.Engine) (*FloorTarget, error) {
 		return nil, errors.New("floor: need at least one prefill and one decode engine")
 	}
 	return &FloorTarget{
-		client:   engines.NewClient(engines.Options{}),
+		client:   engines.NewClient(defaultEngineOptions()),
 		prefill:  append([]engines.Engine(nil), prefill...),
 		decode:   append([]engines.Engine(nil), decode...),
 		idPrefix: "bench-floor-" + strconv.FormatInt(time.Now().UnixNano(), 36) + "-",
 	}, nil
+}
+
+// defaultEngineOptions are the engine client options of config.Default:
+// the router's timeouts when nothing is configured (SPEC §11).
+func defaultEngineOptions() engines.Options {
+	cfg := config.Default()
+	return engines.Options{
+		PrefillTimeout:    cfg.Engine.PrefillTimeout(),
+		FirstTokenTimeout: cfg.Engine.FirstTokenTimeout(),
+		DecodeReadTimeout: cfg.Engine.DecodeReadTimeout(),
+		HandoffMaxAge:     cfg.Handoff.MaxAge(),
+	}
 }
 
 // Name returns "floor".

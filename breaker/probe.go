@@ -43,14 +43,10 @@ const releaseTimeout = 2 * time.Second
 // handoff.max_age_s for the handoff. The caller should call
 // CloseIdleConnections() when done with it.
 func NewProbeClient(cfg *config.Config) *engines.Client {
-	read := cfg.Engine.DecodeReadTimeout()
-	if read == 0 {
-		read = -1 // engines.Options: negative means no per-chunk bound
-	}
 	return engines.NewClient(engines.Options{
 		PrefillTimeout:    cfg.Engine.FirstTokenTimeout(),
 		FirstTokenTimeout: cfg.Engine.FirstTokenTimeout(),
-		DecodeReadTimeout: read,
+		DecodeReadTimeout: cfg.Engine.DecodeReadTimeout(), // 0: no per-chunk bound, as in the config
 		HandoffMaxAge:     cfg.Handoff.MaxAge(),
 	})
 }

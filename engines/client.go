@@ -72,18 +72,24 @@ var (
 	errStreamClosed      = errors.New("stream closed by its owner")
 )
 
-// Options configures a Client. Zero durations take the SPEC §11 defaults.
+// Options configures a Client. Every duration is used as given: a zero
+// (or negative) duration means no bound of that kind, as in net/http, so
+// that validated config values pass through unchanged — the defaults are
+// config.Default's (SPEC §11), not the client's.
 type Options struct {
-	// PrefillTimeout bounds the whole prefill leg (engine.prefill_timeout_s).
+	// PrefillTimeout bounds the whole prefill leg (engine.prefill_timeout_s);
+	// zero means only ctx bounds it.
 	PrefillTimeout time.Duration
 	// FirstTokenTimeout bounds the decode leg from before its request is
-	// opened until the first generated output (R-TMO-1).
+	// opened until the first generated output (R-TMO-1); zero means only
+	// ctx bounds it.
 	FirstTokenTimeout time.Duration
 	// DecodeReadTimeout bounds the silence between transport chunks after
-	// the first output (R-TMO-2); negative means no bound (the config's 0,
-	// R-TMO-4).
+	// the first output (R-TMO-2); zero means no per-chunk bound, as
+	// engine.decode_read_timeout_s = 0 does (R-TMO-4).
 	DecodeReadTimeout time.Duration
-	// HandoffMaxAge is handoff.max_age_s (R-OWN-2).
+	// HandoffMaxAge is handoff.max_age_s (R-OWN-2); zero means no age
+	// limit.
 	HandoffMaxAge time.Duration
 	// Transport is the HTTP transport of decode legs, releases and probes;
 	// nil means NewTransport().
@@ -149,33 +155,27 @@ func NewPrefillTransport() *http.Transport {
 // NewClient returns a Client configured by opts.
 func NewClient(opts Options) *Client {
 	c := &Client{
-		prefillTimeout:    orDefault(opts.PrefillTimeout, 60*time.Second),
-		firstTokenTimeout: orDefault(opts.FirstTokenTimeout, 30*time.Second),
-		readTimeout:       opts.DecodeReadTimeout,
-		handoffMaxAge:     orDefault(opts.HandoffMaxAge, 120*time.Second),
+		prefillTimeout:    max(opts.PrefillTimeout, 0),
+		firstTokenTimeout: max(opts.FirstTokenTimeout, 0),
+		readTimeout:       max(opts.DecodeReadTimeout, 0),
+		handoffMaxAge:     max(opts.HandoffMaxAge, 0),
 		maxResponse:       opts.MaxResponseBytes,
-	}
-	if c.readTimeout == 0 {
-		c.readTimeout = 30 * time.Second
-	}
-	if c.readTimeout < 0 {
-		c.readTimeout = 0
 	}
 	if c.maxResponse <= 0 {
 		c.maxResponse = 16 << 20
 	}
-	rt, prt := opts.Transport, opts.PrefillTransport
-	if prt == nil {
-		prt = rt
-		if prt == nil {
-			prt = NewPrefillTransport()
+	decodeTransport, prefillTransport := opts.Transport, opts.PrefillTransport
+	if prefillTransport == nil {
+		prefillTransport = decodeTransport
+		if prefillTransport == nil {
+			prefillTransport = NewPrefillTransport()
 		}
 	}
-	if rt == nil {
-		rt = NewTransport()
+	if decodeTransport == nil {
+		decodeTransport = NewTransport()
 	}
-	c.http = &http.Client{Transport: rt}
-	c.prefillHTTP = &http.Client{Transport: prt}
+	c.http = &http.Client{Transport: decodeTransport}
+	c.prefillHTTP = &http.Client{Transport: prefillTransport}
 	return c
 }
 
@@ -190,11 +190,13 @@ func (c *Client) CloseIdleConnections() {
 	c.prefillHTTP.CloseIdleConnections()
 }
 
-func orDefault(d, def time.Duration) time.Duration {
+// withTimeoutCause is context.WithTimeoutCause, with no timeout when d is
+// zero (Options: zero means no bound).
+func withTimeoutCause(ctx context.Context, d time.Duration, cause error) (context.Context, context.CancelFunc) {
 	if d <= 0 {
-		return def
+		return context.WithCancel(ctx)
 	}
-	return d
+	return context.WithTimeoutCause(ctx, d, cause)
 }
 
 // HTTPClient returns the client's *http.Client (for probes and releases).
@@ -216,10 +218,10 @@ func (c *Client) Prefill(ctx context.Context, req *Request) (*connector.PrefillR
 	}
 	body := req.Body.AppendPrefillBody(make([]byte, 0, req.Body.Size()+len(kv)+96), kv)
 
-	legCtx, cancel := context.WithTimeoutCause(ctx, c.prefillTimeout, errPrefillTimeout)
+	legCtx, cancel := withTimeoutCause(ctx, c.prefillTimeout, errPrefillTimeout)
 	defer cancel()
 	started := time.Now()
-	resp, err := c.do(c.prefillHTTP, legCtx, p.URL+req.Body.Endpoint, req.BackendRequestID, body)
+	resp, err := c.do(legCtx, c.prefillHTTP, p.URL+req.Body.Endpoint, req.BackendRequestID, body)
 	if err != nil {
 		return nil, classifyTransport(ctx, legCtx, err, schemas.PhasePrefill, p.ID, true)
 	}
@@ -262,9 +264,12 @@ func (c *Client) Prefill(ctx context.Context, req *Request) (*connector.PrefillR
 	}
 	h, err := p.Connector.Validate(desc)
 	if err != nil {
-		f := NewFault(KindDescriptorRejected, schemas.PhasePrefill, p.ID, 0, err.Error())
-		f.Cause = err
-		return nil, f
+		var rej *connector.RejectError
+		if !errors.As(err, &rej) {
+			// A connector outside the contract: reject with its words.
+			rej = &connector.RejectError{Reason: connector.ReasonConnectorMismatch, Detail: err.Error()}
+		}
+		return nil, rejectFault(p.ID, rej)
 	}
 	meta.Handoff = h
 	return connector.NewPrefillResult(meta, bytes.TrimSpace(desc)), nil
@@ -301,7 +306,7 @@ func (c *Client) CheckHandoff(req *Request, result *connector.PrefillResult, now
 		return rejectFault(result.ProducerID, &connector.RejectError{Reason: connector.ReasonEndpointMismatch,
 			Detail: "prefill " + result.Endpoint + ", decode " + req.Body.Endpoint})
 	}
-	if age := result.Age(now); age > c.handoffMaxAge {
+	if age := result.Age(now); c.handoffMaxAge > 0 && age > c.handoffMaxAge {
 		return NewFault(KindHandoffExpired, schemas.PhaseDecode, result.ProducerID, 0,
 			MsgHandoffExpired+": age "+strconv.FormatFloat(age.Seconds(), 'f', 3, 64)+"s exceeds handoff.max_age_s "+
 				strconv.FormatFloat(c.handoffMaxAge.Seconds(), 'f', -1, 64))
@@ -309,8 +314,11 @@ func (c *Client) CheckHandoff(req *Request, result *connector.PrefillResult, now
 	return nil
 }
 
+// rejectFault is the R-DESC-6 fault of a rejected descriptor, an engine
+// fault of the producer; its Rejection is the reason.
 func rejectFault(producerID string, err *connector.RejectError) *Fault {
 	f := NewFault(KindDescriptorRejected, schemas.PhasePrefill, producerID, 0, err.Error())
+	f.Rejection = err.Reason
 	f.Cause = err
 	return f
 }
@@ -338,7 +346,7 @@ func (c *Client) Decode(ctx context.Context, req *Request, result *connector.Pre
 // do sends one POST. The body is an in-memory reader, so net/http writes
 // headers and body together in one write (a reader it does not know gets
 // its headers flushed first: two syscalls per leg).
-func (c *Client) do(hc *http.Client, ctx context.Context, url, requestID string, body []byte) (*http.Response, error) {
+func (c *Client) do(ctx context.Context, hc *http.Client, url, requestID string, body []byte) (*http.Response, error) {
 	hreq, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
 	if err != nil {
 		return nil, err

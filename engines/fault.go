@@ -1,8 +1,10 @@
 package engines
 
 import (
+	"errors"
 	"strconv"
 
+	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -111,6 +113,10 @@ type Fault struct {
 	// Type is the error type shown to the client (the engine's own for
 	// error objects and passed-through errors).
 	Type string
+	// Rejection is, for KindDescriptorRejected, why the descriptor was
+	// refused: one of the connector.Reason* constants (R-DESC-6); empty
+	// for every other kind. Callers decide on it, never on Message.
+	Rejection string
 	// Body is the engine's error body for passed-through client faults
 	// and 429s; nil otherwise.
 	Body []byte
@@ -151,6 +157,37 @@ func NewFault(kind FaultKind, phase, engineID string, upstream int, message stri
 	}
 	f.Type = schemas.ErrorType(f.Status)
 	return f
+}
+
+// AsFault returns the *Fault that err is or wraps (errors.As). The
+// client's legs return no other error, but a caller must not rely on an
+// unchecked type assertion: any other non-nil error comes back as a
+// protocol fault of phase on engineID — KindPrefillResponse for the
+// prefill phase, KindInvalidStream for the decode phase — with err as its
+// Cause. AsFault(nil, …) is nil.
+func AsFault(err error, phase, engineID string) *Fault {
+	if err == nil {
+		return nil
+	}
+	var f *Fault
+	if errors.As(err, &f) {
+		return f
+	}
+	kind := KindInvalidStream
+	if phase == schemas.PhasePrefill {
+		kind = KindPrefillResponse
+	}
+	f = NewFault(kind, phase, engineID, 0, phase+" engine "+engineID+" failed: "+err.Error())
+	f.Cause = err
+	return f
+}
+
+// MissingDescriptor reports whether f is a descriptor rejected because the
+// producer returned none — the field missing, null or an empty object
+// (R-DESC-0): no KV blocks were handed off, so there is no handoff to
+// abandon (R-OWN-6).
+func (f *Fault) MissingDescriptor() bool {
+	return f.Kind == KindDescriptorRejected && f.Rejection == connector.ReasonMissingDescriptor
 }
 
 // Error returns "<phase> <kind> on <engine>: <message>".

@@ -35,7 +35,8 @@ type Stream struct {
 	// timer moves it to streamExpired if the first-token budget ran out.
 	state atomic.Int32
 
-	long     []byte // a data line longer than the reader's buffer
+	chunk    schemas.Chunk // the scan of the payload Next returned last
+	long     []byte        // a data line longer than the reader's buffer
 	done     bool
 	err      error
 	firstOut time.Time
@@ -75,8 +76,8 @@ var readerPool = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 2<<
 func (c *Client) openStream(ctx context.Context, consumer *Engine, endpoint, requestID string, body []byte) (*Stream, error) {
 	s := &Stream{parent: ctx, engineID: consumer.ID, readTimeout: c.readTimeout, start: time.Now()}
 	s.ctx, s.cancel = context.WithCancelCause(ctx)
-	s.timer = time.AfterFunc(c.firstTokenTimeout, s.onTimer)
-	resp, err := c.do(c.http, s.ctx, consumer.URL+endpoint, requestID, body)
+	s.timer = time.AfterFunc(c.firstTokenBudget(), s.onTimer)
+	resp, err := c.do(s.ctx, c.http, consumer.URL+endpoint, requestID, body)
 	if err != nil {
 		f := classifyTransport(ctx, s.ctx, err, schemas.PhaseDecode, consumer.ID, true)
 		s.stop()
@@ -93,6 +94,19 @@ func (c *Client) openStream(ctx context.Context, consumer *Engine, endpoint, req
 	}
 	s.attach(resp)
 	return s, nil
+}
+
+// noBound is the timer duration of a first-token budget that is not
+// bounded (Options.FirstTokenTimeout zero): the stream's one timer is still
+// armed, so that the first output can re-arm it for the between-chunk bound.
+const noBound = time.Duration(1<<63 - 1)
+
+// firstTokenBudget returns the first-token budget decode streams get.
+func (c *Client) firstTokenBudget() time.Duration {
+	if c.firstTokenTimeout <= 0 {
+		return noBound
+	}
+	return c.firstTokenTimeout
 }
 
 // attach makes resp's body the stream's source.
@@ -113,7 +127,7 @@ func (s *Stream) attach(resp *http.Response) {
 func (c *Client) NewStream(ctx context.Context, engineID string, body io.ReadCloser) *Stream {
 	s := &Stream{parent: ctx, engineID: engineID, readTimeout: c.readTimeout, start: time.Now()}
 	s.ctx, s.cancel = context.WithCancelCause(ctx)
-	s.timer = time.AfterFunc(c.firstTokenTimeout, s.onTimer)
+	s.timer = time.AfterFunc(c.firstTokenBudget(), s.onTimer)
 	s.attach(&http.Response{Body: body})
 	return s
 }
@@ -177,6 +191,11 @@ func (s *Stream) EngineID() string { return s.engineID }
 // zero time if none was.
 func (s *Stream) FirstOutput() time.Time { return s.firstOut }
 
+// Chunk returns what the one scan of the payload Next returned last found
+// in it: its kind and its usage (R-LEG-5, R-LEG-6), so that a relay reads
+// each chunk once. It is the zero Chunk before the first payload.
+func (s *Stream) Chunk() schemas.Chunk { return s.chunk }
+
 // Next returns the next data payload of the stream and its kind: either
 // schemas.ChunkMetadata or schemas.ChunkOutput. The payload aliases an
 // internal buffer and is valid only until the next call. SSE comments and
@@ -200,7 +219,8 @@ func (s *Stream) Next() ([]byte, schemas.ChunkKind, error) {
 		if !ok || len(payload) == 0 {
 			continue // comments, blank lines and empty data lines are keep-alives
 		}
-		switch kind := schemas.ClassifyChunk(payload); kind {
+		s.chunk = schemas.ScanChunk(payload)
+		switch kind := s.chunk.Kind; kind {
 		case schemas.ChunkOutput:
 			if s.state.Load() != streamFlowing {
 				if !s.state.CompareAndSwap(streamWaiting, streamFlowing) {

@@ -237,7 +237,7 @@ func TestBetweenChunkTimerRTMO2(t *testing.T) {
 }
 
 func TestNoChunkBoundUsesRequestDeadlineRTMO4(t *testing.T) {
-	c := testClient(time.Second, -1) // decode_read_timeout_s = 0
+	c := testClient(time.Second, 0) // decode_read_timeout_s = 0
 	srv := scripted(t, 0, 200, step{send: data(tokenChunk)}, step{wait: 400 * time.Millisecond, send: data(tokenChunk)}, step{send: data("[DONE]")})
 	if r := runStream(context.Background(), c, srv.URL); r.err != nil || r.outputs != 2 {
 		t.Fatalf("a 400 ms gap with no per-chunk bound: %+v", r)

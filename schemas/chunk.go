@@ -52,6 +52,49 @@ func (k ChunkKind) String() string {
 	return "unknown"
 }
 
+// Chunk is what one scan of a decode stream's SSE data payload learns
+// (ScanChunk): its kind and, for the relay, its usage (R-LEG-5, R-LEG-6).
+type Chunk struct {
+	// Kind is what the payload holds, as ClassifyChunk reports it.
+	Kind ChunkKind
+	// Usage reports a top-level "usage" member (the last one, if
+	// repeated) that is an object, as ChunkHasUsage does.
+	Usage bool
+	// UsageOnly reports the include_usage chunk: top-level "choices" is
+	// [] and "usage" is an object, as IsUsageOnly does.
+	UsageOnly bool
+	// PromptTokens and CompletionTokens are usage.prompt_tokens and
+	// usage.completion_tokens when Usage is true (0 when absent or not a
+	// non-negative integer), as UsageTokens reads them.
+	PromptTokens, CompletionTokens int
+}
+
+// ScanChunk reads payload once and reports everything ClassifyChunk,
+// ChunkHasUsage, IsUsageOnly and UsageTokens would: a relay needs one pass
+// per chunk, not four. The usage fields are zero unless Kind is
+// ChunkMetadata or ChunkOutput. It does not allocate, never panics and runs
+// in time linear in len(payload).
+func ScanChunk(payload []byte) Chunk {
+	if chunkIsDone(payload) {
+		return Chunk{Kind: ChunkDone}
+	}
+	f, ok := scanChunk(payload)
+	switch {
+	case !ok:
+		return Chunk{Kind: ChunkInvalid}
+	case f.errorObject || f.flatError:
+		return Chunk{Kind: ChunkError}
+	}
+	c := Chunk{Kind: ChunkMetadata, Usage: f.usageObject, UsageOnly: f.choicesEmpty && f.usageObject}
+	if f.output {
+		c.Kind = ChunkOutput
+	}
+	if f.usageObject {
+		c.PromptTokens, c.CompletionTokens = f.promptTokens, f.completionTokens
+	}
+	return c
+}
+
 // ClassifyChunk reports what the SSE data payload of a decode stream holds
 // (SPEC §0; R-FAIL-2/3/4, R-TMO-1/2). It validates the whole payload as JSON
 // and reads the members it needs on the real JSON structure: keys are
@@ -61,21 +104,7 @@ func (k ChunkKind) String() string {
 //
 // It does not allocate, never panics and runs in time linear in
 // len(payload).
-func ClassifyChunk(payload []byte) ChunkKind {
-	if chunkIsDone(payload) {
-		return ChunkDone
-	}
-	f, ok := scanChunk(payload)
-	switch {
-	case !ok:
-		return ChunkInvalid
-	case f.errorObject || f.flatError:
-		return ChunkError
-	case f.output:
-		return ChunkOutput
-	}
-	return ChunkMetadata
-}
+func ClassifyChunk(payload []byte) ChunkKind { return ScanChunk(payload).Kind }
 
 // ChunkHasUsage reports whether payload is a valid JSON object whose
 // top-level "usage" member (the last one, if repeated) is an object, as in
@@ -145,6 +174,9 @@ type chunkFacts struct {
 	output       bool // top-level "choices" holds a choice with generated output
 	choicesEmpty bool // top-level "choices" is []
 	usageObject  bool // top-level "usage" is an object
+	// promptTokens and completionTokens are the last "usage" object's
+	// prompt_tokens and completion_tokens (0 when absent or invalid).
+	promptTokens, completionTokens int
 }
 
 // chunkWalker is an allocation-free validating JSON reader over buf.
@@ -239,10 +271,18 @@ func (w *chunkWalker) walkTop(f *chunkFacts) bool {
 			}
 			f.flatError = chunkStringIs(w.buf[start:w.pos], escaped, "error")
 		case "usage":
-			if !w.skipValue(1) {
-				return false
+			f.promptTokens, f.completionTokens = 0, 0
+			if w.peek() == '{' {
+				if f.promptTokens, f.completionTokens, ok = w.walkUsage(); !ok {
+					return false
+				}
+				f.usageObject = true
+			} else {
+				if !w.skipValue(1) {
+					return false
+				}
+				f.usageObject = false
 			}
-			f.usageObject = w.buf[start] == '{'
 		default:
 			if !w.skipValue(1) {
 				return false
@@ -251,6 +291,39 @@ func (w *chunkWalker) walkTop(f *chunkFacts) bool {
 		more, ok := w.nextMember('}')
 		if !ok || !more {
 			return ok
+		}
+	}
+}
+
+// walkUsage reads the top-level "usage" object at w.pos (depth 2) and
+// returns its prompt_tokens and completion_tokens (the last occurrence of
+// each; 0 when absent or not a non-negative integer).
+func (w *chunkWalker) walkUsage() (prompt, completion int, ok bool) {
+	empty, ok := w.openObject()
+	if !ok || empty {
+		return 0, 0, ok
+	}
+	for {
+		name, ok := w.memberName()
+		if !ok {
+			return 0, 0, false
+		}
+		start := w.pos
+		if !w.skipValue(2) {
+			return 0, 0, false
+		}
+		switch string(name) {
+		case "prompt_tokens":
+			prompt, _ = nonNegativeInt(w.buf[start:w.pos])
+		case "completion_tokens":
+			completion, _ = nonNegativeInt(w.buf[start:w.pos])
+		}
+		more, ok := w.nextMember('}')
+		if !ok {
+			return 0, 0, false
+		}
+		if !more {
+			return prompt, completion, true
 		}
 	}
 }
