@@ -2,6 +2,7 @@ package router
 
 import (
 	"math/rand/v2"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -103,17 +104,17 @@ type errNoEngine struct{ phase phase }
 func (e *errNoEngine) Error() string { return "no eligible engine for " + e.phase.String() }
 
 // place chooses the least-outstanding available engine for phase p that
-// serves model, skipping exclude when another choice exists (R-RETRY-3),
-// and reserves one of its slots (R-OWN-3). It returns *errNoEngine when
-// none can take the phase.
-func (f *fleet) place(model string, p phase, exclude *member) (*member, error) {
+// serves model and reserves one of its slots (R-OWN-3). Engines in avoid
+// (those that failed this phase in an earlier attempt of the request) are
+// chosen only when no other engine can take the phase, and then the least
+// loaded of them (R-RETRY-3). It returns *errNoEngine when none can take
+// the phase.
+func (f *fleet) place(model string, p phase, avoid []*member) (*member, error) {
 	now := time.Now().UnixNano()
 	for try := 0; try < 4; try++ {
 		// Least outstanding wins; ties are broken uniformly at random
 		// (reservoir sampling), so idle engines share the load evenly.
-		var best, fallback *member
-		var bestLoad int64
-		ties := 0
+		var best, fallback pick
 		for _, m := range f.members {
 			if !m.can(p) || !m.available(now) || !m.serves(model) {
 				continue
@@ -122,31 +123,44 @@ func (f *fleet) place(model string, p phase, exclude *member) (*member, error) {
 			if m.limit[p] > 0 && load >= m.limit[p] {
 				continue
 			}
-			if m == exclude {
-				fallback = m
+			if slices.Contains(avoid, m) {
+				fallback.offer(m, load)
 				continue
 			}
-			switch {
-			case best == nil || load < bestLoad:
-				best, bestLoad, ties = m, load, 1
-			case load == bestLoad:
-				ties++
-				if rand.IntN(ties) == 0 {
-					best = m
-				}
-			}
+			best.offer(m, load)
 		}
-		if best == nil {
-			best = fallback
+		chosen := best.m
+		if chosen == nil {
+			chosen = fallback.m
 		}
-		if best == nil {
+		if chosen == nil {
 			return nil, &errNoEngine{p}
 		}
-		if best.tryReserve(p) {
-			return best, nil
+		if chosen.tryReserve(p) {
+			return chosen, nil
 		}
 	}
 	return nil, &errNoEngine{p}
+}
+
+// pick is the least-loaded member offered so far, ties broken uniformly at
+// random.
+type pick struct {
+	m    *member
+	load int64
+	ties int
+}
+
+func (k *pick) offer(m *member, load int64) {
+	switch {
+	case k.m == nil || load < k.load:
+		k.m, k.load, k.ties = m, load, 1
+	case load == k.load:
+		k.ties++
+		if rand.IntN(k.ties) == 0 {
+			k.m = m
+		}
+	}
 }
 
 // servesModel reports whether any engine lists model.

@@ -76,6 +76,7 @@ type Router struct {
 	reg     *prometheus.Registry
 	metrics *metrics
 	budget  *retryBudget
+	retry   retryPolicy
 	limits  schemas.Limits
 	watcher *disconnectWatcher
 	server  *fasthttp.Server
@@ -132,10 +133,6 @@ func New(opts Options) (*Router, error) {
 	if err != nil {
 		return nil, fmt.Errorf("router: disconnect watcher: %w", err)
 	}
-	readTimeout := cfg.Engine.DecodeReadTimeout()
-	if readTimeout == 0 {
-		readTimeout = -1 // R-TMO-4: no per-chunk bound
-	}
 	rt := &Router{
 		cfg: cfg,
 		id:  cfg.Router.ID,
@@ -144,7 +141,7 @@ func New(opts Options) (*Router, error) {
 		client: engines.NewClient(engines.Options{
 			PrefillTimeout:    cfg.Engine.PrefillTimeout(),
 			FirstTokenTimeout: cfg.Engine.FirstTokenTimeout(),
-			DecodeReadTimeout: readTimeout,
+			DecodeReadTimeout: cfg.Engine.DecodeReadTimeout(), // 0: no per-chunk bound (R-TMO-4)
 			HandoffMaxAge:     cfg.Handoff.MaxAge(),
 			Transport:         opts.Transport,
 		}),
@@ -157,6 +154,7 @@ func New(opts Options) (*Router, error) {
 		grace:   opts.ShutdownGrace,
 		refresh: opts.ModelRefresh,
 	}
+	rt.retry = retryPolicy{retries: cfg.Recovery.RetryAttempts, minLeft: 10 * time.Millisecond, budget: rt.budget}
 	if rt.grace <= 0 {
 		rt.grace = 10 * time.Second
 	}

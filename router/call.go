@@ -1,0 +1,256 @@
+package router
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"time"
+
+	"github.com/valyala/fasthttp"
+
+	"github.com/narwhalmesh/narwhal/engines"
+	"github.com/narwhalmesh/narwhal/engines/connector"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// A request's path through the router, top to bottom:
+//
+//	serveCompletion        this file: arrive, prepare, run, answer
+//	  call.run             attempt.go: attempts under the retry policy (retry.go)
+//	    call.attempt       attempt.go: placement, prefill leg, decode leg up to its first output
+//	  call.answer          this file, then relay.go: the stream relayed, or aggregated
+//	  call.finish          this file: every reservation, leg and watch released
+//	    call.record        outcome.go: metrics, the request event, the log line
+//
+// Engine faults are recorded where they happen (call.recordFault,
+// outcome.go); the fault that ends a request before commit is answered by
+// call.fail.
+
+// call is one client request from arrival to its last byte. It owns every
+// leg, reservation, timer and watch of the request (SPEC R-OWN-1): all of
+// them are released by finish, whatever the outcome.
+type call struct {
+	rt       *Router
+	id       string
+	arrival  time.Time
+	req      *schemas.Request
+	ctx      context.Context
+	cancel   context.CancelCauseFunc
+	watch    *watch
+	attempts int
+
+	producer, consumer *member
+	holdPrefill        bool // producer's prefill slot is reserved
+	holdDecode         bool // consumer's decode slot is reserved
+	result             *connector.PrefillResult
+	backendID          string
+	stream             *engines.Stream
+	pending            []heldChunk // metadata read before the first output
+	first              []byte      // the first generated output, copied
+
+	ttft, firstByte  time.Duration
+	status           int
+	outcome          string
+	promptTokens     int
+	completionTokens int
+	committed        bool
+	decodeStart      time.Time
+	chunks           int
+	finished         bool
+	cancelDeadline   context.CancelFunc
+	bodyBytes        int64 // held against server.max_body_bytes_inflight until finish
+}
+
+// heldChunk is a metadata chunk read before the first generated output,
+// copied, with what the stream's one scan found in it; it is relayed
+// before that output.
+type heldChunk struct {
+	payload []byte
+	chunk   schemas.Chunk
+}
+
+// serveCompletion handles POST /v1/chat/completions and /v1/completions.
+func (rt *Router) serveCompletion(fctx *fasthttp.RequestCtx, endpoint string) {
+	c := rt.arrive(fctx)
+	if c == nil || !c.prepare(fctx, endpoint) {
+		return
+	}
+	if f := c.run(); f != nil {
+		c.fail(fctx, f)
+		return
+	}
+	c.answer(fctx)
+}
+
+// arrive takes a request through the front door: admission and the body
+// bound answer before anything else (R-API-8). It returns nil for a request
+// refused there (already answered), else the call, counted in flight from
+// its arrival.
+func (rt *Router) arrive(fctx *fasthttp.RequestCtx) *call {
+	arrival := time.Now()
+	id := requestID(fctx)
+	body, ok := rt.front.holdBody(fctx)
+	if !ok {
+		rt.front.refuseBodyMemory(fctx)
+		return nil
+	}
+	if !rt.front.admit(&rt.inflight) {
+		rt.front.releaseBody(body)
+		rt.front.refuseInflight(fctx)
+		return nil
+	}
+	c := &call{rt: rt, arrival: arrival, id: id, bodyBytes: body}
+	rt.metrics.inflight.Inc()
+	return c
+}
+
+// prepare parses and checks the request (R-API-4, R-API-8), and when it
+// may go on gives it its deadline (R-TMO-5) and its disconnect watch
+// (R-OWN-5). A refused request is answered and finished; prepare then
+// returns false.
+func (c *call) prepare(fctx *fasthttp.RequestCtx, endpoint string) bool {
+	rt := c.rt
+	req, err := schemas.ParseLimited(endpoint, fctx.PostBody(), rt.limits)
+	// The parsed request keeps its own copy: drop fasthttp's now.
+	fctx.Request.ResetBody()
+	if err != nil {
+		c.req = &schemas.Request{Endpoint: endpoint}
+		var re *schemas.RequestError
+		if errors.As(err, &re) {
+			c.reject(fctx, re.Status, re.Message, "client_error")
+		} else {
+			c.reject(fctx, 400, err.Error(), "client_error")
+		}
+		return false
+	}
+	c.req = req
+	if !rt.fleet.servesModel(req.Model) {
+		c.reject(fctx, 404, "The model `"+schemas.BoundField(req.Model)+"` does not exist.", "client_error")
+		return false
+	}
+	rt.budget.request()
+
+	deadline := rt.cfg.Request.Timeout()
+	if d, ok := clientTimeout(fctx); ok && d < deadline {
+		deadline = d
+	}
+	ctx, cancelDeadline := context.WithTimeout(rt.base, deadline)
+	c.ctx, c.cancel = context.WithCancelCause(ctx)
+	c.cancelDeadline = cancelDeadline
+	c.watch = rt.watcher.add(fctx.Conn(), func() { c.cancel(engines.ErrClientGone) })
+	return true
+}
+
+// clientTimeout reads a shorter deadline the client asked for, in seconds:
+// X-Request-Timeout, or X-Stainless-Timeout as the OpenAI SDKs send it
+// (R-TMO-5).
+func clientTimeout(fctx *fasthttp.RequestCtx) (time.Duration, bool) {
+	for _, h := range []string{"X-Request-Timeout", "X-Stainless-Timeout"} {
+		if v := fctx.Request.Header.Peek(h); len(v) > 0 {
+			// Finite, positive and below a year: anything else (inf, NaN,
+			// 1e300, which would overflow a Duration) is ignored.
+			if s, err := strconv.ParseFloat(string(v), 64); err == nil && s > 0 && s < 365*24*3600 {
+				return time.Duration(s * float64(time.Second)), true
+			}
+		}
+	}
+	return 0, false
+}
+
+// answer sends the client the attempt that produced its first output: a
+// committed stream relayed chunk by chunk (relayBody), or one aggregated
+// completion (R-LEG-5).
+func (c *call) answer(fctx *fasthttp.RequestCtx) {
+	// Which engines served the request, for operators and demos.
+	fctx.Response.Header.Set("X-Narwhal-Prefill-Engine", c.producer.ID)
+	fctx.Response.Header.Set("X-Narwhal-Decode-Engine", c.consumer.ID)
+	if !c.req.Stream {
+		c.aggregate(fctx)
+		return
+	}
+	c.committed = true
+	c.status = 200
+	fctx.SetStatusCode(200)
+	fctx.SetContentType("text/event-stream; charset=utf-8")
+	fctx.Response.Header.Set("Cache-Control", "no-cache")
+	fctx.Response.Header.Set("X-Accel-Buffering", "no")
+	bp := relayBufPool.Get().(*[]byte)
+	fctx.SetBodyStream(&relayBody{c: c, bp: bp, buf: (*bp)[:0]}, -1)
+}
+
+// reject answers a request refused before any engine was touched.
+func (c *call) reject(fctx *fasthttp.RequestCtx, status int, message, outcome string) {
+	writeError(fctx, status, message)
+	c.status, c.outcome = status, outcome
+	c.finish()
+}
+
+// fail answers a request whose attempts ended in f before commit.
+func (c *call) fail(fctx *fasthttp.RequestCtx, f *engines.Fault) {
+	c.watch.stop()
+	c.watch = nil
+	status := f.Status
+	if f.Kind == engines.KindClientGone {
+		// Nobody is listening; fasthttp still needs a response.
+		fctx.SetConnectionClose()
+	}
+	if f.Kind == engines.KindNoEngine {
+		retry := int(c.rt.cfg.Recovery.ReadmitInterval().Seconds())
+		if retry < 1 {
+			retry = 1
+		}
+		fctx.Response.Header.Set("Retry-After", strconv.Itoa(retry))
+	}
+	fctx.SetStatusCode(status)
+	fctx.SetContentType("application/json")
+	fctx.SetBody(f.AppendJSON(nil))
+	c.status, c.outcome = status, string(f.Kind)
+	c.finish()
+}
+
+// finish releases everything the request still holds — its watch, its
+// stream, an unconsumed handoff, its reservations, its body's share of the
+// in-flight body bound, its contexts — and
+// records it. It runs once, whatever the outcome.
+func (c *call) finish() {
+	if c.finished {
+		return
+	}
+	c.finished = true
+	c.watch.stop()
+	c.watch = nil
+	c.closeStream()
+	if c.result != nil {
+		c.abandon("client_disconnected")
+	}
+	c.releasePrefill()
+	c.releaseDecode()
+	c.rt.front.releaseBody(c.bodyBytes)
+	c.bodyBytes = 0
+	if c.cancel != nil {
+		c.cancel(context.Canceled)
+		c.cancelDeadline()
+	}
+	c.record(time.Now())
+}
+
+func (c *call) releasePrefill() {
+	if c.holdPrefill {
+		c.holdPrefill = false
+		c.producer.release(prefillPhase)
+	}
+}
+
+func (c *call) releaseDecode() {
+	if c.holdDecode {
+		c.holdDecode = false
+		c.consumer.release(decodePhase)
+	}
+}
+
+func (c *call) closeStream() {
+	if c.stream != nil {
+		c.stream.Close()
+		c.stream = nil
+	}
+}

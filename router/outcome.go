@@ -1,0 +1,135 @@
+package router
+
+import (
+	"strconv"
+	"time"
+
+	"github.com/narwhalmesh/narwhal/engines"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// This file records what happened to a request — metrics, bus events, log
+// lines — and decides nothing: the attempt loop and the relay call it.
+
+// recordFault records an engine fault: metrics, the failure event, and the
+// local quarantine with its event (R-QUAR-1). Faults that are not the
+// engine's (client, deadline, placement, shutdown) are not recorded.
+func (c *call) recordFault(f *engines.Fault) {
+	rt := c.rt
+	if !f.EngineFault() {
+		return
+	}
+	rt.metrics.faults.WithLabelValues(f.EngineID, f.Phase, string(f.Kind)).Inc()
+	rt.log.Warn("engine fault", "request_id", c.id, "engine_id", f.EngineID, "phase", f.Phase, "kind", string(f.Kind), "status", f.Status, "msg", f.Message, "attempt", c.attempts)
+	ev := &schemas.Failure{
+		Envelope:         schemas.Envelope{Schema: schemas.SchemaFailure, RouterID: rt.id, EngineID: f.EngineID, RequestID: c.id},
+		Phase:            f.Phase,
+		Kind:             string(f.Kind),
+		Status:           f.Status,
+		UpstreamStatus:   f.UpstreamStatus,
+		Message:          f.Message,
+		Timeout:          f.Timeout,
+		Counts:           f.CountsTowardEjection(),
+		BackendRequestID: c.backendID,
+		Attempt:          c.attempts,
+	}
+	if c.producer != nil {
+		ev.ProducerID = c.producer.ID
+	}
+	if c.consumer != nil {
+		ev.ConsumerID = c.consumer.ID
+	}
+	rt.publish(ev)
+	if q := rt.cfg.Recovery.FailureQuarantine(); q > 0 && f.CountsTowardEjection() {
+		until := time.Now().Add(q)
+		if rt.Quarantine(f.EngineID, until) {
+			rt.metrics.quarantines.Inc()
+			rt.publish(&schemas.Quarantine{
+				Envelope:        schemas.Envelope{Schema: schemas.SchemaQuarantine, RouterID: rt.id, EngineID: f.EngineID, RequestID: c.id},
+				DurationSeconds: q.Seconds(),
+				Until:           until.UTC(),
+				Reason:          string(f.Kind),
+			})
+		}
+	}
+}
+
+// publishAbandoned counts an abandoned handoff and publishes its event
+// (R-OWN-6). conn is the descriptor's connector; empty means the
+// producer's.
+func (c *call) publishAbandoned(producerID, conn, reason string, age time.Duration, released bool) {
+	rt := c.rt
+	rt.metrics.abandoned.Inc()
+	if conn == "" {
+		conn = c.producer.Connector.Name()
+	}
+	rt.publish(&schemas.Handoff{
+		Envelope:         schemas.Envelope{Schema: schemas.SchemaHandoff, RouterID: rt.id, EngineID: producerID, RequestID: c.id},
+		Outcome:          schemas.HandoffAbandoned,
+		Reason:           reason,
+		ConsumerID:       c.consumer.ID,
+		BackendRequestID: c.backendID,
+		Connector:        conn,
+		AgeSeconds:       age.Seconds(),
+		Released:         released,
+	})
+}
+
+// record counts the finished request, publishes its request-completed
+// event (R-BUS-1, R-TIME-1) and logs it; now is when it finished.
+func (c *call) record(now time.Time) {
+	rt := c.rt
+	if c.chunks > 0 {
+		rt.metrics.relayedChunks.Add(float64(c.chunks))
+	}
+	dur := now.Sub(c.arrival)
+	rt.inflight.Add(-1)
+	rt.metrics.inflight.Dec()
+	rt.metrics.requests.WithLabelValues(c.req.Endpoint, strconv.Itoa(c.status), c.outcome).Inc()
+	rt.metrics.duration.WithLabelValues(c.req.Endpoint).Observe(dur.Seconds())
+	ev := &schemas.RequestCompleted{
+		Envelope:         schemas.Envelope{Schema: schemas.SchemaRequest, RouterID: rt.id, RequestID: c.id},
+		Endpoint:         c.req.Endpoint,
+		Model:            schemas.BoundField(c.req.Model), // a bounded client string
+		Stream:           c.req.Stream,
+		Status:           c.status,
+		Attempts:         c.attempts,
+		DurationSeconds:  dur.Seconds(),
+		PromptTokens:     c.promptTokens,
+		CompletionTokens: c.completionTokens,
+	}
+	if c.outcome != "ok" {
+		ev.ErrorKind = c.outcome
+	}
+	if c.producer != nil {
+		ev.ProducerID = c.producer.ID
+		ev.EngineID = c.consumer.ID
+		ev.ConsumerID = c.consumer.ID
+	}
+	if c.ttft > 0 {
+		s := c.ttft.Seconds()
+		ev.TTFTSeconds = &s
+		rt.metrics.ttft.Observe(s)
+	}
+	if c.firstByte > 0 {
+		s := c.firstByte.Seconds()
+		ev.FirstByteSeconds = &s
+		rt.metrics.firstByte.Observe(s)
+	}
+	if c.decodeStart != (time.Time{}) {
+		rt.metrics.leg.WithLabelValues(schemas.PhaseDecode).Observe(now.Sub(c.decodeStart).Seconds())
+	}
+	rt.publish(ev)
+	if c.outcome != "ok" {
+		rt.log.Info("request ended", "request_id", c.id, "status", c.status, "outcome", c.outcome, "attempts", c.attempts, "duration_s", dur.Seconds())
+	} else {
+		rt.log.Debug("request done", "request_id", c.id, "status", c.status, "attempts", c.attempts, "duration_s", dur.Seconds())
+	}
+}
+
+// publish hands ev to the router's publisher, if it has one.
+func (rt *Router) publish(ev schemas.Event) {
+	if rt.pub != nil {
+		rt.pub.Publish(ev)
+	}
+}
