@@ -34,6 +34,9 @@ type Stream struct {
 	// state is streamWaiting until the first output, then streamFlowing; the
 	// timer moves it to streamExpired if the first-token budget ran out.
 	state atomic.Int32
+	// onClient is set while the owner is blocked writing to its client:
+	// that time is not engine silence (R-TMO-6).
+	onClient atomic.Bool
 
 	chunk    schemas.Chunk // the scan of the payload Next returned last
 	long     []byte        // a data line longer than the reader's buffer
@@ -148,6 +151,12 @@ func (s *Stream) onTimer() {
 	if s.readTimeout <= 0 || s.state.Load() != streamFlowing {
 		return
 	}
+	if s.onClient.Load() {
+		// The owner waits on its client, not on the engine (R-TMO-6);
+		// ClientDone restarts the bound.
+		s.timer.Reset(s.readTimeout)
+		return
+	}
 	idle := time.Since(s.start) - time.Duration(s.body.last.Load())
 	if idle >= s.readTimeout {
 		s.cancel(errSilence)
@@ -172,6 +181,21 @@ func (s *Stream) timerFault() *Fault {
 
 func silenceMessage(d time.Duration) string {
 	return MsgSilence + " (no bytes for " + d.String() + ")"
+}
+
+// ClientWait tells the stream that its owner is about to block writing to
+// its client: until ClientDone, the between-chunk bound does not run, so a
+// client that reads slowly is never taken for a silent engine (R-TMO-6).
+// The stream reads nothing from the engine meanwhile (its owner is not
+// calling Next), so what it holds stays bounded by its buffer. It is safe
+// to call concurrently with the stream's timer; it allocates nothing.
+func (s *Stream) ClientWait() { s.onClient.Store(true) }
+
+// ClientDone ends a ClientWait: the between-chunk bound restarts from now,
+// as if a transport chunk had just arrived.
+func (s *Stream) ClientDone() {
+	s.body.last.Store(int64(time.Since(s.start)))
+	s.onClient.Store(false)
 }
 
 // Buffered returns how many bytes of the stream are already read from the

@@ -337,3 +337,43 @@ func TestConnectErrorAndClientGone(t *testing.T) {
 		t.Fatalf("%+v", f)
 	}
 }
+
+// TestClientWaitIsNotSilenceRTMO6 proves R-TMO-6 at the stream: time its
+// owner spends in ClientWait (blocked on a slow client) never counts as
+// engine silence, however long; after ClientDone the between-chunk bound
+// runs again from then and still catches an engine that is really silent
+// (R-TMO-2, R-TMO-3).
+func TestClientWaitIsNotSilenceRTMO6(t *testing.T) {
+	const read = 60 * time.Millisecond
+	// The engine sends one token at once and then a second one only after
+	// 8 bounds, then nothing more.
+	srv := scripted(t, 0, 200, step{send: data(tokenChunk)}, step{wait: 8 * read, send: data(tokenChunk)}, step{wait: time.Hour})
+	c := testClient(time.Second, read)
+	req, res := testRequest(srv.URL)
+	s, err := c.Decode(context.Background(), req, res)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if _, kind, err := s.Next(); err != nil || kind != schemas.ChunkOutput {
+		t.Fatalf("first output: %v %v", kind, err)
+	}
+	// The owner is "writing to its client" for 5 bounds: nothing may fire.
+	s.ClientWait()
+	deadline := time.Now().Add(5 * read)
+	for time.Now().Before(deadline) {
+		if err := context.Cause(s.ctx); err != nil {
+			t.Fatalf("the between-chunk bound fired while the owner waited on its client: %v", err)
+		}
+		time.Sleep(read / 6)
+	}
+	s.ClientDone()
+	// The engine's token comes 3 bounds later still: the bound, restarted
+	// at ClientDone, catches the silence one bound after it.
+	done := time.Now()
+	_, _, err = s.Next()
+	wantFault(t, err, KindMidStreamSilence, 504, MsgSilence)
+	if el := time.Since(done); el < read-10*time.Millisecond || el > 3*read {
+		t.Fatalf("silence after %v from ClientDone, want about %v", el, read)
+	}
+}
