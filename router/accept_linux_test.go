@@ -12,7 +12,6 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
-	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -21,6 +20,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines/connector"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -129,7 +129,6 @@ func TestAcceptErrorsKeepServingRAPI7(t *testing.T) {
 
 	// Served again: a completion and the metrics, on new connections.
 	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 5 * time.Second}
-	var metrics string
 	waitFor(t, 10*time.Second, "the child serving again", func() bool {
 		resp, err := client.Post("http://"+addr+schemas.EndpointChat, "application/json", strings.NewReader(doorChat))
 		if err != nil {
@@ -137,24 +136,9 @@ func TestAcceptErrorsKeepServingRAPI7(t *testing.T) {
 		}
 		_, _ = io.Copy(io.Discard, resp.Body)
 		resp.Body.Close()
-		if resp.StatusCode != 200 {
-			return false
-		}
-		mresp, err := client.Get("http://" + addr + "/metrics")
-		if err != nil {
-			return false
-		}
-		b, _ := io.ReadAll(mresp.Body)
-		mresp.Body.Close()
-		metrics = string(b)
-		return true
+		return resp.StatusCode == 200
 	})
-	var n float64
-	for _, line := range strings.Split(metrics, "\n") {
-		if v, ok := strings.CutPrefix(line, "narwhal_accept_errors_total "); ok {
-			n, _ = strconv.ParseFloat(v, 64)
-		}
-	}
+	n := testkit.ScrapedSum(t, client, "http://"+addr+"/metrics", "narwhal_accept_errors_total")
 	if n < 1 {
 		t.Fatalf("narwhal_accept_errors_total = %v after EMFILE", n)
 	}

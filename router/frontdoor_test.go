@@ -14,10 +14,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
-
 	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -33,49 +31,6 @@ func (s *stack) dial() net.Conn {
 	}
 	s.t.Cleanup(func() { c.Close() })
 	return c
-}
-
-// counterValue reads a counter (or the sum of a counter family's series
-// whose labels include match) from the router's registry.
-func counterValue(t *testing.T, reg *prometheus.Registry, name string, match map[string]string) float64 {
-	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var sum float64
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			if !labelsMatch(m, match) {
-				continue
-			}
-			switch {
-			case m.Counter != nil:
-				sum += m.Counter.GetValue()
-			case m.Gauge != nil:
-				sum += m.Gauge.GetValue()
-			}
-		}
-	}
-	return sum
-}
-
-func labelsMatch(m *dto.Metric, match map[string]string) bool {
-	for k, v := range match {
-		found := false
-		for _, lp := range m.GetLabel() {
-			if lp.GetName() == k && lp.GetValue() == v {
-				found = true
-			}
-		}
-		if !found {
-			return false
-		}
-	}
-	return true
 }
 
 // readResponse reads one HTTP response from c, failing the test after d.
@@ -129,7 +84,7 @@ func TestHeadersOverLimit431RAPI7(t *testing.T) {
 	if !resp.Close {
 		t.Error("431 without Connection: close")
 	}
-	if got := counterValue(t, s.rt.Registry(), "narwhal_front_door_refused_total", map[string]string{"reason": refusedHeaderTooLarge}); got != 1 {
+	if got := testkit.GatheredSum(t, s.rt.Registry(), "narwhal_front_door_refused_total", "reason", refusedHeaderTooLarge); got != 1 {
 		t.Errorf("header_too_large refusals %v, want 1", got)
 	}
 	// Under the cap: served.
@@ -248,7 +203,7 @@ func TestSlowlorisClosedWithinHeaderTimeoutRAPI7(t *testing.T) {
 		t.Fatal("no normal request was served during the attack")
 	}
 	t.Logf("%d normal requests served while 40 slow connections were held and closed", served)
-	if got := counterValue(t, s.rt.Registry(), "narwhal_front_door_refused_total", map[string]string{"reason": refusedHeaderTimeout}); got < 20 {
+	if got := testkit.GatheredSum(t, s.rt.Registry(), "narwhal_front_door_refused_total", "reason", refusedHeaderTimeout); got < 20 {
 		t.Errorf("header_timeout refusals %v, want >= 20 (the trickling connections)", got)
 	}
 }
@@ -307,7 +262,7 @@ func TestMaxConnectionsRefusedAtOnceRAPI7(t *testing.T) {
 	if el := time.Since(start); el > time.Second {
 		t.Errorf("refused after %v, want at once", el)
 	}
-	if got := counterValue(t, s.rt.Registry(), "narwhal_connections_refused_total", nil); got < 1 {
+	if got := testkit.GatheredSum(t, s.rt.Registry(), "narwhal_connections_refused_total"); got < 1 {
 		t.Errorf("narwhal_connections_refused_total %v", got)
 	}
 	held[0].Close()
@@ -415,7 +370,7 @@ func TestMaxInflightAdmissionRAPI8(t *testing.T) {
 	if got := len(s.events.requests()); got != events {
 		t.Errorf("request events %d → %d: a refusal at the door published one", events, got)
 	}
-	if got := counterValue(t, s.rt.Registry(), "narwhal_front_door_refused_total", map[string]string{"reason": refusedInflight}); got != 1 {
+	if got := testkit.GatheredSum(t, s.rt.Registry(), "narwhal_front_door_refused_total", "reason", refusedInflight); got != 1 {
 		t.Errorf("max_inflight refusals %v, want 1", got)
 	}
 	if s.rt.InFlight() != 2 {
@@ -460,7 +415,7 @@ func TestBodyBytesInflightBoundRAPI8(t *testing.T) {
 		c.Server.HeaderTimeoutS = headerTimeout.Seconds()
 	})
 	s.waitModels()
-	gauge := func() float64 { return counterValue(t, s.rt.Registry(), "narwhal_body_bytes_inflight", nil) }
+	gauge := func() float64 { return testkit.GatheredSum(t, s.rt.Registry(), "narwhal_body_bytes_inflight") }
 	body := bigChat(mib - 1000)
 	head := fmt.Sprintf("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n", len(body))
 	release := s.holdStreams(2, body)
@@ -486,7 +441,7 @@ func TestBodyBytesInflightBoundRAPI8(t *testing.T) {
 	if waited < headerTimeout-50*time.Millisecond {
 		t.Errorf("refused after %v, want a wait of about %v for room", waited, headerTimeout)
 	}
-	if got := counterValue(t, s.rt.Registry(), "narwhal_front_door_refused_total", map[string]string{"reason": refusedBodyMemory}); got != 1 {
+	if got := testkit.GatheredSum(t, s.rt.Registry(), "narwhal_front_door_refused_total", "reason", refusedBodyMemory); got != 1 {
 		t.Errorf("body_memory refusals %v, want 1", got)
 	}
 	// Requests without a body are not held back.
