@@ -175,6 +175,9 @@ func (c *call) answer(fctx *fasthttp.RequestCtx) {
 	fctx.Response.Header.Set("Cache-Control", "no-cache")
 	fctx.Response.Header.Set("X-Accel-Buffering", "no")
 	bp := relayBufPool.Get().(*[]byte)
+	// server.stall_timeout_s bounds each write of the stream, never the
+	// stream as a whole: keep fasthttp's response deadline off it.
+	_ = fctx.SetWriteDeadline(time.Time{})
 	fctx.SetBodyStream(&relayBody{c: c, bp: bp, buf: (*bp)[:0]}, -1)
 }
 

@@ -455,3 +455,8 @@ func (b *bodyBudget) sweepLoop(ctx context.Context) {
 		}
 	}
 }
+
+// outcomeClientStalled ends a request whose client accepted no bytes for
+// server.stall_timeout_s: a client fault, counted against no engine
+// (R-TMO-6).
+const outcomeClientStalled = "client_stalled"

@@ -505,3 +505,28 @@ func TestModelNameBoundedInEvents(t *testing.T) {
 		t.Fatalf("event model of %d bytes, want %d", len(ev.Model), len(want))
 	}
 }
+
+// TestStreamOutlivesStallTimeout proves that server.stall_timeout_s bounds
+// the client's writes, not the stream: a healthy stream that lasts several
+// times the stall bound ends with [DONE].
+func TestStreamOutlivesStallTimeout(t *testing.T) {
+	defs := pd()
+	for i := range defs {
+		if defs[i].role == "decode" {
+			defs[i].cfg.ITL = 20 * time.Millisecond
+		}
+	}
+	s := newStack(t, defs, func(c *config.Config) { c.Server.StallTimeoutS = 0.2 })
+	s.waitModels()
+	start := time.Now()
+	resp, b := s.post(schemas.EndpointChat, `{"model":"sim-model","messages":[{"role":"user","content":"x"}],"stream":true,"max_tokens":40,"ignore_eos":true}`)
+	if resp.StatusCode != 200 {
+		t.Fatalf("status %d %s", resp.StatusCode, b)
+	}
+	if _, done, errObj := streamText(t, b); !done || errObj != nil {
+		t.Fatalf("stream of %v did not end with [DONE] (error %v)", time.Since(start), errObj)
+	}
+	if el := time.Since(start); el < 600*time.Millisecond {
+		t.Fatalf("the stream took %v, not several stall bounds", el)
+	}
+}
