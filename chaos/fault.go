@@ -30,19 +30,23 @@ const (
 	// once and holds the first generated-output chunk for delay_ms (a
 	// non-streaming body, which is all output, is held whole).
 	FaultFirstTokenDelay = "first-token-delay"
-	// FaultMidStreamSilence forwards after_tokens output chunks, then
-	// stops forwarding and holds the connection open for delay_ms (0:
-	// until the client leaves), then ends the response without [DONE].
-	// Streamed requests only.
-	FaultMidStreamSilence = "mid-stream-silence"
-	// FaultCloseBeforeDone forwards after_tokens output chunks, then ends
+	// FaultMidStreamSilence forwards after_tokens output chunks (default
+	// 1, at least 1: a silence before the first token is
+	// FaultFirstTokenDelay), then stops forwarding and holds the
+	// connection open for delay_ms (0: until the client leaves), then ends
 	// the response without [DONE]. Streamed requests only.
+	FaultMidStreamSilence = "mid-stream-silence"
+	// FaultCloseBeforeDone forwards after_tokens output chunks (default 0:
+	// the stream ends at its first output chunk, before the router
+	// commits), then ends the response without [DONE]. Streamed requests
+	// only.
 	FaultCloseBeforeDone = "close-before-done"
 	// FaultDoneBeforeToken replaces the stream from its first output chunk
 	// on with data: [DONE]: the client gets the engine's metadata chunks
 	// and [DONE], no token. Streamed requests only.
 	FaultDoneBeforeToken = "done-before-token"
-	// FaultErrorObject forwards after_tokens output chunks, then writes
+	// FaultErrorObject forwards after_tokens output chunks (default 0:
+	// before the router commits), then writes
 	// data: {"error":{"message","type","param":null,"code"}} and
 	// data: [DONE] inside the HTTP 200 stream, as vLLM does. Streamed
 	// requests only.
@@ -80,7 +84,9 @@ const (
 	// ParamDelayMS is a delay or hold in milliseconds.
 	ParamDelayMS = "delay_ms"
 	// ParamAfterTokens is the number of output chunks forwarded before a
-	// stream fault strikes (default 0: before the first).
+	// stream fault strikes: default 0 (before the first) for
+	// close-before-done and error-object, 1 for mid-stream-silence, whose
+	// minimum it is too.
 	ParamAfterTokens = "after_tokens"
 	// ParamCode is the HTTP status (http-status, 400…599, default 500) or
 	// the error object's code (error-object, any integer, default 500).
@@ -278,6 +284,9 @@ func (f *Fault) compile() (setting, error) {
 		return setting{}, fmt.Errorf("unknown fault %q", f.Name)
 	}
 	s := setting{kind: k, code: defaultCode}
+	if k == kindMidStreamSilence {
+		s.after = 1 // mid-stream: after the first token
+	}
 	c := catalogue[k]
 	for _, name := range slices.Sorted(maps.Keys(f.Params)) {
 		if !slices.Contains(c.params, name) {
@@ -323,6 +332,10 @@ func (f *Fault) compile() (setting, error) {
 		return setting{}, fmt.Errorf("fault %s: %s must be > 0", f.Name, ParamDelayMS)
 	}
 	switch k {
+	case kindMidStreamSilence:
+		if s.after < 1 {
+			return setting{}, fmt.Errorf("fault %s: %s must be at least 1 (a silence before the first token is %s)", f.Name, ParamAfterTokens, FaultFirstTokenDelay)
+		}
 	case kindHTTPStatus:
 		if s.code < 400 || s.code > 599 {
 			return setting{}, fmt.Errorf("fault %s: code %d is not an HTTP error status (400…599)", f.Name, s.code)

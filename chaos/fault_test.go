@@ -64,6 +64,9 @@ func TestFaultValidate(t *testing.T) {
 	bad(same, valid(FaultCloseBeforeDone, map[string]string{ParamCode: "500"}), "unknown parameter")
 	bad(same, valid(FaultHTTPStatus, map[string]string{ParamCode: "200"}), "not an HTTP error status")
 	bad(same, valid(FaultHTTPStatus, map[string]string{ParamCode: "600"}), "not an HTTP error status")
+	// A silence before the first token is a first-token delay, not a
+	// mid-stream silence.
+	bad(same, valid(FaultMidStreamSilence, map[string]string{ParamAfterTokens: "0"}), "first-token-delay")
 }
 
 // TestParseParam proves the --param k=v syntax.

@@ -122,10 +122,10 @@ type armedFault struct {
 func NewProxy(opts ProxyOptions) (*Proxy, error) {
 	target, err := url.Parse(opts.Target)
 	if err != nil || (target.Scheme != "http" && target.Scheme != "https") || target.Host == "" {
-		return nil, fmt.Errorf("chaos: target %q: want an http:// or https:// base URL", opts.Target)
+		return nil, fmt.Errorf("target %q: want an http:// or https:// base URL", opts.Target)
 	}
 	if !validID(opts.EngineID) {
-		return nil, fmt.Errorf("chaos: engine id %q: want letters, digits, '-' or '_'", opts.EngineID)
+		return nil, fmt.Errorf("engine id %q: want letters, digits, '-' or '_'", opts.EngineID)
 	}
 	p := &Proxy{engineID: opts.EngineID, target: target, store: opts.Store, log: opts.Log}
 	if p.log == nil {
@@ -168,7 +168,7 @@ func (p *Proxy) Start(ctx context.Context) error {
 	p.startMu.Lock()
 	defer p.startMu.Unlock()
 	if p.started || p.closed {
-		return errors.New("chaos: proxy already started or closed")
+		return errors.New("proxy already started or closed")
 	}
 	p.started = true
 	if p.store == nil {
@@ -178,18 +178,18 @@ func (p *Proxy) Start(ctx context.Context) error {
 	w, err := p.store.watch(wctx, p.engineID)
 	if err != nil {
 		cancel()
-		return fmt.Errorf("chaos: watch %s.*: %w", p.engineID, err)
+		return fmt.Errorf("watch %s.*: %w", p.engineID, err)
 	}
 	for loaded := false; !loaded; {
 		select {
 		case <-ctx.Done():
 			cancel()
 			_ = w.Stop()
-			return fmt.Errorf("chaos: loading the faults of %s: %w", p.engineID, context.Cause(ctx))
+			return fmt.Errorf("loading the faults of %s: %w", p.engineID, context.Cause(ctx))
 		case e, ok := <-w.Updates():
 			if !ok {
 				cancel()
-				return fmt.Errorf("chaos: watch %s.* ended", p.engineID)
+				return fmt.Errorf("watch %s.* ended", p.engineID)
 			}
 			if e == nil {
 				loaded = true

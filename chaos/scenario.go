@@ -75,27 +75,27 @@ type DisarmStep struct {
 func ParseScenario(data []byte) (*Scenario, error) {
 	var sc Scenario
 	if err := yaml.UnmarshalWithOptions(data, &sc, yaml.Strict()); err != nil {
-		return nil, fmt.Errorf("chaos: scenario: %w", err)
+		return nil, fmt.Errorf("scenario: %w", err)
 	}
 	if len(sc.Steps) == 0 {
-		return nil, errors.New("chaos: scenario: no steps")
+		return nil, errors.New("scenario: no steps")
 	}
 	var prev time.Duration
 	for i, st := range sc.Steps {
 		n := i + 1
 		switch {
 		case st.At < 0:
-			return nil, fmt.Errorf("chaos: scenario step %d: at %v is negative", n, st.At)
+			return nil, fmt.Errorf("scenario step %d: at %v is negative", n, st.At)
 		case st.At < prev:
-			return nil, fmt.Errorf("chaos: scenario step %d: at %v comes before the previous step's %v (steps run in order)", n, st.At, prev)
+			return nil, fmt.Errorf("scenario step %d: at %v comes before the previous step's %v (steps run in order)", n, st.At, prev)
 		case (st.Arm == nil) == (st.Disarm == nil):
-			return nil, fmt.Errorf("chaos: scenario step %d: want exactly one of arm and disarm", n)
+			return nil, fmt.Errorf("scenario step %d: want exactly one of arm and disarm", n)
 		}
 		prev = st.At
 		if st.Arm != nil {
 			f, d, err := st.Arm.fault()
 			if err != nil {
-				return nil, fmt.Errorf("chaos: scenario step %d: %w", n, err)
+				return nil, fmt.Errorf("scenario step %d: %w", n, err)
 			}
 			// Validate as Store.Arm will, with a placeholder expiry.
 			if f.ID == "" {
@@ -106,21 +106,21 @@ func ParseScenario(data []byte) (*Scenario, error) {
 			}
 			f.Expires = time.Now().Add(d)
 			if d < 0 || d > MaxFor {
-				return nil, fmt.Errorf("chaos: scenario step %d: for %v is not within 0…%v", n, d, MaxFor)
+				return nil, fmt.Errorf("scenario step %d: for %v is not within 0…%v", n, d, MaxFor)
 			}
 			if err := f.Validate(); err != nil {
-				return nil, fmt.Errorf("chaos: scenario step %d: %w", n, err)
+				return nil, fmt.Errorf("scenario step %d: %w", n, err)
 			}
 		} else {
 			d := st.Disarm
 			if d.All == (d.Engine != "") {
-				return nil, fmt.Errorf("chaos: scenario step %d: disarm wants one of engine and all", n)
+				return nil, fmt.Errorf("scenario step %d: disarm wants one of engine and all", n)
 			}
 			if d.All && d.ID != "" {
-				return nil, fmt.Errorf("chaos: scenario step %d: disarm: id needs engine", n)
+				return nil, fmt.Errorf("scenario step %d: disarm: id needs engine", n)
 			}
 			if d.Engine != "" && !validID(d.Engine) || d.ID != "" && !validID(d.ID) {
-				return nil, fmt.Errorf("chaos: scenario step %d: disarm: engine and id want letters, digits, '-' or '_'", n)
+				return nil, fmt.Errorf("scenario step %d: disarm: engine and id want letters, digits, '-' or '_'", n)
 			}
 		}
 	}
@@ -195,11 +195,11 @@ func (sc *Scenario) Run(ctx context.Context, st *Store, out io.Writer, until tim
 		if step.Arm != nil {
 			f, d, err := step.Arm.fault()
 			if err != nil {
-				return fmt.Errorf("chaos: scenario step %d: %w", i+1, err)
+				return fmt.Errorf("scenario step %d: %w", i+1, err)
 			}
 			armed, err := st.Arm(ctx, f, d)
 			if err != nil {
-				return fmt.Errorf("chaos: scenario step %d: %w", i+1, err)
+				return fmt.Errorf("scenario step %d: %w", i+1, err)
 			}
 			fmt.Fprintf(out, "%s arm %s\n", at(), armed.String())
 			continue
@@ -207,7 +207,7 @@ func (sc *Scenario) Run(ctx context.Context, st *Store, out io.Writer, until tim
 		d := step.Disarm
 		gone, err := st.Disarm(ctx, d.Engine, d.ID)
 		if err != nil {
-			return fmt.Errorf("chaos: scenario step %d: %w", i+1, err)
+			return fmt.Errorf("scenario step %d: %w", i+1, err)
 		}
 		what := "all"
 		if d.Engine != "" {

@@ -54,7 +54,7 @@ func OpenStore(ctx context.Context, b *bus.Bus, pub *bus.Publisher) (*Store, err
 	}
 	st, err := kv.Status(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("chaos: bucket %s: %w", Bucket, err)
+		return nil, fmt.Errorf("bucket %s: %w", Bucket, err)
 	}
 	keyTTL := st.LimitMarkerTTL() > 0
 	return &Store{js: b.JetStream(), kv: kv, pub: pub, prefix: "$KV." + Bucket + ".", keyTTL: keyTTL}, nil
@@ -72,7 +72,7 @@ func (s *Store) Arm(ctx context.Context, f Fault, d time.Duration) (Fault, error
 		d = DefaultFor
 	}
 	if d < 0 || d > MaxFor {
-		return Fault{}, fmt.Errorf("chaos: expiry %v is not within 0…%v", d, MaxFor)
+		return Fault{}, fmt.Errorf("expiry %v is not within 0…%v", d, MaxFor)
 	}
 	if f.ID == "" {
 		f.ID = f.Name
@@ -85,14 +85,14 @@ func (s *Store) Arm(ctx context.Context, f Fault, d time.Duration) (Fault, error
 	f.ArmedAt = now
 	f.Expires = now.Add(d)
 	if err := f.Validate(); err != nil {
-		return Fault{}, fmt.Errorf("chaos: %w", err)
+		return Fault{}, err
 	}
 	value, err := json.Marshal(&f)
 	if err != nil {
-		return Fault{}, fmt.Errorf("chaos: %w", err)
+		return Fault{}, err
 	}
 	if _, err := s.put(ctx, f.Key(), value, 0, false, d); err != nil {
-		return Fault{}, fmt.Errorf("chaos: arm %s: %w", f.Key(), err)
+		return Fault{}, fmt.Errorf("arm %s: %w", f.Key(), err)
 	}
 	s.publish(f.event(schemas.ChaosArm))
 	return f, nil
@@ -123,7 +123,7 @@ func (s *Store) List(ctx context.Context, engineID string) ([]Fault, error) {
 // the bus fails.
 func (s *Store) Disarm(ctx context.Context, engineID, faultID string) ([]Fault, error) {
 	if engineID == "" && faultID != "" {
-		return nil, errors.New("chaos: disarm: a fault id needs an engine id")
+		return nil, errors.New("disarm: a fault id needs an engine id")
 	}
 	entries, err := s.entries(ctx, engineID)
 	if err != nil {
@@ -136,7 +136,7 @@ func (s *Store) Disarm(ctx context.Context, engineID, faultID string) ([]Fault, 
 			continue
 		}
 		if err := s.kv.Delete(ctx, e.key); err != nil {
-			return out, fmt.Errorf("chaos: disarm %s: %w", e.key, err)
+			return out, fmt.Errorf("disarm %s: %w", e.key, err)
 		}
 		if !e.fault.Expired(now) {
 			out = append(out, e.fault)
@@ -159,7 +159,7 @@ func (s *Store) entries(ctx context.Context, engineID string) ([]storedFault, er
 	filter := ">"
 	if engineID != "" {
 		if !validID(engineID) {
-			return nil, fmt.Errorf("chaos: engine id %q: want letters, digits, '-' or '_'", engineID)
+			return nil, fmt.Errorf("engine id %q: want letters, digits, '-' or '_'", engineID)
 		}
 		filter = engineID + ".*"
 	}
@@ -168,17 +168,17 @@ func (s *Store) entries(ctx context.Context, engineID string) ([]storedFault, er
 	defer cancel()
 	w, err := s.kv.Watch(ctx, filter, jetstream.IgnoreDeletes())
 	if err != nil {
-		return nil, fmt.Errorf("chaos: list %s: %w", Bucket, err)
+		return nil, fmt.Errorf("list %s: %w", Bucket, err)
 	}
 	defer w.Stop()
 	var out []storedFault
 	for {
 		select {
 		case <-ctx.Done():
-			return nil, fmt.Errorf("chaos: list %s: %w", Bucket, context.Cause(ctx))
+			return nil, fmt.Errorf("list %s: %w", Bucket, context.Cause(ctx))
 		case e, ok := <-w.Updates():
 			if !ok {
-				return nil, fmt.Errorf("chaos: list %s: watch ended", Bucket)
+				return nil, fmt.Errorf("list %s: watch ended", Bucket)
 			}
 			if e == nil { // the initial values are all delivered
 				slices.SortFunc(out, func(a, b storedFault) int {
@@ -239,7 +239,7 @@ func (s *Store) spend(ctx context.Context, key string) (f Fault, ok bool, err er
 			return Fault{}, false, err
 		}
 	}
-	return Fault{}, false, fmt.Errorf("chaos: spend %s: too many concurrent updates", key)
+	return Fault{}, false, fmt.Errorf("spend %s: too many concurrent updates", key)
 }
 
 // put writes value under key with the remaining lifetime ttl as the key's

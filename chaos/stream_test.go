@@ -95,3 +95,61 @@ func BenchmarkStreamFaults(b *testing.B) {
 }
 
 var _ io.ReadCloser = (*rewindReader)(nil)
+
+// streamOnlyExchange is an exchange struck by f alone, with a client that
+// stays.
+func streamOnlyExchange(t *testing.T, f Fault) *exchange {
+	t.Helper()
+	set, err := f.compile()
+	if err != nil {
+		t.Fatal(err)
+	}
+	x := &exchange{has: 1 << set.kind, clientCtx: context.Background(), cancel: func() {}}
+	x.set[set.kind] = set
+	return x
+}
+
+// TestStreamFaultDefaults proves what each stream fault does with no
+// parameter that places it (R-CHAOS-1, docs/chaos.md): mid-stream-silence
+// strikes mid-stream, after the first output chunk (a silence before it
+// would be a first-token delay); close-before-done and error-object strike
+// at the first output chunk, before commit, where a router may still
+// retry; done-before-token replaces the first output chunk with [DONE].
+// The metadata before the first output chunk (the role chunk) always
+// passes.
+func TestStreamFaultDefaults(t *testing.T) {
+	stream := sseStream(4)
+	role := string(stream[:bytes.Index(stream, []byte("\n\n"))+2])
+	for _, c := range []struct {
+		fault  Fault
+		tokens int    // output chunks the client gets
+		tail   string // what follows them ("" = nothing: the stream ends)
+	}{
+		{Fault{Name: FaultMidStreamSilence, Params: map[string]string{ParamDelayMS: "1"}}, 1, ""},
+		{Fault{Name: FaultCloseBeforeDone}, 0, ""},
+		{Fault{Name: FaultDoneBeforeToken}, 0, "data: [DONE]\n\n"},
+		{Fault{Name: FaultErrorObject}, 0, "data: {\"error\":{\"message\":\"chaos: injected error object\",\"type\":\"InternalServerError\",\"param\":null,\"code\":500}}\n\ndata: [DONE]\n\n"},
+	} {
+		t.Run(c.fault.Name, func(t *testing.T) {
+			src := &rewindReader{}
+			src.Reset(stream)
+			s := newStreamFaults(src, streamOnlyExchange(t, c.fault))
+			defer s.Close()
+			got, _ := io.ReadAll(s)
+			want := role
+			for i := range c.tokens {
+				want += fmt.Sprintf("data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" tok%d\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n", i)
+			}
+			want += c.tail
+			if string(got) != want {
+				t.Errorf("client got\n%s\nwant\n%s", got, want)
+			}
+		})
+	}
+	// With no parameter at all, mid-stream-silence waits for one output
+	// chunk too (and then holds until the client leaves).
+	set, err := (&Fault{Name: FaultMidStreamSilence}).compile()
+	if err != nil || set.after != 1 || set.delay != 0 {
+		t.Errorf("mid-stream-silence defaults: after_tokens %d, delay %v, %v; want 1, 0 (until the client leaves)", set.after, set.delay, err)
+	}
+}

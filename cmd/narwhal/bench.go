@@ -67,7 +67,7 @@ func runBench(ctx context.Context, args []string) error {
 	fs.StringVar(&f.routerBus, "router-bus", "external", "--router-process: external (a NATS server in the bench process, as in a mesh: the router's CPU excludes the bus and the breaker) or embedded (the router's own NATS and in-process breaker, single-node mode)")
 	fs.StringVar(&f.cpuProfile, "cpuprofile", "", "write a CPU profile of this process (client, local sims, in-process router) to this file")
 	fs.BoolVar(&f.quiet, "quiet", false, "no live progress line on stderr")
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {

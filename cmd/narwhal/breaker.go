@@ -41,7 +41,7 @@ func runBreakerCmd(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("breaker", flag.ContinueOnError)
 	path := fs.String("config", "", "YAML configuration file (docs/configuration.md); environment NARWHAL_<SECTION>_<KEY> overrides it")
 	metricsAddr := fs.String("metrics", "", "HOST:PORT to serve /metrics on (off when empty)")
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	if *path == "" {

@@ -100,7 +100,7 @@ func runBusServe(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	data := fs.String("data", defaultBusData, "JetStream store `DIR`; restarting on the same DIR keeps the events and the placement")
 	cfgPath := fs.String("config", "", "YAML configuration `FILE` for bus.replicas and breaker.lease_ttl_s (default: defaults and environment)")
 	verbose := fs.Bool("verbose", false, "log the NATS server's notices, not only its warnings and errors")
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {

@@ -150,7 +150,7 @@ func chaosFlags(name string, stderr io.Writer) (*flag.FlagSet, *time.Duration) {
 // parseChaosFlags parses args, refusing positional arguments unless
 // positional is set.
 func parseChaosFlags(fs *flag.FlagSet, args []string, positional bool) error {
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	if !positional && fs.NArg() > 0 {

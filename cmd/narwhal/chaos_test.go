@@ -406,3 +406,57 @@ func (b *lockedBuffer) String() string {
 	defer b.mu.Unlock()
 	return b.buf.String()
 }
+
+// TestChaosArmWarnsWhenNoProxyServes proves that `narwhal chaos arm` for an
+// engine no chaos proxy serves still arms the fault (a proxy started later
+// loads it) but warns on stderr, naming the engines the proxies on the bus
+// do serve; arming for a served engine prints no warning.
+func TestChaosArmWarnsWhenNoProxyServes(t *testing.T) {
+	chaosLeakCheck(t)
+	chaosTestBus(t)
+	armed := func(engine string) (stdout, stderr string) {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), chaosTestBound)
+		defer cancel()
+		var out, errOut bytes.Buffer
+		if err := runChaos(ctx, []string{"arm", "--engine", engine, "--fault", "http-status"}, &out, &errOut); err != nil {
+			t.Fatalf("arm %s: %v", engine, err)
+		}
+		return out.String(), errOut.String()
+	}
+
+	// No proxy at all.
+	out, warn := armed("decode-9")
+	if !strings.HasPrefix(out, "armed decode-9/http-status ") || !strings.Contains(warn, "warning: no chaos proxy serves engine decode-9") || !strings.Contains(warn, "no chaos proxy answered") {
+		t.Errorf("no proxy: stdout %q, stderr %q", out, warn)
+	}
+
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 2)
+	for _, id := range []string{"decode-2", "decode-1"} {
+		stdout := &lockedBuffer{}
+		go func() {
+			done <- runChaos(ctx, []string{"proxy", "--target", "http://127.0.0.1:1", "--engine-id", id, "--listen", "127.0.0.1:0"}, stdout, io.Discard)
+		}()
+		pollFor(t, "proxy "+id+" listening", func() bool { return strings.Contains(stdout.String(), "listening") })
+	}
+	defer func() {
+		cancel()
+		for range 2 {
+			if err := <-done; err != nil {
+				t.Errorf("proxy: %v", err)
+			}
+		}
+	}()
+
+	out, warn = armed("decode-9")
+	if !strings.HasPrefix(out, "armed decode-9/http-status ") || !strings.Contains(warn, "warning: no chaos proxy serves engine decode-9 (proxies serve decode-1, decode-2)") {
+		t.Errorf("two proxies, another engine: stdout %q, stderr %q", out, warn)
+	}
+	if out, warn = armed("decode-1"); !strings.HasPrefix(out, "armed decode-1/http-status ") || warn != "" {
+		t.Errorf("a served engine: stdout %q, stderr %q", out, warn)
+	}
+	if list := mustChaos(t, "list"); !strings.Contains(list, "decode-9") || !strings.Contains(list, "decode-1") {
+		t.Errorf("not armed:\n%s", list)
+	}
+}

@@ -33,7 +33,7 @@ func runDev(ctx context.Context, args []string) error {
 	ttft := fs.Duration("ttft", 0, "simulated time to first token of each decode")
 	itl := fs.Duration("itl", 0, "simulated inter-token latency")
 	chaosMode := fs.Bool("chaos", false, "put a chaos proxy in front of every simulator and serve the bus on TCP for narwhal chaos arm (docs/chaos.md)")
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	cfg, err := config.Parse(nil)

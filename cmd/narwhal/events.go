@@ -68,7 +68,7 @@ func runEvents(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	since := fs.String("since", "", "start `DUR` ago (e.g. 10m) or at an RFC 3339 time; 0 or all: from the oldest stored event; default: new events only")
 	asJSON := fs.Bool("json", false, "print each event's JSON object exactly as published, one per line")
 	bound := fs.Duration("connect-timeout", defaultEventsConnectBound, "give up when the bus is not reachable within `DUR`")
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {

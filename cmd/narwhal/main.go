@@ -21,6 +21,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"os/signal"
 	"sort"
@@ -51,26 +52,64 @@ func usage() {
 }
 
 func main() {
-	if len(os.Args) < 2 || os.Args[1] == "-h" || os.Args[1] == "--help" || os.Args[1] == "help" {
+	os.Exit(run(os.Args[1:], os.Stderr))
+}
+
+// run runs the command args[0] with args[1:] until it ends or
+// SIGINT/SIGTERM, and returns the exit status: 0 on success (and for -h),
+// 2 for a usage error (an unknown command, an unknown flag), 1 for any
+// other failure. It prints an error to stderr as "narwhal <command>: …",
+// unless the command already said it (see reported).
+func run(args []string, stderr io.Writer) int {
+	if len(args) < 1 || args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
 		usage()
-		if len(os.Args) < 2 {
-			os.Exit(2)
+		if len(args) < 1 {
+			return 2
 		}
-		return
+		return 0
 	}
-	cmd, ok := commands[os.Args[1]]
+	cmd, ok := commands[args[0]]
 	if !ok {
-		fmt.Fprintf(os.Stderr, "narwhal: unknown command %q\n\n", os.Args[1])
+		fmt.Fprintf(stderr, "narwhal: unknown command %q\n\n", args[0])
 		usage()
-		os.Exit(2)
+		return 2
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := cmd.run(ctx, os.Args[2:]); err != nil && !errors.Is(err, context.Canceled) {
-		if errors.Is(err, flag.ErrHelp) {
-			return
-		}
-		fmt.Fprintf(os.Stderr, "narwhal %s: %v\n", os.Args[1], err)
-		os.Exit(1)
+	err := cmd.run(ctx, args[1:])
+	switch {
+	case err == nil, errors.Is(err, context.Canceled), errors.Is(err, flag.ErrHelp):
+		return 0
 	}
+	var r *reportedError
+	if errors.As(err, &r) {
+		return r.code
+	}
+	fmt.Fprintf(stderr, "narwhal %s: %v\n", args[0], err)
+	return 1
+}
+
+// reportedError is the error of a command that has already told the user
+// why it failed (the flag package's message and usage, a report's last
+// line): run exits with code and prints nothing more.
+type reportedError struct {
+	err  error
+	code int
+}
+
+func (e *reportedError) Error() string { return e.err.Error() }
+func (e *reportedError) Unwrap() error { return e.err }
+
+// reported marks err as already said to the user, to exit with code.
+func reported(err error, code int) error { return &reportedError{err: err, code: code} }
+
+// parseFlags parses args with fs (flag.ContinueOnError, which prints a
+// parse error and the usage itself). It returns flag.ErrHelp for -h, and a
+// parse error marked as reported, exit status 2.
+func parseFlags(fs *flag.FlagSet, args []string) error {
+	err := fs.Parse(args)
+	if err == nil || errors.Is(err, flag.ErrHelp) {
+		return err
+	}
+	return reported(err, 2)
 }

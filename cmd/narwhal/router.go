@@ -23,7 +23,7 @@ func runRouterCmd(ctx context.Context, args []string) error {
 	path := fs.String("config", "", "YAML configuration file (docs/configuration.md); environment NARWHAL_<SECTION>_<KEY> overrides it")
 	listen := fs.String("listen", "127.0.0.1:8080", "HOST:PORT to serve HTTP on")
 	admin := fs.String("admin", "", "HOST:PORT of an opt-in admin listener serving /debug/pprof (off when empty)")
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	if *path == "" {

@@ -49,7 +49,7 @@ func runSim(ctx context.Context, args []string) error {
 		cfg.Faults = append(cfg.Faults, faults...)
 		return nil
 	})
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {
