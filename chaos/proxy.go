@@ -23,6 +23,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/nats-io/nats.go/micro"
 
 	"github.com/narwhalmesh/narwhal/schemas"
 )
@@ -108,6 +109,7 @@ type Proxy struct {
 	cancel  context.CancelFunc // ends the watch
 	watcher jetstream.KeyWatcher
 	done    chan struct{} // closed when the watch goroutine ends
+	service micro.Service // the proxy's ProxyService instance; nil without a Store
 }
 
 // armedFault is one fault of the proxy's engine, parsed.
@@ -161,9 +163,11 @@ func (p *Proxy) EngineID() string { return p.engineID }
 
 // Start loads the faults armed for the proxy's engine from the Store and
 // keeps watching them until Close: a change in the bucket applies to the
-// next request. It returns once the armed faults are loaded, or an error
-// when the watch cannot start or ctx ends first. Without a Store it does
-// nothing. Calling it again, or after Close, is an error.
+// next request. Once they are loaded it answers as an instance of
+// ProxyService on the Store's connection, so that Store.Proxies finds it.
+// It returns then, or an error when the watch or the service cannot start
+// or ctx ends first. Without a Store it does nothing. Calling it again, or
+// after Close, is an error.
 func (p *Proxy) Start(ctx context.Context) error {
 	p.startMu.Lock()
 	defer p.startMu.Unlock()
@@ -198,7 +202,13 @@ func (p *Proxy) Start(ctx context.Context) error {
 			}
 		}
 	}
-	p.cancel, p.watcher, p.done = cancel, w, make(chan struct{})
+	svc, err := p.addService()
+	if err != nil {
+		cancel()
+		_ = w.Stop()
+		return err
+	}
+	p.cancel, p.watcher, p.done, p.service = cancel, w, make(chan struct{}), svc
 	go p.watch(wctx, w)
 	return nil
 }
@@ -270,9 +280,12 @@ func (p *Proxy) Faults() []Fault {
 func (p *Proxy) Close() {
 	p.startMu.Lock()
 	p.closed = true
-	cancel, w, done := p.cancel, p.watcher, p.done
-	p.cancel, p.watcher = nil, nil
+	cancel, w, done, svc := p.cancel, p.watcher, p.done, p.service
+	p.cancel, p.watcher, p.service = nil, nil, nil
 	p.startMu.Unlock()
+	if svc != nil {
+		_ = svc.Stop()
+	}
 	if cancel != nil {
 		cancel()
 		_ = w.Stop()

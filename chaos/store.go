@@ -32,6 +32,7 @@ const (
 // It publishes an arm or disarm event (schemas.Chaos) for each change it
 // makes when it has a publisher. Safe for concurrent use.
 type Store struct {
+	nc     *nats.Conn
 	js     jetstream.JetStream
 	kv     jetstream.KeyValue
 	pub    *bus.Publisher
@@ -57,7 +58,7 @@ func OpenStore(ctx context.Context, b *bus.Bus, pub *bus.Publisher) (*Store, err
 		return nil, fmt.Errorf("bucket %s: %w", Bucket, err)
 	}
 	keyTTL := st.LimitMarkerTTL() > 0
-	return &Store{js: b.JetStream(), kv: kv, pub: pub, prefix: "$KV." + Bucket + ".", keyTTL: keyTTL}, nil
+	return &Store{nc: b.Conn(), js: b.JetStream(), kv: kv, pub: pub, prefix: "$KV." + Bucket + ".", keyTTL: keyTTL}, nil
 }
 
 // Arm stores f in the bucket, replacing any fault with the same engine and

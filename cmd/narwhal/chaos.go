@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -39,6 +40,9 @@ const (
 	chaosShutdownBound = 5 * time.Second
 	// chaosEventBuffer is the event buffer of a chaos command's publisher.
 	chaosEventBuffer = 1024
+	// proxyAnswerWait is how long `narwhal chaos arm` gathers the chaos
+	// proxies' answers to learn which engines they serve.
+	proxyAnswerWait = 300 * time.Millisecond
 )
 
 const chaosUsage = `usage: narwhal chaos <subcommand> [flags]
@@ -201,8 +205,19 @@ func runChaosArm(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	if err != nil {
 		return err
 	}
-	_, err = fmt.Fprintf(stdout, "armed %s\n", armed.String())
-	return err
+	if _, err := fmt.Fprintf(stdout, "armed %s\n", armed.String()); err != nil {
+		return err
+	}
+	// A fault for an engine no proxy serves is kept (a proxy started later
+	// loads it), but it is likely a typo: say so, with what is served.
+	if served, err := cb.store.Proxies(ctx, proxyAnswerWait); err == nil && !slices.Contains(served, armed.EngineID) {
+		answer := "no chaos proxy answered on this bus"
+		if len(served) > 0 {
+			answer = "proxies serve " + strings.Join(served, ", ")
+		}
+		fmt.Fprintf(stderr, "warning: no chaos proxy serves engine %s (%s); the fault strikes once a proxy for it starts\n", armed.EngineID, answer)
+	}
+	return nil
 }
 
 // runChaosList is `narwhal chaos list`: a table of the armed faults.
