@@ -34,7 +34,14 @@ func TestDevStackCurl(t *testing.T) {
 		}
 		return curlLine.MatchString(dev.stdout.String())
 	})
-	m := curlLine.FindStringSubmatch(dev.stdout.String())
+	// The banner spells this binary one way, as it was started (not go
+	// run: TestMain built it), in every line a user pastes.
+	banner := dev.stdout.String()
+	if strings.Contains(banner, "go run") || !strings.Contains(banner, "NARWHAL_NATS_URL=nats://127.0.0.1:") ||
+		!regexp.MustCompile(`(?m) `+regexp.QuoteMeta(narwhalBin)+` events$`).MatchString(banner) {
+		t.Errorf("the banner does not spell narwhal as %s throughout:\n%s", narwhalBin, banner)
+	}
+	m := curlLine.FindStringSubmatch(banner)
 	url, header, body := m[1], m[2], m[3]
 	if want := "http://" + hostPort(port) + "/v1/chat/completions"; url != want {
 		t.Fatalf("curl URL %q, want %q", url, want)

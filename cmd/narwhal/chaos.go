@@ -96,9 +96,10 @@ func runChaos(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 // chaosBus is one chaos command's link to the bus: the connection, an
 // event publisher and the fault store.
 type chaosBus struct {
-	b     *bus.Bus
-	pub   *bus.Publisher
-	store *chaos.Store
+	b        *bus.Bus
+	pub      *bus.Publisher
+	store    *chaos.Store
+	closeBus func() // closes b when connectChaos opened it; nil otherwise
 }
 
 // connectChaos connects to the bus of c (URL, credential, TLS) within
@@ -115,11 +116,22 @@ func connectChaos(ctx context.Context, c config.Bus, name string, bound time.Dur
 	if err != nil {
 		return nil, fmt.Errorf("bus %s: %w", redactNATSURL(c.URL), err)
 	}
+	cb, err := openChaos(cctx, b)
+	if err != nil {
+		b.Close()
+		return nil, err
+	}
+	cb.closeBus = b.Close
+	return cb, nil
+}
+
+// openChaos opens bucket narwhal_chaos on b, with an event publisher of
+// its own; close closes the publisher but not b.
+func openChaos(ctx context.Context, b *bus.Bus) (*chaosBus, error) {
 	pub := bus.NewPublisher(b, chaosEventBuffer, nil)
-	store, err := chaos.OpenStore(cctx, b, pub)
+	store, err := chaos.OpenStore(ctx, b, pub)
 	if err != nil {
 		pub.Close()
-		b.Close()
 		return nil, err
 	}
 	return &chaosBus{b: b, pub: pub, store: store}, nil
@@ -136,10 +148,13 @@ func connectChaosTool(ctx context.Context, name string, bound time.Duration, log
 	return connectChaos(ctx, c, name, bound, log)
 }
 
-// close publishes the buffered events and closes the connection.
+// close publishes the buffered events and, when connectChaos opened it,
+// closes the connection.
 func (c *chaosBus) close() {
 	c.pub.Close()
-	c.b.Close()
+	if c.closeBus != nil {
+		c.closeBus()
+	}
 }
 
 // chaosFlags returns a flag set for a chaos subcommand with
@@ -430,131 +445,4 @@ func serveChaosProxy(ctx context.Context, store *chaos.Store, engine, target, li
 		p.Close()
 	}
 	return "http://" + ln.Addr().String(), stop, nil
-}
-
-// devChaos is the chaos side of `narwhal dev --chaos`: a bus that listens
-// on TCP (so that `narwhal chaos arm` in another terminal reaches it) and a
-// chaos proxy in front of each simulator.
-type devChaos struct {
-	natsURL string
-	emb     *bus.Embedded // nil when bus.url was set
-	cb      *chaosBus
-	breaker func() // stops the dev breaker; nil when none runs
-	stops   []func()
-	fronts  []string // "<engine> <proxy URL> -> <sim URL>"
-}
-
-// devChaosPort is the port the bus of `narwhal dev --chaos` tries first:
-// NATS's standard client port, the default of `narwhal chaos`.
-const devChaosPort = 4222
-
-// startDevChaos starts the bus of `narwhal dev --chaos`: an embedded NATS
-// server with JetStream on 127.0.0.1:port, or on a free port when that is
-// taken or port is -1 (store NARWHAL_DATA_DIR, or a temporary folder
-// removed at exit), which sets itself up in-process — unless cfg.Bus.URL
-// names a bus already. It sets cfg.Bus.URL so that the dev router joins the
-// same bus.
-func startDevChaos(ctx context.Context, cfg *config.Config, log *slog.Logger, port int) (*devChaos, error) {
-	d := &devChaos{natsURL: cfg.Bus.URL}
-	if d.natsURL == "" {
-		if port > 0 && !portFree(port) {
-			port = -1 // taken: a free one at once, not after the server's ready timeout
-		}
-		opts := bus.EmbeddedOptions{Dir: os.Getenv("NARWHAL_DATA_DIR"), Host: "127.0.0.1", Port: port, LeaseTTL: cfg.Breaker.LeaseTTL()}
-		emb, err := bus.StartEmbedded(opts)
-		if err != nil && port != -1 {
-			opts.Port = -1
-			emb, err = bus.StartEmbedded(opts)
-		}
-		if err != nil {
-			return nil, fmt.Errorf("dev chaos bus: %w", err)
-		}
-		d.emb, d.natsURL = emb, emb.ClientURL()
-		cfg.Bus.URL = d.natsURL
-	}
-	cb, err := connectChaos(ctx, cfg.Bus, "narwhal-dev-chaos", 10*time.Second, log)
-	if err != nil {
-		d.close()
-		return nil, err
-	}
-	d.cb = cb
-	log.Info("dev chaos bus ready", "url", redactNATSURL(d.natsURL))
-	return d, nil
-}
-
-// portFree reports whether 127.0.0.1:port can be listened on now.
-func portFree(port int) bool {
-	ln, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
-	if err != nil {
-		return false
-	}
-	ln.Close()
-	return true
-}
-
-// front puts a chaos proxy for engine in front of simURL and returns the
-// proxy's URL, which the router's fleet then uses.
-func (d *devChaos) front(ctx context.Context, engine, simURL string, log *slog.Logger) (string, error) {
-	base, stop, err := serveChaosProxy(ctx, d.cb.store, engine, simURL, "127.0.0.1:0", log)
-	if err != nil {
-		return "", err
-	}
-	d.stops = append(d.stops, stop)
-	d.fronts = append(d.fronts, fmt.Sprintf("chaos %-10s %s -> %s", engine, base, simURL))
-	return base, nil
-}
-
-// startBreaker runs the dev stack's breaker for cfg on the dev bus when
-// dev started that bus itself: the router, which now reaches its bus
-// through bus.url, runs none then (a router on an external bus
-// leaves the breaker to `narwhal breaker`). On a bus NARWHAL_NATS_URL
-// named, it does nothing.
-func (d *devChaos) startBreaker(ctx context.Context, cfg *config.Config, log *slog.Logger) error {
-	if d.emb == nil {
-		log.Warn("dev --chaos on NARWHAL_NATS_URL: no breaker runs unless `narwhal breaker` does")
-		return nil
-	}
-	stop, err := startBreaker(context.WithoutCancel(ctx), cfg, d.cb.b, "breaker-"+cfg.Router.ID, nil, log)
-	if err != nil {
-		return err
-	}
-	d.breaker = stop
-	return nil
-}
-
-// banner is what `narwhal dev --chaos` adds to its ready message.
-func (d *devChaos) banner() string {
-	var b strings.Builder
-	b.WriteString("\nChaos proxies stand in front of every simulator:\n")
-	for _, f := range d.fronts {
-		b.WriteString("  " + f + "\n")
-	}
-	fmt.Fprintf(&b, `Arm faults from another terminal (docs/chaos.md):
-
-export NARWHAL_NATS_URL=%[1]s
-narwhal chaos arm --engine decode-1 --fault http-status --param code=503
-narwhal chaos list
-narwhal events
-narwhal chaos disarm --all
-`, redactNATSURL(d.natsURL))
-	return b.String()
-}
-
-// close stops the breaker, the proxies, the bus link and the embedded
-// server.
-func (d *devChaos) close() {
-	if d.breaker != nil {
-		d.breaker()
-		d.breaker = nil
-	}
-	for i := len(d.stops) - 1; i >= 0; i-- {
-		d.stops[i]()
-	}
-	d.stops = nil
-	if d.cb != nil {
-		d.cb.close()
-	}
-	if d.emb != nil {
-		d.emb.Shutdown()
-	}
 }

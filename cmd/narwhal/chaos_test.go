@@ -21,6 +21,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/engines/sim/simtest"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
@@ -317,13 +318,14 @@ $`)
 	}
 }
 
-// TestDevChaos proves the chaos side of `narwhal dev --chaos`: the bus
-// listens on TCP and the configuration's bus.url names it (for the router),
-// as the banner does for `narwhal chaos arm` in another terminal; each
-// simulator gets a proxy that applies what the CLI arms, the dev breaker
-// runs on that bus, and closing stops it all without touching the
-// environment.
-func TestDevChaos(t *testing.T) {
+// TestDevBus proves the bus of `narwhal dev`: without --chaos it listens
+// on TCP and the configuration's bus.url names it (for the router, as the
+// banner does for `narwhal events` and `narwhal chaos` in another
+// terminal), runs the dev breaker and opens no fault store; with --chaos
+// (enableChaos) each simulator gets a proxy that applies what the CLI
+// arms, and the banner says how to arm, every command spelled one way;
+// closing stops it all without touching the environment.
+func TestDevBus(t *testing.T) {
 	testkit.CheckLeaks(t)
 	t.Setenv("NARWHAL_NATS_URL", "")
 	os.Unsetenv("NARWHAL_NATS_URL")
@@ -335,14 +337,14 @@ func TestDevChaos(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	dc, err := startDevChaos(ctx, cfg, log, -1)
+	db, err := startDevBus(ctx, cfg, log, -1)
 	if err != nil {
 		t.Fatal(err)
 	}
 	closed := false
 	defer func() {
 		if !closed {
-			dc.close()
+			db.close()
 		}
 	}()
 	url := cfg.Bus.URL
@@ -353,24 +355,43 @@ func TestDevChaos(t *testing.T) {
 		t.Fatalf("NARWHAL_NATS_URL set to %q", v)
 	}
 	simURL := simtest.Start(t, sim.Config{EngineID: "decode-1", Model: "m"}).URL()
-	proxyURL, err := dc.front(ctx, "decode-1", simURL, log)
-	if err != nil {
-		t.Fatal(err)
-	}
-	// The dev breaker runs on the dev bus until close stops it (the leak
-	// check proves it stopped).
-	cfg.Fleet = []config.EngineSpec{{ID: "decode-1", URL: proxyURL, Role: "both", Connector: "nixl"}}
+
+	// Without --chaos: the breaker runs (the leak check proves close
+	// stopped it), no fault store is open, the banner has no chaos part.
+	cfg.Fleet = []config.EngineSpec{{ID: "decode-1", URL: simURL, Role: connector.RoleBoth, Connector: connector.DefaultName}}
 	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)
 	}
-	if err := dc.startBreaker(ctx, cfg, log); err != nil {
+	if err := db.startBreaker(ctx, cfg, log); err != nil {
 		t.Fatal(err)
 	}
-	banner := dc.banner()
-	for _, want := range []string{"export NARWHAL_NATS_URL=" + url, "narwhal chaos arm --engine decode-1 --fault http-status --param code=503", proxyURL + " -> " + simURL} {
-		if !strings.Contains(banner, want) {
-			t.Errorf("banner lacks %q:\n%s", want, banner)
+	if db.chaos != nil {
+		t.Error("dev without --chaos opened the fault store")
+	}
+	var banner bytes.Buffer
+	writeDevBanner(&banner, "http://127.0.0.1:8080", "narwhal", db)
+	if strings.Contains(banner.String(), "chaos") || !strings.Contains(banner.String(), "\nNARWHAL_NATS_URL="+url+" narwhal events\n") {
+		t.Errorf("banner without --chaos:\n%s", banner.String())
+	}
+
+	// With --chaos.
+	if err := db.enableChaos(ctx); err != nil {
+		t.Fatal(err)
+	}
+	proxyURL, err := db.front(ctx, "decode-1", simURL, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	banner.Reset()
+	writeDevBanner(&banner, "http://127.0.0.1:8080", "go run ./cmd/narwhal", db)
+	for _, want := range []string{"export NARWHAL_NATS_URL=" + url, "\ngo run ./cmd/narwhal chaos arm --engine decode-1 --fault http-status --param code=503\n",
+		"\nNARWHAL_NATS_URL=" + url + " go run ./cmd/narwhal events\n", proxyURL + " -> " + simURL} {
+		if !strings.Contains(banner.String(), want) {
+			t.Errorf("banner lacks %q:\n%s", want, banner.String())
 		}
+	}
+	if n, m := strings.Count(banner.String(), "narwhal chaos "), strings.Count(banner.String(), "go run ./cmd/narwhal chaos "); n != m || n != 3 {
+		t.Errorf("banner spells narwhal two ways (%d chaos commands, %d with go run):\n%s", n, m, banner.String())
 	}
 	t.Setenv("NARWHAL_NATS_URL", url) // as the banner says
 	mustChaos(t, "arm", "--engine", "decode-1", "--fault", "http-status", "--param", "code=503")
@@ -384,8 +405,23 @@ func TestDevChaos(t *testing.T) {
 		resp.Body.Close()
 		return resp.StatusCode == 503
 	})
-	dc.close()
+	db.close()
 	closed = true
+}
+
+// TestSpellSelf checks how the dev banner spells the binary: as `go run`
+// built it, or as it was started.
+func TestSpellSelf(t *testing.T) {
+	for _, c := range []struct{ exe, arg0, want string }{
+		{"/tmp/go-build1234567/b001/exe/narwhal", "/tmp/go-build1234567/b001/exe/narwhal", "go run ./cmd/narwhal"},
+		{"/usr/local/bin/narwhal", "narwhal", "narwhal"},
+		{"/home/u/narwhal/bin/narwhal", "./bin/narwhal", "./bin/narwhal"},
+		{"/home/u/go-builds/narwhal", "narwhal", "narwhal"},
+	} {
+		if got := spellSelf(c.exe, c.arg0); got != c.want {
+			t.Errorf("spellSelf(%q, %q) = %q, want %q", c.exe, c.arg0, got, c.want)
+		}
+	}
 }
 
 // lockedBuffer is a bytes.Buffer safe for a command writing while the test
@@ -412,11 +448,11 @@ func (b *lockedBuffer) String() string {
 // loads it) but warns on stderr, naming the engines the proxies on the bus
 // do serve; arming for a served engine prints no warning.
 func TestChaosArmWarnsWhenNoProxyServes(t *testing.T) {
-	chaosLeakCheck(t)
+	testkit.CheckLeaks(t)
 	chaosTestBus(t)
 	armed := func(engine string) (stdout, stderr string) {
 		t.Helper()
-		ctx, cancel := context.WithTimeout(context.Background(), chaosTestBound)
+		ctx, cancel := context.WithTimeout(context.Background(), cmdTestBound)
 		defer cancel()
 		var out, errOut bytes.Buffer
 		if err := runChaos(ctx, []string{"arm", "--engine", engine, "--fault", "http-status"}, &out, &errOut); err != nil {
@@ -438,7 +474,7 @@ func TestChaosArmWarnsWhenNoProxyServes(t *testing.T) {
 		go func() {
 			done <- runChaos(ctx, []string{"proxy", "--target", "http://127.0.0.1:1", "--engine-id", id, "--listen", "127.0.0.1:0"}, stdout, io.Discard)
 		}()
-		pollFor(t, "proxy "+id+" listening", func() bool { return strings.Contains(stdout.String(), "listening") })
+		testkit.WaitFor(t, cmdTestBound, "proxy "+id+" listening", func() bool { return strings.Contains(stdout.String(), "listening") })
 	}
 	defer func() {
 		cancel()
