@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -35,13 +36,12 @@ func preflightFleet(t *testing.T, engines [][2]string) (string, map[string]*sim.
 	return path, sims
 }
 
-// TestPreflightHealthyFleet proves R-PRE-1 on a healthy fleet: every
-// engine passes its contract check and every role-permitted transfer —
-// prefill to decode, prefill to both, both to decode, and both
-// same-worker — is probed for real and passes; the command succeeds.
+// TestPreflightHealthyFleet checks the tables `narwhal preflight` prints
+// for a healthy fleet (R-PRE-1; package preflight proves the probes): a
+// row per engine check and per role-permitted transfer, and success.
 func TestPreflightHealthyFleet(t *testing.T) {
 	testkit.CheckLeaks(t)
-	path, sims := preflightFleet(t, [][2]string{{"p1", "prefill"}, {"d1", "decode"}, {"b1", "both"}})
+	path, _ := preflightFleet(t, [][2]string{{"p1", "prefill"}, {"d1", "decode"}, {"b1", "both"}})
 
 	var out bytes.Buffer
 	if err := runPreflight(context.Background(), []string{"--config", path}, &out); err != nil {
@@ -57,19 +57,12 @@ func TestPreflightHealthyFleet(t *testing.T) {
 	if strings.Contains(table, "FAIL") || !strings.Contains(table, "preflight ok: 3 engines, 4 transfers") {
 		t.Fatalf("table:\n%s", table)
 	}
-	// Four real prefills: two on p1 (to d1 and b1), two on b1.
-	if p, b := sims["p1"].Stats().Prefills, sims["b1"].Stats().Prefills; p != 2 || b != 1 {
-		t.Fatalf("prefill legs: p1 %d, b1 %d (its same-worker prefill is a plain request)", p, b)
-	}
-	if got := sims["d1"].Stats().KVPulled; got != 2 {
-		t.Fatalf("d1 pulled %d handoffs, want 2 (from p1 and b1)", got)
-	}
 }
 
-// TestPreflightBrokenTransfer proves R-PRE-1 fails on a broken transfer:
-// a decode engine that passes its health and contract checks but fails
-// its decode leg makes every transfer to it fail; the table and the error
-// name the failing pairs, and the other pairs still pass.
+// TestPreflightBrokenTransfer checks what `narwhal preflight` prints and
+// returns when transfers fail (R-PRE-1): the table names the failing pairs
+// with their errors, its last line names them once, and the error exits 1
+// without being printed again.
 func TestPreflightBrokenTransfer(t *testing.T) {
 	testkit.CheckLeaks(t)
 	path, sims := preflightFleet(t, [][2]string{{"p1", "prefill"}, {"p2", "prefill"}, {"d1", "decode"}, {"d2", "decode"}})
@@ -77,8 +70,9 @@ func TestPreflightBrokenTransfer(t *testing.T) {
 
 	var out bytes.Buffer
 	err := runPreflight(context.Background(), []string{"--config", path}, &out)
-	if err == nil || err.Error() != "preflight failed: p1 -> d2, p2 -> d2" {
-		t.Fatalf("preflight error %v\n%s", err, out.String())
+	var said *reportedError
+	if err == nil || err.Error() != "preflight failed: p1 -> d2, p2 -> d2" || !errors.As(err, &said) || said.code != 1 {
+		t.Fatalf("preflight error %v, want one main does not print again (the table's last line said it), exit 1\n%s", err, out.String())
 	}
 	table := out.String()
 	for _, row := range []string{`d2\s+decode\s+health, engine_contract\s+ok`, `p1\s+d1\s+ok`, `p2\s+d1\s+ok`,
