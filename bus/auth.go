@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/nats-io/jwt/v2"
 	"github.com/nats-io/nkeys"
@@ -116,7 +117,8 @@ func breakerConsumerSubjects() []string {
 //     narwhal_placement and narwhal_breaker; make, read from and
 //     acknowledge on its durable consumer narwhal-breaker;
 //   - chaos: publish chaos events; write and read narwhal_chaos; read
-//     narwhal_placement's info;
+//     narwhal_placement's info; answer as, and ask, the NATS service
+//     ChaosProxyService ($SRV.*, replies to the requests it receives);
 //   - viewer: subscribe to every event; read every bucket and stored
 //     event; make, read and delete consumers of NARWHAL_EVENTS other than
 //     narwhal-breaker;
@@ -125,6 +127,7 @@ func breakerConsumerSubjects() []string {
 // It returns an error for an unknown role.
 func RolePermissions(role string) (jwt.Permissions, error) {
 	var pub, sub, deny []string
+	var resp *jwt.ResponsePermission
 	common := []string{jsAPI + "INFO", jsAPI + "STREAM.INFO." + StreamName}
 	sub = []string{"_INBOX.>"}
 	switch role {
@@ -151,7 +154,11 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 		pub = slices.Concat(common,
 			eventsPub("chaos"),
 			bucketRead(ChaosBucket), bucketWrite(ChaosBucket),
-			[]string{jsAPI + "STREAM.INFO.KV_" + PlacementBucket})
+			[]string{jsAPI + "STREAM.INFO.KV_" + PlacementBucket, "$SRV.PING." + ChaosProxyService})
+		// A proxy answers its service's PING, INFO and STATS requests.
+		sub = append(sub, "$SRV.PING", "$SRV.INFO", "$SRV.STATS",
+			"$SRV.*."+ChaosProxyService, "$SRV.*."+ChaosProxyService+".*")
+		resp = &jwt.ResponsePermission{MaxMsgs: 1, Expires: time.Minute}
 		deny = breakerConsumerSubjects()
 	case RoleViewer:
 		pub = slices.Concat(common,
@@ -179,8 +186,9 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 		return jwt.Permissions{}, fmt.Errorf("bus: unknown role %q (want one of %s)", role, strings.Join(Roles, ", "))
 	}
 	return jwt.Permissions{
-		Pub: jwt.Permission{Allow: pub, Deny: deny},
-		Sub: jwt.Permission{Allow: sub},
+		Pub:  jwt.Permission{Allow: pub, Deny: deny},
+		Sub:  jwt.Permission{Allow: sub},
+		Resp: resp,
 	}, nil
 }
 

@@ -22,6 +22,9 @@ const (
 	// ChaosBucket is the KV bucket of armed chaos faults, key
 	// <engine_id>.<fault_id>.
 	ChaosBucket = "narwhal_chaos"
+	// ChaosProxyService is the NATS service (nats.go's micro protocol)
+	// every chaos proxy answers as, naming its engine in its metadata.
+	ChaosProxyService = "narwhal-chaos-proxy"
 )
 
 // Settings of the buckets Setup creates.

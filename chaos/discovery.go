@@ -10,13 +10,15 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/micro"
+
+	"github.com/narwhalmesh/narwhal/bus"
 )
 
 // ProxyService is the NATS service name every started chaos proxy with a
 // Store answers under (nats.go's micro protocol: $SRV.PING.<name>,
 // $SRV.INFO.<name>, …), with metadata engine_id = the engine it stands in
 // front of. `nats micro ls` lists them; Store.Proxies asks them.
-const ProxyService = "narwhal-chaos-proxy"
+const ProxyService = bus.ChaosProxyService
 
 // proxyServiceVersion is the version the proxies' service announces.
 const proxyServiceVersion = "1.0.0"

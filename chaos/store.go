@@ -51,7 +51,7 @@ type Store struct {
 func OpenStore(ctx context.Context, b *bus.Bus, pub *bus.Publisher) (*Store, error) {
 	kv, err := b.BindBucket(ctx, Bucket)
 	if err != nil {
-		return nil, fmt.Errorf("chaos: %w", err)
+		return nil, err
 	}
 	st, err := kv.Status(ctx)
 	if err != nil {

@@ -6,11 +6,11 @@ import (
 	"strings"
 	"testing"
 
-	"go.uber.org/goleak"
-
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/engines/sim/simtest"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 // fleet starts simulators (id → role) serving model "m" and returns a
@@ -21,17 +21,9 @@ func fleet(t *testing.T, specs [][2]string) (*config.Config, map[string]*sim.Ser
 	var yaml strings.Builder
 	yaml.WriteString("engine:\n  first_token_timeout_s: 2\nengine_contract:\n  model: m\n  engine: vllm\n  version: \">=0.10\"\n  connector: nixl\nfleet:\n")
 	for _, e := range specs {
-		srv, err := sim.New(sim.Config{EngineID: e[0], Role: e[1], Model: "m"})
-		if err != nil {
-			t.Fatal(err)
-		}
-		url, err := srv.Start("127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { srv.Close() })
+		srv := simtest.Start(t, sim.Config{EngineID: e[0], Role: e[1], Model: "m"})
 		sims[e[0]] = srv
-		fmt.Fprintf(&yaml, "  - id: %s\n    url: %s\n    role: %s\n", e[0], url, e[1])
+		fmt.Fprintf(&yaml, "  - id: %s\n    url: %s\n    role: %s\n", e[0], srv.URL(), e[1])
 	}
 	cfg, err := config.Parse([]byte(yaml.String()))
 	if err != nil {
@@ -59,8 +51,7 @@ func pairs(r *Report) []string {
 // same-worker — is probed for real (the simulators count the legs) and
 // passes, in fleet order.
 func TestRunProbesEveryPermittedTransfer(t *testing.T) {
-	before := goleak.IgnoreCurrent()
-	t.Cleanup(func() { goleak.VerifyNone(t, before) })
+	testkit.CheckLeaks(t)
 	cfg, sims := fleet(t, [][2]string{{"p1", "prefill"}, {"d1", "decode"}, {"b1", "both"}})
 
 	r, err := Run(context.Background(), cfg, Options{})
@@ -96,8 +87,7 @@ func TestRunProbesEveryPermittedTransfer(t *testing.T) {
 // (the others pass), and an engine that breaks the contract fails its
 // check.
 func TestRunReportsFailures(t *testing.T) {
-	before := goleak.IgnoreCurrent()
-	t.Cleanup(func() { goleak.VerifyNone(t, before) })
+	testkit.CheckLeaks(t)
 	cfg, sims := fleet(t, [][2]string{{"p1", "prefill"}, {"p2", "prefill"}, {"d1", "decode"}, {"d2", "decode"}})
 	sims["d2"].Arm(sim.Fault{Kind: sim.FaultStatus, Phase: sim.PhaseDecode, Status: 500, Message: "decode broken"})
 
