@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"math"
+	"strconv"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -36,6 +37,15 @@ const (
 	// leaseRefreshMin is the least time between two reads of the leader
 	// lease caused by placement values naming another term.
 	leaseRefreshMin = 50 * time.Millisecond
+	// pendingRecheckMin and pendingRecheckMax bound the pause between two
+	// reads of the lease while a placement value waits for it (see
+	// mesh.pending): the first comes after pendingRecheckMin, each next
+	// after twice the last, at most pendingRecheckMax, so a lagging
+	// replica's stale lease delays a new leader's value by well under the
+	// second R-BRK-8 allows, and a forged value that never becomes valid
+	// costs one lease read per pendingRecheckMax.
+	pendingRecheckMin = 50 * time.Millisecond
+	pendingRecheckMax = 500 * time.Millisecond
 	// maxPlacementValue is the largest placement value a router reads;
 	// a larger one is ignored as invalid.
 	maxPlacementValue = 4096
@@ -67,6 +77,18 @@ type mesh struct {
 	// logged holds the keys whose ignored value was logged, until a valid
 	// value arrives for the key.
 	logged map[string]bool
+	// pending holds, per key, the latest value that was ignored because
+	// it names a newer lease term than the lease as read — which a lagging
+	// replica of the lease bucket can serve after a new leader took over,
+	// while that leader's values already arrive. The lease is read again
+	// (see pendingRecheckMin) while any value is pending, and each pending
+	// value is applied once the lease confirms its writer and term; a
+	// later value for its key, or a lease beyond its term, drops it. At
+	// most one per key of the fleet.
+	pending map[string]schemas.Eligibility
+	// recheckDelay is the pause before the next read of the lease for the
+	// pending values; 0 when none is scheduled.
+	recheckDelay time.Duration
 }
 
 // JoinMesh makes the router a member of the mesh on b (SPEC §9):
@@ -77,7 +99,9 @@ type mesh struct {
 //     schema-valid and written by the current holder of the breakers'
 //     leader lease in its term; anything else is ignored, logged once per
 //     key and counted in narwhal_placement_ignored_total, and the engine
-//     keeps its state (R-BUS-9);
+//     keeps its state (R-BUS-9); a value naming a newer lease term than
+//     the lease as read (a lagging replica served an old one) is kept and
+//     applied once a new read of the lease confirms it;
 //   - the watch's consumer sends idle heartbeats: when two are missed (the
 //     NATS server holding it died while the connection lived elsewhere)
 //     or the connection comes back, it is set up again and the whole
@@ -94,7 +118,7 @@ type mesh struct {
 // an error only when the quarantine subscription cannot be made.
 func (rt *Router) JoinMesh(b *bus.Bus, wait time.Duration) error {
 	rt.meshBus = b
-	m := &mesh{bus: b, logged: map[string]bool{}}
+	m := &mesh{bus: b, logged: map[string]bool{}, pending: map[string]schemas.Eligibility{}}
 	sub, err := b.Conn().Subscribe(bus.SubjectPrefix+schemas.KindQuarantine+".>", rt.applyQuarantine)
 	if err != nil {
 		return err
@@ -247,7 +271,16 @@ func (rt *Router) watchPlacement(m *mesh, status <-chan nats.Status, first bool,
 	for len(status) > 0 {
 		<-status
 	}
+	recheck := time.NewTimer(time.Hour)
+	recheck.Stop()
+	defer recheck.Stop()
+	var recheckC <-chan time.Time // non-nil while a recheck is scheduled
 	for {
+		if len(m.pending) > 0 && recheckC == nil {
+			m.recheckDelay = min(max(2*m.recheckDelay, pendingRecheckMin), pendingRecheckMax)
+			recheck.Reset(m.recheckDelay)
+			recheckC = recheck.C
+		}
 		select {
 		case <-rt.base.Done():
 			return "shutdown", nil
@@ -255,6 +288,13 @@ func (rt *Router) watchPlacement(m *mesh, status <-chan nats.Status, first bool,
 			return err.Error(), nil
 		case <-status:
 			return "the connection came back", nil
+		case <-recheckC:
+			recheckC = nil
+			m.readLease(rt, true)
+			rt.applyPending(m)
+			if len(m.pending) == 0 {
+				m.recheckDelay = 0
+			}
 		case msg := <-msgs:
 			key := rt.applyPlacement(m, msg)
 			if !inSnapshot {
@@ -294,6 +334,7 @@ func (rt *Router) applyPlacement(m *mesh, msg jetstream.Msg) string {
 	if _, inFleet := rt.fleet.byID[key]; !inFleet {
 		return key // not ours to apply; nothing to keep
 	}
+	delete(m.pending, key) // the latest value of a key decides
 	if op := msg.Headers().Get("KV-Operation"); op == "DEL" || op == "PURGE" {
 		rt.ignorePlacement(m, key, ignoredDeleted, "key "+op)
 		return key
@@ -313,12 +354,38 @@ func (rt *Router) applyPlacement(m *mesh, msg jetstream.Msg) string {
 		return key
 	}
 	if !m.leader(rt, ev.BreakerID, ev.LeaseTerm) {
+		if ev.LeaseTerm > m.lease.Term {
+			// Perhaps a lease newer than the one read (a lagging replica):
+			// kept until the lease is read again.
+			m.pending[key] = ev
+			rt.ignorePlacement(m, key, ignoredNotLeader, "written by "+ev.BreakerID+" in lease term "+strconv.FormatUint(ev.LeaseTerm, 10)+
+				", newer than the lease read ("+m.lease.BreakerID+", term "+strconv.FormatUint(m.lease.Term, 10)+"); kept until the lease confirms it")
+			return key
+		}
 		rt.ignorePlacement(m, key, ignoredNotLeader, "written by "+ev.BreakerID+", not by the lease holder "+m.lease.BreakerID)
 		return key
 	}
 	delete(m.logged, key)
 	rt.setEligibility(key, ev.Eligible, ev.Reason)
 	return key
+}
+
+// applyPending applies each pending value (see mesh.pending) that the
+// lease as read now confirms — its writer holds the lease in its term —
+// and drops those the lease has gone beyond; the others stay pending
+// (R-BUS-9, R-BRK-8).
+func (rt *Router) applyPending(m *mesh) {
+	for key, ev := range m.pending {
+		switch {
+		case m.lease.Term != 0 && ev.LeaseTerm == m.lease.Term && ev.BreakerID == m.lease.BreakerID:
+			delete(m.pending, key)
+			delete(m.logged, key)
+			rt.log.Info("placement value applied once the lease confirmed its writer", "engine_id", key, "breaker_id", ev.BreakerID, "lease_term", ev.LeaseTerm)
+			rt.setEligibility(key, ev.Eligible, ev.Reason)
+		case ev.LeaseTerm <= m.lease.Term:
+			delete(m.pending, key) // a term that has passed or was never this writer's
+		}
+	}
 }
 
 // ignorePlacement counts an ignored placement value and logs it, once per
@@ -345,13 +412,17 @@ func (rt *Router) setEligibility(id string, eligible bool, reason string) {
 }
 
 // leader reports whether breakerID in term holds the lease. A value naming
-// a term other than the one last read makes it read the lease again (at
-// most every leaseRefreshMin): a new leader rewrites every entry right
-// after taking the lease, and its values may arrive before the router has
-// read the new lease.
+// a newer term than the one last read makes it read the lease again: a new
+// leader rewrites every entry right after taking the lease, and its values
+// may arrive before the router has read the new lease. A lease read that
+// changes the term also settles the pending values (applyPending).
 func (m *mesh) leader(rt *Router, breakerID string, term uint64) bool {
 	if m.lease.Term == 0 || term > m.lease.Term {
+		known := m.lease.Term
 		m.readLease(rt, term > m.lease.Term)
+		if m.lease.Term != known {
+			rt.applyPending(m)
+		}
 	}
 	return m.lease.Term != 0 && term == m.lease.Term && breakerID == m.lease.BreakerID
 }

@@ -314,3 +314,65 @@ func counterSum(t *testing.T, reg *prometheus.Registry, name string) float64 {
 	}
 	return sum
 }
+
+// TestNewLeaderValueKeptUntilTheLeaseConfirmsItRBUS9 proves that a value
+// of a new leader that arrives while the router reads an older lease —
+// what a lagging replica of the lease bucket serves after a takeover — is
+// not lost until its key's next write (R-BUS-9, R-BRK-8): the value names
+// a term the lease does not have yet, so it is ignored (counted) and kept
+// pending; once the lease holds that writer and term, the router applies
+// it within a second, without any new write of the key. A pending value
+// that a later write of its key superseded (here a malformed one) is not
+// applied.
+func TestNewLeaderValueKeptUntilTheLeaseConfirmsItRBUS9(t *testing.T) {
+	s := newStack(t, pd(), nil)
+	s.waitModels()
+	m := newMeshBus(t)
+	m.setEligible("d1", false)
+	if err := s.rt.JoinMesh(m.b, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	d1, d2 := s.rt.fleet.byID["d1"], s.rt.fleet.byID["d2"]
+	if d1.eligible.Load() || !d2.eligible.Load() {
+		t.Fatalf("d1 eligible=%v d2 eligible=%v before the takeover, want false and true", d1.eligible.Load(), d2.eligible.Load())
+	}
+	ignored := func() float64 { return counterSum(t, s.rt.Registry(), "narwhal_placement_ignored_total") }
+	put := func(key string, value []byte) {
+		t.Helper()
+		if _, err := m.peer.Placement().Put(context.Background(), key, value); err != nil {
+			t.Fatal(err)
+		}
+	}
+	value := func(breaker string, term uint64, engine string, eligible bool) []byte {
+		state := schemas.StateEligible
+		if !eligible {
+			state = schemas.StateEjected
+		}
+		b, _ := json.Marshal(schemas.Eligibility{Envelope: schemas.Envelope{Schema: schemas.SchemaEligibility, ID: newID(), At: nowUTC(), BreakerID: breaker, EngineID: engine},
+			Eligible: eligible, State: state, LeaseTerm: term})
+		return b
+	}
+
+	// takeLease deletes the lease and creates it: two writes of the lease
+	// bucket, so the new leader's term is the current one plus two. Its
+	// values arrive before the router can read its lease.
+	newTerm := m.term + 2
+	before := ignored()
+	put("d1", value("new-breaker", newTerm, "d1", true))
+	put("d2", value("new-breaker", newTerm, "d2", false))
+	put("d2", []byte(`{"eligible":false}`)) // supersedes d2's pending value
+	waitFor(t, time.Second, "the three values counted as ignored", func() bool { return ignored() >= before+3 })
+	if d1.eligible.Load() || !d2.eligible.Load() {
+		t.Fatalf("before the lease names new-breaker: d1 eligible=%v d2 eligible=%v, want the previous state (false, true)", d1.eligible.Load(), d2.eligible.Load())
+	}
+
+	if got := m.takeLease("new-breaker"); got != newTerm {
+		t.Fatalf("the new lease has term %d, want %d", got, newTerm)
+	}
+	start := time.Now()
+	waitFor(t, time.Second, "d1 readmitted by the new leader's pending value", d1.eligible.Load)
+	t.Logf("R-BUS-9: the pending value applied %v after the lease named its writer", time.Since(start).Round(time.Millisecond))
+	if !d2.eligible.Load() {
+		t.Fatal("d2 ejected by a pending value that a later write of its key had superseded")
+	}
+}
