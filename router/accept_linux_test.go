@@ -115,7 +115,7 @@ func TestAcceptErrorsKeepServingRAPI7(t *testing.T) {
 		}
 		conns = append(conns, c)
 	}
-	waitFor(t, 5*time.Second, "the accept error in the child's log", func() bool {
+	testkit.WaitFor(t, 5*time.Second, "the accept error in the child's log", func() bool {
 		return strings.Contains(stderr.String(), "accepting client connections failed")
 	})
 	select {
@@ -129,7 +129,7 @@ func TestAcceptErrorsKeepServingRAPI7(t *testing.T) {
 
 	// Served again: a completion and the metrics, on new connections.
 	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 5 * time.Second}
-	waitFor(t, 10*time.Second, "the child serving again", func() bool {
+	testkit.WaitFor(t, 10*time.Second, "the child serving again", func() bool {
 		resp, err := client.Post("http://"+addr+schemas.EndpointChat, "application/json", strings.NewReader(doorChat))
 		if err != nil {
 			return false

@@ -16,6 +16,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -183,7 +184,7 @@ func TestClientDisconnectROWN5(t *testing.T) {
 				}
 			}()
 			// Wait until the leg is where the case wants it.
-			waitFor(t, 5*time.Second, tc.engine+" leg in flight", func() bool {
+			testkit.WaitFor(t, 5*time.Second, tc.engine+" leg in flight", func() bool {
 				st := engine.Stats()
 				if st.ActiveStreams != 1 {
 					return false

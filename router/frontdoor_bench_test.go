@@ -19,6 +19,8 @@ import (
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/engines/sim/simtest"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -127,16 +129,8 @@ func benchRouter(b *testing.B, mutate func(*config.Config)) string {
 		if d.role == connector.RoleDecode {
 			sc.TTFT = 300 * time.Millisecond
 		}
-		srv, err := sim.New(sc)
-		if err != nil {
-			b.Fatal(err)
-		}
-		u, err := srv.Start("127.0.0.1:0")
-		if err != nil {
-			b.Fatal(err)
-		}
-		b.Cleanup(func() { srv.Close() })
-		cfg.Fleet = append(cfg.Fleet, config.EngineSpec{ID: d.id, URL: u, Role: d.role, Connector: "nixl"})
+		srv := simtest.Start(b, sc)
+		cfg.Fleet = append(cfg.Fleet, config.EngineSpec{ID: d.id, URL: srv.URL(), Role: d.role, Connector: "nixl"})
 	}
 	mutate(&cfg)
 	if err := cfg.Validate(); err != nil {
@@ -158,20 +152,14 @@ func benchRouter(b *testing.B, mutate func(*config.Config)) string {
 		_ = rt.Shutdown(ctx)
 		<-done
 	})
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		known := true
+	testkit.WaitFor(b, 5*time.Second, "the engines' models", func() bool {
 		for _, m := range rt.fleet.members {
-			known = known && m.models.Load() != nil
+			if m.models.Load() == nil {
+				return false
+			}
 		}
-		if known {
-			break
-		}
-		if time.Now().After(deadline) {
-			b.Fatal("engines' models not known")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		return true
+	})
 	return "http://" + ln.Addr().String()
 }
 

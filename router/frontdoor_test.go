@@ -249,7 +249,7 @@ func TestMaxConnectionsRefusedAtOnceRAPI7(t *testing.T) {
 	for i := 0; i < 4; i++ {
 		held = append(held, s.dial())
 	}
-	waitFor(t, 2*time.Second, "4 connections open", func() bool { return s.rt.server.GetOpenConnectionsCount() >= 4 })
+	testkit.WaitFor(t, 2*time.Second, "4 connections open", func() bool { return s.rt.server.GetOpenConnectionsCount() >= 4 })
 	extra := s.dial()
 	start := time.Now()
 	resp, _ := readResponse(t, extra, 2*time.Second)
@@ -268,7 +268,7 @@ func TestMaxConnectionsRefusedAtOnceRAPI7(t *testing.T) {
 	held[0].Close()
 	// The freed place is taken again once the router has seen the close.
 	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
-	waitFor(t, 2*time.Second, "a request served after a connection closed", func() bool {
+	testkit.WaitFor(t, 2*time.Second, "a request served after a connection closed", func() bool {
 		resp, err := client.Post(s.url+schemas.EndpointChat, "application/json", strings.NewReader(doorChat))
 		if err != nil {
 			return false
@@ -351,8 +351,8 @@ func TestMaxInflightAdmissionRAPI8(t *testing.T) {
 	s := newStack(t, slowDecode(), func(c *config.Config) { c.Server.MaxInflight = 2 })
 	s.waitModels()
 	release := s.holdStreams(2, `{"model":"sim-model","messages":[{"role":"user","content":"x"}],"stream":true}`)
-	waitFor(t, 3*time.Second, "2 requests in flight", func() bool { return s.rt.InFlight() == 2 })
-	waitFor(t, 3*time.Second, "both decodes started", func() bool {
+	testkit.WaitFor(t, 3*time.Second, "2 requests in flight", func() bool { return s.rt.InFlight() == 2 })
+	testkit.WaitFor(t, 3*time.Second, "both decodes started", func() bool {
 		return s.sims["d1"].Stats().ActiveStreams+s.sims["d2"].Stats().ActiveStreams == 2
 	})
 	prefills := s.sims["p1"].Stats().Prefills + s.sims["p2"].Stats().Prefills
@@ -425,7 +425,7 @@ func TestBodyBytesInflightBoundRAPI8(t *testing.T) {
 	body := bigChat(mib - 1000)
 	head := fmt.Sprintf("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n", len(body))
 	release := s.holdStreams(2, body)
-	waitFor(t, 5*time.Second, "2 large requests waiting for their first token", func() bool {
+	testkit.WaitFor(t, 5*time.Second, "2 large requests waiting for their first token", func() bool {
 		return s.sims["d1"].Stats().ActiveStreams+s.sims["d2"].Stats().ActiveStreams == 2
 	})
 	if g := gauge(); g != float64(2*len(body)) {
@@ -458,31 +458,31 @@ func TestBodyBytesInflightBoundRAPI8(t *testing.T) {
 	// Room frees while a body waits: it is read and served.
 	w := s.dial()
 	go func() { fmt.Fprint(w, head+body) }()
-	waitFor(t, 2*time.Second, "the third body waiting", func() bool { return s.rt.front.bodies.waiters.Load() == 1 })
+	testkit.WaitFor(t, 2*time.Second, "the third body waiting", func() bool { return s.rt.front.bodies.waiters.Load() == 1 })
 	release()
-	waitFor(t, 3*time.Second, "the waiting body admitted", func() bool {
+	testkit.WaitFor(t, 3*time.Second, "the waiting body admitted", func() bool {
 		return s.rt.InFlight() == 1 && gauge() == float64(len(body))
 	})
 	w.Close()
 	s.idle()
-	waitFor(t, 2*time.Second, "body bytes back to 0", func() bool { return gauge() == 0 })
+	testkit.WaitFor(t, 2*time.Second, "body bytes back to 0", func() bool { return gauge() == 0 })
 
 	// A client announcing a body and dying halfway through it.
 	d := s.dial()
 	fmt.Fprint(d, head+body[:len(body)/2])
-	waitFor(t, 2*time.Second, "the half body reserved", func() bool { return gauge() == float64(len(body)) })
+	testkit.WaitFor(t, 2*time.Second, "the half body reserved", func() bool { return gauge() == float64(len(body)) })
 	d.Close()
-	waitFor(t, 2*headerTimeout+2*time.Second, "the dead client's reservation back", func() bool { return gauge() == 0 })
+	testkit.WaitFor(t, 2*headerTimeout+2*time.Second, "the dead client's reservation back", func() bool { return gauge() == 0 })
 	// A client announcing a body and sending none of it: the header
 	// timeout ends it with a 408 and the reservation returns.
 	q := s.dial()
 	fmt.Fprint(q, head)
-	waitFor(t, 2*time.Second, "the silent body reserved", func() bool { return gauge() == float64(len(body)) })
+	testkit.WaitFor(t, 2*time.Second, "the silent body reserved", func() bool { return gauge() == float64(len(body)) })
 	resp, _ = readResponse(t, q, 3*time.Second)
 	if resp.StatusCode != 408 {
 		t.Fatalf("silent body: status %d, want 408", resp.StatusCode)
 	}
-	waitFor(t, 2*time.Second, "the silent client's reservation back", func() bool { return gauge() == 0 })
+	testkit.WaitFor(t, 2*time.Second, "the silent client's reservation back", func() bool { return gauge() == 0 })
 }
 
 // TestModelNameBoundedInEvents proves that a client's model name reaches
@@ -500,7 +500,7 @@ func TestModelNameBoundedInEvents(t *testing.T) {
 		t.Errorf("404 body of %d bytes for a long model name", len(b))
 	}
 	var ev *schemas.RequestCompleted
-	waitFor(t, 2*time.Second, "the request event", func() bool {
+	testkit.WaitFor(t, 2*time.Second, "the request event", func() bool {
 		evs := s.events.requests()
 		if len(evs) > 0 {
 			ev = evs[len(evs)-1]

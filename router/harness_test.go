@@ -18,6 +18,8 @@ import (
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/engines/sim/simtest"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -97,15 +99,8 @@ func newStack(t *testing.T, defs []engineDef, mutate func(*config.Config)) *stac
 	for _, d := range defs {
 		sc := d.cfg
 		sc.Role, sc.EngineID, sc.Model = d.role, d.id, testModel
-		srv, err := sim.New(sc)
-		if err != nil {
-			t.Fatal(err)
-		}
-		url, err := srv.Start("127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { srv.Close() })
+		srv := simtest.Start(t, sc)
+		url := srv.URL()
 		s.sims[d.id] = srv
 		cfg.Fleet = append(cfg.Fleet, config.EngineSpec{ID: d.id, URL: url, Role: connector.Role(d.role), Connector: "nixl"})
 	}
@@ -242,22 +237,10 @@ func expectedChat(t *testing.T, content string, seed int64, maxTokens int) strin
 	return strings.Join(toks, "")
 }
 
-// waitFor polls cond every 5 ms until it holds or d passes.
-func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", d, what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 // idle waits until the router holds no request and no reservation.
 func (s *stack) idle() {
 	s.t.Helper()
-	waitFor(s.t, 2*time.Second, "router idle", func() bool {
+	testkit.WaitFor(s.t, 2*time.Second, "router idle", func() bool {
 		p, d := s.rt.Reservations()
 		return s.rt.InFlight() == 0 && p == 0 && d == 0
 	})
@@ -265,7 +248,7 @@ func (s *stack) idle() {
 
 // waitModels waits until the router knows every engine's models.
 func (s *stack) waitModels() {
-	waitFor(s.t, 3*time.Second, "models known", func() bool {
+	testkit.WaitFor(s.t, 3*time.Second, "models known", func() bool {
 		for _, m := range s.rt.fleet.members {
 			if m.models.Load() == nil {
 				return false

@@ -16,6 +16,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -130,7 +131,7 @@ func TestPlacementFromTheBucketRBRK8(t *testing.T) {
 	m.setEligible("d1", true)
 	m.setEligible("d2", false)
 	start := time.Now()
-	waitFor(t, time.Second, "d2 ejected on the router", func() bool {
+	testkit.WaitFor(t, time.Second, "d2 ejected on the router", func() bool {
 		return !s.rt.fleet.byID["d2"].eligible.Load() && s.rt.fleet.byID["d1"].eligible.Load()
 	})
 	t.Logf("eligibility applied in %v", time.Since(start))
@@ -141,7 +142,7 @@ func TestPlacementFromTheBucketRBRK8(t *testing.T) {
 	}
 	// Every decode engine ejected: 503 with Retry-After (R-BRK-7).
 	m.setEligible("d1", false)
-	waitFor(t, time.Second, "d1 ejected", func() bool { return !s.rt.fleet.byID["d1"].eligible.Load() })
+	testkit.WaitFor(t, time.Second, "d1 ejected", func() bool { return !s.rt.fleet.byID["d1"].eligible.Load() })
 	resp, body := s.post(schemas.EndpointChat, chatBody("nobody", ""))
 	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") == "" {
 		t.Fatalf("status %d retry-after %q: %s", resp.StatusCode, resp.Header.Get("Retry-After"), body)
@@ -166,7 +167,7 @@ func TestQuarantineFromAnotherRouterRQUAR1(t *testing.T) {
 	defer pub.Close()
 	pub.Publish(&schemas.Quarantine{Envelope: schemas.Envelope{Schema: schemas.SchemaQuarantine, RouterID: "other-router", EngineID: "d1"},
 		DurationSeconds: 30, Until: time.Now().Add(30 * time.Second).UTC(), Reason: "first_token_timeout"})
-	waitFor(t, time.Second, "quarantine applied", func() bool { return s.rt.fleet.byID["d1"].quarantinedUntil.Load() > nowNano() })
+	testkit.WaitFor(t, time.Second, "quarantine applied", func() bool { return s.rt.fleet.byID["d1"].quarantinedUntil.Load() > nowNano() })
 	for i := 0; i < 10; i++ {
 		if e, _ := s.decodeEngineOf("q"); e != "d2" {
 			t.Fatalf("request went to quarantined %q", e)
@@ -176,7 +177,7 @@ func TestQuarantineFromAnotherRouterRQUAR1(t *testing.T) {
 	// duration is never stretched by a skewed Until.
 	pub.Publish(&schemas.Quarantine{Envelope: schemas.Envelope{Schema: schemas.SchemaQuarantine, RouterID: "skewed", EngineID: "d2"},
 		DurationSeconds: 1, Until: time.Now().Add(time.Hour).UTC(), Reason: "x"})
-	waitFor(t, time.Second, "skewed quarantine applied", func() bool { return s.rt.fleet.byID["d2"].quarantinedUntil.Load() > nowNano() })
+	testkit.WaitFor(t, time.Second, "skewed quarantine applied", func() bool { return s.rt.fleet.byID["d2"].quarantinedUntil.Load() > nowNano() })
 	if until := time.Unix(0, s.rt.fleet.byID["d2"].quarantinedUntil.Load()); time.Until(until) > 2*time.Second {
 		t.Fatalf("quarantine stretched to %v", until)
 	}
@@ -191,7 +192,7 @@ func TestBusOutageKeepsServingRBUS6(t *testing.T) {
 		t.Fatal(err)
 	}
 	m.emb.Shutdown()
-	waitFor(t, 3*time.Second, "bus down", func() bool { return !m.b.Connected() })
+	testkit.WaitFor(t, 3*time.Second, "bus down", func() bool { return !m.b.Connected() })
 	// Serving on the last known placement; still ready.
 	for i := 0; i < 5; i++ {
 		if e, code := s.decodeEngineOf("outage"); e != "d2" || code != 200 {
@@ -203,9 +204,9 @@ func TestBusOutageKeepsServingRBUS6(t *testing.T) {
 	}
 	// The bus comes back; a change made meanwhile is picked up (resync).
 	m.start()
-	waitFor(t, 10*time.Second, "reconnected", func() bool { return m.b.Connected() && m.peer.Connected() })
+	testkit.WaitFor(t, 10*time.Second, "reconnected", func() bool { return m.b.Connected() && m.peer.Connected() })
 	m.setEligible("d1", true)
-	waitFor(t, 3*time.Second, "d1 readmitted after resync", func() bool { return s.rt.fleet.byID["d1"].eligible.Load() })
+	testkit.WaitFor(t, 3*time.Second, "d1 readmitted after resync", func() bool { return s.rt.fleet.byID["d1"].eligible.Load() })
 }
 
 // TestRoutersTrustNothingTheyReadRBUS9 proves R-BUS-9 on one router:
@@ -256,7 +257,7 @@ func TestRoutersTrustNothingTheyReadRBUS9(t *testing.T) {
 	for i, v := range forged {
 		before := ignored()
 		put("d1", v)
-		waitFor(t, time.Second, fmt.Sprintf("forged value %d counted", i), func() bool { return ignored() > before })
+		testkit.WaitFor(t, time.Second, fmt.Sprintf("forged value %d counted", i), func() bool { return ignored() > before })
 		if d1.eligible.Load() {
 			t.Fatalf("forged value %d made d1 eligible: %s", i, v)
 		}
@@ -265,7 +266,7 @@ func TestRoutersTrustNothingTheyReadRBUS9(t *testing.T) {
 	if err := m.peer.Placement().Delete(context.Background(), "d1"); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, time.Second, "the deletion counted", func() bool { return ignored() > before })
+	testkit.WaitFor(t, time.Second, "the deletion counted", func() bool { return ignored() > before })
 	if d1.eligible.Load() {
 		t.Fatal("deleting d1's key made it eligible")
 	}
@@ -277,10 +278,10 @@ func TestRoutersTrustNothingTheyReadRBUS9(t *testing.T) {
 	old := m.term
 	m.term = m.takeLease("new-breaker")
 	put("d1", value("new-breaker", m.term, "d1", true))
-	waitFor(t, time.Second, "the new leader's readmission", d1.eligible.Load)
+	testkit.WaitFor(t, time.Second, "the new leader's readmission", d1.eligible.Load)
 	before = ignored()
 	put("d1", value("test-breaker", old, "d1", false))
-	waitFor(t, time.Second, "the old leader's value counted", func() bool { return ignored() > before })
+	testkit.WaitFor(t, time.Second, "the old leader's value counted", func() bool { return ignored() > before })
 	if !d1.eligible.Load() {
 		t.Fatal("a value of an old lease term was applied")
 	}
@@ -291,7 +292,7 @@ func TestRoutersTrustNothingTheyReadRBUS9(t *testing.T) {
 	pub.Publish(&schemas.Quarantine{Envelope: schemas.Envelope{Schema: schemas.SchemaQuarantine, RouterID: "hostile", EngineID: "d2"},
 		DurationSeconds: 1e9, Until: time.Now().Add(1e6 * time.Hour).UTC(), Reason: "x"})
 	d2 := s.rt.fleet.byID["d2"]
-	waitFor(t, time.Second, "the quarantine applied", func() bool { return d2.quarantinedUntil.Load() > nowNano() })
+	testkit.WaitFor(t, time.Second, "the quarantine applied", func() bool { return d2.quarantinedUntil.Load() > nowNano() })
 	if until := time.Unix(0, d2.quarantinedUntil.Load()); time.Until(until) > 2*time.Second {
 		t.Fatalf("a 1e9 s quarantine lasts until %v, beyond recovery.max_quarantine_s = 2", until)
 	}

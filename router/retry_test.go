@@ -10,6 +10,7 @@ import (
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -55,35 +56,10 @@ func (s *stack) legsOf(phase, clientID string) map[string][]string {
 }
 
 // metricSum sums the samples of the router's metric name whose labels
-// include every name/value pair of match (counters and gauges).
+// include every name/value pair of match.
 func (s *stack) metricSum(name string, match ...string) float64 {
 	s.t.Helper()
-	mfs, err := s.rt.Registry().Gather()
-	if err != nil {
-		s.t.Fatal(err)
-	}
-	var sum float64
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-	metric:
-		for _, m := range mf.GetMetric() {
-			for i := 0; i+1 < len(match); i += 2 {
-				found := false
-				for _, l := range m.GetLabel() {
-					if l.GetName() == match[i] && l.GetValue() == match[i+1] {
-						found = true
-					}
-				}
-				if !found {
-					continue metric
-				}
-			}
-			sum += m.GetCounter().GetValue() + m.GetGauge().GetValue()
-		}
-	}
-	return sum
+	return testkit.GatheredSum(s.t, s.rt.Registry(), name, match...)
 }
 
 // requestEvent returns the request-completed event of client request id.

@@ -7,16 +7,17 @@ import (
 	"io"
 	"net/http"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"go.uber.org/goleak"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -25,16 +26,12 @@ func TestMain(m *testing.M) {
 }
 
 // leakOptions ignores goroutines that outlive a test by design: fasthttp's
-// process-wide date updater and its worker pools' cleaners (which notice a
-// stopped server only on their next 10 s tick), and nats-server's setup of
+// (see testkit.FasthttpLongLived), and nats-server's setup of
 // NARWHAL_HISTORY's source, which waits up to 30 s for an answer that a
 // server shut down right after creating the stream never sends.
 func leakOptions() []goleak.Option {
-	return []goleak.Option{
-		goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.updateServerDate.func1"),
-		goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.(*workerPool).Start.func2"),
-		goleak.IgnoreAnyFunction("github.com/nats-io/nats-server/v2/server.(*stream).trySetupSourceConsumer.func3"),
-	}
+	return append(testkit.FasthttpLongLived(),
+		goleak.IgnoreAnyFunction("github.com/nats-io/nats-server/v2/server.(*stream).trySetupSourceConsumer.func3"))
 }
 
 func chatBody(content string, extra string) string {
@@ -107,44 +104,28 @@ func TestConcurrentStreams200(t *testing.T) {
 	for i := range want {
 		want[i] = expectedChat(t, fmt.Sprintf("prompt number %d", i), 0, 16)
 	}
-	var wg sync.WaitGroup
-	errs := make(chan error, n)
-	for i := 0; i < n; i++ {
-		wg.Add(1)
-		go func(i int) {
-			defer wg.Done()
+	var g errgroup.Group
+	for i := range n {
+		g.Go(func() error {
 			content := fmt.Sprintf("prompt number %d", i)
 			req, _ := http.NewRequest("POST", s.url+schemas.EndpointChat, strings.NewReader(chatBody(content, `"stream":true,"max_tokens":16`)))
 			resp, err := http.DefaultClient.Do(req)
 			if err != nil {
-				errs <- err
-				return
+				return err
 			}
 			defer resp.Body.Close()
-			var buf strings.Builder
-			_, _ = fmt.Fprint(&buf, "")
-			b := make([]byte, 0, 4096)
-			tmp := make([]byte, 4096)
-			for {
-				k, err := resp.Body.Read(tmp)
-				b = append(b, tmp[:k]...)
-				if err != nil {
-					break
-				}
-			}
+			b, _ := io.ReadAll(resp.Body) // a cut stream shows in the checks below
 			if resp.StatusCode != 200 {
-				errs <- fmt.Errorf("request %d: status %d %s", i, resp.StatusCode, b)
-				return
+				return fmt.Errorf("request %d: status %d %s", i, resp.StatusCode, b)
 			}
 			text, done, errObj, err := streamTextErr(b)
 			if err != nil || !done || errObj != nil || text != want[i] {
-				errs <- fmt.Errorf("request %d: done=%v err=%v %v text=%q", i, done, errObj, err, text)
+				return fmt.Errorf("request %d: done=%v err=%v %v text=%q", i, done, errObj, err, text)
 			}
-		}(i)
+			return nil
+		})
 	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
+	if err := g.Wait(); err != nil {
 		t.Error(err)
 	}
 	s.idle()

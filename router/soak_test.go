@@ -18,7 +18,9 @@ import (
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
+	"golang.org/x/sync/errgroup"
 )
 
 // soakKinds are the outcomes narwhal_requests_total may carry: ok or a
@@ -232,7 +234,7 @@ func soak(t *testing.T, retries, n int) {
 		t.Fatalf("warm-up: %d %s", resp.StatusCode, body)
 	}
 	s.idle()
-	waitFor(t, 3*time.Second, "no connection open", func() bool {
+	testkit.WaitFor(t, 3*time.Second, "no connection open", func() bool {
 		s.closeIdle(client)
 		return s.openConns() <= 0
 	})
@@ -253,68 +255,63 @@ func soak(t *testing.T, retries, n int) {
 	start := time.Now()
 	phases := []struct{ conc, count int }{{1, n * 6 / 100}, {8, n * 34 / 100}, {64, n - n*6/100 - n*34/100}}
 	for _, ph := range phases {
-		var next atomic.Int64
-		var wg sync.WaitGroup
-		for w := 0; w < ph.conc; w++ {
-			wg.Add(1)
-			go func(w int) {
-				defer wg.Done()
-				r := rand.New(rand.NewPCG(seed, uint64(ph.conc*1000+w)))
-				for {
-					i := int(next.Add(1))
-					if i > ph.count {
-						return
+		// ph.conc clients at a time; each request draws its faults and
+		// shape from a generator of its own, so a seed replays them.
+		var g errgroup.Group
+		g.SetLimit(ph.conc)
+		for i := 1; i <= ph.count; i++ {
+			g.Go(func() error {
+				r := rand.New(rand.NewPCG(seed, uint64(ph.conc)<<32|uint64(i)))
+				if r.Float64() < 0.15 {
+					id := ids[r.IntN(len(ids))]
+					phase := sim.PhaseDecode
+					switch {
+					case strings.HasPrefix(id, "p"):
+						phase = sim.PhasePrefill
+					case strings.HasPrefix(id, "b") && r.IntN(2) == 0:
+						phase = sim.PhasePrefill
 					}
-					if r.Float64() < 0.15 {
-						id := ids[r.IntN(len(ids))]
-						phase := sim.PhaseDecode
-						switch {
-						case strings.HasPrefix(id, "p"):
-							phase = sim.PhasePrefill
-						case strings.HasPrefix(id, "b") && r.IntN(2) == 0:
-							phase = sim.PhasePrefill
-						}
-						f := soakFault(r, phase)
-						if strands(f) {
-							stranding[id].Add(1)
-						}
-						if f.Kind == sim.FaultImmediateStop && phase == sim.PhaseDecode {
-							emptyAllowed.Add(1)
-						}
-						s.sims[id].Arm(f)
+					f := soakFault(r, phase)
+					if strands(f) {
+						stranding[id].Add(1)
 					}
-					endpoint := schemas.EndpointChat
-					if r.IntN(2) == 0 {
-						endpoint = schemas.EndpointCompletions
+					if f.Kind == sim.FaultImmediateStop && phase == sim.PhaseDecode {
+						emptyAllowed.Add(1)
 					}
-					stream := r.IntN(2) == 0
-					maxTokens, sampling := 1+r.IntN(12), int64(r.IntN(4))
-					content := fmt.Sprintf("soak %d/%d/%d", retries, ph.conc, i)
-					extra := fmt.Sprintf(`"max_tokens":%d,"seed":%d`, maxTokens, sampling)
-					if stream {
-						extra += `,"stream":true`
-						if r.IntN(2) == 0 {
-							extra += `,"stream_options":{"include_usage":true}`
-						}
-					}
-					sent.Add(1)
-					resp, err := client.Post(s.url+endpoint, "application/json", strings.NewReader(requestBody(endpoint, content, extra)))
-					if err != nil {
-						tally.add("transport error", err.Error())
-						continue
-					}
-					body, err := io.ReadAll(resp.Body)
-					resp.Body.Close()
-					if err != nil {
-						tally.add("transport error", err.Error())
-						continue
-					}
-					outcome, problem := judge(endpoint, stream, resp, body, expectedText(t, endpoint, content, sampling, maxTokens))
-					tally.add(outcome, problem)
+					s.sims[id].Arm(f)
 				}
-			}(w)
+				endpoint := schemas.EndpointChat
+				if r.IntN(2) == 0 {
+					endpoint = schemas.EndpointCompletions
+				}
+				stream := r.IntN(2) == 0
+				maxTokens, sampling := 1+r.IntN(12), int64(r.IntN(4))
+				content := fmt.Sprintf("soak %d/%d/%d", retries, ph.conc, i)
+				extra := fmt.Sprintf(`"max_tokens":%d,"seed":%d`, maxTokens, sampling)
+				if stream {
+					extra += `,"stream":true`
+					if r.IntN(2) == 0 {
+						extra += `,"stream_options":{"include_usage":true}`
+					}
+				}
+				sent.Add(1)
+				resp, err := client.Post(s.url+endpoint, "application/json", strings.NewReader(requestBody(endpoint, content, extra)))
+				if err != nil {
+					tally.add("transport error", err.Error())
+					return nil
+				}
+				body, err := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				if err != nil {
+					tally.add("transport error", err.Error())
+					return nil
+				}
+				outcome, problem := judge(endpoint, stream, resp, body, expectedText(t, endpoint, content, sampling, maxTokens))
+				tally.add(outcome, problem)
+				return nil
+			})
 		}
-		wg.Wait()
+		_ = g.Wait() // the requests report through tally
 	}
 	elapsed := time.Since(start)
 	for _, p := range tally.problems {
@@ -329,7 +326,7 @@ func soak(t *testing.T, retries, n int) {
 
 	// Nothing in flight, nothing reserved, no engine still serving.
 	s.idle()
-	waitFor(t, 2*time.Second, "engines idle", func() bool {
+	testkit.WaitFor(t, 2*time.Second, "engines idle", func() bool {
 		for _, srv := range s.sims {
 			if srv.Stats().ActiveStreams != 0 {
 				return false
