@@ -10,8 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/narwhalmesh/narwhal/bus"
@@ -229,7 +227,7 @@ func TestRoutersTrustNothingTheyReadRBUS9(t *testing.T) {
 	if d1.eligible.Load() {
 		t.Fatal("d1 eligible after a valid ejection")
 	}
-	ignored := func() float64 { return counterSum(t, s.rt.Registry(), "narwhal_placement_ignored_total") }
+	ignored := func() float64 { return testkit.GatheredSum(t, s.rt.Registry(), "narwhal_placement_ignored_total") }
 	put := func(key, value string) {
 		t.Helper()
 		if _, err := m.peer.Placement().Put(context.Background(), key, []byte(value)); err != nil {
@@ -270,7 +268,7 @@ func TestRoutersTrustNothingTheyReadRBUS9(t *testing.T) {
 	if d1.eligible.Load() {
 		t.Fatal("deleting d1's key made it eligible")
 	}
-	if v := counterSum(t, s.rt.Registry(), "narwhal_placement_ignored_total"); v < float64(len(forged)+1) {
+	if v := testkit.GatheredSum(t, s.rt.Registry(), "narwhal_placement_ignored_total"); v < float64(len(forged)+1) {
 		t.Fatalf("narwhal_placement_ignored_total = %v, want >= %d", v, len(forged)+1)
 	}
 
@@ -298,24 +296,6 @@ func TestRoutersTrustNothingTheyReadRBUS9(t *testing.T) {
 	}
 }
 
-// counterSum adds up every series of counter name in reg.
-func counterSum(t *testing.T, reg *prometheus.Registry, name string) float64 {
-	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var sum float64
-	for _, mf := range mfs {
-		if mf.GetName() == name {
-			for _, m := range mf.GetMetric() {
-				sum += m.GetCounter().GetValue()
-			}
-		}
-	}
-	return sum
-}
-
 // TestNewLeaderValueKeptUntilTheLeaseConfirmsItRBUS9 proves that a value
 // of a new leader that arrives while the router reads an older lease —
 // what a lagging replica of the lease bucket serves after a takeover — is
@@ -337,7 +317,7 @@ func TestNewLeaderValueKeptUntilTheLeaseConfirmsItRBUS9(t *testing.T) {
 	if d1.eligible.Load() || !d2.eligible.Load() {
 		t.Fatalf("d1 eligible=%v d2 eligible=%v before the takeover, want false and true", d1.eligible.Load(), d2.eligible.Load())
 	}
-	ignored := func() float64 { return counterSum(t, s.rt.Registry(), "narwhal_placement_ignored_total") }
+	ignored := func() float64 { return testkit.GatheredSum(t, s.rt.Registry(), "narwhal_placement_ignored_total") }
 	put := func(key string, value []byte) {
 		t.Helper()
 		if _, err := m.peer.Placement().Put(context.Background(), key, value); err != nil {
@@ -362,7 +342,7 @@ func TestNewLeaderValueKeptUntilTheLeaseConfirmsItRBUS9(t *testing.T) {
 	put("d1", value("new-breaker", newTerm, "d1", true))
 	put("d2", value("new-breaker", newTerm, "d2", false))
 	put("d2", []byte(`{"eligible":false}`)) // supersedes d2's pending value
-	waitFor(t, time.Second, "the three values counted as ignored", func() bool { return ignored() >= before+3 })
+	testkit.WaitFor(t, time.Second, "the three values counted as ignored", func() bool { return ignored() >= before+3 })
 	if d1.eligible.Load() || !d2.eligible.Load() {
 		t.Fatalf("before the lease names new-breaker: d1 eligible=%v d2 eligible=%v, want the previous state (false, true)", d1.eligible.Load(), d2.eligible.Load())
 	}
@@ -371,7 +351,7 @@ func TestNewLeaderValueKeptUntilTheLeaseConfirmsItRBUS9(t *testing.T) {
 		t.Fatalf("the new lease has term %d, want %d", got, newTerm)
 	}
 	start := time.Now()
-	waitFor(t, time.Second, "d1 readmitted by the new leader's pending value", d1.eligible.Load)
+	testkit.WaitFor(t, time.Second, "d1 readmitted by the new leader's pending value", d1.eligible.Load)
 	t.Logf("R-BUS-9: the pending value applied %v after the lease named its writer", time.Since(start).Round(time.Millisecond))
 	if !d2.eligible.Load() {
 		t.Fatal("d2 ejected by a pending value that a later write of its key had superseded")
