@@ -21,12 +21,16 @@ func TestCLIErrorsOnce(t *testing.T) {
 		{"router", "--bogus"},
 		{"breaker", "--bogus"},
 		{"bus", "--bogus"},
+		{"bus", "setup", "--bogus"},
 		{"sim", "--bogus"},
 		{"events", "--bogus"},
 		{"preflight", "--bogus"},
 		{"bench", "--bogus"},
 		{"chaos", "arm", "--bogus"},
 		{"chaos", "list", "--bogus"},
+		{"chaos", "disarm", "--bogus"},
+		{"chaos", "run", "--bogus"},
+		{"chaos", "proxy", "--bogus"},
 	} {
 		out, code := runNarwhal(t, args...)
 		if n := strings.Count(out, "flag provided but not defined: -bogus"); n != 1 || code != 2 {

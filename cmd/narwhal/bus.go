@@ -168,7 +168,7 @@ func runBusSetup(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	fs.SetOutput(stderr)
 	cfgPath := fs.String("config", "", "YAML configuration `FILE` for bus.* and breaker.lease_ttl_s (default: defaults and environment)")
 	bound := fs.Duration("connect-timeout", busSetupBound, "give up when the bus is not reachable and set up within `DUR`")
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {
