@@ -223,16 +223,29 @@ func runChaosArm(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	if _, err := fmt.Fprintf(stdout, "armed %s\n", armed.String()); err != nil {
 		return err
 	}
-	// A fault for an engine no proxy serves is kept (a proxy started later
-	// loads it), but it is likely a typo: say so, with what is served.
-	if served, err := cb.store.Proxies(ctx, proxyAnswerWait); err == nil && !slices.Contains(served, armed.EngineID) {
-		answer := "no chaos proxy answered on this bus"
-		if len(served) > 0 {
-			answer = "proxies serve " + strings.Join(served, ", ")
-		}
-		fmt.Fprintf(stderr, "warning: no chaos proxy serves engine %s (%s); the fault strikes once a proxy for it starts\n", armed.EngineID, answer)
-	}
+	warnUnserved(ctx, cb.store, stderr, []string{armed.EngineID})
 	return nil
+}
+
+// warnUnserved asks the chaos proxies on the bus which engines they serve
+// and writes a warning to w for each of engines that none serves, naming
+// the served ones. A fault armed for such an engine is kept (a proxy
+// started later loads it), but it is likely a typo. When the proxies
+// cannot be asked it says nothing.
+func warnUnserved(ctx context.Context, store *chaos.Store, w io.Writer, engines []string) {
+	served, err := store.Proxies(ctx, proxyAnswerWait)
+	if err != nil {
+		return
+	}
+	answer := "no chaos proxy answered on this bus"
+	if len(served) > 0 {
+		answer = "proxies serve " + strings.Join(served, ", ")
+	}
+	for _, e := range engines {
+		if !slices.Contains(served, e) {
+			fmt.Fprintf(w, "warning: no chaos proxy serves engine %s (%s); the fault strikes once a proxy for it starts\n", e, answer)
+		}
+	}
 }
 
 // runChaosList is `narwhal chaos list`: a table of the armed faults.
@@ -356,6 +369,13 @@ func runChaosRun(ctx context.Context, args []string, stdout, stderr io.Writer) e
 		return err
 	}
 	defer cb.close()
+	var armed []string
+	for _, st := range sc.Steps {
+		if st.Arm != nil && !slices.Contains(armed, st.Arm.Engine) {
+			armed = append(armed, st.Arm.Engine)
+		}
+	}
+	warnUnserved(ctx, cb.store, stderr, armed)
 	fmt.Fprintf(stdout, "scenario %s: %d steps\n", file, len(sc.Steps))
 	if err := sc.Run(ctx, cb.store, stdout, *until); err != nil {
 		return err

@@ -495,4 +495,23 @@ func TestChaosArmWarnsWhenNoProxyServes(t *testing.T) {
 	if list := mustChaos(t, "list"); !strings.Contains(list, "decode-9") || !strings.Contains(list, "decode-1") {
 		t.Errorf("not armed:\n%s", list)
 	}
+
+	// A scenario warns once per unserved engine it arms, before its steps.
+	file := filepath.Join(t.TempDir(), "scenario.yaml")
+	if err := os.WriteFile(file, []byte(`steps:
+  - {at: 0s, arm: {engine: decode-7, fault: http-status}}
+  - {at: 0s, arm: {engine: decode-2, fault: http-status}}
+  - {at: 0s, arm: {engine: decode-7, fault: trickle, params: {delay_ms: 5}}}
+`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	rctx, rcancel := context.WithTimeout(context.Background(), cmdTestBound)
+	defer rcancel()
+	var runOut, errOut bytes.Buffer
+	if err := runChaos(rctx, []string{"run", file}, &runOut, &errOut); err != nil {
+		t.Fatal(err)
+	}
+	if want := "warning: no chaos proxy serves engine decode-7 (proxies serve decode-1, decode-2); the fault strikes once a proxy for it starts\n"; errOut.String() != want {
+		t.Errorf("run's warnings %q, want %q", errOut.String(), want)
+	}
 }
