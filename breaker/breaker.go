@@ -213,7 +213,8 @@ func New(opts Options) (*Service, error) {
 		if err != nil {
 			return nil, fmt.Errorf("breaker: fleet engine %s: %w", spec.ID, err)
 		}
-		e := &engine{Engine: engines.Engine{ID: spec.ID, URL: trimSlash(spec.URL), Role: spec.Role, Connector: conn}}
+		e := &engine{Engine: engines.Engine{ID: spec.ID, URL: trimSlash(spec.URL), Role: spec.Role, Connector: conn,
+			Credential: engines.NewCredential(spec.APIKey.Reveal())}}
 		s.fleet = append(s.fleet, e)
 		s.byID[spec.ID] = e
 	}

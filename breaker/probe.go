@@ -48,6 +48,7 @@ func NewProbeClient(cfg *config.Config) *engines.Client {
 		FirstTokenTimeout: cfg.Engine.FirstTokenTimeout(),
 		DecodeReadTimeout: cfg.Engine.DecodeReadTimeout(), // 0: no per-chunk bound, as in the config
 		HandoffMaxAge:     cfg.Handoff.MaxAge(),
+		RootCAs:           cfg.Engine.RootCAs(),
 	})
 }
 
@@ -124,7 +125,7 @@ func releaseHandoff(ctx context.Context, c *engines.Client, producer *engines.En
 // check). It returns an error naming the engine and the status (with the
 // start of the body) or the transport error. ctx bounds the request.
 func CheckHealth(ctx context.Context, httpc *http.Client, e *engines.Engine) error {
-	resp, err := get(ctx, httpc, e.URL+"/health")
+	resp, err := get(ctx, httpc, e, e.URL+"/health")
 	if err != nil {
 		return fmt.Errorf("engine %s: health check: %w", e.ID, err)
 	}
@@ -149,7 +150,7 @@ type ServedModel struct {
 // naming the engine for a transport error, a non-200 status, a body that is
 // not a model list, or an empty list.
 func ServedModels(ctx context.Context, httpc *http.Client, e *engines.Engine) ([]ServedModel, error) {
-	resp, err := get(ctx, httpc, e.URL+"/v1/models")
+	resp, err := get(ctx, httpc, e, e.URL+"/v1/models")
 	if err != nil {
 		return nil, fmt.Errorf("engine %s: /v1/models: %w", e.ID, err)
 	}
@@ -274,7 +275,7 @@ func CheckContract(ctx context.Context, httpc *http.Client, e *engines.Engine, c
 // readVersion reads e's GET /version.
 func readVersion(ctx context.Context, httpc *http.Client, e *engines.Engine) (EngineVersion, error) {
 	var v EngineVersion
-	resp, err := get(ctx, httpc, e.URL+"/version")
+	resp, err := get(ctx, httpc, e, e.URL+"/version")
 	if err != nil {
 		return v, fmt.Errorf("engine %s: /version: %w", e.ID, err)
 	}
@@ -293,12 +294,14 @@ func readVersion(ctx context.Context, httpc *http.Client, e *engines.Engine) (En
 }
 
 // get sends one GET bounded by ctx.
-func get(ctx context.Context, httpc *http.Client, url string) (*http.Response, error) {
+// It carries the engine's credential, if any.
+func get(ctx context.Context, httpc *http.Client, e *engines.Engine, url string) (*http.Response, error) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	if err != nil {
 		return nil, err
 	}
 	req.Header.Set("Accept", "application/json")
+	e.Credential.Authorize(req.Header)
 	return httpc.Do(req)
 }
 

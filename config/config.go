@@ -10,6 +10,7 @@
 package config
 
 import (
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -49,13 +50,15 @@ type Config struct {
 	Breaker Breaker `yaml:"breaker" envPrefix:"BREAKER_"`
 	// Router holds the router process's identity and logging.
 	Router Router `yaml:"router" envPrefix:"ROUTER_"`
-	// Server holds the front door's connection deadlines, caps and
-	// admission limits (SPEC R-API-7, R-API-8, R-TMO-6).
+	// Server holds the front door: connection deadlines, caps, admission
+	// limits (SPEC R-API-7, R-API-8, R-TMO-6) and TLS.
 	Server Server `yaml:"server" envPrefix:"SERVER_"`
 	// Bus says how every process reaches NATS (SPEC §9, R-BUS-4,
 	// R-BUS-8). Its variables are NARWHAL_NATS_<KEY>, e.g.
 	// NARWHAL_NATS_URL.
 	Bus Bus `yaml:"bus" envPrefix:"NATS_"`
+	// Auth holds client authentication (SPEC R-API-9).
+	Auth Auth `yaml:"auth" envPrefix:"AUTH_"`
 	// EngineContract pins what every engine must be (SPEC R-BRK-6,
 	// R-PRE-1); nil when the file has no engine_contract (development
 	// fleets). It is not read from the environment.
@@ -63,7 +66,14 @@ type Config struct {
 	// Fleet lists the engines. It may be empty here; the commands that need
 	// engines say so. It is not read from the environment.
 	Fleet []EngineSpec `yaml:"fleet"`
+
+	// fileKeys is how many of Auth.APIKeys came from Auth.APIKeysFile (the
+	// last ones), for error messages.
+	fileKeys int
 }
+
+// TLS reports whether the front end serves HTTPS.
+func (s Server) TLS() bool { return s.TLSCertFile != "" }
 
 // Engine holds the timeouts of the engine legs, in seconds (SPEC §6).
 type Engine struct {
@@ -77,7 +87,16 @@ type Engine struct {
 	DecodeReadTimeoutS float64 `yaml:"decode_read_timeout_s" env:"DECODE_READ_TIMEOUT_S"`
 	// PrefillTimeoutS bounds the whole prefill leg. Seconds, > 0; default 60.
 	PrefillTimeoutS float64 `yaml:"prefill_timeout_s" env:"PREFILL_TIMEOUT_S"`
+	// TLSCAFile is a PEM file of the certificate authorities that sign the
+	// certificates of https:// engines; empty means the system's roots.
+	TLSCAFile string `yaml:"tls_ca_file" env:"TLS_CA_FILE"`
+
+	rootCAs *x509.CertPool // TLSCAFile's certificates, read by Load
 }
+
+// RootCAs returns the certificate authorities of TLSCAFile as Load read
+// them, or nil (the system's roots) when it is empty.
+func (e Engine) RootCAs() *x509.CertPool { return e.rootCAs }
 
 // FirstTokenTimeout returns FirstTokenTimeoutS as a Duration (R-TMO-1).
 func (e Engine) FirstTokenTimeout() time.Duration { return Seconds(e.FirstTokenTimeoutS) }
@@ -207,6 +226,17 @@ type Server struct {
 	// that does not fit gets 503 with Retry-After before it is read
 	// (R-API-8). Bytes, >= request.max_body_bytes; default 1 GiB.
 	MaxBodyBytesInflight int `yaml:"max_body_bytes_inflight" env:"MAX_BODY_BYTES_INFLIGHT"`
+	// TLSCertFile and TLSKeyFile, both set, make the front end serve
+	// HTTPS with this PEM certificate chain and private key. The pair is
+	// read again when either file changes (checked at most once a second,
+	// on a new connection) and on SIGHUP; a pair that does not load keeps
+	// the previous one. Both empty (default) serves plain HTTP.
+	TLSCertFile string `yaml:"tls_cert_file" env:"TLS_CERT_FILE"`
+	TLSKeyFile  string `yaml:"tls_key_file" env:"TLS_KEY_FILE"`
+	// MetricsOnAdmin moves GET /metrics from the client-facing listener to
+	// the admin listener (narwhal router --admin), which it then requires.
+	// Default false.
+	MetricsOnAdmin bool `yaml:"metrics_on_admin" env:"METRICS_ON_ADMIN"`
 }
 
 // StallTimeout returns StallTimeoutS as a Duration (R-TMO-6).
@@ -329,6 +359,15 @@ type EngineSpec struct {
 	// run on the engine at once; 0 means no limit (R-OWN-3).
 	PrefillSlots int `yaml:"prefill_slots"`
 	DecodeSlots  int `yaml:"decode_slots"`
+	// APIKeyEnv, when set, names the environment variable that holds the
+	// engine's API key (vLLM's --api-key): every request to the engine —
+	// both legs, releases, /v1/models, health checks and probes — carries
+	// "Authorization: Bearer <key>". Load fails when the variable is unset
+	// or empty.
+	APIKeyEnv string `yaml:"api_key_env"`
+	// APIKey is the value of APIKeyEnv, read by Load; never in the YAML
+	// file, and redacted whenever printed or encoded.
+	APIKey Secret `yaml:"-"`
 }
 
 // CanPrefill reports whether the engine's role permits the prefill leg.
@@ -542,6 +581,14 @@ func (c *Config) Validate() error {
 	if (c.Bus.TLSCert == "") != (c.Bus.TLSKey == "") {
 		bad("bus.tls_cert", "bus.tls_cert and bus.tls_key go together (a client certificate and its key), got only one")
 	}
+	if (c.Server.TLSCertFile == "") != (c.Server.TLSKeyFile == "") {
+		if c.Server.TLSCertFile == "" {
+			bad("server.tls_cert_file", "must be set when server.tls_key_file is")
+		} else {
+			bad("server.tls_key_file", "must be set when server.tls_cert_file is")
+		}
+	}
+	c.validateAuth(bad)
 
 	if ec := c.EngineContract; ec != nil {
 		if ec.Version != "" {

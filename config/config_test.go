@@ -68,6 +68,9 @@ func keyErrors(t *testing.T, err error) []*KeyError {
 // attempt by default, R-QUAR-1: quarantine off by default).
 func TestDefaults(t *testing.T) {
 	d := Default()
+	if d.Server.TLS() || d.Server.TLSKeyFile != "" || d.Server.MetricsOnAdmin || d.Auth.APIKeysFile != "" || len(d.Auth.APIKeys) != 0 || d.Engine.TLSCAFile != "" {
+		t.Errorf("TLS, admin metrics and client keys must be off by default: %+v %+v", d.Server, d.Auth)
+	}
 	want := map[string]float64{
 		"engine.first_token_timeout_s":   30,
 		"engine.decode_read_timeout_s":   30,
@@ -259,6 +262,9 @@ func envNames(t *testing.T) map[string]string {
 		}
 		for j := range sf.Type.NumField() {
 			f := sf.Type.Field(j)
+			if !f.IsExported() || f.Type.Kind() == reflect.Slice {
+				continue // not a scalar setting (auth.api_keys, parsed state)
+			}
 			if want := strings.ToUpper(yamlName(f)); f.Tag.Get("env") != want {
 				t.Errorf("%s.%s: env tag %q, want %q", section, yamlName(f), f.Tag.Get("env"), want)
 			}
@@ -273,8 +279,14 @@ func envNames(t *testing.T) map[string]string {
 // the file.
 func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 	names := envNames(t)
-	if len(names) != 33 {
-		t.Fatalf("%d scalar keys, want 33: %v", len(names), names)
+	if len(names) != 38 {
+		t.Fatalf("%d scalar keys, want 38: %v", len(names), names)
+	}
+	dir := t.TempDir()
+	caFile, keysFile := filepath.Join(dir, "ca.pem"), filepath.Join(dir, "keys.yaml")
+	writeTestCA(t, caFile)
+	if err := os.WriteFile(keysFile, []byte("api_keys: []\n"), 0o600); err != nil {
+		t.Fatal(err)
 	}
 	if names["engine.first_token_timeout_s"] != "NARWHAL_ENGINE_FIRST_TOKEN_TIMEOUT_S" ||
 		names["bus.url"] != "NARWHAL_NATS_URL" || names["bus.creds"] != "NARWHAL_NATS_CREDS" ||
@@ -297,6 +309,8 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		"server.max_body_bytes_inflight": "32",
 		"bus.url":                        "nats://file:4222", "bus.creds": "file.creds", "bus.tls_ca": "file-ca.pem", "bus.tls_cert": "file-cert.pem",
 		"bus.tls_key": "file-key.pem", "bus.replicas": "3", "bus.connect_timeout_s": "30",
+		"engine.tls_ca_file": "/nonexistent/ca.pem", "server.tls_cert_file": "file.crt", "server.tls_key_file": "file.key",
+		"server.metrics_on_admin": "false", "auth.api_keys_file": "/nonexistent/keys.yaml",
 	}
 	envValues := map[string]string{
 		"engine.first_token_timeout_s": "1.5", "engine.decode_read_timeout_s": "0", "engine.prefill_timeout_s": "3",
@@ -312,6 +326,8 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		"server.max_body_bytes_inflight": "13",
 		"bus.url":                        "nats://env:4222,nats://env2:4222", "bus.creds": "env.creds", "bus.tls_ca": "env-ca.pem", "bus.tls_cert": "env-cert.pem",
 		"bus.tls_key": "env-key.pem", "bus.replicas": "5", "bus.connect_timeout_s": "2.5",
+		"engine.tls_ca_file": caFile, "server.tls_cert_file": "env.crt", "server.tls_key_file": "env.key",
+		"server.metrics_on_admin": "true", "auth.api_keys_file": keysFile,
 	}
 	var file strings.Builder
 	sections := map[string][]string{}
@@ -327,7 +343,13 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		environ[names[k]] = v
 	}
 
-	fromFile, err := load([]byte(file.String()), map[string]string{})
+	// The file's own paths do not exist: alone it fails on the first
+	// file read, naming the key.
+	if _, err := load([]byte(file.String()), map[string]string{}); err == nil || !strings.Contains(err.Error(), "auth.api_keys_file") {
+		t.Errorf("file alone with missing files: %v, want an error naming auth.api_keys_file", err)
+	}
+	fileOK := strings.NewReplacer("/nonexistent/ca.pem", caFile, "/nonexistent/keys.yaml", keysFile).Replace(file.String())
+	fromFile, err := load([]byte(fileOK), map[string]string{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -343,10 +365,17 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		Breaker:  Breaker{LeaseTTLS: 0.75},
 		Router:   Router{ID: "from-env", EventBuffer: 10, LogFormat: "text", LogLevel: "error"},
 		Server: Server{StallTimeoutS: 0.5, HeaderTimeoutS: 1.25, IdleTimeoutS: 2, MaxHeaderBytes: 8192,
-			MaxConnections: 11, MaxInflight: 12, MaxBodyBytesInflight: 13},
+			MaxConnections: 11, MaxInflight: 12, MaxBodyBytesInflight: 13,
+			TLSCertFile: "env.crt", TLSKeyFile: "env.key", MetricsOnAdmin: true},
 		Bus: Bus{URL: "nats://env:4222,nats://env2:4222", Creds: "env.creds", TLSCA: "env-ca.pem", TLSCert: "env-cert.pem",
 			TLSKey: "env-key.pem", Replicas: 5, ConnectTimeoutS: 2.5},
+		Auth: Auth{APIKeysFile: keysFile},
 	}
+	want.Engine.TLSCAFile = caFile
+	if fromBoth.Engine.RootCAs() == nil {
+		t.Error("engine.tls_ca_file from the environment was not read")
+	}
+	fromBoth.Engine.rootCAs = nil
 	if !reflect.DeepEqual(*fromBoth, want) {
 		t.Errorf("env over file:\n got %+v\nwant %+v", *fromBoth, want)
 	}
@@ -574,13 +603,13 @@ func TestYAMLErrorsNameTheKey(t *testing.T) {
 		want string
 	}{
 		"unknown top-level key": {"engines:\n  first_token_timeout_s: 3\n",
-			"config: engines: unknown key (known keys here: engine, request, handoff, recovery, breaker, router, server, bus, engine_contract, fleet)"},
+			"config: engines: unknown key (known keys here: engine, request, handoff, recovery, breaker, router, server, bus, auth, engine_contract, fleet)"},
 		"unknown section key": {"engine:\n  first_token_timeout: 3\n",
-			"config: engine.first_token_timeout: unknown key (known keys here: first_token_timeout_s, decode_read_timeout_s, prefill_timeout_s)"},
+			"config: engine.first_token_timeout: unknown key (known keys here: first_token_timeout_s, decode_read_timeout_s, prefill_timeout_s, tls_ca_file)"},
 		"unknown contract key": {"engine_contract:\n  modle: m\n",
 			"config: engine_contract.modle: unknown key (known keys here: model, engine, version, connector)"},
 		"unknown fleet key": {"fleet:\n  - id: p1\n    url: http://h:1\n    role: prefill\n    slots: 2\n",
-			"config: fleet[0].slots: unknown key (known keys here: id, url, role, connector, prefill_slots, decode_slots)"},
+			"config: fleet[0].slots: unknown key (known keys here: id, url, role, connector, prefill_slots, decode_slots, api_key_env)"},
 		"string for a number": {"engine:\n  first_token_timeout_s: 30s\n",
 			`config: engine.first_token_timeout_s: must be a number, got string "30s"`},
 		"fraction for an integer": {"recovery:\n  eject_after: 1.5\n",

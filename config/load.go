@@ -58,6 +58,20 @@ func load(data []byte, environ map[string]string) (*Config, error) {
 	if err != nil {
 		return nil, err
 	}
+	for i := range c.Auth.APIKeys {
+		c.Auth.APIKeys[i].KeySHA256 = strings.ToLower(c.Auth.APIKeys[i].KeySHA256)
+	}
+	own := len(c.Auth.APIKeys)
+	if err := loadAPIKeysFile(&c, fromEnv); err != nil {
+		return nil, err
+	}
+	c.fileKeys = len(c.Auth.APIKeys) - own
+	if err := resolveEngineKeys(&c, environ); err != nil {
+		return nil, err
+	}
+	if err := loadEngineCAs(&c, fromEnv); err != nil {
+		return nil, err
+	}
 	if err := c.Validate(); err != nil {
 		// Name the variable behind every invalid value that came from the
 		// environment, so the operator knows where to look.
@@ -136,8 +150,8 @@ func decodeValue(v reflect.Value, node any, key string, errs *[]error) {
 				child = key + "." + name
 			}
 			i := indexOf(names, name)
-			if i < 0 {
-				*errs = append(*errs, &KeyError{Key: child, Problem: "unknown key (known keys here: " + strings.Join(names, ", ") + ")"})
+			if i < 0 || names[i] == "" || names[i] == "-" {
+				*errs = append(*errs, &KeyError{Key: child, Problem: "unknown key (known keys here: " + strings.Join(known(names), ", ") + ")"})
 				continue
 			}
 			decodeValue(v.Field(i), item.Value, child, errs)
@@ -184,6 +198,13 @@ func decodeValue(v reflect.Value, node any, key string, errs *[]error) {
 			return
 		}
 		v.SetInt(n)
+	case reflect.Bool:
+		b, ok := node.(bool)
+		if !ok {
+			bad("must be true or false, got %s", describe(node))
+			return
+		}
+		v.SetBool(b)
 	case reflect.Float64:
 		var f float64
 		switch n := node.(type) {
@@ -251,7 +272,21 @@ func yamlNames(t reflect.Type) []string {
 	return names
 }
 
+// known returns names without the fields YAML cannot set ("" and "-").
+func known(names []string) []string {
+	out := make([]string, 0, len(names))
+	for _, n := range names {
+		if n != "" && n != "-" {
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
 func yamlName(f reflect.StructField) string {
+	if !f.IsExported() {
+		return ""
+	}
 	name, _, _ := strings.Cut(f.Tag.Get("yaml"), ",")
 	return name
 }

@@ -11,6 +11,8 @@ package engines
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/json"
 	"errors"
 	"io"
@@ -34,6 +36,9 @@ type Engine struct {
 	Role connector.Role
 	// Connector is the engine's KV connector.
 	Connector connector.Connector
+	// Credential is the engine's API key, sent on every request to it;
+	// zero for an engine without one.
+	Credential Credential
 }
 
 // Request is one attempt's view of a client request: what to send and
@@ -100,6 +105,10 @@ type Options struct {
 	// MaxResponseBytes bounds a prefill response or an error body read
 	// whole; 0 means 16 MiB.
 	MaxResponseBytes int64
+	// RootCAs are the certificate authorities of https:// engines for the
+	// default transports (engine.tls_ca_file); nil means the system's
+	// roots. Ignored for a Transport or PrefillTransport given here.
+	RootCAs *x509.CertPool
 }
 
 // Client runs engine legs. It is safe for concurrent use; create one per
@@ -168,11 +177,15 @@ func NewClient(opts Options) *Client {
 	if prefillTransport == nil {
 		prefillTransport = decodeTransport
 		if prefillTransport == nil {
-			prefillTransport = NewPrefillTransport()
+			t := NewPrefillTransport()
+			withRoots(t, opts.RootCAs)
+			prefillTransport = t
 		}
 	}
 	if decodeTransport == nil {
-		decodeTransport = NewTransport()
+		t := NewTransport()
+		withRoots(t, opts.RootCAs)
+		decodeTransport = t
 	}
 	c.http = &http.Client{Transport: decodeTransport}
 	c.prefillHTTP = &http.Client{Transport: prefillTransport}
@@ -188,6 +201,12 @@ func (c *Client) DecodeReadTimeout() time.Duration { return c.readTimeout }
 func (c *Client) CloseIdleConnections() {
 	c.http.CloseIdleConnections()
 	c.prefillHTTP.CloseIdleConnections()
+}
+
+// withRoots makes t trust roots (nil: the system's) for https:// engines,
+// TLS 1.2 or newer.
+func withRoots(t *http.Transport, roots *x509.CertPool) {
+	t.TLSClientConfig = &tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS12}
 }
 
 // withTimeoutCause is context.WithTimeoutCause, with no timeout when d is
@@ -221,7 +240,7 @@ func (c *Client) Prefill(ctx context.Context, req *Request) (*connector.PrefillR
 	legCtx, cancel := withTimeoutCause(ctx, c.prefillTimeout, errPrefillTimeout)
 	defer cancel()
 	started := time.Now()
-	resp, err := c.do(legCtx, c.prefillHTTP, p.URL+req.Body.Endpoint, req.BackendRequestID, body)
+	resp, err := c.do(legCtx, c.prefillHTTP, p.Credential, p.URL+req.Body.Endpoint, req.BackendRequestID, body)
 	if err != nil {
 		return nil, classifyTransport(ctx, legCtx, err, schemas.PhasePrefill, p.ID, true)
 	}
@@ -283,7 +302,7 @@ func (c *Client) Release(ctx context.Context, producer *Engine, result *connecto
 	if result == nil || !result.HasDescriptor() {
 		return false, nil
 	}
-	return producer.Connector.Release(ctx, c.http, producer.URL, result.AppendDescriptor(nil))
+	return producer.Connector.Release(ctx, c.HTTPClientFor(producer), producer.URL, result.AppendDescriptor(nil))
 }
 
 // CheckHandoff applies the checks Decode makes before any decode HTTP
@@ -343,10 +362,11 @@ func (c *Client) Decode(ctx context.Context, req *Request, result *connector.Pre
 	return c.openStream(ctx, req.Consumer, req.Body.Endpoint, req.BackendRequestID, body)
 }
 
-// do sends one POST. The body is an in-memory reader, so net/http writes
-// headers and body together in one write (a reader it does not know gets
-// its headers flushed first: two syscalls per leg).
-func (c *Client) do(ctx context.Context, hc *http.Client, url, requestID string, body []byte) (*http.Response, error) {
+// do sends one POST with the engine's credential. The body is an in-memory
+// reader, so net/http writes headers and body together in one write (a
+// reader it does not know gets its headers flushed first: two syscalls per
+// leg).
+func (c *Client) do(ctx context.Context, hc *http.Client, cred Credential, url, requestID string, body []byte) (*http.Response, error) {
 	hreq, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
 	if err != nil {
 		return nil, err
@@ -356,6 +376,7 @@ func (c *Client) do(ctx context.Context, hc *http.Client, url, requestID string,
 		"Accept":       {"application/json, text/event-stream"},
 		"X-Request-Id": {requestID},
 	}
+	cred.Authorize(hreq.Header)
 	return hc.Do(hreq)
 }
 
@@ -379,6 +400,9 @@ func (c *Client) statusFault(resp *http.Response, phase, engineID string) *Fault
 			f.Type = obj.Type
 		}
 		return f
+	case 401, 403:
+		return NewFault(KindEngineUnauthorized, phase, engineID, resp.StatusCode,
+			phase+" engine "+engineID+" refused the router's credentials (HTTP "+strconv.Itoa(resp.StatusCode)+")")
 	case 429:
 		if msg == "" {
 			msg = "engine overloaded"

@@ -59,6 +59,14 @@ const (
 	// KindClientFault: the engine refused the request as the client's fault
 	// (400, 404, 413, 422): passed through, not counted (R-FAIL-6).
 	KindClientFault FaultKind = "client_fault"
+	// KindEngineUnauthorized: the engine refused the router's credentials
+	// with 401 or 403 (a missing or wrong fleet[].api_key_env). A
+	// configuration fault, not a stream failure: 502 to the client (the
+	// engine's body is not passed through), transient (a retry may take
+	// another engine), published with counts false, never towards
+	// ejection; the router places nothing on the engine while its
+	// credentials are refused (docs/failures.md).
+	KindEngineUnauthorized FaultKind = "engine_unauthorized"
 	// KindOverload: the engine answered 429: passed through as 429, counted
 	// as overload, not failure (R-FAIL-6).
 	KindOverload FaultKind = "overload"
@@ -222,7 +230,8 @@ func (f *Fault) EngineFault() bool {
 func (f *Fault) Transient() bool {
 	switch f.Kind {
 	case KindConnectError, KindPrefillTimeout, KindPrefillResponse, KindDescriptorRejected, KindHandoffExpired,
-		KindFirstTokenTimeout, KindMidStreamSilence, KindClosedBeforeDone, KindDoneBeforeToken, KindInvalidStream:
+		KindFirstTokenTimeout, KindMidStreamSilence, KindClosedBeforeDone, KindDoneBeforeToken, KindInvalidStream,
+		KindEngineUnauthorized:
 		return true
 	case KindPrefillStatus, KindUpstreamStatus, KindErrorObject:
 		return f.Status >= 500
@@ -232,13 +241,14 @@ func (f *Fault) Transient() bool {
 
 // CountsTowardEjection reports whether the breaker counts the fault in the
 // engine's failure streak (SPEC R-BRK-2): every engine fault except
-// client faults, overload, client disconnects, the request's own deadline
-// and an expired handoff (which measures the router's wait, not the
-// engine). An error object counts unless its code is a client-fault or
-// overload status.
+// client faults, overload, client disconnects, the request's own deadline,
+// an expired handoff (which measures the router's wait, not the engine)
+// and refused credentials (a configuration fault). An error object counts
+// unless its code is a client-fault or overload status.
 func (f *Fault) CountsTowardEjection() bool {
 	switch f.Kind {
-	case KindClientFault, KindOverload, KindClientGone, KindRequestTimeout, KindNoEngine, KindShutdown, KindHandoffExpired:
+	case KindClientFault, KindOverload, KindClientGone, KindRequestTimeout, KindNoEngine, KindShutdown, KindHandoffExpired,
+		KindEngineUnauthorized:
 		return false
 	case KindErrorObject:
 		switch f.Status {

@@ -80,7 +80,7 @@ func (c *Client) openStream(ctx context.Context, consumer *Engine, endpoint, req
 	s := &Stream{parent: ctx, engineID: consumer.ID, readTimeout: c.readTimeout, start: time.Now()}
 	s.ctx, s.cancel = context.WithCancelCause(ctx)
 	s.timer = time.AfterFunc(c.firstTokenBudget(), s.onTimer)
-	resp, err := c.do(s.ctx, c.http, consumer.URL+endpoint, requestID, body)
+	resp, err := c.do(s.ctx, c.http, consumer.Credential, consumer.URL+endpoint, requestID, body)
 	if err != nil {
 		f := classifyTransport(ctx, s.ctx, err, schemas.PhaseDecode, consumer.ID, true)
 		s.stop()

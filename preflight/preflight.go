@@ -112,7 +112,8 @@ func Run(ctx context.Context, cfg *config.Config, opts Options) (*Report, error)
 		if err != nil {
 			return nil, fmt.Errorf("fleet engine %s: %w", spec.ID, err)
 		}
-		fleet = append(fleet, &engines.Engine{ID: spec.ID, URL: strings.TrimRight(spec.URL, "/"), Role: spec.Role, Connector: conn})
+		fleet = append(fleet, &engines.Engine{ID: spec.ID, URL: strings.TrimRight(spec.URL, "/"), Role: spec.Role, Connector: conn,
+			Credential: engines.NewCredential(spec.APIKey.Reveal())})
 	}
 	client := breaker.NewProbeClient(cfg)
 	defer client.CloseIdleConnections()

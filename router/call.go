@@ -58,7 +58,9 @@ type call struct {
 	chunks           int
 	finished         bool
 	cancelDeadline   context.CancelFunc
-	bodyBytes        int64 // held against server.max_body_bytes_inflight until finish
+	bodyBytes        int64      // held against server.max_body_bytes_inflight until finish
+	key              *clientKey // the caller's API key; nil on an open router (R-API-9)
+	holdKey          bool       // key's in-flight slot is taken
 }
 
 // heldChunk is a metadata chunk read before the first generated output,
@@ -70,8 +72,12 @@ type heldChunk struct {
 }
 
 // serveCompletion handles POST /v1/chat/completions and /v1/completions.
-func (rt *Router) serveCompletion(fctx *fasthttp.RequestCtx, endpoint string) {
+// key is the caller's authenticated API key, nil on an open router.
+func (rt *Router) serveCompletion(fctx *fasthttp.RequestCtx, endpoint string, key *clientKey) {
 	c := rt.arrive(fctx)
+	if c != nil {
+		c.key = key
+	}
 	if c == nil || !c.prepare(fctx, endpoint) {
 		return
 	}
@@ -124,6 +130,9 @@ func (c *call) prepare(fctx *fasthttp.RequestCtx, endpoint string) bool {
 		return false
 	}
 	c.req = req
+	if !c.admitKey(fctx) {
+		return false
+	}
 	if !rt.fleet.servesModel(req.Model) {
 		c.reject(fctx, 404, "The model `"+schemas.BoundField(req.Model)+"` does not exist.", "client_error")
 		return false
@@ -230,6 +239,7 @@ func (c *call) finish() {
 	c.releaseDecode()
 	c.rt.front.releaseBody(c.bodyBytes)
 	c.bodyBytes = 0
+	c.releaseKey()
 	if c.cancel != nil {
 		c.cancel(context.Canceled)
 		c.cancelDeadline()

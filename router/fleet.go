@@ -42,6 +42,9 @@ type member struct {
 	quarantinedUntil atomic.Int64
 	// models is the list the engine's /v1/models returned; nil until known.
 	models atomic.Pointer[[]string]
+	// refused is set while the engine refuses the router's credentials
+	// (401/403): it is then not placeable (see refuseCredentials).
+	refused atomic.Bool
 }
 
 func (m *member) serves(model string) bool {
@@ -67,7 +70,7 @@ func (m *member) can(p phase) bool {
 // available reports whether the member may be placed on now, apart from
 // its slot limit.
 func (m *member) available(nowNano int64) bool {
-	if !m.eligible.Load() {
+	if !m.eligible.Load() || m.refused.Load() {
 		return false
 	}
 	q := m.quarantinedUntil.Load()

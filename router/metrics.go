@@ -8,7 +8,7 @@ import (
 // read from the fleet's atomics at scrape time, so the request path pays
 // nothing for them.
 type metrics struct {
-	requests      *prometheus.CounterVec   // endpoint, code, outcome
+	requests      requestCounter
 	duration      *prometheus.HistogramVec // endpoint
 	ttft          prometheus.Histogram
 	firstByte     prometheus.Histogram
@@ -24,6 +24,9 @@ type metrics struct {
 	// placementIgnored is narwhal_placement_ignored_total{reason}: values
 	// of narwhal_placement the router did not apply (R-BUS-9).
 	placementIgnored *prometheus.CounterVec
+	// refusedCredentials counts episodes of an engine refusing the
+	// router's credentials (engine label: fleet ids, bounded).
+	refusedCredentials *prometheus.CounterVec
 }
 
 // latencyBuckets span 0.5 ms to ~2 min.
@@ -31,10 +34,10 @@ var latencyBuckets = prometheus.ExponentialBuckets(0.0005, 2, 18)
 
 func newMetrics(reg prometheus.Registerer, f *fleet) *metrics {
 	m := &metrics{
-		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+		requests: requestCounter{vec: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "narwhal_requests_total",
-			Help: "Client requests by endpoint, HTTP status and outcome (ok or the fault kind that ended them).",
-		}, []string{"endpoint", "code", "outcome"}),
+			Help: "Client requests by endpoint, HTTP status, outcome (ok or the fault kind that ended them) and API key name (\"none\" without a valid key).",
+		}, []string{"endpoint", "code", "outcome", "key"})},
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "narwhal_request_duration_seconds", Help: "Seconds from arrival to the end of the response.", Buckets: latencyBuckets,
 		}, []string{"endpoint"}),
@@ -76,9 +79,25 @@ func newMetrics(reg prometheus.Registerer, f *fleet) *metrics {
 			Help: "Placement values not applied, by reason: invalid (not a valid placement value), not_leader (not written by the current lease holder), deleted (a deleted key).",
 		}, []string{"reason"}),
 	}
-	reg.MustRegister(m.requests, m.duration, m.ttft, m.firstByte, m.leg, m.faults, m.retries, m.retryDenied,
+	m.refusedCredentials = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "narwhal_engine_credentials_refused_total",
+		Help: "Times an engine started refusing the router's API key (HTTP 401 or 403); it is not placeable until it accepts it again.",
+	}, []string{"engine"})
+	reg.MustRegister(m.refusedCredentials)
+	reg.MustRegister(m.requests.vec, m.duration, m.ttft, m.firstByte, m.leg, m.faults, m.retries, m.retryDenied,
 		m.disconnects, m.inflight, m.abandoned, m.quarantines, m.relayedChunks, m.placementIgnored, &reservationCollector{f: f})
 	return m
+}
+
+// requestCounter is narwhal_requests_total{endpoint,code,outcome,key}. The
+// key label holds a configured key's name or config.NoKeyName, so its
+// values are bounded by the configured keys (SPEC R-API-9); the series of
+// a key removed by a reload are deleted.
+type requestCounter struct{ vec *prometheus.CounterVec }
+
+// inc counts one request.
+func (r requestCounter) inc(endpoint, code, outcome, key string) {
+	r.vec.WithLabelValues(endpoint, code, outcome, key).Inc()
 }
 
 // reservationCollector exports narwhal_reservations{engine,phase} and

@@ -20,6 +20,7 @@ func (c *call) recordFault(f *engines.Fault) {
 		return
 	}
 	rt.metrics.faults.WithLabelValues(f.EngineID, f.Phase, string(f.Kind)).Inc()
+	rt.credentialFault(f)
 	rt.log.Warn("engine fault", "request_id", c.id, "engine_id", f.EngineID, "phase", f.Phase, "kind", string(f.Kind), "status", f.Status, "msg", f.Message, "attempt", c.attempts)
 	ev := &schemas.Failure{
 		Envelope:         schemas.Envelope{Schema: schemas.SchemaFailure, RouterID: rt.id, EngineID: f.EngineID, RequestID: c.id},
@@ -85,7 +86,7 @@ func (c *call) record(now time.Time) {
 	dur := now.Sub(c.arrival)
 	rt.inflight.Add(-1)
 	rt.metrics.inflight.Dec()
-	rt.metrics.requests.WithLabelValues(c.req.Endpoint, strconv.Itoa(c.status), c.outcome).Inc()
+	rt.metrics.requests.inc(c.req.Endpoint, strconv.Itoa(c.status), c.outcome, keyName(c.key))
 	rt.metrics.duration.WithLabelValues(c.req.Endpoint).Observe(dur.Seconds())
 	ev := &schemas.RequestCompleted{
 		Envelope:         schemas.Envelope{Schema: schemas.SchemaRequest, RouterID: rt.id, RequestID: c.id},
@@ -97,6 +98,9 @@ func (c *call) record(now time.Time) {
 		DurationSeconds:  dur.Seconds(),
 		PromptTokens:     c.promptTokens,
 		CompletionTokens: c.completionTokens,
+	}
+	if c.key != nil {
+		ev.KeyName = c.key.name
 	}
 	if c.outcome != "ok" {
 		ev.ErrorKind = c.outcome
@@ -121,9 +125,9 @@ func (c *call) record(now time.Time) {
 	}
 	rt.publish(ev)
 	if c.outcome != "ok" {
-		rt.log.Info("request ended", "request_id", c.id, "status", c.status, "outcome", c.outcome, "attempts", c.attempts, "duration_s", dur.Seconds())
+		rt.log.Info("request ended", "request_id", c.id, "key", keyName(c.key), "status", c.status, "outcome", c.outcome, "attempts", c.attempts, "duration_s", dur.Seconds())
 	} else {
-		rt.log.Debug("request done", "request_id", c.id, "status", c.status, "attempts", c.attempts, "duration_s", dur.Seconds())
+		rt.log.Debug("request done", "request_id", c.id, "key", keyName(c.key), "status", c.status, "attempts", c.attempts, "duration_s", dur.Seconds())
 	}
 }
 

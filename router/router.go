@@ -6,8 +6,10 @@
 package router
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
+	"crypto/tls"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -91,6 +93,9 @@ type Router struct {
 	inflight   atomic.Int64
 	metricsH   fasthttp.RequestHandler
 
+	auth    auth         // client API keys (R-API-9)
+	tlsCert *certificate // the front end's TLS certificate; nil: plain HTTP
+
 	meshBus         *bus.Bus
 	placementLoaded atomic.Bool
 
@@ -114,7 +119,8 @@ func New(opts Options) (*Router, error) {
 		if err != nil {
 			return nil, fmt.Errorf("router: fleet engine %s: %w", spec.ID, err)
 		}
-		m := &member{Engine: engines.Engine{ID: spec.ID, URL: trimSlash(spec.URL), Role: spec.Role, Connector: conn}}
+		m := &member{Engine: engines.Engine{ID: spec.ID, URL: trimSlash(spec.URL), Role: spec.Role, Connector: conn,
+			Credential: engines.NewCredential(spec.APIKey.Reveal())}}
 		m.limit[prefillPhase] = int64(spec.PrefillSlots)
 		m.limit[decodePhase] = int64(spec.DecodeSlots)
 		m.eligible.Store(true)
@@ -144,6 +150,7 @@ func New(opts Options) (*Router, error) {
 			DecodeReadTimeout: cfg.Engine.DecodeReadTimeout(), // 0: no per-chunk bound (R-TMO-4)
 			HandoffMaxAge:     cfg.Handoff.MaxAge(),
 			Transport:         opts.Transport,
+			RootCAs:           cfg.Engine.RootCAs(),
 		}),
 		fleet:   f,
 		reg:     reg,
@@ -162,6 +169,14 @@ func New(opts Options) (*Router, error) {
 		rt.refresh = 30 * time.Second
 	}
 	rt.metrics = newMetrics(reg, f)
+	if cfg.Server.TLS() {
+		rt.tlsCert, err = newCertificate(cfg.Server.TLSCertFile, cfg.Server.TLSKeyFile, rt.log)
+		if err != nil {
+			w.close()
+			return nil, fmt.Errorf("router: %w", err)
+		}
+	}
+	rt.SetAPIKeys(cfg.Auth.APIKeys)
 	rt.metricsH = fasthttpadaptor.NewFastHTTPHandler(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	rt.base, rt.baseCancel = context.WithCancelCause(context.Background())
 	rt.server = &fasthttp.Server{
@@ -216,6 +231,9 @@ func (rt *Router) Serve(ln net.Listener) error {
 		rt.lnMu.Unlock()
 		ln.Close()
 		return nil
+	}
+	if rt.tlsCert != nil {
+		ln = tls.NewListener(ln, rt.tlsCert.serverConfig())
 	}
 	rt.ln = ln
 	rt.lnMu.Unlock()
@@ -341,23 +359,34 @@ func (rt *Router) serve(ctx *fasthttp.RequestCtx) {
 	default:
 		requestID(ctx)
 	}
+	var key *clientKey
+	if bytes.HasPrefix(path, apiPrefix) {
+		var ok bool
+		if key, ok = rt.authenticate(ctx); !ok {
+			return
+		}
+	}
 	switch string(path) {
 	case schemas.EndpointChat:
 		if rt.post(ctx) {
-			rt.serveCompletion(ctx, schemas.EndpointChat)
+			rt.serveCompletion(ctx, schemas.EndpointChat, key)
 		}
 	case schemas.EndpointCompletions:
 		if rt.post(ctx) {
-			rt.serveCompletion(ctx, schemas.EndpointCompletions)
+			rt.serveCompletion(ctx, schemas.EndpointCompletions, key)
 		}
 	case "/v1/models":
-		rt.serveModels(ctx)
+		rt.serveModels(ctx, key)
 	case "/healthz":
 		ctx.SetContentType("application/json")
 		ctx.SetBodyString(`{"status":"ok"}`)
 	case "/readyz":
 		rt.serveReady(ctx)
 	case "/metrics":
+		if rt.cfg.Server.MetricsOnAdmin {
+			writeError(ctx, 404, "Not Found: "+string(path))
+			return
+		}
 		rt.metricsH(ctx)
 	default:
 		writeError(ctx, 404, "Not Found: "+string(path))
@@ -379,7 +408,12 @@ func writeError(ctx *fasthttp.RequestCtx, status int, message string) {
 	ctx.SetBody(schemas.AppendErrorJSON(nil, status, message))
 }
 
-func (rt *Router) serveModels(ctx *fasthttp.RequestCtx) {
+// apiPrefix starts every path that requires an API key (R-API-9).
+var apiPrefix = []byte("/v1/")
+
+// serveModels answers GET /v1/models with the fleet's models, only those
+// key may call when it has a list (R-API-2, R-API-9).
+func (rt *Router) serveModels(ctx *fasthttp.RequestCtx, key *clientKey) {
 	type model struct {
 		ID      string `json:"id"`
 		Object  string `json:"object"`
@@ -391,7 +425,7 @@ func (rt *Router) serveModels(ctx *fasthttp.RequestCtx) {
 		Data   []model `json:"data"`
 	}{Object: "list", Data: []model{}}
 	now := time.Now().Unix()
-	for _, id := range rt.fleet.models() {
+	for _, id := range modelsFor(key, rt.fleet.models()) {
 		out.Data = append(out.Data, model{ID: id, Object: "model", Created: now, OwnedBy: "narwhal"})
 	}
 	b, _ := json.Marshal(out)
@@ -448,6 +482,7 @@ func (rt *Router) fetchModels(ctx context.Context, m *member) ([]string, error) 
 	if err != nil {
 		return nil, err
 	}
+	m.Credential.Authorize(req.Header)
 	resp, err := rt.client.HTTPClient().Do(req)
 	if err != nil {
 		return nil, err
@@ -457,9 +492,13 @@ func (rt *Router) fetchModels(ctx context.Context, m *member) ([]string, error) 
 	if err != nil {
 		return nil, err
 	}
+	if refusal(resp.StatusCode) {
+		rt.refuseCredentials(m, resp.StatusCode, "/v1/models")
+	}
 	if resp.StatusCode != 200 {
 		return nil, fmt.Errorf("GET /v1/models: HTTP %d", resp.StatusCode)
 	}
+	rt.acceptCredentials(m)
 	var list struct {
 		Data []struct {
 			ID string `json:"id"`
@@ -492,7 +531,7 @@ func (rt *Router) refreshLoop() {
 			continue
 		}
 		for _, m := range rt.fleet.members {
-			if m.models.Load() == nil {
+			if m.models.Load() == nil || m.refused.Load() {
 				if models, err := rt.fetchModels(rt.base, m); err == nil {
 					m.models.Store(&models)
 				}

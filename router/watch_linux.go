@@ -3,6 +3,7 @@
 package router
 
 import (
+	"crypto/tls"
 	"errors"
 	"net"
 	"sync"
@@ -79,6 +80,11 @@ func (w *disconnectWatcher) loop() {
 // socket); stop the returned watch before the handler gives the
 // connection back to fasthttp.
 func (w *disconnectWatcher) add(conn net.Conn, cancel func()) *watch {
+	if tc, ok := conn.(*tls.Conn); ok {
+		// The TCP socket under TLS: a peer that closes it is gone the
+		// same way.
+		conn = tc.NetConn()
+	}
 	sc, ok := conn.(syscall.Conn)
 	if !ok {
 		return nil

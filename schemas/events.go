@@ -117,6 +117,10 @@ type RequestCompleted struct {
 	// ProducerID and ConsumerID are the engines of the last attempt.
 	ProducerID string `json:"producer_id,omitempty"`
 	ConsumerID string `json:"consumer_id,omitempty"`
+	// KeyName is the name of the client's API key (auth.api_keys[].name,
+	// SPEC R-API-9), never the key; empty (absent) on a router without
+	// client authentication.
+	KeyName string `json:"key_name,omitempty"`
 	// Attempts is the number of attempts made (0 when the request was
 	// rejected before placement).
 	Attempts int `json:"attempts"`

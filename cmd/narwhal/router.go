@@ -5,6 +5,8 @@ import (
 	"errors"
 	"flag"
 	"os"
+	"os/signal"
+	"syscall"
 
 	"github.com/narwhalmesh/narwhal/config"
 )
@@ -18,11 +20,19 @@ func init() {
 
 // runRouterCmd is `narwhal router --config FILE --listen HOST:PORT` (SPEC
 // §14). With no NARWHAL_NATS_URL it runs its own embedded NATS.
+//
+// SIGHUP reads the configuration again (the file, the environment and the
+// API keys file) and applies the client API keys and the TLS certificate
+// without a restart; other settings apply at the next start.
 func runRouterCmd(ctx context.Context, args []string) error {
+	// Caught from the start, so that a SIGHUP never ends the process.
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
 	fs := flag.NewFlagSet("router", flag.ContinueOnError)
 	path := fs.String("config", "", "YAML configuration file (docs/configuration.md); environment NARWHAL_<SECTION>_<KEY> overrides it")
 	listen := fs.String("listen", "127.0.0.1:8080", "HOST:PORT to serve HTTP on")
-	admin := fs.String("admin", "", "HOST:PORT of an opt-in admin listener serving /debug/pprof (off when empty)")
+	admin := fs.String("admin", "", "HOST:PORT of an opt-in admin listener serving /debug/pprof, and /metrics with server.metrics_on_admin (off when empty)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -36,11 +46,11 @@ func runRouterCmd(ctx context.Context, args []string) error {
 	if len(cfg.Fleet) == 0 {
 		return errors.New("config: fleet: at least one engine is required")
 	}
-	log := newLogger(cfg, os.Stderr)
-	if *admin != "" {
-		if err := serveAdmin(ctx, *admin, log); err != nil {
-			return err
-		}
+	if cfg.Server.MetricsOnAdmin && *admin == "" {
+		return errors.New("config: server.metrics_on_admin is true: start the router with --admin HOST:PORT to serve /metrics")
 	}
-	return runRouter(ctx, cfg, *listen, log, nil)
+	log := newLogger(cfg, os.Stderr)
+	return runRouterWith(ctx, routerRun{cfg: cfg, listen: *listen, admin: *admin, log: log, reload: func() (*config.Config, error) {
+		return config.Load(*path)
+	}, hup: hup})
 }

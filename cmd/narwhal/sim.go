@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"flag"
 	"fmt"
@@ -24,6 +25,7 @@ func init() {
 //	            [--ttft DUR] [--itl DUR] [--prefill-per-token DUR]
 //	            [--kv-listen HOST:PORT] [--kv-host HOST] [--kv-timeout DUR]
 //	            [--engine-version V] [--engine-kind K] [--max-model-len N]
+//	            [--api-key KEY] [--tls-cert-file F --tls-key-file F]
 //	            [--fault JSON]…
 func runSim(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("narwhal sim", flag.ContinueOnError)
@@ -49,8 +51,21 @@ func runSim(ctx context.Context, args []string) error {
 		cfg.Faults = append(cfg.Faults, faults...)
 		return nil
 	})
+	fs.StringVar(&cfg.APIKey, "api-key", "", "require `KEY` as \"Authorization: Bearer KEY\" on /v1/* (like vLLM's --api-key; 401 otherwise)")
+	certFile := fs.String("tls-cert-file", "", "serve the API over HTTPS with this PEM certificate `FILE` (with --tls-key-file)")
+	keyFile := fs.String("tls-key-file", "", "PEM private key `FILE` of --tls-cert-file")
 	if err := parseFlags(fs, args); err != nil {
 		return err
+	}
+	if (*certFile == "") != (*keyFile == "") {
+		return errors.New("--tls-cert-file and --tls-key-file go together")
+	}
+	if *certFile != "" {
+		pair, err := tls.LoadX509KeyPair(*certFile, *keyFile)
+		if err != nil {
+			return err
+		}
+		cfg.TLS = &tls.Config{Certificates: []tls.Certificate{pair}, MinVersion: tls.VersionTLS12}
 	}
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments %q", fs.Args())

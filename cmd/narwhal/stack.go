@@ -83,6 +83,27 @@ func joinBus(ctx context.Context, cfg *config.Config, name string, log *slog.Log
 // before the bus closes. onReady, when set, is called with the router's
 // base URL once it accepts connections.
 func runRouter(ctx context.Context, cfg *config.Config, listen string, log *slog.Logger, onReady func(baseURL string)) error {
+	return runRouterWith(ctx, routerRun{cfg: cfg, listen: listen, log: log, onReady: onReady})
+}
+
+// routerRun is what runRouterWith runs.
+type routerRun struct {
+	cfg     *config.Config
+	listen  string
+	log     *slog.Logger
+	onReady func(baseURL string) // nil: none
+	// admin is HOST:PORT of the admin listener (pprof; /metrics with
+	// server.metrics_on_admin); "" for none.
+	admin string
+	// hup delivers SIGHUP; each one calls reload and applies the API keys
+	// and the TLS certificate of its result (R-API-9). nil: no reloads.
+	hup    <-chan os.Signal
+	reload func() (*config.Config, error)
+}
+
+// runRouterWith is runRouter with an admin listener and reloads on SIGHUP.
+func runRouterWith(ctx context.Context, r routerRun) error {
+	cfg, listen, log, onReady := r.cfg, r.listen, r.log, r.onReady
 	b, stopBus, err := joinBus(ctx, cfg, "narwhal-router-"+cfg.Router.ID, log)
 	if err != nil {
 		return err
@@ -115,6 +136,18 @@ func runRouter(ctx context.Context, cfg *config.Config, listen string, log *slog
 	if err := rt.JoinMesh(b, 5*time.Second); err != nil {
 		return err
 	}
+	if r.admin != "" {
+		var metrics *prometheus.Registry
+		if cfg.Server.MetricsOnAdmin {
+			metrics = reg
+		}
+		if err := serveAdmin(ctx, r.admin, log, metrics); err != nil {
+			return err
+		}
+	}
+	if r.hup != nil && r.reload != nil {
+		go reloadOnHUP(ctx, r.hup, r.reload, rt, log)
+	}
 	ln, err := net.Listen("tcp", listen)
 	if err != nil {
 		return fmt.Errorf("listen %s: %w", listen, err)
@@ -122,6 +155,9 @@ func runRouter(ctx context.Context, cfg *config.Config, listen string, log *slog
 	errc := make(chan error, 1)
 	go func() { errc <- rt.Serve(ln) }()
 	base := "http://" + ln.Addr().String()
+	if cfg.Server.TLS() {
+		base = "https://" + ln.Addr().String()
+	}
 	log.Info("router listening", "url", base, "engines", len(cfg.Fleet))
 	if onReady != nil {
 		onReady(base)
@@ -139,4 +175,27 @@ func runRouter(ctx context.Context, cfg *config.Config, listen string, log *slog
 	}
 	<-errc
 	return nil
+}
+
+// reloadOnHUP applies the client API keys and the TLS certificate of a
+// freshly read configuration on every SIGHUP until ctx ends (R-API-9). A
+// configuration that does not load changes nothing and is logged.
+func reloadOnHUP(ctx context.Context, hup <-chan os.Signal, reload func() (*config.Config, error), rt *router.Router, log *slog.Logger) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-hup:
+		}
+		cfg, err := reload()
+		if err != nil {
+			log.Error("SIGHUP: configuration not reloaded; the API keys and TLS certificate in use stay", "err", err)
+			continue
+		}
+		rt.SetAPIKeys(cfg.Auth.APIKeys)
+		if err := rt.ReloadTLS(); err != nil {
+			log.Error("SIGHUP: TLS certificate not reloaded; the one in use stays", "err", err)
+		}
+		log.Info("SIGHUP: configuration reloaded (API keys, TLS certificate; other settings apply at the next start)")
+	}
 }

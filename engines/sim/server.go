@@ -2,6 +2,9 @@ package sim
 
 import (
 	"context"
+	"crypto/sha256"
+	"crypto/subtle"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -92,6 +95,15 @@ type Config struct {
 	MaxModelLen int
 	// Faults are armed when the Server is created.
 	Faults []Fault
+	// APIKey, when set, is required on every /v1/* request as
+	// "Authorization: Bearer <APIKey>", like vLLM's --api-key: a request
+	// without it gets 401 with vLLM's body {"error": "Unauthorized"}.
+	// /health, /version, /metrics, the /sim/* controls and the KV side
+	// channel stay open.
+	APIKey string
+	// TLS, when set, makes Start serve the API over HTTPS with it (the
+	// base URL is then https://…); the KV side channel stays plain.
+	TLS *tls.Config
 }
 
 // Server is one simulated engine: the OpenAI-compatible API and the KV
@@ -214,7 +226,7 @@ func New(cfg Config) (*Server, error) {
 		w.WriteHeader(http.StatusNoContent)
 	})
 	mux.HandleFunc("GET /sim/stats", func(w http.ResponseWriter, r *http.Request) { writeJSON(w, s.Stats()) })
-	s.handler = s.track(mux)
+	s.handler = s.track(s.requireKey(mux))
 
 	kvMux := http.NewServeMux()
 	kvMux.HandleFunc("POST /kv/pull", s.servePull)
@@ -255,6 +267,11 @@ func (s *Server) Start(addr string) (baseURL string, err error) {
 	if err != nil {
 		return "", fmt.Errorf("sim: listen %s: %w", addr, err)
 	}
+	scheme := "http://"
+	if s.cfg.TLS != nil {
+		ln = tls.NewListener(ln, s.cfg.TLS)
+		scheme = "https://"
+	}
 	kvLn, err := net.Listen("tcp", s.cfg.KVListen)
 	if err != nil {
 		ln.Close()
@@ -274,7 +291,7 @@ func (s *Server) Start(addr string) (baseURL string, err error) {
 	if apiAddr.IP.IsUnspecified() {
 		host = "127.0.0.1"
 	}
-	s.baseURL = "http://" + net.JoinHostPort(host, strconv.Itoa(apiAddr.Port))
+	s.baseURL = scheme + net.JoinHostPort(host, strconv.Itoa(apiAddr.Port))
 
 	base := func(net.Listener) context.Context { return s.baseCtx }
 	s.api = &http.Server{Handler: s.handler, ReadHeaderTimeout: 30 * time.Second, BaseContext: base}
@@ -358,6 +375,29 @@ func (s *Server) track(next http.Handler) http.Handler {
 	})
 }
 
+// requireKey enforces Config.APIKey on /v1/* (vLLM's AuthenticationMiddleware:
+// the whole Authorization header must equal "Bearer <key>", compared on
+// SHA-256 digests in constant time).
+func (s *Server) requireKey(next http.Handler) http.Handler {
+	if s.cfg.APIKey == "" {
+		return next
+	}
+	want := sha256.Sum256([]byte("Bearer " + s.cfg.APIKey))
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if strings.HasPrefix(r.URL.Path, "/v1") {
+			got := sha256.Sum256([]byte(r.Header.Get("Authorization")))
+			if subtle.ConstantTimeCompare(got[:], want[:]) != 1 {
+				s.count.unauthorized.Add(1)
+				w.Header().Set("Content-Type", "application/json")
+				w.WriteHeader(http.StatusUnauthorized)
+				_, _ = io.WriteString(w, `{"error":"Unauthorized"}`)
+				return
+			}
+		}
+		next.ServeHTTP(w, r)
+	})
+}
+
 // Arm adds a fault; it strikes matching requests until its Count is spent
 // or Disarm is called. A fault that fails Validate is ignored.
 func (s *Server) Arm(f Fault) {
@@ -384,6 +424,7 @@ func (s *Server) Stats() Stats {
 		ActiveStreams:  s.count.active.Load(),
 		Aborted:        s.count.aborted.Load(),
 		Completed:      s.count.completed.Load(),
+		Unauthorized:   s.count.unauthorized.Load(),
 	}
 	s.kv.mu.Lock()
 	st.KVHeld = int64(len(s.kv.holds))

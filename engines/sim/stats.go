@@ -43,6 +43,9 @@ type Stats struct {
 	// reached [DONE] or a complete non-streaming body, legal empty
 	// completions included; faults and errors are not completions.
 	Completed int64 `json:"completed"`
+	// Unauthorized counts /v1/* requests refused with 401 for want of
+	// Config.APIKey.
+	Unauthorized int64 `json:"unauthorized"`
 }
 
 // counters are the lock-free part of Stats.
@@ -52,6 +55,7 @@ type counters struct {
 	active, aborted, completed atomic.Int64
 	promptTokens, genTokens    atomic.Int64
 	finishedStop, finishedLen  atomic.Int64
+	unauthorized               atomic.Int64
 }
 
 // RecordedRequest is one inference or release request as the Server
