@@ -21,6 +21,7 @@ import (
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -104,10 +105,7 @@ func TestProbeWithEngineKeys(t *testing.T) {
 	if !errors.As(err, &f) || f.Kind != engines.KindEngineUnauthorized || f.EngineID != "d1" || f.Phase != schemas.PhaseDecode || f.CountsTowardEjection() {
 		t.Fatalf("probe with a wrong decode key: %v, want a decode engine_unauthorized of d1 that does not count", err)
 	}
-	waitForRelease := time.Now().Add(2 * time.Second)
-	for psrv.Stats().KVReleased != 1 && time.Now().Before(waitForRelease) {
-		time.Sleep(5 * time.Millisecond)
-	}
+	testkit.WaitFor(t, 2*time.Second, "the producer's release", func() bool { return psrv.Stats().KVReleased == 1 })
 	if st := psrv.Stats(); st.KVReleased != 1 || st.KVHeld != 0 {
 		t.Errorf("producer after the refused decode: %+v, want its handoff released", st)
 	}

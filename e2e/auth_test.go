@@ -30,6 +30,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -120,7 +121,7 @@ func startAuthStack(t *testing.T, o authStackOptions) *authStack {
 		s.sims = append(s.sims, sp)
 	}
 	for _, sp := range s.sims {
-		waitFor(t, readyBound, sp.id+"'s listening line", func() bool { return kvLine.MatchString(sp.p.stdout.String()) })
+		testkit.WaitEvery(t, readyBound, pollInterval, sp.id+"'s listening line", func() bool { return kvLine.MatchString(sp.p.stdout.String()) })
 	}
 
 	var cfg strings.Builder
@@ -171,7 +172,7 @@ func startAuthStack(t *testing.T, o authStackOptions) *authStack {
 		s.transport.TLSClientConfig = &tls.Config{RootCAs: s.ca.pool}
 	}
 	t.Cleanup(s.transport.CloseIdleConnections)
-	waitFor(t, readyBound, "the router's /readyz", func() bool {
+	testkit.WaitEvery(t, readyBound, pollInterval, "the router's /readyz", func() bool {
 		if s.router.exited() {
 			s.router.dump(t)
 			t.Fatalf("router exited: %v", s.router.waitErr)
@@ -411,7 +412,7 @@ func TestAuthAPIKeys(t *testing.T) {
 	if err := s.router.cmd.Process.Signal(syscall.SIGHUP); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 5*time.Second, "the new key to work", func() bool {
+	testkit.WaitEvery(t, 5*time.Second, pollInterval, "the new key to work", func() bool {
 		_, err := s.sdk(tokC).Chat.Completions.New(ctx, chatParams(meshModel, 1))
 		return err == nil
 	})
@@ -518,7 +519,7 @@ func (s *authStack) allEvents(t *testing.T) []busEvent {
 		t.Fatal(err)
 	}
 	want := int(info.State.Msgs)
-	waitFor(t, readyBound, fmt.Sprintf("%d events from the subscription", want), func() bool {
+	testkit.WaitEvery(t, readyBound, pollInterval, fmt.Sprintf("%d events from the subscription", want), func() bool {
 		return len(s.events.snapshot()) >= want
 	})
 	return s.events.snapshot()
@@ -581,7 +582,7 @@ func TestTLSFrontEnd(t *testing.T) {
 	// connections without a restart.
 	old := s.peerSerial(t)
 	serial := s.ca.issue(t, "router-2", s.certPath, s.keyPath)
-	waitFor(t, 5*time.Second, "the rotated certificate", func() bool { return s.peerSerial(t).Cmp(serial) == 0 })
+	testkit.WaitEvery(t, 5*time.Second, pollInterval, "the rotated certificate", func() bool { return s.peerSerial(t).Cmp(serial) == 0 })
 	if old.Cmp(serial) == 0 {
 		t.Fatal("the rotated certificate has the old serial")
 	}
