@@ -12,6 +12,7 @@ import (
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 // TestEngineAPIKeys proves engines behind --api-key (issue 10 item 6): the
@@ -29,8 +30,8 @@ func TestEngineAPIKeys(t *testing.T) {
 			}
 			c.Fleet[2].APIKey = "not-the-key"
 		})
-	waitFor(t, 3*time.Second, "d2 refused", func() bool { return s.rt.fleet.byID["d2"].refused.Load() })
-	waitFor(t, 3*time.Second, "p1 and d1 models", func() bool {
+	testkit.WaitFor(t, 3*time.Second, "d2 refused", func() bool { return s.rt.fleet.byID["d2"].refused.Load() })
+	testkit.WaitFor(t, 3*time.Second, "p1 and d1 models", func() bool {
 		return s.rt.fleet.byID["p1"].models.Load() != nil && s.rt.fleet.byID["d1"].models.Load() != nil
 	})
 	for i := 0; i < 6; i++ {
@@ -108,6 +109,6 @@ func TestEngineUnauthorizedFault(t *testing.T) {
 		t.Errorf("%d failure events, want still 1: a refusing engine is not tried again", n)
 	}
 	modelsRefused.Store(false)
-	waitFor(t, 3*time.Second, "d1 placeable again", func() bool { return s.rt.fleet.byID["d1"].available(nowNano()) })
+	testkit.WaitFor(t, 3*time.Second, "d1 placeable again", func() bool { return s.rt.fleet.byID["d1"].available(nowNano()) })
 	s.idle()
 }
