@@ -79,7 +79,12 @@ func (a *auth) open() bool {
 // header, nil when there is none or it matches no key. It allocates
 // nothing.
 func (a *auth) lookup(fctx *fasthttp.RequestCtx) *clientKey {
-	h := fctx.Request.Header.Peek(fasthttp.HeaderAuthorization)
+	return a.lookupHeader(&fctx.Request.Header)
+}
+
+// lookupHeader is lookup on a request's headers alone.
+func (a *auth) lookupHeader(rh *fasthttp.RequestHeader) *clientKey {
+	h := rh.Peek(fasthttp.HeaderAuthorization)
 	if len(h) <= len(bearerPrefix) || !bytes.EqualFold(h[:len(bearerPrefix)], bearerPrefix) {
 		return nil
 	}
@@ -93,6 +98,16 @@ func (a *auth) lookup(fctx *fasthttp.RequestCtx) *clientKey {
 		return nil
 	}
 	return k
+}
+
+// refuses reports, from a request's headers alone, whether it will get
+// 401: keys are configured, its path is under /v1/ and it carries no
+// valid key. The front door then neither reads its body nor counts it
+// against server.max_body_bytes_inflight, so callers without a key cannot
+// take the body budget from those with one. The handler checks again on
+// the normalised path.
+func (a *auth) refuses(h *fasthttp.RequestHeader) bool {
+	return !a.open() && bytes.HasPrefix(h.RequestURI(), apiPrefix) && a.lookupHeader(h) == nil
 }
 
 // set installs keys as the new generation and returns the names that left

@@ -1,10 +1,15 @@
 package router
 
 import (
+	"bufio"
 	"crypto/sha256"
 	"encoding/hex"
+	"io"
+	"net"
+	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/valyala/fasthttp"
 
@@ -108,5 +113,51 @@ func TestAPIKeysReloadKeepsInflight(t *testing.T) {
 		if strings.Contains(r.KeyName, "sk-") {
 			t.Errorf("request event carries a key: %+v", r)
 		}
+	}
+}
+
+// TestUnauthenticatedBodyNotRead proves that a request without a valid key
+// gets its 401 from its headers alone (R-API-9): the router neither waits
+// for its body nor counts it against server.max_body_bytes_inflight, so
+// callers without a key cannot take the body budget from those with one.
+// The client announces a body it never sends: reading it would end in a
+// 408 at server.header_timeout_s, not a 401.
+func TestUnauthenticatedBodyNotRead(t *testing.T) {
+	s := newStack(t, pd(), func(c *config.Config) {
+		c.Auth.APIKeys = []config.APIKey{{Name: "team-a", KeySHA256: keyDigest("sk-a")}}
+		c.Server.HeaderTimeoutS = 30
+	})
+	s.waitModels()
+	for _, auth := range []string{"", "Authorization: Bearer sk-wrong\r\n"} {
+		conn, err := net.Dial("tcp", strings.TrimPrefix(s.url, "http://"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = conn.SetDeadline(time.Now().Add(10 * time.Second))
+		_, err = conn.Write([]byte("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + auth +
+			"Content-Length: 20000000\r\n\r\n{\"model\":"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		if err != nil {
+			t.Fatalf("%q: %v", auth, err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		conn.Close()
+		if resp.StatusCode != 401 || !strings.Contains(string(body), "AuthenticationError") || resp.Header.Get("X-Request-Id") == "" {
+			t.Errorf("%q: HTTP %d %s (X-Request-Id %q), want 401 at once", auth, resp.StatusCode, body, resp.Header.Get("X-Request-Id"))
+		}
+		if got := s.metricSum("narwhal_body_bytes_inflight"); got != 0 {
+			t.Errorf("%q: %v body bytes held for a request without a key", auth, got)
+		}
+	}
+	if got := s.metricSum("narwhal_requests_total", "code", "401", "key", "none"); got != 2 {
+		t.Errorf("401s counted %v, want 2", got)
+	}
+	// With the key the same request shape is read and served.
+	body := `{"model":"` + testModel + `","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`
+	if resp, b := s.post("/v1/chat/completions", body, "Authorization", "Bearer sk-a"); resp.StatusCode != 200 {
+		t.Errorf("with the key: HTTP %d %s", resp.StatusCode, b)
 	}
 }

@@ -46,6 +46,9 @@ type frontDoor struct {
 	log         *slog.Logger
 
 	bodies bodyBudget
+	// unauthenticated reports from its headers that a request will get
+	// 401 (R-API-9); nil: never. Its body is then not read.
+	unauthenticated func(h *fasthttp.RequestHeader) bool
 
 	acceptErrors  prometheus.Counter
 	refused       *prometheus.CounterVec // reason
@@ -212,6 +215,11 @@ func (rt *Router) serverError(ctx *fasthttp.RequestCtx, err error) {
 	fd.bodies.release(reserved)
 	var small *fasthttp.ErrSmallBuffer
 	var netErr net.Error
+	if len(ctx.Request.Header.Peek(authRefusedHeader)) > 0 && errors.Is(err, fasthttp.ErrBodyTooLarge) {
+		ctx.SetConnectionClose() // the body is on the wire, unread
+		rt.authenticate(ctx)
+		return
+	}
 	switch {
 	case errors.As(err, &small):
 		fd.refused.WithLabelValues(refusedHeaderTooLarge).Inc()
@@ -235,8 +243,11 @@ func (rt *Router) serverError(ctx *fasthttp.RequestCtx, err error) {
 // the handler: a ticket number, or bodyFull when none could be taken. A
 // client's own copy of the header is deleted before it is set.
 const (
-	bodyHeader = "X-Narwhal-Body-Ticket"
-	bodyFull   = "full"
+	// authRefusedHeader marks a request headerReceived found without a
+	// valid API key (R-API-9); a client's own copy is deleted first.
+	authRefusedHeader = "X-Narwhal-Auth-Refused"
+	bodyHeader        = "X-Narwhal-Body-Ticket"
+	bodyFull          = "full"
 )
 
 // headerReceived runs after a request's headers are read and before its
@@ -250,6 +261,17 @@ const (
 // read: fasthttp refuses it as too large, and serverError answers 503.
 func (fd *frontDoor) headerReceived(h *fasthttp.RequestHeader) fasthttp.RequestConfig {
 	h.Del(bodyHeader)
+	h.Del(authRefusedHeader)
+	if fd.unauthenticated != nil && fd.unauthenticated(h) {
+		// R-API-9: a request that will get 401 has its body neither read
+		// nor counted; fasthttp refuses the body unread (ErrBodyTooLarge)
+		// and serverError answers 401.
+		h.Set(authRefusedHeader, "1")
+		if h.ContentLength() != 0 {
+			return fasthttp.RequestConfig{MaxRequestBodySize: 1}
+		}
+		return fasthttp.RequestConfig{}
+	}
 	var need int64
 	switch cl := h.ContentLength(); {
 	case cl > 0:
