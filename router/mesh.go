@@ -115,21 +115,24 @@ type mesh struct {
 // The goroutines it starts belong to the router and stop at Shutdown.
 // JoinMesh waits until the initial placement is loaded or wait passes
 // (the router then serves on "everyone eligible" until it is); it returns
-// an error only when the quarantine subscription cannot be made.
+// an error when the quarantine subscription cannot be made, or
+// errShuttingDown once Shutdown has begun (nothing is then started).
 func (rt *Router) JoinMesh(b *bus.Bus, wait time.Duration) error {
-	rt.meshBus = b
+	rt.meshBus.Store(b)
 	m := &mesh{bus: b, logged: map[string]bool{}, pending: map[string]schemas.Eligibility{}}
 	sub, err := b.Conn().Subscribe(bus.SubjectPrefix+schemas.KindQuarantine+".>", rt.applyQuarantine)
 	if err != nil {
 		return err
 	}
 	loaded := make(chan struct{})
-	rt.wg.Add(1)
-	go func() {
-		defer rt.wg.Done()
+	started := rt.goOwned(func() {
 		defer sub.Unsubscribe()
 		rt.placementLoop(m, loaded)
-	}()
+	})
+	if !started {
+		_ = sub.Unsubscribe()
+		return errShuttingDown
+	}
 	t := time.NewTimer(wait)
 	defer t.Stop()
 	select {
@@ -147,10 +150,11 @@ func (rt *Router) PlacementLoaded() bool { return rt.placementLoaded.Load() }
 // meshReady is the bus half of /readyz: the bus is reachable, or the
 // router runs on a placement it loaded before (R-API-2, R-BUS-6).
 func (rt *Router) meshReady() bool {
-	if rt.meshBus == nil {
+	b := rt.meshBus.Load()
+	if b == nil {
 		return true
 	}
-	return rt.meshBus.Connected() || rt.placementLoaded.Load()
+	return b.Connected() || rt.placementLoaded.Load()
 }
 
 // placementLoop keeps a watch on the placement bucket, setting up a new

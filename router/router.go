@@ -96,14 +96,17 @@ type Router struct {
 	auth    auth         // client API keys (R-API-9)
 	tlsCert *certificate // the front end's TLS certificate; nil: plain HTTP
 
-	meshBus         *bus.Bus
+	meshBus         atomic.Pointer[bus.Bus] // set by JoinMesh, read by /readyz
 	placementLoaded atomic.Bool
 
 	shutdownOnce sync.Once
 	shutdownErr  error
-	lnMu         sync.Mutex
-	ln           net.Listener
-	stopping     bool
+	// lifeMu orders starts against Shutdown: it guards ln and stopping,
+	// and every wg.Add happens under it while stopping is false, so that
+	// none races the wg.Wait in Shutdown.
+	lifeMu   sync.Mutex
+	ln       net.Listener
+	stopping bool
 }
 
 // New builds a Router from opts. It returns an error when an engine's
@@ -227,9 +230,9 @@ func (rt *Router) Registry() *prometheus.Registry { return rt.reg }
 func (rt *Router) Serve(ln net.Listener) error {
 	// Accept errors such as EMFILE back off instead of ending Serve (R-API-7).
 	ln = rt.front.listener(ln)
-	rt.lnMu.Lock()
+	rt.lifeMu.Lock()
 	if rt.stopping {
-		rt.lnMu.Unlock()
+		rt.lifeMu.Unlock()
 		ln.Close()
 		return nil
 	}
@@ -237,19 +240,39 @@ func (rt *Router) Serve(ln net.Listener) error {
 		ln = tls.NewListener(ln, rt.tlsCert.serverConfig())
 	}
 	rt.ln = ln
-	rt.lnMu.Unlock()
+	rt.lifeMu.Unlock()
 	rt.RefreshModels(rt.base)
-	rt.wg.Add(2)
-	go rt.refreshLoop()
-	go func() {
-		defer rt.wg.Done()
-		rt.front.bodies.sweepLoop(rt.base)
-	}()
+	// Shutdown may have begun meanwhile: it then closed ln, and nothing
+	// more starts.
+	if !rt.goOwned(rt.refreshLoop) || !rt.goOwned(func() { rt.front.bodies.sweepLoop(rt.base) }) {
+		return nil
+	}
 	err := rt.server.Serve(ln)
 	if err != nil && rt.base.Err() != nil {
 		return nil
 	}
 	return err
+}
+
+// errShuttingDown is returned by what may not start once Shutdown has
+// begun.
+var errShuttingDown = errors.New("router: shutting down")
+
+// goOwned runs fn in a goroutine the router owns: Shutdown waits for it. It
+// starts nothing and returns false once Shutdown has begun, so that no
+// WaitGroup.Add races Shutdown's Wait.
+func (rt *Router) goOwned(fn func()) bool {
+	rt.lifeMu.Lock()
+	defer rt.lifeMu.Unlock()
+	if rt.stopping {
+		return false
+	}
+	rt.wg.Add(1)
+	go func() {
+		defer rt.wg.Done()
+		fn()
+	}()
+	return true
 }
 
 // Shutdown stops accepting connections, lets in-flight requests finish for
@@ -263,12 +286,12 @@ func (rt *Router) Shutdown(ctx context.Context) error {
 func (rt *Router) shutdown(ctx context.Context) error {
 	// A Serve that has not reached fasthttp yet must not start serving
 	// after this: close its listener ourselves.
-	rt.lnMu.Lock()
+	rt.lifeMu.Lock()
 	rt.stopping = true
 	if rt.ln != nil {
 		_ = rt.ln.Close()
 	}
-	rt.lnMu.Unlock()
+	rt.lifeMu.Unlock()
 	graceCtx, cancel := context.WithTimeout(ctx, rt.grace)
 	defer cancel()
 	done := make(chan error, 1)
@@ -516,7 +539,6 @@ func (rt *Router) fetchModels(ctx context.Context, m *member) ([]string, error) 
 }
 
 func (rt *Router) refreshLoop() {
-	defer rt.wg.Done()
 	fast := time.NewTicker(time.Second)
 	defer fast.Stop()
 	last := time.Now()
