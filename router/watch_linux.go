@@ -5,6 +5,7 @@ package router
 import (
 	"crypto/tls"
 	"errors"
+	"fmt"
 	"net"
 	"sync"
 	"sync/atomic"
@@ -25,6 +26,7 @@ import (
 // own netpoller is untouched.
 type disconnectWatcher struct {
 	epfd    int
+	wake    int // eventfd registered under id 0: written by close
 	nextID  atomic.Uint32
 	waiters sync.Map // uint32 → *watch
 	done    chan struct{}
@@ -39,12 +41,32 @@ type watch struct {
 	w      *disconnectWatcher
 }
 
+// newEventfd creates the watcher's wake-up eventfd. It is a variable so
+// that a test can make it fail.
+var newEventfd = func() (int, error) { return unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK) }
+
+// newDisconnectWatcher starts a watcher. Its wake-up eventfd is made and
+// registered before the goroutine starts, not at close: a watcher whose
+// close could not wake it would leave its goroutine blocked in epoll_wait
+// for good. It returns the error when the epoll set or the eventfd cannot
+// be made (file descriptors exhausted, typically).
 func newDisconnectWatcher() (*disconnectWatcher, error) {
 	epfd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("epoll_create1: %w", err)
 	}
-	w := &disconnectWatcher{epfd: epfd, done: make(chan struct{})}
+	efd, err := newEventfd()
+	if err != nil {
+		unix.Close(epfd)
+		return nil, fmt.Errorf("eventfd: %w", err)
+	}
+	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: 0}
+	if err := unix.EpollCtl(epfd, unix.EPOLL_CTL_ADD, efd, &ev); err != nil {
+		unix.Close(efd)
+		unix.Close(epfd)
+		return nil, fmt.Errorf("epoll_ctl: %w", err)
+	}
+	w := &disconnectWatcher{epfd: epfd, wake: efd, done: make(chan struct{})}
 	go w.loop()
 	return w, nil
 }
@@ -125,20 +147,27 @@ func (wt *watch) stop() {
 	wt.w.waiters.Delete(wt.id)
 }
 
-// close stops the watcher goroutine.
+// close stops the watcher goroutine and waits for it to end. It is
+// idempotent.
 func (w *disconnectWatcher) close() {
 	if !w.closed.CompareAndSwap(false, true) {
 		return
 	}
-	// Wake the loop with an eventfd registered under id 0.
-	efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
-	if err == nil {
-		ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: 0}
-		if unix.EpollCtl(w.epfd, unix.EPOLL_CTL_ADD, efd, &ev) == nil {
-			_, _ = unix.Write(efd, []byte{1, 0, 0, 0, 0, 0, 0, 0})
-			<-w.done
+	// One write of 8 bytes to an eventfd of our own fails only when a
+	// signal interrupts it. Should it fail otherwise, the goroutine cannot
+	// be woken: close then does not wait for it, and leaves both
+	// descriptors open, for it still sleeps on them.
+	one := []byte{1, 0, 0, 0, 0, 0, 0, 0}
+	var err error
+	for {
+		if _, err = unix.Write(w.wake, one); !errors.Is(err, unix.EINTR) {
+			break
 		}
-		unix.Close(efd)
 	}
+	if err != nil {
+		return
+	}
+	<-w.done
+	unix.Close(w.wake)
 	unix.Close(w.epfd)
 }
