@@ -72,8 +72,9 @@ func (p retryPolicy) tryAgain(ctx context.Context, f *engines.Fault, attempts in
 
 // retryBudget is the router-wide retry budget of R-RETRY-2, in the manner
 // of Envoy's retry budgets: over a sliding window, retries may be at most
-// ratio × requests, with a small floor so that a quiet router can still
-// retry at all. A ratio of 0 allows no retry. Counters are per-second buckets of atomics: no lock.
+// ratio × requests, with a floor so that a quiet router can still retry at
+// all. A ratio of 0 allows no retry. The window is per-second buckets of
+// atomic words: no lock, on the request path or the retry path.
 type retryBudget struct {
 	ratio   float64
 	floor   int64 // retries always allowed per window
@@ -81,10 +82,14 @@ type retryBudget struct {
 	width   int64 // bucket width in ns
 }
 
+// budgetBucket is one second of the window. Each counter is one atomic
+// word holding the bucket's epoch (now / width) in its high 32 bits and the
+// count in its low 32 bits: an update that finds an older epoch starts the
+// count afresh for its own in the same compare-and-swap, so renewing a
+// bucket never loses a count made for the new second.
 type budgetBucket struct {
-	epoch    atomic.Int64 // bucket start / width
-	requests atomic.Int64
-	retries  atomic.Int64
+	requests atomic.Uint64
+	retries  atomic.Uint64
 }
 
 func newRetryBudget(ratio float64, window time.Duration, floor int64) *retryBudget {
@@ -95,40 +100,85 @@ func newRetryBudget(ratio float64, window time.Duration, floor int64) *retryBudg
 	return &retryBudget{ratio: ratio, floor: floor, buckets: make([]budgetBucket, n), width: int64(time.Second)}
 }
 
-// bucket returns the current bucket, resetting it if it is stale.
-func (b *retryBudget) bucket(now int64) *budgetBucket {
-	epoch := now / b.width
-	bk := &b.buckets[epoch%int64(len(b.buckets))]
-	if old := bk.epoch.Load(); old != epoch && bk.epoch.CompareAndSwap(old, epoch) {
-		bk.requests.Store(0)
-		bk.retries.Store(0)
+// epochCount packs an epoch and a count into one counter word.
+func epochCount(epoch uint32, count uint32) uint64 { return uint64(epoch)<<32 | uint64(count) }
+
+// addAt adds delta to word's count for epoch: a word of an older epoch
+// starts from 0. A negative delta applies only while the word is still
+// of epoch (a renewed bucket has already dropped what it would take back).
+func addAt(word *atomic.Uint64, epoch uint32, delta int32) {
+	for {
+		old := word.Load()
+		e, n := uint32(old>>32), uint32(old)
+		if e != epoch {
+			if delta < 0 {
+				return
+			}
+			n = 0
+		}
+		if delta < 0 && n == 0 {
+			return
+		}
+		if word.CompareAndSwap(old, epochCount(epoch, n+uint32(delta))) {
+			return
+		}
 	}
-	return bk
+}
+
+// countAt returns word's count when its epoch lies in the window that ends
+// at epoch, else 0.
+func (b *retryBudget) countAt(word *atomic.Uint64, epoch uint32) int64 {
+	v := word.Load()
+	if epoch-uint32(v>>32) >= uint32(len(b.buckets)) {
+		return 0
+	}
+	return int64(uint32(v))
+}
+
+// epoch returns the bucket epoch of now (UnixNano) and its bucket.
+func (b *retryBudget) epoch(now int64) (uint32, *budgetBucket) {
+	e := now / b.width
+	return uint32(e), &b.buckets[e%int64(len(b.buckets))]
+}
+
+// window returns the requests and retries counted in the window that ends
+// at now (UnixNano).
+func (b *retryBudget) window(now int64) (requests, retries int64) {
+	epoch, _ := b.epoch(now)
+	for i := range b.buckets {
+		requests += b.countAt(&b.buckets[i].requests, epoch)
+		retries += b.countAt(&b.buckets[i].retries, epoch)
+	}
+	return requests, retries
 }
 
 // request counts one admitted client request.
-func (b *retryBudget) request() { b.bucket(time.Now().UnixNano()).requests.Add(1) }
+func (b *retryBudget) request() { b.requestAt(time.Now().UnixNano()) }
+
+func (b *retryBudget) requestAt(now int64) {
+	epoch, bk := b.epoch(now)
+	addAt(&bk.requests, epoch, 1)
+}
 
 // allow takes one retry from the budget if the window allows it.
-func (b *retryBudget) allow() bool {
+func (b *retryBudget) allow() bool { return b.allowAt(time.Now().UnixNano()) }
+
+// allowAt takes the retry first and then checks the window with it
+// counted, giving it back when that is over the limit: every granted retry
+// saw, besides itself, every retry granted before it, so concurrent
+// callers can never be granted more than the limit together (at worst,
+// racing at the limit, one is refused that could have passed).
+func (b *retryBudget) allowAt(now int64) bool {
 	if b.ratio <= 0 {
 		return false
 	}
-	now := time.Now().UnixNano()
-	epoch := now / b.width
-	var reqs, retries int64
-	for i := range b.buckets {
-		bk := &b.buckets[i]
-		if e := bk.epoch.Load(); epoch-e < int64(len(b.buckets)) {
-			reqs += bk.requests.Load()
-			retries += bk.retries.Load()
-		}
-	}
-	limit := int64(b.ratio * float64(reqs))
-	limit = max(limit, b.floor)
-	if retries >= limit {
+	epoch, bk := b.epoch(now)
+	addAt(&bk.retries, epoch, 1)
+	requests, retries := b.window(now)
+	limit := max(int64(b.ratio*float64(requests)), b.floor)
+	if retries > limit {
+		addAt(&bk.retries, epoch, -1)
 		return false
 	}
-	b.bucket(now).retries.Add(1)
 	return true
 }
