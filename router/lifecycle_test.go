@@ -7,6 +7,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 // TestReadyzWhileJoiningMesh: /readyz reads the mesh's bus (R-API-2) while
@@ -37,12 +39,12 @@ func TestReadyzWhileJoiningMesh(t *testing.T) {
 			served.Add(1)
 		}
 	}()
-	waitFor(t, 2*time.Second, "a /readyz before the join", func() bool { return served.Load() >= 3 })
+	testkit.WaitFor(t, 2*time.Second, "a /readyz before the join", func() bool { return served.Load() >= 3 })
 	if err := s.rt.JoinMesh(m.b, 5*time.Second); err != nil {
 		t.Fatal(err)
 	}
 	after := served.Load()
-	waitFor(t, 2*time.Second, "a /readyz after the join", func() bool { return served.Load() >= after+3 })
+	testkit.WaitFor(t, 2*time.Second, "a /readyz after the join", func() bool { return served.Load() >= after+3 })
 	close(stop)
 	<-done
 	client.CloseIdleConnections()

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 // watcherLoops counts the disconnect watchers' goroutines.
@@ -40,16 +42,10 @@ func TestWatcherWithoutEventfdLeavesNoGoroutine(t *testing.T) {
 	if err == nil {
 		// Close it the way Shutdown does: with its goroutine asleep in
 		// epoll_wait.
-		waitFor(t, time.Second, "the watcher in epoll_wait", func() bool { return watcherWaiting() > waiting })
+		testkit.WaitFor(t, time.Second, "the watcher in epoll_wait", func() bool { return watcherWaiting() > waiting })
 		w.close()
 	}
-	deadline := time.Now().Add(time.Second)
-	for watcherLoops() > before {
-		if time.Now().After(deadline) {
-			t.Fatalf("a disconnect watcher goroutine is still blocked after close (watcher error: %v)", err)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	testkit.WaitFor(t, time.Second, "no disconnect watcher goroutine left after close", func() bool { return watcherLoops() == before })
 	if err == nil {
 		t.Fatal("a watcher that cannot be woken for close started anyway")
 	}
@@ -62,8 +58,8 @@ func TestWatcherCloseStopsItsGoroutine(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, time.Second, "the watcher in epoll_wait", func() bool { return watcherWaiting() > 0 })
+	testkit.WaitFor(t, time.Second, "the watcher in epoll_wait", func() bool { return watcherWaiting() > 0 })
 	w.close()
 	w.close() // idempotent
-	waitFor(t, time.Second, "the watcher goroutine gone", func() bool { return watcherLoops() == before })
+	testkit.WaitFor(t, time.Second, "the watcher goroutine gone", func() bool { return watcherLoops() == before })
 }
