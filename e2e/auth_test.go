@@ -28,6 +28,7 @@ import (
 	"github.com/openai/openai-go/v3"
 	"github.com/openai/openai-go/v3/option"
 
+	"github.com/narwhalmesh/narwhal/breaker"
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
@@ -73,6 +74,8 @@ type authStack struct {
 	certPath  string
 	keyPath   string
 	transport *http.Transport
+	natsURL   string
+	cfgPath   string
 }
 
 // engineKeyEnv is the variable fleet[].api_key_env names.
@@ -148,6 +151,7 @@ func startAuthStack(t *testing.T, o authStackOptions) *authStack {
 	if err := os.WriteFile(path, []byte(cfg.String()), 0o600); err != nil {
 		t.Fatal(err)
 	}
+	s.natsURL, s.cfgPath = emb.ClientURL(), path
 	env := []string{"NARWHAL_NATS_URL=" + emb.ClientURL(), "NARWHAL_ROUTER_ID=" + meshRouterID, "NARWHAL_ROUTER_LOG_LEVEL=debug"}
 	if o.keysFile != "" {
 		s.keysPath = filepath.Join(s.dir, "keys.yaml")
@@ -691,5 +695,96 @@ func writeAtomic(t *testing.T, path string, b []byte) {
 	}
 	if err := os.Rename(tmp, path); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestEngineKeysBreakerProbe proves engines behind --api-key through the
+// real binaries (issue 10 item 6, R-BRK-3): a `narwhal breaker` process
+// ejects a decode engine after counted failures and readmits it after an
+// inference probe that carries the engine's key on both of its legs; the
+// key appears in no log of the router or the breaker.
+func TestEngineKeysBreakerProbe(t *testing.T) {
+	engineKey := randomToken(t, "engine-")
+	s := startAuthStack(t, authStackOptions{engineKey: engineKey})
+	brk := startProcess(t, "breaker", []string{"NARWHAL_NATS_URL=" + s.natsURL, engineKeyEnv + "=" + engineKey,
+		"NARWHAL_RECOVERY_READMIT_INTERVAL_S=0.3", "NARWHAL_RECOVERY_EJECT_AFTER=2", "NARWHAL_BREAKER_LEASE_TTL_S=1"},
+		"breaker", "--config", s.cfgPath)
+	ctx := testContext(t, time.Minute)
+	c := s.sdk("unused")
+	if _, err := c.Chat.Completions.New(ctx, chatParams(meshModel, 2)); err != nil {
+		t.Fatalf("before the faults: %v", err)
+	}
+	testkit.WaitEvery(t, readyBound, pollInterval, "the breaker to lead", func() bool {
+		return strings.Contains(brk.stderr.String(), "breaker leading")
+	})
+	d1 := s.sims[1]
+	resp, err := probeClient.Post(d1.url+"/sim/faults", "application/json",
+		strings.NewReader(`{"kind":"status","phase":"decode","status":500}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	availability := func() float64 {
+		return testkit.ScrapedSum(t, probeClient, s.url+"/metrics", "narwhal_engine_available", "engine", "d1")
+	}
+	// Struck requests until the breaker, which counts their failures,
+	// ejects d1 (the breaker's consumer may start after the first ones).
+	testkit.WaitEvery(t, decisionBound, 100*time.Millisecond, "d1 ejected", func() bool {
+		if availability() == 0 {
+			return true
+		}
+		_, err := c.Chat.Completions.New(ctx, chatParams(meshModel, 2))
+		var ae *openai.Error
+		// 502 from the fault; 503 once the ejection reached the router
+		// between the look at the metric and the request.
+		if !errors.As(err, &ae) || (ae.StatusCode != 502 && ae.StatusCode != 503) {
+			t.Fatalf("a struck request: %v, want 502 or 503", err)
+		}
+		return false
+	})
+	// Readmitted by a probe that the engine, which refuses requests
+	// without its key, answered.
+	req, _ := http.NewRequest(http.MethodDelete, d1.url+"/sim/faults", nil)
+	if resp, err := probeClient.Do(req); err != nil {
+		t.Fatal(err)
+	} else {
+		resp.Body.Close()
+	}
+	testkit.WaitEvery(t, decisionBound, pollInterval, "d1 readmitted", func() bool { return availability() == 1 })
+	var probes int
+	for _, r := range d1.requests(t) {
+		if strings.HasPrefix(r.RequestID, breaker.ProbeRequestIDPrefix) && r.Phase == "decode" {
+			probes++
+		}
+	}
+	if probes == 0 {
+		t.Error("d1 recorded no probe decode")
+	}
+	var probePrefills int
+	for _, r := range s.sims[0].requests(t) {
+		if strings.HasPrefix(r.RequestID, breaker.ProbeRequestIDPrefix) {
+			probePrefills++
+		}
+	}
+	if probePrefills == 0 {
+		t.Error("p1 recorded no probe prefill")
+	}
+	for _, sp := range s.sims {
+		if st := sp.stats(t); st.Unauthorized != 0 {
+			t.Errorf("%s refused %d requests of the router or the breaker", sp.id, st.Unauthorized)
+		}
+	}
+	if _, err := c.Chat.Completions.New(ctx, chatParams(meshModel, 2)); err != nil {
+		t.Errorf("after the readmission: %v", err)
+	}
+	if err := brk.stop(syscall.SIGTERM); err != nil {
+		t.Errorf("breaker did not exit cleanly: %v", err)
+	}
+	logs := brk.stdout.String() + brk.stderr.String() + s.router.stdout.String() + s.router.stderr.String()
+	if !strings.Contains(brk.stderr.String(), "readmitted") {
+		t.Errorf("the breaker's log does not tell the readmission:\n%s", brk.stderr.String())
+	}
+	if strings.Contains(logs, engineKey) {
+		t.Error("the engine key appears in the router's or the breaker's log")
 	}
 }
