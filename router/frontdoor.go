@@ -389,11 +389,11 @@ func (b *bodyBudget) reserve(n int64) (uint64, bool) {
 	return id, true
 }
 
-// reserveWait is reserve that waits up to max for room.
-func (b *bodyBudget) reserveWait(n int64, max time.Duration) (uint64, bool) {
+// reserveWait is reserve that waits up to wait for room.
+func (b *bodyBudget) reserveWait(n int64, wait time.Duration) (uint64, bool) {
 	b.waiters.Add(1)
 	defer b.waiters.Add(-1)
-	t := time.NewTimer(max)
+	t := time.NewTimer(wait)
 	defer t.Stop()
 	for {
 		// Take the channel before trying: a release after a failed try

@@ -61,17 +61,15 @@ func benchBodies(b *testing.B, bound int) {
 		sampled := make(chan uint64)
 		go func() {
 			var ms runtime.MemStats
-			var max uint64
+			var peak uint64
 			t := time.NewTicker(5 * time.Millisecond)
 			defer t.Stop()
 			for {
 				runtime.ReadMemStats(&ms)
-				if ms.HeapInuse > max {
-					max = ms.HeapInuse
-				}
+				peak = max(peak, ms.HeapInuse)
 				select {
 				case <-stop:
-					sampled <- max
+					sampled <- peak
 					return
 				case <-t.C:
 				}

@@ -483,10 +483,7 @@ func (rt *Router) applyQuarantine(msg *nats.Msg) {
 	if math.IsNaN(d) || d <= 0 {
 		return
 	}
-	limit := rt.cfg.Recovery.MaxQuarantine()
-	if limit <= 0 {
-		limit = 300 * time.Second
-	}
+	limit := rt.cfg.Recovery.MaxQuarantine() // validated > 0
 	now := time.Now()
 	until := q.Until
 	bound := now.Add(limit)
