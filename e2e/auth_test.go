@@ -58,6 +58,9 @@ type authStackOptions struct {
 	metricsOnAdmin bool
 	// simArgs are added to both simulators' command lines.
 	simArgs []string
+	// routerEngineKey, when set, is the router's value of engineKeyEnv
+	// instead of engineKey (a wrong key).
+	routerEngineKey string
 }
 
 // authStack is one router over prefill p1 and decode d1.
@@ -161,7 +164,11 @@ func startAuthStack(t *testing.T, o authStackOptions) *authStack {
 		env = append(env, "NARWHAL_AUTH_API_KEYS_FILE="+s.keysPath)
 	}
 	if o.engineKey != "" {
-		env = append(env, engineKeyEnv+"="+o.engineKey)
+		key := o.engineKey
+		if o.routerEngineKey != "" {
+			key = o.routerEngineKey
+		}
+		env = append(env, engineKeyEnv+"="+key)
 	}
 	args := []string{"router", "--config", path, "--listen", hostPort(ports[2])}
 	if o.metricsOnAdmin {
@@ -176,12 +183,16 @@ func startAuthStack(t *testing.T, o authStackOptions) *authStack {
 		s.transport.TLSClientConfig = &tls.Config{RootCAs: s.ca.pool}
 	}
 	t.Cleanup(s.transport.CloseIdleConnections)
-	testkit.WaitEvery(t, readyBound, pollInterval, "the router's /readyz", func() bool {
+	ready := "/readyz"
+	if o.routerEngineKey != "" {
+		ready = "/healthz" // no engine accepts the router: it is never ready
+	}
+	testkit.WaitEvery(t, readyBound, pollInterval, "the router's "+ready, func() bool {
 		if s.router.exited() {
 			s.router.dump(t)
 			t.Fatalf("router exited: %v", s.router.waitErr)
 		}
-		resp, err := s.http().Get(s.url + "/readyz")
+		resp, err := s.http().Get(s.url + ready)
 		if err != nil {
 			return false
 		}
@@ -786,5 +797,55 @@ func TestEngineKeysBreakerProbe(t *testing.T) {
 	}
 	if strings.Contains(logs, engineKey) {
 		t.Error("the engine key appears in the router's or the breaker's log")
+	}
+}
+
+// TestEngineWrongKey proves the classification of an engine's 401 through
+// the real binaries (docs/failures.md, engine_unauthorized): engines that
+// refuse the router's key get no leg, the router says why in one error
+// line per engine naming it, counts it, is not ready, answers 503 no
+// eligible engine, and publishes no failure that counts towards ejection.
+func TestEngineWrongKey(t *testing.T) {
+	engineKey, wrong := randomToken(t, "engine-"), randomToken(t, "wrong-")
+	s := startAuthStack(t, authStackOptions{engineKey: engineKey, routerEngineKey: wrong})
+	for _, id := range []string{"p1", "d1"} {
+		testkit.WaitEvery(t, readyBound, pollInterval, id+"'s refusal in the router's log", func() bool {
+			return strings.Contains(s.router.stderr.String(), "engine refused the router's credentials; not placeable on this router until its /v1/models accepts them\" router_id="+meshRouterID+" engine_id="+id+" status=401")
+		})
+	}
+	refused := testkit.ScrapedSum(t, probeClient, s.url+"/metrics", "narwhal_engine_credentials_refused_total")
+	if refused != 2 {
+		t.Errorf("narwhal_engine_credentials_refused_total = %v, want 2 (one episode per engine)", refused)
+	}
+	if r, err := s.http().Get(s.url + "/readyz"); err != nil {
+		t.Fatal(err)
+	} else {
+		r.Body.Close()
+		if r.StatusCode != 503 {
+			t.Errorf("/readyz %d while every engine refuses the key, want 503", r.StatusCode)
+		}
+	}
+	ctx := testContext(t, 30*time.Second)
+	_, err := s.sdk("unused").Chat.Completions.New(ctx, chatParams(meshModel, 2))
+	var ae *openai.Error
+	if !errors.As(err, &ae) || (ae.StatusCode != 404 && ae.StatusCode != 503) {
+		t.Errorf("a request while the engines refuse the key: %v, want 503 no eligible engine (or 404: no model known)", err)
+	}
+	for _, sp := range s.sims {
+		st := sp.stats(t)
+		if st.Prefills+st.Decodes != 0 || st.Unauthorized == 0 {
+			t.Errorf("%s: %+v, want no leg and refused requests", sp.id, st)
+		}
+	}
+	if err := s.router.stop(syscall.SIGTERM); err != nil {
+		t.Errorf("router did not exit cleanly: %v", err)
+	}
+	for _, ev := range s.allEvents(t) {
+		if strings.HasPrefix(ev.subject, "narwhal.events.failure.") && strings.Contains(string(ev.payload), `"counts":true`) {
+			t.Errorf("a refused key published a counted failure: %s", ev.payload)
+		}
+	}
+	if strings.Contains(s.router.stderr.String(), wrong) || strings.Contains(s.router.stderr.String(), engineKey) {
+		t.Error("an engine key appears in the router's log")
 	}
 }
