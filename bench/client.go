@@ -181,8 +181,8 @@ type worker struct {
 
 	bodyCap int
 	br      *bufio.Reader
-	long    []byte // a line longer than br's buffer
-	buf     []byte // a non-streamed response body
+	long    []byte       // a line longer than br's buffer
+	body    bytes.Buffer // a non-streamed response body, reused
 	header  http.Header
 	rec     recorder
 
@@ -263,16 +263,17 @@ func (t *RouterTarget) do(ctx context.Context, w *worker, start time.Time) {
 		return
 	}
 	if !w.stream {
-		w.buf, err = appendAll(w.buf[:0], resp.Body)
+		w.body.Reset()
+		_, err = w.body.ReadFrom(resp.Body)
 		end := time.Now()
 		if err != nil {
 			w.fail(ctx, rctx, ClassTransport)
 			return
 		}
 		if w.onPayload != nil {
-			w.onPayload(w.buf)
+			w.onPayload(w.body.Bytes())
 		}
-		tokens, _ := completionTokens(w.buf)
+		tokens, _ := completionTokens(w.body.Bytes())
 		w.succeed(start, end, end, tokens)
 		return
 	}
@@ -305,14 +306,13 @@ func (t *RouterTarget) do(ctx context.Context, w *worker, start time.Time) {
 // per chunk.
 func (w *worker) readStream() (first, end time.Time, tokens int, class string, err error) {
 	mark := len(w.rec.itl)
-	var last time.Time
-	chunks, usage := 0, -1
+	out := newOutputTally()
 	for {
 		line, err := w.readLine()
 		if err != nil {
 			w.rec.itl = w.rec.itl[:mark]
 			if len(line) == 0 || err != io.EOF {
-				return first, end, 0, ClassTruncated, err
+				return out.first, end, 0, ClassTruncated, err
 			}
 			// A last line without its newline is still a line.
 		}
@@ -323,43 +323,29 @@ func (w *worker) readStream() (first, end time.Time, tokens int, class string, e
 				w.onPayload(payload)
 			}
 			switch kind {
-			case schemas.ChunkOutput:
-				now := time.Now()
-				if chunks == 0 {
-					first = now
-				} else {
-					w.rec.itl = append(w.rec.itl, now.Sub(last))
-				}
-				last = now
-				chunks++
-			case schemas.ChunkMetadata:
-				if n, ok := completionTokens(payload); ok {
-					usage = n
-				}
+			case schemas.ChunkOutput, schemas.ChunkMetadata:
+				out.see(kind, payload, &w.rec.itl, true)
 			case schemas.ChunkDone:
-				if chunks == 0 {
+				if out.chunks == 0 {
 					w.rec.itl = w.rec.itl[:mark]
-					return first, end, 0, ClassDoneBeforeOutput, nil
+					return out.first, end, 0, ClassDoneBeforeOutput, nil
 				}
-				if usage >= 0 {
-					chunks = usage
-				}
-				return first, time.Now(), chunks, "", nil
+				return out.first, time.Now(), out.tokens(), "", nil
 			case schemas.ChunkError:
 				w.rec.itl = w.rec.itl[:mark]
 				code := 0
 				if obj, ok := schemas.ParseError(payload); ok {
 					code = obj.Code
 				}
-				return first, end, 0, SSEErrorClass(code), nil
+				return out.first, end, 0, SSEErrorClass(code), nil
 			default:
 				w.rec.itl = w.rec.itl[:mark]
-				return first, end, 0, ClassInvalidChunk, nil
+				return out.first, end, 0, ClassInvalidChunk, nil
 			}
 		}
 		if err != nil {
 			w.rec.itl = w.rec.itl[:mark]
-			return first, end, 0, ClassTruncated, err
+			return out.first, end, 0, ClassTruncated, err
 		}
 	}
 }
@@ -387,24 +373,7 @@ func (w *worker) readLine() ([]byte, error) {
 // discard reads (a bounded part of) an error body so the connection can
 // be reused.
 func (w *worker) discard(r io.Reader) {
-	w.buf, _ = appendAll(w.buf[:0], io.LimitReader(r, 64<<10))
-}
-
-// appendAll appends everything r yields to dst.
-func appendAll(dst []byte, r io.Reader) ([]byte, error) {
-	for {
-		if len(dst) == cap(dst) {
-			dst = append(dst, 0)[:len(dst)]
-		}
-		n, err := r.Read(dst[len(dst):cap(dst)])
-		dst = dst[:len(dst)+n]
-		if err == io.EOF {
-			return dst, nil
-		}
-		if err != nil {
-			return dst, err
-		}
-	}
+	_, _ = io.Copy(io.Discard, io.LimitReader(r, 64<<10))
 }
 
 // completionTokens finds "completion_tokens": <int> in a usage-bearing
@@ -426,4 +395,44 @@ func completionTokens(payload []byte) (int, bool) {
 		digits++
 	}
 	return n, digits > 0
+}
+
+// outputTally follows the output of one stream: the times of its first and
+// last output chunks, and its tokens.
+type outputTally struct {
+	first, last time.Time
+	chunks      int // output chunks so far
+	usage       int // usage.completion_tokens, -1 until a usage chunk
+}
+
+func newOutputTally() outputTally { return outputTally{usage: -1} }
+
+// see accounts for one output or metadata chunk (others are ignored). With
+// recordITL, an output chunk after the first appends its gap since the
+// previous one to *itl.
+func (o *outputTally) see(kind schemas.ChunkKind, payload []byte, itl *[]time.Duration, recordITL bool) {
+	switch kind {
+	case schemas.ChunkOutput:
+		now := time.Now()
+		if o.chunks == 0 {
+			o.first = now
+		} else if recordITL {
+			*itl = append(*itl, now.Sub(o.last))
+		}
+		o.last = now
+		o.chunks++
+	case schemas.ChunkMetadata:
+		if n, ok := completionTokens(payload); ok {
+			o.usage = n
+		}
+	}
+}
+
+// tokens is usage.completion_tokens when the stream carried usage, else
+// the number of output chunks.
+func (o *outputTally) tokens() int {
+	if o.usage >= 0 {
+		return o.usage
+	}
+	return o.chunks
 }

@@ -101,8 +101,7 @@ func (t *FloorTarget) do(ctx context.Context, w *worker, start time.Time) {
 	}
 	defer stream.Close()
 	mark := len(w.rec.itl)
-	var first, last time.Time
-	chunks, usage := 0, -1
+	out := newOutputTally()
 	for {
 		payload, kind, err := stream.Next()
 		if err == io.EOF {
@@ -116,30 +115,14 @@ func (t *FloorTarget) do(ctx context.Context, w *worker, start time.Time) {
 		if w.onPayload != nil {
 			w.onPayload(payload)
 		}
-		switch kind {
-		case schemas.ChunkOutput:
-			now := time.Now()
-			if chunks == 0 {
-				first = now
-			} else if w.stream {
-				w.rec.itl = append(w.rec.itl, now.Sub(last))
-			}
-			last = now
-			chunks++
-		case schemas.ChunkMetadata:
-			if n, ok := completionTokens(payload); ok {
-				usage = n
-			}
-		}
+		out.see(kind, payload, &w.rec.itl, w.stream)
 	}
 	end := time.Now()
-	if usage >= 0 {
-		chunks = usage
-	}
+	first := out.first
 	if !w.stream {
 		first = end
 	}
-	w.succeed(start, first, end, chunks)
+	w.succeed(start, first, end, out.tokens())
 }
 
 // faultClass maps an engine client error to the error class a client of
