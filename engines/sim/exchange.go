@@ -469,14 +469,8 @@ func (x *exchange) run() {
 		return
 	}
 	if f, ok := x.faults.get(fkStatus); ok {
-		status := f.Status
-		if status == 0 {
-			status = http.StatusInternalServerError
-		}
-		msg := f.Message
-		if msg == "" {
-			msg = fmt.Sprintf("simulated engine fault: HTTP %d", status)
-		}
+		status := f.statusOr(http.StatusInternalServerError)
+		msg := f.messageOr(fmt.Sprintf("simulated engine fault: HTTP %d", status))
 		writeError(x.w, status, msg)
 		return
 	}
@@ -927,14 +921,8 @@ func (x *exchange) midStreamFault(atEnd bool) bool {
 		case fkAbort:
 			panic(http.ErrAbortHandler)
 		case fkErrorObject:
-			status := f.Status
-			if status == 0 {
-				status = http.StatusInternalServerError
-			}
-			msg := f.Message
-			if msg == "" {
-				msg = "simulated engine error"
-			}
+			status := f.statusOr(http.StatusInternalServerError)
+			msg := f.messageOr("simulated engine error")
 			x.fail(status, msg)
 		}
 		return true
@@ -1015,14 +1003,8 @@ func (x *exchange) runUnary() {
 		panic(http.ErrAbortHandler)
 	}
 	if f, ok := x.faults.get(fkErrorObject); ok {
-		status := f.Status
-		if status == 0 {
-			status = http.StatusInternalServerError
-		}
-		msg := f.Message
-		if msg == "" {
-			msg = "simulated engine error"
-		}
+		status := f.statusOr(http.StatusInternalServerError)
+		msg := f.messageOr("simulated engine error")
 		if status < 100 || status > 599 {
 			// A code that is no HTTP status travels with HTTP 500.
 			x.buf = appendEngineError(x.buf[:0], status, msg)

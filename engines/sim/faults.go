@@ -278,6 +278,22 @@ type faultSet struct {
 	list  []armedFault
 }
 
+// statusOr returns the fault's Status, or def when it is unset (0).
+func (f *Fault) statusOr(def int) int {
+	if f.Status == 0 {
+		return def
+	}
+	return f.Status
+}
+
+// messageOr returns the fault's Message, or def when it is unset.
+func (f *Fault) messageOr(def string) string {
+	if f.Message == "" {
+		return def
+	}
+	return f.Message
+}
+
 // activeFaults is the set of faults striking one request: at most one per
 // kind, the earliest armed.
 type activeFaults struct {

@@ -480,19 +480,12 @@ func (s *Server) serveHealth(w http.ResponseWriter, r *http.Request) {
 	var af activeFaults
 	s.faults.take(&af, targetHealth, "", false, false)
 	if f, ok := af.get(fkHealthStatus); ok {
-		status := f.Status
-		if status == 0 {
-			status = http.StatusServiceUnavailable
-		}
+		status := f.statusOr(http.StatusServiceUnavailable)
 		if status == http.StatusOK {
 			w.WriteHeader(status)
 			return
 		}
-		msg := f.Message
-		if msg == "" {
-			msg = "simulated unhealthy engine"
-		}
-		writeError(w, status, msg)
+		writeError(w, status, f.messageOr("simulated unhealthy engine"))
 		return
 	}
 	w.WriteHeader(http.StatusOK)
