@@ -288,14 +288,28 @@ func (a *Aggregator) Usage() (prompt, completion int, ok bool) {
 	return a.promptTokens, a.completionTokens, a.usageOK
 }
 
-// aggChatCompletion and the types below are the output shapes.
-type aggChatCompletion struct {
+// aggCompletion and the types below are the output shapes; C is the
+// choice's: aggChatChoice or aggTextChoice.
+type aggCompletion[C any] struct {
 	ID      string          `json:"id"`
 	Object  string          `json:"object"`
 	Created json.Number     `json:"created"`
 	Model   string          `json:"model"`
-	Choices []aggChatChoice `json:"choices"`
+	Choices []C             `json:"choices"`
 	Usage   json.RawMessage `json:"usage"`
+}
+
+// aggBuild is a's completion of kind object ("chat.completion",
+// "text_completion") with choices, each shaped by shape.
+func aggBuild[C any](a *Aggregator, object string, choices []*aggChoice, shape func(*aggChoice) C) *aggCompletion[C] {
+	out := &aggCompletion[C]{
+		ID: a.id, Object: object, Created: a.created, Model: a.model,
+		Choices: make([]C, 0, len(choices)), Usage: a.usage,
+	}
+	for _, ch := range choices {
+		out.Choices = append(out.Choices, shape(ch))
+	}
+	return out
 }
 
 type aggChatChoice struct {
@@ -323,15 +337,6 @@ type aggToolJSON struct {
 	} `json:"function"`
 }
 
-type aggTextCompletion struct {
-	ID      string          `json:"id"`
-	Object  string          `json:"object"`
-	Created json.Number     `json:"created"`
-	Model   string          `json:"model"`
-	Choices []aggTextChoice `json:"choices"`
-	Usage   json.RawMessage `json:"usage"`
-}
-
 type aggTextChoice struct {
 	Index        int             `json:"index"`
 	Text         string          `json:"text"`
@@ -355,23 +360,9 @@ func (a *Aggregator) AppendJSON(dst []byte) []byte {
 	slices.SortStableFunc(choices, func(x, y *aggChoice) int { return x.index - y.index })
 	var v any
 	if a.chat {
-		out := aggChatCompletion{
-			ID: a.id, Object: "chat.completion", Created: a.created, Model: a.model,
-			Choices: make([]aggChatChoice, 0, len(choices)), Usage: a.usage,
-		}
-		for _, ch := range choices {
-			out.Choices = append(out.Choices, ch.chatJSON())
-		}
-		v = &out
+		v = aggBuild(a, "chat.completion", choices, (*aggChoice).chatJSON)
 	} else {
-		out := aggTextCompletion{
-			ID: a.id, Object: "text_completion", Created: a.created, Model: a.model,
-			Choices: make([]aggTextChoice, 0, len(choices)), Usage: a.usage,
-		}
-		for _, ch := range choices {
-			out.Choices = append(out.Choices, ch.textJSON())
-		}
-		v = &out
+		v = aggBuild(a, "text_completion", choices, (*aggChoice).textJSON)
 	}
 	n := len(dst)
 	buf := bytes.NewBuffer(dst)
