@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -15,6 +14,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -102,35 +102,11 @@ func (t *RouterTarget) Close() { t.tr.CloseIdleConnections() }
 func (t *RouterTarget) Models(ctx context.Context) ([]string, error) {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, t.base+"/v1/models", nil)
+	models, err := engines.ListModels(ctx, t.client, t.base, engines.Credential{})
 	if err != nil {
-		return nil, err
-	}
-	resp, err := t.client.Do(req)
-	if err != nil {
-		return nil, err
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
-	if err != nil {
-		return nil, err
-	}
-	if resp.StatusCode != http.StatusOK {
-		return nil, fmt.Errorf("GET %s/v1/models: HTTP %d: %s", t.base, resp.StatusCode, bytes.TrimSpace(body))
-	}
-	var list struct {
-		Data []struct {
-			ID string `json:"id"`
-		} `json:"data"`
-	}
-	if err := json.Unmarshal(body, &list); err != nil {
 		return nil, fmt.Errorf("GET %s/v1/models: %w", t.base, err)
 	}
-	ids := make([]string, 0, len(list.Data))
-	for _, d := range list.Data {
-		ids = append(ids, d.ID)
-	}
-	return ids, nil
+	return engines.ModelIDs(models), nil
 }
 
 // recorder holds the outcomes of one worker's requests. Latencies are

@@ -138,41 +138,21 @@ func CheckHealth(ctx context.Context, httpc *http.Client, e *engines.Engine) err
 }
 
 // ServedModel is one entry of an engine's GET /v1/models.
-type ServedModel struct {
-	// ID is the served model name.
-	ID string `json:"id"`
-	// OwnedBy is the engine kind as vLLM reports it ("vllm").
-	OwnedBy string `json:"owned_by"`
-}
+type ServedModel = engines.ServedModel
 
-// ServedModels reads e's GET /v1/models ({"object":"list","data":[{"id",
-// "owned_by",…}]}) and returns its entries in order. It returns an error
-// naming the engine for a transport error, a non-200 status, a body that is
-// not a model list, or an empty list.
+// ServedModels reads e's GET /v1/models (engines.ListModels, with e's
+// credential) and returns its entries in order. It returns an error naming
+// the engine for a transport error, a non-200 status, a body that is not a
+// model list, or an empty list.
 func ServedModels(ctx context.Context, httpc *http.Client, e *engines.Engine) ([]ServedModel, error) {
-	resp, err := get(ctx, httpc, e, e.URL+"/v1/models")
+	models, err := engines.ListModels(ctx, httpc, e.URL, e.Credential)
 	if err != nil {
 		return nil, fmt.Errorf("engine %s: /v1/models: %w", e.ID, err)
 	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return nil, fmt.Errorf("engine %s: /v1/models: %s", e.ID, statusText(resp))
-	}
-	var list struct {
-		Data []ServedModel `json:"data"`
-	}
-	raw, err := io.ReadAll(io.LimitReader(resp.Body, maxMetaBody))
-	if err != nil {
-		return nil, fmt.Errorf("engine %s: /v1/models: %w", e.ID, err)
-	}
-	if err := json.Unmarshal(raw, &list); err != nil {
-		return nil, fmt.Errorf("engine %s: /v1/models: not a model list: %v", e.ID, err)
-	}
-	list.Data = slices.DeleteFunc(list.Data, func(m ServedModel) bool { return m.ID == "" })
-	if len(list.Data) == 0 {
+	if len(models) == 0 {
 		return nil, fmt.Errorf("engine %s: /v1/models lists no model", e.ID)
 	}
-	return list.Data, nil
+	return models, nil
 }
 
 // EngineVersion is an engine's GET /version: vLLM answers

@@ -14,7 +14,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -502,40 +501,18 @@ func (rt *Router) RefreshModels(ctx context.Context) {
 func (rt *Router) fetchModels(ctx context.Context, m *member) ([]string, error) {
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, m.URL+"/v1/models", nil)
+	models, err := engines.ListModels(ctx, rt.client.HTTPClient(), m.URL, m.Credential)
+	var refused *engines.StatusError
+	if errors.As(err, &refused) && refusal(refused.Status) {
+		rt.refuseCredentials(m, refused.Status, "/v1/models")
+	}
+	if err == nil || errors.Is(err, engines.ErrNotModelList) {
+		rt.acceptCredentials(m) // the engine answered 200
+	}
 	if err != nil {
-		return nil, err
-	}
-	m.Credential.Authorize(req.Header)
-	resp, err := rt.client.HTTPClient().Do(req)
-	if err != nil {
-		return nil, err
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
-	if err != nil {
-		return nil, err
-	}
-	if refusal(resp.StatusCode) {
-		rt.refuseCredentials(m, resp.StatusCode, "/v1/models")
-	}
-	if resp.StatusCode != 200 {
-		return nil, fmt.Errorf("GET /v1/models: HTTP %d", resp.StatusCode)
-	}
-	rt.acceptCredentials(m)
-	var list struct {
-		Data []struct {
-			ID string `json:"id"`
-		} `json:"data"`
-	}
-	if err := json.Unmarshal(body, &list); err != nil {
 		return nil, fmt.Errorf("GET /v1/models: %w", err)
 	}
-	out := make([]string, 0, len(list.Data))
-	for _, d := range list.Data {
-		out = append(out, d.ID)
-	}
-	return out, nil
+	return engines.ModelIDs(models), nil
 }
 
 func (rt *Router) refreshLoop() {
