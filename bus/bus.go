@@ -317,6 +317,9 @@ func retryable(nc *nats.Conn, err error) bool {
 	if nc.IsClosed() || errors.Is(err, ErrNotSetUp) {
 		return false
 	}
+	if errors.Is(err, errCreateRace) {
+		return true
+	}
 	var apiErr *jetstream.APIError
 	if errors.As(err, &apiErr) && (apiErr.Code == 503 || apiErr.ErrorCode == jsErrCodeClusterNoPeers) {
 		return true

@@ -221,6 +221,9 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, want jetstream.St
 	st, err := js.Stream(ctx, want.Name)
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
 		if _, err := js.CreateStream(ctx, want); err != nil {
+			if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+				return fmt.Errorf("bus: create stream %s: %w: %w", want.Name, errCreateRace, err)
+			}
 			return fmt.Errorf("bus: create stream %s: %w", want.Name, err)
 		}
 		log.Info("bus: stream created", "stream", want.Name, "replicas", want.Replicas)
@@ -274,6 +277,9 @@ func ensureBucket(ctx context.Context, js jetstream.JetStream, want jetstream.Ke
 			want.LimitMarkerTTL = 0
 			_, err = js.CreateKeyValue(ctx, want)
 		}
+		if errors.Is(err, jetstream.ErrBucketExists) || errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+			return fmt.Errorf("bus: create bucket %s: %w: %w", want.Bucket, errCreateRace, err)
+		}
 		if err != nil {
 			return fmt.Errorf("bus: create bucket %s: %w", want.Bucket, err)
 		}
@@ -326,6 +332,10 @@ func (b *Bus) BindBucket(ctx context.Context, name string) (jetstream.KeyValue, 
 	return kv, nil
 }
 
+// errCreateRace marks a create that another admin (e.g. another server of
+// a cluster starting at the same time) won: the next attempt finds it.
+var errCreateRace = errors.New("created meanwhile by another admin")
+
 // sleepCtx waits for d or until ctx ends; it reports whether d passed.
 func sleepCtx(ctx context.Context, d time.Duration) bool {
 	t := time.NewTimer(d)
@@ -336,4 +346,28 @@ func sleepCtx(ctx context.Context, d time.Duration) bool {
 	case <-t.C:
 		return true
 	}
+}
+
+// Replicas returns the replica count of stream NARWHAL_EVENTS and of each
+// of Narwhal's buckets as they are on the server, keyed by the stream's or
+// bucket's name (e.g. "NARWHAL_EVENTS", "narwhal_placement"); a missing
+// one is absent. It reads only (R-BUS-8) and returns the server's error
+// for anything but a missing stream or bucket.
+func (b *Bus) Replicas(ctx context.Context) (map[string]int, error) {
+	out := map[string]int{}
+	names := map[string]string{StreamName: StreamName}
+	for _, kv := range bucketConfigs(1, DefaultLeaseTTL) {
+		names["KV_"+kv.Bucket] = kv.Bucket
+	}
+	for stream, name := range names {
+		st, err := b.js.Stream(ctx, stream)
+		if errors.Is(err, jetstream.ErrStreamNotFound) {
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("bus: stream %s: %w", stream, err)
+		}
+		out[name] = st.CachedInfo().Config.Replicas
+	}
+	return out, nil
 }

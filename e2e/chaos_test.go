@@ -17,6 +17,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/breaker"
 	"github.com/narwhalmesh/narwhal/chaos"
+	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
@@ -86,7 +87,7 @@ func (c *cluster) chaosCommand(t *testing.T, args ...string) string {
 	ctx, cancel := context.WithTimeout(context.Background(), readyBound)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, narwhalBin, append([]string{"chaos"}, args...)...)
-	cmd.Env = childEnv("NARWHAL_NATS_URL=" + c.natsURL)
+	cmd.Env = childEnv(append([]string{"NARWHAL_NATS_URL=" + c.natsURL}, c.credsEnv(bus.RoleChaos)...)...)
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	if err := cmd.Run(); err != nil {

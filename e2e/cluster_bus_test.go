@@ -306,10 +306,16 @@ func TestClusterPreflight(t *testing.T) {
 // exit status.
 func runNarwhal(t *testing.T, args ...string) (string, int) {
 	t.Helper()
+	return runNarwhalEnv(t, nil, args...)
+}
+
+// runNarwhalEnv is runNarwhal with env added to the clean environment.
+func runNarwhalEnv(t *testing.T, env []string, args ...string) (string, int) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), readyBound)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, narwhalBin, args...)
-	cmd.Env = childEnv()
+	cmd.Env = childEnv(env...)
 	var out bytes.Buffer
 	cmd.Stdout = &out
 	cmd.Stderr = &out

@@ -102,6 +102,10 @@ type clusterOptions struct {
 	chaos []string
 	// simArgs are added to every simulator's command line, e.g. --itl.
 	simArgs []string
+	// auth runs the mesh with least privilege (R-BUS-8): `narwhal bus
+	// creds` writes the credentials, `narwhal bus --auth` enforces them,
+	// and every process connects with its role's (the test with admin's).
+	auth bool
 }
 
 // chaosFront is a `narwhal chaos proxy` process in front of one simulator.
@@ -134,6 +138,7 @@ type cluster struct {
 	breakers   []*process
 	breakerEnv []string
 	simArgs    []string               // added to every simulator's command line
+	credsDir   string                 // the credentials of `narwhal bus creds`; "" without auth
 	fronts     map[string]*chaosFront // chaos proxies by engine id
 	extra      []*process             // other processes of a test, stopped with the mesh
 
@@ -175,6 +180,12 @@ func startCluster(t *testing.T, opts clusterOptions) *cluster {
 	t.Cleanup(func() { c.teardown(t) })
 
 	ports := freePorts(t, 8)
+	if opts.auth && !opts.enginesOnly {
+		c.credsDir = filepath.Join(c.dir, "creds")
+		if out, code := runNarwhal(t, "bus", "creds", "--out", c.credsDir); code != 0 {
+			t.Fatalf("narwhal bus creds: exit %d\n%s", code, out)
+		}
+	}
 	if !opts.enginesOnly {
 		c.busAddr = hostPort(ports[0])
 		c.busData = filepath.Join(c.dir, "bus")
@@ -224,7 +235,8 @@ request:
 	}
 
 	var err error
-	c.conn, err = bus.Connect(testContext(t, readyBound), bus.ConnectOptions{URL: c.natsURL, Name: "narwhal-e2e-cluster"})
+	c.conn, err = bus.Connect(testContext(t, readyBound), bus.ConnectOptions{URL: c.natsURL, Name: "narwhal-e2e-cluster",
+		CredsFile: c.credsPath(bus.RoleAdmin)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -236,7 +248,8 @@ request:
 	for i := range nRouters {
 		r := &routerProc{id: fmt.Sprintf("r%d", i+1), addr: hostPort(ports[5+i])}
 		r.url = "http://" + r.addr
-		r.env = append(append([]string{"NARWHAL_NATS_URL=" + c.natsURL, "NARWHAL_ROUTER_ID=" + r.id}, clusterEnv...), opts.routerEnv...)
+		r.env = append(append(append([]string{"NARWHAL_NATS_URL=" + c.natsURL, "NARWHAL_ROUTER_ID=" + r.id}, clusterEnv...),
+			c.credsEnv(bus.RoleRouter)...), opts.routerEnv...)
 		c.routers = append(c.routers, r)
 		c.spawnRouter(t, r)
 	}
@@ -265,7 +278,11 @@ request:
 // bus's admin it makes the lease bucket with breaker.lease_ttl_s (R-BUS-8).
 func (c *cluster) startBus(t *testing.T) {
 	t.Helper()
-	c.busProc = spawn(t, "bus", clusterEnv, "bus", "--listen", c.busAddr, "--data", c.busData)
+	args := []string{"bus", "--listen", c.busAddr, "--data", c.busData}
+	if c.credsDir != "" {
+		args = append(args, "--auth", c.credsDir)
+	}
+	c.busProc = spawn(t, "bus", clusterEnv, args...)
 	testkit.WaitEvery(t, readyBound, pollInterval, "the bus's listening line", func() bool {
 		if c.busProc.exited() {
 			c.busProc.dump(t)
@@ -322,7 +339,7 @@ func (c *cluster) startFronts(t *testing.T, ids []string) {
 			t.Fatalf("no simulator %s to put a chaos proxy in front of", id)
 		}
 		f := &chaosFront{id: id}
-		f.p = spawn(t, "chaos proxy "+id, []string{"NARWHAL_NATS_URL=" + c.natsURL},
+		f.p = spawn(t, "chaos proxy "+id, append([]string{"NARWHAL_NATS_URL=" + c.natsURL}, c.credsEnv(bus.RoleChaos)...),
 			"chaos", "proxy", "--target", s.url, "--listen", "127.0.0.1:0", "--engine-id", id)
 		c.extra = append(c.extra, f.p)
 		c.fronts[id] = f
@@ -358,10 +375,27 @@ func (c *cluster) spawnRouter(t *testing.T, r *routerProc) {
 func (c *cluster) startBreaker(t *testing.T) *process {
 	t.Helper()
 	p := spawn(t, fmt.Sprintf("breaker %d", len(c.breakers)+1),
-		append(append([]string{"NARWHAL_NATS_URL=" + c.natsURL}, clusterEnv...), c.breakerEnv...),
+		append(append(append([]string{"NARWHAL_NATS_URL=" + c.natsURL}, clusterEnv...), c.credsEnv(bus.RoleBreaker)...), c.breakerEnv...),
 		"breaker", "--config", c.cfgPath)
 	c.breakers = append(c.breakers, p)
 	return p
+}
+
+// credsPath returns the path of role's credential, or "" without auth.
+func (c *cluster) credsPath(role string) string {
+	if c.credsDir == "" {
+		return ""
+	}
+	return filepath.Join(c.credsDir, bus.CredsFile(role))
+}
+
+// credsEnv returns the NARWHAL_NATS_CREDS setting of role, or nothing
+// without auth.
+func (c *cluster) credsEnv(role string) []string {
+	if c.credsDir == "" {
+		return nil
+	}
+	return []string{"NARWHAL_NATS_CREDS=" + c.credsPath(role)}
 }
 
 // teardown stops everything (see startCluster).

@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/narwhalmesh/narwhal/bus"
@@ -39,15 +40,20 @@ const (
 	busSetupBound = 10 * time.Second
 )
 
-const busUsage = `usage: narwhal bus [--listen HOST:PORT] [--data DIR] [--config FILE] [--verbose]
+const busUsage = `usage: narwhal bus [--listen HOST:PORT] [--data DIR] [--config FILE] [--auth DIR]
+                   [--name NAME --cluster HOST:PORT --routes URL,...] [--verbose]
        narwhal bus setup [--config FILE] [--connect-timeout DUR]
        narwhal bus creds --out DIR
 
 narwhal bus         serves NATS with JetStream and sets up Narwhal's stream and
                     buckets before it says it is listening; point Narwhal
                     processes at it with NARWHAL_NATS_URL=nats://HOST:PORT.
+                    --auth DIR enforces the credentials of narwhal bus creds;
+                    --cluster and --routes join servers into a JetStream cluster.
 narwhal bus setup   creates or updates the stream and the buckets on the NATS at
                     NARWHAL_NATS_URL with the admin credential (NARWHAL_NATS_CREDS).
+narwhal bus creds   writes one credential per role (router, breaker, chaos, viewer,
+                    admin) and the server side (auth.conf) into DIR.
 See docs/mesh.md.
 `
 
@@ -58,6 +64,8 @@ func runBus(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		switch args[0] {
 		case "setup":
 			return runBusSetup(ctx, args[1:], stdout, stderr)
+		case "creds":
+			return runBusCreds(args[1:], stdout, stderr)
 		case "help":
 			fmt.Fprint(stderr, busUsage)
 			return flag.ErrHelp
@@ -100,11 +108,24 @@ func runBusServe(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	data := fs.String("data", defaultBusData, "JetStream store `DIR`; restarting on the same DIR keeps the events and the placement")
 	cfgPath := fs.String("config", "", "YAML configuration `FILE` for bus.replicas and breaker.lease_ttl_s (default: defaults and environment)")
 	verbose := fs.Bool("verbose", false, "log the NATS server's notices, not only its warnings and errors")
+	authDir := fs.String("auth", "", "enforce the credentials `DIR` of narwhal bus creds (its auth.conf; the set-up uses its admin.creds)")
+	name := fs.String("name", "", "this server's `NAME` in a cluster, unique per server (default narwhal)")
+	cluster := fs.String("cluster", "", "`HOST:PORT` to listen on for the other servers of a JetStream cluster")
+	routes := fs.String("routes", "", "the other servers' cluster `URL`s, comma-separated (nats://h2:6222,nats://h3:6222)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	if *routes != "" && *cluster == "" {
+		return errors.New("--routes needs --cluster HOST:PORT, this server's cluster address")
+	}
+	var routeList []string
+	for r := range strings.SplitSeq(*routes, ",") {
+		if r = strings.TrimSpace(r); r != "" {
+			routeList = append(routeList, r)
+		}
 	}
 	host, port, err := parseListen(*listen)
 	if err != nil {
@@ -130,18 +151,29 @@ func runBusServe(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	}
 	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
 
-	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: dir, Host: host, Port: port, Log: log, NoSetup: true})
+	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: dir, Host: host, Port: port, Log: log, NoSetup: true,
+		AuthDir: *authDir, ServerName: *name, Cluster: *cluster, Routes: routeList})
 	if err != nil {
 		return err
 	}
 	defer emb.Shutdown()
-	setupCtx, cancel := context.WithTimeout(ctx, busSetupBound)
-	b, err := bus.Connect(setupCtx, bus.ConnectOptions{
+	// A single server sets up at once; a cluster's server waits for the
+	// others (a JetStream quorum) as long as it takes, saying so.
+	setupCtx, cancel := ctx, context.CancelFunc(func() {})
+	if *cluster == "" {
+		setupCtx, cancel = context.WithTimeout(ctx, busSetupBound)
+	}
+	setupLog := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
+	co := bus.ConnectOptions{
 		Embedded: emb,
 		Name:     "narwhal-bus",
 		Log:      log,
-		Setup:    &bus.SetupOptions{Replicas: cfg.Bus.Replicas, LeaseTTL: cfg.Breaker.LeaseTTL(), Log: log},
-	})
+		Setup:    &bus.SetupOptions{Replicas: cfg.Bus.Replicas, LeaseTTL: cfg.Breaker.LeaseTTL(), Log: setupLog},
+	}
+	if *authDir != "" {
+		co.CredsFile = filepath.Join(*authDir, bus.CredsFile(bus.RoleAdmin))
+	}
+	b, err := bus.Connect(setupCtx, co)
 	cancel()
 	if err != nil {
 		if ctx.Err() != nil {
@@ -153,6 +185,36 @@ func runBusServe(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	fmt.Fprintf(stdout, "bus listening on %s (data %s)\n", emb.ClientURL(), dir)
 	<-ctx.Done()
 	return nil
+}
+
+// runBusCreds is `narwhal bus creds --out DIR` (SPEC R-BUS-8): it creates
+// DIR when missing and writes a new credential set for one mesh into it
+// (bus.WriteCredentials: router.creds, breaker.creds, chaos.creds,
+// viewer.creds, admin.creds, auth.conf and keys/), then lists the files on
+// stdout. It refuses a DIR that holds a set already.
+func runBusCreds(args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("narwhal bus creds", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	out := fs.String("out", "", "the `DIR` to write the credentials into (created when missing; required)")
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	if *out == "" {
+		return errors.New("--out DIR is required")
+	}
+	if err := bus.WriteCredentials(*out); err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "credentials written to %s:\n", *out)
+	for _, role := range bus.Roles {
+		fmt.Fprintf(stdout, "  %-14s NARWHAL_NATS_CREDS for the %s role\n", bus.CredsFile(role), role)
+	}
+	fmt.Fprintf(stdout, "  %-14s the server side: narwhal bus --auth %s, or include it in a nats-server config\n", bus.AuthConfFile, *out)
+	_, err := fmt.Fprintf(stdout, "  %-14s the operator's and account's seeds, to issue more users; keep them off the servers\n", "keys/")
+	return err
 }
 
 // runBusSetup is `narwhal bus setup [--config FILE] [--connect-timeout

@@ -148,6 +148,16 @@ func connectChaosTool(ctx context.Context, name string, bound time.Duration, log
 	return connectChaos(ctx, c, name, bound, log)
 }
 
+// explain adds to err the permission the credential lacked, when the
+// server reported one: NATS drops a denied write, which then fails by its
+// timeout only (R-BUS-8).
+func (c *chaosBus) explain(err error) error {
+	if perm := c.b.PermissionError(); perm != nil {
+		return fmt.Errorf("%w (the credential may not do this: %v)", err, perm)
+	}
+	return err
+}
+
 // close publishes the buffered events and, when connectChaos opened it,
 // closes the connection.
 func (c *chaosBus) close() {
@@ -218,7 +228,7 @@ func runChaosArm(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	defer cb.close()
 	armed, err := cb.store.Arm(ctx, f, *lifetime)
 	if err != nil {
-		return err
+		return cb.explain(err)
 	}
 	if _, err := fmt.Fprintf(stdout, "armed %s\n", armed.String()); err != nil {
 		return err
@@ -319,7 +329,7 @@ func runChaosDisarm(ctx context.Context, args []string, stdout, stderr io.Writer
 	defer cb.close()
 	gone, err := cb.store.Disarm(ctx, *engine, *id)
 	if err != nil {
-		return err
+		return cb.explain(err)
 	}
 	if len(gone) == 0 {
 		_, err = fmt.Fprintln(stdout, "nothing armed")
@@ -378,7 +388,7 @@ func runChaosRun(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	warnUnserved(ctx, cb.store, stderr, armed)
 	fmt.Fprintf(stdout, "scenario %s: %d steps\n", file, len(sc.Steps))
 	if err := sc.Run(ctx, cb.store, stdout, *until); err != nil {
-		return err
+		return cb.explain(err)
 	}
 	_, err = fmt.Fprintln(stdout, "scenario done")
 	return err

@@ -1,0 +1,306 @@
+package bus_test
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/narwhalmesh/narwhal/bus"
+)
+
+// deniedBound bounds each forbidden act: NATS drops a denied publish
+// without a reply, so the act ends by its own timeout.
+const deniedBound = 500 * time.Millisecond
+
+// authServer writes a credential set into a new directory (a missing
+// parent included) and starts an embedded server that enforces it, set up
+// in-process with the admin credential.
+func authServer(t *testing.T) (e *bus.Embedded, dir string) {
+	t.Helper()
+	dir = filepath.Join(t.TempDir(), "mesh", "creds")
+	if err := bus.WriteCredentials(dir); err != nil {
+		t.Fatal(err)
+	}
+	return startServer(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1, AuthDir: dir}), dir
+}
+
+// connectAs connects to e over TCP with role's credential from dir.
+func connectAs(t *testing.T, e *bus.Embedded, dir, role string) *bus.Bus {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	b, err := bus.Connect(ctx, bus.ConnectOptions{URL: e.ClientURL(), Name: role, CredsFile: filepath.Join(dir, bus.CredsFile(role))})
+	if err != nil {
+		t.Fatalf("connect as %s: %v", role, err)
+	}
+	t.Cleanup(b.Close)
+	return b
+}
+
+// denied asserts that act failed and that the server reported a
+// permissions violation naming subject on b's connection (R-BUS-8).
+func denied(t *testing.T, b *bus.Bus, what, subject string, act func(ctx context.Context) error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), deniedBound)
+	defer cancel()
+	if err := act(ctx); err == nil {
+		t.Errorf("%s succeeded, want it refused", what)
+		return
+	}
+	waitFor(t, what+": the server's permissions violation", func() bool {
+		err := b.PermissionError()
+		return err != nil && errors.Is(err, nats.ErrPermissionViolation) && strings.Contains(err.Error(), subject)
+	})
+}
+
+// TestCredentialFiles proves `narwhal bus creds`' files (R-BUS-8): one
+// .creds per role, private, the server side auth.conf, and no overwrite of
+// an existing set.
+func TestCredentialFiles(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "new", "dir")
+	if err := bus.WriteCredentials(dir); err != nil {
+		t.Fatal(err)
+	}
+	for _, role := range bus.Roles {
+		fi, err := os.Stat(filepath.Join(dir, bus.CredsFile(role)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if fi.Mode().Perm() != 0o600 {
+			t.Errorf("%s has mode %v, want 0600", fi.Name(), fi.Mode().Perm())
+		}
+		raw, _ := os.ReadFile(filepath.Join(dir, bus.CredsFile(role)))
+		if !strings.Contains(string(raw), "BEGIN NATS USER JWT") || !strings.Contains(string(raw), "BEGIN USER NKEY SEED") {
+			t.Errorf("%s is not a NATS credentials file", fi.Name())
+		}
+	}
+	conf, err := os.ReadFile(filepath.Join(dir, bus.AuthConfFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(string(conf), "SUA") || !strings.Contains(string(conf), "operator:") || !strings.Contains(string(conf), "resolver_preload") {
+		t.Errorf("auth.conf holds a seed or lacks the operator or the accounts:\n%s", conf)
+	}
+	if err := bus.WriteCredentials(dir); err == nil || !strings.Contains(err.Error(), "exists already") {
+		t.Errorf("a second WriteCredentials into the same directory: %v, want a refusal", err)
+	}
+	if _, err := bus.RolePermissions("root"); err == nil {
+		t.Error("RolePermissions of an unknown role succeeded")
+	}
+}
+
+// TestRolePermissions proves R-BUS-8 on a server that enforces the
+// credentials: each role can do its own acts, and each forbidden act
+// fails with a permission error and changes nothing — connecting without
+// a credential, a router writing placement or arming chaos or taking the
+// breaker's consumer, a viewer publishing an event or deleting the
+// breaker's consumer, chaos writing placement, and anyone but the admin
+// creating or updating a stream or bucket.
+func TestRolePermissions(t *testing.T) {
+	e, dir := authServer(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+
+	// No credential: refused at once, not retried for ever.
+	start := time.Now()
+	_, err := bus.Connect(ctx, bus.ConnectOptions{URL: e.ClientURL(), Name: "anonymous"})
+	if err == nil || !strings.Contains(err.Error(), "uthorization") {
+		t.Errorf("Connect without a credential: %v, want an authorization violation", err)
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Errorf("Connect without a credential took %v to fail", d)
+	}
+	// A credential of another operator is refused too.
+	other := filepath.Join(t.TempDir(), "other")
+	if err := bus.WriteCredentials(other); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := bus.Connect(ctx, bus.ConnectOptions{URL: e.ClientURL(), CredsFile: filepath.Join(other, bus.CredsFile(bus.RoleAdmin))}); err == nil {
+		t.Error("Connect with another mesh's admin credential succeeded")
+	}
+
+	breaker := connectAs(t, e, dir, bus.RoleBreaker)
+	router := connectAs(t, e, dir, bus.RoleRouter)
+	viewer := connectAs(t, e, dir, bus.RoleViewer)
+	chaosB := connectAs(t, e, dir, bus.RoleChaos)
+
+	// The breaker's own acts: its consumer, placement, its lease.
+	cons, err := breaker.JetStream().CreateOrUpdateConsumer(ctx, bus.StreamName, jetstream.ConsumerConfig{
+		Durable: bus.BreakerConsumer, AckPolicy: jetstream.AckExplicitPolicy, FilterSubjects: []string{"narwhal.events.failure.>"},
+	})
+	if err != nil {
+		t.Fatalf("breaker creates its consumer: %v", err)
+	}
+	if _, err := breaker.Placement().Put(ctx, "d1", []byte(`{"eligible":true}`)); err != nil {
+		t.Fatalf("breaker writes placement: %v", err)
+	}
+	lease, err := breaker.BindBucket(ctx, bus.LeaseBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := lease.Create(ctx, "leader", []byte(`{}`)); err != nil {
+		t.Fatalf("breaker takes its lease: %v", err)
+	}
+	if _, err := breaker.JetStream().Publish(ctx, "narwhal.events.eligibility.d1", []byte(`{}`)); err != nil {
+		t.Fatalf("breaker publishes an eligibility event: %v", err)
+	}
+
+	// The router's own acts: its events, reading placement and chaos.
+	if _, err := router.JetStream().Publish(ctx, "narwhal.events.failure.d1", []byte(`{"n":1}`)); err != nil {
+		t.Fatalf("router publishes a failure event: %v", err)
+	}
+	if en, err := router.Placement().Get(ctx, "d1"); err != nil || string(en.Value()) != `{"eligible":true}` {
+		t.Fatalf("router reads placement: %v", err)
+	}
+	w, err := router.Placement().WatchAll(ctx)
+	if err != nil {
+		t.Fatalf("router watches placement: %v", err)
+	}
+	if first := <-w.Updates(); first == nil || first.Key() != "d1" {
+		t.Errorf("router's watch gave %v first, want d1", first)
+	}
+	_ = w.Stop()
+	if _, err := router.BindBucket(ctx, bus.ChaosBucket); err != nil {
+		t.Errorf("router binds the chaos bucket: %v", err)
+	}
+
+	// Forbidden: the router writing placement, arming chaos, taking the
+	// lease or the breaker's consumer.
+	denied(t, router, "router writes placement", "$KV.narwhal_placement.d1", func(ctx context.Context) error {
+		_, err := router.Placement().Put(ctx, "d1", []byte(`{"eligible":false}`))
+		return err
+	})
+	denied(t, router, "router arms chaos", "$KV.narwhal_chaos.d1.x", func(ctx context.Context) error {
+		_, err := router.JetStream().Publish(ctx, "$KV.narwhal_chaos.d1.x", []byte(`{}`))
+		return err
+	})
+	denied(t, router, "router takes the lease", "$KV.narwhal_breaker.leader", func(ctx context.Context) error {
+		_, err := router.JetStream().Publish(ctx, "$KV.narwhal_breaker.leader", []byte(`{}`))
+		return err
+	})
+	denied(t, router, "router pulls from the breaker's consumer", "NARWHAL_EVENTS.narwhal-breaker", func(ctx context.Context) error {
+		c, err := router.JetStream().Consumer(ctx, bus.StreamName, bus.BreakerConsumer)
+		if err != nil {
+			return err
+		}
+		_, err = c.Next(jetstream.FetchMaxWait(deniedBound / 2))
+		return err
+	})
+	denied(t, router, "router publishes an eligibility event", "narwhal.events.eligibility.d1", func(ctx context.Context) error {
+		_, err := router.JetStream().Publish(ctx, "narwhal.events.eligibility.d1", []byte(`{}`))
+		return err
+	})
+
+	// The viewer reads everything and follows the events with a consumer
+	// of its own, but publishes nothing and cannot touch the breaker's
+	// consumer.
+	got := make(chan string, 4)
+	stop, err := bus.Subscribe(ctx, viewer, "", true, func(subject string, _ []byte) { got <- subject })
+	if err != nil {
+		t.Fatalf("viewer follows the events: %v", err)
+	}
+	if s := <-got; s != "narwhal.events.eligibility.d1" {
+		t.Errorf("viewer's first event on %s", s)
+	}
+	stop()
+	if _, err := viewer.Placement().Get(ctx, "d1"); err != nil {
+		t.Errorf("viewer reads placement: %v", err)
+	}
+	denied(t, viewer, "viewer publishes a failure event", "narwhal.events.failure.d1", func(ctx context.Context) error {
+		_, err := viewer.JetStream().Publish(ctx, "narwhal.events.failure.d1", []byte(`{"forged":true}`))
+		return err
+	})
+	denied(t, viewer, "viewer deletes the breaker's consumer", "CONSUMER.DELETE.NARWHAL_EVENTS.narwhal-breaker", func(ctx context.Context) error {
+		return viewer.JetStream().DeleteConsumer(ctx, bus.StreamName, bus.BreakerConsumer)
+	})
+	denied(t, viewer, "viewer writes placement", "$KV.narwhal_placement.d1", func(ctx context.Context) error {
+		_, err := viewer.Placement().Put(ctx, "d1", []byte(`{"eligible":false}`))
+		return err
+	})
+
+	// Chaos: arms faults, but cannot write placement.
+	if _, err := chaosB.JetStream().Publish(ctx, "$KV.narwhal_chaos.d1.x", []byte(`{}`)); err != nil {
+		t.Errorf("chaos writes its bucket: %v", err)
+	}
+	denied(t, chaosB, "chaos writes placement", "$KV.narwhal_placement.d1", func(ctx context.Context) error {
+		_, err := chaosB.JetStream().Publish(ctx, "$KV.narwhal_placement.d1", []byte(`{"eligible":false}`))
+		return err
+	})
+
+	// Only the admin creates or updates streams and buckets.
+	st, err := router.JetStream().Stream(ctx, bus.StreamName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lowered := st.CachedInfo().Config
+	lowered.MaxAge = time.Minute
+	for _, b := range []*bus.Bus{router, breaker, viewer, chaosB} {
+		denied(t, b, "a stream update by a non-admin", "$JS.API.STREAM.UPDATE.NARWHAL_EVENTS", func(ctx context.Context) error {
+			_, err := b.JetStream().UpdateStream(ctx, lowered)
+			return err
+		})
+		denied(t, b, "a bucket created by a non-admin", "$JS.API.STREAM.CREATE.KV_narwhal_other", func(ctx context.Context) error {
+			_, err := b.JetStream().CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: "narwhal_other"})
+			return err
+		})
+		denied(t, b, "a bucket deleted by a non-admin", "$JS.API.STREAM.DELETE.KV_narwhal_placement", func(ctx context.Context) error {
+			return b.JetStream().DeleteKeyValue(ctx, bus.PlacementBucket)
+		})
+	}
+	admin := connectAs(t, e, dir, bus.RoleAdmin)
+	if err := bus.Setup(ctx, admin, bus.SetupOptions{}); err != nil {
+		t.Errorf("the admin's Setup: %v", err)
+	}
+
+	// Nothing the forbidden acts tried changed anything.
+	if en, err := admin.Placement().Get(ctx, "d1"); err != nil || string(en.Value()) != `{"eligible":true}` || en.Revision() != 1 {
+		t.Errorf("placement d1 after the forbidden writes: %v %v", en, err)
+	}
+	if _, err := admin.JetStream().Consumer(ctx, bus.StreamName, bus.BreakerConsumer); err != nil {
+		t.Errorf("the breaker's consumer after the viewer's delete: %v", err)
+	}
+	if info, err := cons.Info(ctx); err != nil || info.NumPending != 1 || info.NumAckPending != 0 {
+		t.Errorf("the breaker's consumer after the router's pull: %+v %v, want the one failure event pending", info, err)
+	}
+	st, err = admin.JetStream().Stream(ctx, bus.StreamName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info := st.CachedInfo(); info.State.Msgs != 2 || info.Config.MaxAge != bus.StreamMaxAge {
+		t.Errorf("the stream holds %d events (want 2: the breaker's and the router's own), max age %v (want %v)",
+			info.State.Msgs, info.Config.MaxAge, bus.StreamMaxAge)
+	}
+	if _, err := admin.JetStream().KeyValue(ctx, "narwhal_other"); !errors.Is(err, jetstream.ErrBucketNotFound) {
+		t.Errorf("bucket narwhal_other: %v, want none", err)
+	}
+}
+
+// TestViewerSetupNeedsAdmin proves that a viewer binding to a bus that has
+// not been set up gets the message naming the command, and that a
+// read-only Connect with any role changes nothing (R-BUS-8).
+func TestViewerSetupNeedsAdmin(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "creds")
+	if err := bus.WriteCredentials(dir); err != nil {
+		t.Fatal(err)
+	}
+	e := startServer(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1, AuthDir: dir, NoSetup: true})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_, err := bus.Connect(ctx, bus.ConnectOptions{URL: e.ClientURL(), CredsFile: filepath.Join(dir, bus.CredsFile(bus.RoleViewer))})
+	if !errors.Is(err, bus.ErrNotSetUp) || !strings.Contains(err.Error(), "narwhal bus setup") {
+		t.Fatalf("viewer on a bus not set up: %v", err)
+	}
+	b, err := bus.Connect(ctx, bus.ConnectOptions{URL: e.ClientURL(), CredsFile: filepath.Join(dir, bus.CredsFile(bus.RoleAdmin)), Setup: &bus.SetupOptions{}})
+	if err != nil {
+		t.Fatalf("admin set-up: %v", err)
+	}
+	b.Close()
+	connectAs(t, e, dir, bus.RoleViewer)
+}
