@@ -216,10 +216,15 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 			return nil, err
 		}
 	}
+	var lastLog time.Time
 	for {
 		err := b.bind(ctx)
 		if err == nil {
 			return b, nil
+		}
+		if log != nil && retryable(nc, err) && time.Since(lastLog) >= waitLogEvery {
+			log.Warn("waiting for the bus's JetStream", "url", nc.ConnectedUrlRedacted(), "err", err)
+			lastLog = time.Now()
 		}
 		if perm := b.PermissionError(); perm != nil {
 			nc.Close()

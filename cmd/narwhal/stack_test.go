@@ -1,0 +1,147 @@
+package main
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+
+	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/config"
+)
+
+// freeTCPPort returns a port nothing listens on now.
+func freeTCPPort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := l.Addr().(*net.TCPAddr).Port
+	l.Close()
+	return port
+}
+
+// getBody GETs url and returns the status and body ("" and 0 on a
+// transport error).
+func getBody(c *http.Client, url string) (int, string) {
+	resp, err := c.Get(url)
+	if err != nil {
+		return 0, ""
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+// TestRouterSaysWhatItWaitsFor proves the start-up of issue 11 (R-BUS-8):
+// a router whose bus is not there logs it at once and keeps logging, its
+// address answers at once — /readyz 503 naming "bus unreachable" — and once
+// the bus comes it serves and turns ready.
+func TestRouterSaysWhatItWaitsFor(t *testing.T) {
+	// fasthttp keeps a date ticker and idle workers for a while after a
+	// server stops (router_test.go ignores them the same way).
+	before := goleak.IgnoreCurrent()
+	t.Cleanup(func() {
+		goleak.VerifyNone(t, before,
+			goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.updateServerDate.func1"),
+			goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.(*workerPool).Start.func2"))
+	})
+	path, _ := preflightFleet(t, [][2]string{{"p1", "prefill"}, {"d1", "decode"}})
+	busPort := freeTCPPort(t)
+	t.Setenv("NARWHAL_NATS_URL", "nats://127.0.0.1:"+strconv.Itoa(busPort))
+	t.Setenv("NARWHAL_ROUTER_ID", "rt-wait")
+	cfg, err := config.Load(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	logs := &capturedOutput{}
+	log := slog.New(slog.NewTextHandler(logs, nil))
+	listen := "127.0.0.1:" + strconv.Itoa(freeTCPPort(t))
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- runRouter(ctx, cfg, listen, log, nil) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("runRouter: %v", err)
+		}
+	}()
+	client := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
+	defer client.CloseIdleConnections()
+
+	start := time.Now()
+	waitForCmd(t, "the router's waiting line", func() bool { return strings.Contains(logs.String(), "waiting for the bus") })
+	if d := time.Since(start); d > time.Second {
+		t.Errorf("the first waiting line came after %v, want it at once", d)
+	}
+	var status int
+	var body string
+	waitForCmd(t, "a 503 on /readyz", func() bool {
+		status, body = getBody(client, "http://"+listen+"/readyz")
+		return status != 0
+	})
+	if status != http.StatusServiceUnavailable || !strings.Contains(body, "bus unreachable") {
+		t.Errorf("/readyz while the bus is missing: %d %s, want 503 naming the bus", status, body)
+	}
+	if s, b := getBody(client, "http://"+listen+"/v1/models"); s != http.StatusServiceUnavailable || !strings.Contains(b, "bus unreachable") {
+		t.Errorf("/v1/models while the bus is missing: %d %s", s, b)
+	}
+
+	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Port: busPort})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer emb.Shutdown()
+	waitForCmd(t, "a ready router", func() bool {
+		s, _ := getBody(client, "http://"+listen+"/readyz")
+		return s == http.StatusOK
+	})
+	if !strings.Contains(logs.String(), "bus reachable") {
+		t.Errorf("no line says the bus was reached:\n%s", logs.String())
+	}
+}
+
+// TestRouterConnectTimeout proves bus.connect_timeout_s: with nothing at
+// the bus URL the router gives up after it with an error naming the bus
+// (a non-zero exit), instead of waiting for ever.
+func TestRouterConnectTimeout(t *testing.T) {
+	checkCmdLeaks(t)
+	path, _ := preflightFleet(t, [][2]string{{"p1", "prefill"}, {"d1", "decode"}})
+	url := "nats://127.0.0.1:" + strconv.Itoa(freeTCPPort(t))
+	t.Setenv("NARWHAL_NATS_URL", url)
+	t.Setenv("NARWHAL_NATS_CONNECT_TIMEOUT_S", "0.5")
+	cfg, err := config.Load(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	err = runRouter(context.Background(), cfg, "127.0.0.1:0", slog.New(slog.DiscardHandler), nil)
+	d := time.Since(start)
+	if err == nil || !strings.Contains(err.Error(), url) || !strings.Contains(err.Error(), "gave up") {
+		t.Errorf("runRouter with an unreachable bus: %v, want an error naming %s", err, url)
+	}
+	if d < 400*time.Millisecond || d > 5*time.Second {
+		t.Errorf("gave up after %v, want about 0.5s", d)
+	}
+}
+
+// waitForCmd polls cond every 10 ms until it holds, failing the test after
+// cmdTestBound.
+func waitForCmd(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(cmdTestBound)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
