@@ -59,21 +59,21 @@ func CredsFile(role string) string { return role + ".creds" }
 // jsAPI is the JetStream API subject prefix.
 const jsAPI = "$JS.API."
 
-// bucketRead is what reading KV bucket name takes: its stream's info, gets
-// (direct and through the API) and watches (ephemeral ordered consumers,
-// with their flow control).
+// bucketRead is what reading KV bucket name takes: its stream's info,
+// direct gets, and watches (ephemeral ordered consumers — creating,
+// reading, pulling from and deleting them — with their flow control). The
+// wildcard token after CONSUMER stands for CREATE, INFO, DELETE and the
+// like; it matches no durable creation (CONSUMER.DURABLE.CREATE.<stream>),
+// which has one token more. A KV stream has no durable consumers of
+// Narwhal's.
 func bucketRead(name string) []string {
 	stream := "KV_" + name
 	return []string{
 		jsAPI + "STREAM.INFO." + stream,
-		jsAPI + "DIRECT.GET." + stream,
 		jsAPI + "DIRECT.GET." + stream + ".>",
-		jsAPI + "STREAM.MSG.GET." + stream,
-		jsAPI + "CONSUMER.CREATE." + stream,
-		jsAPI + "CONSUMER.CREATE." + stream + ".>",
-		jsAPI + "CONSUMER.INFO." + stream + ".>",
-		jsAPI + "CONSUMER.DELETE." + stream + ".>",
-		jsAPI + "CONSUMER.MSG.NEXT." + stream + ".>", // a pull watch (routers' placement watch)
+		jsAPI + "CONSUMER.*." + stream,
+		jsAPI + "CONSUMER.*." + stream + ".>",
+		jsAPI + "CONSUMER.MSG.NEXT." + stream + ".>",
 		"$JS.FC." + stream + ".>",
 	}
 }
@@ -91,16 +91,16 @@ func eventsPub(kinds ...string) []string {
 	return out
 }
 
-// breakerConsumerSubjects are the API subjects of the breaker's durable
-// consumer that only the breaker may use.
-func breakerConsumerSubjects() []string {
+// viewerDenied are the acts on the breaker's durable consumer, and the
+// consumer acts beyond reading, that the viewer's wide read permissions
+// would otherwise allow.
+func viewerDenied() []string {
 	return []string{
-		jsAPI + "CONSUMER.CREATE." + StreamName + "." + BreakerConsumer,
-		jsAPI + "CONSUMER.CREATE." + StreamName + "." + BreakerConsumer + ".>",
-		jsAPI + "CONSUMER.DURABLE.CREATE." + StreamName + "." + BreakerConsumer,
-		jsAPI + "CONSUMER.DELETE." + StreamName + "." + BreakerConsumer,
+		jsAPI + "CONSUMER.*." + StreamName + "." + BreakerConsumer,
+		jsAPI + "CONSUMER.*." + StreamName + "." + BreakerConsumer + ".>",
 		jsAPI + "CONSUMER.MSG.NEXT." + StreamName + "." + BreakerConsumer,
-		"$JS.ACK." + StreamName + "." + BreakerConsumer + ".>",
+		jsAPI + "CONSUMER.DURABLE.CREATE.>",
+		jsAPI + "CONSUMER.LEADER.STEPDOWN.>",
 	}
 }
 
@@ -119,9 +119,10 @@ func breakerConsumerSubjects() []string {
 //   - chaos: publish chaos events; write and read narwhal_chaos; read
 //     narwhal_placement's info; answer as, and ask, the NATS service
 //     ChaosProxyService ($SRV.*, replies to the requests it receives);
-//   - viewer: subscribe to every event; read every bucket and stored
-//     event; make, read and delete consumers of NARWHAL_EVENTS other than
-//     narwhal-breaker;
+//   - viewer: subscribe to every event; read every stream and bucket of
+//     the account (info, messages); make, read from and delete consumers
+//     of its own — not narwhal-breaker, not durables through the durable
+//     API, no leader step-downs;
 //   - admin: everything ("> ").
 //
 // It returns an error for an unknown role.
@@ -136,7 +137,6 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 			eventsPub("failure", "quarantine", "handoff", "request"),
 			bucketRead(PlacementBucket), bucketRead(LeaseBucket), bucketRead(ChaosBucket))
 		sub = append(sub, SubjectPrefix+"quarantine.>")
-		deny = breakerConsumerSubjects()
 	case RoleBreaker:
 		pub = slices.Concat(common,
 			eventsPub("eligibility", "probe"),
@@ -159,27 +159,22 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 		sub = append(sub, "$SRV.PING", "$SRV.INFO", "$SRV.STATS",
 			"$SRV.*."+ChaosProxyService, "$SRV.*."+ChaosProxyService+".*")
 		resp = &jwt.ResponsePermission{MaxMsgs: 1, Expires: time.Minute}
-		deny = breakerConsumerSubjects()
 	case RoleViewer:
-		pub = slices.Concat(common,
-			bucketRead(PlacementBucket), bucketRead(LeaseBucket), bucketRead(ChaosBucket),
-			[]string{
-				jsAPI + "STREAM.NAMES",
-				jsAPI + "STREAM.LIST",
-				jsAPI + "STREAM.MSG.GET." + StreamName,
-				jsAPI + "DIRECT.GET." + StreamName,
-				jsAPI + "DIRECT.GET." + StreamName + ".>",
-				jsAPI + "CONSUMER.CREATE." + StreamName,
-				jsAPI + "CONSUMER.CREATE." + StreamName + ".>",
-				jsAPI + "CONSUMER.INFO." + StreamName + ".>",
-				jsAPI + "CONSUMER.NAMES." + StreamName,
-				jsAPI + "CONSUMER.LIST." + StreamName,
-				jsAPI + "CONSUMER.DELETE." + StreamName + ".>",
-				jsAPI + "CONSUMER.MSG.NEXT." + StreamName + ".>",
-				"$JS.FC." + StreamName + ".>",
-			})
+		// Read only, on an account that holds Narwhal's streams alone:
+		// every stream's info and messages, consumers of its own.
+		pub = []string{
+			jsAPI + "INFO",
+			jsAPI + "STREAM.NAMES",
+			jsAPI + "STREAM.LIST",
+			jsAPI + "STREAM.INFO.*",
+			jsAPI + "STREAM.MSG.GET.*",
+			jsAPI + "DIRECT.GET.>",
+			jsAPI + "CONSUMER.*.*",
+			jsAPI + "CONSUMER.*.*.>",
+			"$JS.FC.>",
+		}
 		sub = append(sub, SubjectPrefix+">")
-		deny = breakerConsumerSubjects()
+		deny = viewerDenied()
 	case RoleAdmin:
 		pub, sub = []string{">"}, []string{">"}
 	default:

@@ -13,6 +13,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 // deniedBound bounds each forbidden act: NATS drops a denied publish
@@ -54,7 +55,7 @@ func denied(t *testing.T, b *bus.Bus, what, subject string, act func(ctx context
 		t.Errorf("%s succeeded, want it refused", what)
 		return
 	}
-	waitFor(t, what+": the server's permissions violation", func() bool {
+	testkit.WaitFor(t, waitBound, what+": the server's permissions violation", func() bool {
 		err := b.PermissionError()
 		return err != nil && errors.Is(err, nats.ErrPermissionViolation) && strings.Contains(err.Error(), subject)
 	})
@@ -79,6 +80,11 @@ func TestCredentialFiles(t *testing.T) {
 		raw, _ := os.ReadFile(filepath.Join(dir, bus.CredsFile(role)))
 		if !strings.Contains(string(raw), "BEGIN NATS USER JWT") || !strings.Contains(string(raw), "BEGIN USER NKEY SEED") {
 			t.Errorf("%s is not a NATS credentials file", fi.Name())
+		}
+		// The JWT travels in the CONNECT line, which a server takes up to
+		// 4 KiB long (max_control_line): leave room for the rest.
+		if len(raw) > 3000 {
+			t.Errorf("%s is %d bytes: its JWT would crowd NATS's 4 KiB control line", fi.Name(), len(raw))
 		}
 	}
 	conf, err := os.ReadFile(filepath.Join(dir, bus.AuthConfFile))

@@ -348,14 +348,14 @@ func sleepCtx(ctx context.Context, d time.Duration) bool {
 	}
 }
 
-// Replicas returns the replica count of stream NARWHAL_EVENTS and of each
-// of Narwhal's buckets as they are on the server, keyed by the stream's or
+// Replicas returns the replica count of streams NARWHAL_EVENTS and
+// NARWHAL_HISTORY and of each of Narwhal's buckets as they are on the server, keyed by the stream's or
 // bucket's name (e.g. "NARWHAL_EVENTS", "narwhal_placement"); a missing
 // one is absent. It reads only (R-BUS-8) and returns the server's error
 // for anything but a missing stream or bucket.
 func (b *Bus) Replicas(ctx context.Context) (map[string]int, error) {
 	out := map[string]int{}
-	names := map[string]string{StreamName: StreamName}
+	names := map[string]string{StreamName: StreamName, HistoryStream: HistoryStream}
 	for _, kv := range bucketConfigs(1, DefaultLeaseTTL) {
 		names["KV_"+kv.Bucket] = kv.Bucket
 	}

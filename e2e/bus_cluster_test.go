@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 // busCluster is a JetStream cluster of `narwhal bus` processes n1, n2, n3
@@ -98,7 +99,7 @@ func (bc *busCluster) start(t *testing.T, n *busNode) {
 // waitListening waits for n's listening line.
 func (bc *busCluster) waitListening(t *testing.T, n *busNode) {
 	t.Helper()
-	waitFor(t, 3*readyBound, n.name+"'s listening line", func() bool {
+	testkit.WaitEvery(t, 3*readyBound, pollInterval, n.name+"'s listening line", func() bool {
 		if n.p.exited() {
 			n.p.dump(t)
 			t.Fatalf("%s exited: %v", n.name, n.p.waitErr)
@@ -109,7 +110,9 @@ func (bc *busCluster) waitListening(t *testing.T, n *busNode) {
 }
 
 // creds returns the path of role's credential.
-func (bc *busCluster) creds(role string) string { return filepath.Join(bc.credsDir, bus.CredsFile(role)) }
+func (bc *busCluster) creds(role string) string {
+	return filepath.Join(bc.credsDir, bus.CredsFile(role))
+}
 
 // env returns the environment of a process of role on the cluster.
 func (bc *busCluster) env(role string) []string {
@@ -131,7 +134,7 @@ func (bc *busCluster) replicas(t *testing.T) map[string]int {
 func (bc *busCluster) checkReplicas(t *testing.T, want int) {
 	t.Helper()
 	got := bc.replicas(t)
-	for _, name := range []string{bus.StreamName, bus.PlacementBucket, bus.LeaseBucket, bus.ChaosBucket} {
+	for _, name := range []string{bus.StreamName, bus.HistoryStream, bus.PlacementBucket, bus.LeaseBucket, bus.ChaosBucket} {
 		if got[name] != want {
 			t.Errorf("%s has %d replicas, want %d (all: %v)", name, got[name], want, got)
 		}
@@ -165,7 +168,7 @@ func TestBusCluster(t *testing.T) {
 		t.Fatal(err)
 	}
 	events := spawn(t, "events", bc.env(bus.RoleViewer), "events", "--since", "all", "--json")
-	waitFor(t, readyBound, "narwhal events printing the stored event", func() bool {
+	testkit.WaitEvery(t, readyBound, pollInterval, "narwhal events printing the stored event", func() bool {
 		if events.exited() {
 			events.dump(t)
 			t.Fatalf("narwhal events exited: %v", events.waitErr)
@@ -198,7 +201,7 @@ func TestBusCluster(t *testing.T) {
 	bc.start(t, down)
 	bc.waitListening(t, down)
 	bc.checkReplicas(t, 3)
-	waitFor(t, 2*readyBound, "the stream with every replica current", func() bool {
+	testkit.WaitEvery(t, 2*readyBound, pollInterval, "the stream with every replica current", func() bool {
 		st, err := bc.conn.JetStream().Stream(pctx, bus.StreamName)
 		if err != nil {
 			return false

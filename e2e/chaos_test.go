@@ -16,8 +16,8 @@ import (
 	"time"
 
 	"github.com/narwhalmesh/narwhal/breaker"
-	"github.com/narwhalmesh/narwhal/chaos"
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/chaos"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"

@@ -28,7 +28,7 @@ func (c *cluster) replicasOf(t *testing.T) map[string]int {
 func (c *cluster) checkReplicas(t *testing.T, want int) {
 	t.Helper()
 	got := c.replicasOf(t)
-	for _, name := range []string{bus.StreamName, bus.PlacementBucket, bus.LeaseBucket, bus.ChaosBucket} {
+	for _, name := range []string{bus.StreamName, bus.HistoryStream, bus.PlacementBucket, bus.LeaseBucket, bus.ChaosBucket} {
 		if got[name] != want {
 			t.Errorf("%s has %d replicas, want %d (all: %v)", name, got[name], want, got)
 		}

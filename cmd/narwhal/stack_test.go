@@ -11,10 +11,9 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/goleak"
-
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 // freeTCPPort returns a port nothing listens on now.
@@ -46,14 +45,7 @@ func getBody(c *http.Client, url string) (int, string) {
 // address answers at once — /readyz 503 naming "bus unreachable" — and once
 // the bus comes it serves and turns ready.
 func TestRouterSaysWhatItWaitsFor(t *testing.T) {
-	// fasthttp keeps a date ticker and idle workers for a while after a
-	// server stops (router_test.go ignores them the same way).
-	before := goleak.IgnoreCurrent()
-	t.Cleanup(func() {
-		goleak.VerifyNone(t, before,
-			goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.updateServerDate.func1"),
-			goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.(*workerPool).Start.func2"))
-	})
+	testkit.CheckLeaks(t, testkit.FasthttpLongLived()...)
 	path, _ := preflightFleet(t, [][2]string{{"p1", "prefill"}, {"d1", "decode"}})
 	busPort := freeTCPPort(t)
 	t.Setenv("NARWHAL_NATS_URL", "nats://127.0.0.1:"+strconv.Itoa(busPort))
@@ -78,13 +70,13 @@ func TestRouterSaysWhatItWaitsFor(t *testing.T) {
 	defer client.CloseIdleConnections()
 
 	start := time.Now()
-	waitForCmd(t, "the router's waiting line", func() bool { return strings.Contains(logs.String(), "waiting for the bus") })
+	testkit.WaitFor(t, cmdTestBound, "the router's waiting line", func() bool { return strings.Contains(logs.String(), "waiting for the bus") })
 	if d := time.Since(start); d > time.Second {
 		t.Errorf("the first waiting line came after %v, want it at once", d)
 	}
 	var status int
 	var body string
-	waitForCmd(t, "a 503 on /readyz", func() bool {
+	testkit.WaitFor(t, cmdTestBound, "a 503 on /readyz", func() bool {
 		status, body = getBody(client, "http://"+listen+"/readyz")
 		return status != 0
 	})
@@ -100,7 +92,7 @@ func TestRouterSaysWhatItWaitsFor(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer emb.Shutdown()
-	waitForCmd(t, "a ready router", func() bool {
+	testkit.WaitFor(t, cmdTestBound, "a ready router", func() bool {
 		s, _ := getBody(client, "http://"+listen+"/readyz")
 		return s == http.StatusOK
 	})
@@ -113,7 +105,7 @@ func TestRouterSaysWhatItWaitsFor(t *testing.T) {
 // the bus URL the router gives up after it with an error naming the bus
 // (a non-zero exit), instead of waiting for ever.
 func TestRouterConnectTimeout(t *testing.T) {
-	checkCmdLeaks(t)
+	testkit.CheckLeaks(t)
 	path, _ := preflightFleet(t, [][2]string{{"p1", "prefill"}, {"d1", "decode"}})
 	url := "nats://127.0.0.1:" + strconv.Itoa(freeTCPPort(t))
 	t.Setenv("NARWHAL_NATS_URL", url)
@@ -130,18 +122,5 @@ func TestRouterConnectTimeout(t *testing.T) {
 	}
 	if d < 400*time.Millisecond || d > 5*time.Second {
 		t.Errorf("gave up after %v, want about 0.5s", d)
-	}
-}
-
-// waitForCmd polls cond every 10 ms until it holds, failing the test after
-// cmdTestBound.
-func waitForCmd(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(cmdTestBound)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
 	}
 }
