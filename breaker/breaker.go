@@ -26,7 +26,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -34,6 +33,7 @@ import (
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/engines/connector"
+	"github.com/narwhalmesh/narwhal/internal/pause"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -326,7 +326,7 @@ func (s *Service) setup(ctx context.Context) (jetstream.KeyValue, jetstream.Cons
 			return nil, nil, err
 		}
 		s.log.Warn("breaker setup waiting for the bus", "err", err)
-		if !sleep(ctx, setupRetry) {
+		if !pause.For(ctx, setupRetry) {
 			return nil, nil, ctx.Err()
 		}
 	}
@@ -370,25 +370,7 @@ func consumerConfig(start uint64) jetstream.ConsumerConfig {
 
 // transient reports whether a bus error may go away by waiting.
 func (s *Service) transient(err error) bool {
-	return !s.bus.Connected() ||
-		errors.Is(err, context.DeadlineExceeded) ||
-		errors.Is(err, nats.ErrTimeout) ||
-		errors.Is(err, nats.ErrNoResponders) ||
-		errors.Is(err, jetstream.ErrJetStreamNotEnabled) ||
-		errors.Is(err, nats.ErrConnectionReconnecting) ||
-		errors.Is(err, nats.ErrDisconnected)
-}
-
-// sleep waits for d or until ctx ends; it reports whether d passed.
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	}
+	return !s.bus.Connected() || bus.Temporary(err)
 }
 
 // errLeaseLost cancels the leading context when a renewal fails.
@@ -501,7 +483,7 @@ func (s *Service) renew(ctx context.Context, lease jetstream.KeyValue, value []b
 			s.log.Warn("breaker lease renewal failed; retrying until the lease would lapse", "err", err)
 		}
 		retried = true
-		if !sleep(ctx, renewRetry) {
+		if !pause.For(ctx, renewRetry) {
 			return 0, ctx.Err()
 		}
 	}

@@ -11,6 +11,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/internal/pause"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -45,7 +46,7 @@ func (s *Service) consume(ctx context.Context, cons jetstream.Consumer) {
 				if errors.Is(err, jetstream.ErrConsumerNotFound) || errors.Is(err, jetstream.ErrConsumerDeleted) {
 					checked = time.Time{}
 				}
-				sleep(ctx, min(wait, checkEvery))
+				pause.For(ctx, min(wait, checkEvery))
 			}
 			continue
 		}
@@ -65,7 +66,7 @@ func (s *Service) consume(ctx context.Context, cons jetstream.Consumer) {
 				checked = time.Time{}
 			}
 			if n == 0 {
-				sleep(ctx, min(wait, checkEvery))
+				pause.For(ctx, min(wait, checkEvery))
 			}
 		}
 	}

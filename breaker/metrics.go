@@ -1,9 +1,9 @@
 package breaker
 
 import (
-	"errors"
-
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/narwhalmesh/narwhal/internal/promreg"
 )
 
 // metrics are the Service's Prometheus collectors.
@@ -57,27 +57,13 @@ func newMetrics(reg prometheus.Registerer, breakerID string) *metrics {
 		}),
 	}
 	if reg != nil {
-		leader = register(reg, leader)
-		m.ejections = register(reg, m.ejections)
-		m.readmissions = register(reg, m.readmissions)
-		m.probes = register(reg, m.probes)
-		m.events = register(reg, m.events)
-		m.consumerRecreated = register(reg, m.consumerRecreated)
+		leader = promreg.Register(reg, leader)
+		m.ejections = promreg.Register(reg, m.ejections)
+		m.readmissions = promreg.Register(reg, m.readmissions)
+		m.probes = promreg.Register(reg, m.probes)
+		m.events = promreg.Register(reg, m.events)
+		m.consumerRecreated = promreg.Register(reg, m.consumerRecreated)
 	}
 	m.leader = leader.WithLabelValues(breakerID)
 	return m
-}
-
-// register registers c on reg, or returns the collector already
-// registered under the same name.
-func register[C prometheus.Collector](reg prometheus.Registerer, c C) C {
-	if err := reg.Register(c); err != nil {
-		var are prometheus.AlreadyRegisteredError
-		if errors.As(err, &are) {
-			if existing, ok := are.ExistingCollector.(C); ok {
-				return existing
-			}
-		}
-	}
-	return c
 }

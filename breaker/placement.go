@@ -10,6 +10,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/nats-io/nuid"
 
+	"github.com/narwhalmesh/narwhal/internal/pause"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -39,7 +40,7 @@ func (s *Service) takeOver(ctx context.Context) bool {
 				return false
 			}
 			s.log.Warn("breaker placement takeover", "engine_id", e.ID, "err", err)
-			if !sleep(ctx, setupRetry) {
+			if !pause.For(ctx, setupRetry) {
 				return false
 			}
 		}

@@ -23,6 +23,8 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/narwhalmesh/narwhal/internal/pause"
 )
 
 // Names on the bus (SPEC R-BUS-1, R-BUS-2).
@@ -234,7 +236,7 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 			nc.Close()
 			return nil, err
 		}
-		if !sleepCtx(ctx, setupRetryDelay) {
+		if !pause.For(ctx, setupRetryDelay) {
 			nc.Close()
 			return nil, fmt.Errorf("%w (gave up: %v)", err, context.Cause(ctx))
 		}
@@ -329,8 +331,15 @@ func retryable(nc *nats.Conn, err error) bool {
 	if errors.As(err, &apiErr) && (apiErr.Code == 503 || apiErr.ErrorCode == jsErrCodeClusterNoPeers) {
 		return true
 	}
-	return !nc.IsConnected() ||
-		errors.Is(err, context.DeadlineExceeded) ||
+	return !nc.IsConnected() || Temporary(err)
+}
+
+// Temporary reports whether err, from a request to NATS or JetStream, may
+// go away by waiting: a deadline or timeout, no responders, JetStream not
+// enabled (yet), or a connection that is down or reconnecting. Whether the
+// connection itself is up is the caller's to add.
+func Temporary(err error) bool {
+	return errors.Is(err, context.DeadlineExceeded) ||
 		errors.Is(err, nats.ErrTimeout) ||
 		errors.Is(err, nats.ErrNoResponders) ||
 		errors.Is(err, jetstream.ErrJetStreamNotEnabled) ||

@@ -14,6 +14,7 @@ import (
 	"github.com/nats-io/nuid"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/narwhalmesh/narwhal/internal/promreg"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -145,13 +146,13 @@ func NewPublisher(b *Bus, buffer int, reg prometheus.Registerer) *Publisher {
 		}, []string{"reason", "kind"}),
 	}
 	if reg != nil {
-		p.publishedTotal = register(reg, p.publishedTotal)
-		p.droppedTotal = register(reg, p.droppedTotal)
-		register(reg, prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		p.publishedTotal = promreg.Register(reg, p.publishedTotal)
+		p.droppedTotal = promreg.Register(reg, p.droppedTotal)
+		promreg.Register(reg, prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "narwhal_events_pending",
 			Help: "Bus events accepted and not yet acknowledged by the stream (buffered or being published again).",
 		}, func() float64 { return float64(p.pending.Load()) }))
-		register(reg, prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		promreg.Register(reg, prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "narwhal_bus_connected",
 			Help: "1 while the connection to NATS is up, else 0.",
 		}, func() float64 {
@@ -172,21 +173,6 @@ func NewPublisher(b *Bus, buffer int, reg prometheus.Registerer) *Publisher {
 	p.status = b.nc.StatusChanged(nats.CONNECTED, nats.CLOSED)
 	go p.run()
 	return p
-}
-
-// register registers c on reg, or returns the collector already registered
-// under the same name.
-func register[C prometheus.Collector](reg prometheus.Registerer, c C) C {
-	if err := reg.Register(c); err != nil {
-		var are prometheus.AlreadyRegisteredError
-		if errors.As(err, &are) {
-			if existing, ok := are.ExistingCollector.(C); ok {
-				return existing
-			}
-		}
-		// A different collector holds the name: count locally only.
-	}
-	return c
 }
 
 // Publish hands ev to the publisher and returns at once; it never blocks

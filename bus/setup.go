@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/narwhalmesh/narwhal/internal/pause"
 )
 
 // The buckets besides narwhal_placement (SPEC R-BRK-8, R-CHAOS-1). They
@@ -191,7 +193,7 @@ func Setup(ctx context.Context, b *Bus, opts SetupOptions) error {
 			log.Warn("bus setup waiting", "url", b.nc.ConnectedUrlRedacted(), "err", err)
 			lastLog = time.Now()
 		}
-		if !sleepCtx(ctx, setupRetryDelay) {
+		if !pause.For(ctx, setupRetryDelay) {
 			return fmt.Errorf("%w (gave up: %v)", err, context.Cause(ctx))
 		}
 	}
@@ -335,18 +337,6 @@ func (b *Bus) BindBucket(ctx context.Context, name string) (jetstream.KeyValue, 
 // errCreateRace marks a create that another admin (e.g. another server of
 // a cluster starting at the same time) won: the next attempt finds it.
 var errCreateRace = errors.New("created meanwhile by another admin")
-
-// sleepCtx waits for d or until ctx ends; it reports whether d passed.
-func sleepCtx(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	}
-}
 
 // Replicas returns the replica count of streams NARWHAL_EVENTS and
 // NARWHAL_HISTORY and of each of Narwhal's buckets as they are on the server, keyed by the stream's or

@@ -25,6 +25,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/nats-io/nats.go/micro"
 
+	"github.com/narwhalmesh/narwhal/internal/pause"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -350,7 +351,7 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		p.rp.ServeHTTP(w, r)
 		return
 	}
-	if x.hits(kindConnectDelay) && !sleep(r.Context(), x.set[kindConnectDelay].delay) {
+	if x.hits(kindConnectDelay) && !pause.For(r.Context(), x.set[kindConnectDelay].delay) {
 		return // the client left
 	}
 	switch {
@@ -528,18 +529,6 @@ func roll(prob float64) bool {
 	return prob >= 1 || (prob > 0 && rand.Float64() < prob)
 }
 
-// sleep waits d or until ctx ends; it reports whether d elapsed.
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-ctx.Done():
-		return false
-	}
-}
-
 // resetConnection ends the client's connection without a response: a TCP
 // reset on HTTP/1, a stream reset on HTTP/2.
 func resetConnection(w http.ResponseWriter) {
@@ -574,7 +563,7 @@ func (p *Proxy) modifyResponse(resp *http.Response) error {
 	if x == nil {
 		return nil
 	}
-	if x.hits(kindHeaderDelay) && !sleep(x.clientCtx, x.set[kindHeaderDelay].delay) {
+	if x.hits(kindHeaderDelay) && !pause.For(x.clientCtx, x.set[kindHeaderDelay].delay) {
 		return context.Cause(x.clientCtx)
 	}
 	if resp.StatusCode != http.StatusOK {
@@ -634,7 +623,7 @@ type heldBody struct {
 func (b *heldBody) Read(p []byte) (int, error) {
 	if !b.waited {
 		b.waited = true
-		if !sleep(b.ctx, b.delay) {
+		if !pause.For(b.ctx, b.delay) {
 			return 0, context.Cause(b.ctx)
 		}
 	}

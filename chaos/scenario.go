@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/goccy/go-yaml"
+
+	"github.com/narwhalmesh/narwhal/internal/pause"
 )
 
 // Scenario is a timed list of arm and disarm steps (`narwhal chaos run
@@ -189,7 +191,7 @@ func (sc *Scenario) Run(ctx context.Context, st *Store, out io.Writer, until tim
 		if until > 0 && step.At > until {
 			break
 		}
-		if !sleep(ctx, time.Until(start.Add(step.At))) {
+		if !pause.For(ctx, time.Until(start.Add(step.At))) {
 			return context.Cause(ctx)
 		}
 		if step.Arm != nil {
@@ -223,7 +225,7 @@ func (sc *Scenario) Run(ctx context.Context, st *Store, out io.Writer, until tim
 			fmt.Fprintf(out, "%s disarm %s: %s/%s\n", at(), what, f.EngineID, f.ID)
 		}
 	}
-	if until > 0 && !sleep(ctx, time.Until(start.Add(until))) {
+	if until > 0 && !pause.For(ctx, time.Until(start.Add(until))) {
 		return context.Cause(ctx)
 	}
 	return nil
