@@ -124,6 +124,8 @@ type Bus struct {
 	denied atomic.Pointer[error]
 	// dialErr is the last failed connection attempt, or nil.
 	dialErr atomic.Pointer[error]
+	// closing is set by Close, so that its own disconnect is not logged.
+	closing atomic.Bool
 	// log is ConnectOptions.Log (nil: no logs), also the publishers'.
 	log *slog.Logger
 }
@@ -183,7 +185,9 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 	if log != nil {
 		nopts = append(nopts,
 			nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
-				log.Warn("bus disconnected", "err", err)
+				if !b.closing.Load() { // closing on purpose is no news
+					log.Warn("bus disconnected", "err", err)
+				}
 			}),
 			nats.ReconnectHandler(func(nc *nats.Conn) {
 				log.Info("bus reconnected", "url", nc.ConnectedUrlRedacted())
@@ -364,7 +368,10 @@ func (b *Bus) Connected() bool { return b.nc.IsConnected() }
 
 // Close closes the connection; close every Publisher of the Bus first so
 // they can drain. Safe to call more than once.
-func (b *Bus) Close() { b.nc.Close() }
+func (b *Bus) Close() {
+	b.closing.Store(true)
+	b.nc.Close()
+}
 
 // redactURLs returns urls (one URL or a comma-separated list) with any
 // password or token replaced by "xxxxx", for messages.

@@ -222,7 +222,8 @@ func runBusCreds(args []string, stdout, stderr io.Writer) error {
 // creates stream NARWHAL_EVENTS and every bucket on the NATS at
 // NARWHAL_NATS_URL (default nats://127.0.0.1:4222), or updates those whose
 // settings differ — keeping the replicas of any that exists, logged as
-// found versus wanted — prints `bus set up on URL` and exits. It returns an
+// found versus wanted — prints `bus set up on URL:` and each stream's and
+// bucket's replicas, and exits. It returns an
 // error when the bus is not reachable in time, the credential may not do
 // it, or the server refuses a configuration.
 func runBusSetup(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -252,10 +253,20 @@ func runBusSetup(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	if err != nil {
 		return fmt.Errorf("bus %s: %w", redactNATSURL(cfg.Bus.URL), err)
 	}
-	b.Close()
-	_, err = fmt.Fprintf(stdout, "bus set up on %s: stream %s, buckets %s, %s, %s\n", redactNATSURL(cfg.Bus.URL),
-		bus.StreamName, bus.PlacementBucket, bus.LeaseBucket, bus.ChaosBucket)
-	return err
+	defer b.Close()
+	replicas, err := b.Replicas(cctx)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "bus set up on %s:\n", redactNATSURL(cfg.Bus.URL))
+	for _, name := range []string{bus.StreamName, bus.HistoryStream, bus.PlacementBucket, bus.LeaseBucket, bus.ChaosBucket} {
+		what := "bucket"
+		if name == bus.StreamName || name == bus.HistoryStream {
+			what = "stream"
+		}
+		fmt.Fprintf(stdout, "  %s %-18s %d replicas\n", what, name, replicas[name])
+	}
+	return nil
 }
 
 // parseListen splits a --listen HOST:PORT into the embedded server's host
