@@ -32,7 +32,6 @@ import (
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
-	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/internal/pause"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
@@ -209,24 +208,17 @@ func New(opts Options) (*Service, error) {
 	// timeout (R-BRK-3), plus the decode's tail after its first token.
 	s.probeBudget = 4*cfg.Engine.FirstTokenTimeout() + cfg.Engine.DecodeReadTimeout()
 	for _, spec := range cfg.Fleet {
-		conn, err := connector.Lookup(spec.Connector)
+		ee, err := engines.NewEngine(spec.ID, spec.URL, spec.Role, spec.Connector)
 		if err != nil {
 			return nil, fmt.Errorf("breaker: fleet engine %s: %w", spec.ID, err)
 		}
-		e := &engine{Engine: engines.Engine{ID: spec.ID, URL: trimSlash(spec.URL), Role: spec.Role, Connector: conn,
-			Credential: engines.NewCredential(spec.APIKey.Reveal())}}
+		ee.Credential = engines.NewCredential(spec.APIKey.Reveal())
+		e := &engine{Engine: ee}
 		s.fleet = append(s.fleet, e)
 		s.byID[spec.ID] = e
 	}
 	s.metrics = newMetrics(opts.Registry, s.id)
 	return s, nil
-}
-
-func trimSlash(u string) string {
-	for len(u) > 0 && u[len(u)-1] == '/' {
-		u = u[:len(u)-1]
-	}
-	return u
 }
 
 // Leader reports whether the Service holds the lease right now (R-BRK-8).

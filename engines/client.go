@@ -19,6 +19,7 @@ import (
 	"net"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/narwhalmesh/narwhal/engines/connector"
@@ -39,6 +40,19 @@ type Engine struct {
 	// Credential is the engine's API key, sent on every request to it;
 	// zero for an engine without one.
 	Credential Credential
+}
+
+// NewEngine returns the Engine with id, the base URL baseURL (trailing
+// slashes removed, e.g. "http://10.0.0.11:8000/" becomes
+// "http://10.0.0.11:8000"), role, and the connector registered as
+// connectorName. It returns the registry's error, naming the known
+// connectors, when connectorName is not registered.
+func NewEngine(id, baseURL string, role connector.Role, connectorName string) (Engine, error) {
+	conn, err := connector.Lookup(connectorName)
+	if err != nil {
+		return Engine{}, err
+	}
+	return Engine{ID: id, URL: strings.TrimRight(baseURL, "/"), Role: role, Connector: conn}, nil
 }
 
 // Request is one attempt's view of a client request: what to send and

@@ -247,3 +247,16 @@ func newTestStream(body []byte) *Stream {
 	c := &Client{firstTokenTimeout: time.Minute, readTimeout: time.Minute}
 	return c.NewStream(context.Background(), "d1", io.NopCloser(bytes.NewReader(body)))
 }
+
+// TestNewEngine checks the one constructor of a fleet engine: trailing
+// slashes leave the base URL, the connector comes from the registry, and
+// an unregistered connector is an error naming the known ones.
+func TestNewEngine(t *testing.T) {
+	e, err := NewEngine("p1", "http://10.0.0.11:8000//", connector.RolePrefill, connector.NixlName)
+	if err != nil || e.ID != "p1" || e.URL != "http://10.0.0.11:8000" || e.Role != connector.RolePrefill || e.Connector == nil || e.Connector.Name() != connector.NixlName {
+		t.Fatalf("NewEngine = %+v, %v", e, err)
+	}
+	if _, err := NewEngine("p1", "http://h:1", connector.RolePrefill, "lmcache-x"); err == nil || !strings.Contains(err.Error(), `unknown connector "lmcache-x"`) || !strings.Contains(err.Error(), connector.NixlName) {
+		t.Fatalf("unknown connector: %v", err)
+	}
+}

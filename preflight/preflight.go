@@ -9,14 +9,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 	"sync"
 	"time"
 
 	"github.com/narwhalmesh/narwhal/breaker"
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
-	"github.com/narwhalmesh/narwhal/engines/connector"
 )
 
 // DefaultParallel is how many checks and transfers Run runs at once when
@@ -108,12 +106,12 @@ func Run(ctx context.Context, cfg *config.Config, opts Options) (*Report, error)
 	}
 	fleet := make([]*engines.Engine, 0, len(cfg.Fleet))
 	for _, spec := range cfg.Fleet {
-		conn, err := connector.Lookup(spec.Connector)
+		e, err := engines.NewEngine(spec.ID, spec.URL, spec.Role, spec.Connector)
 		if err != nil {
 			return nil, fmt.Errorf("fleet engine %s: %w", spec.ID, err)
 		}
-		fleet = append(fleet, &engines.Engine{ID: spec.ID, URL: strings.TrimRight(spec.URL, "/"), Role: spec.Role, Connector: conn,
-			Credential: engines.NewCredential(spec.APIKey.Reveal())})
+		e.Credential = engines.NewCredential(spec.APIKey.Reveal())
+		fleet = append(fleet, &e)
 	}
 	client := breaker.NewProbeClient(cfg)
 	defer client.CloseIdleConnections()

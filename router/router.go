@@ -29,7 +29,6 @@ import (
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
-	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -117,12 +116,12 @@ func New(opts Options) (*Router, error) {
 	cfg := opts.Config
 	f := &fleet{byID: map[string]*member{}}
 	for _, spec := range cfg.Fleet {
-		conn, err := connector.Lookup(spec.Connector)
+		e, err := engines.NewEngine(spec.ID, spec.URL, spec.Role, spec.Connector)
 		if err != nil {
 			return nil, fmt.Errorf("router: fleet engine %s: %w", spec.ID, err)
 		}
-		m := &member{Engine: engines.Engine{ID: spec.ID, URL: trimSlash(spec.URL), Role: spec.Role, Connector: conn,
-			Credential: engines.NewCredential(spec.APIKey.Reveal())}}
+		e.Credential = engines.NewCredential(spec.APIKey.Reveal())
+		m := &member{Engine: e}
 		m.limit[prefillPhase] = int64(spec.PrefillSlots)
 		m.limit[decodePhase] = int64(spec.DecodeSlots)
 		m.eligible.Store(true)
@@ -209,13 +208,6 @@ func (l fasthttpLogger) Printf(format string, args ...any) {
 	if l.log.Enabled(context.Background(), slog.LevelDebug) {
 		l.log.Debug(fmt.Sprintf(format, args...), "source", "fasthttp")
 	}
-}
-
-func trimSlash(u string) string {
-	for len(u) > 0 && u[len(u)-1] == '/' {
-		u = u[:len(u)-1]
-	}
-	return u
 }
 
 // ID returns the router's id (router_id in events).
