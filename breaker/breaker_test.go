@@ -104,6 +104,8 @@ func TestEjectionSurvivesRestart(t *testing.T) {
 	a.stop(t)
 
 	h.startLeader("breaker-b")
+	// The new leader rewrites the entries once it leads, not before.
+	testkit.WaitFor(t, waitBound, "breaker-b to rewrite d1's entry", func() bool { return h.mustEntry("d1").BreakerID == "breaker-b" })
 	if e := h.mustEntry("d1"); e.State != schemas.StateEjected || e.Eligible || e.Streak != 3 ||
 		!strings.HasPrefix(e.Reason, "ejected after 3") || e.BreakerID != "breaker-b" || e.LeaseTerm == 0 {
 		t.Fatalf("after the restart d1 is %+v, want still ejected, rewritten in breaker-b's term", e)
