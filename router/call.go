@@ -183,11 +183,12 @@ func (c *call) answer(fctx *fasthttp.RequestCtx) {
 	fctx.SetContentType("text/event-stream; charset=utf-8")
 	fctx.Response.Header.Set("Cache-Control", "no-cache")
 	fctx.Response.Header.Set("X-Accel-Buffering", "no")
-	bp := relayBufPool.Get().(*[]byte)
 	// server.stall_timeout_s bounds each write of the stream, never the
-	// stream as a whole: keep fasthttp's response deadline off it.
+	// stream as a whole (R-TMO-6): keep fasthttp's response deadline off
+	// it; the relay sets the connection's own (and fasthttp clears it after
+	// the response).
 	_ = fctx.SetWriteDeadline(time.Time{})
-	fctx.SetBodyStream(&relayBody{c: c, bp: bp, buf: (*bp)[:0]}, -1)
+	fctx.SetBodyStream(newRelayBody(c, fctx.Conn(), c.rt.cfg.Server.StallTimeout()), -1)
 }
 
 // reject answers a request refused before any engine was touched.

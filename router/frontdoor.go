@@ -51,6 +51,7 @@ type frontDoor struct {
 	unauthenticated func(h *fasthttp.RequestHeader) bool
 
 	acceptErrors  prometheus.Counter
+	stalls        prometheus.Counter
 	refused       *prometheus.CounterVec // reason
 	lastAcceptLog atomic.Int64           // unix nanoseconds of the last accept-error log line
 	acceptQuiet   atomic.Int64           // accept errors not logged since then
@@ -67,6 +68,10 @@ func newFrontDoor(cfg *config.Config, log *slog.Logger, reg prometheus.Registere
 			Name: "narwhal_accept_errors_total",
 			Help: "Errors accepting client connections (such as running out of file descriptors); the router backs off and keeps serving.",
 		}),
+		stalls: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "narwhal_client_stalls_total",
+			Help: "Streams ended because their client accepted no bytes for server.stall_timeout_s (counted against no engine).",
+		}),
 		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "narwhal_front_door_refused_total",
 			Help: "Requests refused before reaching an engine, by reason: header_too_large (431), header_timeout (408), body_too_large (413), malformed (400), max_inflight and body_memory (503).",
@@ -75,7 +80,7 @@ func newFrontDoor(cfg *config.Config, log *slog.Logger, reg prometheus.Registere
 	for _, r := range []string{refusedHeaderTooLarge, refusedHeaderTimeout, refusedBodyTooLarge, refusedMalformed, refusedInflight, refusedBodyMemory} {
 		fd.refused.WithLabelValues(r)
 	}
-	reg.MustRegister(fd.acceptErrors, fd.refused,
+	reg.MustRegister(fd.acceptErrors, fd.stalls, fd.refused,
 		prometheus.NewCounterFunc(prometheus.CounterOpts{
 			Name: "narwhal_connections_refused_total",
 			Help: "Client connections answered 503 and closed at once because server.max_connections were open.",

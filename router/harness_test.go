@@ -93,6 +93,13 @@ type engineDef struct {
 // newStack starts the engines and a router configured by mutate.
 func newStack(t *testing.T, defs []engineDef, mutate func(*config.Config)) *stack {
 	t.Helper()
+	return newStackOn(t, defs, mutate, nil)
+}
+
+// newStackOn is newStack with the router's listener wrapped by wrap (nil:
+// the plain loopback listener).
+func newStackOn(t *testing.T, defs []engineDef, mutate func(*config.Config), wrap func(net.Listener) net.Listener) *stack {
+	t.Helper()
 	s := &stack{t: t, sims: map[string]*sim.Server{}, events: &events{}}
 	cfg := config.Default()
 	cfg.Router.ID = "rt-test"
@@ -118,6 +125,9 @@ func newStack(t *testing.T, defs []engineDef, mutate func(*config.Config)) *stac
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
+	}
+	if wrap != nil {
+		ln = wrap(ln)
 	}
 	done := make(chan error, 1)
 	go func() { done <- rt.Serve(ln) }()

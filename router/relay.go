@@ -1,8 +1,14 @@
 package router
 
 import (
+	"context"
+	"errors"
 	"io"
+	"net"
+	"os"
 	"sync"
+	"sync/atomic"
+	"time"
 
 	"github.com/valyala/fasthttp"
 
@@ -17,6 +23,12 @@ import (
 // it, one Write per batch of events the engine had ready. It ends with
 // data: [DONE], or after a failure with one terminal error event and no
 // [DONE]. Close, which fasthttp always calls, finishes the request.
+//
+// The client's pace is its own (R-TMO-6): while a Write is blocked on a
+// client that does not read, the engine's between-chunk bound does not
+// run and nothing more is read from the engine, and each Write must be
+// accepted within server.stall_timeout_s (the connection's write
+// deadline), or the request ends as client_stalled.
 type relayBody struct {
 	c       *call
 	bp      *[]byte // buf's pool entry
@@ -24,7 +36,41 @@ type relayBody struct {
 	off     int // what Read has handed out of buf
 	started bool
 	done    bool
+
+	conn     net.Conn      // the client's connection, for its write deadline
+	stall    time.Duration // server.stall_timeout_s
+	deadline time.Time     // the write deadline set last
+	unblock  func() bool   // stops the context's hold on the write deadline
+	ended    atomic.Bool   // the request's context ended: no more extensions
 }
+
+// newRelayBody returns the body of c's committed stream to the client on
+// conn, each write bounded by stall. Once the request's context ends (its
+// deadline, R-TMO-5; the router's shutdown; the client's disconnect), the
+// client gets at most endGrace more to take what is left, the terminal
+// error event included: a stalled client never holds a request or a
+// shutdown beyond them.
+func newRelayBody(c *call, conn net.Conn, stall time.Duration) *relayBody {
+	bp := relayBufPool.Get().(*[]byte)
+	r := &relayBody{c: c, bp: bp, buf: (*bp)[:0], conn: conn, stall: stall}
+	if conn != nil {
+		r.unblock = context.AfterFunc(c.ctx, func() {
+			r.ended.Store(true)
+			_ = conn.SetWriteDeadline(time.Now().Add(r.endGrace()))
+		})
+	}
+	return r
+}
+
+// endGrace is how long a client may still take to accept the rest of its
+// stream once the request has ended: a second, or stall if shorter.
+func (r *relayBody) endGrace() time.Duration {
+	return min(r.stall, time.Second)
+}
+
+// relayBatchBytes bounds one write to the client: a batch ends after the
+// event that reaches it.
+const relayBatchBytes = 16 << 10
 
 var relayBufPool = sync.Pool{New: func() any { b := make([]byte, 0, 2<<10); return &b }}
 
@@ -37,11 +83,12 @@ func (r *relayBody) WriteTo(w io.Writer) (int64, error) {
 	for {
 		more := r.fill()
 		if len(r.buf) > 0 {
-			n, err := w.Write(r.buf)
+			n, err := r.write(w)
 			total += int64(n)
+
 			r.buf = r.buf[:0]
 			if err != nil {
-				r.c.clientGone()
+				r.writeFailed(err)
 				return total, err
 			}
 		}
@@ -49,6 +96,60 @@ func (r *relayBody) WriteTo(w io.Writer) (int64, error) {
 			return total, nil
 		}
 	}
+}
+
+// writeFailed ends the stream after a failed write: the request's own end
+// (deadline, shutdown) when its context ended first, else a stalled or a
+// departed client.
+func (r *relayBody) writeFailed(err error) {
+	c := r.c
+	switch cause := context.Cause(c.ctx); {
+	case errors.Is(cause, engines.ErrRouterShutdown):
+		c.outcome = string(engines.KindShutdown)
+	case errors.Is(cause, context.DeadlineExceeded):
+		c.outcome = string(engines.KindRequestTimeout)
+	case cause == nil && errors.Is(err, errClientStalled):
+		c.clientStalled()
+	default:
+		c.clientGone()
+	}
+}
+
+// errClientStalled is the error of a write the client did not accept
+// within server.stall_timeout_s.
+var errClientStalled = errors.New("client accepted no bytes for server.stall_timeout_s")
+
+// write writes r.buf to w with the stream's between-chunk bound paused
+// (R-TMO-6) and the connection's write deadline at least stall away: it
+// is moved only once less than stall is left, to now plus 9/8 of stall,
+// so a write may block between stall and 9/8 of stall before it fails,
+// at the cost of one deadline update per eighth of stall. A write that
+// runs into the deadline returns errClientStalled.
+func (r *relayBody) write(w io.Writer) (int, error) {
+	if r.conn != nil && r.stall > 0 && !r.ended.Load() {
+		if now := time.Now(); r.deadline.Sub(now) < r.stall {
+			r.deadline = now.Add(r.stall + r.stall/8)
+			if err := r.conn.SetWriteDeadline(r.deadline); err != nil {
+				return 0, err
+			}
+			if r.ended.Load() {
+				// The context ended while the deadline moved: its bound wins.
+				_ = r.conn.SetWriteDeadline(now.Add(r.endGrace()))
+			}
+		}
+	}
+	s := r.c.stream
+	if s != nil {
+		s.ClientWait()
+	}
+	n, err := w.Write(r.buf)
+	if s != nil {
+		s.ClientDone()
+	}
+	if err != nil && errors.Is(err, os.ErrDeadlineExceeded) {
+		return n, errClientStalled
+	}
+	return n, err
 }
 
 // Read is the io.Reader fallback of WriteTo.
@@ -106,15 +207,24 @@ func (r *relayBody) fill() bool {
 		}
 		c.chunks++
 		r.buf = c.appendEvent(r.buf, payload, c.stream.Chunk())
-		if c.stream.Buffered() == 0 {
+		// One batch is what the engine had ready, up to relayBatchBytes:
+		// after a client's pause the engine's backlog leaves in writes of
+		// bounded size, so the relay's buffer stays small and a write
+		// blocks only as long as the client takes none of it (R-TMO-6).
+		if c.stream.Buffered() == 0 || len(r.buf) >= relayBatchBytes {
 			return true
 		}
 	}
 }
 
 // Close finishes the request; fasthttp calls it once the body is written
-// or the connection failed.
+// or the connection failed. The context's hold on the write deadline ends
+// first: fasthttp still flushes the stream's last chunk after Close.
 func (r *relayBody) Close() error {
+	if r.unblock != nil {
+		r.unblock()
+		r.unblock = nil
+	}
 	r.c.finish()
 	if r.bp != nil && cap(r.buf) <= 1<<20 {
 		*r.bp = r.buf[:0]
@@ -138,6 +248,16 @@ func (c *call) appendEvent(dst, payload []byte, ch schemas.Chunk) []byte {
 	dst = append(dst, "data: "...)
 	dst = append(dst, payload...)
 	return append(dst, "\n\n"...)
+}
+
+// clientStalled ends a committed stream whose client accepted no bytes for
+// server.stall_timeout_s (R-TMO-6): a client fault. The legs are cancelled
+// and everything is released by finish, which Close runs next; nothing is
+// counted against the engine, and fasthttp closes the connection.
+func (c *call) clientStalled() {
+	c.cancel(errClientStalled)
+	c.outcome = outcomeClientStalled
+	c.rt.front.stalls.Inc()
 }
 
 // clientGone ends a committed stream whose client went away (R-OWN-5).
