@@ -178,7 +178,7 @@ func TestStalledClientIsNotEngineSilenceRTMO6(t *testing.T) {
 	stopped := time.Now()
 
 	var ev *schemas.RequestCompleted
-	waitFor(t, stallBound+stallMargin+time.Second, "the request to end as client_stalled", func() bool {
+	testkit.WaitFor(t, stallBound+stallMargin+time.Second, "the request to end as client_stalled", func() bool {
 		ev = s.findRequestEvent("stalled-1")
 		return ev != nil
 	})
@@ -195,7 +195,7 @@ func TestStalledClientIsNotEngineSilenceRTMO6(t *testing.T) {
 	if s.findRequestEvent("stalled-1").ConsumerID == "d2" {
 		d = s.sims["d2"]
 	}
-	waitFor(t, time.Second, "the decode engine to see its leg cancelled", func() bool {
+	testkit.WaitFor(t, time.Second, "the decode engine to see its leg cancelled", func() bool {
 		st := d.Stats()
 		return st.Aborted == 1 && st.ActiveStreams == 0
 	})
@@ -247,7 +247,7 @@ func TestTenStalledClientsEjectNothingRTMO6(t *testing.T) {
 		}
 	}
 	stopped := time.Now()
-	waitFor(t, 2*time.Second*9/8+stallMargin+time.Second, "every request to end", func() bool { return len(s.events.requests()) == n })
+	testkit.WaitFor(t, 2*time.Second*9/8+stallMargin+time.Second, "every request to end", func() bool { return len(s.events.requests()) == n })
 	t.Logf("all %d ended %v after the last client stopped reading", n, time.Since(stopped))
 	for i := 0; i < n; i++ {
 		ev := s.findRequestEvent(fmt.Sprintf("stalled-%d", i))
@@ -298,7 +298,7 @@ func TestSlowReaderIsNotEngineSilenceRTMO6(t *testing.T) {
 	if pauses < 3 {
 		t.Fatalf("only %d pauses: the output was too short to block the router", pauses)
 	}
-	waitFor(t, 2*time.Second, "the request event", func() bool { return s.findRequestEvent("slow-1") != nil })
+	testkit.WaitFor(t, 2*time.Second, "the request event", func() bool { return s.findRequestEvent("slow-1") != nil })
 	if ev := s.findRequestEvent("slow-1"); ev.ErrorKind != "" || ev.Status != 200 {
 		t.Fatalf("slow reader's request ended %q %d", ev.ErrorKind, ev.Status)
 	}
@@ -323,7 +323,7 @@ func TestStalledClientEndsAtTheRequestDeadlineRTMO5(t *testing.T) {
 		t.Fatal(err)
 	}
 	var ev *schemas.RequestCompleted
-	waitFor(t, 4*time.Second, "the request to end", func() bool {
+	testkit.WaitFor(t, 4*time.Second, "the request to end", func() bool {
 		ev = s.findRequestEvent("deadline-1")
 		return ev != nil
 	})
