@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -159,5 +160,29 @@ func TestUnauthenticatedBodyNotRead(t *testing.T) {
 	body := `{"model":"` + testModel + `","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`
 	if resp, b := s.post("/v1/chat/completions", body, "Authorization", "Bearer sk-a"); resp.StatusCode != 200 {
 		t.Errorf("with the key: HTTP %d %s", resp.StatusCode, b)
+	}
+}
+
+// BenchmarkAuthLookup measures the bearer lookup of R-API-9 (hash, map
+// lookup, constant-time compare) with few and many configured keys: its
+// cost does not grow with their number, and it allocates nothing.
+func BenchmarkAuthLookup(b *testing.B) {
+	for _, n := range []int{3, 3000} {
+		b.Run(strconv.Itoa(n)+"keys", func(b *testing.B) {
+			var a auth
+			keys := make([]config.APIKey, n)
+			for i := range keys {
+				keys[i] = config.APIKey{Name: "k" + strconv.Itoa(i), KeySHA256: keyDigest("sk-" + strconv.Itoa(i))}
+			}
+			a.set(keys)
+			var ctx fasthttp.RequestCtx
+			ctx.Request.Header.Set("Authorization", "Bearer sk-"+strconv.Itoa(n-1))
+			b.ReportAllocs()
+			for b.Loop() {
+				if a.lookup(&ctx) == nil {
+					b.Fatal("no key")
+				}
+			}
+		})
 	}
 }
