@@ -167,8 +167,12 @@ func (h *harness) startLeader(id string) *running {
 	h.t.Helper()
 	r := h.start(id)
 	testkit.WaitFor(h.t, waitBound, id+" to lead", r.Leader)
+	// A new leader writes every entry again, in its name and lease term.
 	for _, e := range h.cfg.Fleet {
-		testkit.WaitFor(h.t, waitBound, "placement entry of "+e.ID, func() bool { _, ok := h.entry(e.ID); return ok })
+		testkit.WaitFor(h.t, waitBound, id+"'s placement entry of "+e.ID, func() bool {
+			entry, ok := h.entry(e.ID)
+			return ok && entry.BreakerID == id
+		})
 	}
 	return r
 }
