@@ -1,6 +1,8 @@
 package bus
 
 import (
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"os"
@@ -46,6 +48,12 @@ const (
 	// the account JWTs). `narwhal bus --auth DIR` reads it; an official
 	// nats-server can `include` it.
 	AuthConfFile = "auth.conf"
+	// RouteSecretFile holds the password the servers of a cluster
+	// present to one another on their cluster port (user RouteUser), so
+	// that nothing else joins the cluster as a server.
+	RouteSecretFile = "route.secret"
+	// RouteUser is the user name of the cluster routes.
+	RouteUser = "narwhal-route"
 	// AccountName is the NATS account every role's user belongs to.
 	AccountName = "NARWHAL"
 	// keysDir holds the operator's and the account's signing seeds, needed
@@ -192,13 +200,14 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 // a new operator, a system account and account NARWHAL (JetStream
 // enabled), one user per role with RolePermissions — the credential files
 // router.creds, breaker.creds, chaos.creds, viewer.creds and admin.creds
-// (mode 0600) — the server side auth.conf (public JWTs only), and the
+// (mode 0600) — the server side auth.conf (public JWTs only) and
+// route.secret (0600; the cluster routes' password), and the
 // operator's and account's seeds under keys/ (0600; needed only to issue
 // more users, e.g. with nsc). It refuses to overwrite: it returns an error
 // when any of these files exists already, when dir cannot be created or
 // written, or when a key cannot be made.
 func WriteCredentials(dir string) error {
-	files := []string{AuthConfFile, filepath.Join(keysDir, "operator.nk"), filepath.Join(keysDir, "account.nk")}
+	files := []string{AuthConfFile, RouteSecretFile, filepath.Join(keysDir, "operator.nk"), filepath.Join(keysDir, "account.nk")}
 	for _, r := range Roles {
 		files = append(files, CredsFile(r))
 	}
@@ -285,6 +294,13 @@ func WriteCredentials(dir string) error {
 		return err
 	}
 	if err := writeNew(filepath.Join(dir, keysDir, "account.nk"), acctSeed, 0o600); err != nil {
+		return err
+	}
+	secret := make([]byte, 24)
+	if _, err := rand.Read(secret); err != nil {
+		return fmt.Errorf("bus: route secret: %w", err)
+	}
+	if err := writeNew(filepath.Join(dir, RouteSecretFile), []byte(hex.EncodeToString(secret)+"\n"), 0o600); err != nil {
 		return err
 	}
 	conf := fmt.Sprintf(`# Narwhal mesh: the server side of decentralised JWT auth (docs/mesh.md).

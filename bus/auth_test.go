@@ -3,8 +3,11 @@ package bus_test
 import (
 	"context"
 	"errors"
+	"net"
 	"os"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -309,4 +312,57 @@ func TestViewerSetupNeedsAdmin(t *testing.T) {
 	}
 	b.Close()
 	connectAs(t, e, dir, bus.RoleViewer)
+}
+
+// TestClusterRoutesNeedTheSecret proves that with a credential set the
+// cluster port is closed to strangers too (R-BUS-8): a server of the same
+// set joins the cluster, one of another set (another route secret) does
+// not.
+func TestClusterRoutesNeedTheSecret(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "creds")
+	other := filepath.Join(t.TempDir(), "other")
+	for _, d := range []string{dir, other} {
+		if err := bus.WriteCredentials(d); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ports := make([]int, 3)
+	for i := range ports {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		ports[i] = l.Addr().(*net.TCPAddr).Port
+		l.Close()
+	}
+	route := func(i int) string { return "nats://127.0.0.1:" + strconv.Itoa(ports[i]) }
+	node := func(name, auth string, i int, routes ...string) *bus.Embedded {
+		return startServer(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1, AuthDir: auth, NoSetup: true,
+			ServerName: name, Cluster: "127.0.0.1:" + strconv.Itoa(ports[i]), Routes: routes})
+	}
+	a := node("a", dir, 0)
+	stranger := node("stranger", other, 1, route(0))
+	node("b", dir, 2, route(0))
+	peers := func(e *bus.Embedded) []string {
+		rz, err := e.Server().Routez(nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var names []string
+		for _, r := range rz.Routes {
+			names = append(names, r.RemoteName)
+		}
+		return names
+	}
+	testkit.WaitFor(t, waitBound, "b routed to a", func() bool { return slices.Contains(peers(a), "b") })
+	if got := peers(a); slices.Contains(got, "stranger") {
+		t.Errorf("a routes to %v: the stranger joined", got)
+	}
+	if got := peers(stranger); len(got) != 0 {
+		t.Errorf("the stranger routes to %v", got)
+	}
+	raw, err := os.ReadFile(filepath.Join(dir, bus.RouteSecretFile))
+	if err != nil || len(strings.TrimSpace(string(raw))) < 32 {
+		t.Errorf("route secret %q, %v", raw, err)
+	}
 }

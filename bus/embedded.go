@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/url"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -41,7 +42,8 @@ type EmbeddedOptions struct {
 	// AuthDir, when set, is a directory WriteCredentials made: the server
 	// enforces its decentralised JWT auth (auth.conf: the operator, the
 	// accounts), so only the role credentials of that directory connect
-	// (R-BUS-8). The in-process set-up then uses its admin.creds.
+	// (R-BUS-8), and with Cluster its routes present and require
+	// route.secret. The in-process set-up then uses its admin.creds.
 	AuthDir string
 	// ServerName names the server in a cluster (nats-server's
 	// server_name); "narwhal" when empty. Every server of a cluster needs
@@ -119,6 +121,20 @@ func StartEmbedded(opts EmbeddedOptions) (*Embedded, error) {
 		}
 		sopts.Cluster = server.ClusterOpts{Name: ClusterName, Host: chost, Port: cport}
 		sopts.Routes = server.RoutesFromStr(strings.Join(opts.Routes, ","))
+		if opts.AuthDir != "" {
+			// With a credential set, the cluster port too wants a
+			// password: route.secret, presented on every route.
+			raw, err := os.ReadFile(filepath.Join(opts.AuthDir, RouteSecretFile))
+			if err != nil {
+				e.removeTemp()
+				return nil, fmt.Errorf("bus: --auth %s: %w", opts.AuthDir, err)
+			}
+			secret := strings.TrimSpace(string(raw))
+			sopts.Cluster.Username, sopts.Cluster.Password = RouteUser, secret
+			for _, r := range sopts.Routes {
+				r.User = url.UserPassword(RouteUser, secret)
+			}
+		}
 	} else if len(opts.Routes) > 0 {
 		e.removeTemp()
 		return nil, errors.New("bus: routes need a cluster address of this server")
