@@ -46,6 +46,11 @@ const (
 	// costs one lease read per pendingRecheckMax.
 	pendingRecheckMin = 50 * time.Millisecond
 	pendingRecheckMax = 500 * time.Millisecond
+	// bridgePoll is how often a router whose placement watch is being
+	// set up again reads each fleet engine's key directly (see
+	// mesh.bridge), and bridgeGetTimeout bounds one such read.
+	bridgePoll       = 200 * time.Millisecond
+	bridgeGetTimeout = 500 * time.Millisecond
 	// maxPlacementValue is the largest placement value a router reads;
 	// a larger one is ignored as invalid.
 	maxPlacementValue = 4096
@@ -89,6 +94,10 @@ type mesh struct {
 	// recheckDelay is the pause before the next read of the lease for the
 	// pending values; 0 when none is scheduled.
 	recheckDelay time.Duration
+	// bridged holds, per key, the revision of the last value a direct read
+	// found while the watch was being set up again (see bridge), so that
+	// each value is judged once.
+	bridged map[string]uint64
 }
 
 // JoinMesh makes the router a member of the mesh on b (SPEC §9):
@@ -119,7 +128,7 @@ type mesh struct {
 // errShuttingDown once Shutdown has begun (nothing is then started).
 func (rt *Router) JoinMesh(b *bus.Bus, wait time.Duration) error {
 	rt.meshBus.Store(b)
-	m := &mesh{bus: b, logged: map[string]bool{}, pending: map[string]schemas.Eligibility{}}
+	m := &mesh{bus: b, logged: map[string]bool{}, pending: map[string]schemas.Eligibility{}, bridged: map[string]uint64{}}
 	sub, err := b.Conn().Subscribe(bus.SubjectPrefix+schemas.KindQuarantine+".>", rt.applyQuarantine)
 	if err != nil {
 		return err
@@ -205,17 +214,7 @@ func (rt *Router) placementLoop(m *mesh, loaded chan struct{}) {
 func (rt *Router) watchPlacement(m *mesh, status <-chan nats.Status, first bool, loaded func()) (string, error) {
 	js := m.bus.JetStream()
 	stream := "KV_" + bus.PlacementBucket
-	ctx, cancel := context.WithTimeout(rt.base, watchSetupTimeout)
-	cons, err := js.CreateConsumer(ctx, stream, jetstream.ConsumerConfig{
-		Description:       "placement watch of router " + rt.id,
-		DeliverPolicy:     jetstream.DeliverLastPerSubjectPolicy,
-		AckPolicy:         jetstream.AckNonePolicy,
-		FilterSubject:     "$KV." + bus.PlacementBucket + ".>",
-		MemoryStorage:     true,
-		Replicas:          1,
-		InactiveThreshold: watchInactive,
-	})
-	cancel()
+	cons, err := rt.createWatch(m, stream, !first)
 	if err != nil {
 		return "", err
 	}
@@ -314,6 +313,75 @@ func (rt *Router) watchPlacement(m *mesh, status <-chan nats.Status, first bool,
 	}
 }
 
+// createWatch creates the placement watch's consumer. Creating it takes
+// the JetStream API, which after the loss of a node may not answer for
+// seconds (its meta leader is being elected) while the bucket itself
+// already serves reads and takes the breaker's writes. So when bridge is
+// set (the watch is being set up again, not the first time) it reads every
+// fleet engine's key directly meanwhile, every bridgePoll, and applies what
+// changed (mesh.bridge), keeping R-BRK-8's second across a node loss.
+func (rt *Router) createWatch(m *mesh, stream string, bridge bool) (jetstream.Consumer, error) {
+	type created struct {
+		cons jetstream.Consumer
+		err  error
+	}
+	done := make(chan created, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(rt.base, watchSetupTimeout)
+		defer cancel()
+		cons, err := m.bus.JetStream().CreateConsumer(ctx, stream, jetstream.ConsumerConfig{
+			Description:       "placement watch of router " + rt.id,
+			DeliverPolicy:     jetstream.DeliverLastPerSubjectPolicy,
+			AckPolicy:         jetstream.AckNonePolicy,
+			FilterSubject:     "$KV." + bus.PlacementBucket + ".>",
+			MemoryStorage:     true,
+			Replicas:          1,
+			InactiveThreshold: watchInactive,
+		})
+		done <- created{cons, err}
+	}()
+	if !bridge {
+		r := <-done
+		return r.cons, r.err
+	}
+	rt.bridge(m)
+	poll := time.NewTicker(bridgePoll)
+	defer poll.Stop()
+	for {
+		select {
+		case r := <-done:
+			return r.cons, r.err
+		case <-poll.C:
+			rt.bridge(m)
+		}
+	}
+}
+
+// bridge reads each fleet engine's key of the placement bucket directly
+// (a direct get, served by any replica of the bucket without the JetStream
+// API's leader) and applies each value it has not judged before, with the
+// same checks as the watch's (R-BUS-9). A key that cannot be read keeps
+// its state.
+func (rt *Router) bridge(m *mesh) {
+	kv := m.bus.Placement()
+	for _, mb := range rt.fleet.members {
+		ctx, cancel := context.WithTimeout(rt.base, bridgeGetTimeout)
+		e, err := kv.Get(ctx, mb.ID)
+		cancel()
+		if err != nil || e.Revision() == m.bridged[mb.ID] {
+			continue
+		}
+		m.bridged[mb.ID] = e.Revision()
+		op := ""
+		if e.Operation() != jetstream.KeyValuePut {
+			op = "DEL"
+		}
+		if rt.judgePlacement(m, mb.ID, op, e.Value()) {
+			rt.log.Info("placement read directly while the watch is set up again", "engine_id", mb.ID, "revision", e.Revision())
+		}
+	}
+}
+
 // endSnapshot makes every fleet engine without a key in a full read of
 // the bucket eligible: no verdict stands against it (R-BUS-2).
 func (rt *Router) endSnapshot(seen map[string]bool) {
@@ -338,24 +406,35 @@ func (rt *Router) applyPlacement(m *mesh, msg jetstream.Msg) string {
 	if _, inFleet := rt.fleet.byID[key]; !inFleet {
 		return key // not ours to apply; nothing to keep
 	}
-	delete(m.pending, key) // the latest value of a key decides
-	if op := msg.Headers().Get("KV-Operation"); op == "DEL" || op == "PURGE" {
-		rt.ignorePlacement(m, key, ignoredDeleted, "key "+op)
-		return key
+	if md, err := msg.Metadata(); err == nil {
+		m.bridged[key] = md.Sequence.Stream // judged; a bridge read skips it
 	}
-	value := msg.Data()
+	rt.judgePlacement(m, key, msg.Headers().Get("KV-Operation"), msg.Data())
+	return key
+}
+
+// judgePlacement applies value, the latest of fleet engine key in the
+// bucket (op is its KV-Operation header, "" for a put), when it is valid
+// and written by the lease holder (see applyPlacement), and reports
+// whether it did.
+func (rt *Router) judgePlacement(m *mesh, key, op string, value []byte) bool {
+	delete(m.pending, key) // the latest value of a key decides
+	if op == "DEL" || op == "PURGE" {
+		rt.ignorePlacement(m, key, ignoredDeleted, "key "+op)
+		return false
+	}
 	if len(value) > maxPlacementValue {
 		rt.ignorePlacement(m, key, ignoredInvalid, "value larger than 4096 bytes")
-		return key
+		return false
 	}
 	if err := bus.ValidatePlacement(value); err != nil {
 		rt.ignorePlacement(m, key, ignoredInvalid, err.Error())
-		return key
+		return false
 	}
 	var ev schemas.Eligibility
 	if err := json.Unmarshal(value, &ev); err != nil || ev.EngineID != key {
 		rt.ignorePlacement(m, key, ignoredInvalid, "engine_id is not the key")
-		return key
+		return false
 	}
 	if !m.leader(rt, ev.BreakerID, ev.LeaseTerm) {
 		if ev.LeaseTerm > m.lease.Term {
@@ -364,14 +443,14 @@ func (rt *Router) applyPlacement(m *mesh, msg jetstream.Msg) string {
 			m.pending[key] = ev
 			rt.ignorePlacement(m, key, ignoredNotLeader, "written by "+ev.BreakerID+" in lease term "+strconv.FormatUint(ev.LeaseTerm, 10)+
 				", newer than the lease read ("+m.lease.BreakerID+", term "+strconv.FormatUint(m.lease.Term, 10)+"); kept until the lease confirms it")
-			return key
+			return false
 		}
 		rt.ignorePlacement(m, key, ignoredNotLeader, "written by "+ev.BreakerID+", not by the lease holder "+m.lease.BreakerID)
-		return key
+		return false
 	}
 	delete(m.logged, key)
 	rt.setEligibility(key, ev.Eligible, ev.Reason)
-	return key
+	return true
 }
 
 // applyPending applies each pending value (see mesh.pending) that the
