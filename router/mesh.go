@@ -114,7 +114,10 @@ type mesh struct {
 //   - the watch's consumer sends idle heartbeats: when two are missed (the
 //     NATS server holding it died while the connection lived elsewhere)
 //     or the connection comes back, it is set up again and the whole
-//     bucket read anew (R-BUS-10);
+//     bucket read anew; until the new watch exists — its creation waits
+//     for the JetStream API, which may take seconds after a node loss —
+//     the router reads each fleet engine's key directly every 200 ms
+//     (R-BUS-10, R-BRK-8);
 //   - it applies quarantine events published by other routers as they
 //     arrive, never for longer than recovery.max_quarantine_s (R-QUAR-1,
 //     R-BUS-9);
