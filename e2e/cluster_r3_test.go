@@ -764,35 +764,6 @@ func (m *r3Mesh) flood(t *testing.T) {
 		mib(rssBefore), mib(rssAfter))
 }
 
-// historyCurrent reports whether NARWHAL_HISTORY holds as many events as
-// NARWHAL_EVENTS on every subject but the request events'. Safe from any
-// goroutine (it reports false on any error).
-func (m *r3Mesh) historyCurrent() bool {
-	ctx, cancel := context.WithTimeout(context.Background(), readyBound)
-	defer cancel()
-	count := func(name string) map[string]uint64 {
-		st, err := m.c.conn.JetStream().Stream(ctx, name)
-		if err != nil {
-			return nil
-		}
-		info, err := st.Info(ctx, jetstream.WithSubjectFilter(bus.SubjectPrefix+">"))
-		if err != nil {
-			return nil
-		}
-		return info.State.Subjects
-	}
-	live, hist := count(bus.StreamName), count(bus.HistoryStream)
-	if live == nil || hist == nil {
-		return false
-	}
-	for subj, n := range live {
-		if !strings.HasPrefix(subj, bus.SubjectPrefix+schemas.KindRequest+".") && hist[subj] != n {
-			return false
-		}
-	}
-	return true
-}
-
 // mib converts byte counts to MiB for the log.
 func mib(m map[string]int64) map[string]int64 {
 	out := map[string]int64{}
