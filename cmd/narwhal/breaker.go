@@ -39,23 +39,17 @@ var errNoNATSURL = errors.New("NARWHAL_NATS_URL (bus.url) is not set: a standalo
 // --metrics it serves Prometheus text at http://HOST:PORT/metrics.
 func runBreakerCmd(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("breaker", flag.ContinueOnError)
-	path := fs.String("config", "", "YAML configuration file (docs/configuration.md); environment NARWHAL_<SECTION>_<KEY> overrides it")
+	path := fs.String("config", "", configUsage)
 	metricsAddr := fs.String("metrics", "", "HOST:PORT to serve /metrics on (off when empty)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
-	if *path == "" {
-		return errors.New("--config is required")
-	}
-	cfg, err := config.Load(*path)
+	cfg, err := loadFleet(*path)
 	if err != nil {
 		return err
 	}
 	if cfg.Bus.URL == "" {
 		return errNoNATSURL
-	}
-	if len(cfg.Fleet) == 0 {
-		return errors.New("config: fleet: at least one engine is required")
 	}
 	log := newLogger(cfg, os.Stderr)
 	id := breakerID()

@@ -21,9 +21,7 @@ import (
 func init() {
 	commands["bus"] = command{
 		summary: "run a NATS server with JetStream that Narwhal processes share (--listen HOST:PORT --data DIR); bus setup, bus creds",
-		run: func(ctx context.Context, args []string) error {
-			return runBus(ctx, args, os.Stdout, os.Stderr)
-		},
+		run:     withOutput(runBus),
 	}
 }
 

@@ -24,9 +24,7 @@ import (
 func init() {
 	commands["chaos"] = command{
 		summary: "inject engine faults: proxy, arm, list, disarm, run (docs/chaos.md)",
-		run: func(ctx context.Context, args []string) error {
-			return runChaos(ctx, args, os.Stdout, os.Stderr)
-		},
+		run:     withOutput(runChaos),
 	}
 }
 

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"os"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -20,9 +19,7 @@ import (
 func init() {
 	commands["events"] = command{
 		summary: "follow the bus's events, one line each ([--kind K] [--engine ID] [--since DUR] [--json])",
-		run: func(ctx context.Context, args []string) error {
-			return runEvents(ctx, args, os.Stdout, os.Stderr)
-		},
+		run:     withOutput(runEvents),
 	}
 }
 

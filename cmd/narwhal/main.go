@@ -26,6 +26,8 @@ import (
 	"os/signal"
 	"sort"
 	"syscall"
+
+	"github.com/narwhalmesh/narwhal/config"
 )
 
 // command is one subcommand: it parses its own flags from args and runs
@@ -37,6 +39,33 @@ type command struct {
 
 // commands is filled by the init functions of this package's files.
 var commands = map[string]command{}
+
+// configUsage is the help of --config for the commands that run on a fleet.
+const configUsage = "YAML configuration file (docs/configuration.md); environment NARWHAL_<SECTION>_<KEY> overrides it"
+
+// loadFleet loads the configuration file path of --config, which must be
+// given and must list at least one engine. Its errors name the flag or the
+// key.
+func loadFleet(path string) (*config.Config, error) {
+	if path == "" {
+		return nil, errors.New("--config is required")
+	}
+	cfg, err := config.Load(path)
+	if err != nil {
+		return nil, err
+	}
+	if len(cfg.Fleet) == 0 {
+		return nil, errors.New("config: fleet: at least one engine is required")
+	}
+	return cfg, nil
+}
+
+// withOutput turns a command that writes to the streams it is given (so
+// that its tests can read them) into one that writes to the process's
+// standard output and error.
+func withOutput(run func(ctx context.Context, args []string, stdout, stderr io.Writer) error) func(context.Context, []string) error {
+	return func(ctx context.Context, args []string) error { return run(ctx, args, os.Stdout, os.Stderr) }
+}
 
 func usage() {
 	fmt.Fprintf(os.Stderr, "usage: narwhal <command> [flags]\n\ncommands:\n")

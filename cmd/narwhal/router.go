@@ -30,21 +30,15 @@ func runRouterCmd(ctx context.Context, args []string) error {
 	signal.Notify(hup, syscall.SIGHUP)
 	defer signal.Stop(hup)
 	fs := flag.NewFlagSet("router", flag.ContinueOnError)
-	path := fs.String("config", "", "YAML configuration file (docs/configuration.md); environment NARWHAL_<SECTION>_<KEY> overrides it")
+	path := fs.String("config", "", configUsage)
 	listen := fs.String("listen", "127.0.0.1:8080", "HOST:PORT to serve HTTP on")
 	admin := fs.String("admin", "", "HOST:PORT of an opt-in admin listener serving /debug/pprof, and /metrics with server.metrics_on_admin (off when empty)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
-	if *path == "" {
-		return errors.New("--config is required")
-	}
-	cfg, err := config.Load(*path)
+	cfg, err := loadFleet(*path)
 	if err != nil {
 		return err
-	}
-	if len(cfg.Fleet) == 0 {
-		return errors.New("config: fleet: at least one engine is required")
 	}
 	if cfg.Server.MetricsOnAdmin && *admin == "" {
 		return errors.New("config: server.metrics_on_admin is true: start the router with --admin HOST:PORT to serve /metrics")
