@@ -645,3 +645,13 @@ func (c *Config) EngineByID(id string) (EngineSpec, bool) {
 	}
 	return EngineSpec{}, false
 }
+
+// DataDirEnv names the variable of the embedded NATS server's JetStream
+// store (SPEC R-BUS-4): a router without bus.url, and `narwhal dev`, keep
+// their bus there; unset means a temporary folder removed at exit.
+const DataDirEnv = "NARWHAL_DATA_DIR"
+
+// EmbeddedDataDir returns the embedded server's store directory from
+// NARWHAL_DATA_DIR, or "" when it is unset. It is the one place that reads
+// it, so that commands take it from here.
+func EmbeddedDataDir() string { return os.Getenv(DataDirEnv) }

@@ -202,7 +202,7 @@ func startDevBus(ctx context.Context, cfg *config.Config, log *slog.Logger, port
 		if port > 0 && !portFree(port) {
 			port = -1 // taken: a free one at once, not after the server's ready timeout
 		}
-		opts := bus.EmbeddedOptions{Dir: os.Getenv("NARWHAL_DATA_DIR"), Host: "127.0.0.1", Port: port, LeaseTTL: cfg.Breaker.LeaseTTL()}
+		opts := bus.EmbeddedOptions{Dir: config.EmbeddedDataDir(), Host: "127.0.0.1", Port: port, LeaseTTL: cfg.Breaker.LeaseTTL()}
 		emb, err := bus.StartEmbedded(opts)
 		if err != nil && port != -1 {
 			opts.Port = -1

@@ -51,7 +51,7 @@ func joinBus(ctx context.Context, cfg *config.Config, name string, log *slog.Log
 		log.Info("bus connected", "url", b.Conn().ConnectedUrlRedacted())
 		return b, b.Close, nil
 	}
-	dir := os.Getenv("NARWHAL_DATA_DIR")
+	dir := config.EmbeddedDataDir()
 	cleanup := func() {}
 	if dir == "" {
 		d, err := os.MkdirTemp("", "narwhal-data-")
