@@ -89,3 +89,35 @@ func TestBreakerCommandLeads(t *testing.T) {
 		t.Fatalf("lease still held by %q after the breaker stopped", h)
 	}
 }
+
+// TestBreakerCommandNamesMissingBucket proves R-BUS-8 for the breaker: it
+// creates no bucket; on a bus whose lease bucket is missing it exits at
+// once with an error naming the bucket and the command that creates it.
+func TestBreakerCommandNamesMissingBucket(t *testing.T) {
+	testkit.CheckLeaks(t)
+	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer emb.Shutdown()
+	ctx, cancel := context.WithTimeout(context.Background(), cmdTestBound)
+	defer cancel()
+	admin, err := bus.Connect(ctx, bus.ConnectOptions{URL: emb.ClientURL()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := admin.JetStream().DeleteKeyValue(ctx, bus.LeaseBucket); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("NARWHAL_NATS_URL", emb.ClientURL())
+	t.Setenv("NARWHAL_ROUTER_LOG_LEVEL", "error")
+	path, _ := preflightFleet(t, [][2]string{{"p1", "prefill"}, {"d1", "decode"}})
+	err = runBreakerCmd(ctx, []string{"--config", path})
+	if err == nil || !strings.Contains(err.Error(), "bucket narwhal_breaker does not exist") || !strings.Contains(err.Error(), "narwhal bus setup") {
+		t.Errorf("breaker on a bus without its lease bucket: %v", err)
+	}
+	if _, err := admin.JetStream().KeyValue(ctx, bus.LeaseBucket); err == nil {
+		t.Error("the breaker created its lease bucket")
+	}
+	admin.Close()
+}
