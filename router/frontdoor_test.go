@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
@@ -534,5 +535,34 @@ func TestStreamOutlivesStallTimeout(t *testing.T) {
 	}
 	if el := time.Since(start); el < 600*time.Millisecond {
 		t.Fatalf("the stream took %v, not several stall bounds", el)
+	}
+}
+
+// TestEngineMessageBoundedInFailureEvent proves that an engine's error
+// message, as untrusted as a client's string, reaches the failure event
+// bounded to MaxFieldBytes plus the marker, whatever its size.
+func TestEngineMessageBoundedInFailureEvent(t *testing.T) {
+	s := newStack(t, pd(), nil)
+	s.waitModels()
+	long := strings.Repeat("e", 100000)
+	for _, id := range []string{"d1", "d2"} {
+		s.sims[id].Arm(sim.Fault{Kind: sim.FaultErrorObject, Phase: "decode", Status: 500, Message: long})
+	}
+	resp, b := s.post(schemas.EndpointChat, doorChat)
+	if resp.StatusCode != 500 {
+		t.Fatalf("status %d, want the error object's 500 (R-FAIL-4)", resp.StatusCode)
+	}
+	if e := errorObject(t, b); len(e.Message) != len(long) {
+		t.Errorf("the client got %d bytes of the engine's message, want it whole", len(e.Message))
+	}
+	var fs []*schemas.Failure
+	testkit.WaitFor(t, 2*time.Second, "the failure event", func() bool {
+		fs = s.events.failures()
+		return len(fs) > 0
+	})
+	for _, f := range fs {
+		if len(f.Message) > schemas.MaxFieldBytes+len(schemas.TruncatedMarker) || !strings.HasSuffix(f.Message, schemas.TruncatedMarker) {
+			t.Fatalf("failure event message of %d bytes: %.60q…", len(f.Message), f.Message)
+		}
 	}
 }

@@ -21,14 +21,17 @@ func (c *call) recordFault(f *engines.Fault) {
 	}
 	rt.metrics.faults.WithLabelValues(f.EngineID, f.Phase, string(f.Kind)).Inc()
 	rt.credentialFault(f)
-	rt.log.Warn("engine fault", "request_id", c.id, "engine_id", f.EngineID, "phase", f.Phase, "kind", string(f.Kind), "status", f.Status, "msg", f.Message, "attempt", c.attempts)
+	// An engine's message is as untrusted as a client's string: bounded in
+	// the log and the event (the client still gets it whole).
+	msg := schemas.BoundField(f.Message)
+	rt.log.Warn("engine fault", "request_id", c.id, "engine_id", f.EngineID, "phase", f.Phase, "kind", string(f.Kind), "status", f.Status, "msg", msg, "attempt", c.attempts)
 	ev := &schemas.Failure{
 		Envelope:         schemas.Envelope{Schema: schemas.SchemaFailure, RouterID: rt.id, EngineID: f.EngineID, RequestID: c.id},
 		Phase:            f.Phase,
 		Kind:             string(f.Kind),
 		Status:           f.Status,
 		UpstreamStatus:   f.UpstreamStatus,
-		Message:          f.Message,
+		Message:          msg,
 		Timeout:          f.Timeout,
 		Counts:           f.CountsTowardEjection(),
 		BackendRequestID: c.backendID,
