@@ -51,7 +51,7 @@ narwhal bus         serves NATS with JetStream and sets up Narwhal's stream and
 narwhal bus setup   creates or updates the stream and the buckets on the NATS at
                     NARWHAL_NATS_URL with the admin credential (NARWHAL_NATS_CREDS).
 narwhal bus creds   writes one credential per role (router, breaker, chaos, viewer,
-                    admin) and the server side (auth.conf) into DIR.
+                    admin) and the server side (auth.conf, route.secret) into DIR.
 See docs/mesh.md.
 `
 
@@ -188,7 +188,8 @@ func runBusServe(ctx context.Context, args []string, stdout, stderr io.Writer) e
 // runBusCreds is `narwhal bus creds --out DIR` (SPEC R-BUS-8): it creates
 // DIR when missing and writes a new credential set for one mesh into it
 // (bus.WriteCredentials: router.creds, breaker.creds, chaos.creds,
-// viewer.creds, admin.creds, auth.conf and keys/), then lists the files on
+// viewer.creds, admin.creds, auth.conf, route.secret and keys/), then lists
+// the files on
 // stdout. It refuses a DIR that holds a set already.
 func runBusCreds(args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("narwhal bus creds", flag.ContinueOnError)
@@ -211,6 +212,7 @@ func runBusCreds(args []string, stdout, stderr io.Writer) error {
 		fmt.Fprintf(stdout, "  %-14s NARWHAL_NATS_CREDS for the %s role\n", bus.CredsFile(role), role)
 	}
 	fmt.Fprintf(stdout, "  %-14s the server side: narwhal bus --auth %s, or include it in a nats-server config\n", bus.AuthConfFile, *out)
+	fmt.Fprintf(stdout, "  %-14s the password the servers of a cluster present to one another\n", bus.RouteSecretFile)
 	_, err := fmt.Fprintf(stdout, "  %-14s the operator's and account's seeds, to issue more users; keep them off the servers\n", "keys/")
 	return err
 }
