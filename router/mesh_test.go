@@ -357,3 +357,43 @@ func TestNewLeaderValueKeptUntilTheLeaseConfirmsItRBUS9(t *testing.T) {
 		t.Fatal("d2 ejected by a pending value that a later write of its key had superseded")
 	}
 }
+
+// TestPlacementReadDirectlyRBRK8 proves the reads that carry placement
+// while a router's watch is being set up again (mesh.bridge, R-BRK-8,
+// R-BUS-9): each fleet engine's key is read directly and a changed value
+// applied with the watch's checks — a valid ejection and readmission
+// apply, a malformed value is ignored and counted once however often the
+// key is read again. (Its place in the watch loop, across a real node
+// loss, is proven by e2e TestClusterR3.)
+func TestPlacementReadDirectlyRBRK8(t *testing.T) {
+	s := newStack(t, pd(), nil)
+	s.waitModels()
+	mb := newMeshBus(t)
+	m := &mesh{bus: mb.b, logged: map[string]bool{}, pending: map[string]schemas.Eligibility{}, bridged: map[string]uint64{}}
+	d1, d2 := s.rt.fleet.byID["d1"], s.rt.fleet.byID["d2"]
+	ignored := func() float64 { return testkit.GatheredSum(t, s.rt.Registry(), "narwhal_placement_ignored_total") }
+
+	mb.setEligible("d1", false)
+	s.rt.bridge(m)
+	if d1.eligible.Load() {
+		t.Fatal("d1 eligible after a direct read of its ejection")
+	}
+	if _, err := mb.peer.Placement().Put(context.Background(), "d2", []byte(`{}`)); err != nil {
+		t.Fatal(err)
+	}
+	before := ignored()
+	for range 3 {
+		s.rt.bridge(m)
+	}
+	if got := ignored() - before; got != 1 {
+		t.Fatalf("a malformed value read three times counted %v times, want once", got)
+	}
+	if !d2.eligible.Load() {
+		t.Fatal("d2 ejected by a malformed value read directly")
+	}
+	mb.setEligible("d1", true)
+	s.rt.bridge(m)
+	if !d1.eligible.Load() {
+		t.Fatal("d1 not readmitted by a direct read of its readmission")
+	}
+}
