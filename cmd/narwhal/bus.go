@@ -189,8 +189,7 @@ func runBusServe(ctx context.Context, args []string, stdout, stderr io.Writer) e
 // DIR when missing and writes a new credential set for one mesh into it
 // (bus.WriteCredentials: router.creds, breaker.creds, chaos.creds,
 // viewer.creds, admin.creds, auth.conf, route.secret and keys/), then lists
-// the files on
-// stdout. It refuses a DIR that holds a set already.
+// the files on stdout. It refuses a DIR that holds a set already.
 func runBusCreds(args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("narwhal bus creds", flag.ContinueOnError)
 	fs.SetOutput(stderr)
