@@ -3,6 +3,7 @@ package router
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"fmt"
 	"io"
 	"net"
@@ -14,6 +15,7 @@ import (
 	"time"
 
 	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
@@ -335,4 +337,29 @@ func TestStalledClientEndsAtTheRequestDeadlineRTMO5(t *testing.T) {
 	}
 	s.idle()
 	s.checkNobodyBlamed()
+}
+
+// TestRelayBatchIsBounded proves the relay's read-ahead bound (R-TMO-6):
+// however much the engine has ready (here an endless backlog, as after a
+// client's pause), one batch holds at most relayBatchBytes plus one event,
+// so a slow client costs a bounded buffer and each write is small.
+func TestRelayBatchIsBounded(t *testing.T) {
+	event := "data: " + benchChunk + "\n\n"
+	client := engines.NewClient(engines.Options{FirstTokenTimeout: time.Hour, DecodeReadTimeout: time.Hour})
+	// A backlog of 1 MiB of events and [DONE], every Read filling its
+	// buffer whole, so the stream's buffer never ends on an event's end.
+	backlog := strings.Repeat(event, (1<<20)/len(event)) + "data: [DONE]\n\n"
+	s := client.NewStream(context.Background(), "d1", io.NopCloser(strings.NewReader(backlog)))
+	defer s.Close()
+	c := &call{req: &schemas.Request{Endpoint: schemas.EndpointChat}, stream: s}
+	r := &relayBody{c: c, started: true}
+	for i := 0; i < 20; i++ {
+		if !r.fill() {
+			t.Fatalf("batch %d: the whole backlog was read into one batch of %d bytes", i, len(r.buf))
+		}
+		if len(r.buf) > relayBatchBytes+len(event) {
+			t.Fatalf("batch %d of %d bytes, want at most %d", i, len(r.buf), relayBatchBytes+len(event))
+		}
+		r.buf = r.buf[:0]
+	}
 }
