@@ -2,46 +2,18 @@ package config
 
 import (
 	"bytes"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/sha256"
-	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/hex"
 	"encoding/json"
-	"encoding/pem"
 	"fmt"
 	"log/slog"
-	"math/big"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
-)
 
-// writeTestCA writes a freshly generated self-signed CA certificate (PEM)
-// to path.
-func writeTestCA(t *testing.T, path string) {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "narwhal test CA"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign,
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(path, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600); err != nil {
-		t.Fatal(err)
-	}
-}
+	"github.com/narwhalmesh/narwhal/internal/testkit"
+)
 
 func digest(token string) string {
 	d := sha256.Sum256([]byte(token))
@@ -201,8 +173,7 @@ func TestServerTLSAndEngineCA(t *testing.T) {
 		t.Errorf("non-boolean: %v", err)
 	}
 	dir := t.TempDir()
-	ca, junk := filepath.Join(dir, "ca.pem"), filepath.Join(dir, "junk.pem")
-	writeTestCA(t, ca)
+	ca, junk := testkit.NewCA(t).Path, filepath.Join(dir, "junk.pem")
 	if err := os.WriteFile(junk, []byte("not a certificate"), 0o600); err != nil {
 		t.Fatal(err)
 	}

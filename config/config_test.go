@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/narwhalmesh/narwhal/engines/connector"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 // specExample is the config file of SPEC §14, verbatim.
@@ -283,8 +284,7 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		t.Fatalf("%d scalar keys, want 38: %v", len(names), names)
 	}
 	dir := t.TempDir()
-	caFile, keysFile := filepath.Join(dir, "ca.pem"), filepath.Join(dir, "keys.yaml")
-	writeTestCA(t, caFile)
+	caFile, keysFile := testkit.NewCA(t).Path, filepath.Join(dir, "keys.yaml")
 	if err := os.WriteFile(keysFile, []byte("api_keys: []\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}

@@ -2,16 +2,11 @@ package e2e
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
 	"crypto/rand"
 	"crypto/sha256"
 	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/hex"
 	"encoding/json"
-	"encoding/pem"
 	"errors"
 	"fmt"
 	"io"
@@ -73,7 +68,7 @@ type authStack struct {
 	sims      []*simProc
 	bus       *bus.Bus
 	events    *eventLog
-	ca        *testCA // with tls
+	ca        *testkit.CA // with tls
 	certPath  string
 	keyPath   string
 	transport *http.Transport
@@ -107,11 +102,11 @@ func startAuthStack(t *testing.T, o authStackOptions) *authStack {
 	var simTLS []string
 	if o.tls {
 		scheme = "https://"
-		s.ca = newTestCA(t)
+		s.ca = testkit.NewCA(t)
 		s.certPath, s.keyPath = filepath.Join(s.dir, "router.crt"), filepath.Join(s.dir, "router.key")
-		s.ca.issue(t, "router-1", s.certPath, s.keyPath)
+		s.ca.WriteIssued(t, "router-1", s.certPath, s.keyPath)
 		simCert, simKey := filepath.Join(s.dir, "sim.crt"), filepath.Join(s.dir, "sim.key")
-		s.ca.issue(t, "engines", simCert, simKey)
+		s.ca.WriteIssued(t, "engines", simCert, simKey)
 		simTLS = []string{"--tls-cert-file", simCert, "--tls-key-file", simKey}
 	}
 	ports := freePorts(t, 4)
@@ -133,7 +128,7 @@ func startAuthStack(t *testing.T, o authStackOptions) *authStack {
 	var cfg strings.Builder
 	cfg.WriteString("engine:\n  first_token_timeout_s: 5\n  decode_read_timeout_s: 5\n  prefill_timeout_s: 5\n")
 	if o.tls {
-		fmt.Fprintf(&cfg, "  tls_ca_file: %s\n", s.ca.path)
+		fmt.Fprintf(&cfg, "  tls_ca_file: %s\n", s.ca.Path)
 	}
 	cfg.WriteString("request:\n  timeout_s: 20\nserver:\n")
 	if o.tls {
@@ -180,7 +175,7 @@ func startAuthStack(t *testing.T, o authStackOptions) *authStack {
 
 	s.transport = &http.Transport{MaxIdleConnsPerHost: 16}
 	if o.tls {
-		s.transport.TLSClientConfig = &tls.Config{RootCAs: s.ca.pool}
+		s.transport.TLSClientConfig = &tls.Config{RootCAs: s.ca.Pool}
 	}
 	t.Cleanup(s.transport.CloseIdleConnections)
 	ready := "/readyz"
@@ -596,7 +591,7 @@ func TestTLSFrontEnd(t *testing.T) {
 	// Rotation: a new certificate written over the files is served to new
 	// connections without a restart.
 	old := s.peerSerial(t)
-	serial := s.ca.issue(t, "router-2", s.certPath, s.keyPath)
+	serial := s.ca.WriteIssued(t, "router-2", s.certPath, s.keyPath)
 	testkit.WaitEvery(t, 5*time.Second, pollInterval, "the rotated certificate", func() bool { return s.peerSerial(t).Cmp(serial) == 0 })
 	if old.Cmp(serial) == 0 {
 		t.Fatal("the rotated certificate has the old serial")
@@ -611,7 +606,7 @@ func TestTLSFrontEnd(t *testing.T) {
 func (s *authStack) peerSerial(t *testing.T) *big.Int {
 	t.Helper()
 	conn, err := tls.DialWithDialer(&net.Dialer{Timeout: 2 * time.Second}, "tcp", strings.TrimPrefix(s.url, "https://"),
-		&tls.Config{RootCAs: s.ca.pool})
+		&tls.Config{RootCAs: s.ca.Pool})
 	if err != nil {
 		t.Fatalf("TLS dial: %v", err)
 	}
@@ -628,85 +623,6 @@ func grepLines(s, sub string) string {
 		}
 	}
 	return strings.Join(out, "\n")
-}
-
-// testCA is a certificate authority generated for one test.
-type testCA struct {
-	cert *x509.Certificate
-	key  *ecdsa.PrivateKey
-	pool *x509.CertPool
-	path string // its certificate, PEM
-	next int64  // serial of the next leaf
-}
-
-func newTestCA(t *testing.T) *testCA {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "narwhal e2e CA"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(24 * time.Hour),
-		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature,
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cert, err := x509.ParseCertificate(der)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ca := &testCA{cert: cert, key: key, pool: x509.NewCertPool(), path: filepath.Join(t.TempDir(), "ca.pem"), next: 100}
-	ca.pool.AddCert(cert)
-	if err := os.WriteFile(ca.path, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	return ca
-}
-
-// issue writes a new leaf certificate for 127.0.0.1 and its key to
-// certPath and keyPath (replacing them atomically) and returns its
-// serial number.
-func (ca *testCA) issue(t *testing.T, name, certPath, keyPath string) *big.Int {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ca.next++
-	serial := big.NewInt(ca.next)
-	tmpl := &x509.Certificate{
-		SerialNumber: serial, Subject: pkix.Name{CommonName: name},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(24 * time.Hour),
-		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")}, DNSNames: []string{"localhost"},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	kb, err := x509.MarshalPKCS8PrivateKey(key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	// Key first, then certificate: a reader that sees the new certificate
-	// finds its key already in place.
-	writeAtomic(t, keyPath, pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: kb}))
-	writeAtomic(t, certPath, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}))
-	return serial
-}
-
-func writeAtomic(t *testing.T, path string, b []byte) {
-	t.Helper()
-	tmp := path + ".tmp"
-	if err := os.WriteFile(tmp, b, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Rename(tmp, path); err != nil {
-		t.Fatal(err)
-	}
 }
 
 // TestEngineKeysBreakerProbe proves engines behind --api-key through the

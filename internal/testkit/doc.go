@@ -1,7 +1,8 @@
 // Package testkit is the test machinery every package of the module
 // shares: a bounded poll (WaitFor), the goroutine-leak check (CheckLeaks),
-// and readers of Prometheus series, from a registry or from a /metrics
-// page served over HTTP.
+// readers of Prometheus series, from a registry or from a /metrics page
+// served over HTTP, and a certificate authority made in the test (CA) for
+// real TLS.
 //
 // It imports no package of the module, so that every package's tests,
 // the simulator's own included, can use it. Starting a simulator lives

@@ -1,9 +1,13 @@
 package testkit
 
 import (
+	"crypto/tls"
+	"crypto/x509"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"runtime"
 	"strings"
 	"sync"
@@ -169,5 +173,40 @@ func TestScrapeReadsTheTextFormat(t *testing.T) {
 	defer bad.Close()
 	if _, err := Scrape(bad.Client(), bad.URL); err == nil || !strings.Contains(err.Error(), "HTTP 404") {
 		t.Errorf("Scrape of a 404 page: %v", err)
+	}
+}
+
+// TestCAServesTLS proves a CA's certificates verify against its pool for
+// 127.0.0.1 over a real TLS connection, and not against another CA's.
+func TestCAServesTLS(t *testing.T) {
+	ca := NewCA(t)
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { _, _ = w.Write([]byte("ok")) }))
+	srv.TLS = ca.ServerTLS(t, "server")
+	srv.StartTLS()
+	defer srv.Close()
+	get := func(pool *x509.CertPool) error {
+		tr := &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}
+		defer tr.CloseIdleConnections()
+		resp, err := (&http.Client{Transport: tr}).Get(srv.URL)
+		if err == nil {
+			resp.Body.Close()
+		}
+		return err
+	}
+	if err := get(ca.Pool); err != nil {
+		t.Fatalf("a client trusting the CA: %v", err)
+	}
+	if err := get(NewCA(t).Pool); err == nil {
+		t.Fatal("a client trusting another CA accepted the certificate")
+	}
+	pemBytes, err := os.ReadFile(ca.Path)
+	if err != nil || !x509.NewCertPool().AppendCertsFromPEM(pemBytes) {
+		t.Fatalf("the CA's PEM file: %v", err)
+	}
+	dir := t.TempDir()
+	s1 := ca.WriteIssued(t, "a", filepath.Join(dir, "c.pem"), filepath.Join(dir, "k.pem"))
+	s2 := ca.WriteIssued(t, "a", filepath.Join(dir, "c.pem"), filepath.Join(dir, "k.pem"))
+	if _, err := tls.LoadX509KeyPair(filepath.Join(dir, "c.pem"), filepath.Join(dir, "k.pem")); err != nil || s1.Cmp(s2) == 0 {
+		t.Fatalf("written pair: %v; serials %v %v", err, s1, s2)
 	}
 }
