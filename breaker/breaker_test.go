@@ -586,3 +586,61 @@ func TestDeletedConsumerIsRecreatedRBUS9(t *testing.T) {
 		t.Fatalf("d1 after the recreation: %+v, want ejected with streak 3 (the failures published while the consumer was gone applied once)", e)
 	}
 }
+
+// TestTakeoverProbesEnginesWithForgedEntriesRBUS9 proves that a breaker
+// taking the lease trusts no entry it did not write (R-BUS-9): d1 is
+// ejected and failing; someone with write access puts a malformed
+// "eligible" value on d1 and garbage on d2; the leader loses its lease and
+// takes it again (a new term), reading every entry anew. d1 stays ejected
+// in the new term — the forgery does not readmit a failing engine — and
+// healthy d2 is probed and readmitted instead of being taken as whatever
+// the garbage said.
+func TestTakeoverProbesEnginesWithForgedEntriesRBUS9(t *testing.T) {
+	h := newHarness(t, setup{fleet: []simSpec{{id: "p1", role: "prefill"}, {id: "d1", role: "decode"}, {id: "d2", role: "decode"}}})
+	h.sims["d1"].Arm(sim.Fault{Kind: sim.FaultHealthStatus}) // its probes fail
+	h.startLeader("breaker-a")
+	h.ejectDecode("d1", "p1")
+	term := h.mustEntry("d1").LeaseTerm
+
+	ctx, cancel := context.WithTimeout(context.Background(), waitBound)
+	defer cancel()
+	for key, value := range map[string]string{"d1": `{"eligible":true,"state":"eligible"}`, "d2": `not json`} {
+		if _, err := h.bus.Placement().Put(ctx, key, []byte(value)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	lease, err := h.bus.JetStream().KeyValue(ctx, LeaseBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := lease.Delete(ctx, LeaseKey); err != nil { // the leader's next renewal fails: it leads again, in a new term
+		t.Fatal(err)
+	}
+	rewritten := func(engine string) (schemas.Eligibility, bool) {
+		kve, err := h.bus.Placement().Get(ctx, engine)
+		if err != nil || bus.ValidatePlacement(kve.Value()) != nil {
+			return schemas.Eligibility{}, false
+		}
+		var e schemas.Eligibility
+		if json.Unmarshal(kve.Value(), &e) != nil {
+			return schemas.Eligibility{}, false
+		}
+		return e, e.BreakerID == "breaker-a" && e.LeaseTerm > term
+	}
+	var d1 schemas.Eligibility
+	testkit.WaitFor(t, waitBound, "d1's entry written again in a new term", func() bool {
+		var ok bool
+		d1, ok = rewritten("d1")
+		return ok
+	})
+	if d1.State != schemas.StateEjected || d1.Eligible {
+		t.Fatalf("d1 after the takeover: %+v, want still ejected (a forged value must not readmit it)", d1)
+	}
+	testkit.WaitFor(t, waitBound, "d2 readmitted after a probe", func() bool {
+		e, ok := rewritten("d2")
+		return ok && e.State == schemas.StateEligible && strings.Contains(e.Reason, "readmitted")
+	})
+	if e, _ := rewritten("d1"); e.State != schemas.StateEjected {
+		t.Fatalf("d1 readmitted although its probes fail: %+v", e)
+	}
+}

@@ -10,6 +10,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/nats-io/nuid"
 
+	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/internal/pause"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
@@ -80,9 +81,13 @@ func (s *Service) seed(ctx context.Context, e *engine) error {
 }
 
 // reload reads e's entry from narwhal_placement into the cache. A missing
-// or deleted key, or a value that is not an eligibility entry, reads as
-// eligible with streak 0 and revision 0 (the next write then creates it).
-// Called with s.mu held.
+// or deleted key reads as eligible with streak 0 and revision 0 (the next
+// write then creates it). A value that is not a placement value for e
+// (narwhal.placement.v1, its engine_id e's) — which no breaker writes, so
+// a forgery or a fault — reads as ejected, so that e is probed before it
+// is placed again: garbage can neither readmit a failing engine nor keep
+// a healthy one out for longer than a probe (R-BUS-9). Called with s.mu
+// held.
 func (s *Service) reload(ctx context.Context, e *engine) error {
 	kve, err := s.bus.Placement().Get(ctx, e.ID)
 	if errors.Is(err, jetstream.ErrKeyNotFound) || errors.Is(err, jetstream.ErrKeyDeleted) {
@@ -94,9 +99,13 @@ func (s *Service) reload(ctx context.Context, e *engine) error {
 		return err
 	}
 	var entry schemas.Eligibility
-	if err := json.Unmarshal(kve.Value(), &entry); err != nil || (entry.State != schemas.StateEligible && entry.State != schemas.StateEjected) {
-		s.log.Warn("breaker ignores an unreadable placement entry", "engine_id", e.ID, "revision", kve.Revision())
-		entry = schemas.Eligibility{Eligible: true, State: schemas.StateEligible}
+	bad := bus.ValidatePlacement(kve.Value())
+	if bad == nil && (json.Unmarshal(kve.Value(), &entry) != nil || entry.EngineID != e.ID) {
+		bad = errors.New("engine_id is not the key")
+	}
+	if bad != nil {
+		s.log.Warn("breaker ignores an unreadable placement entry; the engine is probed before it is placed again", "engine_id", e.ID, "revision", kve.Revision(), "err", bad)
+		entry = schemas.Eligibility{State: schemas.StateEjected, Reason: "placement entry unreadable; probing the engine before placing it again"}
 	}
 	entry.Eligible = entry.State == schemas.StateEligible
 	if entry.Streak < 0 {
