@@ -18,9 +18,10 @@ lint:
 fuzz SECONDS="5":
     .ci/fuzz {{SECONDS}}
 
-# Build the binary into ./bin/narwhal.
+# Build the binary into ./bin/narwhal, stamped with the checkout's commit
+# (`bin/narwhal version` prints it).
 build:
-    go build -o bin/narwhal ./cmd/narwhal
+    go build -ldflags "-X main.commit=$(git rev-parse --short HEAD 2>/dev/null)" -o bin/narwhal ./cmd/narwhal
 
 # The standard router-vs-floor comparison on this machine: concurrency 1, then 64,
 # 16 output tokens, streaming, 50 s measured + 2 × 2 s warm-up each; writes

@@ -11,6 +11,7 @@
 //	narwhal preflight --config FILE
 //	narwhal chaos proxy|arm|list|disarm|run
 //	narwhal bench
+//	narwhal version (or narwhal --version)
 //
 // Run "narwhal <command> -h" for a command's flags; README.md and docs/
 // say more.
@@ -95,6 +96,10 @@ func run(args []string, stderr io.Writer) int {
 		if len(args) < 1 {
 			return 2
 		}
+		return 0
+	}
+	if args[0] == "--version" || args[0] == "-version" {
+		fmt.Println(currentBuildStamp())
 		return 0
 	}
 	cmd, ok := commands[args[0]]
