@@ -11,6 +11,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/engines/connector"
+	"github.com/narwhalmesh/narwhal/internal/pause"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -29,16 +30,7 @@ type probe struct {
 // readmitLoop runs a readmission round every recovery.readmit_interval_s
 // while ctx lasts (the lease is held) (R-BRK-3…7).
 func (s *Service) readmitLoop(ctx context.Context) {
-	t := time.NewTicker(s.interval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			s.round(ctx)
-		}
-	}
+	pause.Every(ctx, s.interval, func(time.Time) { s.round(ctx) })
 }
 
 // round probes every ejected engine whose backoff has passed, all in

@@ -14,6 +14,7 @@ import (
 	"github.com/valyala/fasthttp"
 
 	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/internal/pause"
 )
 
 // The front door (SPEC R-API-7, R-API-8): deadlines on every connection, a
@@ -471,16 +472,7 @@ func (b *bodyBudget) sweep(now int64) {
 
 // sweepLoop sweeps expired tickets every ticketMargin; it exits with ctx.
 func (b *bodyBudget) sweepLoop(ctx context.Context) {
-	t := time.NewTicker(ticketMargin)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case now := <-t.C:
-			b.sweep(now.UnixNano())
-		}
-	}
+	pause.Every(ctx, ticketMargin, func(now time.Time) { b.sweep(now.UnixNano()) })
 }
 
 // outcomeClientStalled ends a request whose client accepted no bytes for

@@ -16,6 +16,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/narwhalmesh/narwhal/internal/pause"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -285,16 +286,7 @@ func (s *Server) serveRelease(w http.ResponseWriter, r *http.Request) {
 // expiryLoop releases expired handoffs until ctx is done.
 func (s *Server) expiryLoop(ctx context.Context) {
 	period := min(max(s.cfg.KVTimeout/4, 5*time.Millisecond), time.Second)
-	t := time.NewTicker(period)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case now := <-t.C:
-			s.kv.expire(now, s.cfg.KVTimeout)
-		}
-	}
+	pause.Every(ctx, period, func(now time.Time) { s.kv.expire(now, s.cfg.KVTimeout) })
 }
 
 // kvParams is kv_transfer_params as a request carries it. Only the two

@@ -1,6 +1,8 @@
 // Package pause waits for a while unless a context ends first: the one
 // cancellable sleep of the bus set-up, the breaker's cadences and the
-// chaos proxy's delays.
+// chaos proxy's delays, and the one periodic loop of the simulator's KV
+// expiry, the router's body-budget sweep and the breaker's readmission
+// rounds.
 package pause
 
 import (
@@ -19,5 +21,23 @@ func For(ctx context.Context, d time.Duration) bool {
 		return false
 	case <-t.C:
 		return true
+	}
+}
+
+// Every calls f with the tick's time every period (a time.Duration > 0)
+// until ctx ends, and returns then. The first call comes one period after
+// the start; a call that outlasts a period delays the next tick rather
+// than queueing ticks (time.Ticker's rule). f runs on the caller's
+// goroutine.
+func Every(ctx context.Context, period time.Duration, f func(now time.Time)) {
+	t := time.NewTicker(period)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case now := <-t.C:
+			f(now)
+		}
 	}
 }

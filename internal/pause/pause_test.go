@@ -24,3 +24,26 @@ func TestForWaitsOrEndsWithItsContext(t *testing.T) {
 		t.Fatalf("For took %v to see its context end", took)
 	}
 }
+
+func TestEveryTicksUntilItsContextEnds(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	start := time.Now()
+	var ticks []time.Time
+	Every(ctx, 10*time.Millisecond, func(now time.Time) {
+		ticks = append(ticks, now)
+		if len(ticks) == 3 {
+			cancel()
+		}
+	})
+	if len(ticks) != 3 {
+		t.Fatalf("%d ticks, want 3 before the cancel", len(ticks))
+	}
+	if first := ticks[0].Sub(start); first < 10*time.Millisecond {
+		t.Errorf("the first tick came after %v, before one period", first)
+	}
+	for i := 1; i < len(ticks); i++ {
+		if !ticks[i].After(ticks[i-1]) {
+			t.Errorf("tick %d at %v is not after tick %d", i, ticks[i], i-1)
+		}
+	}
+}
