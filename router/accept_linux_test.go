@@ -4,7 +4,6 @@ package router
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"io"
 	"log/slog"
@@ -13,7 +12,6 @@ import (
 	"os"
 	"os/exec"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -28,24 +26,6 @@ import (
 // process under a low open-file limit; its value is the fleet, as
 // "id=role=url,…".
 const childEnv = "NARWHAL_TEST_ACCEPT_CHILD"
-
-// syncBuffer is a bytes.Buffer safe for one writer and readers.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
 
 // TestAcceptErrorsKeepServingRAPI7 proves that running out of file
 // descriptors never ends the router (R-API-7): a router in a child process

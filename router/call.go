@@ -3,7 +3,9 @@ package router
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -133,8 +135,12 @@ func (c *call) prepare(fctx *fasthttp.RequestCtx, endpoint string) bool {
 	if !c.admitKey(fctx) {
 		return false
 	}
-	if !rt.fleet.servesModel(req.Model) {
-		c.reject(fctx, 404, "The model `"+schemas.BoundField(req.Model)+"` does not exist.", "client_error")
+	if !rt.fleet.everServed(req.Model) {
+		c.reject(fctx, 404, unknownModelMessage(req.Model, modelsFor(c.key, rt.fleet.models())), "client_error")
+		return false
+	}
+	if p, should := rt.fleet.unreachableFor(req.Model); should != nil {
+		c.fail(fctx, engines.NewFault(engines.KindNoEngine, p.String(), "", 0, unreachableModelMessage(req.Model, p, should)))
 		return false
 	}
 	rt.budget.request()
@@ -148,6 +154,61 @@ func (c *call) prepare(fctx *fasthttp.RequestCtx, endpoint string) bool {
 	c.cancelDeadline = cancelDeadline
 	c.watch = rt.watcher.add(fctx.Conn(), func() { c.cancel(engines.ErrClientGone) })
 	return true
+}
+
+// maxListedNames bounds how many models or engines an error message
+// lists; the rest are counted.
+const maxListedNames = 10
+
+// unknownModelMessage is the 404 message of a model no engine of the
+// fleet has listed (R-API-3): "The model `m` does not exist. Available
+// models: a, b." — at most maxListedNames names, each bounded like the
+// model.
+func unknownModelMessage(model string, available []string) string {
+	var b strings.Builder
+	b.WriteString("The model `" + schemas.BoundField(model) + "` does not exist.")
+	if len(available) == 0 {
+		b.WriteString(" No engine lists a model yet (see /readyz).")
+		return b.String()
+	}
+	b.WriteString(" Available models: ")
+	for i, m := range available {
+		if i == maxListedNames {
+			fmt.Fprintf(&b, " and %d more", len(available)-i)
+			break
+		}
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		b.WriteString(schemas.BoundField(m))
+	}
+	b.WriteString(".")
+	return b.String()
+}
+
+// unreachableModelMessage is the 503 message of a model that engines of
+// the fleet served but none reachable lists now, for phase p:
+// `no reachable engine serves model "m" for decode: engines that serve
+// it: d1 (unreachable: connection refused), d2 (serves no model …)`.
+func unreachableModelMessage(model string, p phase, should []*member) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "no reachable engine serves model %q for %s: engines that serve it: ", schemas.BoundField(model), p)
+	now := time.Now().UnixNano()
+	for i, m := range should {
+		if i == maxListedNames {
+			fmt.Fprintf(&b, " and %d more", len(should)-i)
+			break
+		}
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		why := m.unplaceable(now)
+		if why == "" {
+			why = "no longer lists it"
+		}
+		b.WriteString(m.ID + " (" + why + ")")
+	}
+	return b.String()
 }
 
 // clientTimeout reads a shorter deadline the client asked for, in seconds:

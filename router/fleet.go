@@ -45,6 +45,75 @@ type member struct {
 	// refused is set while the engine refuses the router's credentials
 	// (401/403): it is then not placeable (see refuseCredentials).
 	refused atomic.Bool
+	// problem is why the engine's last /v1/models call gave the router
+	// nothing to place on — "unreachable: …" or "serves no model" — nil
+	// when it listed at least one model or before the first call ended
+	// (see noteModels). A credential refusal is
+	// refused's business, not problem's.
+	problem atomic.Pointer[string]
+	// served is every model the engine has listed since the router
+	// started (at most maxServedModels): a model in it is one the fleet
+	// serves even while the engine is unreachable, which makes a request
+	// for it a 503, not a 404.
+	served atomic.Pointer[[]string]
+}
+
+// maxServedModels bounds member.served: an engine that lists ever new
+// model names cannot grow the router's memory without bound.
+const maxServedModels = 256
+
+// setModels stores the model list of a successful /v1/models call and
+// adds its names to served.
+func (m *member) setModels(models []string) {
+	m.models.Store(&models)
+	old := m.served.Load()
+	var union []string
+	if old != nil {
+		union = append(union, *old...)
+	}
+	for _, x := range models {
+		if len(union) < maxServedModels && !slices.Contains(union, x) {
+			union = append(union, x)
+		}
+	}
+	if old == nil || len(union) != len(*old) {
+		m.served.Store(&union)
+	}
+}
+
+// everServed reports whether the engine lists model or has listed it
+// since the router started.
+func (m *member) everServed(model string) bool {
+	if m.serves(model) {
+		return true
+	}
+	ms := m.served.Load()
+	return ms != nil && slices.Contains(*ms, model)
+}
+
+// unplaceable says why the router cannot place on the engine now, "" when
+// it can (for /readyz and the 503 of a model no reachable engine serves).
+func (m *member) unplaceable(nowNano int64) string {
+	switch p := m.problem.Load(); {
+	case p != nil:
+		return *p
+	case m.refused.Load():
+		return "refuses the router's credentials"
+	case m.models.Load() == nil:
+		return "has not answered GET /v1/models yet"
+	case !m.eligible.Load():
+		return "ejected by the breaker"
+	}
+	if q := m.quarantinedUntil.Load(); q > nowNano {
+		return "quarantined"
+	}
+	return ""
+}
+
+// reachableFor reports whether the engine's last /v1/models call
+// succeeded and listed model.
+func (m *member) reachableFor(model string) bool {
+	return m.problem.Load() == nil && m.serves(model)
 }
 
 func (m *member) serves(model string) bool {
@@ -166,14 +235,41 @@ func (k *pick) offer(m *member, load int64) {
 	}
 }
 
-// servesModel reports whether any engine lists model.
-func (f *fleet) servesModel(model string) bool {
+// everServed reports whether any engine of the fleet has listed model
+// since the router started: a model none has is unknown (404).
+func (f *fleet) everServed(model string) bool {
 	for _, m := range f.members {
-		if m.serves(model) {
+		if m.everServed(model) {
 			return true
 		}
 	}
 	return false
+}
+
+// unreachableFor returns, for the first phase (prefill, then decode) in
+// which engines of the fleet have served model but none of them is
+// reachable and lists it now, those engines; nil when every phase whose
+// engines served model has a reachable one. A phase no engine ever served
+// model in is placement's business (no eligible engine).
+func (f *fleet) unreachableFor(model string) (phase, []*member) {
+	for _, p := range []phase{prefillPhase, decodePhase} {
+		var should []*member
+		reachable := false
+		for _, m := range f.members {
+			if !m.can(p) || !m.everServed(model) {
+				continue
+			}
+			if m.reachableFor(model) {
+				reachable = true
+				break
+			}
+			should = append(should, m)
+		}
+		if !reachable && len(should) > 0 {
+			return p, should
+		}
+	}
+	return 0, nil
 }
 
 // models returns every model any engine serves, without duplicates, in
@@ -199,7 +295,7 @@ func (f *fleet) models() []string {
 func (f *fleet) canServe(p phase) bool {
 	now := time.Now().UnixNano()
 	for _, m := range f.members {
-		if m.can(p) && m.available(now) && m.models.Load() != nil {
+		if m.can(p) && m.available(now) && m.models.Load() != nil && m.problem.Load() == nil {
 			return true
 		}
 	}

@@ -74,6 +74,24 @@ func (e *events) handoffs() []*schemas.Handoff {
 	return out
 }
 
+// syncBuffer is a bytes.Buffer safe for one writer and readers.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
 // stack is a router over simulated engines, all in this process on
 // loopback.
 type stack struct {
@@ -100,6 +118,13 @@ func newStack(t *testing.T, defs []engineDef, mutate func(*config.Config)) *stac
 // the plain loopback listener).
 func newStackOn(t *testing.T, defs []engineDef, mutate func(*config.Config), wrap func(net.Listener) net.Listener) *stack {
 	t.Helper()
+	return newStackLogged(t, defs, mutate, wrap, io.Discard)
+}
+
+// newStackLogged is newStackOn with the router's log (text) written to
+// logw.
+func newStackLogged(t *testing.T, defs []engineDef, mutate func(*config.Config), wrap func(net.Listener) net.Listener, logw io.Writer) *stack {
+	t.Helper()
 	s := &stack{t: t, sims: map[string]*sim.Server{}, events: &events{}}
 	cfg := config.Default()
 	cfg.Router.ID = "rt-test"
@@ -118,7 +143,7 @@ func newStackOn(t *testing.T, defs []engineDef, mutate func(*config.Config), wra
 		t.Fatal(err)
 	}
 	s.cfg = &cfg
-	rt, err := New(Options{Config: &cfg, Publisher: s.events, Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), ShutdownGrace: time.Second})
+	rt, err := New(Options{Config: &cfg, Publisher: s.events, Logger: slog.New(slog.NewTextHandler(logw, nil)), ShutdownGrace: time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -14,11 +14,14 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
+	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -449,7 +452,10 @@ func (rt *Router) serveModels(ctx *fasthttp.RequestCtx, key *clientKey) {
 }
 
 // serveReady is 200 when the extra readiness check passes and each phase
-// has at least one available engine with known models (R-API-2).
+// has at least one available engine with known models (R-API-2). Its
+// JSON body is {"status":"ready"|"not ready", "problems":[…] (when not
+// ready), "engines":[{"id","role","problem"}…] (each engine the router
+// cannot place on now, and why; absent when there is none)}.
 func (rt *Router) serveReady(ctx *fasthttp.RequestCtx) {
 	var problems []string
 	if (rt.ready != nil && !rt.ready()) || !rt.meshReady() {
@@ -461,33 +467,116 @@ func (rt *Router) serveReady(ctx *fasthttp.RequestCtx) {
 	if !rt.fleet.canServe(decodePhase) {
 		problems = append(problems, "no eligible engine for decode")
 	}
-	ctx.SetContentType("application/json")
-	if len(problems) > 0 {
-		b, _ := json.Marshal(map[string]any{"status": "not ready", "problems": problems})
-		ctx.SetStatusCode(503)
-		ctx.SetBody(b)
-		return
+	type engineProblem struct {
+		ID      string `json:"id"`
+		Role    string `json:"role"`
+		Problem string `json:"problem"`
 	}
-	ctx.SetBodyString(`{"status":"ready"}`)
+	var out struct {
+		Status   string          `json:"status"`
+		Problems []string        `json:"problems,omitempty"`
+		Engines  []engineProblem `json:"engines,omitempty"`
+	}
+	now := time.Now().UnixNano()
+	for _, m := range rt.fleet.members {
+		if why := m.unplaceable(now); why != "" {
+			out.Engines = append(out.Engines, engineProblem{ID: m.ID, Role: string(m.Role), Problem: why})
+		}
+	}
+	out.Status = "ready"
+	if len(problems) > 0 {
+		out.Status, out.Problems = "not ready", problems
+		ctx.SetStatusCode(503)
+	}
+	b, _ := json.Marshal(out)
+	ctx.SetContentType("application/json")
+	ctx.SetBody(b)
 }
 
 // RefreshModels reads every engine's /v1/models once, bounded by ctx and 2
-// seconds per engine. Engines that fail keep their last known list.
+// seconds per engine. Engines that fail keep their last known list; what
+// each call found is recorded and logged by noteModels.
 func (rt *Router) RefreshModels(ctx context.Context) {
 	var wg sync.WaitGroup
 	for _, m := range rt.fleet.members {
 		wg.Add(1)
 		go func(m *member) {
 			defer wg.Done()
-			models, err := rt.fetchModels(ctx, m)
-			if err != nil {
-				rt.log.Debug("models refresh failed", "engine_id", m.ID, "err", err)
-				return
-			}
-			m.models.Store(&models)
+			rt.refreshMember(ctx, m)
 		}(m)
 	}
 	wg.Wait()
+}
+
+// refreshMember reads m's /v1/models once and records what it found.
+func (rt *Router) refreshMember(ctx context.Context, m *member) {
+	models, err := rt.fetchModels(ctx, m)
+	if err != nil && ctx.Err() != nil {
+		return // the router is stopping: the engine is not to blame
+	}
+	rt.noteModels(m, models, err)
+}
+
+// noteModels records the outcome of one /v1/models call of m — its list
+// on success, its problem otherwise (see member.problem) — and logs each
+// change of the problem: a warning naming the engine, its URL and why it
+// cannot be placed on (at start, for every engine that is unreachable or
+// serves no model), and an info line when an engine is placeable (with
+// its models) the first time or again. A credential refusal is logged by
+// refuseCredentials and leaves problem unset.
+func (rt *Router) noteModels(m *member, models []string, err error) {
+	var problem *string
+	var refused *engines.StatusError
+	switch {
+	case err != nil && errors.As(err, &refused) && refusal(refused.Status):
+	case err != nil:
+		p := modelsProblem(err)
+		problem = &p
+	case len(models) == 0:
+		p := "serves no model (its GET /v1/models lists none)"
+		problem = &p
+	}
+	first := m.models.Load() == nil && m.problem.Load() == nil
+	if err == nil {
+		m.setModels(models)
+	}
+	prev := m.problem.Swap(problem)
+	switch {
+	case problem != nil && (prev == nil || *prev != *problem):
+		attrs := []any{"engine_id", m.ID, "url", m.URL, "role", string(m.Role)}
+		if err != nil {
+			attrs = append(attrs, "err", err)
+		}
+		rt.log.Warn("engine not placeable: "+*problem, attrs...)
+	case problem == nil && err == nil && (first || prev != nil):
+		rt.log.Info("engine placeable", "engine_id", m.ID, "url", m.URL, "role", string(m.Role), "models", models)
+	}
+}
+
+// modelsProblem says in a few words, without the engine's address (it is
+// shown on /readyz and to clients), why a /v1/models call failed.
+func modelsProblem(err error) string {
+	var se *engines.StatusError
+	var dns *net.DNSError
+	var netErr net.Error
+	switch {
+	case errors.As(err, &se):
+		return fmt.Sprintf("unreachable: GET /v1/models answers HTTP %d", se.Status)
+	case errors.Is(err, engines.ErrNotModelList):
+		return "unreachable: GET /v1/models does not answer a model list"
+	case errors.Is(err, syscall.ECONNREFUSED):
+		return "unreachable: connection refused"
+	case errors.Is(err, syscall.ECONNRESET), errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
+		return "unreachable: connection closed without an answer"
+	case errors.As(err, &dns):
+		return "unreachable: host not found"
+	case errors.Is(err, context.DeadlineExceeded), errors.As(err, &netErr) && netErr.Timeout():
+		return "unreachable: no answer to GET /v1/models within 2 s"
+	case strings.Contains(err.Error(), "tls:"), strings.Contains(err.Error(), "x509:"):
+		return "unreachable: TLS handshake failed"
+	default:
+		return "unreachable: GET /v1/models failed"
+	}
 }
 
 func (rt *Router) fetchModels(ctx context.Context, m *member) ([]string, error) {
@@ -522,11 +611,11 @@ func (rt *Router) refreshLoop() {
 			last = time.Now()
 			continue
 		}
+		// Engines the router cannot place on are asked every second, so
+		// that one that comes up is placeable within a second.
 		for _, m := range rt.fleet.members {
-			if m.models.Load() == nil || m.refused.Load() {
-				if models, err := rt.fetchModels(rt.base, m); err == nil {
-					m.models.Store(&models)
-				}
+			if m.models.Load() == nil || m.refused.Load() || m.problem.Load() != nil {
+				rt.refreshMember(rt.base, m)
 			}
 		}
 	}
