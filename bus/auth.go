@@ -101,9 +101,15 @@ func eventsPub(kinds ...string) []string {
 
 // viewerDenied are the acts on the breaker's durable consumer, and the
 // consumer acts beyond reading, that the viewer's wide read permissions
-// would otherwise allow.
+// would otherwise allow. The legacy ephemeral create
+// ($JS.API.CONSUMER.CREATE.<stream>, no consumer name in the subject)
+// takes the name from the request body, so on NARWHAL_EVENTS it could
+// update the breaker's consumer (its filter, its pause) under any
+// subject-based deny; clients name their consumers in the subject (nats.go
+// does with any server since 2.9), so it is denied there.
 func viewerDenied() []string {
 	return []string{
+		jsAPI + "CONSUMER.CREATE." + StreamName,
 		jsAPI + "CONSUMER.*." + StreamName + "." + BreakerConsumer,
 		jsAPI + "CONSUMER.*." + StreamName + "." + BreakerConsumer + ".>",
 		jsAPI + "CONSUMER.MSG.NEXT." + StreamName + "." + BreakerConsumer,
@@ -130,7 +136,8 @@ func viewerDenied() []string {
 //   - viewer: subscribe to every event; read every stream and bucket of
 //     the account (info, messages); make, read from and delete consumers
 //     of its own — not narwhal-breaker, not durables through the durable
-//     API, no leader step-downs;
+//     API, not through the legacy create on NARWHAL_EVENTS, no leader
+//     step-downs;
 //   - admin: everything ("> ").
 //
 // It returns an error for an unknown role.

@@ -229,6 +229,15 @@ func TestRolePermissions(t *testing.T) {
 	denied(t, viewer, "viewer deletes the breaker's consumer", "CONSUMER.DELETE.NARWHAL_EVENTS.narwhal-breaker", func(ctx context.Context) error {
 		return viewer.JetStream().DeleteConsumer(ctx, bus.StreamName, bus.BreakerConsumer)
 	})
+	// The consumer API's legacy ephemeral create names the consumer in the
+	// request body, not the subject: with the name of the breaker's durable
+	// it would update that consumer (here: to a filter that matches
+	// nothing the breaker needs), so it is denied on NARWHAL_EVENTS.
+	denied(t, viewer, "viewer updates the breaker's consumer through the legacy create", "$JS.API.CONSUMER.CREATE.NARWHAL_EVENTS", func(ctx context.Context) error {
+		body := `{"stream_name":"NARWHAL_EVENTS","config":{"name":"narwhal-breaker","ack_policy":"explicit","filter_subjects":["narwhal.events.chaos.>"]}}`
+		_, err := viewer.Conn().RequestWithContext(ctx, "$JS.API.CONSUMER.CREATE.NARWHAL_EVENTS", []byte(body))
+		return err
+	})
 	denied(t, viewer, "viewer writes placement", "$KV.narwhal_placement.d1", func(ctx context.Context) error {
 		_, err := viewer.Placement().Put(ctx, "d1", []byte(`{"eligible":false}`))
 		return err
@@ -277,6 +286,9 @@ func TestRolePermissions(t *testing.T) {
 	}
 	if info, err := cons.Info(ctx); err != nil || info.NumPending != 1 || info.NumAckPending != 0 {
 		t.Errorf("the breaker's consumer after the router's pull: %+v %v, want the one failure event pending", info, err)
+	}
+	if info, err := cons.Info(ctx); err != nil || !slices.Equal(info.Config.FilterSubjects, []string{"narwhal.events.failure.>"}) {
+		t.Errorf("the breaker's consumer after the viewer's legacy create: %+v %v, want its own filter", info, err)
 	}
 	st, err = admin.JetStream().Stream(ctx, bus.StreamName)
 	if err != nil {
