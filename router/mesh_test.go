@@ -341,6 +341,10 @@ func TestNewLeaderValueKeptUntilTheLeaseConfirmsItRBUS9(t *testing.T) {
 	before := ignored()
 	put("d1", value("new-breaker", newTerm, "d1", true))
 	put("d2", value("new-breaker", newTerm, "d2", false))
+	// The bucket keeps one value per key: d2's next put could remove this
+	// one before the watch delivers it, so it must be judged (kept
+	// pending) first.
+	testkit.WaitFor(t, time.Second, "the two values counted as ignored", func() bool { return ignored() >= before+2 })
 	put("d2", []byte(`{"eligible":false}`)) // supersedes d2's pending value
 	testkit.WaitFor(t, time.Second, "the three values counted as ignored", func() bool { return ignored() >= before+3 })
 	if d1.eligible.Load() || !d2.eligible.Load() {
