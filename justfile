@@ -4,6 +4,11 @@
 run *ARGS:
     go run ./cmd/narwhal dev {{ARGS}}
 
+# A mesh on this machine: a bus with one credential per role, a breaker, two
+# routers (127.0.0.1:8081, :8082) and four simulators (examples/mesh.sh).
+mesh: build
+    examples/mesh.sh
+
 # Every test, with the race detector (the command README.md gives).
 test:
     go test -race ./...
