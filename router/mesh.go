@@ -4,8 +4,10 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"math"
 	"strconv"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -31,6 +33,15 @@ const (
 	watchRetry = 100 * time.Millisecond
 	// watchSetupTimeout bounds the creation of the watch's consumer.
 	watchSetupTimeout = 2 * time.Second
+	// watchCheck is how often the router reads its watch's consumer back
+	// (bounded by watchCheck as well): a client that may read the bucket
+	// may also update a consumer whose name it learns (JetStream lets
+	// consumer names be listed and consumers be updated by name), e.g. to
+	// a filter that matches nothing — heartbeats still come, so only
+	// reading the consumer shows it. A consumer that is gone or is not
+	// the watch's any more is replaced like a dead watch (R-BUS-9,
+	// R-BRK-8).
+	watchCheck = 500 * time.Millisecond
 	// watchInactive is how long the server keeps a consumer nobody pulls
 	// from (one left behind by a dead connection).
 	watchInactive = 10 * time.Second
@@ -280,6 +291,9 @@ func (rt *Router) watchPlacement(m *mesh, status <-chan nats.Status, first bool,
 	recheck := time.NewTimer(time.Hour)
 	recheck.Stop()
 	defer recheck.Stop()
+	check := time.NewTicker(watchCheck)
+	defer check.Stop()
+	var checking atomic.Bool // a checkWatch is under way
 	var recheckC <-chan time.Time // non-nil while a recheck is scheduled
 	for {
 		if len(m.pending) > 0 && recheckC == nil {
@@ -294,6 +308,13 @@ func (rt *Router) watchPlacement(m *mesh, status <-chan nats.Status, first bool,
 			return err.Error(), nil
 		case <-status:
 			return "the connection came back", nil
+		case <-check.C:
+			if checking.CompareAndSwap(false, true) {
+				go func() {
+					defer checking.Store(false)
+					rt.checkWatch(cons, dead)
+				}()
+			}
 		case <-recheckC:
 			recheckC = nil
 			m.readLease(rt, true)
@@ -312,6 +333,50 @@ func (rt *Router) watchPlacement(m *mesh, status <-chan nats.Status, first bool,
 			if md, err := msg.Metadata(); err == nil && md.NumPending == 0 {
 				finish()
 			}
+		}
+	}
+}
+
+// watchFilter is the subject filter of the placement watch: every key.
+const watchFilter = "$KV." + bus.PlacementBucket + ".>"
+
+// watchTampered returns why info is not the placement watch's consumer as
+// createWatch made it — another filter, headers only, paused — or "" when
+// it is. Only settings a consumer update can change are compared.
+func watchTampered(info *jetstream.ConsumerInfo) string {
+	c := info.Config
+	switch {
+	case c.FilterSubject != watchFilter || len(c.FilterSubjects) > 0 && !(len(c.FilterSubjects) == 1 && c.FilterSubjects[0] == watchFilter):
+		return fmt.Sprintf("its consumer was changed by another client (filter %q %q)", c.FilterSubject, c.FilterSubjects)
+	case c.HeadersOnly:
+		return "its consumer was changed by another client (headers only)"
+	case info.Paused:
+		return "its consumer was paused by another client"
+	}
+	return ""
+}
+
+// checkWatch reads the watch's consumer back (bounded by watchCheck) and
+// reports on dead when it is gone or tampered with (watchTampered). Other
+// errors — the JetStream API is slow after a node loss — are left to the
+// heartbeats and the next check.
+func (rt *Router) checkWatch(cons jetstream.Consumer, dead chan<- error) {
+	ctx, cancel := context.WithTimeout(rt.base, watchCheck)
+	defer cancel()
+	info, err := cons.Info(ctx)
+	var why error
+	switch {
+	case errors.Is(err, jetstream.ErrConsumerNotFound):
+		why = err
+	case err == nil:
+		if t := watchTampered(info); t != "" {
+			why = errors.New(t)
+		}
+	}
+	if why != nil {
+		select {
+		case dead <- why:
+		default:
 		}
 	}
 }
@@ -336,7 +401,7 @@ func (rt *Router) createWatch(m *mesh, stream string, bridge bool) (jetstream.Co
 			Description:       "placement watch of router " + rt.id,
 			DeliverPolicy:     jetstream.DeliverLastPerSubjectPolicy,
 			AckPolicy:         jetstream.AckNonePolicy,
-			FilterSubject:     "$KV." + bus.PlacementBucket + ".>",
+			FilterSubject:     watchFilter,
 			MemoryStorage:     true,
 			Replicas:          1,
 			InactiveThreshold: watchInactive,

@@ -401,3 +401,71 @@ func TestPlacementReadDirectlyRBRK8(t *testing.T) {
 		t.Fatal("d1 not readmitted by a direct read of its readmission")
 	}
 }
+
+// TestTamperedWatchIsReplacedRBUS9 proves that a client that may read the
+// placement bucket — and so list its consumers and update one by name —
+// cannot blind a router (R-BUS-9, R-BRK-8): a watch whose consumer was
+// given a filter that matches nothing, or was paused, keeps getting
+// heartbeats, yet the router reads it back, sets up a new watch and
+// applies the next ejection within a second and a half.
+func TestTamperedWatchIsReplacedRBUS9(t *testing.T) {
+	s := newStack(t, pd(), nil)
+	s.waitModels()
+	m := newMeshBus(t)
+	if err := s.rt.JoinMesh(m.b, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	d1 := s.rt.fleet.byID["d1"]
+	js := m.peer.JetStream()
+	stream := "KV_" + bus.PlacementBucket
+	watch := func() jetstream.Consumer {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		st, err := js.Stream(ctx, stream)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var names []string
+		for n := range st.ConsumerNames(ctx).Name() {
+			names = append(names, n)
+		}
+		if len(names) != 1 {
+			t.Fatalf("consumers of %s: %v, want the router's watch alone", stream, names)
+		}
+		c, err := js.Consumer(ctx, stream, names[0])
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	tamperings := []struct {
+		what string
+		do   func(ctx context.Context, c jetstream.Consumer) error
+	}{
+		{"a filter that matches nothing", func(ctx context.Context, c jetstream.Consumer) error {
+			cfg := c.CachedInfo().Config
+			cfg.FilterSubject = "$KV." + bus.PlacementBucket + ".nothing"
+			_, err := js.UpdateConsumer(ctx, stream, cfg)
+			return err
+		}},
+		{"a pause", func(ctx context.Context, c jetstream.Consumer) error {
+			_, err := js.PauseConsumer(ctx, stream, c.CachedInfo().Name, time.Now().Add(time.Hour))
+			return err
+		}},
+	}
+	eligible := true
+	for _, tc := range tamperings {
+		c := watch()
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		if err := tc.do(ctx, c); err != nil {
+			t.Fatalf("%s: %v", tc.what, err)
+		}
+		cancel()
+		eligible = !eligible
+		m.setEligible("d1", eligible)
+		testkit.WaitFor(t, 1500*time.Millisecond, "d1's placement after "+tc.what+" of the watch", func() bool {
+			return d1.eligible.Load() == eligible
+		})
+	}
+}
