@@ -293,7 +293,7 @@ func (rt *Router) watchPlacement(m *mesh, status <-chan nats.Status, first bool,
 	defer recheck.Stop()
 	check := time.NewTicker(watchCheck)
 	defer check.Stop()
-	var checking atomic.Bool // a checkWatch is under way
+	var checking atomic.Bool      // a checkWatch is under way
 	var recheckC <-chan time.Time // non-nil while a recheck is scheduled
 	for {
 		if len(m.pending) > 0 && recheckC == nil {
