@@ -40,7 +40,7 @@ type benchFlags struct {
 // floor (both legs run directly against the engines).
 func runBench(ctx context.Context, args []string) error {
 	var f benchFlags
-	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
+	fs := flag.NewFlagSet("narwhal bench", flag.ContinueOnError)
 	fs.StringVar(&f.url, "url", "", "router base URL, e.g. http://127.0.0.1:8080 (default: --local)")
 	fs.BoolVar(&f.local, "local", false, "start 2 prefill + 2 decode simulators and a router on loopback (the default without --url)")
 	fs.DurationVar(&f.ttft, "ttft", 0, "--local: simulated time to first token of each decode")

@@ -38,7 +38,7 @@ var errNoNATSURL = errors.New("NARWHAL_NATS_URL (bus.url) is not set: a standalo
 // runs a breaker.Service — leader or standby — until SIGINT/SIGTERM. With
 // --metrics it serves Prometheus text at http://HOST:PORT/metrics.
 func runBreakerCmd(ctx context.Context, args []string) error {
-	fs := flag.NewFlagSet("breaker", flag.ContinueOnError)
+	fs := flag.NewFlagSet("narwhal breaker", flag.ContinueOnError)
 	path := fs.String("config", "", configUsage)
 	metricsAddr := fs.String("metrics", "", "HOST:PORT to serve /metrics on (off when empty)")
 	if err := parseFlags(fs, args); err != nil {

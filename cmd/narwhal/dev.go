@@ -44,7 +44,7 @@ const devBusConnectBound = 10 * time.Second
 // ready-to-paste curl. With --chaos a chaos proxy stands in front of each
 // simulator. Ctrl-C stops everything.
 func runDev(ctx context.Context, args []string) error {
-	fs := flag.NewFlagSet("dev", flag.ContinueOnError)
+	fs := flag.NewFlagSet("narwhal dev", flag.ContinueOnError)
 	listen := fs.String("listen", "127.0.0.1:8080", "HOST:PORT for the router")
 	ttft := fs.Duration("ttft", 0, "simulated time to first token of each decode")
 	itl := fs.Duration("itl", 0, "simulated inter-token latency")

@@ -33,7 +33,7 @@ func init() {
 // (the last line said it), so the process exits 1; it returns an ordinary
 // error for bad flags, a bad config or a report that cannot be written.
 func runPreflight(ctx context.Context, args []string, out io.Writer) error {
-	fs := flag.NewFlagSet("preflight", flag.ContinueOnError)
+	fs := flag.NewFlagSet("narwhal preflight", flag.ContinueOnError)
 	path := fs.String("config", "", "YAML configuration file with the fleet and, optionally, engine_contract")
 	par := fs.Int("parallel", preflight.DefaultParallel, "how many checks and transfers run at once")
 	if err := parseFlags(fs, args); err != nil {

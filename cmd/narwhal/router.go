@@ -29,7 +29,7 @@ func runRouterCmd(ctx context.Context, args []string) error {
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
 	defer signal.Stop(hup)
-	fs := flag.NewFlagSet("router", flag.ContinueOnError)
+	fs := flag.NewFlagSet("narwhal router", flag.ContinueOnError)
 	path := fs.String("config", "", configUsage)
 	listen := fs.String("listen", "127.0.0.1:8080", "HOST:PORT to serve HTTP on")
 	admin := fs.String("admin", "", "HOST:PORT of an opt-in admin listener serving /debug/pprof, and /metrics with server.metrics_on_admin (off when empty)")
