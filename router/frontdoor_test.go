@@ -513,6 +513,28 @@ func TestModelNameBoundedInEvents(t *testing.T) {
 	}
 }
 
+// TestUnknownPathBoundedIn404 proves that the 404 of an unknown path
+// quotes the path bounded to MaxFieldBytes plus the marker: a client
+// cannot have a request line of up to server.max_header_bytes echoed.
+func TestUnknownPathBoundedIn404(t *testing.T) {
+	s := newStack(t, pd(), nil)
+	for _, path := range []string{"/v1/" + strings.Repeat("p", 20000), "/" + strings.Repeat("q", 20000)} {
+		resp, b := s.get(path)
+		if resp.StatusCode != 404 {
+			t.Fatalf("status %d for a long unknown path", resp.StatusCode)
+		}
+		var e struct {
+			Error struct{ Message string } `json:"error"`
+		}
+		if err := json.Unmarshal(b, &e); err != nil {
+			t.Fatalf("404 body %.200q: %v", b, err)
+		}
+		if want := "Not Found: " + schemas.BoundField(path); e.Error.Message != want || len(b) > 1024 {
+			t.Errorf("404 of %d bytes, message of %d bytes, want %d", len(b), len(e.Error.Message), len(want))
+		}
+	}
+}
+
 // TestStreamOutlivesStallTimeout proves that server.stall_timeout_s bounds
 // the client's writes, not the stream: a healthy stream that lasts several
 // times the stall bound ends with [DONE].

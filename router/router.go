@@ -402,12 +402,12 @@ func (rt *Router) serve(ctx *fasthttp.RequestCtx) {
 		rt.serveReady(ctx)
 	case "/metrics":
 		if rt.cfg.Server.MetricsOnAdmin {
-			writeError(ctx, 404, "Not Found: "+string(path))
+			writeError(ctx, 404, "Not Found: "+schemas.BoundField(string(path)))
 			return
 		}
 		rt.metricsH(ctx)
 	default:
-		writeError(ctx, 404, "Not Found: "+string(path))
+		writeError(ctx, 404, "Not Found: "+schemas.BoundField(string(path)))
 	}
 }
 

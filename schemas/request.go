@@ -135,8 +135,9 @@ func ParseRequest(endpoint string, body []byte) (*Request, error) {
 // It keeps a private copy of body. It returns a *RequestError (status 400)
 // for invalid JSON, a body that is not an object, a missing or non-string
 // model, missing messages (chat) or prompt (completions), a non-boolean
-// stream, max_tokens or max_completion_tokens that is not an integer ≥ 1,
-// or n that is not an integer ≥ 1; and, for a cap of lim that is set
+// stream, max_tokens, max_completion_tokens or n that is not an integer
+// ("<field> must be an integer") or is below 1 ("<field> must be at least
+// 1"); and, for a cap of lim that is set
 // (R-API-8), n above lim.MaxN ("n must be at most …") or max_tokens /
 // max_completion_tokens above lim.MaxTokens ("<field> must be at most …"),
 // however many digits the value has. Param names the field. Whether the
@@ -181,16 +182,13 @@ func ParseLimited(endpoint string, body []byte, lim Limits) (*Request, error) {
 			if isNull(m.raw) {
 				break
 			}
-			n, err := positiveInt(m.raw)
-			if err != nil {
-				return nil, badRequest(string(m.key), string(m.key)+" must be at least 1")
-			}
 			limit := lim.MaxTokens
 			if string(m.key) == "n" {
 				limit = lim.MaxN
 			}
-			if limit > 0 && n > limit {
-				return nil, badRequest(string(m.key), string(m.key)+" must be at most "+strconv.Itoa(limit))
+			n, msg := countValue(m.raw, limit)
+			if msg != "" {
+				return nil, badRequest(string(m.key), string(m.key)+msg)
 			}
 			switch {
 			case string(m.key) == "n":
@@ -267,6 +265,38 @@ func errText(err error, fallback string) string {
 
 func isNull(raw []byte) bool {
 	return string(raw) == "null"
+}
+
+// countValue reads the JSON value raw of n, max_tokens or
+// max_completion_tokens (R-API-4, R-API-8): a plain integer ≥ 1 and, when
+// limit > 0, ≤ limit. Otherwise it returns the end of the 400's message,
+// chosen by what the value is rather than by how it failed to parse: a
+// number below 1 in any notation (-5, 0.5, -1e30) is " must be at least
+// 1"; a number above limit in any notation or size (2^64, 1e30, 1e400)
+// is " must be at most <limit>"; anything else (a fraction such as 2.5,
+// a decimal or exponent form of an integer such as 2.0 or 1e3 — refused as
+// the OpenAI API refuses them —, a string, a boolean, an object) is " must
+// be an integer".
+func countValue(raw []byte, limit int) (int, string) {
+	n, err := positiveInt(raw)
+	if err == nil {
+		if limit > 0 && n > limit {
+			return 0, " must be at most " + strconv.Itoa(limit)
+		}
+		return n, ""
+	}
+	if len(raw) > 0 && (raw[0] == '-' || raw[0] >= '0' && raw[0] <= '9') {
+		// A JSON number (the object was validated): ParseFloat's range
+		// error still yields ±Inf or 0 with the right sign.
+		f, _ := strconv.ParseFloat(string(raw), 64)
+		switch {
+		case f < 1:
+			return 0, " must be at least 1"
+		case limit > 0 && f > float64(limit):
+			return 0, " must be at most " + strconv.Itoa(limit)
+		}
+	}
+	return 0, " must be an integer"
 }
 
 // positiveInt parses a JSON integer literal ≥ 1 without allocating. A

@@ -233,7 +233,8 @@ func BenchmarkPrefillRewrite(b *testing.B) {
 // TestParseLimitedCapsRAPI8 proves R-API-8's caps: n above MaxN and
 // max_tokens / max_completion_tokens above MaxTokens get 400 naming the
 // field, a value of any size (2^63, a hundred digits) gets the cap's
-// message and not "at least 1", and values at the caps pass.
+// message and not "at least 1", and values at the caps pass; a value in
+// another notation or of another type gets the message of what it is.
 func TestParseLimitedCapsRAPI8(t *testing.T) {
 	lim := Limits{MaxN: 16, MaxTokens: 1 << 20}
 	chat := func(extra string) string {
@@ -250,6 +251,20 @@ func TestParseLimitedCapsRAPI8(t *testing.T) {
 		{"max_completion_tokens 2^64", chat(`"max_completion_tokens":18446744073709551616`), "max_completion_tokens", "max_completion_tokens must be at most 1048576"},
 		{"max_completion_tokens above, max_tokens fine", chat(`"max_tokens":5,"max_completion_tokens":2000000`), "max_completion_tokens", "max_completion_tokens must be at most 1048576"},
 		{"negative still at least 1", chat(`"max_tokens":-9223372036854775809`), "max_tokens", "max_tokens must be at least 1"},
+		// The message says what the value is, in any notation.
+		{"exponent above", chat(`"max_tokens":1e30`), "max_tokens", "max_tokens must be at most 1048576"},
+		{"exponent beyond float64", chat(`"max_completion_tokens":1e400`), "max_completion_tokens", "max_completion_tokens must be at most 1048576"},
+		{"n fraction above", chat(`"n":16.5`), "n", "n must be at most 16"},
+		{"negative exponent", chat(`"max_tokens":-1e30`), "max_tokens", "max_tokens must be at least 1"},
+		{"fraction below 1", chat(`"n":0.5`), "n", "n must be at least 1"},
+		{"tiny exponent", chat(`"max_tokens":1e-400`), "max_tokens", "max_tokens must be at least 1"},
+		{"minus zero", chat(`"max_tokens":-0`), "max_tokens", "max_tokens must be at least 1"},
+		{"fraction", chat(`"max_tokens":2.5`), "max_tokens", "max_tokens must be an integer"},
+		{"decimal form of an integer", chat(`"n":2.0`), "n", "n must be an integer"},
+		{"exponent form of an integer", chat(`"max_tokens":1e3`), "max_tokens", "max_tokens must be an integer"},
+		{"string", chat(`"max_tokens":"5"`), "max_tokens", "max_tokens must be an integer"},
+		{"boolean", chat(`"n":true`), "n", "n must be an integer"},
+		{"object", chat(`"max_completion_tokens":{"v":5}`), "max_completion_tokens", "max_completion_tokens must be an integer"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -270,5 +285,9 @@ func TestParseLimitedCapsRAPI8(t *testing.T) {
 	// Without caps a huge value parses (saturated), as before the caps.
 	if r, err := ParseRequest(EndpointChat, []byte(chat(`"max_tokens":9223372036854775808`))); err != nil || r.MaxTokens != math.MaxInt {
 		t.Fatalf("no caps: %+v %v", r, err)
+	}
+	// Without caps a number in another notation is no integer, however large.
+	if _, err := ParseRequest(EndpointChat, []byte(chat(`"max_tokens":1e30`))); err == nil || err.(*RequestError).Message != "max_tokens must be an integer" {
+		t.Fatalf("no caps, 1e30: %v", err)
 	}
 }
