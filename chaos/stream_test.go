@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"math"
 	"testing"
 )
 
@@ -51,18 +52,30 @@ func errorObjectExchange() *exchange {
 // TestStreamFaultsAllocateNothingPerChunk proves the stream rewriter keeps
 // the hot path free of per-token allocations: a stream of 2000 tokens
 // costs no more allocations than one of 10.
+//
+// testing.AllocsPerRun counts every allocation of the process, and the
+// rewriter's buffers come from a sync.Pool, which the race detector makes
+// drop a quarter of what is put back and a GC empties: goroutines of
+// earlier tests still winding down on a loaded machine, and pool misses,
+// only ever add allocations. So each count is the least of a few
+// measurements; a rewriter that allocates per chunk costs some 2000 more
+// in every one of them.
 func TestStreamFaultsAllocateNothingPerChunk(t *testing.T) {
 	buf := make([]byte, copyBufferSize)
 	allocs := func(tokens int) float64 {
 		stream := sseStream(tokens)
 		x := errorObjectExchange()
 		src := &rewindReader{}
-		return testing.AllocsPerRun(50, func() {
-			src.Reset(stream)
-			s := newStreamFaults(src, x)
-			readAllFaulted(s, buf)
-			s.Close()
-		})
+		least := math.Inf(1)
+		for range 5 {
+			least = min(least, testing.AllocsPerRun(50, func() {
+				src.Reset(stream)
+				s := newStreamFaults(src, x)
+				readAllFaulted(s, buf)
+				s.Close()
+			}))
+		}
+		return least
 	}
 	few, many := allocs(10), allocs(2000)
 	if many > few+1 {
