@@ -150,6 +150,14 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 	nopts := []nats.Option{
 		nats.MaxReconnects(-1),
 		nats.ReconnectWait(reconnectWait),
+		// No reconnect buffer: what is published while the connection is
+		// down fails at once instead of going out after the reconnect.
+		// Buffered, the tail of an event window that the outage cut would
+		// be stored before its head, which the Publisher sends again only
+		// then (R-BUS-10: each publisher's order is kept); a buffered lease
+		// or placement write would arrive late. Every writer retries or
+		// gives up on an error already.
+		nats.ReconnectBufSize(-1),
 		nats.RetryOnFailedConnect(true),
 		nats.ReconnectErrHandler(func(_ *nats.Conn, err error) {
 			if err != nil {

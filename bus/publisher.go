@@ -282,7 +282,7 @@ func (p *Publisher) run() {
 		if len(queue) == 0 {
 			select {
 			case <-p.stop:
-				p.drain(queue)
+				p.drain(queue, waiting)
 				return
 			case ev := <-p.events:
 				queue = p.enqueue(queue, ev)
@@ -293,12 +293,22 @@ func (p *Publisher) run() {
 			continue
 		}
 		if !p.awaitConnection() {
-			p.drain(queue)
+			p.drain(queue, waiting)
 			return
+		}
+		// After a failed window only the head goes, alone, until the
+		// stream acknowledges it: a stream that becomes able to store
+		// again part way through a window (a server restarted, recovering
+		// its streams; a new leader elected) would store the window's
+		// later events and refuse its earlier ones, which are published
+		// again after them, out of order.
+		size := publishWindow
+		if waiting {
+			size = 1
 		}
 		var acked int
 		var lastErr error
-		queue, acked, lastErr = p.sendWindow(queue)
+		queue, acked, lastErr = p.sendWindow(queue, size)
 		switch {
 		case acked > 0 && lastErr == nil:
 			if waiting && p.log != nil {
@@ -315,7 +325,7 @@ func (p *Publisher) run() {
 				pause = retryPauseMin
 			}
 			if !p.sleep(pause) {
-				p.drain(queue)
+				p.drain(queue, true)
 				return
 			}
 			if acked == 0 {
@@ -358,13 +368,13 @@ func (p *Publisher) take(queue []queued) []queued {
 	return queue
 }
 
-// sendWindow publishes the head of queue (up to publishWindow events) and
-// waits until each is acknowledged or has failed. It returns queue without
-// the acknowledged events (and those given up on), in their order, how
-// many were acknowledged, and the last publish error (nil when every
-// event was acknowledged).
-func (p *Publisher) sendWindow(queue []queued) ([]queued, int, error) {
-	n := min(len(queue), publishWindow)
+// sendWindow publishes the head of queue (up to size events, at most
+// publishWindow) and waits until each is acknowledged or has failed. It
+// returns queue without the acknowledged events (and those given up on),
+// in their order, how many were acknowledged, and the last publish error
+// (nil when every event was acknowledged).
+func (p *Publisher) sendWindow(queue []queued, size int) ([]queued, int, error) {
+	n := min(len(queue), size, publishWindow)
 	futures := make([]jetstream.PubAckFuture, n)
 	errs := make([]error, n)
 	now := time.Now()
@@ -485,7 +495,8 @@ func (p *Publisher) awaitConnection() bool {
 
 // drain publishes what is queued and buffered while the connection is up,
 // within closeDrainBound; what is left then is dropped and counted.
-func (p *Publisher) drain(queue []queued) {
+// waiting tells that the last window failed.
+func (p *Publisher) drain(queue []queued, waiting bool) {
 	deadline := time.Now().Add(closeDrainBound)
 	for {
 		queue = p.take(queue)
@@ -495,9 +506,14 @@ func (p *Publisher) drain(queue []queued) {
 		if !p.nc.IsConnected() || time.Now().After(deadline) {
 			break
 		}
+		size := publishWindow
+		if waiting {
+			size = 1 // as in run: after a failure the head goes alone
+		}
 		var err error
-		queue, _, err = p.sendWindow(queue)
-		if err != nil {
+		queue, _, err = p.sendWindow(queue, size)
+		waiting = err != nil
+		if waiting {
 			t := time.NewTimer(retryPauseMin)
 			<-t.C
 		}

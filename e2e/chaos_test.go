@@ -38,10 +38,13 @@ const (
 	// chaosTimeout is the catalogue's engine.first_token_timeout_s,
 	// decode_read_timeout_s and prefill_timeout_s (also the bound of each
 	// probe leg, R-BRK-3): each strike of a fault past it costs that long.
-	chaosTimeout = time.Second
+	// It leaves a loaded machine (the race detector, the suite's packages
+	// in parallel) room for a whole unfaulted leg through the chaos proxy:
+	// at 1 s, legs that no fault delayed ran into it.
+	chaosTimeout = 2 * time.Second
 	// chaosPast is a delay past chaosTimeout; chaosInside one well inside
 	// it (the "just inside the bound" cases).
-	chaosPast   = 1500 * time.Millisecond
+	chaosPast   = chaosTimeout + 500*time.Millisecond
 	chaosInside = 250 * time.Millisecond
 	// chaosMaxTokens is the output limit of the catalogue's requests.
 	chaosMaxTokens = 8

@@ -191,6 +191,7 @@ func (c *call) abandon(reason string) {
 	released, err := rt.client.Release(ctx, &c.producer.Engine, res)
 	cancel()
 	if err != nil {
+		rt.metrics.releaseFailures.Inc()
 		rt.log.Warn("handoff release failed", "request_id", c.id, "engine_id", res.ProducerID, "err", err)
 	}
 	c.publishAbandoned(res.ProducerID, res.Connector, reason, res.Age(time.Now()), released)

@@ -8,19 +8,23 @@ import (
 // read from the fleet's atomics at scrape time, so the request path pays
 // nothing for them.
 type metrics struct {
-	requests      requestCounter
-	duration      *prometheus.HistogramVec // endpoint
-	ttft          prometheus.Histogram
-	firstByte     prometheus.Histogram
-	leg           *prometheus.HistogramVec // phase
-	faults        *prometheus.CounterVec   // engine, phase, kind
-	retries       prometheus.Counter
-	retryDenied   *prometheus.CounterVec // reason
-	disconnects   prometheus.Counter
-	inflight      prometheus.Gauge
-	abandoned     prometheus.Counter
-	quarantines   prometheus.Counter
-	relayedChunks prometheus.Counter
+	requests    requestCounter
+	duration    *prometheus.HistogramVec // endpoint
+	ttft        prometheus.Histogram
+	firstByte   prometheus.Histogram
+	leg         *prometheus.HistogramVec // phase
+	faults      *prometheus.CounterVec   // engine, phase, kind
+	retries     prometheus.Counter
+	retryDenied *prometheus.CounterVec // reason
+	disconnects prometheus.Counter
+	inflight    prometheus.Gauge
+	abandoned   prometheus.Counter
+	// releaseFailures counts releases of abandoned handoffs the producer
+	// did not confirm (R-OWN-6): the handoff event says released=false,
+	// though the producer may have freed the blocks.
+	releaseFailures prometheus.Counter
+	quarantines     prometheus.Counter
+	relayedChunks   prometheus.Counter
 	// placementIgnored is narwhal_placement_ignored_total{reason}: values
 	// of narwhal_placement the router did not apply (R-BUS-9).
 	placementIgnored *prometheus.CounterVec
@@ -68,6 +72,9 @@ func newMetrics(reg prometheus.Registerer, f *fleet) *metrics {
 		abandoned: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "narwhal_handoffs_abandoned_total", Help: "KV handoffs that were not consumed by a decode leg (client gone, decode failed before pulling, retry).",
 		}),
+		releaseFailures: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "narwhal_handoff_release_failures_total", Help: "Releases of abandoned KV handoffs that the producer did not confirm (an error, or no answer within 1 s): the producer may or may not have freed the blocks.",
+		}),
 		quarantines: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "narwhal_quarantines_total", Help: "Local quarantines started after a failed attempt.",
 		}),
@@ -85,7 +92,7 @@ func newMetrics(reg prometheus.Registerer, f *fleet) *metrics {
 	}, []string{"engine"})
 	reg.MustRegister(m.refusedCredentials)
 	reg.MustRegister(m.requests.vec, m.duration, m.ttft, m.firstByte, m.leg, m.faults, m.retries, m.retryDenied,
-		m.disconnects, m.inflight, m.abandoned, m.quarantines, m.relayedChunks, m.placementIgnored, &reservationCollector{f: f})
+		m.disconnects, m.inflight, m.abandoned, m.releaseFailures, m.quarantines, m.relayedChunks, m.placementIgnored, &reservationCollector{f: f})
 	return m
 }
 

@@ -359,13 +359,22 @@ func soak(t *testing.T, retries, n int) {
 			releasedEvents++
 		}
 	}
-	if releasedEvents != releasedAtEngines || (!testing.Short() && releasedEvents == 0) {
-		t.Errorf("handoff events report %d releases, the producers released %d", releasedEvents, releasedAtEngines)
+	// A release the producer did not confirm within its bound (a loaded
+	// machine) is reported released=false and counted, though the producer
+	// may have freed the blocks when its answer came too late: the
+	// producers' count lies between the released events and those plus
+	// the unconfirmed ones.
+	unconfirmed := int64(s.metricSum("narwhal_handoff_release_failures_total"))
+	if releasedAtEngines < releasedEvents || releasedAtEngines > releasedEvents+unconfirmed || (!testing.Short() && releasedEvents == 0) {
+		t.Errorf("handoff events report %d releases (%d more unconfirmed), the producers released %d", releasedEvents, unconfirmed, releasedAtEngines)
 	}
 	gaveUp := s.metricSum("narwhal_engine_faults_total", "kind", string(engines.KindPrefillTimeout)) +
 		s.metricSum("narwhal_requests_total", "outcome", string(engines.KindRequestTimeout))
-	if limit := struck + int64(gaveUp); held > limit {
-		t.Errorf("producers hold %d handoffs; at most %d could not be released (%d stranding faults struck, %v prefills given up)", held, limit, struck, gaveUp)
+	// An unconfirmed release the producer did not perform leaves its
+	// blocks held too.
+	notReleased := unconfirmed - (releasedAtEngines - releasedEvents)
+	if limit := struck + int64(gaveUp) + notReleased; held > limit {
+		t.Errorf("producers hold %d handoffs; at most %d could not be released (%d stranding faults struck, %v prefills given up, %d releases unconfirmed and not done)", held, limit, struck, gaveUp, notReleased)
 	}
 
 	// Every request is counted once, as ok or a classified fault kind,

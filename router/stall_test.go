@@ -272,8 +272,23 @@ func TestTenStalledClientsEjectNothingRTMO6(t *testing.T) {
 // a client that reads in bursts with pauses longer than
 // engine.decode_read_timeout_s (but shorter than server.stall_timeout_s)
 // gets its whole long stream, ending with [DONE], and nobody is blamed.
+//
+// Its bounds are wider than the other stall tests': a loaded machine that
+// starves the engine's or the router's goroutines for stallSilence is a
+// real silence to the router, and a client that sleeps past its pause
+// for long looks stalled. The client pauses half again the decode read
+// timeout, far below the stall timeout.
 func TestSlowReaderIsNotEngineSilenceRTMO6(t *testing.T) {
-	s := newStackOn(t, longOutput(), stallConfig, smallSendBuffers)
+	const (
+		readTimeout = time.Second // engine.decode_read_timeout_s
+		pause       = readTimeout * 3 / 2
+		stall       = 5 * time.Second // server.stall_timeout_s
+	)
+	s := newStackOn(t, longOutput(), func(c *config.Config) {
+		stallConfig(c)
+		c.Engine.DecodeReadTimeoutS = readTimeout.Seconds()
+		c.Server.StallTimeoutS = stall.Seconds()
+	}, smallSendBuffers)
 	s.waitModels()
 	c := s.dialSmall()
 	br := startLongStream(t, c, "slow-1", 8000)
@@ -281,7 +296,7 @@ func TestSlowReaderIsNotEngineSilenceRTMO6(t *testing.T) {
 	buf := make([]byte, 256<<10)
 	pauses := 0
 	for {
-		_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		_ = c.SetReadDeadline(time.Now().Add(stall))
 		n, err := io.ReadFull(br, buf)
 		tail.Write(buf[:n])
 		if tail.Len() > 64 {
@@ -291,12 +306,12 @@ func TestSlowReaderIsNotEngineSilenceRTMO6(t *testing.T) {
 			break
 		}
 		pauses++
-		time.Sleep(2 * stallSilence) // the client's own pace, not synchronisation
+		time.Sleep(pause) // the client's own pace, not synchronisation
 	}
 	if !strings.Contains(tail.String(), "data: [DONE]") {
 		t.Fatalf("the slow reader's stream did not end with [DONE]: …%q", tail.String())
 	}
-	t.Logf("%d pauses of %v", pauses, 2*stallSilence)
+	t.Logf("%d pauses of %v", pauses, pause)
 	if pauses < 3 {
 		t.Fatalf("only %d pauses: the output was too short to block the router", pauses)
 	}
