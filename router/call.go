@@ -172,16 +172,7 @@ func unknownModelMessage(model string, available []string) string {
 		return b.String()
 	}
 	b.WriteString(" Available models: ")
-	for i, m := range available {
-		if i == maxListedNames {
-			fmt.Fprintf(&b, " and %d more", len(available)-i)
-			break
-		}
-		if i > 0 {
-			b.WriteString(", ")
-		}
-		b.WriteString(schemas.BoundField(m))
-	}
+	writeListed(&b, len(available), func(i int) { b.WriteString(schemas.BoundField(available[i])) })
 	b.WriteString(".")
 	return b.String()
 }
@@ -194,21 +185,29 @@ func unreachableModelMessage(model string, p phase, should []*member) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "no reachable engine serves model %q for %s: engines that serve it: ", schemas.BoundField(model), p)
 	now := time.Now().UnixNano()
-	for i, m := range should {
+	writeListed(&b, len(should), func(i int) {
+		why := should[i].unplaceable(now)
+		if why == "" {
+			why = "no longer lists it"
+		}
+		b.WriteString(should[i].ID + " (" + why + ")")
+	})
+	return b.String()
+}
+
+// writeListed writes n items to b, separated by ", ": the first
+// maxListedNames of them, each by item(i), then " and <rest> more".
+func writeListed(b *strings.Builder, n int, item func(i int)) {
+	for i := range n {
 		if i == maxListedNames {
-			fmt.Fprintf(&b, " and %d more", len(should)-i)
-			break
+			fmt.Fprintf(b, " and %d more", n-i)
+			return
 		}
 		if i > 0 {
 			b.WriteString(", ")
 		}
-		why := m.unplaceable(now)
-		if why == "" {
-			why = "no longer lists it"
-		}
-		b.WriteString(m.ID + " (" + why + ")")
+		item(i)
 	}
-	return b.String()
 }
 
 // clientTimeout reads a shorter deadline the client asked for, in seconds:
