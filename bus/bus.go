@@ -128,6 +128,21 @@ type Bus struct {
 	closing atomic.Bool
 	// log is ConnectOptions.Log (nil: no logs), also the publishers'.
 	log *slog.Logger
+	// inProcess is the embedded server's client URL when the connection
+	// is in-process (where nats.Conn reports the library's default URL),
+	// empty otherwise.
+	inProcess string
+}
+
+// URL returns the server this connection is on, for logs: the connected
+// server's URL with any password redacted, or for an in-process connection
+// the embedded server's client URL ("in-process" when it has no TCP
+// listener).
+func (b *Bus) URL() string {
+	if b.inProcess != "" {
+		return b.inProcess
+	}
+	return b.nc.ConnectedUrlRedacted()
 }
 
 // Connect connects to NATS and binds to stream NARWHAL_EVENTS and KV
@@ -206,6 +221,9 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 	if opts.Embedded != nil {
 		nopts = append(nopts, nats.InProcessServer(opts.Embedded.Server()))
 		url = ""
+		if b.inProcess = opts.Embedded.ClientURL(); b.inProcess == "" {
+			b.inProcess = "in-process"
+		}
 	} else if url == "" {
 		return nil, errors.New("bus: no NATS URL and no embedded server")
 	}
@@ -237,7 +255,7 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 			return b, nil
 		}
 		if log != nil && retryable(nc, err) && time.Since(lastLog) >= waitLogEvery {
-			log.Warn("waiting for the bus's JetStream", "url", nc.ConnectedUrlRedacted(), "err", err)
+			log.Warn("waiting for the bus's JetStream", "url", b.URL(), "err", err)
 			lastLog = time.Now()
 		}
 		if perm := b.PermissionError(); perm != nil {
@@ -285,7 +303,7 @@ func (b *Bus) waitConnected(ctx context.Context, url string, log *slog.Logger) e
 		}
 	}
 	if !lastLog.IsZero() {
-		log.Info("bus reachable", "url", b.nc.ConnectedUrlRedacted())
+		log.Info("bus reachable", "url", b.URL())
 	}
 	return nil
 }

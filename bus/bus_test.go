@@ -119,6 +119,9 @@ func TestEmbeddedInProcessOnly(t *testing.T) {
 	if !b.Connected() {
 		t.Fatal("not connected")
 	}
+	if got := b.URL(); got != "in-process" {
+		t.Errorf("URL() = %q, want in-process (not the library's default URL)", got)
+	}
 	ctx := context.Background()
 	if _, err := b.JetStream().Stream(ctx, bus.StreamName); err != nil {
 		t.Errorf("stream: %v", err)
@@ -722,5 +725,22 @@ func TestHistoryKeepsAllButRequests(t *testing.T) {
 	slices.Sort(subjects)
 	if want := []string{"narwhal.events.eligibility.d1", "narwhal.events.failure.d1"}; !slices.Equal(subjects, want) {
 		t.Errorf("history holds %v, want %v", subjects, want)
+	}
+}
+
+// TestInProcessURLIsTheServers proves that the logs of an in-process
+// connection to a listening embedded server (`narwhal bus`'s own set-up)
+// name that server's address, not nats.go's default nats://127.0.0.1:4222.
+func TestInProcessURLIsTheServers(t *testing.T) {
+	e := startServer(t, bus.EmbeddedOptions{Host: "127.0.0.1", Port: -1})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	b, err := bus.Connect(ctx, bus.ConnectOptions{Embedded: e, Name: t.Name()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	if got, want := b.URL(), e.ClientURL(); got != want || want == "" {
+		t.Errorf("URL() = %q, want the server's %q", got, want)
 	}
 }

@@ -190,7 +190,7 @@ func Setup(ctx context.Context, b *Bus, opts SetupOptions) error {
 			return err
 		}
 		if time.Since(lastLog) >= setupLogEvery {
-			log.Warn("bus setup waiting", "url", b.nc.ConnectedUrlRedacted(), "err", err)
+			log.Warn("bus setup waiting", "url", b.URL(), "err", err)
 			lastLog = time.Now()
 		}
 		if !pause.For(ctx, setupRetryDelay) {
