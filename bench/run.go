@@ -422,20 +422,20 @@ func Compare(ctx context.Context, router *RouterTarget, floor *FloorTarget, wl W
 			sides[i].rec.errors = map[string]int{}
 		}
 	}
-	cmp := &Comparison{
+	c := &Comparison{
 		Slices: slices,
 		Router: newReport(router, &sides[0], opts.BenchHolds),
 		Floor:  newReport(floor, &sides[1], opts.BenchHolds),
 	}
 	if opts.RouterPID > 0 && sides[0].routerOK {
-		cmp.Router.RouterProcess = routerCost(&sides[0], cmp.Router.Requests, wl.Concurrency)
-		cmp.RouterCPUPerRequestUS = cmp.Router.RouterProcess.CPUPerRequestUS
+		c.Router.RouterProcess = routerCost(&sides[0], c.Router.Requests, wl.Concurrency)
+		c.RouterCPUPerRequestUS = c.Router.RouterProcess.CPUPerRequestUS
 		if sides[1].routerOK && sides[1].elapsed > 0 {
-			cmp.RouterIdleCPUCores = sides[1].routerCPU.Seconds() / sides[1].elapsed.Seconds()
+			c.RouterIdleCPUCores = sides[1].routerCPU.Seconds() / sides[1].elapsed.Seconds()
 		}
 	}
-	cmp.compute()
-	return cmp, nil
+	c.compute()
+	return c, nil
 }
 
 // sampleRSS records the router's resident memory before the stretch and

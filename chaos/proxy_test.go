@@ -111,8 +111,8 @@ func TestTransparentWithNothingArmed(t *testing.T) {
 		// least (n-2)·ITL at the engine; a proxy that buffered them hands
 		// them on within a few milliseconds. Half that span leaves room for
 		// a loaded machine delaying the first chunk more than the last one.
-		if spread, min := outputs[len(outputs)-1].Sub(outputs[0]), time.Duration(len(outputs)-2)*itl/2; spread < min {
-			t.Errorf("output chunks arrived within %v, want at least %v: they were not flushed as the engine sent them", spread, min)
+		if spread, least := outputs[len(outputs)-1].Sub(outputs[0]), time.Duration(len(outputs)-2)*itl/2; spread < least {
+			t.Errorf("output chunks arrived within %v, want at least %v: they were not flushed as the engine sent them", spread, least)
 		}
 	})
 }
@@ -429,8 +429,8 @@ func TestCatalogue(t *testing.T) {
 		r := do(t, c, proxyURL, "/v1/chat/completions", streamID, chatStream)
 		wantStream(t, r, directStream, true)
 		events := len(sseEvents(directStream))
-		if d, min := r.end.Sub(r.start), time.Duration(events)*delay; d < min {
-			t.Errorf("%d events in %v, want ≥ %v", events, d, min)
+		if d, least := r.end.Sub(r.start), time.Duration(events)*delay; d < least {
+			t.Errorf("%d events in %v, want ≥ %v", events, d, least)
 		}
 		injected(t, FaultTrickle, PhaseDecode, streamID)
 	})

@@ -261,11 +261,11 @@ func (f *benchFlags) run(ctx context.Context) error {
 		res.Params.SimTTFTS, res.Params.SimITLS = f.ttft.Seconds(), f.itl.Seconds()
 		if f.compare {
 			res.Params.CompareFloor, res.Params.Slices = true, f.slices
-			cmp, err := bench.Compare(ctx, rt, floor, wl, bench.CompareOptions{RunOptions: opts, Slices: f.slices})
+			comparison, err := bench.Compare(ctx, rt, floor, wl, bench.CompareOptions{RunOptions: opts, Slices: f.slices})
 			if err != nil {
 				return err
 			}
-			res.Comparison = cmp
+			res.Comparison = comparison
 		} else {
 			rep, err := bench.Run(ctx, rt, wl, opts)
 			if err != nil {
