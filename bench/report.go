@@ -315,8 +315,8 @@ func newReport(t Target, st *stretch, holds string) *Report {
 			rep.Errors[k] = v
 		}
 	}
-	if rt, ok := t.(*RouterTarget); ok {
-		rep.URL = rt.URL()
+	if r, ok := t.(*RouterTarget); ok {
+		rep.URL = r.URL()
 	}
 	rep.TTFT = Summarize(rep.ttft)
 	rep.ITL = Summarize(rep.itl)

@@ -223,10 +223,10 @@ func (f *benchFlags) run(ctx context.Context) error {
 	for _, wl := range loads {
 		maxConns = max(maxConns, wl.Concurrency, int(wl.Rate))
 	}
-	rt := bench.NewRouterTarget(routerURL, maxConns)
-	defer rt.Close()
+	routerTarget := bench.NewRouterTarget(routerURL, maxConns)
+	defer routerTarget.Close()
 	if f.model == "" {
-		models, err := rt.Models(ctx)
+		models, err := routerTarget.Models(ctx)
 		if err != nil {
 			return err
 		}
@@ -261,13 +261,13 @@ func (f *benchFlags) run(ctx context.Context) error {
 		res.Params.SimTTFTS, res.Params.SimITLS = f.ttft.Seconds(), f.itl.Seconds()
 		if f.compare {
 			res.Params.CompareFloor, res.Params.Slices = true, f.slices
-			comparison, err := bench.Compare(ctx, rt, floor, wl, bench.CompareOptions{RunOptions: opts, Slices: f.slices})
+			comparison, err := bench.Compare(ctx, routerTarget, floor, wl, bench.CompareOptions{RunOptions: opts, Slices: f.slices})
 			if err != nil {
 				return err
 			}
 			res.Comparison = comparison
 		} else {
-			rep, err := bench.Run(ctx, rt, wl, opts)
+			rep, err := bench.Run(ctx, routerTarget, wl, opts)
 			if err != nil {
 				return err
 			}
