@@ -300,7 +300,9 @@ func (w *worker) readStream() (first, end time.Time, tokens int, class string, e
 			}
 			switch kind {
 			case schemas.ChunkOutput, schemas.ChunkMetadata:
-				out.see(kind, payload, &w.rec.itl, true)
+				if gap, ok := out.see(kind, payload); ok {
+					w.rec.itl = append(w.rec.itl, gap)
+				}
 			case schemas.ChunkDone:
 				if out.chunks == 0 {
 					w.rec.itl = w.rec.itl[:mark]
@@ -383,25 +385,26 @@ type outputTally struct {
 
 func newOutputTally() outputTally { return outputTally{usage: -1} }
 
-// see accounts for one output or metadata chunk (others are ignored). With
-// recordITL, an output chunk after the first appends its gap since the
-// previous one to *itl.
-func (o *outputTally) see(kind schemas.ChunkKind, payload []byte, itl *[]time.Duration, recordITL bool) {
+// see accounts for one output or metadata chunk (others are ignored). For
+// an output chunk after the first it returns the gap since the previous
+// one (an inter-token latency) and true.
+func (o *outputTally) see(kind schemas.ChunkKind, payload []byte) (gap time.Duration, ok bool) {
 	switch kind {
 	case schemas.ChunkOutput:
 		now := time.Now()
-		if o.chunks == 0 {
+		if o.chunks > 0 {
+			gap, ok = now.Sub(o.last), true
+		} else {
 			o.first = now
-		} else if recordITL {
-			*itl = append(*itl, now.Sub(o.last))
 		}
 		o.last = now
 		o.chunks++
 	case schemas.ChunkMetadata:
-		if n, ok := completionTokens(payload); ok {
+		if n, has := completionTokens(payload); has {
 			o.usage = n
 		}
 	}
+	return gap, ok
 }
 
 // tokens is usage.completion_tokens when the stream carried usage, else

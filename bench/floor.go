@@ -115,7 +115,9 @@ func (t *FloorTarget) do(ctx context.Context, w *worker, start time.Time) {
 		if w.onPayload != nil {
 			w.onPayload(payload)
 		}
-		out.see(kind, payload, &w.rec.itl, w.stream)
+		if gap, ok := out.see(kind, payload); ok && w.stream {
+			w.rec.itl = append(w.rec.itl, gap)
+		}
 	}
 	end := time.Now()
 	first := out.first
