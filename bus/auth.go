@@ -126,10 +126,14 @@ func viewerDenied() []string {
 //   - router: publish failure, quarantine, handoff and request events;
 //     subscribe to quarantine events; read narwhal_placement,
 //     narwhal_breaker (the lease its placement values are checked
-//     against, R-BUS-9) and narwhal_chaos;
-//   - breaker: publish eligibility and probe events; write and read
-//     narwhal_placement and narwhal_breaker; make, read from and
-//     acknowledge on its durable consumer narwhal-breaker;
+//     against, R-BUS-9), narwhal_chaos and narwhal_fleet; write its
+//     in-flight report in narwhal_routers (R-FLEET-3) — it cannot write
+//     the fleet;
+//   - breaker: publish eligibility, probe and fleet events; write and
+//     read narwhal_placement, narwhal_breaker and narwhal_fleet (the
+//     states it decides: active after the checks, drained, R-FLEET-2,
+//     R-FLEET-3); read narwhal_routers; make, read from and acknowledge
+//     on its durable consumer narwhal-breaker;
 //   - chaos: publish chaos events; write and read narwhal_chaos; read
 //     narwhal_placement's info; answer as, and ask, the NATS service
 //     ChaosProxyService ($SRV.*, replies to the requests it receives);
@@ -138,7 +142,8 @@ func viewerDenied() []string {
 //     of its own — not narwhal-breaker, not durables through the durable
 //     API, not through the legacy create on NARWHAL_EVENTS, no leader
 //     step-downs;
-//   - admin: everything ("> ").
+//   - admin: everything ("> "), which `narwhal fleet add|drain|undrain|
+//     remove` needs to change the fleet.
 //
 // It returns an error for an unknown role.
 func RolePermissions(role string) (jwt.Permissions, error) {
@@ -150,13 +155,15 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 	case RoleRouter:
 		pub = slices.Concat(common,
 			eventsPub("failure", "quarantine", "handoff", "request"),
-			bucketRead(PlacementBucket), bucketRead(LeaseBucket), bucketRead(ChaosBucket))
+			bucketRead(PlacementBucket), bucketRead(LeaseBucket), bucketRead(ChaosBucket),
+			bucketRead(FleetBucket), bucketRead(RoutersBucket), bucketWrite(RoutersBucket))
 		sub = append(sub, SubjectPrefix+"quarantine.>")
 	case RoleBreaker:
 		pub = slices.Concat(common,
-			eventsPub("eligibility", "probe"),
+			eventsPub("eligibility", "probe", "fleet"),
 			bucketRead(PlacementBucket), bucketWrite(PlacementBucket),
 			bucketRead(LeaseBucket), bucketWrite(LeaseBucket),
+			bucketRead(FleetBucket), bucketWrite(FleetBucket), bucketRead(RoutersBucket),
 			[]string{
 				jsAPI + "CONSUMER.CREATE." + StreamName + "." + BreakerConsumer,
 				jsAPI + "CONSUMER.CREATE." + StreamName + "." + BreakerConsumer + ".>",

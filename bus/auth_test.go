@@ -207,6 +207,60 @@ func TestRolePermissions(t *testing.T) {
 		return err
 	})
 
+	// The fleet (R-FLEET-1, R-FLEET-3, R-BUS-8): the admin and the breaker
+	// write it, the router reads it and writes only its in-flight report.
+	adminB := connectAs(t, e, dir, bus.RoleAdmin)
+	if _, err := adminB.JetStream().Publish(ctx, "$KV."+bus.FleetBucket+".d9", []byte(`{"by":"admin"}`)); err != nil {
+		t.Fatalf("admin writes the fleet: %v", err)
+	}
+	if _, err := breaker.JetStream().Publish(ctx, "$KV."+bus.FleetBucket+".d9", []byte(`{"by":"breaker"}`)); err != nil {
+		t.Fatalf("breaker writes a fleet state: %v", err)
+	}
+	if _, err := breaker.JetStream().Publish(ctx, "narwhal.events.fleet.d9", []byte(`{}`)); err != nil {
+		t.Fatalf("breaker publishes a fleet event: %v", err)
+	}
+	routerFleet, err := router.BindBucket(ctx, bus.FleetBucket)
+	if err != nil {
+		t.Fatalf("router binds the fleet: %v", err)
+	}
+	if en, err := routerFleet.Get(ctx, "d9"); err != nil || string(en.Value()) != `{"by":"breaker"}` {
+		t.Fatalf("router reads the fleet: %v", err)
+	}
+	fw, err := routerFleet.WatchAll(ctx)
+	if err != nil {
+		t.Fatalf("router watches the fleet: %v", err)
+	}
+	if first := <-fw.Updates(); first == nil || first.Key() != "d9" {
+		t.Errorf("router's fleet watch gave %v first, want d9", first)
+	}
+	_ = fw.Stop()
+	routersKV, err := router.BindBucket(ctx, bus.RoutersBucket)
+	if err != nil {
+		t.Fatalf("router binds the routers bucket: %v", err)
+	}
+	if _, err := routersKV.Put(ctx, "rt-1", []byte(`{}`)); err != nil {
+		t.Fatalf("router writes its report: %v", err)
+	}
+	if _, err := breaker.JetStream().Stream(ctx, "KV_"+bus.RoutersBucket); err != nil {
+		t.Errorf("breaker reads the routers bucket: %v", err)
+	}
+	denied(t, router, "router writes the fleet", "$KV.narwhal_fleet.d9", func(ctx context.Context) error {
+		_, err := routerFleet.Put(ctx, "d9", []byte(`{"state":"active"}`))
+		return err
+	})
+	denied(t, router, "router publishes a fleet event", "narwhal.events.fleet.d9", func(ctx context.Context) error {
+		_, err := router.JetStream().Publish(ctx, "narwhal.events.fleet.d9", []byte(`{}`))
+		return err
+	})
+	denied(t, chaosB, "chaos writes the fleet", "$KV.narwhal_fleet.d9", func(ctx context.Context) error {
+		_, err := chaosB.JetStream().Publish(ctx, "$KV.narwhal_fleet.d9", []byte(`{}`))
+		return err
+	})
+	denied(t, viewer, "viewer writes the fleet", "$KV.narwhal_fleet.d9", func(ctx context.Context) error {
+		_, err := viewer.JetStream().Publish(ctx, "$KV.narwhal_fleet.d9", []byte(`{}`))
+		return err
+	})
+
 	// The viewer reads everything and follows the events with a consumer
 	// of its own, but publishes nothing and cannot touch the breaker's
 	// consumer.
@@ -294,8 +348,8 @@ func TestRolePermissions(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if info := st.CachedInfo(); info.State.Msgs != 2 || info.Config.MaxAge != bus.StreamMaxAge {
-		t.Errorf("the stream holds %d events (want 2: the breaker's and the router's own), max age %v (want %v)",
+	if info := st.CachedInfo(); info.State.Msgs != 3 || info.Config.MaxAge != bus.StreamMaxAge {
+		t.Errorf("the stream holds %d events (want 3: the breaker's two and the router's own), max age %v (want %v)",
 			info.State.Msgs, info.Config.MaxAge, bus.StreamMaxAge)
 	}
 	if _, err := admin.JetStream().KeyValue(ctx, "narwhal_other"); !errors.Is(err, jetstream.ErrBucketNotFound) {

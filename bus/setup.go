@@ -24,6 +24,16 @@ const (
 	// ChaosBucket is the KV bucket of armed chaos faults, key
 	// <engine_id>.<fault_id>.
 	ChaosBucket = "narwhal_chaos"
+	// FleetBucket is the KV bucket of the live fleet (SPEC R-FLEET-1):
+	// key = engine id, value = a schemas.FleetEntry as JSON
+	// (narwhal.engine.v1). Per-key TTLs are allowed, for registrations
+	// (R-FLEET-4).
+	FleetBucket = "narwhal_fleet"
+	// RoutersBucket is the KV bucket of the routers' in-flight reports
+	// (SPEC R-FLEET-3): key = router id, value = a schemas.RouterReport
+	// (narwhal.router.v1), rewritten every second; its TTL
+	// (RouterReportTTL) removes a stopped router's key.
+	RoutersBucket = "narwhal_routers"
 	// ChaosProxyService is the NATS service (nats.go's micro protocol)
 	// every chaos proxy answers as, naming its engine in its metadata.
 	ChaosProxyService = "narwhal-chaos-proxy"
@@ -37,6 +47,14 @@ const (
 	// ChaosMaxAge is the chaos bucket's TTL, the longest a fault may stay
 	// armed.
 	ChaosMaxAge = 24 * time.Hour
+	// RouterReportTTL is the TTL of bucket narwhal_routers: a router's
+	// report older than this is gone, and with it the router from the
+	// drain's count (its legs died with it).
+	RouterReportTTL = 5 * time.Second
+	// fleetLimitMarkerTTL is how long the fleet bucket keeps the marker a
+	// key leaves when its own TTL ends (a lapsed registration), so that
+	// watchers see the key go.
+	fleetLimitMarkerTTL = time.Minute
 	// chaosLimitMarkerTTL is how long the chaos bucket keeps the marker a
 	// key leaves when its own TTL ends (per-key TTLs, NATS >= 2.11).
 	chaosLimitMarkerTTL = time.Minute
@@ -143,6 +161,22 @@ func bucketConfigs(replicas int, leaseTTL time.Duration) []jetstream.KeyValueCon
 			Replicas:    replicas,
 		},
 		{
+			Bucket:         FleetBucket,
+			Description:    "Narwhal live fleet: engine spec and state by engine id",
+			History:        1,
+			Storage:        jetstream.FileStorage,
+			LimitMarkerTTL: fleetLimitMarkerTTL,
+			Replicas:       replicas,
+		},
+		{
+			Bucket:      RoutersBucket,
+			Description: "Narwhal routers: legs in flight by router id",
+			History:     1,
+			TTL:         RouterReportTTL,
+			Storage:     jetstream.FileStorage,
+			Replicas:    replicas,
+		},
+		{
 			Bucket:         ChaosBucket,
 			Description:    "Narwhal chaos: armed faults by <engine_id>.<fault_id>",
 			History:        1,
@@ -155,7 +189,7 @@ func bucketConfigs(replicas int, leaseTTL time.Duration) []jetstream.KeyValueCon
 }
 
 // Setup creates stream NARWHAL_EVENTS and buckets narwhal_placement,
-// narwhal_breaker and narwhal_chaos on js, or updates those whose settings
+// narwhal_breaker, narwhal_fleet, narwhal_routers and narwhal_chaos on js, or updates those whose settings
 // differ from Narwhal's — never deleting or recreating any (R-BUS-7), and
 // never changing the replicas of one that exists: it logs the replicas it
 // found against those it wanted and keeps them (R-BUS-8). It is the admin's

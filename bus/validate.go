@@ -98,20 +98,40 @@ func compileEventSchemas() {
 // value and an error listing what is wrong otherwise. It does not check
 // that the writer holds the lease; routers do that against the lease.
 func ValidatePlacement(value []byte) error {
+	return validateValue(schemas.SchemaPlacement, "placement", value)
+}
+
+// ValidateFleetEntry checks a value of KV bucket narwhal_fleet against
+// schemas/narwhal.engine.v1.json (SPEC R-FLEET-1, R-BUS-9). It returns nil
+// for a valid value and an error listing what is wrong otherwise. It does
+// not check that engine_id is the key; readers do.
+func ValidateFleetEntry(value []byte) error {
+	return validateValue(schemas.SchemaFleetEntry, "fleet", value)
+}
+
+// ValidateRouterReport checks a value of KV bucket narwhal_routers against
+// schemas/narwhal.router.v1.json (SPEC R-FLEET-3). It returns nil for a
+// valid value and an error listing what is wrong otherwise.
+func ValidateRouterReport(value []byte) error {
+	return validateValue(schemas.SchemaRouterReport, "router report", value)
+}
+
+// validateValue checks a bucket value against the schema named name.
+func validateValue(name, what string, value []byte) error {
 	eventSchemas.once.Do(compileEventSchemas)
 	if eventSchemas.err != nil {
 		return eventSchemas.err
 	}
-	sch, ok := eventSchemas.byName[schemas.SchemaPlacement]
+	sch, ok := eventSchemas.byName[name]
 	if !ok {
-		return fmt.Errorf("bus: no schema %s", schemas.SchemaPlacement)
+		return fmt.Errorf("bus: no schema %s", name)
 	}
 	inst, err := jsonschema.UnmarshalJSON(bytes.NewReader(value))
 	if err != nil {
-		return fmt.Errorf("bus: placement value is not JSON: %w", err)
+		return fmt.Errorf("bus: %s value is not JSON: %w", what, err)
 	}
 	if err := sch.Validate(inst); err != nil {
-		return fmt.Errorf("bus: placement value does not match schema %s: %w", schemas.SchemaPlacement, err)
+		return fmt.Errorf("bus: %s value does not match schema %s: %w", what, name, err)
 	}
 	return nil
 }

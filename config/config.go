@@ -23,6 +23,7 @@ import (
 	"time"
 
 	"github.com/narwhalmesh/narwhal/engines/connector"
+	"github.com/narwhalmesh/narwhal/schemas"
 )
 
 // EnvPrefix starts the name of every environment variable that overrides a
@@ -48,6 +49,9 @@ type Config struct {
 	Recovery Recovery `yaml:"recovery" envPrefix:"RECOVERY_"`
 	// Breaker holds the breaker service's leader lease (SPEC R-BRK-8).
 	Breaker Breaker `yaml:"breaker" envPrefix:"BREAKER_"`
+	// Membership holds the live fleet's timers: registrations and drains
+	// (SPEC R-FLEET-3, R-FLEET-4).
+	Membership Membership `yaml:"membership" envPrefix:"MEMBERSHIP_"`
 	// Router holds the router process's identity and logging.
 	Router Router `yaml:"router" envPrefix:"ROUTER_"`
 	// Server holds the front door: connection deadlines, caps, admission
@@ -185,6 +189,25 @@ type Breaker struct {
 
 // LeaseTTL returns LeaseTTLS as a Duration (R-BRK-8).
 func (b Breaker) LeaseTTL() time.Duration { return Seconds(b.LeaseTTLS) }
+
+// Membership holds the timers of the live fleet in KV bucket
+// narwhal_fleet (SPEC §9a).
+type Membership struct {
+	// RegistrationTTLS is how long an engine's registration lasts without
+	// a heartbeat; a lapsed one leaves placement like a removal
+	// (R-FLEET-4). Seconds, > 0; default 15.
+	RegistrationTTLS float64 `yaml:"registration_ttl_s" env:"REGISTRATION_TTL_S"`
+	// DrainTimeoutS is how long a draining engine waits for every router
+	// to report no leg in flight on it before the breaker declares it
+	// drained anyway (R-FLEET-3). Seconds, > 0; default 600.
+	DrainTimeoutS float64 `yaml:"drain_timeout_s" env:"DRAIN_TIMEOUT_S"`
+}
+
+// RegistrationTTL returns RegistrationTTLS as a Duration (R-FLEET-4).
+func (m Membership) RegistrationTTL() time.Duration { return Seconds(m.RegistrationTTLS) }
+
+// DrainTimeout returns DrainTimeoutS as a Duration (R-FLEET-3).
+func (m Membership) DrainTimeout() time.Duration { return Seconds(m.DrainTimeoutS) }
 
 // MinLeaseTTLS is the smallest breaker.lease_ttl_s Validate accepts, in
 // seconds: the lease is renewed every third of it.
@@ -370,6 +393,20 @@ type EngineSpec struct {
 	APIKey Secret `yaml:"-"`
 }
 
+// FleetEntry returns the spec as a value of KV bucket narwhal_fleet
+// (SPEC R-FLEET-1) in state active, seeded from the config (source
+// "config"), written by by at now (UTC). The API key stays out: only
+// APIKeyEnv, the variable's name, goes on the bus.
+func (s EngineSpec) FleetEntry(by string, now time.Time) schemas.FleetEntry {
+	now = now.UTC()
+	return schemas.FleetEntry{
+		Schema: schemas.SchemaFleetEntry, EngineID: s.ID, URL: s.URL, Role: string(s.Role), Connector: s.Connector,
+		PrefillSlots: s.PrefillSlots, DecodeSlots: s.DecodeSlots, APIKeyEnv: s.APIKeyEnv,
+		State: schemas.FleetActive, Since: now, At: now, Source: schemas.SourceConfig, By: by,
+		Reason: "seeded from the configuration's fleet",
+	}
+}
+
 // CanPrefill reports whether the engine's role permits the prefill leg.
 func (s EngineSpec) CanPrefill() bool { return s.Role.CanPrefill() }
 
@@ -380,7 +417,8 @@ func (s EngineSpec) CanDecode() bool { return s.Role.CanDecode() }
 // request timeout 600 s, a 32 MiB body limit, n up to 16 and max_tokens up
 // to 1,048,576, handoff max age 120 s,
 // eject after 3, no quarantine, no retries, retry budget 0.2, readmit
-// every 5 s, a breaker lease of 5 s; router id "<hostname>-<pid>", an
+// every 5 s, a breaker lease of 5 s; registrations of 15 s and drains of
+// at most 600 s; router id "<hostname>-<pid>", an
 // event buffer of 4096, text logs at info; on the front door a stall
 // timeout of 30 s, a header timeout of 10 s, an idle timeout of 90 s,
 // 64 KiB of headers, 10,000 connections, no in-flight limit and 1 GiB of
@@ -389,12 +427,13 @@ func (s EngineSpec) CanDecode() bool { return s.Role.CanDecode() }
 // contract.
 func Default() Config {
 	return Config{
-		Engine:   Engine{FirstTokenTimeoutS: 30, DecodeReadTimeoutS: 30, PrefillTimeoutS: 60},
-		Request:  Request{TimeoutS: 600, MaxBodyBytes: 32 << 20, MaxN: 16, MaxTokensLimit: 1 << 20},
-		Handoff:  Handoff{MaxAgeS: 120},
-		Recovery: Recovery{EjectAfter: 3, FailureQuarantineS: 0, RetryAttempts: 0, RetryBudgetRatio: 0.2, ReadmitIntervalS: 5, MaxQuarantineS: 300},
-		Breaker:  Breaker{LeaseTTLS: 5},
-		Router:   Router{ID: defaultRouterID(), EventBuffer: 4096, LogFormat: LogFormatText, LogLevel: "info"},
+		Engine:     Engine{FirstTokenTimeoutS: 30, DecodeReadTimeoutS: 30, PrefillTimeoutS: 60},
+		Request:    Request{TimeoutS: 600, MaxBodyBytes: 32 << 20, MaxN: 16, MaxTokensLimit: 1 << 20},
+		Handoff:    Handoff{MaxAgeS: 120},
+		Recovery:   Recovery{EjectAfter: 3, FailureQuarantineS: 0, RetryAttempts: 0, RetryBudgetRatio: 0.2, ReadmitIntervalS: 5, MaxQuarantineS: 300},
+		Breaker:    Breaker{LeaseTTLS: 5},
+		Membership: Membership{RegistrationTTLS: 15, DrainTimeoutS: 600},
+		Router:     Router{ID: defaultRouterID(), EventBuffer: 4096, LogFormat: LogFormatText, LogLevel: "info"},
 		Server: Server{StallTimeoutS: 30, HeaderTimeoutS: 10, IdleTimeoutS: 90, MaxHeaderBytes: 64 << 10,
 			MaxConnections: 10000, MaxInflight: 0, MaxBodyBytesInflight: 1 << 30},
 		Bus: Bus{Replicas: 1},
@@ -557,6 +596,8 @@ func (c *Config) Validate() error {
 	}
 	positive("recovery.readmit_interval_s", c.Recovery.ReadmitIntervalS)
 	positive("recovery.max_quarantine_s", c.Recovery.MaxQuarantineS)
+	positive("membership.registration_ttl_s", c.Membership.RegistrationTTLS)
+	positive("membership.drain_timeout_s", c.Membership.DrainTimeoutS)
 	if v := c.Breaker.LeaseTTLS; !finite(v) {
 		bad("breaker.lease_ttl_s", "must be a finite number, got %v", v)
 	} else if v < MinLeaseTTLS {

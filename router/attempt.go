@@ -35,7 +35,7 @@ func (c *call) run() *engines.Fault {
 			return f
 		}
 		rt.metrics.retries.Inc()
-		avoid.blame(rt.fleet, f)
+		avoid.blame(rt.fleet(), f)
 	}
 }
 
@@ -73,11 +73,11 @@ func (a *avoidSet) blame(f *fleet, fault *engines.Fault) {
 // recorded, and the attempt's reservations and stream are released.
 func (c *call) attempt(avoid *avoidSet) *engines.Fault {
 	rt := c.rt
-	prod, err := rt.fleet.place(c.req.Model, prefillPhase, avoid[prefillPhase])
+	prod, err := rt.fleet().place(c.req.Model, prefillPhase, avoid[prefillPhase])
 	if err != nil {
 		return noEngine(prefillPhase)
 	}
-	cons, err := rt.fleet.place(c.req.Model, decodePhase, avoid[decodePhase])
+	cons, err := rt.fleet().place(c.req.Model, decodePhase, avoid[decodePhase])
 	if err != nil {
 		prod.release(prefillPhase)
 		return noEngine(decodePhase)

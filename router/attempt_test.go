@@ -81,6 +81,7 @@ func TestPlaceAvoidsEveryFailedEngine(t *testing.T) {
 	for _, id := range []string{"d1", "d2", "d3"} {
 		m := &member{Engine: engines.Engine{ID: id, Role: connector.RoleDecode, Connector: connector.Nixl{}}}
 		m.eligible.Store(true)
+		m.active.Store(true)
 		m.models.Store(&models)
 		f.members = append(f.members, m)
 		f.byID[id] = m

@@ -84,6 +84,7 @@ func BenchmarkPlace(b *testing.B) {
 	for i, role := range []connector.Role{connector.RolePrefill, connector.RolePrefill, connector.RoleDecode, connector.RoleDecode, connector.RoleDecode, connector.RoleDecode} {
 		m := &member{Engine: engines.Engine{ID: "e" + string(rune('0'+i)), Role: role, Connector: connector.Nixl{}}}
 		m.eligible.Store(true)
+		m.active.Store(true)
 		m.models.Store(&models)
 		f.members = append(f.members, m)
 		f.byID[m.ID] = m

@@ -135,11 +135,11 @@ func (c *call) prepare(fctx *fasthttp.RequestCtx, endpoint string) bool {
 	if !c.admitKey(fctx) {
 		return false
 	}
-	if !rt.fleet.everServed(req.Model) {
-		c.reject(fctx, 404, unknownModelMessage(req.Model, modelsFor(c.key, rt.fleet.models())), "client_error")
+	if !rt.fleet().everServed(req.Model) {
+		c.reject(fctx, 404, unknownModelMessage(req.Model, modelsFor(c.key, rt.fleet().models())), "client_error")
 		return false
 	}
-	if p, should := rt.fleet.unreachableFor(req.Model); should != nil {
+	if p, should := rt.fleet().unreachableFor(req.Model); should != nil {
 		c.fail(fctx, engines.NewFault(engines.KindNoEngine, p.String(), "", 0, unreachableModelMessage(req.Model, p, should)))
 		return false
 	}

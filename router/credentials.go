@@ -41,7 +41,7 @@ func (rt *Router) credentialFault(f *engines.Fault) {
 	if f.Kind != engines.KindEngineUnauthorized {
 		return
 	}
-	rt.refuseCredentials(rt.fleet.byID[f.EngineID], f.UpstreamStatus, f.Phase)
+	rt.refuseCredentials(rt.fleet().byID[f.EngineID], f.UpstreamStatus, f.Phase)
 }
 
 // refusal reports whether status is an engine's refusal of credentials.

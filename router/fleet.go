@@ -55,7 +55,15 @@ type member struct {
 	// started (at most maxServedModels): a model in it is one the fleet
 	// serves even while the engine is unreachable, which makes a request
 	// for it a 503, not a 404.
-	served atomic.Pointer[[]string]
+	served atomic.Pointer[[]string]	// active is whether the engine's fleet state is active: a joining,
+	// draining or drained engine takes no new attempt (R-FLEET-2,
+	// R-FLEET-3).
+	active atomic.Bool
+	// entry is the engine's fleet entry as last applied.
+	entry atomic.Pointer[schemas.FleetEntry]
+	// fromConfig: the engine came from this router's config file; kept
+	// while narwhal_fleet has no key for it (it is seeded there).
+	fromConfig bool
 }
 
 // maxServedModels bounds member.served: an engine that lists ever new
@@ -103,6 +111,8 @@ func (m *member) unplaceable(nowNano int64) string {
 		return "has not answered GET /v1/models yet"
 	case !m.eligible.Load():
 		return "ejected by the breaker"
+	case !m.active.Load():
+		return "is " + m.state() + " in the live fleet"
 	}
 	if q := m.quarantinedUntil.Load(); q > nowNano {
 		return "quarantined"
@@ -114,6 +124,38 @@ func (m *member) unplaceable(nowNano int64) string {
 // succeeded and listed model.
 func (m *member) reachableFor(model string) bool {
 	return m.problem.Load() == nil && m.serves(model)
+}
+
+
+// newMember returns the member for engine e with fleet entry entry and
+// the placement verdict eligible.
+func newMember(e engines.Engine, entry schemas.FleetEntry, eligible bool) *member {
+	m := &member{Engine: e}
+	m.limit[prefillPhase] = int64(entry.PrefillSlots)
+	m.limit[decodePhase] = int64(entry.DecodeSlots)
+	m.eligible.Store(eligible)
+	m.setEntry(entry)
+	return m
+}
+
+// setEntry applies a fleet entry of the same spec (a state change) and
+// returns the state before.
+func (m *member) setEntry(e schemas.FleetEntry) string {
+	prev := m.entry.Swap(&e)
+	m.active.Store(e.State == schemas.FleetActive)
+	if prev == nil {
+		return ""
+	}
+	return prev.State
+}
+
+// state returns the member's fleet state.
+func (m *member) state() string { return m.entry.Load().State }
+
+// legs returns the member's legs in flight on this router: its reserved
+// prefill and decode slots.
+func (m *member) legs() int64 {
+	return m.reserved[prefillPhase].Load() + m.reserved[decodePhase].Load()
 }
 
 func (m *member) serves(model string) bool {
@@ -139,7 +181,7 @@ func (m *member) can(p phase) bool {
 // available reports whether the member may be placed on now, apart from
 // its slot limit.
 func (m *member) available(nowNano int64) bool {
-	if !m.eligible.Load() || m.refused.Load() {
+	if !m.active.Load() || !m.eligible.Load() || m.refused.Load() {
 		return false
 	}
 	q := m.quarantinedUntil.Load()
@@ -163,8 +205,9 @@ func (m *member) tryReserve(p phase) bool {
 // release gives back one slot of phase p.
 func (m *member) release(p phase) { m.reserved[p].Add(-1) }
 
-// fleet is the set of engines a router places on. Its membership is fixed
-// at start; each member's state changes atomically.
+// fleet is the set of engines a router places on. A fleet value never
+// changes membership: the live fleet's watch replaces it whole
+// (Router.live); each member's state changes atomically.
 type fleet struct {
 	members []*member
 	byID    map[string]*member

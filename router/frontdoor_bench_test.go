@@ -151,7 +151,7 @@ func benchRouter(b *testing.B, mutate func(*config.Config)) string {
 		<-done
 	})
 	testkit.WaitFor(b, 5*time.Second, "the engines' models", func() bool {
-		for _, m := range rt.fleet.members {
+		for _, m := range rt.fleet().members {
 			if m.models.Load() == nil {
 				return false
 			}

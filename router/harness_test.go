@@ -284,7 +284,7 @@ func (s *stack) idle() {
 // waitModels waits until the router knows every engine's models.
 func (s *stack) waitModels() {
 	testkit.WaitFor(s.t, 3*time.Second, "models known", func() bool {
-		for _, m := range s.rt.fleet.members {
+		for _, m := range s.rt.fleet().members {
 			if m.models.Load() == nil {
 				return false
 			}

@@ -8,6 +8,7 @@ import (
 	"math"
 	"strconv"
 	"sync/atomic"
+	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -133,7 +134,11 @@ type mesh struct {
 //     arrive, never for longer than recovery.max_quarantine_s (R-QUAR-1,
 //     R-BUS-9);
 //   - when the bus goes away it keeps serving on the last known placement
-//     and its own quarantines (R-BUS-6).
+//     and its own quarantines (R-BUS-6);
+//   - it watches the live fleet, KV bucket narwhal_fleet, and applies
+//     each engine's arrival, state change and removal on arrival
+//     (R-FLEET-1…3; membership.go), and writes its in-flight report to
+//     narwhal_routers every second (R-FLEET-3).
 //
 // The goroutines it starts belong to the router and stop at Shutdown.
 // JoinMesh waits until the initial placement is loaded or wait passes
@@ -148,6 +153,8 @@ func (rt *Router) JoinMesh(b *bus.Bus, wait time.Duration) error {
 		return err
 	}
 	loaded := make(chan struct{})
+	fleetLoaded := make(chan struct{})
+	var once sync.Once
 	started := rt.goOwned(func() {
 		defer sub.Unsubscribe()
 		rt.placementLoop(m, loaded)
@@ -156,12 +163,20 @@ func (rt *Router) JoinMesh(b *bus.Bus, wait time.Duration) error {
 		_ = sub.Unsubscribe()
 		return errShuttingDown
 	}
+	rt.goOwned(func() { rt.watchFleet(b, func() { once.Do(func() { close(fleetLoaded) }) }) })
+	rt.goOwned(func() { rt.reportLoop(b) })
 	t := time.NewTimer(wait)
 	defer t.Stop()
 	select {
 	case <-loaded:
 	case <-t.C:
 		rt.log.Warn("placement not loaded yet; serving with every engine eligible until it is")
+		return nil
+	}
+	select {
+	case <-fleetLoaded:
+	case <-t.C:
+		rt.log.Warn("live fleet not loaded yet; serving the config file's engines until it is")
 	}
 	return nil
 }
@@ -432,7 +447,7 @@ func (rt *Router) createWatch(m *mesh, stream string, bridge bool) (jetstream.Co
 // its state.
 func (rt *Router) bridge(m *mesh) {
 	kv := m.bus.Placement()
-	for _, mb := range rt.fleet.members {
+	for _, mb := range rt.fleet().members {
 		ctx, cancel := context.WithTimeout(rt.base, bridgeGetTimeout)
 		e, err := kv.Get(ctx, mb.ID)
 		cancel()
@@ -453,7 +468,7 @@ func (rt *Router) bridge(m *mesh) {
 // endSnapshot makes every fleet engine without a key in a full read of
 // the bucket eligible: no verdict stands against it (R-BUS-2).
 func (rt *Router) endSnapshot(seen map[string]bool) {
-	for _, mb := range rt.fleet.members {
+	for _, mb := range rt.fleet().members {
 		if !seen[mb.ID] {
 			rt.setEligibility(mb.ID, true, "no placement entry")
 		}
@@ -471,9 +486,8 @@ func (rt *Router) applyPlacement(m *mesh, msg jetstream.Msg) string {
 	if !ok {
 		return ""
 	}
-	if _, inFleet := rt.fleet.byID[key]; !inFleet {
-		return key // not ours to apply; nothing to keep
-	}
+	// A key of an engine not (yet) in the fleet is judged too: its
+	// verdict is kept for when the engine joins (knownEligible).
 	if md, err := msg.Metadata(); err == nil {
 		m.bridged[key] = md.Sequence.Stream // judged; a bridge read skips it
 	}
@@ -553,7 +567,10 @@ func (rt *Router) ignorePlacement(m *mesh, key, reason, detail string) {
 // setEligibility applies a verdict and logs it only when it changes the
 // engine's eligibility on this router.
 func (rt *Router) setEligibility(id string, eligible bool, reason string) {
-	mb, ok := rt.fleet.byID[id]
+	rt.fleetMu.Lock()
+	defer rt.fleetMu.Unlock()
+	rt.knownEligible[id] = eligible
+	mb, ok := rt.fleet().byID[id]
 	if !ok {
 		return
 	}

@@ -130,7 +130,7 @@ func TestPlacementFromTheBucketRBRK8(t *testing.T) {
 	m.setEligible("d2", false)
 	start := time.Now()
 	testkit.WaitFor(t, time.Second, "d2 ejected on the router", func() bool {
-		return !s.rt.fleet.byID["d2"].eligible.Load() && s.rt.fleet.byID["d1"].eligible.Load()
+		return !s.rt.fleet().byID["d2"].eligible.Load() && s.rt.fleet().byID["d1"].eligible.Load()
 	})
 	t.Logf("eligibility applied in %v", time.Since(start))
 	for i := 0; i < 10; i++ {
@@ -140,7 +140,7 @@ func TestPlacementFromTheBucketRBRK8(t *testing.T) {
 	}
 	// Every decode engine ejected: 503 with Retry-After (R-BRK-7).
 	m.setEligible("d1", false)
-	testkit.WaitFor(t, time.Second, "d1 ejected", func() bool { return !s.rt.fleet.byID["d1"].eligible.Load() })
+	testkit.WaitFor(t, time.Second, "d1 ejected", func() bool { return !s.rt.fleet().byID["d1"].eligible.Load() })
 	resp, body := s.post(schemas.EndpointChat, chatBody("nobody", ""))
 	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") == "" {
 		t.Fatalf("status %d retry-after %q: %s", resp.StatusCode, resp.Header.Get("Retry-After"), body)
@@ -165,7 +165,7 @@ func TestQuarantineFromAnotherRouterRQUAR1(t *testing.T) {
 	defer pub.Close()
 	pub.Publish(&schemas.Quarantine{Envelope: schemas.Envelope{Schema: schemas.SchemaQuarantine, RouterID: "other-router", EngineID: "d1"},
 		DurationSeconds: 30, Until: time.Now().Add(30 * time.Second).UTC(), Reason: "first_token_timeout"})
-	testkit.WaitFor(t, time.Second, "quarantine applied", func() bool { return s.rt.fleet.byID["d1"].quarantinedUntil.Load() > nowNano() })
+	testkit.WaitFor(t, time.Second, "quarantine applied", func() bool { return s.rt.fleet().byID["d1"].quarantinedUntil.Load() > nowNano() })
 	for i := 0; i < 10; i++ {
 		if e, _ := s.decodeEngineOf("q"); e != "d2" {
 			t.Fatalf("request went to quarantined %q", e)
@@ -175,8 +175,8 @@ func TestQuarantineFromAnotherRouterRQUAR1(t *testing.T) {
 	// duration is never stretched by a skewed Until.
 	pub.Publish(&schemas.Quarantine{Envelope: schemas.Envelope{Schema: schemas.SchemaQuarantine, RouterID: "skewed", EngineID: "d2"},
 		DurationSeconds: 1, Until: time.Now().Add(time.Hour).UTC(), Reason: "x"})
-	testkit.WaitFor(t, time.Second, "skewed quarantine applied", func() bool { return s.rt.fleet.byID["d2"].quarantinedUntil.Load() > nowNano() })
-	if until := time.Unix(0, s.rt.fleet.byID["d2"].quarantinedUntil.Load()); time.Until(until) > 2*time.Second {
+	testkit.WaitFor(t, time.Second, "skewed quarantine applied", func() bool { return s.rt.fleet().byID["d2"].quarantinedUntil.Load() > nowNano() })
+	if until := time.Unix(0, s.rt.fleet().byID["d2"].quarantinedUntil.Load()); time.Until(until) > 2*time.Second {
 		t.Fatalf("quarantine stretched to %v", until)
 	}
 }
@@ -204,7 +204,7 @@ func TestBusOutageKeepsServingRBUS6(t *testing.T) {
 	m.start()
 	testkit.WaitFor(t, 10*time.Second, "reconnected", func() bool { return m.b.Connected() && m.peer.Connected() })
 	m.setEligible("d1", true)
-	testkit.WaitFor(t, 3*time.Second, "d1 readmitted after resync", func() bool { return s.rt.fleet.byID["d1"].eligible.Load() })
+	testkit.WaitFor(t, 3*time.Second, "d1 readmitted after resync", func() bool { return s.rt.fleet().byID["d1"].eligible.Load() })
 }
 
 // TestRoutersTrustNothingTheyReadRBUS9 proves R-BUS-9 on one router:
@@ -223,7 +223,7 @@ func TestRoutersTrustNothingTheyReadRBUS9(t *testing.T) {
 	if err := s.rt.JoinMesh(m.b, 5*time.Second); err != nil {
 		t.Fatal(err)
 	}
-	d1 := s.rt.fleet.byID["d1"]
+	d1 := s.rt.fleet().byID["d1"]
 	if d1.eligible.Load() {
 		t.Fatal("d1 eligible after a valid ejection")
 	}
@@ -289,7 +289,7 @@ func TestRoutersTrustNothingTheyReadRBUS9(t *testing.T) {
 	defer pub.Close()
 	pub.Publish(&schemas.Quarantine{Envelope: schemas.Envelope{Schema: schemas.SchemaQuarantine, RouterID: "hostile", EngineID: "d2"},
 		DurationSeconds: 1e9, Until: time.Now().Add(1e6 * time.Hour).UTC(), Reason: "x"})
-	d2 := s.rt.fleet.byID["d2"]
+	d2 := s.rt.fleet().byID["d2"]
 	testkit.WaitFor(t, time.Second, "the quarantine applied", func() bool { return d2.quarantinedUntil.Load() > nowNano() })
 	if until := time.Unix(0, d2.quarantinedUntil.Load()); time.Until(until) > 2*time.Second {
 		t.Fatalf("a 1e9 s quarantine lasts until %v, beyond recovery.max_quarantine_s = 2", until)
@@ -313,7 +313,7 @@ func TestNewLeaderValueKeptUntilTheLeaseConfirmsItRBUS9(t *testing.T) {
 	if err := s.rt.JoinMesh(m.b, 5*time.Second); err != nil {
 		t.Fatal(err)
 	}
-	d1, d2 := s.rt.fleet.byID["d1"], s.rt.fleet.byID["d2"]
+	d1, d2 := s.rt.fleet().byID["d1"], s.rt.fleet().byID["d2"]
 	if d1.eligible.Load() || !d2.eligible.Load() {
 		t.Fatalf("d1 eligible=%v d2 eligible=%v before the takeover, want false and true", d1.eligible.Load(), d2.eligible.Load())
 	}
@@ -379,7 +379,7 @@ func TestPlacementReadDirectlyRBRK8(t *testing.T) {
 	s.waitModels()
 	mb := newMeshBus(t)
 	m := &mesh{bus: mb.b, logged: map[string]bool{}, pending: map[string]schemas.Eligibility{}, bridged: map[string]uint64{}}
-	d1, d2 := s.rt.fleet.byID["d1"], s.rt.fleet.byID["d2"]
+	d1, d2 := s.rt.fleet().byID["d1"], s.rt.fleet().byID["d2"]
 	ignored := func() float64 { return testkit.GatheredSum(t, s.rt.Registry(), "narwhal_placement_ignored_total") }
 
 	mb.setEligible("d1", false)
@@ -420,7 +420,7 @@ func TestTamperedWatchIsReplacedRBUS9(t *testing.T) {
 	if err := s.rt.JoinMesh(m.b, 5*time.Second); err != nil {
 		t.Fatal(err)
 	}
-	d1 := s.rt.fleet.byID["d1"]
+	d1 := s.rt.fleet().byID["d1"]
 	js := m.peer.JetStream()
 	stream := "KV_" + bus.PlacementBucket
 	watch := func() jetstream.Consumer {

@@ -28,6 +28,9 @@ type metrics struct {
 	// placementIgnored is narwhal_placement_ignored_total{reason}: values
 	// of narwhal_placement the router did not apply (R-BUS-9).
 	placementIgnored *prometheus.CounterVec
+	// fleetIgnored is narwhal_fleet_ignored_total{reason}: values of
+	// narwhal_fleet the router did not apply (R-FLEET-1, R-BUS-9).
+	fleetIgnored *prometheus.CounterVec
 	// refusedCredentials counts episodes of an engine refusing the
 	// router's credentials (engine label: fleet ids, bounded).
 	refusedCredentials *prometheus.CounterVec
@@ -36,7 +39,7 @@ type metrics struct {
 // latencyBuckets span 0.5 ms to ~2 min.
 var latencyBuckets = prometheus.ExponentialBuckets(0.0005, 2, 18)
 
-func newMetrics(reg prometheus.Registerer, f *fleet) *metrics {
+func newMetrics(reg prometheus.Registerer, f func() *fleet) *metrics {
 	m := &metrics{
 		requests: requestCounter{vec: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "narwhal_requests_total",
@@ -85,6 +88,10 @@ func newMetrics(reg prometheus.Registerer, f *fleet) *metrics {
 			Name: "narwhal_placement_ignored_total",
 			Help: "Placement values not applied, by reason: invalid (not a valid placement value), not_leader (not written by the current lease holder), deleted (a deleted key).",
 		}, []string{"reason"}),
+		fleetIgnored: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "narwhal_fleet_ignored_total",
+			Help: "Values of the live fleet's bucket not applied, by reason: invalid (not a valid fleet entry for its key).",
+		}, []string{"reason"}),
 	}
 	m.refusedCredentials = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "narwhal_engine_credentials_refused_total",
@@ -92,7 +99,7 @@ func newMetrics(reg prometheus.Registerer, f *fleet) *metrics {
 	}, []string{"engine"})
 	reg.MustRegister(m.refusedCredentials)
 	reg.MustRegister(m.requests.vec, m.duration, m.ttft, m.firstByte, m.leg, m.faults, m.retries, m.retryDenied,
-		m.disconnects, m.inflight, m.abandoned, m.releaseFailures, m.quarantines, m.relayedChunks, m.placementIgnored, &reservationCollector{f: f})
+		m.disconnects, m.inflight, m.abandoned, m.releaseFailures, m.quarantines, m.relayedChunks, m.placementIgnored, m.fleetIgnored, &reservationCollector{f: f})
 	return m
 }
 
@@ -109,7 +116,7 @@ func (r requestCounter) inc(endpoint, code, outcome, key string) {
 
 // reservationCollector exports narwhal_reservations{engine,phase} and
 // narwhal_engine_eligible{engine} from the fleet's atomics.
-type reservationCollector struct{ f *fleet }
+type reservationCollector struct{ f func() *fleet }
 
 var (
 	reservationsDesc = prometheus.NewDesc("narwhal_reservations", "Reserved phase slots (in-flight legs) per engine and phase.", []string{"engine", "phase"}, nil)
@@ -123,7 +130,7 @@ func (c *reservationCollector) Describe(ch chan<- *prometheus.Desc) {
 
 func (c *reservationCollector) Collect(ch chan<- prometheus.Metric) {
 	now := nowNano()
-	for _, m := range c.f.members {
+	for _, m := range c.f().members {
 		ch <- prometheus.MustNewConstMetric(reservationsDesc, prometheus.GaugeValue, float64(m.reserved[prefillPhase].Load()), m.ID, "prefill")
 		ch <- prometheus.MustNewConstMetric(reservationsDesc, prometheus.GaugeValue, float64(m.reserved[decodePhase].Load()), m.ID, "decode")
 		v := 0.0

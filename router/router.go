@@ -75,7 +75,7 @@ type Router struct {
 	pub     Publisher
 	log     *slog.Logger
 	client  *engines.Client
-	fleet   *fleet
+	live    atomic.Pointer[fleet] // the fleet as of now; replaced whole on a change (membership.go)
 	reg     *prometheus.Registry
 	metrics *metrics
 	budget  *retryBudget
@@ -96,6 +96,18 @@ type Router struct {
 
 	auth    auth         // client API keys (R-API-9)
 	tlsCert *certificate // the front end's TLS certificate; nil: plain HTTP
+
+	// fleetMu orders changes of the fleet's membership (the live fleet's
+	// watch) against verdicts for engines not (yet) in it (the placement
+	// watch); it guards knownEligible. Placement never takes it.
+	fleetMu sync.Mutex
+	// knownEligible is the latest valid placement verdict of every key of
+	// narwhal_placement, members or not, so that an engine that joins
+	// starts with its verdict.
+	knownEligible map[string]bool
+	// fleetIgnoredLogged holds the keys of narwhal_fleet whose ignored
+	// value was logged (membership.go), until a valid one arrives.
+	fleetIgnoredLogged map[string]bool
 
 	meshBus         atomic.Pointer[bus.Bus] // set by JoinMesh, read by /readyz
 	placementLoaded atomic.Bool
@@ -124,10 +136,8 @@ func New(opts Options) (*Router, error) {
 			return nil, fmt.Errorf("router: fleet engine %s: %w", spec.ID, err)
 		}
 		e.Credential = engines.NewCredential(spec.APIKey.Reveal())
-		m := &member{Engine: e}
-		m.limit[prefillPhase] = int64(spec.PrefillSlots)
-		m.limit[decodePhase] = int64(spec.DecodeSlots)
-		m.eligible.Store(true)
+		m := newMember(e, spec.FleetEntry(cfg.Router.ID, time.Now()), true)
+		m.fromConfig = true
 		f.members = append(f.members, m)
 		f.byID[spec.ID] = m
 	}
@@ -156,7 +166,6 @@ func New(opts Options) (*Router, error) {
 			Transport:         opts.Transport,
 			RootCAs:           cfg.Engine.RootCAs(),
 		}),
-		fleet:   f,
 		reg:     reg,
 		budget:  newRetryBudget(cfg.Recovery.RetryBudgetRatio, 10*time.Second, 3),
 		limits:  schemas.Limits{MaxN: cfg.Request.MaxN, MaxTokens: cfg.Request.MaxTokensLimit},
@@ -165,6 +174,9 @@ func New(opts Options) (*Router, error) {
 		grace:   opts.ShutdownGrace,
 		refresh: opts.ModelRefresh,
 	}
+	rt.live.Store(f)
+	rt.knownEligible = map[string]bool{}
+	rt.fleetIgnoredLogged = map[string]bool{}
 	rt.retry = retryPolicy{retries: cfg.Recovery.RetryAttempts, minLeft: 10 * time.Millisecond, budget: rt.budget}
 	if rt.grace <= 0 {
 		rt.grace = 10 * time.Second
@@ -172,7 +184,7 @@ func New(opts Options) (*Router, error) {
 	if rt.refresh <= 0 {
 		rt.refresh = 30 * time.Second
 	}
-	rt.metrics = newMetrics(reg, f)
+	rt.metrics = newMetrics(reg, rt.fleet)
 	if cfg.Server.TLS() {
 		rt.tlsCert, err = newCertificate(cfg.Server.TLSCertFile, cfg.Server.TLSKeyFile, rt.log)
 		if err != nil {
@@ -320,17 +332,21 @@ func (rt *Router) InFlight() int64 { return rt.inflight.Load() }
 // Reservations returns the total reserved prefill and decode slots over
 // the fleet (R-OWN-3); both are 0 when the router is idle.
 func (rt *Router) Reservations() (prefill, decode int64) {
-	for _, m := range rt.fleet.members {
+	for _, m := range rt.fleet().members {
 		prefill += m.reserved[prefillPhase].Load()
 		decode += m.reserved[decodePhase].Load()
 	}
 	return
 }
 
+// fleet returns the fleet as of now: a snapshot that the live fleet's
+// watch replaces whole on a change (R-FLEET-1).
+func (rt *Router) fleet() *fleet { return rt.live.Load() }
+
 // SetEligible applies the breaker's verdict for an engine (R-BRK-8). It
 // returns false for an engine not in the fleet.
 func (rt *Router) SetEligible(engineID string, eligible bool) bool {
-	m, ok := rt.fleet.byID[engineID]
+	m, ok := rt.fleet().byID[engineID]
 	if ok {
 		m.eligible.Store(eligible)
 	}
@@ -340,7 +356,7 @@ func (rt *Router) SetEligible(engineID string, eligible bool) bool {
 // Quarantine keeps an engine out of this router's placement until until
 // (R-QUAR-1). It returns false for an engine not in the fleet.
 func (rt *Router) Quarantine(engineID string, until time.Time) bool {
-	m, ok := rt.fleet.byID[engineID]
+	m, ok := rt.fleet().byID[engineID]
 	if ok {
 		m.quarantinedUntil.Store(until.UnixNano())
 	}
@@ -443,7 +459,7 @@ func (rt *Router) serveModels(ctx *fasthttp.RequestCtx, key *clientKey) {
 		Data   []model `json:"data"`
 	}{Object: "list", Data: []model{}}
 	now := time.Now().Unix()
-	for _, id := range modelsFor(key, rt.fleet.models()) {
+	for _, id := range modelsFor(key, rt.fleet().models()) {
 		out.Data = append(out.Data, model{ID: id, Object: "model", Created: now, OwnedBy: "narwhal"})
 	}
 	b, _ := json.Marshal(out)
@@ -461,10 +477,10 @@ func (rt *Router) serveReady(ctx *fasthttp.RequestCtx) {
 	if (rt.ready != nil && !rt.ready()) || !rt.meshReady() {
 		problems = append(problems, "bus unreachable and no placement known")
 	}
-	if !rt.fleet.canServe(prefillPhase) {
+	if !rt.fleet().canServe(prefillPhase) {
 		problems = append(problems, "no eligible engine for prefill")
 	}
-	if !rt.fleet.canServe(decodePhase) {
+	if !rt.fleet().canServe(decodePhase) {
 		problems = append(problems, "no eligible engine for decode")
 	}
 	type engineProblem struct {
@@ -478,7 +494,7 @@ func (rt *Router) serveReady(ctx *fasthttp.RequestCtx) {
 		Engines  []engineProblem `json:"engines,omitempty"`
 	}
 	now := time.Now().UnixNano()
-	for _, m := range rt.fleet.members {
+	for _, m := range rt.fleet().members {
 		if why := m.unplaceable(now); why != "" {
 			out.Engines = append(out.Engines, engineProblem{ID: m.ID, Role: string(m.Role), Problem: why})
 		}
@@ -498,7 +514,7 @@ func (rt *Router) serveReady(ctx *fasthttp.RequestCtx) {
 // each call found is recorded and logged by noteModels.
 func (rt *Router) RefreshModels(ctx context.Context) {
 	var wg sync.WaitGroup
-	for _, m := range rt.fleet.members {
+	for _, m := range rt.fleet().members {
 		wg.Add(1)
 		go func(m *member) {
 			defer wg.Done()
@@ -613,7 +629,7 @@ func (rt *Router) refreshLoop() {
 		}
 		// Engines the router cannot place on are asked every second, so
 		// that one that comes up is placeable within a second.
-		for _, m := range rt.fleet.members {
+		for _, m := range rt.fleet().members {
 			if m.models.Load() == nil || m.refused.Load() || m.problem.Load() != nil {
 				rt.refreshMember(rt.base, m)
 			}

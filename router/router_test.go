@@ -304,6 +304,7 @@ func TestIdleEnginesShareTheLoadROWN3(t *testing.T) {
 		}
 		m := &member{Engine: engines.Engine{ID: id, Role: role}}
 		m.eligible.Store(true)
+		m.active.Store(true)
 		m.models.Store(&models)
 		f.members = append(f.members, m)
 		f.byID[id] = m
@@ -430,7 +431,7 @@ func TestReservationsEndWithTheirPhaseROWN3(t *testing.T) {
 	if _, err := resp.Body.Read(first); err != nil { // decoding now
 		t.Fatal(err)
 	}
-	p, d := s.rt.fleet.byID["p1"].reserved[prefillPhase].Load(), s.rt.fleet.byID["d1"].reserved[decodePhase].Load()
+	p, d := s.rt.fleet().byID["p1"].reserved[prefillPhase].Load(), s.rt.fleet().byID["d1"].reserved[decodePhase].Load()
 	if p != 0 || d != 1 {
 		t.Fatalf("while decoding: prefill slots %d (want 0), decode slots %d (want 1)", p, d)
 	}

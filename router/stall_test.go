@@ -154,7 +154,7 @@ func (s *stack) checkNobodyBlamed() {
 	}
 	s.events.mu.Unlock()
 	now := nowNano()
-	for _, m := range s.rt.fleet.members {
+	for _, m := range s.rt.fleet().members {
 		if !m.available(now) {
 			s.t.Errorf("engine %s not available after slow clients", m.ID)
 		}

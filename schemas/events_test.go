@@ -115,6 +115,9 @@ func samples() []sample {
 		{schemas.KindEligibility,
 			&schemas.Eligibility{Envelope: breakerEnv(schemas.SchemaEligibility), Eligible: false, State: "ejected", Reason: "ejected after 3 failures", Streak: 3},
 			&schemas.Eligibility{Envelope: breakerEnv(schemas.SchemaEligibility), Eligible: true, State: "eligible"}},
+		{schemas.KindFleet,
+			&schemas.FleetChange{Envelope: breakerEnv(schemas.SchemaFleet), State: schemas.FleetDrained, Previous: schemas.FleetDraining, Reason: "every router reports no leg in flight"},
+			&schemas.FleetChange{Envelope: breakerEnv(schemas.SchemaFleet), State: schemas.FleetGone}},
 		{schemas.KindChaos,
 			&schemas.Chaos{Envelope: schemas.Envelope{Schema: schemas.SchemaChaos, ID: "Ev10", At: at, EngineID: "d1", RequestID: "req-1-a1"},
 				Action: schemas.ChaosInject, Fault: "error-object", FaultID: "error-object", Phase: schemas.PhaseDecode,
@@ -132,7 +135,8 @@ func TestEverySchemaFileIsAnEvent(t *testing.T) {
 	for name := range compiled {
 		got = append(got, name)
 	}
-	want := []string{schemas.SchemaRequest, schemas.SchemaFailure, schemas.SchemaQuarantine, schemas.SchemaHandoff, schemas.SchemaProbe, schemas.SchemaEligibility, schemas.SchemaChaos, schemas.SchemaPlacement}
+	want := []string{schemas.SchemaRequest, schemas.SchemaFailure, schemas.SchemaQuarantine, schemas.SchemaHandoff, schemas.SchemaProbe, schemas.SchemaEligibility, schemas.SchemaChaos, schemas.SchemaPlacement,
+		schemas.SchemaFleet, schemas.SchemaFleetEntry, schemas.SchemaRouterReport}
 	sort.Strings(got)
 	sort.Strings(want)
 	if !slices.Equal(got, want) {
@@ -277,6 +281,7 @@ var subjectIDs = map[string][]string{
 	schemas.SchemaProbe:       {"breaker_id", "engine_id"},
 	schemas.SchemaEligibility: {"breaker_id", "engine_id"},
 	schemas.SchemaChaos:       {"engine_id"},
+	schemas.SchemaFleet:       {"breaker_id", "engine_id"},
 }
 
 // TestSchemasMatchGoTypes proves the schema files and the Go types agree
@@ -387,5 +392,53 @@ func TestBoundField(t *testing.T) {
 	got = schemas.BoundField(multi)
 	if !utf8.ValidString(got) || got != strings.Repeat("a", schemas.MaxFieldBytes-1)+schemas.TruncatedMarker {
 		t.Fatalf("cut inside a character: %q", got[len(got)-20:])
+	}
+}
+
+// TestFleetValuesValidate proves R-FLEET-1, R-FLEET-3 and R-BUS-9: a fleet
+// entry and a router report as marshalled validate against their schemas,
+// and the mutations a forger or a bug would make do not.
+func TestFleetValuesValidate(t *testing.T) {
+	compiled := compileSchemas(t)
+	entry := schemas.FleetEntry{Schema: schemas.SchemaFleetEntry, EngineID: "d3", URL: "http://127.0.0.1:9003", Role: "decode",
+		Connector: "nixl", DecodeSlots: 4, State: schemas.FleetJoining, Since: at, At: at, Source: schemas.SourceCommand, By: "narwhal-fleet"}
+	report := schemas.RouterReport{Schema: schemas.SchemaRouterReport, RouterID: "rt-1", At: at,
+		Draining: map[string]int64{"d3": 0}, InFlight: map[string]int64{"d1": 2}}
+	for _, c := range []struct {
+		schema string
+		value  any
+		bad    []func(m map[string]any)
+	}{
+		{schemas.SchemaFleetEntry, entry, []func(m map[string]any){
+			func(m map[string]any) { m["state"] = "eligible" },
+			func(m map[string]any) { m["role"] = "encoder" },
+			func(m map[string]any) { m["url"] = "ftp://x" },
+			func(m map[string]any) { m["engine_id"] = "d 3" },
+			func(m map[string]any) { m["decode_slots"] = -1 },
+			func(m map[string]any) { m["api_key"] = "secret" },
+			func(m map[string]any) { delete(m, "state") },
+		}},
+		{schemas.SchemaRouterReport, report, []func(m map[string]any){
+			func(m map[string]any) { m["draining"] = map[string]any{"d3": -1} },
+			func(m map[string]any) { m["inflight"] = map[string]any{"d 1": 1} },
+			func(m map[string]any) { delete(m, "draining") },
+		}},
+	} {
+		payload, err := json.Marshal(c.value)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := validate(t, compiled[c.schema], payload); err != nil {
+			t.Fatalf("%s: %s\n%v", c.schema, payload, err)
+		}
+		for i, mutate := range c.bad {
+			var m map[string]any
+			_ = json.Unmarshal(payload, &m)
+			mutate(m)
+			b, _ := json.Marshal(m)
+			if validate(t, compiled[c.schema], b) == nil {
+				t.Errorf("%s: mutation %d validates: %s", c.schema, i, b)
+			}
+		}
 	}
 }

@@ -1,0 +1,38 @@
+package engines
+
+import (
+	"fmt"
+	"os"
+
+	"github.com/narwhalmesh/narwhal/engines/connector"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// FromFleetEntry returns the Engine a live-fleet entry (a value of KV
+// bucket narwhal_fleet, SPEC R-FLEET-1) describes, with its credential
+// read from the environment variable the entry names (none when it names
+// none or the variable is empty: the engine then refuses, and the router
+// says so). It returns an error for an unknown connector or role; the
+// entry is expected to be schema-valid already.
+func FromFleetEntry(e schemas.FleetEntry) (Engine, error) {
+	role := connector.Role(e.Role)
+	if !role.Valid() {
+		return Engine{}, fmt.Errorf("engines: engine %s: unknown role %q", e.EngineID, e.Role)
+	}
+	eng, err := NewEngine(e.EngineID, e.URL, role, e.Connector)
+	if err != nil {
+		return Engine{}, fmt.Errorf("engines: engine %s: %w", e.EngineID, err)
+	}
+	if e.APIKeyEnv != "" {
+		eng.Credential = NewCredential(os.Getenv(e.APIKeyEnv))
+	}
+	return eng, nil
+}
+
+// SameSpec reports whether two fleet entries describe the same engine
+// (URL, role, connector, slots, API key variable), whatever their states:
+// a change of any of these makes a process build the engine anew.
+func SameSpec(a, b schemas.FleetEntry) bool {
+	return a.EngineID == b.EngineID && a.URL == b.URL && a.Role == b.Role && a.Connector == b.Connector &&
+		a.PrefillSlots == b.PrefillSlots && a.DecodeSlots == b.DecodeSlots && a.APIKeyEnv == b.APIKeyEnv
+}

@@ -1,0 +1,315 @@
+package router
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"slices"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/engines"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// Tuning of the live fleet (SPEC §9a).
+const (
+	// maxFleetValue is the largest value of narwhal_fleet a router reads;
+	// a larger one is ignored as invalid.
+	maxFleetValue = 4096
+	// reportEvery is how often a router writes its in-flight report to
+	// narwhal_routers (R-FLEET-3); well inside bus.RouterReportTTL.
+	reportEvery = time.Second
+	// fleetRetry is the pause before a failed fleet watch is set up
+	// again.
+	fleetRetry = 250 * time.Millisecond
+)
+
+// Reasons a fleet value is ignored: the reason label of
+// narwhal_fleet_ignored_total (R-BUS-9).
+const fleetIgnoredInvalid = "invalid"
+
+// watchFleet keeps a watch on KV bucket narwhal_fleet until the router
+// shuts down (R-FLEET-1): the first values of a watch are a full read of
+// the bucket (applied as a snapshot: an engine without a key leaves,
+// except one of this router's config file, which is seeded there, and
+// one with a deleted key leaves), then every change is applied as it
+// arrives — a push, well within the second R-FLEET-1 allows. A watch that
+// ends (the connection was lost and its consumer with it) is set up
+// again, with a new full read.
+func (rt *Router) watchFleet(b *bus.Bus, loaded func()) {
+	warned := false
+	for rt.base.Err() == nil {
+		err := rt.watchFleetOnce(b, loaded)
+		if rt.base.Err() != nil {
+			return
+		}
+		if err != nil && !warned {
+			rt.log.Warn("fleet watch could not be set up; retrying", "err", err)
+			warned = true
+		} else if err == nil {
+			warned = false
+			rt.log.Warn("fleet watch ended; setting it up again and resynchronising")
+		}
+		if !rt.sleep(fleetRetry) {
+			return
+		}
+	}
+}
+
+// watchFleetOnce runs one watch of narwhal_fleet until it ends.
+func (rt *Router) watchFleetOnce(b *bus.Bus, loaded func()) error {
+	ctx, cancel := context.WithTimeout(rt.base, watchSetupTimeout)
+	kv, err := b.BindBucket(ctx, bus.FleetBucket)
+	cancel()
+	if err != nil {
+		return err
+	}
+	wctx, wcancel := context.WithCancel(rt.base)
+	defer wcancel()
+	w, err := kv.WatchAll(wctx)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = w.Stop() }()
+	snapshot := map[string]jetstream.KeyValueEntry{}
+	inSnapshot := true
+	start := time.Now()
+	for {
+		select {
+		case <-rt.base.Done():
+			return nil
+		case e, ok := <-w.Updates():
+			if !ok {
+				return nil
+			}
+			if inSnapshot {
+				if e != nil {
+					snapshot[e.Key()] = e
+					continue
+				}
+				inSnapshot = false
+				rt.applyFleetSnapshot(snapshot)
+				rt.log.Info("fleet loaded", "keys", len(snapshot), "engines", len(rt.fleet().members), "took", time.Since(start))
+				loaded()
+				continue
+			}
+			if e != nil {
+				rt.applyFleetValue(e.Key(), e.Operation(), e.Value())
+			}
+		}
+	}
+}
+
+// applyFleetSnapshot applies a full read of narwhal_fleet: every key's
+// value, then the removal of every engine without one — except the
+// engines of this router's config file that the bucket never held (they
+// are seeded there by whoever seeds it: kept, and logged).
+func (rt *Router) applyFleetSnapshot(snapshot map[string]jetstream.KeyValueEntry) {
+	for key, e := range snapshot {
+		rt.applyFleetValue(key, e.Operation(), e.Value())
+	}
+	rt.fleetMu.Lock()
+	defer rt.fleetMu.Unlock()
+	cur := rt.fleet()
+	var gone []string
+	for _, m := range cur.members {
+		if _, ok := snapshot[m.ID]; ok {
+			continue
+		}
+		if m.fromConfig {
+			rt.log.Info("engine of the config file is not in the live fleet yet; kept until the bucket names it", "engine_id", m.ID)
+			continue
+		}
+		gone = append(gone, m.ID)
+	}
+	for _, id := range gone {
+		rt.removeMember(id, "not in the live fleet")
+	}
+}
+
+// applyFleetValue applies one value of narwhal_fleet for key (op is the
+// entry's operation): a deleted or purged key removes the engine — it
+// receives no new attempt; attempts running on it finish by their own
+// rules, since the request holds its member (R-FLEET-1) — and a valid
+// entry adds the engine, changes its state, or, when its spec changed,
+// builds it anew. A value that is not a valid entry for its key is
+// ignored: the engine keeps its state, the first per key is logged and
+// every one counted in narwhal_fleet_ignored_total (R-BUS-9).
+func (rt *Router) applyFleetValue(key string, op jetstream.KeyValueOp, value []byte) {
+	rt.fleetMu.Lock()
+	defer rt.fleetMu.Unlock()
+	if op != jetstream.KeyValuePut {
+		delete(rt.fleetIgnoredLogged, key)
+		rt.removeMember(key, "removed from the live fleet")
+		return
+	}
+	entry, err := judgeFleetValue(key, value)
+	var eng engines.Engine
+	if err == nil {
+		eng, err = engines.FromFleetEntry(entry)
+	}
+	if err != nil {
+		rt.metrics.fleetIgnored.WithLabelValues(fleetIgnoredInvalid).Inc()
+		if !rt.fleetIgnoredLogged[key] {
+			rt.fleetIgnoredLogged[key] = true
+			rt.log.Warn("fleet value ignored; the engine keeps its state", "engine_id", key, "reason", fleetIgnoredInvalid, "detail", err.Error())
+		}
+		return
+	}
+	delete(rt.fleetIgnoredLogged, key)
+	cur := rt.fleet()
+	if m := cur.byID[key]; m != nil && engines.SameSpec(*m.entry.Load(), entry) {
+		if prev := m.setEntry(entry); prev != entry.State {
+			rt.log.Info("fleet state changed", "engine_id", key, "state", entry.State, "previous", prev, "reason", entry.Reason)
+		}
+		return
+	}
+	eligible, known := rt.knownEligible[key]
+	if !known {
+		eligible = true // no placement entry: no verdict stands against it (R-BUS-2)
+	}
+	m := newMember(eng, entry, eligible)
+	next := &fleet{byID: make(map[string]*member, len(cur.members)+1)}
+	replaced := false
+	for _, old := range cur.members {
+		if old.ID == key {
+			old.active.Store(false) // a holder of the old member places nothing more on it
+			next.members = append(next.members, m)
+			replaced = true
+		} else {
+			next.members = append(next.members, old)
+		}
+	}
+	if !replaced {
+		next.members = append(next.members, m)
+	}
+	for _, x := range next.members {
+		next.byID[x.ID] = x
+	}
+	rt.live.Store(next)
+	rt.log.Info("engine joined the live fleet", "engine_id", key, "url", entry.URL, "role", entry.Role, "state", entry.State, "replaced", replaced)
+	rt.goOwned(func() { rt.refreshMember(rt.base, m) })
+}
+
+// removeMember takes engine id out of the fleet, if it is in it. Called
+// with fleetMu held.
+func (rt *Router) removeMember(id, why string) {
+	cur := rt.fleet()
+	old := cur.byID[id]
+	if old == nil {
+		return
+	}
+	old.active.Store(false)
+	next := &fleet{byID: make(map[string]*member, len(cur.members))}
+	for _, m := range cur.members {
+		if m.ID != id {
+			next.members = append(next.members, m)
+			next.byID[m.ID] = m
+		}
+	}
+	rt.live.Store(next)
+	rt.log.Info("engine left the live fleet; no new attempt goes there, running ones finish", "engine_id", id, "why", why, "legs_in_flight", old.legs())
+}
+
+// judgeFleetValue returns the fleet entry value holds for key, or why it
+// is not one: larger than maxFleetValue, not schema-valid
+// (narwhal.engine.v1), or its engine_id is not the key (R-BUS-9).
+func judgeFleetValue(key string, value []byte) (schemas.FleetEntry, error) {
+	var e schemas.FleetEntry
+	if len(value) > maxFleetValue {
+		return e, errors.New("value larger than 4096 bytes")
+	}
+	if err := bus.ValidateFleetEntry(value); err != nil {
+		return e, err
+	}
+	if err := json.Unmarshal(value, &e); err != nil {
+		return e, err
+	}
+	if e.EngineID != key {
+		return e, errors.New("engine_id is not the key")
+	}
+	return e, nil
+}
+
+// reportLoop writes the router's in-flight report to narwhal_routers
+// every reportEvery while the router runs (R-FLEET-3): its legs per
+// engine, and for every engine it sees draining or drained its legs
+// there, zeros included, so that the breaker knows when every router is
+// done with a draining engine. A report that cannot be written (bus
+// down) is skipped; the next one says the same and more.
+func (rt *Router) reportLoop(b *bus.Bus) {
+	var kv jetstream.KeyValue
+	t := time.NewTicker(reportEvery)
+	defer t.Stop()
+	warned := false
+	for {
+		if b.Connected() {
+			ctx, cancel := context.WithTimeout(rt.base, watchSetupTimeout)
+			var err error
+			if kv == nil {
+				kv, err = b.BindBucket(ctx, bus.RoutersBucket)
+			}
+			if err == nil {
+				value, _ := json.Marshal(rt.report())
+				_, err = kv.Put(ctx, rt.id, value)
+			}
+			cancel()
+			switch {
+			case err != nil && !warned && rt.base.Err() == nil:
+				rt.log.Warn("in-flight report not written; retrying every second", "err", err)
+				warned = true
+			case err == nil && warned:
+				rt.log.Info("in-flight report written again")
+				warned = false
+			}
+		}
+		select {
+		case <-rt.base.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// report returns the router's in-flight report (schemas.RouterReport).
+func (rt *Router) report() schemas.RouterReport {
+	r := schemas.RouterReport{Schema: schemas.SchemaRouterReport, RouterID: rt.id, At: time.Now().UTC(),
+		Draining: map[string]int64{}, InFlight: map[string]int64{}}
+	for _, m := range rt.fleet().members {
+		legs := max(m.legs(), 0)
+		if s := m.state(); s == schemas.FleetDraining || s == schemas.FleetDrained {
+			r.Draining[m.ID] = legs
+		}
+		if legs > 0 {
+			r.InFlight[m.ID] = legs
+		}
+	}
+	return r
+}
+
+// FleetIDs returns the ids of the engines in the router's fleet now, in
+// fleet order, with their fleet states (R-FLEET-1).
+func (rt *Router) FleetIDs() map[string]string {
+	out := map[string]string{}
+	for _, m := range rt.fleet().members {
+		out[m.ID] = m.state()
+	}
+	return out
+}
+
+// placeableIDs returns the ids of the engines placement may choose now
+// for phase p, sorted (for tests and logs).
+func (rt *Router) placeableIDs(p phase) []string {
+	now := nowNano()
+	var out []string
+	for _, m := range rt.fleet().members {
+		if m.can(p) && m.available(now) {
+			out = append(out, m.ID)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
