@@ -126,8 +126,14 @@ type Service struct {
 	probeBudget time.Duration
 	ejectAfter  int
 
+	// fleet and byID are the live fleet (R-FLEET-1), guarded by mu: the
+	// config file's engines at first, then what narwhal_fleet holds.
 	fleet []*engine          // in fleet order
 	byID  map[string]*engine // by engine id
+	// fleetKV is bucket narwhal_fleet once bound by the fleet watch.
+	fleetKV atomic.Pointer[jetstream.KeyValue]
+	// fleetLoaded is set once the fleet watch read the whole bucket.
+	fleetLoaded atomic.Bool
 
 	running atomic.Bool
 	leader  atomic.Bool
@@ -158,6 +164,11 @@ type engine struct {
 	backoff   int                 // probe backoff multiplier, 1…MaxBackoff
 	nextProbe time.Time           // earliest next probe while ejected
 	rotate    int                 // partner rotation, advanced by inconclusive probes
+
+	// Guarded by Service.mu, kept by every breaker.
+	fleetEntry schemas.FleetEntry // the engine's entry in narwhal_fleet (or its config seed)
+	fleetRev   uint64             // its revision; 0 = from the config file, not read yet
+	fromConfig bool               // listed in the config file: kept while the bucket has no key for it
 }
 
 // New checks opts and returns a Service that is not yet running. It
@@ -213,7 +224,7 @@ func New(opts Options) (*Service, error) {
 			return nil, fmt.Errorf("breaker: fleet engine %s: %w", spec.ID, err)
 		}
 		ee.Credential = engines.NewCredential(spec.APIKey.Reveal())
-		e := &engine{Engine: ee}
+		e := &engine{Engine: ee, fleetEntry: spec.FleetEntry(opts.ID, time.Now()), fromConfig: true}
 		s.fleet = append(s.fleet, e)
 		s.byID[spec.ID] = e
 	}
@@ -256,6 +267,10 @@ func (s *Service) Run(ctx context.Context) error {
 	}
 	s.pub = bus.NewPublisher(s.bus, eventBuffer, s.reg)
 	defer s.pub.Close()
+	fctx, fcancel := context.WithCancel(ctx)
+	fdone := make(chan struct{})
+	go func() { defer close(fdone); s.watchFleet(fctx) }()
+	defer func() { fcancel(); <-fdone }()
 
 	// A standby campaigns ten times per lease TTL, so it takes over within
 	// a tenth of the TTL of the lease lapsing (R-BRK-8).
@@ -422,9 +437,10 @@ func (s *Service) lead(ctx context.Context, lease jetstream.KeyValue, cons jetst
 	}()
 
 	if s.takeOver(lctx) {
-		wg.Add(2)
+		wg.Add(3)
 		go func() { defer wg.Done(); s.consume(lctx, cons) }()
 		go func() { defer wg.Done(); s.readmitLoop(lctx) }()
+		go func() { defer wg.Done(); s.drainLoop(lctx) }()
 	}
 	<-lctx.Done()
 	wg.Wait()

@@ -156,13 +156,13 @@ func (s *Service) applyFailure(ctx context.Context, data []byte) error {
 	if !f.Counts {
 		return nil
 	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	e := s.byID[f.EngineID]
 	if e == nil {
 		return nil
 	}
 	crossed := f.Phase == schemas.PhaseDecode && f.ConsumerID == e.ID && f.ProducerID != "" && f.ProducerID != e.ID
-	s.mu.Lock()
-	defer s.mu.Unlock()
 	var ejected bool
 	entry, err := s.update(ctx, e, false, func(cur schemas.Eligibility) (schemas.Eligibility, error) {
 		if cur.State == schemas.StateEjected {
@@ -230,12 +230,12 @@ func (s *Service) applyRequest(ctx context.Context, data []byte) error {
 
 // resetStreak sets an eligible engine's streak to 0 after a success.
 func (s *Service) resetStreak(ctx context.Context, id string) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	e := s.byID[id]
 	if e == nil {
 		return nil
 	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
 	if e.entry.Streak == 0 || e.entry.State != schemas.StateEligible {
 		return nil // the common case: nothing to write
 	}

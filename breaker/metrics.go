@@ -24,6 +24,12 @@ type metrics struct {
 	// consumerRecreated is narwhal_breaker_consumer_recreated_total: the
 	// durable consumer was found gone and created again (R-BUS-9).
 	consumerRecreated prometheus.Counter
+	// fleetIgnored is narwhal_breaker_fleet_ignored_total: values of
+	// narwhal_fleet that are not a valid entry for their key (R-BUS-9).
+	fleetIgnored prometheus.Counter
+	// reportsIgnored is narwhal_breaker_router_reports_ignored_total:
+	// values of narwhal_routers that are not a valid report for their key.
+	reportsIgnored prometheus.Counter
 }
 
 // newMetrics builds the collectors and registers them on reg when it is
@@ -55,6 +61,14 @@ func newMetrics(reg prometheus.Registerer, breakerID string) *metrics {
 			Name: "narwhal_breaker_consumer_recreated_total",
 			Help: "Times the breaker found its durable consumer gone and created it again.",
 		}),
+		fleetIgnored: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "narwhal_breaker_fleet_ignored_total",
+			Help: "Values of the live fleet's bucket the breaker ignored: not a valid fleet entry for their key.",
+		}),
+		reportsIgnored: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "narwhal_breaker_router_reports_ignored_total",
+			Help: "Routers' in-flight reports the breaker ignored: not a valid report for their key.",
+		}),
 	}
 	if reg != nil {
 		leader = promreg.Register(reg, leader)
@@ -63,6 +77,8 @@ func newMetrics(reg prometheus.Registerer, breakerID string) *metrics {
 		m.probes = promreg.Register(reg, m.probes)
 		m.events = promreg.Register(reg, m.events)
 		m.consumerRecreated = promreg.Register(reg, m.consumerRecreated)
+		m.fleetIgnored = promreg.Register(reg, m.fleetIgnored)
+		m.reportsIgnored = promreg.Register(reg, m.reportsIgnored)
 	}
 	m.leader = leader.WithLabelValues(breakerID)
 	return m

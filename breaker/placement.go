@@ -47,6 +47,9 @@ func (s *Service) takeOver(ctx context.Context) bool {
 		}
 		e.crossed, e.phase = "", ""
 		e.backoff, e.nextProbe, e.rotate = 1, now, 0
+		if e.fleetEntry.State == schemas.FleetJoining {
+			s.holdJoining(ctx, e)
+		}
 	}
 	return true
 }

@@ -25,6 +25,9 @@ type probe struct {
 	message string
 	// producer and consumer ran the transfer, when there was one.
 	producer, consumer string
+	// prodE and consE are their engines, taken under Service.mu (the
+	// live fleet may change meanwhile).
+	prodE, consE *engine
 }
 
 // readmitLoop runs a readmission round every recovery.readmit_interval_s
@@ -51,7 +54,11 @@ func (s *Service) round(ctx context.Context) {
 	for _, e := range s.fleet {
 		switch {
 		case e.entry.State == schemas.StateEligible:
-			eligible[e.ID] = true
+			// Only an active engine partners a probe: a draining one
+			// takes no new work (R-FLEET-3).
+			if e.fleetEntry.State == schemas.FleetActive {
+				eligible[e.ID] = true
+			}
 		case now.Add(s.interval / 2).After(e.nextProbe):
 			due = append(due, &probe{e: e, phase: s.probePhase(e)})
 		}
@@ -170,6 +177,11 @@ func (s *Service) check(ctx, pctx context.Context, p *probe) {
 // probe). With no partner the probe is inconclusive. Called with s.mu held.
 func (s *Service) pair(p *probe, eligible, checked map[string]bool) {
 	e := p.e
+	defer func() {
+		if p.producer != "" {
+			p.prodE, p.consE = s.byID[p.producer], s.byID[p.consumer]
+		}
+	}()
 	if e.Role == connector.RoleBoth {
 		p.producer, p.consumer = e.ID, e.ID
 		return
@@ -220,7 +232,11 @@ func (s *Service) pair(p *probe, eligible, checked map[string]bool) {
 // when the probed engine's own leg failed; inconclusive when the partner's
 // leg failed or ctx (the lease) ended meanwhile (R-BRK-5).
 func (s *Service) transfer(ctx, pctx context.Context, p *probe) {
-	producer, consumer := &s.byID[p.producer].Engine, &s.byID[p.consumer].Engine
+	if p.prodE == nil || p.consE == nil {
+		p.outcome, p.message = schemas.ProbeInconclusive, "a probe engine left the fleet"
+		return
+	}
+	producer, consumer := &p.prodE.Engine, &p.consE.Engine
 	err := ProbeTransfer(pctx, s.client, producer, consumer, p.model)
 	switch {
 	case err == nil:
@@ -261,6 +277,10 @@ func (s *Service) conclude(ctx context.Context, p *probe, roundStart time.Time) 
 				Reason: fmt.Sprintf("readmitted after a successful inference probe (prefill on %s, decode on %s)", p.producer, p.consumer),
 			}, nil
 		})
+		if errors.Is(err, errNoChange) && e.fleetEntry.State == schemas.FleetJoining && s.byID[e.ID] == e {
+			err = nil // already eligible (a seed); the fleet state still needs the probe's word
+			entry = &e.entry
+		}
 		switch {
 		case err == nil:
 			readmitted = cloneEligibility(entry)
@@ -292,6 +312,13 @@ func (s *Service) conclude(ctx context.Context, p *probe, roundStart time.Time) 
 	})
 	if readmitted != nil {
 		s.publish(readmitted)
+		if e.fleetEntry.State == schemas.FleetJoining && s.byID[e.ID] == e {
+			// A joining engine becomes placeable only now (R-FLEET-2).
+			if err := s.setFleetState(ctx, e, schemas.FleetActive, fmt.Sprintf("readmission checks passed (prefill on %s, decode on %s)", p.producer, p.consumer)); err != nil {
+				s.log.Warn("breaker could not make a joining engine active; probing it again", "engine_id", e.ID, "err", err)
+				e.nextProbe = time.Now()
+			}
+		}
 	}
 	s.mu.Unlock()
 	s.metrics.probes.WithLabelValues(e.ID, p.outcome).Inc()

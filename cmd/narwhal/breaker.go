@@ -44,7 +44,7 @@ func runBreakerCmd(ctx context.Context, args []string) error {
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
-	cfg, err := loadFleet(*path)
+	cfg, err := loadMesh(*path)
 	if err != nil {
 		return err
 	}
@@ -67,6 +67,9 @@ func runBreakerCmd(ctx context.Context, args []string) error {
 			return err
 		}
 		defer stop()
+	}
+	if err := seedFleet(ctx, cfg, b, id, log); err != nil {
+		return err
 	}
 	return runBreaker(ctx, cfg, b, id, reg, log)
 }

@@ -61,6 +61,25 @@ func loadFleet(path string) (*config.Config, error) {
 	return cfg, nil
 }
 
+// loadMesh loads the configuration of a process that takes its engines
+// from the live fleet (a router, a breaker): with a bus URL (a mesh, whose
+// bucket narwhal_fleet lists the engines, SPEC R-FLEET-1) the file's
+// fleet may be empty; without one it must list at least one engine, as
+// for loadFleet.
+func loadMesh(path string) (*config.Config, error) {
+	if path == "" {
+		return nil, errors.New("--config is required")
+	}
+	cfg, err := config.Load(path)
+	if err != nil {
+		return nil, err
+	}
+	if len(cfg.Fleet) == 0 && cfg.Bus.URL == "" {
+		return nil, errors.New("config: fleet: at least one engine is required without a bus (NARWHAL_NATS_URL), whose live fleet could list them")
+	}
+	return cfg, nil
+}
+
 // withOutput turns a command that writes to the streams it is given (so
 // that its tests can read them) into one that writes to the process's
 // standard output and error.

@@ -36,7 +36,7 @@ func runRouterCmd(ctx context.Context, args []string) error {
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
-	cfg, err := loadFleet(*path)
+	cfg, err := loadMesh(*path)
 	if err != nil {
 		return err
 	}

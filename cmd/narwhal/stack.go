@@ -14,6 +14,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
+	"github.com/narwhalmesh/narwhal/breaker"
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/router"
@@ -126,6 +127,11 @@ func runRouterWith(ctx context.Context, r routerRun) error {
 	pub := bus.NewPublisher(b, cfg.Router.EventBuffer, reg)
 	defer pub.Close()
 	if cfg.Bus.URL == "" {
+		// A single node seeds the live fleet from its config file
+		// (create-if-absent: runtime changes kept, R-FLEET-1).
+		if err := seedFleet(ctx, cfg, b, "router-"+cfg.Router.ID, log); err != nil {
+			return err
+		}
 		// A single node is complete: on its own embedded bus the router
 		// runs its own breaker (SPEC §14). It outlives the router's
 		// graceful shutdown and stops before the bus closes.
@@ -260,3 +266,20 @@ type heldListener struct{ *net.TCPListener }
 
 // Close makes Accept return at once and keeps the socket open.
 func (l heldListener) Close() error { return l.SetDeadline(time.Unix(1, 0)) }
+
+// seedFleet writes the config file's engines to KV bucket narwhal_fleet
+// where the bucket has no key for them (SPEC R-FLEET-1): the seed never
+// overwrites an engine's newer runtime state.
+func seedFleet(ctx context.Context, cfg *config.Config, b *bus.Bus, by string, log *slog.Logger) error {
+	entries := make([]schemas.FleetEntry, 0, len(cfg.Fleet))
+	now := time.Now()
+	for _, spec := range cfg.Fleet {
+		entries = append(entries, spec.FleetEntry(by, now))
+	}
+	n, err := breaker.SeedFleet(ctx, b, entries)
+	if err != nil {
+		return fmt.Errorf("seed the live fleet: %w", err)
+	}
+	log.Info("live fleet seeded from the config file", "engines", len(entries), "created", n, "kept", len(entries)-n)
+	return nil
+}
