@@ -467,6 +467,10 @@ func idByte(c byte) bool {
 	return c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-' || c == '_'
 }
 
+// ValidID reports whether s may be an engine or router id: non-empty,
+// letters, digits, '-' and '_' only (one subject token, R-BUS-1).
+func ValidID(s string) bool { return validID(s) }
+
 func validID(s string) bool {
 	if s == "" {
 		return false
