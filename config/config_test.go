@@ -280,8 +280,8 @@ func envNames(t *testing.T) map[string]string {
 // the file.
 func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 	names := envNames(t)
-	if len(names) != 38 {
-		t.Fatalf("%d scalar keys, want 38: %v", len(names), names)
+	if len(names) != 40 {
+		t.Fatalf("%d scalar keys, want 40: %v", len(names), names)
 	}
 	dir := t.TempDir()
 	caFile, keysFile := testkit.NewCA(t).Path, filepath.Join(dir, "keys.yaml")
@@ -311,6 +311,7 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		"bus.tls_key": "file-key.pem", "bus.replicas": "3", "bus.connect_timeout_s": "30",
 		"engine.tls_ca_file": "/nonexistent/ca.pem", "server.tls_cert_file": "file.crt", "server.tls_key_file": "file.key",
 		"server.metrics_on_admin": "false", "auth.api_keys_file": "/nonexistent/keys.yaml",
+		"membership.registration_ttl_s": "41", "membership.drain_timeout_s": "42",
 	}
 	envValues := map[string]string{
 		"engine.first_token_timeout_s": "1.5", "engine.decode_read_timeout_s": "0", "engine.prefill_timeout_s": "3",
@@ -328,6 +329,7 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		"bus.tls_key": "env-key.pem", "bus.replicas": "5", "bus.connect_timeout_s": "2.5",
 		"engine.tls_ca_file": caFile, "server.tls_cert_file": "env.crt", "server.tls_key_file": "env.key",
 		"server.metrics_on_admin": "true", "auth.api_keys_file": keysFile,
+		"membership.registration_ttl_s": "4.5", "membership.drain_timeout_s": "0.5",
 	}
 	var file strings.Builder
 	sections := map[string][]string{}
@@ -358,12 +360,13 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := Config{
-		Engine:   Engine{FirstTokenTimeoutS: 1.5, DecodeReadTimeoutS: 0, PrefillTimeoutS: 3},
-		Request:  Request{TimeoutS: 4, MaxBodyBytes: 5, MaxN: 2, MaxTokensLimit: 3},
-		Handoff:  Handoff{MaxAgeS: 6},
-		Recovery: Recovery{EjectAfter: 7, FailureQuarantineS: 8, RetryAttempts: 9, RetryBudgetRatio: 1, ReadmitIntervalS: 0.25, MaxQuarantineS: 34},
-		Breaker:  Breaker{LeaseTTLS: 0.75},
-		Router:   Router{ID: "from-env", EventBuffer: 10, LogFormat: "text", LogLevel: "error"},
+		Engine:     Engine{FirstTokenTimeoutS: 1.5, DecodeReadTimeoutS: 0, PrefillTimeoutS: 3},
+		Request:    Request{TimeoutS: 4, MaxBodyBytes: 5, MaxN: 2, MaxTokensLimit: 3},
+		Handoff:    Handoff{MaxAgeS: 6},
+		Recovery:   Recovery{EjectAfter: 7, FailureQuarantineS: 8, RetryAttempts: 9, RetryBudgetRatio: 1, ReadmitIntervalS: 0.25, MaxQuarantineS: 34},
+		Breaker:    Breaker{LeaseTTLS: 0.75},
+		Membership: Membership{RegistrationTTLS: 4.5, DrainTimeoutS: 0.5},
+		Router:     Router{ID: "from-env", EventBuffer: 10, LogFormat: "text", LogLevel: "error"},
 		Server: Server{StallTimeoutS: 0.5, HeaderTimeoutS: 1.25, IdleTimeoutS: 2, MaxHeaderBytes: 8192,
 			MaxConnections: 11, MaxInflight: 12, MaxBodyBytesInflight: 13,
 			TLSCertFile: "env.crt", TLSKeyFile: "env.key", MetricsOnAdmin: true},
@@ -603,7 +606,7 @@ func TestYAMLErrorsNameTheKey(t *testing.T) {
 		want string
 	}{
 		"unknown top-level key": {"engines:\n  first_token_timeout_s: 3\n",
-			"config: engines: unknown key (known keys here: engine, request, handoff, recovery, breaker, router, server, bus, auth, engine_contract, fleet)"},
+			"config: engines: unknown key (known keys here: engine, request, handoff, recovery, breaker, membership, router, server, bus, auth, engine_contract, fleet)"},
 		"unknown section key": {"engine:\n  first_token_timeout: 3\n",
 			"config: engine.first_token_timeout: unknown key (known keys here: first_token_timeout_s, decode_read_timeout_s, prefill_timeout_s, tls_ca_file)"},
 		"unknown contract key": {"engine_contract:\n  modle: m\n",

@@ -1,0 +1,168 @@
+package router
+
+import (
+	"context"
+	"encoding/json"
+	"testing"
+	"time"
+
+	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/engines/sim/simtest"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// putFleet writes e as engine key's value of narwhal_fleet.
+func (m *meshBus) putFleet(key string, e schemas.FleetEntry) {
+	m.t.Helper()
+	e.Schema, e.At, e.Since = schemas.SchemaFleetEntry, nowUTC(), nowUTC()
+	if e.Connector == "" {
+		e.Connector = "nixl"
+	}
+	if e.Source == "" {
+		e.Source, e.By = schemas.SourceCommand, "test"
+	}
+	b, _ := json.Marshal(e)
+	m.putFleetRaw(key, b)
+}
+
+func (m *meshBus) putFleetRaw(key string, value []byte) {
+	m.t.Helper()
+	kv, err := m.peer.BindBucket(context.Background(), bus.FleetBucket)
+	if err != nil {
+		m.t.Fatal(err)
+	}
+	if _, err := kv.Put(context.Background(), key, value); err != nil {
+		m.t.Fatal(err)
+	}
+}
+
+// TestLiveFleetRFLEET1 proves R-FLEET-1…3 and R-BUS-9 on one router: an
+// engine written to narwhal_fleet joins the router's fleet, is not placed
+// on while joining, takes attempts within a second of becoming active;
+// a draining engine takes no new attempt within a second and the
+// router's report in narwhal_routers lists it with its legs; a removed
+// engine leaves; malformed or forged values are ignored and counted, the
+// engine keeping its state.
+func TestLiveFleetRFLEET1(t *testing.T) {
+	s := newStack(t, pd(), nil)
+	s.waitModels()
+	m := newMeshBus(t)
+	if err := s.rt.JoinMesh(m.b, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	// The config's engines are kept while the bucket has no key for them.
+	if got := len(s.rt.FleetIDs()); got != 4 {
+		t.Fatalf("fleet after join: %v", s.rt.FleetIDs())
+	}
+	d3 := simtest.Start(t, sim.Config{Role: "decode", EngineID: "d3", Model: testModel})
+	m.putFleet("d3", schemas.FleetEntry{EngineID: "d3", URL: d3.URL(), Role: "decode", State: schemas.FleetJoining})
+	testkit.WaitFor(t, time.Second, "d3 in the fleet, joining", func() bool { return s.rt.FleetIDs()["d3"] == schemas.FleetJoining })
+	testkit.WaitFor(t, 3*time.Second, "d3's models known", func() bool {
+		mb := s.rt.fleet().byID["d3"]
+		return mb != nil && mb.models.Load() != nil
+	})
+	for range 20 {
+		if eng, _ := s.decodeEngineOf("joining"); eng == "d3" {
+			t.Fatal("a joining engine served a request")
+		}
+	}
+	m.putFleet("d3", schemas.FleetEntry{EngineID: "d3", URL: d3.URL(), Role: "decode", State: schemas.FleetActive})
+	testkit.WaitFor(t, time.Second, "d3 placeable", func() bool {
+		for _, id := range s.rt.placeableIDs(decodePhase) {
+			if id == "d3" {
+				return true
+			}
+		}
+		return false
+	})
+	served := false
+	for range 40 {
+		if eng, code := s.decodeEngineOf("active"); code == 200 && eng == "d3" {
+			served = true
+			break
+		}
+	}
+	if !served {
+		t.Fatal("active d3 served none of 40 requests")
+	}
+
+	// Drain d1: out of placement within a second, reported with 0 legs.
+	spec := s.cfg.Fleet[2]
+	m.putFleet("d1", schemas.FleetEntry{EngineID: "d1", URL: spec.URL, Role: "decode", State: schemas.FleetDraining})
+	testkit.WaitFor(t, time.Second, "d1 out of placement", func() bool {
+		for _, id := range s.rt.placeableIDs(decodePhase) {
+			if id == "d1" {
+				return false
+			}
+		}
+		return true
+	})
+	for range 20 {
+		if eng, _ := s.decodeEngineOf("draining"); eng == "d1" {
+			t.Fatal("a draining engine served a request")
+		}
+	}
+	routers, err := m.peer.BindBucket(context.Background(), bus.RoutersBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	testkit.WaitFor(t, 3*time.Second, "the router's report lists d1 with no leg", func() bool {
+		e, err := routers.Get(context.Background(), "rt-test")
+		if err != nil || bus.ValidateRouterReport(e.Value()) != nil {
+			return false
+		}
+		var r schemas.RouterReport
+		_ = json.Unmarshal(e.Value(), &r)
+		n, ok := r.Draining["d1"]
+		return ok && n == 0
+	})
+
+	// Forged or malformed values for d2: ignored, counted, d2 unchanged.
+	ignored := func() float64 { return testkit.GatheredSum(t, s.rt.Registry(), "narwhal_fleet_ignored_total", "reason", "invalid") }
+	before := ignored()
+	m.putFleetRaw("d2", []byte(`{"not":"an entry"}`))
+	m.putFleet("d2", schemas.FleetEntry{EngineID: "d9", URL: spec.URL, Role: "decode", State: schemas.FleetDraining})
+	m.putFleetRaw("d2", []byte(`garbage`))
+	testkit.WaitFor(t, time.Second, "three ignored values counted", func() bool { return ignored() >= before+3 })
+	if st := s.rt.FleetIDs()["d2"]; st != schemas.FleetActive {
+		t.Errorf("d2 after forged values: %q, want active", st)
+	}
+
+	// Removal: d3 leaves.
+	kv, _ := m.peer.BindBucket(context.Background(), bus.FleetBucket)
+	if err := kv.Delete(context.Background(), "d3"); err != nil {
+		t.Fatal(err)
+	}
+	testkit.WaitFor(t, time.Second, "d3 gone", func() bool { _, ok := s.rt.FleetIDs()["d3"]; return !ok })
+}
+
+// TestEmptyConfigFleetServesTheBucketRFLEET1 proves R-FLEET-1: a router
+// whose config lists no engine serves the engines the bucket holds.
+func TestEmptyConfigFleetServesTheBucketRFLEET1(t *testing.T) {
+	s := newStack(t, nil, nil)
+	m := newMeshBus(t)
+	for _, d := range pd() {
+		srv := simtest.Start(t, sim.Config{Role: d.role, EngineID: d.id, Model: testModel})
+		m.putFleet(d.id, schemas.FleetEntry{EngineID: d.id, URL: srv.URL(), Role: d.role, State: schemas.FleetActive, Source: schemas.SourceConfig, By: "test"})
+	}
+	if err := s.rt.JoinMesh(m.b, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	testkit.WaitFor(t, 3*time.Second, "four engines with models", func() bool {
+		f := s.rt.fleet()
+		if len(f.members) != 4 {
+			return false
+		}
+		for _, mb := range f.members {
+			if mb.models.Load() == nil {
+				return false
+			}
+		}
+		return true
+	})
+	if eng, code := s.decodeEngineOf("from the bucket"); code != 200 || eng == "" {
+		t.Fatalf("request: %d on %q", code, eng)
+	}
+}
