@@ -55,7 +55,7 @@ type member struct {
 	// started (at most maxServedModels): a model in it is one the fleet
 	// serves even while the engine is unreachable, which makes a request
 	// for it a 503, not a 404.
-	served atomic.Pointer[[]string]	// active is whether the engine's fleet state is active: a joining,
+	served atomic.Pointer[[]string] // active is whether the engine's fleet state is active: a joining,
 	// draining or drained engine takes no new attempt (R-FLEET-2,
 	// R-FLEET-3).
 	active atomic.Bool
@@ -125,7 +125,6 @@ func (m *member) unplaceable(nowNano int64) string {
 func (m *member) reachableFor(model string) bool {
 	return m.problem.Load() == nil && m.serves(model)
 }
-
 
 // newMember returns the member for engine e with fleet entry entry and
 // the placement verdict eligible.

@@ -120,7 +120,9 @@ func TestLiveFleetRFLEET1(t *testing.T) {
 	})
 
 	// Forged or malformed values for d2: ignored, counted, d2 unchanged.
-	ignored := func() float64 { return testkit.GatheredSum(t, s.rt.Registry(), "narwhal_fleet_ignored_total", "reason", "invalid") }
+	ignored := func() float64 {
+		return testkit.GatheredSum(t, s.rt.Registry(), "narwhal_fleet_ignored_total", "reason", "invalid")
+	}
 	before := ignored()
 	m.putFleetRaw("d2", []byte(`{"not":"an entry"}`))
 	m.putFleet("d2", schemas.FleetEntry{EngineID: "d9", URL: spec.URL, Role: "decode", State: schemas.FleetDraining})
