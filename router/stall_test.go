@@ -259,10 +259,16 @@ func TestTenStalledClientsEjectNothingRTMO6(t *testing.T) {
 	}
 	s.idle()
 	s.checkNobodyBlamed()
+	// An engine notices a cancelled leg when its next write fails: wait
+	// for it, bounded.
 	var aborted int64
-	for _, id := range []string{"d1", "d2"} {
-		aborted += s.sims[id].Stats().Aborted
-	}
+	testkit.WaitFor(t, time.Second, "every decode leg cancelled at its engine", func() bool {
+		aborted = 0
+		for _, id := range []string{"d1", "d2"} {
+			aborted += s.sims[id].Stats().Aborted
+		}
+		return aborted >= n
+	})
 	if aborted != n {
 		t.Errorf("decode engines saw %d legs cancelled, want %d", aborted, n)
 	}
