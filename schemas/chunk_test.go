@@ -7,6 +7,8 @@ import (
 	"math/rand/v2"
 	"strings"
 	"testing"
+
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 // Real vLLM stream chunks (ENGINE-SHAPES.md "Streaming response").
@@ -473,18 +475,18 @@ func TestChunkZeroAllocs(t *testing.T) {
 		"deep escaped": deep,
 	}
 	for name, p := range payloads {
-		if n := testing.AllocsPerRun(100, func() { ClassifyChunk(p) }); n != 0 {
+		if n := testkit.LeastAllocs(100, func() { ClassifyChunk(p) }); n != 0 {
 			t.Errorf("ClassifyChunk(%s): %v allocs/op, want 0", name, n)
 		}
-		if n := testing.AllocsPerRun(100, func() { ChunkHasUsage(p) }); n != 0 {
+		if n := testkit.LeastAllocs(100, func() { ChunkHasUsage(p) }); n != 0 {
 			t.Errorf("ChunkHasUsage(%s): %v allocs/op, want 0", name, n)
 		}
-		if n := testing.AllocsPerRun(100, func() { IsUsageOnly(p) }); n != 0 {
+		if n := testkit.LeastAllocs(100, func() { IsUsageOnly(p) }); n != 0 {
 			t.Errorf("IsUsageOnly(%s): %v allocs/op, want 0", name, n)
 		}
 	}
 	line := []byte("data: " + vllmContentChunk + "\r\n")
-	if n := testing.AllocsPerRun(100, func() { SSEData(line) }); n != 0 {
+	if n := testkit.LeastAllocs(100, func() { SSEData(line) }); n != 0 {
 		t.Errorf("SSEData: %v allocs/op, want 0", n)
 	}
 }

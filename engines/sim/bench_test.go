@@ -6,6 +6,8 @@ import (
 	"io"
 	"net/http"
 	"testing"
+
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 // discardResponse is an http.ResponseWriter that counts and drops bytes,
@@ -46,8 +48,8 @@ func TestStreamAllocationsDoNotGrowWithTokens(t *testing.T) {
 	if w.n < 1024*100 {
 		t.Fatalf("only %d bytes for 1024 tokens", w.n)
 	}
-	a16 := testing.AllocsPerRun(50, func() { serveInMemory(h, w, short) })
-	a1024 := testing.AllocsPerRun(50, func() { serveInMemory(h, w, long) })
+	a16 := testkit.LeastAllocs(50, func() { serveInMemory(h, w, short) })
+	a1024 := testkit.LeastAllocs(50, func() { serveInMemory(h, w, long) })
 	// sync.Pool may drop the pooled exchange (always possible under -race),
 	// which regrows its buffers: a few dozen allocations, never ~1000.
 	if a1024-a16 > 64 {
