@@ -12,9 +12,10 @@ import (
 // TestCLIErrorsOnce runs the real binary with bad input and checks that
 // each failure is said once, in the command's own words: the flag
 // package's message after an unknown flag is not repeated by the binary
-// (exit status 2, as for any usage error); a failed preflight says so on
-// its last line only (exit 1); and a chaos error does not repeat the
-// command's prefix ("narwhal chaos: chaos: …").
+// (exit status 2, as for any usage error) and the usage names the command
+// as typed ("Usage of narwhal router:"); a failed preflight says so on its
+// last line only (exit 1); and a chaos error does not repeat the command's
+// prefix ("narwhal chaos: chaos: …").
 func TestCLIErrorsOnce(t *testing.T) {
 	for _, args := range [][]string{
 		{"dev", "--bogus"},
@@ -35,6 +36,11 @@ func TestCLIErrorsOnce(t *testing.T) {
 		out, code := runNarwhal(t, args...)
 		if n := strings.Count(out, "flag provided but not defined: -bogus"); n != 1 || code != 2 {
 			t.Errorf("narwhal %s: exit %d, the flag error %d times, want exit 2 and once:\n%s", strings.Join(args, " "), code, n, out)
+		}
+		// The usage names the command as it is typed.
+		cmd := "narwhal " + strings.Join(args[:len(args)-1], " ")
+		if !strings.Contains(out, "Usage of "+cmd+":") && !strings.Contains(out, "usage: "+cmd+" ") {
+			t.Errorf("%s --bogus: the usage does not name %q:\n%s", cmd, cmd, out)
 		}
 	}
 
