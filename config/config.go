@@ -127,6 +127,14 @@ type Request struct {
 	// accepted; a larger one gets 400 naming the field (R-API-8). Tokens,
 	// >= 1; default 1,048,576.
 	MaxTokensLimit int `yaml:"max_tokens_limit" env:"MAX_TOKENS_LIMIT"`
+	// MaxResponseBytes bounds the output a non-streamed request may make
+	// the router hold while it aggregates the decode stream (R-LEG-5,
+	// R-API-8): texts, tool-call arguments and logprobs entries, as counted
+	// by schemas.Aggregator.Bytes. Beyond it the decode leg is cancelled
+	// and the client gets 400 (outcome response_too_large); nothing counts
+	// against the engine. Streams are not bounded by it. Bytes, > 0;
+	// default 64 MiB.
+	MaxResponseBytes int `yaml:"max_response_bytes" env:"MAX_RESPONSE_BYTES"`
 }
 
 // Timeout returns TimeoutS as a Duration (R-TMO-5).
@@ -428,7 +436,7 @@ func (s EngineSpec) CanDecode() bool { return s.Role.CanDecode() }
 func Default() Config {
 	return Config{
 		Engine:     Engine{FirstTokenTimeoutS: 30, DecodeReadTimeoutS: 30, PrefillTimeoutS: 60},
-		Request:    Request{TimeoutS: 600, MaxBodyBytes: 32 << 20, MaxN: 16, MaxTokensLimit: 1 << 20},
+		Request:    Request{TimeoutS: 600, MaxBodyBytes: 32 << 20, MaxN: 16, MaxTokensLimit: 1 << 20, MaxResponseBytes: 64 << 20},
 		Handoff:    Handoff{MaxAgeS: 120},
 		Recovery:   Recovery{EjectAfter: 3, FailureQuarantineS: 0, RetryAttempts: 0, RetryBudgetRatio: 0.2, ReadmitIntervalS: 5, MaxQuarantineS: 300},
 		Breaker:    Breaker{LeaseTTLS: 5},
@@ -571,6 +579,9 @@ func (c *Config) Validate() error {
 	}
 	if c.Request.MaxTokensLimit < 1 {
 		bad("request.max_tokens_limit", "must be >= 1, got %d", c.Request.MaxTokensLimit)
+	}
+	if c.Request.MaxResponseBytes <= 0 {
+		bad("request.max_response_bytes", "must be > 0, got %d", c.Request.MaxResponseBytes)
 	}
 	positive("server.stall_timeout_s", c.Server.StallTimeoutS)
 	positive("server.header_timeout_s", c.Server.HeaderTimeoutS)

@@ -89,6 +89,7 @@ func TestDefaults(t *testing.T) {
 		"router.event_buffer":            4096,
 		"request.max_n":                  16,
 		"request.max_tokens_limit":       1 << 20,
+		"request.max_response_bytes":     64 << 20,
 		"server.stall_timeout_s":         30,
 		"server.header_timeout_s":        10,
 		"server.idle_timeout_s":          90,
@@ -114,6 +115,7 @@ func TestDefaults(t *testing.T) {
 		"router.event_buffer":            float64(d.Router.EventBuffer),
 		"request.max_n":                  float64(d.Request.MaxN),
 		"request.max_tokens_limit":       float64(d.Request.MaxTokensLimit),
+		"request.max_response_bytes":     float64(d.Request.MaxResponseBytes),
 		"server.stall_timeout_s":         d.Server.StallTimeoutS,
 		"server.header_timeout_s":        d.Server.HeaderTimeoutS,
 		"server.idle_timeout_s":          d.Server.IdleTimeoutS,
@@ -280,8 +282,8 @@ func envNames(t *testing.T) map[string]string {
 // the file.
 func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 	names := envNames(t)
-	if len(names) != 40 {
-		t.Fatalf("%d scalar keys, want 40: %v", len(names), names)
+	if len(names) != 41 {
+		t.Fatalf("%d scalar keys, want 41: %v", len(names), names)
 	}
 	dir := t.TempDir()
 	caFile, keysFile := testkit.NewCA(t).Path, filepath.Join(dir, "keys.yaml")
@@ -303,7 +305,7 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		"recovery.retry_budget_ratio": "0.5", "recovery.readmit_interval_s": "21", "breaker.lease_ttl_s": "23",
 		"recovery.max_quarantine_s": "33",
 		"router.id":                 "from-file", "router.event_buffer": "22", "router.log_format": "json", "router.log_level": "warn",
-		"request.max_n": "24", "request.max_tokens_limit": "25",
+		"request.max_n": "24", "request.max_tokens_limit": "25", "request.max_response_bytes": "35",
 		"server.stall_timeout_s": "26", "server.header_timeout_s": "27", "server.idle_timeout_s": "28",
 		"server.max_header_bytes": "29000", "server.max_connections": "30", "server.max_inflight": "31",
 		"server.max_body_bytes_inflight": "32",
@@ -321,7 +323,7 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		"recovery.retry_budget_ratio": "1", "recovery.readmit_interval_s": "0.25", "breaker.lease_ttl_s": "0.75",
 		"recovery.max_quarantine_s": "34",
 		"router.id":                 "from-env", "router.event_buffer": "10", "router.log_format": "text", "router.log_level": "error",
-		"request.max_n": "2", "request.max_tokens_limit": "3",
+		"request.max_n": "2", "request.max_tokens_limit": "3", "request.max_response_bytes": "36",
 		"server.stall_timeout_s": "0.5", "server.header_timeout_s": "1.25", "server.idle_timeout_s": "2",
 		"server.max_header_bytes": "8192", "server.max_connections": "11", "server.max_inflight": "12",
 		"server.max_body_bytes_inflight": "13",
@@ -361,7 +363,7 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 	}
 	want := Config{
 		Engine:     Engine{FirstTokenTimeoutS: 1.5, DecodeReadTimeoutS: 0, PrefillTimeoutS: 3},
-		Request:    Request{TimeoutS: 4, MaxBodyBytes: 5, MaxN: 2, MaxTokensLimit: 3},
+		Request:    Request{TimeoutS: 4, MaxBodyBytes: 5, MaxN: 2, MaxTokensLimit: 3, MaxResponseBytes: 36},
 		Handoff:    Handoff{MaxAgeS: 6},
 		Recovery:   Recovery{EjectAfter: 7, FailureQuarantineS: 8, RetryAttempts: 9, RetryBudgetRatio: 1, ReadmitIntervalS: 0.25, MaxQuarantineS: 34},
 		Breaker:    Breaker{LeaseTTLS: 0.75},
@@ -494,6 +496,7 @@ func TestValidateNamesEveryKey(t *testing.T) {
 		{func(c *Config) { c.Request.MaxBodyBytes = 0 }, "config: request.max_body_bytes: must be > 0, got 0"},
 		{func(c *Config) { c.Request.MaxN = 0 }, "config: request.max_n: must be >= 1, got 0"},
 		{func(c *Config) { c.Request.MaxTokensLimit = -1 }, "config: request.max_tokens_limit: must be >= 1, got -1"},
+		{func(c *Config) { c.Request.MaxResponseBytes = 0 }, "config: request.max_response_bytes: must be > 0, got 0"},
 		{func(c *Config) { c.Server.StallTimeoutS = 0 }, "config: server.stall_timeout_s: must be > 0, got 0"},
 		{func(c *Config) { c.Server.HeaderTimeoutS = math.NaN() }, "config: server.header_timeout_s: must be a finite number, got NaN"},
 		{func(c *Config) { c.Server.IdleTimeoutS = -1 }, "config: server.idle_timeout_s: must be > 0, got -1"},

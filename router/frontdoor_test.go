@@ -588,3 +588,47 @@ func TestEngineMessageBoundedInFailureEvent(t *testing.T) {
 		}
 	}
 }
+
+// TestNonStreamedResponseBoundedRLEG5 proves request.max_response_bytes
+// (R-LEG-5, R-API-8): a non-streamed request whose aggregated output goes
+// beyond it — here many choices with logprobs, as a hostile client would
+// ask to make the router hold gigabytes — gets 400 naming the setting
+// while the engine is still generating; the decode leg is cancelled,
+// every reservation returns, nothing is blamed on the engine, and the
+// same request streamed, or with less output, is served whole.
+func TestNonStreamedResponseBoundedRLEG5(t *testing.T) {
+	const bound = 256 << 10
+	s := newStack(t, longOutput(), func(c *config.Config) { c.Request.MaxResponseBytes = bound })
+	s.waitModels()
+	body := func(tokens int, stream bool) string {
+		return fmt.Sprintf(`{"model":"sim-model","messages":[{"role":"user","content":"x"}],"n":4,"max_tokens":%d,"ignore_eos":true,"logprobs":true,"top_logprobs":20,"stream":%t}`, tokens, stream)
+	}
+	// About 4 × 50,000 tokens × 1 KiB of logprobs: far beyond the bound.
+	resp, b := s.post(schemas.EndpointChat, body(50000, false), "X-Request-Id", "too-large-1")
+	if resp.StatusCode != 400 || !strings.Contains(string(b), "request.max_response_bytes") || !strings.Contains(string(b), `"type":"BadRequestError"`) {
+		t.Fatalf("status %d, body %.300s; want 400 naming request.max_response_bytes", resp.StatusCode, b)
+	}
+	var ev *schemas.RequestCompleted
+	testkit.WaitFor(t, 2*time.Second, "the request event", func() bool { ev = s.findRequestEvent("too-large-1"); return ev != nil })
+	if ev.ErrorKind != outcomeResponseTooLarge || ev.Status != 400 {
+		t.Errorf("request ended %q %d, want %s 400", ev.ErrorKind, ev.Status, outcomeResponseTooLarge)
+	}
+	s.idle()
+	var aborted int64
+	for _, id := range []string{"d1", "d2"} {
+		aborted += s.sims[id].Stats().Aborted
+	}
+	if aborted != 1 {
+		t.Errorf("decode engines saw %d legs cancelled, want 1 (the leg must not run to its end)", aborted)
+	}
+	s.checkNobodyBlamed()
+
+	// Under the bound, and streamed beyond it: served whole.
+	if resp, b := s.post(schemas.EndpointChat, body(20, false)); resp.StatusCode != 200 {
+		t.Fatalf("small non-streamed request: %d %.300s", resp.StatusCode, b)
+	}
+	if resp, b := s.post(schemas.EndpointChat, body(2000, true)); resp.StatusCode != 200 || !strings.HasSuffix(strings.TrimSpace(string(b)), "data: [DONE]") || len(b) < bound {
+		t.Fatalf("streamed request beyond the bound: %d, %d bytes, ends %q", resp.StatusCode, len(b), b[max(0, len(b)-40):])
+	}
+	s.idle()
+}

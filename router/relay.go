@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -267,6 +268,10 @@ func (c *call) clientGone() {
 	c.rt.metrics.disconnects.Inc()
 }
 
+// outcomeResponseTooLarge ends a non-streamed request whose aggregated
+// output went beyond request.max_response_bytes (R-LEG-5, R-API-8).
+const outcomeResponseTooLarge = "response_too_large"
+
 // aggregate answers a non-streaming client with one completion built from
 // the decode stream (R-LEG-5).
 func (c *call) aggregate(fctx *fasthttp.RequestCtx) {
@@ -294,6 +299,13 @@ func (c *call) aggregate(fctx *fasthttp.RequestCtx) {
 			f := engines.NewFault(engines.KindInvalidStream, schemas.PhaseDecode, c.consumer.ID, 0, "decode engine "+c.consumer.ID+" sent a chunk that could not be aggregated")
 			c.recordFault(f)
 			c.fail(fctx, f)
+			return
+		}
+		if lim := c.rt.cfg.Request.MaxResponseBytes; agg.Bytes() > lim {
+			// The client asked for more output than the router holds for
+			// one response: its request, not the engine, is at fault; finish
+			// cancels the leg and releases everything at once.
+			c.reject(fctx, 400, "the response exceeds "+strconv.Itoa(lim)+" bytes (request.max_response_bytes) when not streamed: send \"stream\": true, or ask for less output (max_tokens, n, logprobs)", outcomeResponseTooLarge)
 			return
 		}
 	}

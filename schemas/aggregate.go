@@ -39,6 +39,8 @@ type Aggregator struct {
 	promptTokens     int
 	completionTokens int
 	usageOK          bool
+
+	size int // bytes of output kept, see Bytes
 }
 
 // aggChoice accumulates one choice, keyed by its index.
@@ -204,6 +206,7 @@ func (a *Aggregator) Add(payload []byte) error {
 		ch := a.choice(wc.Index)
 		if wc.Text != nil {
 			ch.content = append(ch.content, *wc.Text...)
+			a.size += len(*wc.Text)
 		}
 		if d := wc.Delta; d != nil {
 			if d.Role != "" && ch.role == "" {
@@ -211,13 +214,16 @@ func (a *Aggregator) Add(payload []byte) error {
 			}
 			if d.Content != nil {
 				ch.content = append(ch.content, *d.Content...)
+				a.size += len(*d.Content)
 			}
 			// Some vLLM versions send the same text under both names.
 			switch {
 			case d.ReasoningContent != nil && *d.ReasoningContent != "":
 				ch.reasoning = append(ch.reasoning, *d.ReasoningContent...)
+				a.size += len(*d.ReasoningContent)
 			case d.Reasoning != nil && *d.Reasoning != "":
 				ch.reasoning = append(ch.reasoning, *d.Reasoning...)
+				a.size += len(*d.Reasoning)
 				ch.reasoningKey = true
 			}
 			for j := range d.ToolCalls {
@@ -233,18 +239,21 @@ func (a *Aggregator) Add(payload []byte) error {
 					tc.name = td.Function.Name
 				}
 				tc.arguments = append(tc.arguments, td.Function.Arguments...)
+				a.size += len(td.Function.Arguments)
 			}
 		}
 		if !aggIsNull(wc.Logprobs) {
 			ch.logprobs = true
 			if a.chat {
 				ch.lpContent = append(ch.lpContent, chatLP[i].Content...)
+				a.size += rawBytes(chatLP[i].Content)
 			} else {
 				lp := &textLP[i]
 				ch.lpTokens = append(ch.lpTokens, lp.Tokens...)
 				ch.lpTokenLogp = append(ch.lpTokenLogp, lp.TokenLogprobs...)
 				ch.lpTopLogprobs = append(ch.lpTopLogprobs, lp.TopLogprobs...)
 				ch.lpTextOffset = append(ch.lpTextOffset, lp.TextOffset...)
+				a.size += rawBytes(lp.Tokens) + rawBytes(lp.TokenLogprobs) + rawBytes(lp.TopLogprobs) + rawBytes(lp.TextOffset)
 			}
 		}
 		if !aggIsNull(wc.FinishReason) {
@@ -255,6 +264,23 @@ func (a *Aggregator) Add(payload []byte) error {
 		}
 	}
 	return nil
+}
+
+// Bytes returns how many bytes of output the Aggregator holds: the texts,
+// reasoning and tool-call arguments of every choice and their logprobs
+// entries as sent, about the size of the completion AppendJSON would
+// write, without its fixed envelope. The router bounds it (R-LEG-5,
+// request.max_response_bytes) so that a non-streamed request cannot make
+// it hold an arbitrarily large output.
+func (a *Aggregator) Bytes() int { return a.size }
+
+// rawBytes is the total length of raws.
+func rawBytes(raws []json.RawMessage) int {
+	n := 0
+	for _, r := range raws {
+		n += len(r)
+	}
+	return n
 }
 
 // choice returns the accumulator for a choice index, creating it.

@@ -536,3 +536,31 @@ func BenchmarkAggregatorAdd(b *testing.B) {
 		}
 	}
 }
+
+// TestAggregatorBytes proves that Bytes counts the output an Aggregator
+// keeps — texts, reasoning, tool-call arguments and logprobs entries —
+// and not the chunks' envelopes, which it does not keep (R-LEG-5: the
+// router bounds it with request.max_response_bytes).
+func TestAggregatorBytes(t *testing.T) {
+	entry := `{"token":"ab","logprob":-0.5,"bytes":[97,98],"top_logprobs":[]}`
+	chat := NewAggregator(true)
+	for _, c := range []string{
+		`{"id":"x","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}`,
+		`{"id":"x","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"ab"},"logprobs":{"content":[` + entry + `]},"finish_reason":null},{"index":1,"delta":{"reasoning_content":"think"},"logprobs":null,"finish_reason":null}]}`,
+		`{"id":"x","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c1","type":"function","function":{"name":"f","arguments":"{\"a\":1}"}}]},"logprobs":null,"finish_reason":"tool_calls"}]}`,
+	} {
+		if err := chat.Add([]byte(c)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if want := len("ab") + len(entry) + len("think") + len(`{"a":1}`); chat.Bytes() != want {
+		t.Errorf("chat Bytes() = %d, want %d", chat.Bytes(), want)
+	}
+	text := NewAggregator(false)
+	if err := text.Add([]byte(`{"id":"x","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"hello","logprobs":{"tokens":["hello"],"token_logprobs":[-1.5],"top_logprobs":[{"hello":-1.5}],"text_offset":[0]},"finish_reason":null}]}`)); err != nil {
+		t.Fatal(err)
+	}
+	if want := len("hello") + len(`"hello"`) + len(`-1.5`) + len(`{"hello":-1.5}`) + len(`0`); text.Bytes() != want {
+		t.Errorf("completions Bytes() = %d, want %d", text.Bytes(), want)
+	}
+}
