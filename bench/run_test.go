@@ -28,7 +28,10 @@ func checkSane(t *testing.T, rep *Report, tokens int) {
 	if rep.TTFT.Count != rep.OK || rep.E2E.Count != rep.OK || rep.ITL.Count != tokens*rep.OK {
 		t.Errorf("%s: samples ttft %d e2e %d itl %d; want %d, %d, %d", rep.Target, rep.TTFT.Count, rep.E2E.Count, rep.ITL.Count, rep.OK, rep.OK, tokens*rep.OK)
 	}
-	if rep.TTFT.P50S <= 0 || rep.TTFT.P50S > rep.E2E.P50S || rep.TTFT.P99S > rep.E2E.P99S || rep.E2E.MaxS > 5 {
+	// The bound on E2E catches a unit slip (milliseconds or nanoseconds
+	// read as seconds), not a slow machine: an open loop on a loaded one
+	// queues its arrivals for seconds.
+	if rep.TTFT.P50S <= 0 || rep.TTFT.P50S > rep.E2E.P50S || rep.TTFT.P99S > rep.E2E.P99S || rep.E2E.MaxS > 30 {
 		t.Errorf("%s: TTFT %+v / E2E %+v not sane", rep.Target, rep.TTFT, rep.E2E)
 	}
 	if rep.ElapsedS <= 0 || rep.RequestsPerS <= 0 {

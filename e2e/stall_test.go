@@ -80,6 +80,11 @@ func TestClusterStalledClientsEjectNothingRTMO6(t *testing.T) {
 		"NARWHAL_ENGINE_DECODE_READ_TIMEOUT_S=" + seconds(stallDecodeRead),
 		"NARWHAL_SERVER_STALL_TIMEOUT_S=" + seconds(stallBound),
 		"NARWHAL_REQUEST_TIMEOUT_S=120",
+		// Ten long streams start at once: on a loaded machine their first
+		// tokens may take longer than the cluster's 2 s, which is not what
+		// this test is about.
+		"NARWHAL_ENGINE_FIRST_TOKEN_TIMEOUT_S=15",
+		"NARWHAL_ENGINE_PREFILL_TIMEOUT_S=15",
 	}
 	c := startCluster(t, clusterOptions{routers: 1, breakers: 1, routerEnv: env, breakerEnv: env,
 		simArgs: []string{"--max-model-len", "1048576"}})
