@@ -108,7 +108,8 @@ type streamReply struct {
 	status  int
 	body    []byte
 	elapsed time.Duration
-	err     error // the transport's error: the request did not end normally
+	err     error  // the transport's error: the request did not end normally
+	decoder string // the decode engine the router committed to (X-Narwhal-Decode-Engine)
 }
 
 // sendStream posts one streaming completion of prompt to r and reads the
@@ -133,6 +134,7 @@ func (c *cluster) sendStream(ctx context.Context, r *routerProc, prompt string, 
 	}
 	defer resp.Body.Close()
 	rep.status = resp.StatusCode
+	rep.decoder = resp.Header.Get("X-Narwhal-Decode-Engine")
 	rep.body, rep.err = io.ReadAll(resp.Body)
 	rep.elapsed = time.Since(start)
 	if rep.err == nil && resp.StatusCode == http.StatusOK && !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
