@@ -164,7 +164,9 @@ func TestFleetAtRunTime(t *testing.T) {
 	// Without an engine contract the probe of d4 runs on the model it
 	// serves, which no producer serves: inconclusive, never a success.
 	notOK := func(id string) func(event) bool {
-		return func(e event) bool { return e.kind == schemas.KindProbe && e.EngineID == id && e.Outcome != schemas.ProbeSuccess }
+		return func(e event) bool {
+			return e.kind == schemas.KindProbe && e.EngineID == id && e.Outcome != schemas.ProbeSuccess
+		}
 	}
 	c.waitEvents(t, 3*readyBound, 2, "two unsuccessful probes of d4 (wrong model)", since(mark, notOK("d4")))
 	c.waitEvents(t, 3*readyBound, 2, "two failed probes of d5 (failing inference)", since(mark, isProbe("d5", schemas.ProbeFailure)))
