@@ -6,9 +6,11 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"log/slog"
 	"os"
 
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/membership"
 )
 
 func init() {
@@ -26,7 +28,11 @@ func init() {
 //	            [--kv-listen HOST:PORT] [--kv-host HOST] [--kv-timeout DUR]
 //	            [--engine-version V] [--engine-kind K] [--max-model-len N]
 //	            [--api-key KEY] [--tls-cert-file F --tls-key-file F]
-//	            [--fault JSON]…
+//	            [--fault JSON]… [--register [--advertise-url URL] [--connector C]]
+//
+// With --register it announces itself in the live fleet on the bus of
+// NARWHAL_NATS_URL (membership.registration_ttl_s, R-FLEET-4), heartbeats
+// while it runs, and removes itself from the fleet when stopped.
 func runSim(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("narwhal sim", flag.ContinueOnError)
 	var cfg sim.Config
@@ -54,6 +60,9 @@ func runSim(ctx context.Context, args []string) error {
 	fs.StringVar(&cfg.APIKey, "api-key", "", "require `KEY` as \"Authorization: Bearer KEY\" on /v1/* (like vLLM's --api-key; 401 otherwise)")
 	certFile := fs.String("tls-cert-file", "", "serve the API over HTTPS with this PEM certificate `FILE` (with --tls-key-file)")
 	keyFile := fs.String("tls-key-file", "", "PEM private key `FILE` of --tls-cert-file")
+	register := fs.Bool("register", false, "register in the live fleet on the bus of NARWHAL_NATS_URL, heartbeat, and leave it when stopped (docs/fleet.md)")
+	advertise := fs.String("advertise-url", "", "with --register: the base `URL` routers reach the simulator at (default: the URL it listens on)")
+	conn := fs.String("connector", "nixl", "with --register: the KV connector the fleet entry names")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -85,6 +94,21 @@ func runSim(ctx context.Context, args []string) error {
 	}
 	c := srv.Config()
 	fmt.Fprintf(os.Stdout, "sim %s (%s) listening on %s kv=%s\n", c.EngineID, c.Role, url, srv.KVAddr())
+	if *register {
+		spec := membership.Spec{ID: c.EngineID, URL: url, Role: c.Role, Connector: *conn}
+		if *advertise != "" {
+			spec.URL = *advertise
+		}
+		err := checkSpec(spec)
+		if err == nil {
+			log := slog.New(slog.NewTextHandler(os.Stderr, nil)).With("sim", c.EngineID)
+			err = registered(ctx, spec, "sim-"+c.EngineID, 0, log, os.Stdout)
+		}
+		if cerr := srv.Close(); err == nil {
+			err = cerr
+		}
+		return err
+	}
 	<-ctx.Done()
 	return srv.Close()
 }
