@@ -535,6 +535,7 @@ type reply struct {
 	status     int
 	body       string
 	retryAfter string
+	decode     string // X-Narwhal-Decode-Engine
 }
 
 // send posts one small non-streaming completion to r (R-API-1).
@@ -556,7 +557,8 @@ func (c *cluster) send(ctx context.Context, r *routerProc) (reply, error) {
 	if err != nil {
 		return reply{}, fmt.Errorf("POST %s/v1/completions: %w", r.url, err)
 	}
-	return reply{id: id, router: r.id, status: resp.StatusCode, body: string(raw), retryAfter: resp.Header.Get("Retry-After")}, nil
+	return reply{id: id, router: r.id, status: resp.StatusCode, body: string(raw), retryAfter: resp.Header.Get("Retry-After"),
+		decode: resp.Header.Get("X-Narwhal-Decode-Engine")}, nil
 }
 
 // mustSend is send that fails the test on a transport error.
