@@ -1,0 +1,153 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/engines/sim/simtest"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// TestAgentBadInput: every bad flag of `narwhal agent` is a clear error
+// before anything touches the bus.
+func TestAgentBadInput(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{nil, "--engine-url, --id and --role are required"},
+		{[]string{"--engine-url", "http://127.0.0.1:1", "--id", "d1"}, "--engine-url, --id and --role are required"},
+		{[]string{"--engine-url", "127.0.0.1:1", "--id", "d1", "--role", "decode"}, `--engine-url "127.0.0.1:1": an absolute http or https URL`},
+		{[]string{"--engine-url", "http://127.0.0.1:1", "--id", "d 1", "--role", "decode"}, `--id "d 1"`},
+		{[]string{"--engine-url", "http://127.0.0.1:1", "--id", "d1", "--role", "both-ways"}, `--role "both-ways": prefill, decode or both`},
+		{[]string{"--engine-url", "http://127.0.0.1:1", "--id", "d1", "--role", "decode", "--connector", "NIXL"}, `--connector "NIXL"`},
+		{[]string{"--engine-url", "http://127.0.0.1:1", "--id", "d1", "--role", "decode", "--decode-slots", "-1"}, "must be >= 0"},
+		{[]string{"--engine-url", "http://127.0.0.1:1", "--id", "d1", "--role", "decode", "--drain-timeout", "0s"}, "--drain-timeout must be > 0"},
+	} {
+		var out, errOut bytes.Buffer
+		err := runAgent(context.Background(), tc.args, &out, &errOut)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("narwhal agent %v: %v, want %q", tc.args, err, tc.want)
+		}
+	}
+}
+
+// TestAgentLifecycleRFLEET4 runs `narwhal agent` against an embedded bus:
+// it waits while its engine does not answer, registers it in state
+// joining once /health and /v1/models answer (R-FLEET-4), and when
+// stopped writes state draining, waits for the routers' reports to show
+// no leg on the engine (R-FLEET-3), removes the key and returns nil.
+func TestAgentLifecycleRFLEET4(t *testing.T) {
+	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(emb.Shutdown)
+	t.Setenv("NARWHAL_NATS_URL", emb.ClientURL())
+	t.Setenv("NARWHAL_MEMBERSHIP_REGISTRATION_TTL_S", "1")
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	b, err := bus.Connect(ctx, bus.ConnectOptions{URL: emb.ClientURL(), Name: t.Name()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	fleetKV, err := b.BindBucket(ctx, bus.FleetBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	state := func() string {
+		e, err := fleetKV.Get(ctx, "d7")
+		if errors.Is(err, jetstream.ErrKeyNotFound) || errors.Is(err, jetstream.ErrKeyDeleted) {
+			return "gone"
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		var fe schemas.FleetEntry
+		if err := json.Unmarshal(e.Value(), &fe); err != nil {
+			t.Fatal(err)
+		}
+		return fe.State
+	}
+
+	// The engine's address is known but nothing answers there yet.
+	engine, err := sim.New(sim.Config{Role: sim.RoleDecode, EngineID: "d7", Model: "m"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln := simtestListener(t)
+	url := "http://" + ln
+	agentCtx, stopAgent := context.WithCancel(context.Background())
+	defer stopAgent()
+	var out, errOut lockedBuffer
+	done := make(chan error, 1)
+	go func() {
+		done <- runAgent(agentCtx, []string{"--engine-url", url, "--id", "d7", "--role", "decode", "--drain-timeout", "5s"}, &out, &errOut)
+	}()
+	testkit.WaitFor(t, 5*time.Second, "the agent waiting for the engine", func() bool { return strings.Contains(errOut.String(), "waiting for the engine") })
+	if s := state(); s != "gone" {
+		t.Fatalf("registered (%s) before the engine answered", s)
+	}
+	if _, err := engine.Start(ln); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = engine.Close() })
+	testkit.WaitFor(t, 5*time.Second, "d7 registered, and said so", func() bool {
+		return state() == schemas.FleetJoining && strings.Contains(out.String(), "registered d7 (decode, "+url+") in the live fleet, TTL 1s\n")
+	})
+	// Several TTLs later it is still there: the heartbeat renews it.
+	time.Sleep(2500 * time.Millisecond)
+	if s := state(); s != schemas.FleetJoining {
+		t.Fatalf("after 2.5 TTLs: %s, want still joining", s)
+	}
+
+	routers, err := b.BindBucket(ctx, bus.RoutersBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stopAgent()
+	testkit.WaitFor(t, 2*time.Second, "d7 draining", func() bool { return state() == schemas.FleetDraining })
+	select {
+	case err := <-done:
+		t.Fatalf("the agent returned %v before any router reported", err)
+	case <-time.After(300 * time.Millisecond):
+	}
+	rep, _ := json.Marshal(schemas.RouterReport{Schema: schemas.SchemaRouterReport, RouterID: "r1", At: time.Now().UTC(),
+		Draining: map[string]int64{"d7": 0}, InFlight: map[string]int64{}})
+	if _, err := routers.Put(ctx, "r1", rep); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the agent did not return once the router reported no leg on d7")
+	}
+	if s := state(); s != "gone" {
+		t.Errorf("after the agent left: %s", s)
+	}
+}
+
+// simtestListener returns a free loopback HOST:PORT.
+func simtestListener(t *testing.T) string {
+	t.Helper()
+	s := simtest.Start(t, sim.Config{Role: sim.RoleDecode, EngineID: "tmp", Model: "m"})
+	addr := strings.TrimPrefix(s.URL(), "http://")
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	return addr
+}
