@@ -41,8 +41,9 @@ const (
 // bucket narwhal_fleet with membership.registration_ttl_s and heartbeats;
 // on SIGTERM or SIGINT it drains the engine — no router places new work
 // there, running streams finish — waiting until every router reports no
-// leg on it or --drain-timeout passes, then removes it and exits 0. The
-// bus is NARWHAL_NATS_URL (NARWHAL_NATS_CREDS).
+// leg on it or --drain-timeout passes, then removes it, creates
+// --drained-file when given, and exits 0. The bus is NARWHAL_NATS_URL
+// (NARWHAL_NATS_CREDS).
 func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("narwhal agent", flag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -54,6 +55,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	decodeSlots := fs.Int("decode-slots", 0, "decode phases at once on the engine (0: no limit)")
 	apiKeyEnv := fs.String("api-key-env", "", "`VAR` holding the engine's API key, in the agent's and every router's environment")
 	drainTimeout := fs.Duration("drain-timeout", 25*time.Second, "on SIGTERM, how long to wait for the routers' streams on the engine to finish (keep it below the pod's terminationGracePeriodSeconds)")
+	drainedFile := fs.String("drained-file", "", "once the engine is drained and out of the fleet, create this `FILE` (a shared volume the engine container's preStop hook waits on)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -76,7 +78,15 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err := waitEngine(ctx, spec.URL, cred, log); err != nil {
 		return err
 	}
-	return registered(ctx, spec, "agent-"+*id, *drainTimeout, log, stdout)
+	if err := registered(ctx, spec, "agent-"+*id, *drainTimeout, log, stdout); err != nil {
+		return err
+	}
+	if *drainedFile != "" {
+		if err := os.WriteFile(*drainedFile, []byte("drained "+*id+"\n"), 0o644); err != nil {
+			return fmt.Errorf("--drained-file: %w", err)
+		}
+	}
+	return nil
 }
 
 // checkSpec returns a clear error for a spec no fleet entry can hold.

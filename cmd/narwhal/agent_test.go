@@ -5,6 +5,8 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -92,8 +94,9 @@ func TestAgentLifecycleRFLEET4(t *testing.T) {
 	defer stopAgent()
 	var out, errOut lockedBuffer
 	done := make(chan error, 1)
+	drainedFile := filepath.Join(t.TempDir(), "drained")
 	go func() {
-		done <- runAgent(agentCtx, []string{"--engine-url", url, "--id", "d7", "--role", "decode", "--drain-timeout", "5s"}, &out, &errOut)
+		done <- runAgent(agentCtx, []string{"--engine-url", url, "--id", "d7", "--role", "decode", "--drain-timeout", "5s", "--drained-file", drainedFile}, &out, &errOut)
 	}()
 	testkit.WaitFor(t, 5*time.Second, "the agent waiting for the engine", func() bool { return strings.Contains(errOut.String(), "waiting for the engine") })
 	if s := state(); s != "gone" {
@@ -123,6 +126,9 @@ func TestAgentLifecycleRFLEET4(t *testing.T) {
 		t.Fatalf("the agent returned %v before any router reported", err)
 	case <-time.After(300 * time.Millisecond):
 	}
+	if _, err := os.Stat(drainedFile); err == nil {
+		t.Fatal("--drained-file exists before the drain ended")
+	}
 	rep, _ := json.Marshal(schemas.RouterReport{Schema: schemas.SchemaRouterReport, RouterID: "r1", At: time.Now().UTC(),
 		Draining: map[string]int64{"d7": 0}, InFlight: map[string]int64{}})
 	if _, err := routers.Put(ctx, "r1", rep); err != nil {
@@ -138,6 +144,9 @@ func TestAgentLifecycleRFLEET4(t *testing.T) {
 	}
 	if s := state(); s != "gone" {
 		t.Errorf("after the agent left: %s", s)
+	}
+	if b, err := os.ReadFile(drainedFile); err != nil || string(b) != "drained d7\n" {
+		t.Errorf("--drained-file: %q %v", b, err)
 	}
 }
 
