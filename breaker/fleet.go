@@ -11,6 +11,7 @@ import (
 	"github.com/nats-io/nuid"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/internal/pause"
 	"github.com/narwhalmesh/narwhal/schemas"
@@ -306,7 +307,20 @@ func (s *Service) setFleetState(ctx context.Context, e *engine, state, reason st
 	}
 	octx, cancel := context.WithTimeout(ctx, opTimeout)
 	defer cancel()
-	rev, err := (*kvp).Update(octx, e.ID, data, e.fleetRev)
+	var rev uint64
+	if ttl := config.Seconds(next.TTLS); next.Source == schemas.SourceRegistration && ttl > 0 {
+		// A registration's key keeps its TTL through the breaker's write:
+		// a plain update would leave it without one, and an engine killed
+		// before its next heartbeat would never lapse (R-FLEET-4).
+		var ack *jetstream.PubAck
+		ack, err = s.bus.JetStream().Publish(octx, "$KV."+bus.FleetBucket+"."+e.ID, data,
+			jetstream.WithMsgTTL(ttl), jetstream.WithExpectLastSequencePerSubject(e.fleetRev))
+		if ack != nil {
+			rev = ack.Sequence
+		}
+	} else {
+		rev, err = (*kvp).Update(octx, e.ID, data, e.fleetRev)
+	}
 	if err != nil {
 		return err
 	}

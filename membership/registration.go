@@ -100,6 +100,7 @@ func (r *Registration) entry(state, reason string) schemas.FleetEntry {
 		Schema: schemas.SchemaFleetEntry, EngineID: r.spec.ID, URL: r.spec.URL, Role: r.spec.Role, Connector: r.spec.Connector,
 		PrefillSlots: r.spec.PrefillSlots, DecodeSlots: r.spec.DecodeSlots, APIKeyEnv: r.spec.APIKeyEnv,
 		State: state, Since: now, At: now, Source: schemas.SourceRegistration, By: r.by, Reason: reason,
+		TTLS: r.ttl.Seconds(),
 	}
 }
 
@@ -159,7 +160,7 @@ func (r *Registration) heartbeat(ctx context.Context) error {
 		return fmt.Errorf("membership: engine %s (source %s): %w", r.spec.ID, cur.Source, ErrTaken)
 	default:
 		next = *cur
-		next.At = time.Now().UTC()
+		next.At, next.TTLS = time.Now().UTC(), r.ttl.Seconds()
 		if draining && cur.State != schemas.FleetDraining && cur.State != schemas.FleetDrained {
 			next.State, next.Since, next.Reason, next.By = schemas.FleetDraining, next.At, "the engine is stopping: drained by "+r.by, r.by
 		}

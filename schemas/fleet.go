@@ -87,6 +87,11 @@ type FleetEntry struct {
 	// Reason says why the engine is in State, e.g. "inference probe
 	// passed".
 	Reason string `json:"reason,omitempty"`
+	// TTLS is a registration's TTL in seconds (R-FLEET-4): every write of
+	// the key — the heartbeat's, the breaker's — carries it, so that the
+	// key lapses that long after the engine's last heartbeat. 0 (absent)
+	// for entries of other sources.
+	TTLS float64 `json:"ttl_s,omitempty"`
 }
 
 // FleetChange is the event of an engine's fleet state change, on
