@@ -449,9 +449,20 @@ func (s *Service) lead(ctx context.Context, lease jetstream.KeyValue, cons jetst
 	if context.Cause(lctx) != errLeaseLost {
 		// Shutting down: hand the lease over now instead of letting it
 		// lapse. Revision-checked, so a lease taken by another breaker in
-		// the meantime is left alone.
+		// the meantime is left alone. A renewal cut short by the shutdown
+		// may still have been stored, leaving held one revision behind:
+		// when the stored lease is still this breaker's term, its own
+		// revision is used instead.
 		rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), s.renewEvery)
-		if err := lease.Delete(rctx, LeaseKey, jetstream.LastRevision(held.Load())); err != nil {
+		err := lease.Delete(rctx, LeaseKey, jetstream.LastRevision(held.Load()))
+		if err != nil && errors.Is(err, jetstream.ErrKeyRevisionMismatch) {
+			if e, gerr := lease.Get(rctx, LeaseKey); gerr == nil {
+				if l, ok := bus.LeaseOf(e); ok && l.BreakerID == s.id && l.Term == rev {
+					err = lease.Delete(rctx, LeaseKey, jetstream.LastRevision(e.Revision()))
+				}
+			}
+		}
+		if err != nil {
 			s.log.Debug("breaker lease release", "err", err)
 		}
 		rcancel()

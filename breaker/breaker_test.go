@@ -415,8 +415,16 @@ func TestWholeWaveProbedInParallel(t *testing.T) {
 		h.sims[id].Arm(sim.Fault{Kind: sim.FaultStatus, Phase: sim.PhaseDecode, Status: 503, Message: "restarting"})
 	}
 	h.startLeader("breaker-a")
-	h.ejectDecode("d1", "p1")
-	h.ejectDecode("d2", "p1")
+	// Both are ejected at once, a whole wave: one ejected a round before
+	// the other (a loaded machine between two ejectDecode calls) would be
+	// probed alone first and keep a longer backoff than the other.
+	for range h.cfg.Recovery.EjectAfter {
+		for _, id := range []string{"d1", "d2"} {
+			h.fail(id, schemas.PhaseDecode, true, "p1", id)
+		}
+	}
+	h.waitState("d1", schemas.StateEjected)
+	h.waitState("d2", schemas.StateEjected)
 	h.waitProbes("d1", schemas.ProbeFailure, 1)
 	h.waitProbes("d2", schemas.ProbeFailure, 1)
 
