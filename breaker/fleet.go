@@ -400,7 +400,9 @@ func (s *Service) checkDrains(ctx context.Context) {
 	}
 }
 
-// routerReports reads every valid router report of narwhal_routers.
+// routerReports reads every valid router report of narwhal_routers: the
+// first, full delivery of a watch (the breaker's credential may watch the
+// bucket, not read single keys).
 func (s *Service) routerReports(ctx context.Context) ([]schemas.RouterReport, error) {
 	octx, cancel := context.WithTimeout(ctx, opTimeout)
 	defer cancel()
@@ -408,25 +410,29 @@ func (s *Service) routerReports(ctx context.Context) ([]schemas.RouterReport, er
 	if err != nil {
 		return nil, err
 	}
-	lister, err := kv.ListKeys(octx)
+	w, err := kv.WatchAll(octx, jetstream.IgnoreDeletes())
 	if err != nil {
 		return nil, err
 	}
+	defer func() { _ = w.Stop() }()
 	var out []schemas.RouterReport
-	for key := range lister.Keys() {
-		kve, err := kv.Get(octx, key)
-		if errors.Is(err, jetstream.ErrKeyNotFound) || errors.Is(err, jetstream.ErrKeyDeleted) {
-			continue
+	for {
+		select {
+		case <-octx.Done():
+			return nil, octx.Err()
+		case kve, ok := <-w.Updates():
+			if !ok {
+				return nil, errors.New("breaker: the routers' watch ended")
+			}
+			if kve == nil {
+				return out, nil // the end of the full delivery
+			}
+			var r schemas.RouterReport
+			if bus.ValidateRouterReport(kve.Value()) != nil || json.Unmarshal(kve.Value(), &r) != nil || r.RouterID != kve.Key() {
+				s.metrics.reportsIgnored.Inc()
+				continue
+			}
+			out = append(out, r)
 		}
-		if err != nil {
-			return nil, err
-		}
-		var r schemas.RouterReport
-		if bus.ValidateRouterReport(kve.Value()) != nil || json.Unmarshal(kve.Value(), &r) != nil || r.RouterID != key {
-			s.metrics.reportsIgnored.Inc()
-			continue
-		}
-		out = append(out, r)
 	}
-	return out, nil
 }

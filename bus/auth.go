@@ -86,6 +86,21 @@ func bucketRead(name string) []string {
 	}
 }
 
+// bucketWatch is what watching KV bucket name takes, and no more: its
+// stream's info, and ephemeral ordered consumers named in the subject
+// (creating, reading and deleting them, pulling from them) with their
+// flow control — no direct gets. Kept short: every subject lengthens the
+// role's JWT, which travels in the CONNECT line.
+func bucketWatch(name string) []string {
+	stream := "KV_" + name
+	return []string{
+		jsAPI + "STREAM.INFO." + stream,
+		jsAPI + "CONSUMER.*." + stream + ".>",
+		jsAPI + "CONSUMER.MSG.NEXT." + stream + ".>",
+		"$JS.FC." + stream + ".>",
+	}
+}
+
 // bucketWrite is what writing keys of KV bucket name takes (a put, a
 // delete and a purge are each a publish on the key's subject).
 func bucketWrite(name string) []string { return []string{"$KV." + name + ".>"} }
@@ -126,13 +141,14 @@ func viewerDenied() []string {
 //   - router: publish failure, quarantine, handoff and request events;
 //     subscribe to quarantine events; read narwhal_placement,
 //     narwhal_breaker (the lease its placement values are checked
-//     against, R-BUS-9), narwhal_chaos and narwhal_fleet; write its
+//     against, R-BUS-9) and narwhal_chaos; watch narwhal_fleet; write its
 //     in-flight report in narwhal_routers (R-FLEET-3) — it cannot write
 //     the fleet;
 //   - breaker: publish eligibility, probe and fleet events; write and
 //     read narwhal_placement, narwhal_breaker and narwhal_fleet (the
 //     states it decides: active after the checks, drained, R-FLEET-2,
-//     R-FLEET-3); read narwhal_routers; make, read from and acknowledge
+//     R-FLEET-3; watching, not direct gets); watch narwhal_routers; make,
+//     read from and acknowledge
 //     on its durable consumer narwhal-breaker;
 //   - chaos: publish chaos events; write and read narwhal_chaos; read
 //     narwhal_placement's info; answer as, and ask, the NATS service
@@ -156,14 +172,15 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 		pub = slices.Concat(common,
 			eventsPub("failure", "quarantine", "handoff", "request"),
 			bucketRead(PlacementBucket), bucketRead(LeaseBucket), bucketRead(ChaosBucket),
-			bucketRead(FleetBucket), bucketRead(RoutersBucket), bucketWrite(RoutersBucket))
+			bucketWatch(FleetBucket),
+			[]string{jsAPI + "STREAM.INFO.KV_" + RoutersBucket}, bucketWrite(RoutersBucket))
 		sub = append(sub, SubjectPrefix+"quarantine.>")
 	case RoleBreaker:
 		pub = slices.Concat(common,
 			eventsPub("eligibility", "probe", "fleet"),
 			bucketRead(PlacementBucket), bucketWrite(PlacementBucket),
 			bucketRead(LeaseBucket), bucketWrite(LeaseBucket),
-			bucketRead(FleetBucket), bucketWrite(FleetBucket), bucketRead(RoutersBucket),
+			bucketWatch(FleetBucket), bucketWrite(FleetBucket), bucketWatch(RoutersBucket),
 			[]string{
 				jsAPI + "CONSUMER.CREATE." + StreamName + "." + BreakerConsumer,
 				jsAPI + "CONSUMER.CREATE." + StreamName + "." + BreakerConsumer + ".>",

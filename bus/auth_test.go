@@ -231,15 +231,12 @@ func TestRolePermissions(t *testing.T) {
 	if err != nil {
 		t.Fatalf("router binds the fleet: %v", err)
 	}
-	if en, err := routerFleet.Get(ctx, "d9"); err != nil || string(en.Value()) != `{"by":"breaker"}` {
-		t.Fatalf("router reads the fleet: %v", err)
-	}
 	fw, err := routerFleet.WatchAll(ctx)
 	if err != nil {
 		t.Fatalf("router watches the fleet: %v", err)
 	}
-	if first := <-fw.Updates(); first == nil || first.Key() != "d9" {
-		t.Errorf("router's fleet watch gave %v first, want d9", first)
+	if first := <-fw.Updates(); first == nil || first.Key() != "d9" || string(first.Value()) != `{"by":"breaker"}` {
+		t.Errorf("router's fleet watch gave %v first, want d9 as the breaker wrote it", first)
 	}
 	_ = fw.Stop()
 	routersKV, err := router.BindBucket(ctx, bus.RoutersBucket)
@@ -249,9 +246,18 @@ func TestRolePermissions(t *testing.T) {
 	if _, err := routersKV.Put(ctx, "rt-1", []byte(`{}`)); err != nil {
 		t.Fatalf("router writes its report: %v", err)
 	}
-	if _, err := breaker.JetStream().Stream(ctx, "KV_"+bus.RoutersBucket); err != nil {
-		t.Errorf("breaker reads the routers bucket: %v", err)
+	breakerRouters, err := breaker.BindBucket(ctx, bus.RoutersBucket)
+	if err != nil {
+		t.Fatalf("breaker binds the routers bucket: %v", err)
 	}
+	rw, err := breakerRouters.WatchAll(ctx)
+	if err != nil {
+		t.Fatalf("breaker watches the routers bucket: %v", err)
+	}
+	if first := <-rw.Updates(); first == nil || first.Key() != "rt-1" {
+		t.Errorf("breaker's routers watch gave %v first, want rt-1", first)
+	}
+	_ = rw.Stop()
 	denied(t, router, "router writes the fleet", "$KV.narwhal_fleet.d9", func(ctx context.Context) error {
 		_, err := routerFleet.Put(ctx, "d9", []byte(`{"state":"active"}`))
 		return err

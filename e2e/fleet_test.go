@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
@@ -19,7 +20,7 @@ import (
 // admin credential and fails the test unless it exits 0.
 func (c *cluster) fleetCmd(t *testing.T, args ...string) string {
 	t.Helper()
-	out, code := runNarwhalEnv(t, append([]string{"NARWHAL_NATS_URL=" + c.natsURL}, c.credsEnv("admin")...), append([]string{"fleet"}, args...)...)
+	out, code := runNarwhalEnv(t, append([]string{"NARWHAL_NATS_URL=" + c.natsURL}, c.credsEnv(bus.RoleAdmin)...), append([]string{"fleet"}, args...)...)
 	if code != 0 {
 		t.Fatalf("narwhal fleet %s: exit %d\n%s", strings.Join(args, " "), code, out)
 	}
@@ -111,7 +112,9 @@ func checkComplete(t *testing.T, replies []sentStream) {
 //   - (e) a router started with an empty fleet: and the bucket full of
 //     engines serves them.
 func TestFleetAtRunTime(t *testing.T) {
-	c := startCluster(t, clusterOptions{routers: 2, breakers: 1, simArgs: []string{"--itl", "20ms"}})
+	// With least privilege (R-BUS-8): each process its role's credential,
+	// `narwhal fleet` the admin's.
+	c := startCluster(t, clusterOptions{routers: 2, breakers: 1, simArgs: []string{"--itl", "20ms"}, auth: true})
 	stop := make(chan struct{})
 	replies := c.load(4, stop)
 	stopped := false
@@ -227,7 +230,7 @@ func TestFleetAtRunTime(t *testing.T) {
 	}
 	r3 := &routerProc{id: "r-empty", addr: hostPort(freePorts(t, 1)[0])}
 	r3.url = "http://" + r3.addr
-	r3.p = spawn(t, "router r-empty", append([]string{"NARWHAL_NATS_URL=" + c.natsURL, "NARWHAL_ROUTER_ID=" + r3.id}, clusterEnv...),
+	r3.p = spawn(t, "router r-empty", append(append([]string{"NARWHAL_NATS_URL=" + c.natsURL, "NARWHAL_ROUTER_ID=" + r3.id}, clusterEnv...), c.credsEnv(bus.RoleRouter)...),
 		"router", "--config", empty, "--listen", r3.addr)
 	c.extra = append(c.extra, r3.p)
 	waitHTTP(t, r3.p, r3.url+"/readyz")
