@@ -37,10 +37,13 @@ func (s *Service) consume(ctx context.Context, cons jetstream.Consumer) {
 			checked = time.Now()
 			s.checkConsumer(ctx, cons)
 		}
-		fctx, cancel := context.WithTimeout(ctx, min(wait, checkEvery))
-		batch, err := cons.Fetch(fetchBatch, jetstream.FetchContext(fctx))
+		// FetchMaxWait, not a context deadline: a pull cut short by the
+		// client's own deadline drops the messages the server had already
+		// sent, and they come back only after the ack wait (seconds late).
+		// The server ends the pull after at most this long; events that
+		// arrive after the lease was lost are handed back below.
+		batch, err := cons.Fetch(fetchBatch, jetstream.FetchMaxWait(min(wait, checkEvery)))
 		if err != nil {
-			cancel()
 			if ctx.Err() == nil {
 				s.log.Debug("breaker fetch", "err", err)
 				if errors.Is(err, jetstream.ErrConsumerNotFound) || errors.Is(err, jetstream.ErrConsumerDeleted) {
@@ -59,7 +62,6 @@ func (s *Service) consume(ctx context.Context, cons jetstream.Consumer) {
 			}
 			s.handle(ctx, msg)
 		}
-		cancel()
 		if err := batch.Error(); err != nil && ctx.Err() == nil && !errors.Is(err, context.DeadlineExceeded) {
 			s.log.Debug("breaker fetch", "err", err)
 			if errors.Is(err, jetstream.ErrConsumerNotFound) || errors.Is(err, jetstream.ErrConsumerDeleted) {
