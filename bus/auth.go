@@ -31,10 +31,14 @@ const (
 	RoleViewer = "viewer"
 	// RoleAdmin creates and updates the stream and the buckets.
 	RoleAdmin = "admin"
+	// RoleEngine registers engines in the live fleet (`narwhal agent`,
+	// `narwhal sim --register`, R-FLEET-4): it writes and reads
+	// narwhal_fleet and reads narwhal_routers.
+	RoleEngine = "engine"
 )
 
 // Roles lists every role, in the order the credentials are written.
-var Roles = []string{RoleRouter, RoleBreaker, RoleChaos, RoleViewer, RoleAdmin}
+var Roles = []string{RoleRouter, RoleBreaker, RoleChaos, RoleViewer, RoleAdmin, RoleEngine}
 
 // The breaker's durable consumer on NARWHAL_EVENTS: only the breaker role
 // may make, read from or acknowledge on it. It is the name of
@@ -159,7 +163,10 @@ func viewerDenied() []string {
 //     API, not through the legacy create on NARWHAL_EVENTS, no leader
 //     step-downs;
 //   - admin: everything ("> "), which `narwhal fleet add|drain|undrain|
-//     remove` needs to change the fleet.
+//     remove` needs to change the fleet;
+//   - engine: read narwhal_placement (to connect); write and read
+//     narwhal_fleet (its registration, R-FLEET-4); read narwhal_routers
+//     (the drain's reports) — no event, no other bucket.
 //
 // It returns an error for an unknown role.
 func RolePermissions(role string) (jwt.Permissions, error) {
@@ -189,6 +196,11 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 				jsAPI + "CONSUMER.MSG.NEXT." + StreamName + "." + BreakerConsumer,
 				"$JS.ACK." + StreamName + "." + BreakerConsumer + ".>",
 			})
+	case RoleEngine:
+		// Connecting binds placement (read); a registration writes its
+		// engine's key and reads the routers' reports while it drains.
+		pub = slices.Concat(common,
+			bucketRead(PlacementBucket), bucketRead(FleetBucket), bucketWrite(FleetBucket), bucketRead(RoutersBucket))
 	case RoleChaos:
 		pub = slices.Concat(common,
 			eventsPub("chaos"),

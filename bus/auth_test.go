@@ -446,3 +446,43 @@ func TestClusterRoutesNeedTheSecret(t *testing.T) {
 		t.Errorf("route secret %q, %v", raw, err)
 	}
 }
+
+// TestEngineRole proves the engine credential's least privilege (R-BUS-8,
+// R-FLEET-4): it writes and reads narwhal_fleet and reads
+// narwhal_routers, and may not write placement, publish an event or write
+// the routers' reports.
+func TestEngineRole(t *testing.T) {
+	e, dir := authServer(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	engine := connectAs(t, e, dir, bus.RoleEngine)
+	fleet, err := engine.BindBucket(ctx, bus.FleetBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := fleet.Put(ctx, "d7", []byte(`{}`)); err != nil {
+		t.Fatalf("engine writes its fleet key: %v", err)
+	}
+	if en, err := fleet.Get(ctx, "d7"); err != nil || string(en.Value()) != `{}` {
+		t.Fatalf("engine reads its fleet key: %v", err)
+	}
+	routers, err := engine.BindBucket(ctx, bus.RoutersBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := routers.ListKeys(ctx); err != nil {
+		t.Fatalf("engine lists the routers' reports: %v", err)
+	}
+	denied(t, engine, "engine writes placement", "$KV.narwhal_placement.d7", func(ctx context.Context) error {
+		_, err := engine.Placement().Put(ctx, "d7", []byte(`{"eligible":true}`))
+		return err
+	})
+	denied(t, engine, "engine writes a router's report", "$KV.narwhal_routers.r1", func(ctx context.Context) error {
+		_, err := routers.Put(ctx, "r1", []byte(`{}`))
+		return err
+	})
+	denied(t, engine, "engine publishes a failure event", "narwhal.events.failure.d7", func(ctx context.Context) error {
+		_, err := engine.JetStream().Publish(ctx, "narwhal.events.failure.d7", []byte(`{}`))
+		return err
+	})
+}

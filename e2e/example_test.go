@@ -25,7 +25,8 @@ const meshScriptBound = 60 * time.Second
 // examples/mesh.sh (in its own process group, with free ports through
 // its environment overrides) until its banner says the mesh is up, then
 // runs each `curl` line the banner prints through the real curl (when
-// there is one) and streams a chat completion through each router with
+// there is one) and its `fleet list` line (the four simulators registered
+// themselves and are active, R-FLEET-4), and streams a chat completion through each router with
 // Go's client — both must answer 200 with a prefill and a decode engine
 // named and end with [DONE] — then presses Ctrl-C (SIGINT to the whole
 // group, as a terminal does) and checks that the script exits 0 and that
@@ -81,8 +82,9 @@ func TestExampleMesh(t *testing.T) {
 		}
 	})
 
-	// The banner, and the curl lines in it.
+	// The banner, and the curl and fleet list lines in it.
 	var curls []string
+	var fleetList string
 	deadline := time.After(meshScriptBound)
 	for up := false; !up; {
 		select {
@@ -92,6 +94,9 @@ func TestExampleMesh(t *testing.T) {
 			}
 			if strings.HasPrefix(l, "curl ") {
 				curls = append(curls, l)
+			}
+			if strings.HasSuffix(l, " fleet list") {
+				fleetList = l
 			}
 			up = strings.HasPrefix(l, "Press Ctrl-C")
 		case <-deadline:
@@ -118,6 +123,19 @@ func TestExampleMesh(t *testing.T) {
 				!strings.Contains(string(b), "data: [DONE]") {
 				t.Errorf("%s: %v\n%s", line, err, b)
 			}
+		}
+	}
+	// The simulators registered themselves and the breaker made each
+	// active (R-FLEET-2, R-FLEET-4).
+	if fleetList == "" {
+		t.Fatalf("no fleet list line in the banner:\n%s", banner)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), requestBound)
+	b, err := exec.CommandContext(ctx, "bash", "-c", fleetList).CombinedOutput()
+	cancel()
+	for _, id := range []string{"p1", "p2", "d1", "d2"} {
+		if err != nil || !regexp.MustCompile(`(?m)^`+id+`\s.*\sactive\s.*registration`).Match(b) {
+			t.Errorf("%s: %v, want %s active by registration:\n%s", fleetList, err, id, b)
 		}
 	}
 	// The same through Go's client, on each router.

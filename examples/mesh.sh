@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A Narwhal mesh on this machine: a bus (NATS with JetStream) with one
 # credential per role, a breaker, two routers and four simulators (two
-# prefill, two decode) from examples/mesh-fleet.yaml. It prints what to
-# curl and what to watch; Ctrl-C stops everything.
+# prefill, two decode) that register themselves in the live fleet; the
+# routers' and the breaker's settings are examples/mesh-fleet.yaml. It
+# prints what to curl and what to watch; Ctrl-C stops everything.
 #
 #   examples/mesh.sh            (or: just mesh)
 #
@@ -110,11 +111,7 @@ wait_for() {
 
 ready() { curl -fsS -o /dev/null --max-time 1 "$1"; }
 
-# The fleet file with this run's simulator ports.
-fleet=$dir/fleet.yaml
-sed -e "s#127.0.0.1:8101#127.0.0.1:${sim_ports[0]}#" -e "s#127.0.0.1:8102#127.0.0.1:${sim_ports[1]}#" \
-  -e "s#127.0.0.1:8103#127.0.0.1:${sim_ports[2]}#" -e "s#127.0.0.1:8104#127.0.0.1:${sim_ports[3]}#" \
-  examples/mesh-fleet.yaml >"$fleet"
+fleet=examples/mesh-fleet.yaml
 
 # One NATS credential per role; the bus enforces them.
 creds=$dir/creds
@@ -129,10 +126,12 @@ wait_for "the bus" grep -q "bus listening on" "$dir/bus.log"
 ids=(p1 p2 d1 d2)
 roles=(prefill prefill decode decode)
 for i in 0 1 2 3; do
-  start "${ids[i]}" -- sim --role "${roles[i]}" --listen "127.0.0.1:${sim_ports[i]}" --engine-id "${ids[i]}" --model "$model"
+  start "${ids[i]}" NARWHAL_NATS_URL="$nats" NARWHAL_NATS_CREDS="$creds/engine.creds" -- \
+    sim --role "${roles[i]}" --listen "127.0.0.1:${sim_ports[i]}" --engine-id "${ids[i]}" --model "$model" --register
 done
 for i in 0 1 2 3; do
   wait_for "simulator ${ids[i]}" ready "http://127.0.0.1:${sim_ports[i]}/health"
+  wait_for "simulator ${ids[i]}'s registration" grep -q "registered ${ids[i]} " "$dir/${ids[i]}.log"
 done
 
 start breaker NARWHAL_NATS_URL="$nats" NARWHAL_NATS_CREDS="$creds/breaker.creds" -- breaker --config "$fleet"
@@ -141,6 +140,15 @@ for i in 0 1; do
     router --config "$fleet" --listen "127.0.0.1:${router_ports[i]}"
   wait_for "router r$((i + 1))" ready "http://127.0.0.1:${router_ports[i]}/readyz"
 done
+# Ready once the breaker has checked every simulator and both routers may
+# place on all four.
+placeable_all() {
+  local port
+  for port in "${router_ports[@]}"; do
+    [ "$(curl -fsS --max-time 1 "http://127.0.0.1:$port/metrics" | grep -c '^narwhal_engine_available{engine="[pd][12]"} 1')" -eq 4 ] || return 1
+  done
+}
+wait_for "the four simulators' checks" placeable_all
 
 r1=http://127.0.0.1:${router_ports[0]}
 r2=http://127.0.0.1:${router_ports[1]}
@@ -148,7 +156,8 @@ body='{"model":"'$model'","messages":[{"role":"user","content":"Hello, narwhal!"
 cat <<BANNER
 
 Narwhal mesh is up: bus $nats, a breaker, routers r1 $r1 and r2 $r2,
-simulators p1 p2 (prefill) and d1 d2 (decode) serving model $model.
+simulators p1 p2 (prefill) and d1 d2 (decode) serving model $model,
+each registered in the live fleet by itself.
 
 A streamed chat completion through each router (the response headers
 X-Narwhal-Prefill-Engine and X-Narwhal-Decode-Engine name the two engines):
@@ -159,6 +168,10 @@ curl -N -i $r2/v1/chat/completions -H 'Content-Type: application/json' -d '$body
 Watch every event of the mesh from another terminal (the viewer credential):
 
 NARWHAL_NATS_URL=$nats NARWHAL_NATS_CREDS=$creds/viewer.creds $bin events
+
+The live fleet (the admin credential):
+
+NARWHAL_NATS_URL=$nats NARWHAL_NATS_CREDS=$creds/admin.creds $bin fleet list
 
 Readiness: $r1/readyz   Metrics: $r1/metrics   Logs: $dir/*.log
 Press Ctrl-C to stop everything.

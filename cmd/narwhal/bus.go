@@ -51,7 +51,7 @@ narwhal bus         serves NATS with JetStream and sets up Narwhal's stream and
 narwhal bus setup   creates or updates the stream and the buckets on the NATS at
                     NARWHAL_NATS_URL with the admin credential (NARWHAL_NATS_CREDS).
 narwhal bus creds   writes one credential per role (router, breaker, chaos, viewer,
-                    admin) and the server side (auth.conf, route.secret) into DIR.
+                    admin, engine) and the server side (auth.conf, route.secret) into DIR.
 See docs/mesh.md.
 `
 
