@@ -22,7 +22,7 @@ func TestBusCredsCommand(t *testing.T) {
 	if err := runBus(context.Background(), []string{"creds", "--out", dir}, &out, &errOut); err != nil {
 		t.Fatalf("bus creds: %v\n%s", err, errOut.String())
 	}
-	for _, f := range []string{"router.creds", "breaker.creds", "chaos.creds", "viewer.creds", "admin.creds", "auth.conf", "route.secret", "keys/account.nk"} {
+	for _, f := range []string{"router.creds", "breaker.creds", "chaos.creds", "viewer.creds", "admin.creds", "engine.creds", "auth.conf", "route.secret", "keys/account.nk"} {
 		if _, err := os.Stat(filepath.Join(dir, f)); err != nil {
 			t.Errorf("%s: %v", f, err)
 		}
