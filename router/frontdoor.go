@@ -245,6 +245,25 @@ func (rt *Router) serverError(ctx *fasthttp.RequestCtx, err error) {
 	}
 }
 
+// expectContinue answers a request that sent "Expect: 100-continue": one
+// the router would refuse (no valid API key, a body over
+// request.max_body_bytes, no room under server.max_body_bytes_inflight)
+// gets its final error response at once, before the client sends the
+// body, instead of "100 Continue" followed by the refusal (R-API-7,
+// R-API-8, R-API-9). It returns the status fasthttp sends: 100 to go on
+// reading the body, else the error's status (the connection then closes).
+func (rt *Router) expectContinue(ctx *fasthttp.RequestCtx) int {
+	h := &ctx.Request.Header
+	refused := len(h.Peek(authRefusedHeader)) > 0 ||
+		string(h.Peek(bodyHeader)) == bodyFull ||
+		int64(h.ContentLength()) > rt.front.maxBody
+	if !refused {
+		return fasthttp.StatusContinue
+	}
+	rt.serverError(ctx, fasthttp.ErrBodyTooLarge)
+	return ctx.Response.StatusCode()
+}
+
 // bodyHeader carries a request's body reservation from headerReceived to
 // the handler: a ticket number, or bodyFull when none could be taken. A
 // client's own copy of the header is deleted before it is set.

@@ -633,3 +633,37 @@ func TestNonStreamedResponseBoundedRLEG5(t *testing.T) {
 	}
 	s.idle()
 }
+
+// TestExpectContinueRefusedBeforeTheBodyRAPI7 proves a request that sends
+// "Expect: 100-continue" with a body over request.max_body_bytes gets its
+// OpenAI-shaped 413 at once — no "100 Continue" that would invite the
+// client to send the body — while one within the limit is continued and
+// served.
+func TestExpectContinueRefusedBeforeTheBodyRAPI7(t *testing.T) {
+	s := newStack(t, pd(), func(c *config.Config) { c.Request.MaxBodyBytes = 4096 })
+	s.waitModels()
+	c := s.dial()
+	fmt.Fprintf(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n", 40<<20)
+	resp, b := readResponse(t, c, 5*time.Second)
+	if resp.StatusCode != 413 {
+		t.Fatalf("status %d, want 413 before the body: %s", resp.StatusCode, b)
+	}
+	if e := errorObject(t, b); !strings.Contains(e.Message, "request.max_body_bytes") || e.Code != 413 {
+		t.Fatalf("error %+v", e)
+	}
+	if !resp.Close {
+		t.Error("413 without Connection: close")
+	}
+
+	c = s.dial()
+	fmt.Fprintf(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n", len(doorChat))
+	resp, b = readResponse(t, c, 5*time.Second)
+	if resp.StatusCode != 100 {
+		t.Fatalf("status %d, want 100 Continue within the limit: %s", resp.StatusCode, b)
+	}
+	fmt.Fprint(c, doorChat)
+	resp, b = readResponse(t, c, 5*time.Second)
+	if resp.StatusCode != 200 {
+		t.Fatalf("continued request: %d %s", resp.StatusCode, b)
+	}
+}

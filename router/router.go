@@ -210,6 +210,7 @@ func New(opts Options) (*Router, error) {
 	// Deadlines, caps and the body bound of the front door (R-API-7, R-API-8).
 	rt.front = newFrontDoor(cfg, rt.log, reg, rt.server)
 	rt.front.unauthenticated = rt.auth.refuses
+	rt.server.ExpectHandler = rt.expectContinue
 	return rt, nil
 }
 

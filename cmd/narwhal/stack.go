@@ -208,7 +208,8 @@ func reloadOnHUP(ctx context.Context, hup <-chan os.Signal, reload func() (*conf
 		}
 		rt.SetAPIKeys(cfg.Auth.APIKeys)
 		if err := rt.ReloadTLS(); err != nil {
-			log.Error("SIGHUP: TLS certificate not reloaded; the one in use stays", "err", err)
+			log.Error("SIGHUP: API keys reloaded; TLS certificate not reloaded, the one in use stays (other settings apply at the next start)", "err", err)
+			continue
 		}
 		log.Info("SIGHUP: configuration reloaded (API keys, TLS certificate; other settings apply at the next start)")
 	}
