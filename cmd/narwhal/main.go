@@ -44,28 +44,11 @@ var commands = map[string]command{}
 // configUsage is the help of --config for the commands that run on a fleet.
 const configUsage = "YAML configuration file (docs/configuration.md); environment NARWHAL_<SECTION>_<KEY> overrides it"
 
-// loadFleet loads the configuration file path of --config, which must be
-// given and must list at least one engine. Its errors name the flag or the
-// key.
-func loadFleet(path string) (*config.Config, error) {
-	if path == "" {
-		return nil, errors.New("--config is required")
-	}
-	cfg, err := config.Load(path)
-	if err != nil {
-		return nil, err
-	}
-	if len(cfg.Fleet) == 0 {
-		return nil, errors.New("config: fleet: at least one engine is required")
-	}
-	return cfg, nil
-}
-
 // loadMesh loads the configuration of a process that takes its engines
 // from the live fleet (a router, a breaker): with a bus URL (a mesh, whose
 // bucket narwhal_fleet lists the engines, SPEC R-FLEET-1) the file's
 // fleet may be empty; without one it must list at least one engine, as
-// for loadFleet.
+// as every other command that runs on a fleet.
 func loadMesh(path string) (*config.Config, error) {
 	if path == "" {
 		return nil, errors.New("--config is required")
