@@ -160,12 +160,20 @@ func (r *Registration) heartbeat(ctx context.Context) error {
 		return fmt.Errorf("membership: engine %s (source %s): %w", r.spec.ID, cur.Source, ErrTaken)
 	default:
 		next = *cur
-		next.At, next.TTLS = time.Now().UTC(), r.ttl.Seconds()
+		next.At, next.By, next.TTLS = time.Now().UTC(), r.by, r.ttl.Seconds()
 		if draining && cur.State != schemas.FleetDraining && cur.State != schemas.FleetDrained {
 			next.State, next.Since, next.Reason, next.By = schemas.FleetDraining, next.At, "the engine is stopping: drained by "+r.by, r.by
 		}
 	}
 	return r.write(ctx, next, rev, cur != nil || rev > 0)
+}
+
+// foreign reports whether value, a write of the engine's key seen by the
+// watch, was written by another process (the heartbeat writes by = its
+// own name).
+func (r *Registration) foreign(value []byte) bool {
+	var e schemas.FleetEntry
+	return json.Unmarshal(value, &e) != nil || e.By != r.by
 }
 
 func (r *Registration) isDraining() bool {
@@ -179,13 +187,20 @@ func (r *Registration) isDraining() bool {
 
 // Run renews the registration every TTL/3 until ctx ends, retrying a
 // failed renewal (a revision race with the breaker, a bus hiccup) after a
-// tenth of the TTL; it logs a failure once per episode. It returns nil
-// when ctx ends; the key then lapses after the TTL unless Leave removes
-// it first.
+// tenth of the TTL; it logs a failure once per episode. It also watches
+// the key and renews it at once after another process's write (the
+// breaker's, `narwhal fleet drain`'s), so that the latest value carries
+// the TTL whoever wrote it. It returns nil when ctx ends; the key then
+// lapses after the TTL unless Leave removes it first.
 func (r *Registration) Run(ctx context.Context) error {
 	every, retry := r.ttl/3, r.ttl/10
 	wait := every
 	failing := false
+	var foreign <-chan jetstream.KeyValueEntry
+	if w, err := r.kv.Watch(ctx, r.spec.ID, jetstream.UpdatesOnly()); err == nil {
+		defer func() { _ = w.Stop() }()
+		foreign = w.Updates()
+	}
 	for {
 		t := time.NewTimer(wait)
 		select {
@@ -194,6 +209,17 @@ func (r *Registration) Run(ctx context.Context) error {
 			return nil
 		case <-r.wake():
 			t.Stop()
+		case e, ok := <-foreign:
+			t.Stop()
+			if !ok {
+				foreign = nil
+				wait = 0
+				continue
+			}
+			if e == nil || e.Operation() != jetstream.KeyValuePut || !r.foreign(e.Value()) {
+				wait = every
+				continue
+			}
 		case <-t.C:
 		}
 		hctx, cancel := context.WithTimeout(ctx, every)

@@ -68,11 +68,12 @@ var spec = Spec{ID: "d9", URL: "http://127.0.0.1:1", Role: "decode", Connector: 
 // while Run heartbeats the key outlives several TTLs and keeps the state
 // another writer (the breaker) gave it; once the heartbeat stops (the
 // process is gone) the bucket removes the key within the TTL plus one
-// second.
+// second — also when another process's write without a TTL came just
+// before (the registration renews the key at once after it).
 func TestRegistrationLapsesRFLEET4(t *testing.T) {
 	b, kv := testBus(t)
 	ctx := context.Background()
-	const ttl = time.Second
+	const ttl = 3 * time.Second // a heartbeat every second
 	r, err := Register(ctx, b, spec, ttl, "agent-test", quiet)
 	if err != nil {
 		t.Fatal(err)
@@ -92,13 +93,23 @@ func TestRegistrationLapsesRFLEET4(t *testing.T) {
 	if _, err := kv.Put(ctx, "d9", v); err != nil {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(3 * ttl)
+	deadline := time.Now().Add(4 * time.Second)
 	for time.Now().Before(deadline) {
 		if cur := entryOf(t, kv, "d9"); cur == nil || cur.State != schemas.FleetActive {
 			t.Fatalf("while heartbeating: %+v, want the breaker's active state kept", cur)
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+	// Another plain put (an operator's command), and the process dies
+	// right after it, before its next periodic heartbeat: the watch's
+	// renewal gave the key its TTL back at once.
+	if _, err := kv.Put(ctx, "d9", v); err != nil {
+		t.Fatal(err)
+	}
+	testkit.WaitFor(t, 150*time.Millisecond, "the renewal after the foreign write (the periodic one is up to 1 s away)", func() bool {
+		e := entryOf(t, kv, "d9")
+		return e != nil && e.By == "agent-test" && e.State == schemas.FleetActive
+	})
 	stop()
 	if err := <-done; err != nil {
 		t.Fatal(err)
