@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
 	"sync"
 	"time"
 
@@ -28,6 +29,9 @@ type probe struct {
 	// prodE and consE are their engines, taken under Service.mu (the
 	// live fleet may change meanwhile).
 	prodE, consE *engine
+	// joining: the engine is joining the fleet (R-FLEET-2), as of the
+	// round's start.
+	joining bool
 }
 
 // readmitLoop runs a readmission round every recovery.readmit_interval_s
@@ -60,7 +64,7 @@ func (s *Service) round(ctx context.Context) {
 				eligible[e.ID] = true
 			}
 		case now.Add(s.interval / 2).After(e.nextProbe):
-			due = append(due, &probe{e: e, phase: s.probePhase(e)})
+			due = append(due, &probe{e: e, phase: s.probePhase(e), joining: e.fleetEntry.State == schemas.FleetJoining})
 		}
 	}
 	s.mu.Unlock()
@@ -247,6 +251,13 @@ func (s *Service) transfer(ctx, pctx context.Context, p *probe) {
 		return
 	}
 	var f *engines.Fault
+	if p.joining && errors.As(err, &f) && f.EngineID != "" && f.EngineID != p.e.ID && f.UpstreamStatus == http.StatusNotFound {
+		// A joining engine whose model its partner does not know: the
+		// newcomer is what is wrong, not the partner (R-FLEET-2).
+		p.outcome = schemas.ProbeFailure
+		p.message = fmt.Sprintf("engine %s serves model %q, which its partner %s does not serve (HTTP 404): %v", p.e.ID, p.model, f.EngineID, err)
+		return
+	}
 	if errors.As(err, &f) && f.EngineID != "" && f.EngineID != p.e.ID {
 		p.outcome, p.message = schemas.ProbeInconclusive, "partner "+f.EngineID+" failed its leg: "+err.Error()
 		return

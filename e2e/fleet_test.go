@@ -165,13 +165,13 @@ func TestFleetAtRunTime(t *testing.T) {
 		return len(byRouter) == len(c.routers)
 	})
 	// Without an engine contract the probe of d4 runs on the model it
-	// serves, which no producer serves: inconclusive, never a success.
+	// serves, which no producer serves: a failure of d4, never a success.
 	notOK := func(id string) func(event) bool {
 		return func(e event) bool {
 			return e.kind == schemas.KindProbe && e.EngineID == id && e.Outcome != schemas.ProbeSuccess
 		}
 	}
-	c.waitEvents(t, 3*readyBound, 2, "two unsuccessful probes of d4 (wrong model)", since(mark, notOK("d4")))
+	c.waitEvents(t, 3*readyBound, 2, "two failed probes of d4 (wrong model)", since(mark, isProbe("d4", schemas.ProbeFailure)))
 	c.waitEvents(t, 3*readyBound, 2, "two failed probes of d5 (failing inference)", since(mark, isProbe("d5", schemas.ProbeFailure)))
 	for _, id := range []string{"d4", "d5"} {
 		if n := len(c.list(t, since(mark, isProbe(id, schemas.ProbeSuccess)))); n > 0 {
