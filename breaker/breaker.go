@@ -12,8 +12,8 @@
 // engine's placement entry, the position in the durable consumer), so a new
 // leader continues where the old one stopped.
 //
-// ProbeTransfer, CheckContract and CheckHealth are also what `narwhal
-// preflight` runs (R-PRE-1).
+// ProbeTransfer is also what `narwhal preflight` runs (R-PRE-1), after
+// engines.CheckHealth and engines.CheckContract.
 package breaker
 
 import (
@@ -218,12 +218,12 @@ func New(opts Options) (*Service, error) {
 	// Health, contract and the two legs, each bounded by the first-token
 	// timeout (R-BRK-3), plus the decode's tail after its first token.
 	s.probeBudget = 4*cfg.Engine.FirstTokenTimeout() + cfg.Engine.DecodeReadTimeout()
-	for _, spec := range cfg.Fleet {
-		ee, err := engines.NewEngine(spec.ID, spec.URL, spec.Role, spec.Connector)
-		if err != nil {
-			return nil, fmt.Errorf("breaker: fleet engine %s: %w", spec.ID, err)
-		}
-		ee.Credential = engines.NewCredential(spec.APIKey.Reveal())
+	configured, err := engines.FromConfig(cfg.Fleet)
+	if err != nil {
+		return nil, fmt.Errorf("breaker: %w", err)
+	}
+	for i, ee := range configured {
+		spec := cfg.Fleet[i]
 		e := &engine{Engine: ee, fleetEntry: spec.FleetEntry(opts.ID, time.Now()), fromConfig: true}
 		s.fleet = append(s.fleet, e)
 		s.byID[spec.ID] = e

@@ -46,10 +46,10 @@ func TestProbeWithEngineKeys(t *testing.T) {
 	p.Credential, d.Credential = engines.NewCredential(key), engines.NewCredential(key)
 	ctx := context.Background()
 
-	if err := CheckHealth(ctx, c.HTTPClient(), p); err != nil {
+	if err := engines.CheckHealth(ctx, c.HTTPClient(), p); err != nil {
 		t.Fatal(err)
 	}
-	if err := CheckContract(ctx, c.HTTPClient(), d, nil); err != nil {
+	if err := engines.CheckContract(ctx, c.HTTPClient(), d, nil); err != nil {
 		t.Fatalf("model list with the key: %v", err)
 	}
 	if err := ProbeTransfer(ctx, c, p, d, testModel); err != nil {
@@ -81,10 +81,10 @@ func TestProbeWithEngineKeys(t *testing.T) {
 	// open) but the model list and the prefill leg are refused.
 	bare := *p
 	bare.Credential = engines.Credential{}
-	if err := CheckHealth(ctx, c.HTTPClient(), &bare); err != nil {
+	if err := engines.CheckHealth(ctx, c.HTTPClient(), &bare); err != nil {
 		t.Errorf("health without a key: %v", err)
 	}
-	if err := CheckContract(ctx, c.HTTPClient(), &bare, nil); err == nil || !strings.Contains(err.Error(), "HTTP 401") {
+	if err := engines.CheckContract(ctx, c.HTTPClient(), &bare, nil); err == nil || !strings.Contains(err.Error(), "HTTP 401") {
 		t.Errorf("model list without a key: %v, want HTTP 401", err)
 	}
 	err = ProbeTransfer(ctx, c, &bare, d, testModel)

@@ -124,7 +124,7 @@ func (s *Service) probePhase(e *engine) string {
 
 // check runs the engine's own checks: the bus must be up (a decision that
 // cannot be recorded is no decision), GET /health must answer 200 and,
-// with an engine contract, CheckContract must pass (R-BRK-6); it also
+// with an engine contract, engines.CheckContract must pass (R-BRK-6); it also
 // picks the model the transfer will use. ctx is the lease's context (its
 // end means shutdown or a lost lease), pctx the round's.
 func (s *Service) check(ctx, pctx context.Context, p *probe) {
@@ -142,7 +142,7 @@ func (s *Service) check(ctx, pctx context.Context, p *probe) {
 		p.outcome, p.message = schemas.ProbeFailure, err.Error()
 	}
 	cctx, cancel := context.WithTimeout(pctx, ftt)
-	err := CheckHealth(cctx, httpc, &p.e.Engine)
+	err := engines.CheckHealth(cctx, httpc, &p.e.Engine)
 	cancel()
 	if err != nil {
 		own(err)
@@ -152,7 +152,7 @@ func (s *Service) check(ctx, pctx context.Context, p *probe) {
 	cctx, cancel = context.WithTimeout(pctx, ftt)
 	defer cancel()
 	if contract != nil {
-		if err := CheckContract(cctx, httpc, &p.e.Engine, contract); err != nil {
+		if err := engines.CheckContract(cctx, httpc, &p.e.Engine, contract); err != nil {
 			own(err)
 			return
 		}
@@ -160,7 +160,7 @@ func (s *Service) check(ctx, pctx context.Context, p *probe) {
 	if contract != nil && contract.Model != "" {
 		p.model = contract.Model
 	} else {
-		models, err := ServedModels(cctx, httpc, &p.e.Engine)
+		models, err := engines.ServedModels(cctx, httpc, &p.e.Engine)
 		if err != nil {
 			own(err)
 			return

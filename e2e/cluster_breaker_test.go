@@ -12,6 +12,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/breaker"
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
@@ -139,7 +140,7 @@ func TestClusterEjectionProbeReadmission(t *testing.T) {
 	c.restartSim(t, d1, "--engine-version", "0.9.0")
 	rd = c.waitEvents(t, decisionBound, 1, "d1's readmission as version 0.9.0", after(ej, isReadmission("d1")))[0]
 	c.checkReadmittedByProbe(t, ej, rd)
-	var v breaker.EngineVersion
+	var v engines.EngineVersion
 	getJSON(t, d1.url+"/version", &v)
 	if v.Version != "0.9.0" {
 		t.Fatalf("d1 reports version %q after the restart", v.Version)

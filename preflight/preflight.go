@@ -82,7 +82,7 @@ func (r *Report) Failed() []string {
 
 // Run checks every engine of cfg.Fleet, each step bounded by
 // engine.first_token_timeout_s: GET /health 200, then the served models
-// (GET /v1/models) and, with engine_contract, breaker.CheckContract (served
+// (GET /v1/models) and, with engine_contract, engines.CheckContract (served
 // model, engine kind and version, connector). Then it probes every
 // role-permitted KV transfer with breaker.ProbeTransfer — each
 // prefill-capable engine to each decode-capable engine, same-worker for
@@ -104,14 +104,13 @@ func Run(ctx context.Context, cfg *config.Config, opts Options) (*Report, error)
 	if len(cfg.Fleet) == 0 {
 		return nil, errors.New("config: fleet: at least one engine is required")
 	}
-	fleet := make([]*engines.Engine, 0, len(cfg.Fleet))
-	for _, spec := range cfg.Fleet {
-		e, err := engines.NewEngine(spec.ID, spec.URL, spec.Role, spec.Connector)
-		if err != nil {
-			return nil, fmt.Errorf("fleet engine %s: %w", spec.ID, err)
-		}
-		e.Credential = engines.NewCredential(spec.APIKey.Reveal())
-		fleet = append(fleet, &e)
+	configured, err := engines.FromConfig(cfg.Fleet)
+	if err != nil {
+		return nil, err
+	}
+	fleet := make([]*engines.Engine, len(configured))
+	for i := range configured {
+		fleet[i] = &configured[i]
 	}
 	client := breaker.NewProbeClient(cfg)
 	defer client.CloseIdleConnections()
@@ -171,14 +170,14 @@ func Run(ctx context.Context, cfg *config.Config, opts Options) (*Report, error)
 func checkEngine(ctx context.Context, client *engines.Client, e *engines.Engine, contract *config.Contract, timeout time.Duration) (string, error) {
 	httpc := client.HTTPClient()
 	cctx, cancel := context.WithTimeout(ctx, timeout)
-	err := breaker.CheckHealth(cctx, httpc, e)
+	err := engines.CheckHealth(cctx, httpc, e)
 	cancel()
 	if err != nil {
 		return "", err
 	}
 	cctx, cancel = context.WithTimeout(ctx, timeout)
 	defer cancel()
-	models, err := breaker.ServedModels(cctx, httpc, e)
+	models, err := engines.ServedModels(cctx, httpc, e)
 	if err != nil {
 		return "", err
 	}
@@ -187,7 +186,7 @@ func checkEngine(ctx context.Context, client *engines.Client, e *engines.Engine,
 		if contract.Model != "" {
 			model = contract.Model
 		}
-		if err := breaker.CheckContract(cctx, httpc, e, contract); err != nil {
+		if err := engines.CheckContract(cctx, httpc, e, contract); err != nil {
 			return model, err
 		}
 	}

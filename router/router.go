@@ -130,12 +130,12 @@ func New(opts Options) (*Router, error) {
 	}
 	cfg := opts.Config
 	f := &fleet{byID: map[string]*member{}}
-	for _, spec := range cfg.Fleet {
-		e, err := engines.NewEngine(spec.ID, spec.URL, spec.Role, spec.Connector)
-		if err != nil {
-			return nil, fmt.Errorf("router: fleet engine %s: %w", spec.ID, err)
-		}
-		e.Credential = engines.NewCredential(spec.APIKey.Reveal())
+	configured, err := engines.FromConfig(cfg.Fleet)
+	if err != nil {
+		return nil, fmt.Errorf("router: %w", err)
+	}
+	for i, e := range configured {
+		spec := cfg.Fleet[i]
 		m := newMember(e, spec.FleetEntry(cfg.Router.ID, time.Now()), true)
 		m.fromConfig = true
 		f.members = append(f.members, m)
