@@ -139,29 +139,17 @@ func waitEngine(ctx context.Context, base string, cred engines.Credential, log *
 }
 
 // engineNotReady says why the engine at base cannot be registered yet, ""
-// when it can.
+// when it can: engines.CheckHealth, then engines.ServedModels bounded by
+// 2 s, both with cred.
 func engineNotReady(ctx context.Context, httpc *http.Client, base string, cred engines.Credential) string {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+"/health", nil)
-	if err != nil {
+	e := &engines.Engine{ID: base, URL: base, Credential: cred}
+	if err := engines.CheckHealth(ctx, httpc, e); err != nil {
 		return err.Error()
-	}
-	resp, err := httpc.Do(req)
-	if err != nil {
-		return "GET /health: " + err.Error()
-	}
-	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<16))
-	resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return fmt.Sprintf("GET /health answers HTTP %d", resp.StatusCode)
 	}
 	mctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
-	models, err := engines.ListModels(mctx, httpc, base, cred)
-	if err != nil {
-		return "GET /v1/models: " + err.Error()
-	}
-	if len(models) == 0 {
-		return "GET /v1/models lists no model"
+	if _, err := engines.ServedModels(mctx, httpc, e); err != nil {
+		return err.Error()
 	}
 	return ""
 }
