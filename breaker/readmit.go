@@ -124,8 +124,9 @@ func (s *Service) probePhase(e *engine) string {
 
 // check runs the engine's own checks: the bus must be up (a decision that
 // cannot be recorded is no decision), GET /health must answer 200 and,
-// with an engine contract, engines.CheckContract must pass (R-BRK-6); it also
-// picks the model the transfer will use. ctx is the lease's context (its
+// with an engine contract, engines.CheckContract must pass (R-BRK-6), as
+// engines.CheckLifecycle runs them; it also picks the model the transfer
+// will use. ctx is the lease's context (its
 // end means shutdown or a lost lease), pctx the round's.
 func (s *Service) check(ctx, pctx context.Context, p *probe) {
 	if !s.bus.Connected() {
@@ -141,32 +142,12 @@ func (s *Service) check(ctx, pctx context.Context, p *probe) {
 		}
 		p.outcome, p.message = schemas.ProbeFailure, err.Error()
 	}
-	cctx, cancel := context.WithTimeout(pctx, ftt)
-	err := engines.CheckHealth(cctx, httpc, &p.e.Engine)
-	cancel()
+	model, err := engines.CheckLifecycle(pctx, httpc, &p.e.Engine, s.cfg.EngineContract, ftt)
 	if err != nil {
 		own(err)
 		return
 	}
-	contract := s.cfg.EngineContract
-	cctx, cancel = context.WithTimeout(pctx, ftt)
-	defer cancel()
-	if contract != nil {
-		if err := engines.CheckContract(cctx, httpc, &p.e.Engine, contract); err != nil {
-			own(err)
-			return
-		}
-	}
-	if contract != nil && contract.Model != "" {
-		p.model = contract.Model
-	} else {
-		models, err := engines.ServedModels(cctx, httpc, &p.e.Engine)
-		if err != nil {
-			own(err)
-			return
-		}
-		p.model = models[0].ID
-	}
+	p.model = model
 	p.checked = true
 }
 

@@ -10,6 +10,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/schemas"
@@ -68,6 +69,41 @@ func ServedModels(ctx context.Context, httpc *http.Client, e *Engine) ([]ServedM
 		return nil, fmt.Errorf("engine %s: /v1/models lists no model", e.ID)
 	}
 	return models, nil
+}
+
+// CheckLifecycle runs an engine's own checks as readmission and preflight
+// do (SPEC R-BRK-6, R-PRE-1): CheckHealth bounded by timeout, then, within
+// a second window of timeout, ServedModels when contract pins no model and
+// CheckContract when there is a contract. It returns the model e's
+// probes use — contract.Model, else the first model e serves — and nil, or
+// the first check's error (CheckHealth's, ServedModels' or
+// CheckContract's). The model is "" when the health check or the model
+// list failed, and still set when only the contract check failed.
+func CheckLifecycle(ctx context.Context, httpc *http.Client, e *Engine, contract *config.Contract, timeout time.Duration) (string, error) {
+	cctx, cancel := context.WithTimeout(ctx, timeout)
+	err := CheckHealth(cctx, httpc, e)
+	cancel()
+	if err != nil {
+		return "", err
+	}
+	cctx, cancel = context.WithTimeout(ctx, timeout)
+	defer cancel()
+	var model string
+	if contract != nil && contract.Model != "" {
+		model = contract.Model
+	} else {
+		models, err := ServedModels(cctx, httpc, e)
+		if err != nil {
+			return "", err
+		}
+		model = models[0].ID
+	}
+	if contract != nil {
+		if err := CheckContract(cctx, httpc, e, contract); err != nil {
+			return model, err
+		}
+	}
+	return model, nil
 }
 
 // EngineVersion is an engine's GET /version: vLLM answers

@@ -127,7 +127,7 @@ func Run(ctx context.Context, cfg *config.Config, opts Options) (*Report, error)
 	bounded(par, len(r.Checks), func(i int) {
 		c := &r.Checks[i]
 		start := time.Now()
-		c.Model, c.Err = checkEngine(ctx, client, c.Engine, cfg.EngineContract, ftt)
+		c.Model, c.Err = engines.CheckLifecycle(ctx, client.HTTPClient(), c.Engine, cfg.EngineContract, ftt)
 		c.Took = time.Since(start)
 	})
 	model := make(map[string]string, len(r.Checks))
@@ -162,35 +162,6 @@ func Run(ctx context.Context, cfg *config.Config, opts Options) (*Report, error)
 		tr.Took = time.Since(start)
 	})
 	return r, nil
-}
-
-// checkEngine runs one engine's checks, each bounded by timeout, and
-// returns the model its transfers use (the contract's, else the first it
-// serves).
-func checkEngine(ctx context.Context, client *engines.Client, e *engines.Engine, contract *config.Contract, timeout time.Duration) (string, error) {
-	httpc := client.HTTPClient()
-	cctx, cancel := context.WithTimeout(ctx, timeout)
-	err := engines.CheckHealth(cctx, httpc, e)
-	cancel()
-	if err != nil {
-		return "", err
-	}
-	cctx, cancel = context.WithTimeout(ctx, timeout)
-	defer cancel()
-	models, err := engines.ServedModels(cctx, httpc, e)
-	if err != nil {
-		return "", err
-	}
-	model := models[0].ID
-	if contract != nil {
-		if contract.Model != "" {
-			model = contract.Model
-		}
-		if err := engines.CheckContract(cctx, httpc, e, contract); err != nil {
-			return model, err
-		}
-	}
-	return model, nil
 }
 
 // bounded calls fn(0…n-1), at most par at a time, and waits for all.
