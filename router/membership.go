@@ -286,6 +286,12 @@ func (rt *Router) report() schemas.RouterReport {
 		if legs > 0 {
 			r.InFlight[m.ID] = legs
 		}
+		if ms := m.models.Load(); ms != nil && len(*ms) > 0 {
+			if r.Models == nil {
+				r.Models = map[string][]string{}
+			}
+			r.Models[m.ID] = boundModels(*ms)
+		}
 	}
 	return r
 }
@@ -311,5 +317,22 @@ func (rt *Router) placeableIDs(p phase) []string {
 		}
 	}
 	slices.Sort(out)
+	return out
+}
+
+// boundModels returns at most the first 64 of an engine's model names,
+// each cut to 256 bytes, as the router report's schema allows: an engine
+// listing more, or longer names, must not make the report invalid.
+func boundModels(ms []string) []string {
+	if len(ms) > 64 {
+		ms = ms[:64]
+	}
+	out := make([]string, len(ms))
+	for i, m := range ms {
+		if len(m) > 256 {
+			m = m[:256]
+		}
+		out[i] = m
+	}
 	return out
 }

@@ -123,11 +123,15 @@ func TestLiveFleetRFLEET1(t *testing.T) {
 	ignored := func() float64 {
 		return testkit.GatheredSum(t, s.rt.Registry(), "narwhal_fleet_ignored_total", "reason", "invalid")
 	}
+	// The bucket keeps one value per key, so each value is judged before
+	// the next replaces it (a watch that lags would see only the last).
 	before := ignored()
 	m.putFleetRaw("d2", []byte(`{"not":"an entry"}`))
+	testkit.WaitFor(t, 3*time.Second, "the first ignored value counted", func() bool { return ignored() >= before+1 })
 	m.putFleet("d2", schemas.FleetEntry{EngineID: "d9", URL: spec.URL, Role: "decode", State: schemas.FleetDraining})
+	testkit.WaitFor(t, 3*time.Second, "the second ignored value counted", func() bool { return ignored() >= before+2 })
 	m.putFleetRaw("d2", []byte(`garbage`))
-	testkit.WaitFor(t, time.Second, "three ignored values counted", func() bool { return ignored() >= before+3 })
+	testkit.WaitFor(t, 3*time.Second, "three ignored values counted", func() bool { return ignored() >= before+3 })
 	if st := s.rt.FleetIDs()["d2"]; st != schemas.FleetActive {
 		t.Errorf("d2 after forged values: %q, want active", st)
 	}

@@ -131,4 +131,8 @@ type RouterReport struct {
 	// InFlight holds the router's legs in flight per engine, engines
 	// with none left out.
 	InFlight map[string]int64 `json:"inflight"`
+	// Models holds, per engine, the models its last GET /v1/models
+	// listed to this router; engines not yet read are left out. Optional
+	// (reports of older routers have none).
+	Models map[string][]string `json:"models,omitempty"`
 }

@@ -407,6 +407,9 @@ type fleetRow struct {
 	Eligible bool `json:"eligible"`
 	// InFlight is the sum over the routers' reports of its legs in flight.
 	InFlight int64 `json:"inflight"`
+	// Models is every model the routers' reports say the engine listed,
+	// sorted, without duplicates; empty until a router has read it.
+	Models []string `json:"models"`
 	// Invalid holds why the key's value is not a fleet entry, if it is not.
 	Invalid string `json:"invalid,omitempty"`
 }
@@ -426,6 +429,7 @@ func fleetList(ctx context.Context, kv jetstream.KeyValue, b *bus.Bus, stdout io
 	}
 	sort.Strings(ids)
 	inflight := map[string]int64{}
+	models := map[string]map[string]bool{}
 	if rk, err := b.BindBucket(ctx, bus.RoutersBucket); err == nil {
 		if rl, err := rk.ListKeys(ctx); err == nil {
 			for k := range rl.Keys() {
@@ -437,12 +441,24 @@ func fleetList(ctx context.Context, kv jetstream.KeyValue, b *bus.Bus, stdout io
 				for id, n := range r.InFlight {
 					inflight[id] += n
 				}
+				for id, ms := range r.Models {
+					if models[id] == nil {
+						models[id] = map[string]bool{}
+					}
+					for _, m := range ms {
+						models[id][m] = true
+					}
+				}
 			}
 		}
 	}
 	var rows []fleetRow
 	for _, id := range ids {
-		row := fleetRow{Eligible: true, InFlight: inflight[id]}
+		row := fleetRow{Eligible: true, InFlight: inflight[id], Models: []string{}}
+		for m := range models[id] {
+			row.Models = append(row.Models, m)
+		}
+		sort.Strings(row.Models)
 		e, _, err := fleetGet(ctx, kv, id)
 		if errors.Is(err, errNotInFleet) {
 			continue
@@ -470,13 +486,17 @@ func fleetList(ctx context.Context, kv jetstream.KeyValue, b *bus.Bus, stdout io
 		return nil
 	}
 	tw := tabwriter.NewWriter(stdout, 2, 8, 2, ' ', 0)
-	fmt.Fprintln(tw, "ID\tURL\tROLE\tSTATE\tELIGIBLE\tIN-FLIGHT\tSOURCE\tSINCE")
+	fmt.Fprintln(tw, "ID\tURL\tROLE\tSTATE\tELIGIBLE\tIN-FLIGHT\tMODELS\tSOURCE\tSINCE")
 	for _, r := range rows {
 		if r.Invalid != "" {
-			fmt.Fprintf(tw, "%s\t-\t-\tinvalid\t-\t%d\t-\t%s\n", r.EngineID, r.InFlight, r.Invalid)
+			fmt.Fprintf(tw, "%s\t-\t-\tinvalid\t-\t%d\t-\t-\t%s\n", r.EngineID, r.InFlight, r.Invalid)
 			continue
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%t\t%d\t%s\t%s\n", r.EngineID, r.URL, r.Role, r.State, r.Eligible, r.InFlight, r.Source, r.Since.Format(time.RFC3339))
+		ms := "-"
+		if len(r.Models) > 0 {
+			ms = strings.Join(r.Models, ",")
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%t\t%d\t%s\t%s\t%s\n", r.EngineID, r.URL, r.Role, r.State, r.Eligible, r.InFlight, ms, r.Source, r.Since.Format(time.RFC3339))
 	}
 	return tw.Flush()
 }

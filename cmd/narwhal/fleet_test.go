@@ -12,6 +12,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/schemas"
+	"time"
 )
 
 // fleetState returns every key of narwhal_fleet with its revision and
@@ -146,9 +147,28 @@ func TestFleetCommandLifecycle(t *testing.T) {
 	if err := fleetSetState(ctx, kv, e, rev, schemas.FleetDrained, "test", e.At); err != nil {
 		t.Fatal(err)
 	}
+	// Two routers report what d3 listed to them: list shows the union.
+	rk, err := b.BindBucket(ctx, bus.RoutersBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for id, ms := range map[string][]string{"r1": {"model-b", "model-a"}, "r2": {"model-a"}} {
+		rep, _ := json.Marshal(schemas.RouterReport{Schema: schemas.SchemaRouterReport, RouterID: id, At: time.Now().UTC(),
+			Draining: map[string]int64{"d3": 0}, InFlight: map[string]int64{}, Models: map[string][]string{"d3": ms}})
+		if err := bus.ValidateRouterReport(rep); err != nil {
+			t.Fatalf("report %s: %v", rep, err)
+		}
+		if _, err := rk.Put(ctx, id, rep); err != nil {
+			t.Fatal(err)
+		}
+	}
 	out, err := runFleetCmd("list")
-	if err != nil || !strings.Contains(out, "d3") || !strings.Contains(out, "drained") {
-		t.Errorf("list: %v\n%s", err, out)
+	if err != nil || !strings.Contains(out, "d3") || !strings.Contains(out, "drained") || !strings.Contains(out, "model-a,model-b") {
+		t.Errorf("list (want d3 drained with model-a,model-b): %v\n%s", err, out)
+	}
+	out, err = runFleetCmd("list", "--json")
+	if err != nil || !strings.Contains(out, `"models":["model-a","model-b"]`) {
+		t.Errorf("list --json (want d3's models): %v\n%s", err, out)
 	}
 	step(schemas.FleetJoining, "undrain", "d3")
 	if out, err := runFleetCmd("remove", "d3"); err != nil { // joining: never took work
