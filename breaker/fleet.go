@@ -22,9 +22,6 @@ const (
 	// drainCheckEvery is how often the leader reads the routers' reports
 	// for the draining engines (R-FLEET-3).
 	drainCheckEvery = 500 * time.Millisecond
-	// maxFleetValue is the largest value of narwhal_fleet the breaker
-	// reads; a larger one is ignored.
-	maxFleetValue = 4096
 	// joiningReason is the placement reason of an engine that joined the
 	// fleet and has not passed the readmission checks yet (R-FLEET-2).
 	joiningReason = "joining the fleet: placeable once the health, contract and inference probe checks pass"
@@ -60,25 +57,6 @@ func SeedFleet(ctx context.Context, b *bus.Bus, entries []schemas.FleetEntry) (i
 		}
 	}
 	return created, nil
-}
-
-// judgeFleetValue returns the fleet entry value holds for key, or why it
-// is not one (R-BUS-9).
-func judgeFleetValue(key string, value []byte) (schemas.FleetEntry, error) {
-	var e schemas.FleetEntry
-	if len(value) > maxFleetValue {
-		return e, errors.New("value larger than 4096 bytes")
-	}
-	if err := bus.ValidateFleetEntry(value); err != nil {
-		return e, err
-	}
-	if err := json.Unmarshal(value, &e); err != nil {
-		return e, err
-	}
-	if e.EngineID != key {
-		return e, errors.New("engine_id is not the key")
-	}
-	return e, nil
 }
 
 // watchFleet keeps a watch on narwhal_fleet while ctx lasts, applying each
@@ -179,7 +157,7 @@ func (s *Service) applyFleetValue(ctx context.Context, kve jetstream.KeyValueEnt
 		s.removeEngine(key, live)
 		return
 	}
-	entry, err := judgeFleetValue(key, kve.Value())
+	entry, err := bus.ParseFleetEntry(key, kve.Value())
 	var eng engines.Engine
 	if err == nil {
 		eng, err = engines.FromFleetEntry(entry)

@@ -3,6 +3,7 @@ package bus
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io/fs"
 	"strings"
@@ -107,6 +108,31 @@ func ValidatePlacement(value []byte) error {
 // not check that engine_id is the key; readers do.
 func ValidateFleetEntry(value []byte) error {
 	return validateValue(schemas.SchemaFleetEntry, "fleet", value)
+}
+
+// MaxFleetValue is the largest value of KV bucket narwhal_fleet a reader
+// accepts, in bytes; a larger one is ignored as invalid (R-BUS-9).
+const MaxFleetValue = 4096
+
+// ParseFleetEntry returns the fleet entry value holds for key, or why it is
+// not one: larger than MaxFleetValue, not schema-valid (narwhal.engine.v1),
+// or its engine_id is not the key. Routers and the breaker judge every
+// value of narwhal_fleet with it (R-FLEET-1, R-BUS-9).
+func ParseFleetEntry(key string, value []byte) (schemas.FleetEntry, error) {
+	var e schemas.FleetEntry
+	if len(value) > MaxFleetValue {
+		return e, fmt.Errorf("value larger than %d bytes", MaxFleetValue)
+	}
+	if err := ValidateFleetEntry(value); err != nil {
+		return e, err
+	}
+	if err := json.Unmarshal(value, &e); err != nil {
+		return e, err
+	}
+	if e.EngineID != key {
+		return e, errors.New("engine_id is not the key")
+	}
+	return e, nil
 }
 
 // ValidateRouterReport checks a value of KV bucket narwhal_routers against

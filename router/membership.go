@@ -3,7 +3,6 @@ package router
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"slices"
 	"time"
 
@@ -16,9 +15,6 @@ import (
 
 // Tuning of the live fleet (SPEC §9a).
 const (
-	// maxFleetValue is the largest value of narwhal_fleet a router reads;
-	// a larger one is ignored as invalid.
-	maxFleetValue = 4096
 	// reportEvery is how often a router writes its in-flight report to
 	// narwhal_routers (R-FLEET-3); well inside bus.RouterReportTTL.
 	reportEvery = time.Second
@@ -146,7 +142,7 @@ func (rt *Router) applyFleetValue(key string, op jetstream.KeyValueOp, value []b
 		rt.removeMember(key, "removed from the live fleet")
 		return
 	}
-	entry, err := judgeFleetValue(key, value)
+	entry, err := bus.ParseFleetEntry(key, value)
 	var eng engines.Engine
 	if err == nil {
 		eng, err = engines.FromFleetEntry(entry)
@@ -212,26 +208,6 @@ func (rt *Router) removeMember(id, why string) {
 	}
 	rt.live.Store(next)
 	rt.log.Info("engine left the live fleet; no new attempt goes there, running ones finish", "engine_id", id, "why", why, "legs_in_flight", old.legs())
-}
-
-// judgeFleetValue returns the fleet entry value holds for key, or why it
-// is not one: larger than maxFleetValue, not schema-valid
-// (narwhal.engine.v1), or its engine_id is not the key (R-BUS-9).
-func judgeFleetValue(key string, value []byte) (schemas.FleetEntry, error) {
-	var e schemas.FleetEntry
-	if len(value) > maxFleetValue {
-		return e, errors.New("value larger than 4096 bytes")
-	}
-	if err := bus.ValidateFleetEntry(value); err != nil {
-		return e, err
-	}
-	if err := json.Unmarshal(value, &e); err != nil {
-		return e, err
-	}
-	if e.EngineID != key {
-		return e, errors.New("engine_id is not the key")
-	}
-	return e, nil
 }
 
 // reportLoop writes the router's in-flight report to narwhal_routers
