@@ -167,7 +167,8 @@ func (b *retryBudget) allow() bool { return b.allowAt(time.Now().UnixNano()) }
 // counted, giving it back when that is over the limit: every granted retry
 // saw, besides itself, every retry granted before it, so concurrent
 // callers can never be granted more than the limit together (at worst,
-// racing at the limit, one is refused that could have passed).
+// when k callers race at the limit, up to k of them are refused although
+// some could have passed: the budget errs on the side of fewer retries).
 func (b *retryBudget) allowAt(now int64) bool {
 	if b.ratio <= 0 {
 		return false
