@@ -8,6 +8,7 @@ import (
 	"io"
 	"net/http"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -152,7 +153,9 @@ func TestAgentDrainsOnSIGTERMRFLEET3(t *testing.T) {
 	// The agent starts before its engine, as in a pod: it waits.
 	agent := spawn(t, "agent d8", env, "agent", "--engine-url", url, "--id", "d8", "--role", "decode", "--drain-timeout", "30s")
 	t.Cleanup(agent.crash)
-	time.Sleep(300 * time.Millisecond)
+	testkit.WaitEvery(t, 15*time.Second, pollInterval, "the agent waiting for its engine", func() bool {
+		return strings.Contains(agent.stderr.String()+agent.stdout.String(), "waiting for the engine")
+	})
 	if c.inFleet(t, "d8") {
 		t.Fatal("the agent registered d8 before the engine answered")
 	}

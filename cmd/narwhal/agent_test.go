@@ -109,11 +109,20 @@ func TestAgentLifecycleRFLEET4(t *testing.T) {
 	testkit.WaitFor(t, 5*time.Second, "d7 registered, and said so", func() bool {
 		return state() == schemas.FleetJoining && strings.Contains(out.String(), "registered d7 (decode, "+url+") in the live fleet, TTL 1s\n")
 	})
-	// Several TTLs later it is still there: the heartbeat renews it.
-	time.Sleep(2500 * time.Millisecond)
-	if s := state(); s != schemas.FleetJoining {
-		t.Fatalf("after 2.5 TTLs: %s, want still joining", s)
+	// Several TTLs later it is still there: the heartbeat renews it (each
+	// renewal is a new revision of the key; the key never lapses between).
+	first, err := fleetKV.Get(ctx, "d7")
+	if err != nil {
+		t.Fatal(err)
 	}
+	since := time.Now()
+	testkit.WaitFor(t, 10*time.Second, "d7 renewed over 2.5 TTLs", func() bool {
+		if s := state(); s != schemas.FleetJoining {
+			t.Fatalf("%v after registering: %s, want still joining", time.Since(since), s)
+		}
+		e, err := fleetKV.Get(ctx, "d7")
+		return err == nil && e.Revision() >= first.Revision()+3 && time.Since(since) >= 2500*time.Millisecond
+	})
 
 	routers, err := b.BindBucket(ctx, bus.RoutersBucket)
 	if err != nil {
