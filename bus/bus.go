@@ -286,10 +286,10 @@ func (b *Bus) waitConnected(ctx context.Context, url string, log *slog.Logger) e
 	defer t.Stop()
 	for !b.nc.IsConnected() {
 		if b.nc.IsClosed() {
-			return fmt.Errorf("bus: connect %s: %w", redactURLs(url), b.lastDialError())
+			return fmt.Errorf("bus: connect %s: %w", RedactURL(url), b.lastDialError())
 		}
 		if log != nil && time.Since(lastLog) >= waitLogEvery && b.lastDialError() != nil {
-			log.Warn("waiting for the bus", "url", redactURLs(url), "err", b.lastDialError())
+			log.Warn("waiting for the bus", "url", RedactURL(url), "err", b.lastDialError())
 			lastLog = time.Now()
 		}
 		select {
@@ -298,7 +298,7 @@ func (b *Bus) waitConnected(ctx context.Context, url string, log *slog.Logger) e
 			if err == nil {
 				err = nats.ErrNoServers
 			}
-			return fmt.Errorf("bus: connect %s: %w: %w (gave up: %v)", redactURLs(url), ErrUnreachable, err, context.Cause(ctx))
+			return fmt.Errorf("bus: connect %s: %w: %w (gave up: %v)", RedactURL(url), ErrUnreachable, err, context.Cause(ctx))
 		case <-t.C:
 		}
 	}
@@ -399,9 +399,13 @@ func (b *Bus) Close() {
 	b.nc.Close()
 }
 
-// redactURLs returns urls (one URL or a comma-separated list) with any
-// password or token replaced by "xxxxx", for messages.
-func redactURLs(urls string) string {
+// redactedSecret is what stands for a URL's password or token in logs and
+// messages.
+const redactedSecret = "xxxxx"
+
+// RedactURL returns a NATS URL (or a comma-separated list) with any
+// password or token replaced by redactedSecret, for logs and messages.
+func RedactURL(urls string) string {
 	parts := strings.Split(urls, ",")
 	for i, p := range parts {
 		u, err := url.Parse(strings.TrimSpace(p))
@@ -409,15 +413,11 @@ func redactURLs(urls string) string {
 			continue
 		}
 		if _, hasPassword := u.User.Password(); hasPassword {
-			u.User = url.UserPassword(u.User.Username(), "xxxxx")
+			u.User = url.UserPassword(u.User.Username(), redactedSecret)
 		} else {
-			u.User = url.User("xxxxx") // a token
+			u.User = url.User(redactedSecret) // a token
 		}
 		parts[i] = u.String()
 	}
 	return strings.Join(parts, ",")
 }
-
-// RedactURL returns a NATS URL (or a comma-separated list) with any
-// password or token replaced by "xxxxx", for logs and messages.
-func RedactURL(urls string) string { return redactURLs(urls) }

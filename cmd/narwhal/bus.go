@@ -320,6 +320,6 @@ func toolBus() (config.Bus, error) {
 	return cfg.Bus, nil
 }
 
-// redactNATSURL returns natsURL (one URL or a comma-separated list) with
-// any password or token replaced by "xxxxx", for messages.
-func redactNATSURL(natsURL string) string { return bus.RedactURL(natsURL) }
+// redactNATSURL is bus.RedactURL: a NATS URL (or list) without its
+// password or token, for messages.
+var redactNATSURL = bus.RedactURL
