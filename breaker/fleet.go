@@ -90,38 +90,10 @@ func (s *Service) watchFleetOnce(ctx context.Context) error {
 		return err
 	}
 	s.fleetKV.Store(&kv)
-	wctx, wcancel := context.WithCancel(ctx)
-	defer wcancel()
-	w, err := kv.WatchAll(wctx)
-	if err != nil {
-		return err
-	}
-	defer func() { _ = w.Stop() }()
-	snapshot := map[string]jetstream.KeyValueEntry{}
-	inSnapshot := true
-	for {
-		select {
-		case <-ctx.Done():
-			return nil
-		case e, ok := <-w.Updates():
-			if !ok {
-				return nil
-			}
-			if inSnapshot {
-				if e != nil {
-					snapshot[e.Key()] = e
-					continue
-				}
-				inSnapshot = false
-				s.applyFleetSnapshot(ctx, snapshot)
-				s.fleetLoaded.Store(true)
-				continue
-			}
-			if e != nil {
-				s.applyFleetValue(ctx, e, true)
-			}
-		}
-	}
+	return bus.WatchSnapshot(ctx, kv, func(snapshot map[string]jetstream.KeyValueEntry) {
+		s.applyFleetSnapshot(ctx, snapshot)
+		s.fleetLoaded.Store(true)
+	}, func(e jetstream.KeyValueEntry) { s.applyFleetValue(ctx, e, true) })
 }
 
 // applyFleetSnapshot applies a full read of narwhal_fleet: every key, then

@@ -63,40 +63,12 @@ func (rt *Router) watchFleetOnce(b *bus.Bus, loaded func()) error {
 	if err != nil {
 		return err
 	}
-	wctx, wcancel := context.WithCancel(rt.base)
-	defer wcancel()
-	w, err := kv.WatchAll(wctx)
-	if err != nil {
-		return err
-	}
-	defer func() { _ = w.Stop() }()
-	snapshot := map[string]jetstream.KeyValueEntry{}
-	inSnapshot := true
 	start := time.Now()
-	for {
-		select {
-		case <-rt.base.Done():
-			return nil
-		case e, ok := <-w.Updates():
-			if !ok {
-				return nil
-			}
-			if inSnapshot {
-				if e != nil {
-					snapshot[e.Key()] = e
-					continue
-				}
-				inSnapshot = false
-				rt.applyFleetSnapshot(snapshot)
-				rt.log.Info("fleet loaded", "keys", len(snapshot), "engines", len(rt.fleet().members), "took", time.Since(start))
-				loaded()
-				continue
-			}
-			if e != nil {
-				rt.applyFleetValue(e.Key(), e.Operation(), e.Value())
-			}
-		}
-	}
+	return bus.WatchSnapshot(rt.base, kv, func(snapshot map[string]jetstream.KeyValueEntry) {
+		rt.applyFleetSnapshot(snapshot)
+		rt.log.Info("fleet loaded", "keys", len(snapshot), "engines", len(rt.fleet().members), "took", time.Since(start))
+		loaded()
+	}, func(e jetstream.KeyValueEntry) { rt.applyFleetValue(e.Key(), e.Operation(), e.Value()) })
 }
 
 // applyFleetSnapshot applies a full read of narwhal_fleet: every key's
