@@ -1,0 +1,264 @@
+package prefix
+
+import (
+	"sync"
+	"sync/atomic"
+)
+
+// DefaultBlocksPerEngine is placement.prefix_index_blocks' default: the
+// blocks the index keeps per engine (65,536 blocks of BlockBytes are
+// 4 MiB of prompt; the index spends about 40 bytes per block).
+const DefaultBlocksPerEngine = 65536
+
+// MaxBlocksPerEngine is the largest bound NewIndex accepts (slots are
+// 32-bit).
+const MaxBlocksPerEngine = 1 << 24
+
+// MaxEngines bounds the engines one Index tracks: a Record or Learn for
+// a new engine beyond it is ignored, so hostile engine ids (from the bus)
+// cannot grow it without bound. Callers should still learn only engines
+// of their fleet.
+const MaxEngines = 1024
+
+// Index is, per engine, a bounded LRU set of the block hashes recently
+// placed there (SPEC R-PLACE-2): this router's own placements (Record)
+// and the other routers' (Learn). It is safe for concurrent use. Match,
+// the placement path's call, takes no lock of the index as a whole: the
+// engines' table is read through an atomic pointer (copied on the rare
+// write: a new engine, a Drop), and each engine has its own
+// reader/writer lock, held for one engine at a time.
+type Index struct {
+	capacity int
+	mu       sync.Mutex // serialises writers of engines
+	engines  atomic.Pointer[map[string]*engineLRU]
+}
+
+// NewIndex returns an empty index that keeps at most blocksPerEngine
+// hashes per engine (placement.prefix_index_blocks), clamped to
+// [1, MaxBlocksPerEngine].
+func NewIndex(blocksPerEngine int) *Index {
+	blocksPerEngine = max(1, min(blocksPerEngine, MaxBlocksPerEngine))
+	ix := &Index{capacity: blocksPerEngine}
+	m := map[string]*engineLRU{}
+	ix.engines.Store(&m)
+	return ix
+}
+
+// Capacity returns the bound per engine, in blocks.
+func (ix *Index) Capacity() int { return ix.capacity }
+
+// lookup returns the engine's LRU, nil when the index has none.
+func (ix *Index) lookup(engineID string) *engineLRU {
+	return (*ix.engines.Load())[engineID]
+}
+
+// get returns the engine's LRU, created when missing; nil when the index
+// already tracks MaxEngines engines.
+func (ix *Index) get(engineID string) *engineLRU {
+	if e := ix.lookup(engineID); e != nil {
+		return e
+	}
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	old := *ix.engines.Load()
+	if e := old[engineID]; e != nil {
+		return e
+	}
+	if len(old) >= MaxEngines {
+		return nil
+	}
+	next := make(map[string]*engineLRU, len(old)+1)
+	for k, v := range old {
+		next[k] = v
+	}
+	e := newEngineLRU(ix.capacity)
+	next[engineID] = e
+	ix.engines.Store(&next)
+	return e
+}
+
+// Record notes that a prompt with the chained block hashes hashes was
+// placed on engineID by this router. It appends to fresh the hashes the
+// index did not hold for that engine before (in the order of hashes) and
+// returns it: what the router publishes for the other routers to Learn.
+// Every hash of hashes becomes recent, the leading ones most recent, so
+// that eviction takes a prompt's tail before its head and the hashes held
+// for an engine stay, chain by chain, a prefix (what Match relies on). It
+// does not allocate once the engine's set is full and fresh has room.
+func (ix *Index) Record(engineID string, hashes, fresh []uint64) []uint64 {
+	e := ix.get(engineID)
+	if e == nil || len(hashes) == 0 {
+		return fresh
+	}
+	start := len(fresh)
+	e.mu.Lock()
+	for i := len(hashes) - 1; i >= 0; i-- {
+		if !e.touch(hashes[i]) {
+			fresh = append(fresh, hashes[i])
+		}
+	}
+	e.mu.Unlock()
+	added := fresh[start:]
+	for i, j := 0, len(added)-1; i < j; i, j = i+1, j-1 {
+		added[i], added[j] = added[j], added[i]
+	}
+	return fresh
+}
+
+// Learn applies a placement another router published: the hashes (in
+// chain order, as Record returned them) become recent for engineID, the
+// leading ones most recent. At most the index's capacity of them are
+// applied (the first ones).
+func (ix *Index) Learn(engineID string, hashes []uint64) {
+	if len(hashes) > ix.capacity {
+		hashes = hashes[:ix.capacity]
+	}
+	e := ix.get(engineID)
+	if e == nil || len(hashes) == 0 {
+		return
+	}
+	e.mu.Lock()
+	for i := len(hashes) - 1; i >= 0; i-- {
+		e.touch(hashes[i])
+	}
+	e.mu.Unlock()
+}
+
+// Drop forgets everything the index holds for engineID (an engine ejected,
+// drained, restarted or removed: its cache is gone or unreachable).
+func (ix *Index) Drop(engineID string) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	old := *ix.engines.Load()
+	if _, ok := old[engineID]; !ok {
+		return
+	}
+	next := make(map[string]*engineLRU, len(old))
+	for k, v := range old {
+		if k != engineID {
+			next[k] = v
+		}
+	}
+	ix.engines.Store(&next)
+}
+
+// Match returns how many leading hashes of hashes the index holds for
+// engineID: the blocks of the prompt's prefix recently placed there. It
+// relies on what Record and Learn keep true — for a chain, the hashes
+// held are a prefix of it — and so probes O(log n) hashes, not n; when
+// that does not hold (a remote placement learned without the blocks
+// before it), it may count a block the index does not hold. It takes the
+// engine's read lock only, and does not allocate.
+func (ix *Index) Match(engineID string, hashes []uint64) int {
+	e := ix.lookup(engineID)
+	if e == nil || len(hashes) == 0 {
+		return 0
+	}
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	if _, ok := e.slot[hashes[0]]; !ok {
+		return 0
+	}
+	// hashes[lo-1] is held; the answer is in [lo, hi].
+	lo, hi := 1, len(hashes)
+	for lo < hi {
+		mid := (lo + hi + 1) / 2
+		if _, ok := e.slot[hashes[mid-1]]; ok {
+			lo = mid
+		} else {
+			hi = mid - 1
+		}
+	}
+	return lo
+}
+
+// Blocks returns how many hashes the index holds for engineID (at most
+// Capacity): the value of narwhal_prefix_index_blocks{engine}.
+func (ix *Index) Blocks(engineID string) int {
+	e := ix.lookup(engineID)
+	if e == nil {
+		return 0
+	}
+	return int(e.size.Load())
+}
+
+// Engines calls fn with each engine the index holds hashes for and their
+// count, in no particular order.
+func (ix *Index) Engines(fn func(engineID string, blocks int)) {
+	for id, e := range *ix.engines.Load() {
+		fn(id, int(e.size.Load()))
+	}
+}
+
+// engineLRU is one engine's bounded LRU set of hashes: a map from hash to
+// slot and a doubly linked list through the slots, in arrays, so that
+// once full it never allocates (an evicted slot is reused).
+type engineLRU struct {
+	mu         sync.RWMutex
+	capacity   int
+	slot       map[uint64]int32
+	hash       []uint64
+	prev, next []int32
+	head, tail int32 // most and least recent slot; -1 when empty
+	size       atomic.Int64
+}
+
+func newEngineLRU(capacity int) *engineLRU {
+	return &engineLRU{capacity: capacity, slot: map[uint64]int32{}, head: -1, tail: -1}
+}
+
+// touch makes h the most recent hash, inserting it (and evicting the
+// least recent when full) if absent. It reports whether h was held. The
+// caller holds e.mu.
+func (e *engineLRU) touch(h uint64) bool {
+	if s, ok := e.slot[h]; ok {
+		if s != e.head {
+			e.unlink(s)
+			e.pushFront(s)
+		}
+		return true
+	}
+	var s int32
+	if len(e.hash) < e.capacity {
+		s = int32(len(e.hash))
+		e.hash = append(e.hash, h)
+		e.prev = append(e.prev, -1)
+		e.next = append(e.next, -1)
+		e.size.Store(int64(len(e.hash)))
+	} else {
+		s = e.tail
+		delete(e.slot, e.hash[s])
+		e.unlink(s)
+		e.hash[s] = h
+	}
+	e.slot[h] = s
+	e.pushFront(s)
+	return false
+}
+
+func (e *engineLRU) unlink(s int32) {
+	p, n := e.prev[s], e.next[s]
+	if p >= 0 {
+		e.next[p] = n
+	} else {
+		e.head = n
+	}
+	if n >= 0 {
+		e.prev[n] = p
+	} else {
+		e.tail = p
+	}
+	e.prev[s], e.next[s] = -1, -1
+}
+
+func (e *engineLRU) pushFront(s int32) {
+	e.prev[s] = -1
+	e.next[s] = e.head
+	if e.head >= 0 {
+		e.prev[e.head] = s
+	}
+	e.head = s
+	if e.tail < 0 {
+		e.tail = s
+	}
+}

@@ -1,0 +1,401 @@
+package schemas
+
+import (
+	"bytes"
+	"unicode/utf16"
+	"unicode/utf8"
+)
+
+// Separators of the rendered prompt: bytes a JSON string can hold only
+// escaped, so that the structure is not a question of the contents.
+const (
+	promptField   = 0x1f // between a message's fields
+	promptMessage = 0x1e // after each message, tool list and prompt
+)
+
+// AppendPrompt appends to dst the request's prompt as prefix placement
+// hashes it (SPEC R-PLACE-2) and returns the extended slice: the model,
+// then for a completion its prompt (strings unescaped, token ids as
+// written), for a chat completion its tools and then every message in
+// order — role, name, content (strings and text parts unescaped, other
+// parts compacted), tool calls, tool call id and any other member
+// compacted. Tools come first because chat templates render them into
+// the first (system) turn. The rendering is deterministic (the same
+// request, however its JSON is spaced or its object members ordered,
+// renders the same bytes; string escapes are decoded) and is not the
+// engine's chat template: it only has to make equal prefixes equal. It
+// does not allocate when dst has room.
+func (r *Request) AppendPrompt(dst []byte) []byte {
+	dst = append(dst, r.Model...)
+	dst = append(dst, promptMessage)
+	if !r.Chat() {
+		if raw, ok := r.Member("prompt"); ok {
+			dst = appendPromptValue(dst, raw)
+			dst = append(dst, promptMessage)
+		}
+		return dst
+	}
+	if raw, ok := r.Member("tools"); ok && !isNull(raw) {
+		dst = appendCompact(dst, raw)
+		dst = append(dst, promptMessage)
+	}
+	if raw, ok := r.Member("messages"); ok {
+		for it := (elements{buf: raw}); it.next(); {
+			dst = appendMessage(dst, it.value())
+			dst = append(dst, promptMessage)
+		}
+	}
+	return dst
+}
+
+// appendPromptValue appends a completion's prompt: a string unescaped,
+// an array element by element (strings unescaped, token ids and the
+// rest compacted), anything else compacted.
+func appendPromptValue(dst, raw []byte) []byte {
+	if len(raw) == 0 || raw[0] != '[' {
+		return appendText(dst, raw)
+	}
+	for it := (elements{buf: raw}); it.next(); {
+		dst = appendText(dst, it.value())
+		dst = append(dst, promptField)
+	}
+	return dst
+}
+
+// messageFields are the members of a chat message AppendPrompt renders
+// by name, in its order.
+var messageFields = [...]string{"role", "name", "content", "tool_calls", "tool_call_id"}
+
+// appendMessage appends one chat message: the known fields in
+// messageFields' order, then any other member as name and compacted
+// value in the client's order. A message that is not an object is
+// compacted whole.
+func appendMessage(dst, msg []byte) []byte {
+	if len(msg) == 0 || msg[0] != '{' {
+		return appendCompact(dst, msg)
+	}
+	var known [len(messageFields)][]byte
+	others := false
+	for it := (members{buf: msg}); it.next(); {
+		if i := messageField(it.name()); i >= 0 {
+			known[i] = it.value()
+		} else {
+			others = true
+		}
+	}
+	for i, raw := range known {
+		switch {
+		case raw == nil || isNull(raw):
+		case messageFields[i] == "content":
+			dst = appendContent(dst, raw)
+		default:
+			dst = appendText(dst, raw)
+		}
+		dst = append(dst, promptField)
+	}
+	if !others {
+		return dst
+	}
+	for it := (members{buf: msg}); it.next(); {
+		if messageField(it.name()) >= 0 {
+			continue
+		}
+		dst = append(dst, it.name()...)
+		dst = append(dst, ':')
+		dst = appendCompact(dst, it.value())
+		dst = append(dst, promptField)
+	}
+	return dst
+}
+
+// messageField returns the index in messageFields of the member name
+// (as written, unescaped names only), -1 for any other.
+func messageField(name []byte) int {
+	for i, f := range messageFields {
+		if string(name) == f {
+			return i
+		}
+	}
+	return -1
+}
+
+// appendContent appends a message's content: a string unescaped; an
+// array of parts with each text part's text unescaped and every other
+// part compacted.
+func appendContent(dst, raw []byte) []byte {
+	if raw[0] != '[' {
+		return appendText(dst, raw)
+	}
+	for it := (elements{buf: raw}); it.next(); {
+		part := it.value()
+		if text, ok := textPart(part); ok {
+			dst = appendText(dst, text)
+		} else {
+			dst = appendCompact(dst, part)
+		}
+		dst = append(dst, promptField)
+	}
+	return dst
+}
+
+// textPart returns the raw "text" of a {"type":"text","text":…} part.
+func textPart(part []byte) ([]byte, bool) {
+	if len(part) == 0 || part[0] != '{' {
+		return nil, false
+	}
+	var typ, text []byte
+	for it := (members{buf: part}); it.next(); {
+		switch string(it.name()) {
+		case "type":
+			typ = it.value()
+		case "text":
+			text = it.value()
+		}
+	}
+	return text, string(typ) == `"text"` && len(text) > 0 && text[0] == '"'
+}
+
+// appendText appends a JSON string's text unescaped, or any other value
+// compacted.
+func appendText(dst, raw []byte) []byte {
+	if len(raw) < 2 || raw[0] != '"' {
+		return appendCompact(dst, raw)
+	}
+	return appendUnescaped(dst, raw[1:len(raw)-1])
+}
+
+// appendUnescaped appends the text of a valid JSON string's inside s:
+// escapes decoded, \u escapes to UTF-8 (surrogate pairs joined, a lone
+// surrogate as U+FFFD).
+func appendUnescaped(dst, s []byte) []byte {
+	for {
+		i := bytes.IndexByte(s, '\\')
+		if i < 0 {
+			return append(dst, s...)
+		}
+		dst = append(dst, s[:i]...)
+		s = s[i:]
+		if len(s) < 2 {
+			return append(dst, s...)
+		}
+		switch c := s[1]; c {
+		case 'b':
+			dst, s = append(dst, '\b'), s[2:]
+		case 'f':
+			dst, s = append(dst, '\f'), s[2:]
+		case 'n':
+			dst, s = append(dst, '\n'), s[2:]
+		case 'r':
+			dst, s = append(dst, '\r'), s[2:]
+		case 't':
+			dst, s = append(dst, '\t'), s[2:]
+		case 'u':
+			r, ok := hex4(s[2:])
+			if !ok {
+				return append(dst, s...)
+			}
+			s = s[6:]
+			if utf16.IsSurrogate(r) {
+				r2, ok2 := rune(0), false
+				if len(s) >= 6 && s[0] == '\\' && s[1] == 'u' {
+					r2, ok2 = hex4(s[2:])
+				}
+				if d := utf16.DecodeRune(r, r2); ok2 && d != utf8.RuneError {
+					r, s = d, s[6:]
+				} else {
+					r = utf8.RuneError
+				}
+			}
+			dst = utf8.AppendRune(dst, r)
+		default: // '"', '\\', '/'
+			dst, s = append(dst, c), s[2:]
+		}
+	}
+}
+
+// hex4 reads four hex digits.
+func hex4(s []byte) (rune, bool) {
+	if len(s) < 4 {
+		return 0, false
+	}
+	var r rune
+	for _, c := range s[:4] {
+		h := chunkHex(c)
+		if h < 0 {
+			return 0, false
+		}
+		r = r<<4 | rune(h)
+	}
+	return r, true
+}
+
+// appendCompact appends the JSON value raw without the whitespace
+// between its tokens (strings kept as written, skipped at memchr speed).
+func appendCompact(dst, raw []byte) []byte {
+	start := 0
+	for i := 0; i < len(raw); i++ {
+		switch c := raw[i]; {
+		case c == '"':
+			i = stringEnd(raw, i) - 1
+		case chunkIsSpace(c):
+			dst = append(dst, raw[start:i]...)
+			start = i + 1
+		}
+	}
+	return append(dst, raw[start:]...)
+}
+
+// The walkers below read JSON that ParseRequest has already validated
+// (AppendPrompt's input): they do not validate again, they only find
+// boundaries, strings at memchr speed; on malformed input they stop
+// early and never read out of bounds.
+
+// stringEnd returns the index just after the string that starts with the
+// quote at buf[i] (len(buf) when it does not end).
+func stringEnd(buf []byte, i int) int {
+	j := i + 1
+	for {
+		k := bytes.IndexByte(buf[j:], '"')
+		if k < 0 {
+			return len(buf)
+		}
+		q := j + k
+		n := 0
+		for q-1-n >= j && buf[q-1-n] == '\\' {
+			n++
+		}
+		if n%2 == 0 {
+			return q + 1
+		}
+		j = q + 1
+	}
+}
+
+// valueEnd returns the index just after the JSON value that starts at
+// buf[i] (no leading space).
+func valueEnd(buf []byte, i int) int {
+	if i >= len(buf) {
+		return len(buf)
+	}
+	switch buf[i] {
+	case '"':
+		return stringEnd(buf, i)
+	case '{', '[':
+		depth := 0
+		for ; i < len(buf); i++ {
+			switch buf[i] {
+			case '"':
+				i = stringEnd(buf, i) - 1
+			case '{', '[':
+				depth++
+			case '}', ']':
+				depth--
+				if depth == 0 {
+					return i + 1
+				}
+			}
+		}
+		return len(buf)
+	}
+	for ; i < len(buf); i++ {
+		switch c := buf[i]; {
+		case c == ',' || c == '}' || c == ']' || chunkIsSpace(c):
+			return i
+		}
+	}
+	return len(buf)
+}
+
+func skipSpaceAt(buf []byte, i int) int {
+	for i < len(buf) && chunkIsSpace(buf[i]) {
+		i++
+	}
+	return i
+}
+
+// elements iterates the elements of a validated JSON array.
+type elements struct {
+	buf        []byte
+	pos        int
+	start, end int
+	started    bool
+}
+
+// next moves to the next element; false at the end.
+func (it *elements) next() bool {
+	i := it.pos
+	if !it.started {
+		it.started = true
+		i = skipSpaceAt(it.buf, 0)
+		if i >= len(it.buf) || it.buf[i] != '[' {
+			it.pos = len(it.buf)
+			return false
+		}
+		i++
+	} else {
+		i = skipSpaceAt(it.buf, i)
+		if i >= len(it.buf) || it.buf[i] != ',' {
+			it.pos = len(it.buf)
+			return false
+		}
+		i++
+	}
+	i = skipSpaceAt(it.buf, i)
+	if i >= len(it.buf) || it.buf[i] == ']' {
+		it.pos = len(it.buf)
+		return false
+	}
+	it.start, it.end = i, valueEnd(it.buf, i)
+	it.pos = it.end
+	return true
+}
+
+// value returns the current element's raw JSON.
+func (it *elements) value() []byte { return it.buf[it.start:it.end] }
+
+// members iterates the members of a validated JSON object.
+type members struct {
+	buf                  []byte
+	pos                  int
+	nameStart, nameEnd   int
+	valueStart, valueEnd int
+	started              bool
+}
+
+// next moves to the next member; false at the end.
+func (it *members) next() bool {
+	buf := it.buf
+	i := skipSpaceAt(buf, it.pos)
+	if !it.started {
+		it.started = true
+		if i >= len(buf) || buf[i] != '{' {
+			it.pos = len(buf)
+			return false
+		}
+	} else if i >= len(buf) || buf[i] != ',' {
+		it.pos = len(buf)
+		return false
+	}
+	i = skipSpaceAt(buf, i+1)
+	if i >= len(buf) || buf[i] != '"' {
+		it.pos = len(buf)
+		return false
+	}
+	end := stringEnd(buf, i)
+	it.nameStart, it.nameEnd = i+1, max(i+1, end-1)
+	i = skipSpaceAt(buf, end)
+	if i >= len(buf) || buf[i] != ':' {
+		it.pos = len(buf)
+		return false
+	}
+	i = skipSpaceAt(buf, i+1)
+	it.valueStart, it.valueEnd = i, valueEnd(buf, i)
+	it.pos = it.valueEnd
+	return true
+}
+
+// name returns the current member's name as written, without quotes.
+func (it *members) name() []byte { return it.buf[it.nameStart:it.nameEnd] }
+
+// value returns the current member's raw value.
+func (it *members) value() []byte { return it.buf[it.valueStart:it.valueEnd] }
