@@ -161,6 +161,9 @@ type worker struct {
 	body    bytes.Buffer // a non-streamed response body, reused
 	header  http.Header
 	rec     recorder
+	// fixed, when set, is the next request's body (a trace's), used once
+	// instead of one drawn from shape.
+	fixed []byte
 
 	// onPayload, when set, sees every data payload but [DONE] (tests).
 	onPayload func(payload []byte)
@@ -187,6 +190,10 @@ func newWorker(shape *bodyShape, wl *Workload, seed uint64, live *counters) *wor
 // may still hold a body after the response (net/http's RoundTrip
 // contract), so one small allocation per request is the price of safety.
 func (w *worker) newBody() []byte {
+	if b := w.fixed; b != nil {
+		w.fixed = nil
+		return b
+	}
 	b := w.shape.appendBody(make([]byte, 0, w.bodyCap), w.rng)
 	w.bodyCap = max(w.bodyCap, cap(b))
 	return b

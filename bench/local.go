@@ -33,6 +33,16 @@ type LocalConfig struct {
 	// TTFT and ITL are the simulators' artificial latencies (sim.Config);
 	// zero means none.
 	TTFT, ITL time.Duration
+	// IDPrefix is prepended to every engine id ("prefill-1", …), so that
+	// several local fleets have distinct ids.
+	IDPrefix string
+	// PrefillPerToken is the simulators' prefill compute time per uncached
+	// prompt token; zero means none.
+	PrefillPerToken time.Duration
+	// BlockSize, KVCacheBlocks and MaxNumSeqs are the simulators' prefix
+	// cache block size in tokens, cache capacity in blocks and running
+	// request bound (sim.Config); zero means the simulator's defaults.
+	BlockSize, KVCacheBlocks, MaxNumSeqs int
 }
 
 // LocalEngines are simulated engines (engines/sim) serving on loopback in
@@ -67,8 +77,8 @@ func StartLocal(cfg LocalConfig) (*LocalEngines, error) {
 	}
 	l := &LocalEngines{Model: cfg.Model}
 	add := func(role connector.Role, i int) error {
-		id := string(role) + "-" + strconv.Itoa(i)
-		s, err := sim.New(sim.Config{Role: string(role), EngineID: id, Model: cfg.Model, TTFT: cfg.TTFT, ITL: cfg.ITL})
+		id := cfg.IDPrefix + string(role) + "-" + strconv.Itoa(i)
+		s, err := sim.New(simConfig(cfg, string(role), id))
 		if err != nil {
 			return err
 		}
@@ -101,6 +111,14 @@ func StartLocal(cfg LocalConfig) (*LocalEngines, error) {
 	return l, nil
 }
 
+// simConfig is the simulator configuration of one engine of cfg.
+func simConfig(cfg LocalConfig, role, id string) sim.Config {
+	return sim.Config{
+		Role: role, EngineID: id, Model: cfg.Model, TTFT: cfg.TTFT, ITL: cfg.ITL,
+		PrefillPerToken: cfg.PrefillPerToken,
+	}
+}
+
 // Floor returns a FloorTarget over the simulators.
 func (l *LocalEngines) Floor() (*FloorTarget, error) { return NewFloorTarget(l.Prefill, l.Decode) }
 
@@ -131,6 +149,9 @@ func RouterConfigYAML(routerID string, fleet []config.EngineSpec) []byte {
 type RouterProcessOptions struct {
 	// Exe is the narwhal binary; "" means os.Executable().
 	Exe string
+	// ID is the router's router.id; "" means "narwhal-bench". Routers
+	// sharing a bus need distinct ids.
+	ID string
 	// Fleet is the router's fleet.
 	Fleet []config.EngineSpec
 	// Env is added to this process's environment for the child (e.g.
@@ -173,7 +194,11 @@ func StartRouterProcess(ctx context.Context, opts RouterProcessOptions) (*Router
 		return nil, err
 	}
 	path := filepath.Join(dir, "router.yaml")
-	if err := os.WriteFile(path, RouterConfigYAML("narwhal-bench", opts.Fleet), 0o600); err != nil {
+	id := opts.ID
+	if id == "" {
+		id = "narwhal-bench"
+	}
+	if err := os.WriteFile(path, RouterConfigYAML(id, opts.Fleet), 0o600); err != nil {
 		os.RemoveAll(dir)
 		return nil, err
 	}

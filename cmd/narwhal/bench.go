@@ -33,6 +33,7 @@ type benchFlags struct {
 	requests, slices, routerPID                              int
 	seed                                                     uint64
 	set                                                      map[string]bool
+	prefix                                                   prefixFlags
 }
 
 // runBench is `narwhal bench` (SPEC §14): a load generator for the
@@ -67,6 +68,7 @@ func runBench(ctx context.Context, args []string) error {
 	fs.StringVar(&f.routerBus, "router-bus", "external", "--router-process: external (a NATS server in the bench process, as in a mesh: the router's CPU excludes the bus and the breaker) or embedded (the router's own NATS and in-process breaker, single-node mode)")
 	fs.StringVar(&f.cpuProfile, "cpuprofile", "", "write a CPU profile of this process (client, local sims, in-process router) to this file")
 	fs.BoolVar(&f.quiet, "quiet", false, "no live progress line on stderr")
+	f.prefix.register(fs)
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -75,6 +77,12 @@ func runBench(ctx context.Context, args []string) error {
 	}
 	f.set = map[string]bool{}
 	fs.Visit(func(fl *flag.Flag) { f.set[fl.Name] = true })
+	if f.prefix.workload != "" {
+		return f.runPrefix(ctx)
+	}
+	if name := f.prefix.setWithout(f.set); name != "" {
+		return fmt.Errorf("--%s applies to --workload only", name)
+	}
 	return f.run(ctx)
 }
 

@@ -1,0 +1,204 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/narwhalmesh/narwhal/bench"
+	"github.com/narwhalmesh/narwhal/bus"
+)
+
+// prefixFlags are the flags of `narwhal bench --workload`: a multi-tenant
+// shared-prefix trace sent to one fleet per placement policy.
+type prefixFlags struct {
+	workload, policies, shareIndex         string
+	tenants, contextTokens, users, queries int
+	queryTokens, routers, windows          int
+	prefillSims, decodeSims                int
+	blockSize, kvCacheBlocks, maxNumSeqs   int
+	prefillPerToken                        time.Duration
+}
+
+func (p *prefixFlags) register(fs *flag.FlagSet) {
+	fs.StringVar(&p.workload, "workload", "", "shared-prefix or no-shared-prefix: a multi-tenant chat trace (tenants × context × users × queries, Poisson arrivals at --rate) sent to local sims, one fleet per policy; without it, the random-prompt workload")
+	fs.IntVar(&p.tenants, "tenants", 8, "--workload: tenants, each with its own shared context (the system prompt)")
+	fs.IntVar(&p.contextTokens, "context-tokens", 1024, "--workload: tokens (words) of a tenant's shared context")
+	fs.IntVar(&p.users, "users", 4, "--workload: users per tenant")
+	fs.IntVar(&p.queries, "queries", 8, "--workload: queries per user")
+	fs.IntVar(&p.queryTokens, "query-tokens", 64, "--workload: tokens (words) of each query (the user message)")
+	fs.StringVar(&p.policies, "compare-policies", "least_loaded,prefix", "--workload: placement policies to compare, comma-separated (prefix, least_loaded, random); each gets its own sims and routers, run in interleaved windows")
+	fs.IntVar(&p.routers, "routers", 1, "--workload: routers per policy on one bus; requests go to them in turn")
+	fs.StringVar(&p.shareIndex, "share-index", "both", "--workload with --routers > 1: whether prefix routers share their index over the bus: true, false or both (the prefix policy is measured both ways)")
+	fs.IntVar(&p.windows, "windows", 4, "--workload: interleaved windows the trace is cut into (each policy runs every window)")
+	fs.IntVar(&p.prefillSims, "prefill-sims", 4, "--workload: prefill simulators per policy")
+	fs.IntVar(&p.decodeSims, "decode-sims", 2, "--workload: decode simulators per policy")
+	fs.IntVar(&p.blockSize, "block-size", 16, "--workload: the simulators' KV block size in tokens")
+	fs.IntVar(&p.kvCacheBlocks, "kv-cache-blocks", 256, "--workload: each simulator's prefix cache capacity in blocks")
+	fs.IntVar(&p.maxNumSeqs, "max-num-seqs", 2, "--workload: requests each simulator runs at once (the rest wait)")
+	fs.DurationVar(&p.prefillPerToken, "prefill-per-token", 200*time.Microsecond, "--workload: the simulators' prefill time per uncached prompt token")
+}
+
+// prefixOnly are the flags that mean something with --workload only.
+var prefixOnly = []string{
+	"tenants", "context-tokens", "users", "queries", "query-tokens", "compare-policies", "routers",
+	"share-index", "windows", "prefill-sims", "decode-sims", "block-size", "kv-cache-blocks",
+	"max-num-seqs", "prefill-per-token",
+}
+
+// setWithout returns the first of prefixOnly that was set, or "".
+func (p *prefixFlags) setWithout(set map[string]bool) string {
+	for _, name := range prefixOnly {
+		if set[name] {
+			return name
+		}
+	}
+	return ""
+}
+
+// variants returns the policy variants the flags ask for.
+func (p *prefixFlags) variants() ([]bench.PolicyVariant, error) {
+	if p.routers < 1 || p.routers > 16 {
+		return nil, errors.New("--routers must be between 1 and 16")
+	}
+	var shares []bool
+	switch p.shareIndex {
+	case "both":
+		shares = []bool{true, false}
+	case "true":
+		shares = []bool{true}
+	case "false":
+		shares = []bool{false}
+	default:
+		return nil, fmt.Errorf("--share-index %q: want true, false or both", p.shareIndex)
+	}
+	var out []bench.PolicyVariant
+	seen := map[string]bool{}
+	for _, name := range strings.Split(p.policies, ",") {
+		name = strings.TrimSpace(name)
+		switch name {
+		case "prefix", "least_loaded", "random":
+		default:
+			return nil, fmt.Errorf("--compare-policies: unknown policy %q (want prefix, least_loaded or random)", name)
+		}
+		if seen[name] {
+			return nil, fmt.Errorf("--compare-policies: %s given twice", name)
+		}
+		seen[name] = true
+		if name != "prefix" || p.routers == 1 {
+			out = append(out, bench.PolicyVariant{Policy: name, Routers: p.routers, ShareIndex: true})
+			continue
+		}
+		for _, s := range shares {
+			out = append(out, bench.PolicyVariant{Policy: name, Routers: p.routers, ShareIndex: s})
+		}
+	}
+	return out, nil
+}
+
+// policyFile is the content of `narwhal bench --workload … --json FILE`.
+type policyFile struct {
+	StartedAt  string                  `json:"started_at"`
+	Machine    bench.Machine           `json:"machine"`
+	Comparison *bench.PolicyComparison `json:"comparison"`
+}
+
+// runPrefix is `narwhal bench --workload`: it draws the trace, starts one
+// fleet (sims, bus, routers as child processes) per policy variant and
+// compares them in interleaved windows.
+func (f *benchFlags) runPrefix(ctx context.Context) error {
+	p := &f.prefix
+	if f.url != "" {
+		return errors.New("--workload runs its own sims and routers; it excludes --url")
+	}
+	if f.compare || f.set["concurrency"] {
+		return errors.New("--workload is an open-loop trace; it excludes --compare-floor and --concurrency")
+	}
+	rate := 20.0
+	if f.set["rate"] {
+		r, err := strconv.ParseFloat(strings.TrimSpace(f.rate), 64)
+		if err != nil || r <= 0 {
+			return fmt.Errorf("--rate %q: want one positive number with --workload", f.rate)
+		}
+		rate = r
+	}
+	mt, err := bench.ParseRange(f.maxTokens)
+	if err != nil || mt.Min != mt.Max {
+		return fmt.Errorf("--max-tokens %q: want one integer ≥ 1 with --workload", f.maxTokens)
+	}
+	variants, err := p.variants()
+	if err != nil {
+		return err
+	}
+	model := f.model
+	if model == "" {
+		model = "narwhal-sim"
+	}
+	wl := bench.PrefixWorkload{
+		Shape: p.workload, Model: model, Tenants: p.tenants, ContextTokens: p.contextTokens,
+		UsersPerTenant: p.users, QueriesPerUser: p.queries, QueryTokens: p.queryTokens,
+		MaxTokens: mt.Min, Rate: rate, Seed: f.seed,
+	}
+	tr, err := bench.NewTrace(wl)
+	if err != nil {
+		return err
+	}
+	sims := bench.PolicySims{
+		Prefill: p.prefillSims, Decode: p.decodeSims, BlockSize: p.blockSize, KVCacheBlocks: p.kvCacheBlocks,
+		MaxNumSeqs: p.maxNumSeqs, PrefillPerToken: p.prefillPerToken, TTFT: f.ttft, ITL: f.itl,
+	}
+	if p.prefillSims < 1 || p.decodeSims < 1 || p.blockSize < 1 || p.kvCacheBlocks < 1 || p.maxNumSeqs < 0 || p.prefillPerToken < 0 {
+		return errors.New("--prefill-sims, --decode-sims, --block-size and --kv-cache-blocks must be at least 1; --max-num-seqs and --prefill-per-token not negative")
+	}
+	if p.windows < 1 {
+		return errors.New("--windows must be at least 1")
+	}
+	opts := bench.PolicyCompareOptions{
+		Variants: variants, Sims: sims, Windows: p.windows, Timeout: f.timeout,
+		Bus: func() (string, func(), error) {
+			emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Host: "127.0.0.1", Port: -1})
+			if err != nil {
+				return "", nil, err
+			}
+			return emb.ClientURL(), emb.Shutdown, nil
+		},
+	}
+	if !f.quiet {
+		opts.Progress = os.Stderr
+	}
+	file := &policyFile{StartedAt: time.Now().UTC().Format(time.RFC3339Nano), Machine: bench.ThisMachine()}
+	bench.WriteMachine(os.Stdout, file.Machine)
+	pc, err := bench.ComparePolicies(ctx, tr, opts)
+	if err != nil {
+		return err
+	}
+	file.Comparison = pc
+	if err := bench.WritePolicyTable(os.Stdout, pc); err != nil {
+		return err
+	}
+	if f.jsonPath != "" {
+		b, err := json.MarshalIndent(file, "", "  ")
+		if err != nil {
+			return err
+		}
+		if err := os.WriteFile(f.jsonPath, append(b, '\n'), 0o644); err != nil {
+			return err
+		}
+		fmt.Fprintf(os.Stderr, "wrote %s\n", f.jsonPath)
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	for _, r := range pc.Policies {
+		if r.Run.Requests > 0 && r.Run.OK == 0 {
+			return fmt.Errorf("%s: no request succeeded (%d ended in errors: %v)", r.Name, r.Run.Requests, r.Run.Errors)
+		}
+	}
+	return nil
+}
