@@ -25,6 +25,7 @@ func init() {
 //
 //	narwhal sim --role prefill|decode|both --listen HOST:PORT --engine-id ID --model NAME
 //	            [--ttft DUR] [--itl DUR] [--prefill-per-token DUR]
+//	            [--block-size N] [--kv-cache-blocks N] [--max-num-seqs N]
 //	            [--kv-listen HOST:PORT] [--kv-host HOST] [--kv-timeout DUR]
 //	            [--engine-version V] [--engine-kind K] [--max-model-len N]
 //	            [--api-key KEY] [--tls-cert-file F --tls-key-file F]
@@ -42,7 +43,10 @@ func runSim(ctx context.Context, args []string) error {
 	fs.StringVar(&cfg.Model, "model", "", "served model `NAME` (required)")
 	fs.DurationVar(&cfg.TTFT, "ttft", 0, "delay before the first generated token of a decode")
 	fs.DurationVar(&cfg.ITL, "itl", 0, "delay between generated tokens")
-	fs.DurationVar(&cfg.PrefillPerToken, "prefill-per-token", 0, "prefill compute time per prompt token")
+	fs.DurationVar(&cfg.PrefillPerToken, "prefill-per-token", 0, "prefill compute time per prompt token the prefix cache does not hold")
+	fs.IntVar(&cfg.BlockSize, "block-size", sim.BlockSize, "prompt tokens per KV block (the prefix cache's unit)")
+	fs.IntVar(&cfg.KVCacheBlocks, "kv-cache-blocks", sim.DefaultKVCacheBlocks, "prefix cache capacity in KV blocks, least recently used evicted first")
+	fs.IntVar(&cfg.MaxNumSeqs, "max-num-seqs", 0, "run at most `N` requests at once and queue the rest, like vLLM's --max-num-seqs (0 = unbounded)")
 	fs.StringVar(&cfg.KVListen, "kv-listen", "127.0.0.1:0", "`HOST:PORT` of the KV side channel")
 	fs.StringVar(&cfg.KVHost, "kv-host", "", "`HOST` advertised as remote_host (default: the side channel's IP)")
 	fs.DurationVar(&cfg.KVTimeout, "kv-timeout", sim.DefaultKVTimeout, "release unpulled KV blocks after this long (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")

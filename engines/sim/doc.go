@@ -9,13 +9,20 @@
 //
 // The KV handoff follows vLLM's NixlConnector: a prefill leg
 // (kv_transfer_params.do_remote_decode = true) that ends length-capped
-// returns a handoff descriptor and the producer holds ceil(prompt_tokens/16)
+// returns a handoff descriptor and the producer holds ceil(prompt_tokens/BlockSize)
 // KV blocks for it; a decode leg (kv_transfer_params.do_remote_prefill =
 // true) pulls those blocks over the producer's KV side channel (a second
 // HTTP listener, POST /kv/pull) before it generates, and checks that they
 // were computed for the same endpoint kind and prompt. Forged, foreign,
 // garbled, already pulled, expired and released handoffs fail the decode
 // the way a real engine fails it (SPEC §2, §3, R-OWN-6).
+//
+// Each Server keeps a prefix cache of KV blocks like vLLM's automatic
+// prefix caching (Config.BlockSize, Config.KVCacheBlocks): prefill
+// compute is spent on uncached tokens only, responses report
+// usage.prompt_tokens_details.cached_tokens, and /metrics has vLLM's
+// prefix-cache counters, its request queue (Config.MaxNumSeqs) and
+// process_start_time_seconds (Server.StartTime).
 //
 // Faults (Fault) make the simulator misbehave on command — header and
 // first-token delays, silences, closes, aborts, error objects, bad statuses,

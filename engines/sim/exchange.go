@@ -103,6 +103,7 @@ type exchange struct {
 	timer   *time.Timer
 	choices []choice
 	stop    []string
+	hashes  []uint64 // the prompt's block hashes
 
 	requestID    string
 	id           string
@@ -110,6 +111,7 @@ type exchange struct {
 	toolName     string
 	created      int64
 	promptTokens int
+	cachedTokens int // usage.prompt_tokens_details.cached_tokens
 	maxTokens    int
 	n            int
 	topLogprobs  int
@@ -132,6 +134,7 @@ func (x *exchange) reset(s *Server, w http.ResponseWriter, kind endpointKind) {
 		timer:   x.timer,
 		choices: x.choices[:0],
 		stop:    x.stop[:0],
+		hashes:  x.hashes[:0],
 	}
 	x.s, x.w, x.kind = s, w, kind
 	x.flusher, _ = w.(interface{ FlushError() error })
@@ -167,7 +170,42 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request, kind end
 	s.faults.take(&x.faults, targetInference, phase, x.prefillLeg, x.stream)
 	s.count.active.Add(1)
 	defer s.count.active.Add(-1)
+	if !s.admit(ctx) {
+		x.abort()
+		return
+	}
+	defer s.leave()
 	x.run()
+}
+
+// admit takes one of Config.MaxNumSeqs sequences, waiting in arrival
+// order (counted in vllm:num_requests_waiting) while all are taken. It
+// returns false when ctx ended first. Every true is paired with leave.
+func (s *Server) admit(ctx context.Context) bool {
+	if s.seqs != nil {
+		select {
+		case s.seqs <- struct{}{}:
+		default:
+			s.count.waiting.Add(1)
+			select {
+			case s.seqs <- struct{}{}:
+				s.count.waiting.Add(-1)
+			case <-ctx.Done():
+				s.count.waiting.Add(-1)
+				return false
+			}
+		}
+	}
+	s.count.running.Add(1)
+	return true
+}
+
+// leave gives back the sequence admit took.
+func (s *Server) leave() {
+	s.count.running.Add(-1)
+	if s.seqs != nil {
+		<-s.seqs
+	}
 }
 
 // readAll reads r to EOF into dst and returns it.
@@ -504,10 +542,13 @@ func (x *exchange) generate() {
 }
 
 // prepare gets the prompt's KV cache: a decode leg pulls it from the
-// producer, anything else computes it (PrefillPerToken per prompt token).
-// It returns false when the request ended (error already answered, or the
-// client went away).
+// producer (every prompt token then counts as cached), anything else looks
+// it up in the prefix cache and computes the rest (PrefillPerToken per
+// uncached prompt token). It returns false when the request ended (error
+// already answered, or the client went away).
 func (x *exchange) prepare() bool {
+	s := x.s
+	x.hashes = appendBlockHashes(x.hashes[:0], x.kind, x.prompt, s.cfg.BlockSize)
 	if x.decodeLeg {
 		reason, err := x.s.pullKV(x.ctx, &x.kvp, x.id, handoffDigest(x.kind, x.prompt))
 		if err != nil {
@@ -520,9 +561,11 @@ func (x *exchange) prepare() bool {
 			return false
 		}
 		x.s.count.kvPulled.Add(1)
+		x.cachedTokens = s.cache.lookup(x.hashes, x.promptTokens, s.cfg.BlockSize, false)
 		return true
 	}
-	if !x.sleep(x.s.cfg.PrefillPerToken * time.Duration(x.promptTokens)) {
+	x.cachedTokens = s.cache.lookup(x.hashes, x.promptTokens, s.cfg.BlockSize, true)
+	if !x.sleep(s.cfg.PrefillPerToken * time.Duration(x.promptTokens-x.cachedTokens)) {
 		x.abort()
 		return false
 	}
@@ -709,15 +752,19 @@ func (x *exchange) appendTokenChunk(j, i int) {
 	x.buf = append(x.buf, `,"finish_reason":null`+endChoice...)
 }
 
-// appendUsage appends {"prompt_tokens","completion_tokens","total_tokens"}.
-func appendUsage(b []byte, prompt, completion int) []byte {
+// appendUsage appends {"prompt_tokens","completion_tokens","total_tokens",
+// "prompt_tokens_details":{"cached_tokens"}} (vLLM's usage with
+// --enable-prompt-tokens-details).
+func appendUsage(b []byte, prompt, completion, cached int) []byte {
 	b = append(b, `{"prompt_tokens":`...)
 	b = strconv.AppendInt(b, int64(prompt), 10)
 	b = append(b, `,"completion_tokens":`...)
 	b = strconv.AppendInt(b, int64(completion), 10)
 	b = append(b, `,"total_tokens":`...)
 	b = strconv.AppendInt(b, int64(prompt+completion), 10)
-	return append(b, '}')
+	b = append(b, `,"prompt_tokens_details":{"cached_tokens":`...)
+	b = strconv.AppendInt(b, int64(cached), 10)
+	return append(b, "}}"...)
 }
 
 func (x *exchange) completionTokens() int {
@@ -734,7 +781,7 @@ func (x *exchange) appendTail() {
 		x.buf = append(x.buf, "data: "...)
 		x.buf = append(x.buf, x.head...)
 		x.buf = append(x.buf, `],"usage":`...)
-		x.buf = appendUsage(x.buf, x.promptTokens, x.completionTokens())
+		x.buf = appendUsage(x.buf, x.promptTokens, x.completionTokens(), x.cachedTokens)
 		x.buf = append(x.buf, "}\n\n"...)
 	}
 	x.buf = append(x.buf, "data: [DONE]\n\n"...)
@@ -1101,7 +1148,7 @@ func (x *exchange) buildUnary() {
 		b = append(b, `"}`...)
 	}
 	b = append(b, `],"usage":`...)
-	b = appendUsage(b, x.promptTokens, x.completionTokens())
+	b = appendUsage(b, x.promptTokens, x.completionTokens(), x.cachedTokens)
 	b = append(b, `,"kv_transfer_params":`...)
 	b = x.appendDescriptor(b)
 	x.buf = append(b, '}')
@@ -1119,7 +1166,7 @@ func (x *exchange) appendDescriptor(b []byte) []byte {
 	}
 	s := x.s
 	host, port := s.kvEndpoint()
-	nBlocks := (x.promptTokens + BlockSize - 1) / BlockSize
+	nBlocks := (x.promptTokens + s.cfg.BlockSize - 1) / s.cfg.BlockSize
 	rid, blocks := s.kv.hold(x.id, handoffDigest(x.kind, x.prompt), nBlocks, time.Now())
 	if _, ok := x.faults.get(fkChangeConnectorShape); ok {
 		b = append(b, `{"lmcache_key":`...)

@@ -14,6 +14,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/narwhalmesh/narwhal/schemas"
@@ -67,10 +68,23 @@ type Config struct {
 	TTFT time.Duration
 	// ITL is the delay between two generated tokens. 0 is fine.
 	ITL time.Duration
-	// PrefillPerToken is the prefill compute time per prompt token, spent by
-	// prefill legs and by requests that recompute the prompt (every request
-	// but a decode leg whose KV pull succeeded). 0 is fine.
+	// PrefillPerToken is the prefill compute time per uncached prompt
+	// token, spent by prefill legs and by plain requests (every request
+	// but a decode leg whose KV pull succeeded) on the tokens the prefix
+	// cache did not hold. 0 is fine.
 	PrefillPerToken time.Duration
+	// BlockSize is the number of prompt tokens per KV block (default
+	// BlockSize, 16, vLLM's default --block-size): the prefix cache's
+	// unit, and ceil(prompt_tokens/BlockSize) blocks are held per handoff.
+	BlockSize int
+	// KVCacheBlocks bounds the prefix cache (default
+	// DefaultKVCacheBlocks): beyond it the least recently used block is
+	// evicted.
+	KVCacheBlocks int
+	// MaxNumSeqs, when positive, is how many inference requests run at
+	// once, like vLLM's --max-num-seqs: the others wait in arrival order
+	// (vllm:num_requests_waiting) until one ends. 0 = unbounded.
+	MaxNumSeqs int
 	// KVListen is the address of the KV side channel listener (default
 	// "127.0.0.1:0").
 	KVListen string
@@ -138,6 +152,9 @@ type Server struct {
 	pullClient    *http.Client
 
 	kv       kvStore
+	cache    prefixCache
+	seqs     chan struct{} // running sequences, nil when unbounded
+	born     time.Time     // process_start_time_seconds
 	faults   faultSet
 	recorder recorder
 	count    counters
@@ -171,6 +188,15 @@ func New(cfg Config) (*Server, error) {
 	if cfg.TTFT < 0 || cfg.ITL < 0 || cfg.PrefillPerToken < 0 || cfg.KVTimeout < 0 {
 		return nil, errors.New("sim: durations must not be negative")
 	}
+	if cfg.BlockSize < 0 || cfg.KVCacheBlocks < 0 || cfg.MaxNumSeqs < 0 {
+		return nil, errors.New("sim: block size, KV cache blocks and max num seqs must not be negative")
+	}
+	if cfg.BlockSize == 0 {
+		cfg.BlockSize = BlockSize
+	}
+	if cfg.KVCacheBlocks == 0 {
+		cfg.KVCacheBlocks = DefaultKVCacheBlocks
+	}
 	if cfg.KVListen == "" {
 		cfg.KVListen = "127.0.0.1:0"
 	}
@@ -193,9 +219,13 @@ func New(cfg Config) (*Server, error) {
 	}
 	cfg.Faults = append([]Fault(nil), cfg.Faults...)
 
-	s := &Server{cfg: cfg}
+	s := &Server{cfg: cfg, born: startTime()}
 	s.baseCtx, s.cancel = context.WithCancel(context.Background())
 	s.kv.init()
+	s.cache.init(cfg.KVCacheBlocks)
+	if cfg.MaxNumSeqs > 0 {
+		s.seqs = make(chan struct{}, cfg.MaxNumSeqs)
+	}
 	s.pullTransport = &http.Transport{
 		Proxy:               nil,
 		DialContext:         (&net.Dialer{Timeout: 5 * time.Second}).DialContext,
@@ -303,6 +333,33 @@ func (s *Server) Start(addr string) (baseURL string, err error) {
 	go func() { defer s.bg.Done(); s.expiryLoop(s.baseCtx) }()
 	return s.baseURL, nil
 }
+
+// lastStart is the latest start time handed out by startTime, in Unix
+// nanoseconds.
+var lastStart atomic.Int64
+
+// startTime returns now, or a microsecond past the previous Server's start
+// time when that is not earlier, so every Server of a process has its own
+// process_start_time_seconds (microsecond precision) and a restarted one a
+// new one.
+func startTime() time.Time {
+	for {
+		prev := lastStart.Load()
+		now := time.Now().UnixNano() / 1000 * 1000
+		if now <= prev {
+			now = prev + 1000
+		}
+		if lastStart.CompareAndSwap(prev, now) {
+			return time.Unix(0, now)
+		}
+	}
+}
+
+// StartTime returns when the Server was created, as /metrics reports it
+// in process_start_time_seconds: unique per Server of a process, so a
+// router that sees it change knows the engine restarted and lost its
+// prefix cache.
+func (s *Server) StartTime() time.Time { return s.born }
 
 // URL returns the API base URL, empty before Start.
 func (s *Server) URL() string {
@@ -425,7 +482,13 @@ func (s *Server) Stats() Stats {
 		Aborted:        s.count.aborted.Load(),
 		Completed:      s.count.completed.Load(),
 		Unauthorized:   s.count.unauthorized.Load(),
+		Running:        s.count.running.Load(),
+		Waiting:        s.count.waiting.Load(),
 	}
+	cs := s.cache.stats()
+	st.PrefixCacheQueries, st.PrefixCacheHits = cs.queries, cs.hits
+	st.ExternalPrefixCacheQueries, st.ExternalPrefixCacheHits = cs.extQueries, cs.extHits
+	st.PrefixCacheBlocks, st.PrefixCacheEvicted = cs.blocks, cs.evicted
 	s.kv.mu.Lock()
 	st.KVHeld = int64(len(s.kv.holds))
 	st.KVServed = s.kv.served
@@ -533,23 +596,33 @@ func (s *Server) serveModels(w http.ResponseWriter, r *http.Request) {
 
 // serveMetrics is GET /metrics: Prometheus text with vLLM's metric names
 // (vllm:num_requests_running, vllm:num_requests_waiting,
-// vllm:kv_cache_usage_perc, vllm:prompt_tokens_total,
-// vllm:generation_tokens_total, vllm:request_success_total) and
-// narwhal_sim_info{engine_id,role,connector} 1.
+// vllm:kv_cache_usage_perc, vllm:prefix_cache_queries_total and
+// vllm:prefix_cache_hits_total (tokens looked up in and found in the
+// engine's own prefix cache), vllm:external_prefix_cache_queries_total and
+// vllm:external_prefix_cache_hits_total (tokens of KV pulled from a
+// producer), vllm:prompt_tokens_total, vllm:generation_tokens_total,
+// vllm:request_success_total), process_start_time_seconds (the Server's
+// StartTime, as the Prometheus client's process collector reports it on
+// vLLM) and narwhal_sim_info{engine_id,role,connector} 1.
 func (s *Server) serveMetrics(w http.ResponseWriter, r *http.Request) {
 	s.kv.mu.Lock()
 	held := s.kv.heldBlock
 	s.kv.mu.Unlock()
+	cs := s.cache.stats()
 	var b strings.Builder
 	label := `{model_name="` + promLabel(s.cfg.Model) + `"}`
 	metric := func(name, typ, help, labels string, value string) {
 		fmt.Fprintf(&b, "# HELP %s %s\n# TYPE %s %s\n%s%s %s\n", name, help, name, typ, name, labels, value)
 	}
 	itoa := func(v int64) string { return strconv.FormatInt(v, 10) }
-	metric("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", label, itoa(s.count.active.Load()))
-	metric("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", label, "0")
+	metric("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", label, itoa(s.count.running.Load()))
+	metric("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", label, itoa(s.count.waiting.Load()))
 	metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", label,
 		strconv.FormatFloat(float64(held)/kvCapacityBlocks, 'g', -1, 64))
+	metric("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.", label, itoa(cs.queries))
+	metric("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.", label, itoa(cs.hits))
+	metric("vllm:external_prefix_cache_queries_total", "counter", "External prefix cache queries from the KV connector, in terms of number of queried tokens.", label, itoa(cs.extQueries))
+	metric("vllm:external_prefix_cache_hits_total", "counter", "External prefix cache hits from the KV connector, in terms of number of cached tokens.", label, itoa(cs.extHits))
 	metric("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", label, itoa(s.count.promptTokens.Load()))
 	metric("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", label, itoa(s.count.genTokens.Load()))
 	fmt.Fprintf(&b, "# HELP vllm:request_success_total Count of successfully processed requests.\n# TYPE vllm:request_success_total counter\n")
@@ -557,6 +630,8 @@ func (s *Server) serveMetrics(w http.ResponseWriter, r *http.Request) {
 	fmt.Fprintf(&b, "vllm:request_success_total{model_name=\"%s\",finished_reason=\"stop\"} %d\n", m, s.count.finishedStop.Load())
 	fmt.Fprintf(&b, "vllm:request_success_total{model_name=\"%s\",finished_reason=\"length\"} %d\n", m, s.count.finishedLen.Load())
 	fmt.Fprintf(&b, "vllm:request_success_total{model_name=\"%s\",finished_reason=\"abort\"} %d\n", m, s.count.aborted.Load())
+	metric("process_start_time_seconds", "gauge", "Start time of the process since unix epoch in seconds.", "",
+		strconv.FormatFloat(float64(s.born.UnixMicro())/1e6, 'f', 6, 64))
 	metric("narwhal_sim_info", "gauge", "Simulated engine identity.",
 		`{engine_id="`+promLabel(s.cfg.EngineID)+`",role="`+s.cfg.Role+`",connector="`+s.cfg.Connector+`"}`, "1")
 	w.Header()["Content-Type"] = textContentType

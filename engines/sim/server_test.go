@@ -41,7 +41,7 @@ func TestChatStreamShapes(t *testing.T) {
 	}
 	exact(1+len(want), `{"index":0,"delta":{},"logprobs":null,"finish_reason":"`+finish+`"}]}`)
 	p := PromptTokens(chatPrompt(t, "hello there"))
-	exact(2+len(want), fmt.Sprintf(`],"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}`, p, len(want), p+len(want)))
+	exact(2+len(want), fmt.Sprintf(`],"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d,"prompt_tokens_details":{"cached_tokens":0}}}`, p, len(want), p+len(want)))
 	if !evs[len(evs)-1].done() {
 		t.Fatalf("last event %q, want [DONE]", evs[len(evs)-1].data)
 	}
@@ -107,7 +107,7 @@ func TestUnaryShapes(t *testing.T) {
 	want, _ := Generate(chatPrompt(t, "hello there"), 0, 3, nil, true)
 	var created struct{ Created int64 }
 	_ = json.Unmarshal(body, &created)
-	exp := fmt.Sprintf(`{"id":"chatcmpl-u1","object":"chat.completion","created":%d,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"%s"},"logprobs":null,"finish_reason":"length"}],"usage":{"prompt_tokens":3,"completion_tokens":3,"total_tokens":6},"kv_transfer_params":null}`,
+	exp := fmt.Sprintf(`{"id":"chatcmpl-u1","object":"chat.completion","created":%d,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"%s"},"logprobs":null,"finish_reason":"length"}],"usage":{"prompt_tokens":3,"completion_tokens":3,"total_tokens":6,"prompt_tokens_details":{"cached_tokens":0}},"kv_transfer_params":null}`,
 		created.Created, strings.Join(want, ""))
 	if string(body) != exp {
 		t.Fatalf("chat body\n got %s\nwant %s", body, exp)
@@ -117,7 +117,7 @@ func TestUnaryShapes(t *testing.T) {
 	body = readBody(t, resp)
 	want, _ = Generate("a b", 0, 2, nil, true)
 	_ = json.Unmarshal(body, &created)
-	exp = fmt.Sprintf(`{"id":"cmpl-u2","object":"text_completion","created":%d,"model":"m","choices":[{"index":0,"text":"%s","logprobs":null,"finish_reason":"length"}],"usage":{"prompt_tokens":2,"completion_tokens":2,"total_tokens":4},"kv_transfer_params":null}`,
+	exp = fmt.Sprintf(`{"id":"cmpl-u2","object":"text_completion","created":%d,"model":"m","choices":[{"index":0,"text":"%s","logprobs":null,"finish_reason":"length"}],"usage":{"prompt_tokens":2,"completion_tokens":2,"total_tokens":4,"prompt_tokens_details":{"cached_tokens":0}},"kv_transfer_params":null}`,
 		created.Created, strings.Join(want, ""))
 	if string(body) != exp {
 		t.Fatalf("completions body\n got %s\nwant %s", body, exp)

@@ -46,6 +46,28 @@ type Stats struct {
 	// Unauthorized counts /v1/* requests refused with 401 for want of
 	// Config.APIKey.
 	Unauthorized int64 `json:"unauthorized"`
+	// Running is the number of inference requests running now (holding
+	// one of Config.MaxNumSeqs sequences; all of them when unbounded).
+	Running int64 `json:"running"`
+	// Waiting is the number of inference requests queued for a sequence
+	// beyond Config.MaxNumSeqs.
+	Waiting int64 `json:"waiting"`
+	// PrefixCacheQueries counts prompt tokens looked up in the prefix cache
+	// by prefill legs and plain requests (vllm:prefix_cache_queries_total).
+	PrefixCacheQueries int64 `json:"prefix_cache_queries"`
+	// PrefixCacheHits counts those of them found cached, the sum of the
+	// cached_tokens those requests reported (vllm:prefix_cache_hits_total).
+	PrefixCacheHits int64 `json:"prefix_cache_hits"`
+	// ExternalPrefixCacheQueries and ExternalPrefixCacheHits count the prompt
+	// tokens of decode legs whose KV was pulled from a producer; every
+	// pulled token is a hit (vllm:external_prefix_cache_*_total).
+	ExternalPrefixCacheQueries int64 `json:"external_prefix_cache_queries"`
+	ExternalPrefixCacheHits    int64 `json:"external_prefix_cache_hits"`
+	// PrefixCacheBlocks is the number of KV blocks cached now, at most
+	// Config.KVCacheBlocks.
+	PrefixCacheBlocks int64 `json:"prefix_cache_blocks"`
+	// PrefixCacheEvicted counts blocks evicted to make room.
+	PrefixCacheEvicted int64 `json:"prefix_cache_evicted"`
 }
 
 // counters are the lock-free part of Stats.
@@ -56,6 +78,7 @@ type counters struct {
 	promptTokens, genTokens    atomic.Int64
 	finishedStop, finishedLen  atomic.Int64
 	unauthorized               atomic.Int64
+	running, waiting           atomic.Int64
 }
 
 // RecordedRequest is one inference or release request as the Server
