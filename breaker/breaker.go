@@ -229,6 +229,9 @@ func New(opts Options) (*Service, error) {
 		s.byID[spec.ID] = e
 	}
 	s.metrics = newMetrics(opts.Registry, s.id)
+	for _, e := range s.fleet {
+		s.metrics.initEngine(e.ID)
+	}
 	return s, nil
 }
 

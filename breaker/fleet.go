@@ -209,6 +209,7 @@ func (s *Service) replaceEngine(e *engine) {
 	}
 	s.fleet = append(s.fleet, e)
 	s.byID[e.ID] = e
+	s.metrics.initEngine(e.ID)
 }
 
 // removeEngine takes engine id out of the breaker's fleet. Called with

@@ -4,19 +4,22 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/narwhalmesh/narwhal/internal/promreg"
+	"github.com/narwhalmesh/narwhal/schemas"
 )
 
-// metrics are the Service's Prometheus collectors.
+// metrics are the Service's Prometheus collectors. Their engine label is
+// the router's: a fleet engine id, so that the breaker's and the routers'
+// series of an engine join.
 type metrics struct {
 	// leader is narwhal_breaker_leader{breaker_id}: 1 while this breaker
 	// holds the lease (R-BRK-8).
 	leader prometheus.Gauge
-	// ejections is narwhal_breaker_ejections_total{engine_id} (R-BRK-1).
+	// ejections is narwhal_breaker_ejections_total{engine} (R-BRK-1).
 	ejections *prometheus.CounterVec
-	// readmissions is narwhal_breaker_readmissions_total{engine_id}
+	// readmissions is narwhal_breaker_readmissions_total{engine}
 	// (R-BRK-3).
 	readmissions *prometheus.CounterVec
-	// probes is narwhal_breaker_probes_total{engine_id,outcome} (R-BRK-5).
+	// probes is narwhal_breaker_probes_total{engine,outcome} (R-BRK-5).
 	probes *prometheus.CounterVec
 	// events is narwhal_breaker_events_total{kind}: failure and request
 	// events consumed.
@@ -43,19 +46,19 @@ func newMetrics(reg prometheus.Registerer, breakerID string) *metrics {
 	m := &metrics{
 		ejections: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "narwhal_breaker_ejections_total",
-			Help: "Engines ejected after recovery.eject_after consecutive counted failures.",
-		}, []string{"engine_id"}),
+			Help: "Times an engine was ejected (placed by no router) after recovery.eject_after consecutive counted failures, by engine.",
+		}, []string{"engine"}),
 		readmissions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "narwhal_breaker_readmissions_total",
-			Help: "Ejected engines readmitted after a successful inference probe.",
-		}, []string{"engine_id"}),
+			Help: "Times an ejected engine was readmitted after a successful inference probe, by engine.",
+		}, []string{"engine"}),
 		probes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "narwhal_breaker_probes_total",
-			Help: "Inference probes of ejected engines, by outcome (success, failure, inconclusive).",
-		}, []string{"engine_id", "outcome"}),
+			Help: "Inference probes of ejected engines, by engine and outcome: success (readmitted), failure (the engine's own check or leg failed), inconclusive (its partner, the bus or a shutdown cut the probe).",
+		}, []string{"engine", "outcome"}),
 		events: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "narwhal_breaker_events_total",
-			Help: "Failure and request events the breaker consumed, by kind.",
+			Help: "Failure and request events the breaker consumed from the bus, by kind.",
 		}, []string{"kind"}),
 		consumerRecreated: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "narwhal_breaker_consumer_recreated_total",
@@ -81,5 +84,18 @@ func newMetrics(reg prometheus.Registerer, breakerID string) *metrics {
 		m.reportsIgnored = promreg.Register(reg, m.reportsIgnored)
 	}
 	m.leader = leader.WithLabelValues(breakerID)
+	for _, k := range []string{schemas.KindFailure, schemas.KindRequest} {
+		m.events.WithLabelValues(k)
+	}
 	return m
+}
+
+// initEngine creates engine id's series at zero, so that alerts and
+// dashboards see an engine that was never ejected.
+func (m *metrics) initEngine(id string) {
+	m.ejections.WithLabelValues(id)
+	m.readmissions.WithLabelValues(id)
+	for _, o := range []string{schemas.ProbeSuccess, schemas.ProbeFailure, schemas.ProbeInconclusive} {
+		m.probes.WithLabelValues(id, o)
+	}
 }

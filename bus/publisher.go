@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"log/slog"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -142,8 +143,13 @@ func NewPublisher(b *Bus, buffer int, reg prometheus.Registerer) *Publisher {
 		}),
 		droppedTotal: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "narwhal_events_dropped_total",
-			Help: "Bus events given up on, by reason (buffer_full, expired, invalid, closed) and event kind.",
+			Help: "Bus events given up on (never stored on the bus), by reason: buffer_full (more events waiting than router.event_buffer), expired (no acknowledgement from the bus in time), invalid (not publishable: bad subject, too large, or refused by the stream), closed (published during shutdown); and by event kind.",
 		}, []string{"reason", "kind"}),
+	}
+	for _, r := range dropReasons {
+		for _, k := range eventKinds {
+			p.droppedTotal.WithLabelValues(r, k)
+		}
 	}
 	if reg != nil {
 		p.publishedTotal = promreg.Register(reg, p.publishedTotal)
@@ -237,15 +243,22 @@ func (p *Publisher) settle() { p.pending.Add(-1) }
 
 // kindOf returns the kind token of an event subject
 // (narwhal.events.<kind>.<id>), or "unknown".
+// eventKinds are the kind label's values of narwhal_events_dropped_total
+// besides "unknown": every event kind a router or a breaker publishes.
+var eventKinds = []string{schemas.KindFailure, schemas.KindQuarantine, schemas.KindHandoff, schemas.KindRequest,
+	schemas.KindProbe, schemas.KindEligibility, schemas.KindChaos, schemas.KindFleet}
+
+// dropReasons are the reason label's values of
+// narwhal_events_dropped_total.
+var dropReasons = []string{DropBufferFull, DropExpired, DropInvalid, DropClosed}
+
 func kindOf(subject string) string {
 	rest, ok := strings.CutPrefix(subject, SubjectPrefix)
 	if !ok {
 		return "unknown"
 	}
 	kind, _, _ := strings.Cut(rest, ".")
-	switch kind {
-	case schemas.KindFailure, schemas.KindQuarantine, schemas.KindHandoff, schemas.KindRequest,
-		schemas.KindProbe, schemas.KindEligibility, schemas.KindChaos:
+	if slices.Contains(eventKinds, kind) {
 		return kind
 	}
 	return "unknown"

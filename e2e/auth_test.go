@@ -584,7 +584,7 @@ func TestTLSFrontEnd(t *testing.T) {
 	if r.StatusCode != 404 {
 		t.Errorf("front-end /metrics with metrics_on_admin: HTTP %d, want 404", r.StatusCode)
 	}
-	if m := s.get(t, s.adminURL+"/metrics"); !strings.Contains(m, `narwhal_requests_total{code="200",endpoint="/v1/chat/completions",key="tls-user",outcome="ok"} 2`) {
+	if m := s.get(t, s.adminURL+"/metrics"); !strings.Contains(m, `narwhal_requests_total{code="200",endpoint="/v1/chat/completions",key="tls-user",model="`+meshModel+`",outcome="ok"} 2`) {
 		t.Errorf("admin /metrics lacks the two requests of tls-user:\n%s", grepLines(m, "narwhal_requests_total"))
 	}
 

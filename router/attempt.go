@@ -98,7 +98,7 @@ func (c *call) attempt(avoid *avoidSet) *engines.Fault {
 func (c *call) prefill(ereq *engines.Request) *engines.Fault {
 	rt := c.rt
 	res, err := rt.client.Prefill(c.ctx, ereq)
-	rt.metrics.leg.WithLabelValues(schemas.PhasePrefill).Observe(time.Since(c.arrival).Seconds())
+	rt.metrics.leg.WithLabelValues(schemas.PhasePrefill, c.modelSeries().label).Observe(time.Since(c.arrival).Seconds())
 	c.releasePrefill()
 	if err != nil {
 		f := engines.AsFault(err, schemas.PhasePrefill, c.producer.ID)
@@ -137,7 +137,8 @@ func (c *call) decodeUntilOutput(ereq *engines.Request) *engines.Fault {
 		}
 		if kind == schemas.ChunkOutput {
 			c.first = append([]byte(nil), payload...)
-			c.firstByte = stream.FirstOutput().Sub(c.arrival)
+			c.lastOutput = stream.FirstOutput()
+			c.firstByte = c.lastOutput.Sub(c.arrival)
 			c.result = nil // consumed
 			return nil
 		}

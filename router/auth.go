@@ -172,6 +172,11 @@ func (rt *Router) SetAPIKeys(keys []config.APIKey) {
 		names = append(names, k.Name)
 	}
 	if len(keys) == 0 {
+		rt.metrics.initKeys([]string{config.NoKeyName})
+	} else {
+		rt.metrics.initKeys(names)
+	}
+	if len(keys) == 0 {
 		rt.log.Warn("client authentication is off: no auth.api_keys are configured, so any client may call /v1/*")
 		return
 	}
@@ -202,7 +207,7 @@ func (rt *Router) authenticate(fctx *fasthttp.RequestCtx) (*clientKey, bool) {
 	if !isCompletion(endpoint) {
 		endpoint = ""
 	}
-	rt.metrics.requests.inc(endpoint, "401", "unauthenticated", config.NoKeyName)
+	rt.metrics.requests.inc(endpoint, "401", "unauthenticated", config.NoKeyName, otherModel)
 	if rt.log.Enabled(context.Background(), slog.LevelDebug) {
 		rt.log.Debug("request refused: "+msg, "remote", fctx.RemoteAddr().String())
 	}

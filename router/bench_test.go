@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/schemas"
@@ -52,7 +54,10 @@ func benchRelay(b *testing.B, chunk string) {
 	client := engines.NewClient(engines.Options{FirstTokenTimeout: 1 << 50, DecodeReadTimeout: 1 << 50})
 	s := client.NewStream(context.Background(), "d1", &loopBody{block: block})
 	defer s.Close()
-	c := &call{req: &schemas.Request{Endpoint: schemas.EndpointChat}, stream: s}
+	// The model's series, as prepare resolves them: each generated chunk
+	// is observed in narwhal_inter_token_seconds.
+	m := newMetrics(prometheus.NewRegistry(), func() *fleet { return &fleet{} }, "rt-bench", 600*time.Second)
+	c := &call{req: &schemas.Request{Endpoint: schemas.EndpointChat}, stream: s, series: m.series("m")}
 	// A connection whose write deadline the relay moves as it does a
 	// client's (R-TMO-6); the bytes themselves go to io.Discard.
 	conn, peer := net.Pipe()

@@ -50,11 +50,14 @@ type call struct {
 	pending            []heldChunk // metadata read before the first output
 	first              []byte      // the first generated output, copied
 
+	series           *modelSeries // the model label's series (metrics.series): "other" until prepare knows the model
+	lastOutput       time.Time    // when the last generated chunk was read, for narwhal_inter_token_seconds
 	ttft, firstByte  time.Duration
 	status           int
 	outcome          string
 	promptTokens     int
 	completionTokens int
+	usage            bool // the decode engine reported usage: the token counts are known
 	committed        bool
 	decodeStart      time.Time
 	chunks           int
@@ -107,7 +110,7 @@ func (rt *Router) arrive(fctx *fasthttp.RequestCtx) *call {
 		rt.front.refuseInflight(fctx)
 		return nil
 	}
-	c := &call{rt: rt, arrival: arrival, id: id, bodyBytes: body}
+	c := &call{rt: rt, arrival: arrival, id: id, bodyBytes: body, series: rt.metrics.other}
 	rt.metrics.inflight.Inc()
 	return c
 }
@@ -144,6 +147,7 @@ func (c *call) prepare(fctx *fasthttp.RequestCtx, endpoint string) bool {
 		return false
 	}
 	rt.budget.request()
+	c.series = rt.metrics.series(req.Model) // a model the fleet has served: bounded
 
 	deadline := rt.cfg.Request.Timeout()
 	if d, ok := clientTimeout(fctx); ok && d < deadline {

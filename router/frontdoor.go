@@ -235,7 +235,7 @@ func (rt *Router) serverError(ctx *fasthttp.RequestCtx, err error) {
 	case errors.Is(err, fasthttp.ErrBodyTooLarge):
 		fd.refused.WithLabelValues(refusedBodyTooLarge).Inc()
 		writeError(ctx, fasthttp.StatusRequestEntityTooLarge, "request body exceeds the limit of "+strconv.FormatInt(fd.maxBody, 10)+" bytes (request.max_body_bytes)")
-		rt.metrics.requests.inc("", "413", "client_error", config.NoKeyName)
+		rt.metrics.requests.inc("", "413", "client_error", config.NoKeyName, otherModel)
 	case errors.As(err, &netErr) && netErr.Timeout():
 		fd.refused.WithLabelValues(refusedHeaderTimeout).Inc()
 		writeError(ctx, fasthttp.StatusRequestTimeout, "request not received within "+strconv.FormatFloat(fd.cfg.HeaderTimeoutS, 'g', -1, 64)+" s (server.header_timeout_s)")

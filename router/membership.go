@@ -158,6 +158,7 @@ func (rt *Router) applyFleetValue(key string, op jetstream.KeyValueOp, value []b
 		next.byID[x.ID] = x
 	}
 	rt.live.Store(next)
+	rt.metrics.initEngine(m)
 	rt.log.Info("engine joined the live fleet", "engine_id", key, "url", entry.URL, "role", entry.Role, "state", entry.State, "replaced", replaced)
 	rt.goOwned(func() { rt.refreshMember(rt.base, m) })
 }

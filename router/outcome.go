@@ -89,8 +89,17 @@ func (c *call) record(now time.Time) {
 	dur := now.Sub(c.arrival)
 	rt.inflight.Add(-1)
 	rt.metrics.inflight.Dec()
-	rt.metrics.requests.inc(c.req.Endpoint, strconv.Itoa(c.status), c.outcome, keyName(c.key))
-	rt.metrics.duration.WithLabelValues(c.req.Endpoint).Observe(dur.Seconds())
+	ms := c.modelSeries()
+	rt.metrics.requests.inc(c.req.Endpoint, strconv.Itoa(c.status), c.outcome, keyName(c.key), ms.label)
+	rt.metrics.duration.WithLabelValues(c.req.Endpoint, ms.label).Observe(dur.Seconds())
+	if c.usage { // an engine's counts: a negative one would make Add panic
+		if c.promptTokens > 0 {
+			ms.prompt.Add(float64(c.promptTokens))
+		}
+		if c.completionTokens > 0 {
+			ms.generation.Add(float64(c.completionTokens))
+		}
+	}
 	ev := &schemas.RequestCompleted{
 		Envelope:         schemas.Envelope{Schema: schemas.SchemaRequest, RouterID: rt.id, RequestID: c.id},
 		Endpoint:         c.req.Endpoint,
@@ -116,15 +125,15 @@ func (c *call) record(now time.Time) {
 	if c.ttft > 0 {
 		s := c.ttft.Seconds()
 		ev.TTFTSeconds = &s
-		rt.metrics.ttft.Observe(s)
+		ms.ttft.Observe(s)
 	}
 	if c.firstByte > 0 {
 		s := c.firstByte.Seconds()
 		ev.FirstByteSeconds = &s
-		rt.metrics.firstByte.Observe(s)
+		ms.firstByte.Observe(s)
 	}
 	if c.decodeStart != (time.Time{}) {
-		rt.metrics.leg.WithLabelValues(schemas.PhaseDecode).Observe(now.Sub(c.decodeStart).Seconds())
+		rt.metrics.leg.WithLabelValues(schemas.PhaseDecode, ms.label).Observe(now.Sub(c.decodeStart).Seconds())
 	}
 	rt.publish(ev)
 	if c.outcome != "ok" {
@@ -132,6 +141,27 @@ func (c *call) record(now time.Time) {
 	} else {
 		rt.log.Debug("request done", "request_id", c.id, "key", keyName(c.key), "status", c.status, "attempts", c.attempts, "duration_s", dur.Seconds())
 	}
+}
+
+// modelSeries returns the series of the request's model label: those of
+// "other" until prepare found the model among the fleet's.
+func (c *call) modelSeries() *modelSeries {
+	if c.series != nil {
+		return c.series
+	}
+	return c.rt.metrics.other
+}
+
+// observeOutput observes the time since the previous generated chunk in
+// narwhal_inter_token_seconds: one clock read and one Observe per
+// generated chunk, no allocation (the relay's hot path). A call without
+// series (built bare by a test) observes nothing.
+func (c *call) observeOutput() {
+	now := time.Now()
+	if c.series != nil && !c.lastOutput.IsZero() {
+		c.series.interToken.Observe(now.Sub(c.lastOutput).Seconds())
+	}
+	c.lastOutput = now
 }
 
 // publish hands ev to the router's publisher, if it has one.

@@ -207,7 +207,11 @@ func (r *relayBody) fill() bool {
 			return false
 		}
 		c.chunks++
-		r.buf = c.appendEvent(r.buf, payload, c.stream.Chunk())
+		ch := c.stream.Chunk()
+		if ch.Kind == schemas.ChunkOutput {
+			c.observeOutput()
+		}
+		r.buf = c.appendEvent(r.buf, payload, ch)
 		// One batch is what the engine had ready, up to relayBatchBytes:
 		// after a client's pause the engine's backlog leaves in writes of
 		// bounded size, so the relay's buffer stays small and a write
@@ -241,7 +245,7 @@ func (r *relayBody) Close() error {
 // relay never reads a payload again. Output chunks are passed through.
 func (c *call) appendEvent(dst, payload []byte, ch schemas.Chunk) []byte {
 	if ch.Kind == schemas.ChunkMetadata && ch.Usage {
-		c.promptTokens, c.completionTokens = ch.PromptTokens, ch.CompletionTokens
+		c.promptTokens, c.completionTokens, c.usage = ch.PromptTokens, ch.CompletionTokens, true
 		if !c.req.IncludeUsage && ch.UsageOnly {
 			return dst
 		}
@@ -295,6 +299,9 @@ func (c *call) aggregate(fctx *fasthttp.RequestCtx) {
 			c.fail(fctx, f)
 			return
 		}
+		if c.stream.Chunk().Kind == schemas.ChunkOutput {
+			c.observeOutput()
+		}
 		if err := agg.Add(payload); err != nil {
 			f := engines.NewFault(engines.KindInvalidStream, schemas.PhaseDecode, c.consumer.ID, 0, "decode engine "+c.consumer.ID+" sent a chunk that could not be aggregated")
 			c.recordFault(f)
@@ -310,7 +317,7 @@ func (c *call) aggregate(fctx *fasthttp.RequestCtx) {
 		}
 	}
 	if prompt, completion, ok := agg.Usage(); ok {
-		c.promptTokens, c.completionTokens = prompt, completion
+		c.promptTokens, c.completionTokens, c.usage = prompt, completion, true
 	}
 	c.watch.stop()
 	c.watch = nil

@@ -184,7 +184,10 @@ func New(opts Options) (*Router, error) {
 	if rt.refresh <= 0 {
 		rt.refresh = 30 * time.Second
 	}
-	rt.metrics = newMetrics(reg, rt.fleet)
+	rt.metrics = newMetrics(reg, rt.fleet, cfg.Router.ID, cfg.Request.Timeout())
+	for _, m := range f.members {
+		rt.metrics.initEngine(m)
+	}
 	if cfg.Server.TLS() {
 		rt.tlsCert, err = newCertificate(cfg.Server.TLSCertFile, cfg.Server.TLSKeyFile, rt.log)
 		if err != nil {
@@ -556,6 +559,9 @@ func (rt *Router) noteModels(m *member, models []string, err error) {
 	first := m.models.Load() == nil && m.problem.Load() == nil
 	if err == nil {
 		m.setModels(models)
+		for _, x := range models {
+			rt.metrics.series(x)
+		}
 	}
 	prev := m.problem.Swap(problem)
 	switch {

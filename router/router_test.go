@@ -285,7 +285,7 @@ func TestTimingsRTIME1(t *testing.T) {
 		t.Fatalf("duration %.3f < first byte %.3f", ev.DurationSeconds, fb)
 	}
 	_, metrics := s.get("/metrics")
-	for _, want := range []string{"narwhal_ttft_seconds_count 1", "narwhal_first_byte_seconds_count 1"} {
+	for _, want := range []string{`narwhal_ttft_seconds_count{model="sim-model"} 1`, `narwhal_first_byte_seconds_count{model="sim-model"} 1`} {
 		if !strings.Contains(string(metrics), want) {
 			t.Fatalf("metrics lack %q", want)
 		}
