@@ -289,8 +289,10 @@ const (
 // Router holds the router process's identity and logging.
 type Router struct {
 	// ID names the router in events (router_id) and in its bus subjects
-	// (R-BUS-1, R-BUS-3). Letters, digits, '-' and '_' only; default
-	// "<hostname>-<pid>" with other characters replaced by '-'.
+	// (R-BUS-1, R-BUS-3) and its key in narwhal_routers (R-FLEET-3).
+	// Letters, digits, '-' and '_' only; default the host name with other
+	// characters replaced by '-', so that it stays the same across
+	// restarts. Routers sharing a host must each set their own.
 	ID string `yaml:"id" env:"ID"`
 	// EventBuffer is how many bus events may wait to be published before
 	// new ones are dropped and counted (R-BUS-6). > 0; default 4096.
@@ -426,7 +428,7 @@ func (s EngineSpec) CanDecode() bool { return s.Role.CanDecode() }
 // to 1,048,576, handoff max age 120 s,
 // eject after 3, no quarantine, no retries, retry budget 0.2, readmit
 // every 5 s, a breaker lease of 5 s; registrations of 15 s and drains of
-// at most 600 s; router id "<hostname>-<pid>", an
+// at most 600 s; router id the host name, an
 // event buffer of 4096, text logs at info; on the front door a stall
 // timeout of 30 s, a header timeout of 10 s, an idle timeout of 90 s,
 // 64 KiB of headers, 10,000 connections, no in-flight limit and 1 GiB of
@@ -448,13 +450,15 @@ func Default() Config {
 	}
 }
 
-// defaultRouterID returns "<hostname>-<pid>", made safe as a subject token.
+// defaultRouterID returns the host name, made safe as a subject token
+// ("router" when the host has none): the same after every restart, so that
+// a dashboard can follow a router by its id.
 func defaultRouterID() string {
 	host, err := os.Hostname()
 	if err != nil || host == "" {
 		host = "router"
 	}
-	return SanitizeID(host + "-" + strconv.Itoa(os.Getpid()))
+	return SanitizeID(host)
 }
 
 // SanitizeID returns s with every character other than ASCII letters,

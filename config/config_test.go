@@ -10,7 +10,6 @@ import (
 	"path/filepath"
 	"reflect"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -133,8 +132,9 @@ func TestDefaults(t *testing.T) {
 	if d.EngineContract != nil || d.Fleet != nil {
 		t.Errorf("default contract %v, fleet %v; want none", d.EngineContract, d.Fleet)
 	}
-	if !strings.HasSuffix(d.Router.ID, "-"+strconv.Itoa(os.Getpid())) || !validID(d.Router.ID) {
-		t.Errorf("default router id %q: want a valid <hostname>-<pid>", d.Router.ID)
+	// The default router id is the host's name, stable across restarts.
+	if host, _ := os.Hostname(); d.Router.ID != SanitizeID(host) || !validID(d.Router.ID) || d.Router.ID != Default().Router.ID {
+		t.Errorf("default router id %q: want the host name %q", d.Router.ID, host)
 	}
 	if err := d.Validate(); err != nil {
 		t.Fatalf("defaults do not validate: %v", err)
