@@ -34,6 +34,11 @@ build:
 bench *ARGS:
     go run ./cmd/narwhal bench --compare-floor --concurrency 1,64 --max-tokens 16 --stream --duration 50s --warmup 2s --json bench/results/latest.json --histogram bench/results/latest.svg {{ARGS}}
 
+# Prefix-aware placement against least-loaded on the shared-prefix
+# workload (docs/performance.md).
+bench-prefix *ARGS:
+    go run ./cmd/narwhal bench --workload shared-prefix --compare-policies least_loaded,prefix --json bench/results/prefix.json {{ARGS}}
+
 # Scale: one router holding STREAMS open streams from slow decode simulators.
 bench-scale STREAMS="9500" SECONDS="30":
     bench/scale.sh {{STREAMS}} {{SECONDS}}

@@ -94,16 +94,16 @@ type PolicyCompareOptions struct {
 	// binary.
 	Router func(ctx context.Context, id string, fleet []config.EngineSpec, env []string) (*RouterProcess, error)
 	// Bus starts one message bus per variant and returns its client URL
-	// and its stop function. Required when any variant has several
-	// routers or the prefix policy (routers publish their placements on
-	// it); nil runs routers without a bus.
+	// and its stop function; the variant's routers join it (they publish
+	// and apply placements there). nil runs routers without a bus, so
+	// several routers cannot share an index.
 	Bus func() (url string, stop func(), err error)
 	// Timeout bounds each request; 0 means 60 s.
 	Timeout time.Duration
-	// GuardAbs and GuardRel are the load-imbalance guard's thresholds
-	// (placement.balance_abs_threshold and balance_rel_threshold) used to
-	// tell the samples in which the guard would be active; 0 means 32 and
-	// 1.5.
+	// GuardAbs and GuardRel, when set, are the routers' load-imbalance
+	// guard thresholds (placement.balance_abs_threshold and
+	// balance_rel_threshold); they also tell the samples in which the
+	// guard's condition held. 0 leaves the routers' defaults (32 and 1.5).
 	GuardAbs int
 	GuardRel float64
 	// SampleEvery is the period of the outstanding-load samples; 0 means
@@ -255,7 +255,7 @@ func ComparePolicies(ctx context.Context, tr *Trace, opts PolicyCompareOptions) 
 		if v.Routers < 1 {
 			v.Routers = 1
 		}
-		l, err := startLane(ctx, string(rune('a'+i)), v, sims, &opts)
+		l, err := startLane(ctx, string(rune('a'+i)), tr.Workload.Model, v, sims, &opts)
 		if l != nil {
 			lanes = append(lanes, l)
 		}
@@ -301,11 +301,11 @@ func (pc *PolicyComparison) compute() {
 	}
 }
 
-func startLane(ctx context.Context, name string, v PolicyVariant, sims PolicySims, opts *PolicyCompareOptions) (*lane, error) {
+func startLane(ctx context.Context, name, model string, v PolicyVariant, sims PolicySims, opts *PolicyCompareOptions) (*lane, error) {
 	l := &lane{variant: v}
 	var err error
 	l.sims, err = StartLocal(LocalConfig{
-		Prefill: sims.Prefill, Decode: sims.Decode, IDPrefix: name + "-",
+		Prefill: sims.Prefill, Decode: sims.Decode, IDPrefix: name + "-", Model: model,
 		TTFT: sims.TTFT, ITL: sims.ITL, PrefillPerToken: sims.PrefillPerToken,
 		BlockSize: sims.BlockSize, KVCacheBlocks: sims.KVCacheBlocks, MaxNumSeqs: sims.MaxNumSeqs,
 	})
@@ -316,6 +316,12 @@ func startLane(ctx context.Context, name string, v PolicyVariant, sims PolicySim
 		"NARWHAL_ROUTER_LOG_LEVEL=error",
 		"NARWHAL_PLACEMENT_POLICY=" + v.Policy,
 		"NARWHAL_PLACEMENT_SHARE_INDEX=" + strconv.FormatBool(v.ShareIndex),
+	}
+	if opts.GuardAbs > 0 {
+		env = append(env, "NARWHAL_PLACEMENT_BALANCE_ABS_THRESHOLD="+strconv.Itoa(opts.GuardAbs))
+	}
+	if opts.GuardRel > 0 {
+		env = append(env, "NARWHAL_PLACEMENT_BALANCE_REL_THRESHOLD="+strconv.FormatFloat(opts.GuardRel, 'g', -1, 64))
 	}
 	if opts.Bus != nil {
 		url, stop, err := opts.Bus()

@@ -2,12 +2,16 @@ package bench
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
+	"fmt"
 	"math"
+	"os"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 )
 
@@ -344,5 +348,80 @@ func TestPolicyVariantName(t *testing.T) {
 		if got := v.Name(); got != want {
 			t.Errorf("%+v: %q, want %q", v, got, want)
 		}
+	}
+}
+
+// TestComparePoliciesRuns: two variants, each over its own sims (distinct
+// engine ids) and router process, run every window of the same trace in
+// alternating order; every request is answered, each variant's prefill
+// legs add up to the trace, and the report carries the oracle's ideal.
+func TestComparePoliciesRuns(t *testing.T) {
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := testPrefixWorkload()
+	w.QueriesPerUser = 2 // 12 requests
+	w.Rate = 200
+	tr, err := NewTrace(w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var progress bytes.Buffer
+	var ids []string
+	pc, err := ComparePolicies(context.Background(), tr, PolicyCompareOptions{
+		Variants: []PolicyVariant{{Policy: "least_loaded", Routers: 1}, {Policy: "prefix", Routers: 2, ShareIndex: true}},
+		Sims:     PolicySims{Prefill: 2, Decode: 1, BlockSize: 4, KVCacheBlocks: 64},
+		Windows:  3,
+		Timeout:  20 * time.Second,
+		Progress: &progress,
+		Router: func(ctx context.Context, id string, fleet []config.EngineSpec, env []string) (*RouterProcess, error) {
+			ids = append(ids, id)
+			for _, e := range env {
+				if strings.HasPrefix(e, "NARWHAL_NATS_URL=") {
+					return nil, fmt.Errorf("no bus was asked for, got %s", e)
+				}
+			}
+			return StartRouterProcess(ctx, RouterProcessOptions{Exe: exe, ID: id, Fleet: fleet, Env: append(env, childRouterEnv+"=1")})
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Join(ids, " ") != "bench-a-1 bench-b-1 bench-b-2" {
+		t.Fatalf("router ids %v", ids)
+	}
+	if len(pc.Policies) != 2 || pc.Requests != 12 || pc.Windows != 3 {
+		t.Fatalf("comparison %+v", pc)
+	}
+	want, _ := Oracle{BlockSize: 4, Engines: 2, CacheBlocks: 64}.Run(tr)
+	if pc.Ideal != want {
+		t.Fatalf("ideal %+v, want %+v", pc.Ideal, want)
+	}
+	engines := map[string]bool{}
+	for _, p := range pc.Policies {
+		if p.Run.Requests != 12 || p.Run.OK != 12 || p.Run.TTFT.Count != 12 {
+			t.Fatalf("%s: %d requests, %d ok, %v errors", p.Name, p.Run.Requests, p.Run.OK, p.Run.Errors)
+		}
+		var n int64
+		for id, k := range p.PrefillsPerEngine {
+			if engines[id] {
+				t.Fatalf("engine id %s in two fleets", id)
+			}
+			engines[id] = true
+			n += k
+		}
+		if n != 12 {
+			t.Fatalf("%s: %d prefill legs, want 12", p.Name, n)
+		}
+	}
+	// Windows alternate the order: a b, b a, a b.
+	var order []string
+	for _, l := range strings.Split(strings.TrimSpace(progress.String()), "\n") {
+		f := strings.Fields(l)
+		order = append(order, f[2])
+	}
+	if got := strings.Join(order, " "); got != "least_loaded prefix prefix least_loaded least_loaded prefix" {
+		t.Fatalf("window order %q", got)
 	}
 }

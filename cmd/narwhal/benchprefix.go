@@ -24,6 +24,8 @@ type prefixFlags struct {
 	prefillSims, decodeSims                int
 	blockSize, kvCacheBlocks, maxNumSeqs   int
 	prefillPerToken                        time.Duration
+	guardAbs                               int
+	guardRel                               float64
 }
 
 func (p *prefixFlags) register(fs *flag.FlagSet) {
@@ -42,6 +44,8 @@ func (p *prefixFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&p.blockSize, "block-size", 16, "--workload: the simulators' KV block size in tokens")
 	fs.IntVar(&p.kvCacheBlocks, "kv-cache-blocks", 256, "--workload: each simulator's prefix cache capacity in blocks")
 	fs.IntVar(&p.maxNumSeqs, "max-num-seqs", 2, "--workload: requests each simulator runs at once (the rest wait)")
+	fs.IntVar(&p.guardAbs, "balance-abs-threshold", 0, "--workload: the routers' placement.balance_abs_threshold (0: their default, 32)")
+	fs.Float64Var(&p.guardRel, "balance-rel-threshold", 0, "--workload: the routers' placement.balance_rel_threshold (0: their default, 1.5)")
 	fs.DurationVar(&p.prefillPerToken, "prefill-per-token", 200*time.Microsecond, "--workload: the simulators' prefill time per uncached prompt token")
 }
 
@@ -49,7 +53,7 @@ func (p *prefixFlags) register(fs *flag.FlagSet) {
 var prefixOnly = []string{
 	"tenants", "context-tokens", "users", "queries", "query-tokens", "compare-policies", "routers",
 	"share-index", "windows", "prefill-sims", "decode-sims", "block-size", "kv-cache-blocks",
-	"max-num-seqs", "prefill-per-token",
+	"max-num-seqs", "prefill-per-token", "balance-abs-threshold", "balance-rel-threshold",
 }
 
 // setWithout returns the first of prefixOnly that was set, or "".
@@ -156,11 +160,15 @@ func (f *benchFlags) runPrefix(ctx context.Context) error {
 	if p.prefillSims < 1 || p.decodeSims < 1 || p.blockSize < 1 || p.kvCacheBlocks < 1 || p.maxNumSeqs < 0 || p.prefillPerToken < 0 {
 		return errors.New("--prefill-sims, --decode-sims, --block-size and --kv-cache-blocks must be at least 1; --max-num-seqs and --prefill-per-token not negative")
 	}
+	if p.guardAbs < 0 || p.guardRel < 0 {
+		return errors.New("--balance-abs-threshold and --balance-rel-threshold must not be negative")
+	}
 	if p.windows < 1 {
 		return errors.New("--windows must be at least 1")
 	}
 	opts := bench.PolicyCompareOptions{
 		Variants: variants, Sims: sims, Windows: p.windows, Timeout: f.timeout,
+		GuardAbs: p.guardAbs, GuardRel: p.guardRel,
 		Bus: func() (string, func(), error) {
 			emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Host: "127.0.0.1", Port: -1})
 			if err != nil {
