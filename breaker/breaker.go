@@ -28,6 +28,7 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/config"
@@ -105,6 +106,10 @@ type Options struct {
 	// Registry receives the Service's metrics (narwhal_breaker_*) and its
 	// publisher's; nil means none are registered.
 	Registry prometheus.Registerer
+	// TracerProvider, when set, traces every probe: one span per probe
+	// with the engine ids and the outcome, whose traceparent both probe
+	// legs carry (docs/observability.md). Nil means no spans.
+	TracerProvider trace.TracerProvider
 }
 
 // Service is one breaker (SPEC §8). Create it with New and run it with Run;
@@ -117,6 +122,7 @@ type Service struct {
 	log        *slog.Logger
 	client     *engines.Client
 	ownsClient bool
+	tracer     trace.Tracer // nil: probes are not traced
 	reg        prometheus.Registerer
 	metrics    *metrics
 
@@ -201,6 +207,9 @@ func New(opts Options) (*Service, error) {
 		s.log = slog.Default()
 	}
 	s.log = s.log.With("breaker_id", s.id)
+	if opts.TracerProvider != nil {
+		s.tracer = opts.TracerProvider.Tracer(TracerName)
+	}
 	if s.client == nil {
 		s.client = NewProbeClient(cfg)
 		s.ownsClient = true

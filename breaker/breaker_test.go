@@ -264,7 +264,9 @@ func TestReadmissionOnlyAfterSuccessfulProbe(t *testing.T) {
 	// The probe was real: a one-token prefill on p1 and a decode on d1 of
 	// the handoff, with one backend request id.
 	pre, dec := probeRequests(h.sims["p1"]), probeRequests(h.sims["d1"])
-	if len(pre) != 1 || len(dec) != 1 || pre[0].Phase != "prefill" || dec[0].Phase != "decode" || pre[0].RequestID != dec[0].RequestID {
+	// Untraced probes carry no trace context.
+	if len(pre) != 1 || len(dec) != 1 || pre[0].Phase != "prefill" || dec[0].Phase != "decode" || pre[0].RequestID != dec[0].RequestID ||
+		pre[0].Traceparent != "" || dec[0].Traceparent != "" {
 		t.Fatalf("probe requests: prefill %+v decode %+v", pre, dec)
 	}
 	if st := h.sims["d1"].Stats(); st.KVPulled != 1 {

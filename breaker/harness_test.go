@@ -149,8 +149,18 @@ func (r *running) stop(t *testing.T) {
 // start runs a Service with breaker_id id until the test ends (or stop).
 func (h *harness) start(id string) *running {
 	h.t.Helper()
+	return h.startWith(id, nil)
+}
+
+// startWith is start with the Service's Options changed by options.
+func (h *harness) startWith(id string, options func(*Options)) *running {
+	h.t.Helper()
 	b := h.connect(id)
-	svc, err := New(Options{Config: h.cfg, Bus: b, ID: id, Logger: testLogger(h.t)})
+	opts := Options{Config: h.cfg, Bus: b, ID: id, Logger: testLogger(h.t)}
+	if options != nil {
+		options(&opts)
+	}
+	svc, err := New(opts)
 	if err != nil {
 		h.t.Fatal(err)
 	}
@@ -165,7 +175,14 @@ func (h *harness) start(id string) *running {
 // every engine.
 func (h *harness) startLeader(id string) *running {
 	h.t.Helper()
-	r := h.start(id)
+	return h.startLeaderWith(id, nil)
+}
+
+// startLeaderWith is startLeader with the Service's Options changed by
+// options.
+func (h *harness) startLeaderWith(id string, options func(*Options)) *running {
+	h.t.Helper()
+	r := h.startWith(id, options)
 	testkit.WaitFor(h.t, waitBound, id+" to lead", r.Leader)
 	// A new leader writes every entry again, in its name and lease term.
 	for _, e := range h.cfg.Fleet {

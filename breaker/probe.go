@@ -51,7 +51,8 @@ func NewProbeClient(cfg *config.Config) *engines.Client {
 // carries no transfer parameters (R-LEG-4). Each leg is bounded by ctx and
 // c's timeouts (see NewProbeClient). When the decode request fails before
 // its stream opens, the handoff is released at the producer where its
-// connector can (R-OWN-6).
+// connector can (R-OWN-6). When ctx carries a span, both legs carry its
+// traceparent.
 //
 // It returns nil when the decode produced generated output and ended with
 // [DONE]; otherwise the leg's *engines.Fault (its EngineID and Phase name the
@@ -80,6 +81,7 @@ func ProbeTransfer(ctx context.Context, c *engines.Client, producer, consumer *e
 		Producer:         producer,
 		Consumer:         consumer,
 	}
+	req.SetTrace(ctx)
 	result, err := c.Prefill(ctx, req)
 	if err != nil {
 		return err

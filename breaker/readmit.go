@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nuid"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/engines/connector"
@@ -32,6 +33,8 @@ type probe struct {
 	// joining: the engine is joining the fleet (R-FLEET-2), as of the
 	// round's start.
 	joining bool
+	// span is the probe's span; nil when probes are not traced (trace.go).
+	span trace.Span
 }
 
 // readmitLoop runs a readmission round every recovery.readmit_interval_s
@@ -73,6 +76,9 @@ func (s *Service) round(ctx context.Context) {
 	}
 	pctx, cancel := context.WithTimeout(ctx, s.probeBudget)
 	defer cancel()
+	for _, p := range due {
+		s.startProbeSpan(p)
+	}
 
 	parallel(due, func(p *probe) { s.check(ctx, pctx, p) })
 	checked := map[string]bool{}
@@ -95,6 +101,7 @@ func (s *Service) round(ctx context.Context) {
 	})
 	for _, p := range due {
 		s.conclude(ctx, p, now)
+		p.endSpan()
 	}
 }
 
@@ -222,7 +229,7 @@ func (s *Service) transfer(ctx, pctx context.Context, p *probe) {
 		return
 	}
 	producer, consumer := &p.prodE.Engine, &p.consE.Engine
-	err := ProbeTransfer(pctx, s.client, producer, consumer, p.model)
+	err := ProbeTransfer(p.traced(pctx), s.client, producer, consumer, p.model)
 	switch {
 	case err == nil:
 		p.outcome = schemas.ProbeSuccess

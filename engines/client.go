@@ -66,6 +66,15 @@ type Request struct {
 	// Producer runs the prefill leg, Consumer the decode leg; the same
 	// engine for a same-worker attempt.
 	Producer, Consumer *Engine
+	// Traceparent is the W3C trace context header sent on the next leg
+	// ("00-<32 hex trace id>-<16 hex parent span id>-<2 hex flags>"), so
+	// that an engine that traces (vLLM) joins the request's trace; empty
+	// sends none. The caller sets it per leg: each leg's span is the
+	// parent of that leg's engine spans.
+	Traceparent string
+	// Tracestate is the W3C tracestate header sent with Traceparent;
+	// empty sends none. SetTrace sets both from a span (trace.go).
+	Tracestate string
 }
 
 // SameWorker reports whether producer and consumer are one engine, in
@@ -254,7 +263,7 @@ func (c *Client) Prefill(ctx context.Context, req *Request) (*connector.PrefillR
 	legCtx, cancel := withTimeoutCause(ctx, c.prefillTimeout, errPrefillTimeout)
 	defer cancel()
 	started := time.Now()
-	resp, err := c.do(legCtx, c.prefillHTTP, p.Credential, p.URL+req.Body.Endpoint, req.BackendRequestID, body)
+	resp, err := c.do(legCtx, c.prefillHTTP, p.Credential, p.URL+req.Body.Endpoint, req, body)
 	if err != nil {
 		return nil, classifyTransport(ctx, legCtx, err, schemas.PhasePrefill, p.ID, true)
 	}
@@ -373,14 +382,15 @@ func (c *Client) Decode(ctx context.Context, req *Request, result *connector.Pre
 		kv = result.AppendDescriptor(nil)
 	}
 	body := req.Body.AppendDecodeBody(make([]byte, 0, req.Body.Size()+len(kv)+96), kv)
-	return c.openStream(ctx, req.Consumer, req.Body.Endpoint, req.BackendRequestID, body)
+	return c.openStream(ctx, req, body)
 }
 
-// do sends one POST with the engine's credential. The body is an in-memory
+// do sends one POST of req's leg with the engine's credential, req's
+// backend request id and its trace context. The body is an in-memory
 // reader, so net/http writes headers and body together in one write (a
 // reader it does not know gets its headers flushed first: two syscalls per
 // leg).
-func (c *Client) do(ctx context.Context, hc *http.Client, cred Credential, url, requestID string, body []byte) (*http.Response, error) {
+func (c *Client) do(ctx context.Context, hc *http.Client, cred Credential, url string, req *Request, body []byte) (*http.Response, error) {
 	hreq, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
 	if err != nil {
 		return nil, err
@@ -388,8 +398,9 @@ func (c *Client) do(ctx context.Context, hc *http.Client, cred Credential, url, 
 	hreq.Header = http.Header{
 		"Content-Type": {"application/json"},
 		"Accept":       {"application/json, text/event-stream"},
-		"X-Request-Id": {requestID},
+		"X-Request-Id": {req.BackendRequestID},
 	}
+	req.writeTrace(hreq.Header)
 	cred.Authorize(hreq.Header)
 	return hc.Do(hreq)
 }

@@ -260,3 +260,53 @@ func TestNewEngine(t *testing.T) {
 		t.Fatalf("unknown connector: %v", err)
 	}
 }
+
+// TestLegsSendTraceContext: a Request's Traceparent and Tracestate go on
+// the leg as the W3C headers, one value per leg (each leg's span is its
+// engine's parent), beside X-Request-Id (R-OWN-4); without them neither
+// header is sent (docs/observability.md, Tracing).
+func TestLegsSendTraceContext(t *testing.T) {
+	psrv, p := startSim(t, "p1", "prefill")
+	dsrv, d := startSim(t, "d1", "decode")
+	c := NewClient(Options{})
+	defer c.CloseIdleConnections()
+	const tpPrefill = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+	const tpDecode = "00-4bf92f3577b34da6a3ce929d0e0e4736-b7ad6b7169203331-01"
+	for _, traced := range []bool{true, false} {
+		psrv.ResetRequests()
+		dsrv.ResetRequests()
+		req := &Request{Body: parse(t, schemas.EndpointCompletions, `{"model":"m","prompt":"one two","max_tokens":2,"stream":true}`),
+			BackendRequestID: "r-1-t", Producer: p, Consumer: d}
+		if traced {
+			req.Traceparent, req.Tracestate = tpPrefill, "vendor=a"
+		}
+		res, err := c.Prefill(context.Background(), req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if traced {
+			req.Traceparent = tpDecode
+		}
+		s, err := c.Decode(context.Background(), req, res)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for {
+			if _, _, err := s.Next(); err != nil {
+				break
+			}
+		}
+		s.Close()
+		pr, dr := psrv.Requests(), dsrv.Requests()
+		if len(pr) != 1 || len(dr) != 1 || pr[0].RequestID != "r-1-t" || dr[0].RequestID != "r-1-t" {
+			t.Fatalf("recorded prefill %+v decode %+v", pr, dr)
+		}
+		want := [4]string{tpPrefill, "vendor=a", tpDecode, "vendor=a"}
+		if !traced {
+			want = [4]string{}
+		}
+		if got := [4]string{pr[0].Traceparent, pr[0].Tracestate, dr[0].Traceparent, dr[0].Tracestate}; got != want {
+			t.Fatalf("traced=%v: trace headers prefill (%q, %q) decode (%q, %q), want %q", traced, got[0], got[1], got[2], got[3], want)
+		}
+	}
+}

@@ -76,11 +76,12 @@ var readerPool = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 2<<
 
 // openStream starts the first-token budget, sends the decode request and
 // waits for response headers.
-func (c *Client) openStream(ctx context.Context, consumer *Engine, endpoint, requestID string, body []byte) (*Stream, error) {
+func (c *Client) openStream(ctx context.Context, req *Request, body []byte) (*Stream, error) {
+	consumer := req.Consumer
 	s := &Stream{parent: ctx, engineID: consumer.ID, readTimeout: c.readTimeout, start: time.Now()}
 	s.ctx, s.cancel = context.WithCancelCause(ctx)
 	s.timer = time.AfterFunc(c.firstTokenBudget(), s.onTimer)
-	resp, err := c.do(s.ctx, c.http, consumer.Credential, consumer.URL+endpoint, requestID, body)
+	resp, err := c.do(s.ctx, c.http, consumer.Credential, consumer.URL+req.Body.Endpoint, req, body)
 	if err != nil {
 		f := classifyTransport(ctx, s.ctx, err, schemas.PhaseDecode, consumer.ID, true)
 		s.stop()

@@ -72,6 +72,21 @@ func (a *avoidSet) blame(f *fleet, fault *engines.Fault) {
 // up to its first generated output. Every fault it returns is already
 // recorded, and the attempt's reservations and stream are released.
 func (c *call) attempt(avoid *avoidSet) *engines.Fault {
+	if f := c.tracePlace(avoid); f != nil {
+		return f
+	}
+	c.backendID = c.id + "-" + strconv.Itoa(c.attempts) + "-" + newID()[:8]
+	ereq := &engines.Request{Body: c.req, BackendRequestID: c.backendID, Producer: &c.producer.Engine, Consumer: &c.consumer.Engine}
+	if f := c.tracePrefill(ereq); f != nil {
+		return f
+	}
+	return c.traceDecode(ereq)
+}
+
+// place reserves a prefill slot and a decode slot for the attempt
+// (R-OWN-3), avoiding the engines in avoid (R-RETRY-3), or returns the
+// no_engine fault of the phase that has no eligible engine.
+func (c *call) place(avoid *avoidSet) *engines.Fault {
 	rt := c.rt
 	prod, err := rt.fleet().place(c.req.Model, prefillPhase, avoid[prefillPhase])
 	if err != nil {
@@ -84,12 +99,7 @@ func (c *call) attempt(avoid *avoidSet) *engines.Fault {
 	}
 	c.producer, c.consumer = prod, cons
 	c.holdPrefill, c.holdDecode = true, true
-	c.backendID = c.id + "-" + strconv.Itoa(c.attempts) + "-" + newID()[:8]
-	ereq := &engines.Request{Body: c.req, BackendRequestID: c.backendID, Producer: &prod.Engine, Consumer: &cons.Engine}
-	if f := c.prefill(ereq); f != nil {
-		return f
-	}
-	return c.decodeUntilOutput(ereq)
+	return nil
 }
 
 // prefill runs the prefill leg and keeps its result (R-LEG-2). The

@@ -66,6 +66,9 @@ type call struct {
 	bodyBytes        int64      // held against server.max_body_bytes_inflight until finish
 	key              *clientKey // the caller's API key; nil on an open router (R-API-9)
 	holdKey          bool       // key's in-flight slot is taken
+
+	trace                   *callTrace // the request's spans; nil when tracing is off (trace.go)
+	traceparent, tracestate string     // with tracing off: the client's trace context, passed to the legs
 }
 
 // heldChunk is a metadata chunk read before the first generated output,
@@ -82,6 +85,7 @@ func (rt *Router) serveCompletion(fctx *fasthttp.RequestCtx, endpoint string, ke
 	c := rt.arrive(fctx)
 	if c != nil {
 		c.key = key
+		c.traceArrive(fctx, endpoint)
 	}
 	if c == nil || !c.prepare(fctx, endpoint) {
 		return
@@ -309,7 +313,9 @@ func (c *call) finish() {
 		c.cancel(context.Canceled)
 		c.cancelDeadline()
 	}
-	c.record(time.Now())
+	now := time.Now()
+	c.record(now)
+	c.traceEnd(now)
 }
 
 func (c *call) releasePrefill() {

@@ -125,6 +125,13 @@ func newStackOn(t *testing.T, defs []engineDef, mutate func(*config.Config), wra
 // logw.
 func newStackLogged(t *testing.T, defs []engineDef, mutate func(*config.Config), wrap func(net.Listener) net.Listener, logw io.Writer) *stack {
 	t.Helper()
+	return newStackWith(t, defs, mutate, wrap, logw, nil)
+}
+
+// newStackWith is newStackLogged with the router's Options changed by
+// options (nil: as newStackLogged makes them).
+func newStackWith(t *testing.T, defs []engineDef, mutate func(*config.Config), wrap func(net.Listener) net.Listener, logw io.Writer, options func(*Options)) *stack {
+	t.Helper()
 	s := &stack{t: t, sims: map[string]*sim.Server{}, events: &events{}}
 	cfg := config.Default()
 	cfg.Router.ID = "rt-test"
@@ -143,7 +150,11 @@ func newStackLogged(t *testing.T, defs []engineDef, mutate func(*config.Config),
 		t.Fatal(err)
 	}
 	s.cfg = &cfg
-	rt, err := New(Options{Config: &cfg, Publisher: s.events, Logger: slog.New(slog.NewTextHandler(logw, nil)), ShutdownGrace: time.Second})
+	opts := Options{Config: &cfg, Publisher: s.events, Logger: slog.New(slog.NewTextHandler(logw, nil)), ShutdownGrace: time.Second}
+	if options != nil {
+		options(&opts)
+	}
+	rt, err := New(opts)
 	if err != nil {
 		t.Fatal(err)
 	}

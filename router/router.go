@@ -28,6 +28,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/valyala/fasthttp"
 	"github.com/valyala/fasthttp/fasthttpadaptor"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/config"
@@ -65,6 +66,12 @@ type Options struct {
 	// Ready, when set, is consulted by /readyz in addition to the fleet
 	// (for example: is the bus reachable, R-API-2).
 	Ready func() bool
+	// TracerProvider, when set, traces every client request: a span per
+	// request with child spans per placement, prefill leg, handoff check
+	// and decode leg, the legs carrying their span's traceparent
+	// (docs/observability.md). Nil turns tracing off: no span is made and
+	// the legs carry only a traceparent the client sent.
+	TracerProvider trace.TracerProvider
 }
 
 // Router serves the OpenAI-compatible front end over a fleet of engines.
@@ -85,6 +92,7 @@ type Router struct {
 	server  *fasthttp.Server
 	front   *frontDoor
 	ready   func() bool
+	tracer  trace.Tracer // nil: tracing off
 
 	base       context.Context
 	baseCancel context.CancelCauseFunc
@@ -173,6 +181,9 @@ func New(opts Options) (*Router, error) {
 		ready:   opts.Ready,
 		grace:   opts.ShutdownGrace,
 		refresh: opts.ModelRefresh,
+	}
+	if opts.TracerProvider != nil {
+		rt.tracer = opts.TracerProvider.Tracer(TracerName)
 	}
 	rt.live.Store(f)
 	rt.knownEligible = map[string]bool{}

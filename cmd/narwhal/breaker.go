@@ -85,7 +85,12 @@ func breakerID() string {
 
 // runBreaker runs a breaker.Service with breaker_id id on b until ctx ends.
 func runBreaker(ctx context.Context, cfg *config.Config, b *bus.Bus, id string, reg prometheus.Registerer, log *slog.Logger) error {
-	svc, err := breaker.New(breaker.Options{Config: cfg, Bus: b, ID: id, Logger: log.With("component", "breaker"), Registry: reg})
+	tp, stopTracing, err := startTracing(ctx, breakerService, id, log)
+	if err != nil {
+		return err
+	}
+	defer stopTracing()
+	svc, err := breaker.New(breaker.Options{Config: cfg, Bus: b, ID: id, Logger: log.With("component", "breaker"), Registry: reg, TracerProvider: tp})
 	if err != nil {
 		return err
 	}
@@ -97,8 +102,13 @@ func runBreaker(ctx context.Context, cfg *config.Config, b *bus.Bus, id string, 
 // in-process breaker of a single-node router, SPEC §14) and returns the
 // function that stops it and waits for it; call it before closing b.
 func startBreaker(ctx context.Context, cfg *config.Config, b *bus.Bus, id string, reg prometheus.Registerer, log *slog.Logger) (stop func(), err error) {
-	svc, err := breaker.New(breaker.Options{Config: cfg, Bus: b, ID: id, Logger: log.With("component", "breaker"), Registry: reg})
+	tp, stopTracing, err := startTracing(ctx, breakerService, id, log)
 	if err != nil {
+		return nil, err
+	}
+	svc, err := breaker.New(breaker.Options{Config: cfg, Bus: b, ID: id, Logger: log.With("component", "breaker"), Registry: reg, TracerProvider: tp})
+	if err != nil {
+		stopTracing()
 		return nil, err
 	}
 	bctx, cancel := context.WithCancel(ctx)
@@ -112,6 +122,7 @@ func startBreaker(ctx context.Context, cfg *config.Config, b *bus.Bus, id string
 	return func() {
 		cancel()
 		<-done
+		stopTracing()
 	}, nil
 }
 

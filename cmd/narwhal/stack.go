@@ -142,11 +142,17 @@ func runRouterWith(ctx context.Context, r routerRun) error {
 		defer stopBreaker()
 	}
 
+	tp, stopTracing, err := startTracing(ctx, routerService, cfg.Router.ID, log)
+	if err != nil {
+		return err
+	}
+	defer stopTracing()
 	rt, err := router.New(router.Options{
-		Config:    cfg,
-		Publisher: pub,
-		Registry:  reg,
-		Logger:    log,
+		Config:         cfg,
+		Publisher:      pub,
+		Registry:       reg,
+		Logger:         log,
+		TracerProvider: tp,
 	})
 	if err != nil {
 		return err

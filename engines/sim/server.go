@@ -502,6 +502,9 @@ func (s *Server) Stats() Stats {
 // first.
 func (s *Server) Requests() []RecordedRequest { return s.recorder.list() }
 
+// ResetRequests empties the request log, as DELETE /sim/requests does.
+func (s *Server) ResetRequests() { s.recorder.reset() }
+
 // record keeps a copy of a request for Requests; checked says body is
 // already known to be valid JSON.
 func (s *Server) record(r *http.Request, phase string, body []byte, checked bool) {
@@ -509,7 +512,21 @@ func (s *Server) record(r *http.Request, phase string, body []byte, checked bool
 	if !checked && !json.Valid(raw) {
 		raw, _ = json.Marshal(string(body))
 	}
-	s.recorder.add(RecordedRequest{Path: r.URL.Path, RequestID: r.Header.Get("X-Request-Id"), Phase: phase, Body: raw})
+	s.recorder.add(RecordedRequest{Path: r.URL.Path, RequestID: r.Header.Get("X-Request-Id"), Phase: phase, Body: raw,
+		Traceparent: recordedHeader(r, "Traceparent"), Tracestate: recordedHeader(r, "Tracestate")})
+}
+
+// maxRecordedHeader bounds each header value the request log keeps.
+const maxRecordedHeader = 1024
+
+// recordedHeader is r's header name as the request log keeps it: the
+// first value, cut to maxRecordedHeader bytes.
+func recordedHeader(r *http.Request, name string) string {
+	v := r.Header.Get(name)
+	if len(v) > maxRecordedHeader {
+		v = v[:maxRecordedHeader]
+	}
+	return v
 }
 
 var (

@@ -414,12 +414,13 @@ func TestInfoEndpoints(t *testing.T) {
 	}
 }
 
-// TestRecordedRequests: /sim/requests lists path, X-Request-Id, phase and
-// raw body; DELETE clears it.
+// TestRecordedRequests: /sim/requests lists path, X-Request-Id, phase,
+// the trace context headers and raw body; DELETE clears it.
 func TestRecordedRequests(t *testing.T) {
 	s, url := startEngine(t, Config{})
 	c := newClient(t)
-	readBody(t, post(t, c, url+"/v1/completions", completionBody("rec", "max_tokens", 1), "X-Request-Id", "a1"))
+	const tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+	readBody(t, post(t, c, url+"/v1/completions", completionBody("rec", "max_tokens", 1), "X-Request-Id", "a1", "Traceparent", tp, "Tracestate", "vendor=x"))
 	readBody(t, post(t, c, url+"/v1/chat/completions", chatBody("rec", "max_tokens", 1, "kv_transfer_params", map[string]any{"do_remote_decode": true}), "X-Request-Id", "a2"))
 	st, b := get(t, c, url+"/sim/requests")
 	var recs []RecordedRequest
@@ -429,6 +430,9 @@ func TestRecordedRequests(t *testing.T) {
 	if recs[0].Path != "/v1/completions" || recs[0].RequestID != "a1" || recs[0].Phase != PhaseDecode ||
 		recs[1].Path != "/v1/chat/completions" || recs[1].RequestID != "a2" || recs[1].Phase != PhasePrefill {
 		t.Fatalf("recorded %+v", recs)
+	}
+	if recs[0].Traceparent != tp || recs[0].Tracestate != "vendor=x" || recs[1].Traceparent != "" || recs[1].Tracestate != "" {
+		t.Fatalf("recorded trace headers %+v", recs)
 	}
 	var body map[string]any
 	if err := json.Unmarshal(recs[0].Body, &body); err != nil || body["prompt"] != "rec" {

@@ -91,6 +91,11 @@ type RecordedRequest struct {
 	// Phase is "prefill" or "decode" for inference requests (see Fault),
 	// empty for others.
 	Phase string `json:"phase"`
+	// Traceparent and Tracestate are the W3C trace context headers as
+	// received (at most maxRecordedHeader bytes each), empty when absent:
+	// tests see with them that a router joins each leg to its trace.
+	Traceparent string `json:"traceparent,omitempty"`
+	Tracestate  string `json:"tracestate,omitempty"`
 	// Body is the request body as received; a body that is not valid JSON
 	// is recorded as a JSON string of its bytes.
 	Body json.RawMessage `json:"body"`
