@@ -105,6 +105,19 @@ func bucketWatch(name string) []string {
 	}
 }
 
+// streamWatch is what reading stream name through ephemeral consumers
+// named in the subject takes, and no more (bucketWatch's acts, for a
+// stream of Narwhal's own): its info, creating, reading and deleting such
+// consumers, pulling from them, their flow control.
+func streamWatch(stream string) []string {
+	return []string{
+		jsAPI + "STREAM.INFO." + stream,
+		jsAPI + "CONSUMER.*." + stream + ".>",
+		jsAPI + "CONSUMER.MSG.NEXT." + stream + ".>",
+		"$JS.FC." + stream + ".>",
+	}
+}
+
 // bucketWrite is what writing keys of KV bucket name takes (a put, a
 // delete and a purge are each a publish on the key's subject).
 func bucketWrite(name string) []string { return []string{"$KV." + name + ".>"} }
@@ -143,7 +156,9 @@ func viewerDenied() []string {
 // stream's info; beyond that:
 //
 //   - router: publish failure, quarantine, handoff and request events;
-//     subscribe to quarantine events; read narwhal_placement,
+//     subscribe to quarantine events; publish and subscribe to prefix
+//     placements (narwhal.prefix.<router_id>) and read stream
+//     NARWHAL_PREFIX through consumers of its own (R-PLACE-2); read narwhal_placement,
 //     narwhal_breaker (the lease its placement values are checked
 //     against, R-BUS-9) and narwhal_chaos; watch narwhal_fleet; write its
 //     in-flight report in narwhal_routers (R-FLEET-3) — it cannot write
@@ -180,8 +195,9 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 			eventsPub("failure", "quarantine", "handoff", "request"),
 			bucketRead(PlacementBucket), bucketRead(LeaseBucket), bucketRead(ChaosBucket),
 			bucketWatch(FleetBucket),
-			[]string{jsAPI + "STREAM.INFO.KV_" + RoutersBucket}, bucketWrite(RoutersBucket))
-		sub = append(sub, SubjectPrefix+"quarantine.>")
+			[]string{jsAPI + "STREAM.INFO.KV_" + RoutersBucket}, bucketWrite(RoutersBucket),
+			[]string{PrefixSubjectPrefix + "*"}, streamWatch(PrefixStream))
+		sub = append(sub, SubjectPrefix+"quarantine.>", PrefixSubjectPrefix+"*")
 	case RoleBreaker:
 		pub = slices.Concat(common,
 			eventsPub("eligibility", "probe", "fleet"),

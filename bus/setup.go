@@ -188,7 +188,8 @@ func bucketConfigs(replicas int, leaseTTL time.Duration) []jetstream.KeyValueCon
 	}
 }
 
-// Setup creates stream NARWHAL_EVENTS and buckets narwhal_placement,
+// Setup creates streams NARWHAL_EVENTS, NARWHAL_HISTORY and NARWHAL_PREFIX
+// (the routers' prefix placements) and buckets narwhal_placement,
 // narwhal_breaker, narwhal_fleet, narwhal_routers and narwhal_chaos on js, or updates those whose settings
 // differ from Narwhal's — never deleting or recreating any (R-BUS-7), and
 // never changing the replicas of one that exists: it logs the replicas it
@@ -241,6 +242,9 @@ func (b *Bus) setupOnce(ctx context.Context, stream jetstream.StreamConfig, buck
 		return err
 	}
 	if err := ensureStream(ctx, b.js, historyConfig(stream.Replicas), log); err != nil {
+		return err
+	}
+	if err := ensureStream(ctx, b.js, prefixStreamConfig(stream.Replicas), log); err != nil {
 		return err
 	}
 	for _, want := range buckets {
@@ -372,14 +376,14 @@ func (b *Bus) BindBucket(ctx context.Context, name string) (jetstream.KeyValue, 
 // a cluster starting at the same time) won: the next attempt finds it.
 var errCreateRace = errors.New("created meanwhile by another admin")
 
-// Replicas returns the replica count of streams NARWHAL_EVENTS and
-// NARWHAL_HISTORY and of each of Narwhal's buckets as they are on the server, keyed by the stream's or
+// Replicas returns the replica count of streams NARWHAL_EVENTS,
+// NARWHAL_HISTORY and NARWHAL_PREFIX and of each of Narwhal's buckets as they are on the server, keyed by the stream's or
 // bucket's name (e.g. "NARWHAL_EVENTS", "narwhal_placement"); a missing
 // one is absent. It reads only (R-BUS-8) and returns the server's error
 // for anything but a missing stream or bucket.
 func (b *Bus) Replicas(ctx context.Context) (map[string]int, error) {
 	out := map[string]int{}
-	names := map[string]string{StreamName: StreamName, HistoryStream: HistoryStream}
+	names := map[string]string{StreamName: StreamName, HistoryStream: HistoryStream, PrefixStream: PrefixStream}
 	for _, kv := range bucketConfigs(1, DefaultLeaseTTL) {
 		names["KV_"+kv.Bucket] = kv.Bucket
 	}

@@ -1,0 +1,185 @@
+package bus_test
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/narwhalmesh/narwhal/bus"
+)
+
+// TestPrefixBatchRoundTrip: what PrefixBatch encodes, ParsePrefixBatch
+// decodes, placement by placement, and a batch never grows past
+// PrefixMaxBatch (R-PLACE-2's shared index).
+func TestPrefixBatchRoundTrip(t *testing.T) {
+	var b bus.PrefixBatch
+	b.Reset("router-a")
+	want := []bus.PrefixPlacement{
+		{EngineID: "p1", Hashes: []uint64{1, 2, 3}},
+		{EngineID: "p2", Hashes: []uint64{^uint64(0)}},
+		{EngineID: "p1", Hashes: []uint64{7}},
+	}
+	for _, p := range want {
+		if !b.Add(p.EngineID, p.Hashes) {
+			t.Fatalf("Add %v refused", p)
+		}
+	}
+	id, got, err := bus.ParsePrefixBatch(b.Bytes())
+	if err != nil || id != "router-a" || len(got) != len(want) {
+		t.Fatalf("parse: %q %v %v", id, got, err)
+	}
+	for i := range want {
+		if got[i].EngineID != want[i].EngineID || !slices.Equal(got[i].Hashes, want[i].Hashes) {
+			t.Fatalf("placement %d: %v, want %v", i, got[i], want[i])
+		}
+	}
+
+	// Invalid placements are refused; a full batch refuses more.
+	b.Reset("r")
+	if b.Add("", []uint64{1}) || b.Add("p1", nil) || b.Add(strings.Repeat("x", 256), []uint64{1}) || b.Add("p1", make([]uint64, bus.PrefixMaxHashes+1)) {
+		t.Fatal("an invalid placement was added")
+	}
+	full := make([]uint64, bus.PrefixMaxHashes)
+	n := 0
+	for b.Add("p1", full) {
+		n++
+	}
+	if n == 0 || len(b.Bytes()) > bus.PrefixMaxBatch || b.Len() != n {
+		t.Fatalf("%d placements in %d bytes", n, len(b.Bytes()))
+	}
+	if _, got, err := bus.ParsePrefixBatch(b.Bytes()); err != nil || len(got) != n {
+		t.Fatalf("a full batch: %d placements, %v", len(got), err)
+	}
+
+	// Reuse allocates nothing once grown.
+	hs := []uint64{1, 2, 3, 4}
+	if a := testing.AllocsPerRun(100, func() { b.Reset("router-a"); b.Add("p1", hs); _ = b.Bytes() }); a != 0 {
+		t.Fatalf("a reused batch allocates %v times", a)
+	}
+}
+
+// TestParsePrefixBatchRefusesHostileInput: every malformed batch from
+// the bus is refused whole (R-BUS-9).
+func TestParsePrefixBatchRefusesHostileInput(t *testing.T) {
+	var b bus.PrefixBatch
+	b.Reset("r1")
+	b.Add("p1", []uint64{1, 2})
+	good := slices.Clone(b.Bytes())
+	cases := map[string][]byte{
+		"empty":         nil,
+		"other magic":   append([]byte("NWP2"), good[4:]...),
+		"truncated":     good[:len(good)-1],
+		"trailing byte": append(slices.Clone(good), 0),
+		"no router id":  append([]byte("NWP1\x00"), good[7:]...),
+		"bad utf-8 id":  append([]byte("NWP1\x02\xff\xfe"), good[7:]...),
+		"too large":     make([]byte, bus.PrefixMaxBatch+1),
+	}
+	zeroCount := slices.Clone(good)
+	binary.LittleEndian.PutUint16(zeroCount[7:], 0)
+	cases["no placements"] = zeroCount[:9]
+	moreCount := slices.Clone(good)
+	binary.LittleEndian.PutUint16(moreCount[7:], 2)
+	cases["count past the end"] = moreCount
+	zeroHashes := slices.Clone(good)
+	binary.LittleEndian.PutUint16(zeroHashes[12:], 0)
+	cases["placement without hashes"] = zeroHashes[:14]
+	manyHashes := slices.Clone(good)
+	binary.LittleEndian.PutUint16(manyHashes[12:], 60000)
+	cases["hashes past the end"] = manyHashes
+	for name, data := range cases {
+		if _, p, err := bus.ParsePrefixBatch(data); !errors.Is(err, bus.ErrPrefixBatch) || p != nil {
+			t.Errorf("%s: %v %v, want a refusal", name, p, err)
+		}
+	}
+}
+
+// FuzzParsePrefixBatch: no input panics, and whatever is accepted encodes
+// back to the same bytes.
+func FuzzParsePrefixBatch(f *testing.F) {
+	var b bus.PrefixBatch
+	b.Reset("r1")
+	b.Add("p1", []uint64{1, 2})
+	f.Add(slices.Clone(b.Bytes()))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		id, ps, err := bus.ParsePrefixBatch(data)
+		if err != nil {
+			return
+		}
+		var again bus.PrefixBatch
+		again.Reset(id)
+		for _, p := range ps {
+			if !again.Add(p.EngineID, p.Hashes) {
+				t.Fatalf("accepted placement %v does not encode", p)
+			}
+		}
+		if string(again.Bytes()) != string(data) {
+			t.Fatal("accepted batch does not encode back to itself")
+		}
+	})
+}
+
+// TestPrefixPlacementPermissions (R-BUS-8, R-PLACE-2): a router publishes
+// prefix placements, other routers receive them at once and find them in
+// stream NARWHAL_PREFIX through a consumer of their own; no other role
+// may publish placements.
+func TestPrefixPlacementPermissions(t *testing.T) {
+	e, dir := authServer(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	routerA := connectAs(t, e, dir, bus.RoleRouter)
+	routerB := connectAs(t, e, dir, bus.RoleRouter)
+
+	got := make(chan []byte, 1)
+	sub, err := routerB.Conn().Subscribe(bus.PrefixSubjectPrefix+"*", func(m *nats.Msg) { got <- m.Data })
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Unsubscribe()
+	if err := routerB.Conn().Flush(); err != nil {
+		t.Fatal(err)
+	}
+	var b bus.PrefixBatch
+	b.Reset("router-a")
+	b.Add("p1", []uint64{42})
+	if err := routerA.Conn().Publish(bus.PrefixSubject("router-a"), b.Bytes()); err != nil {
+		t.Fatal(err)
+	}
+	if err := routerA.Conn().Flush(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case data := <-got:
+		if _, ps, err := bus.ParsePrefixBatch(data); err != nil || ps[0].Hashes[0] != 42 {
+			t.Fatalf("router B received %v %v", ps, err)
+		}
+	case <-time.After(waitBound):
+		t.Fatal("router B received nothing")
+	}
+	if err := routerA.PermissionError(); err != nil {
+		t.Fatalf("router A publishing placements: %v", err)
+	}
+
+	oc, err := routerB.JetStream().OrderedConsumer(ctx, bus.PrefixStream, jetstream.OrderedConsumerConfig{})
+	if err != nil {
+		t.Fatalf("router reads the prefix stream: %v", err)
+	}
+	msg, err := oc.Next(jetstream.FetchMaxWait(waitBound))
+	if err != nil || msg.Subject() != bus.PrefixSubject("router-a") {
+		t.Fatalf("router reads the prefix stream: %v %v", msg, err)
+	}
+
+	for _, role := range []string{bus.RoleBreaker, bus.RoleEngine, bus.RoleChaos, bus.RoleViewer} {
+		other := connectAs(t, e, dir, role)
+		denied(t, other, role+" publishes a prefix placement", "narwhal.prefix.router-a", func(ctx context.Context) error {
+			_, err := other.JetStream().Publish(ctx, bus.PrefixSubject("router-a"), b.Bytes())
+			return err
+		})
+	}
+}
