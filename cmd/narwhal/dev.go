@@ -22,7 +22,7 @@ import (
 
 func init() {
 	commands["dev"] = command{
-		summary: "run the whole stack on this machine: embedded NATS, a router, 2 prefill and 2 decode simulators",
+		summary: "run the whole stack on this machine: embedded NATS, a router, 2 prefill and 2 decode simulators, the fleet page",
 		run:     runDev,
 	}
 }
@@ -38,17 +38,19 @@ const devBusPort = 4222
 // devBusConnectBound bounds the dev stack's connection to its bus.
 const devBusConnectBound = 10 * time.Second
 
-// runDev is `narwhal dev [--listen HOST:PORT] [--chaos]` (SPEC §14):
-// embedded NATS on TCP (see startDevBus) with the breaker on it, a router,
-// two prefill and two decode simulators on free ports, and a banner with a
-// ready-to-paste curl. With --chaos a chaos proxy stands in front of each
-// simulator. Ctrl-C stops everything.
+// runDev is `narwhal dev [--listen HOST:PORT] [--chaos] [--dashboard
+// HOST:PORT]` (SPEC §14): embedded NATS on TCP (see startDevBus) with the
+// breaker on it, a router, two prefill and two decode simulators on free
+// ports, the live fleet page (default 127.0.0.1:8081), and a banner with a
+// ready-to-paste curl and the page's URL. With --chaos a chaos proxy
+// stands in front of each simulator. Ctrl-C stops everything.
 func runDev(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("narwhal dev", flag.ContinueOnError)
 	listen := fs.String("listen", "127.0.0.1:8080", "HOST:PORT for the router")
 	ttft := fs.Duration("ttft", 0, "simulated time to first token of each decode")
 	itl := fs.Duration("itl", 0, "simulated inter-token latency")
 	chaosMode := fs.Bool("chaos", false, "put a chaos proxy in front of every simulator, armed with narwhal chaos arm (docs/chaos.md)")
+	page := fs.String("dashboard", defaultDashboardListen, "`HOST:PORT` for the live fleet page (a free port when taken; empty: none)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -104,6 +106,14 @@ func runDev(ctx context.Context, args []string) error {
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
+	if *page != "" {
+		url, stop, err := startDevDashboard(ctx, db.b, cfg, *page, log)
+		if err != nil {
+			return err
+		}
+		defer stop() // before the bus closes
+		db.page = url
+	}
 	if err := db.startBreaker(ctx, cfg, log); err != nil {
 		return err
 	}
@@ -130,6 +140,9 @@ Follow the events from another terminal:
 
 NARWHAL_NATS_URL=%[3]s %[4]s events
 `, base, devModel, natsURL, self)
+	if db.page != "" {
+		fmt.Fprintf(w, "\nWatch the fleet live in a browser: %s\n", db.page)
+	}
 	if db.chaos == nil {
 		return
 	}
@@ -188,6 +201,7 @@ type devBus struct {
 	breaker func()    // stops the dev breaker; nil when none runs
 	stops   []func()  // stop the chaos proxies
 	fronts  []string  // "chaos <engine> <proxy URL> -> <sim URL>"
+	page    string    // the live fleet page's URL; "" when none runs
 }
 
 // startDevBus starts the bus of `narwhal dev`: an embedded NATS server with

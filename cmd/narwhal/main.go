@@ -8,6 +8,7 @@
 //	narwhal bus --listen HOST:PORT --data DIR
 //	narwhal sim --role prefill|decode|both --listen HOST:PORT --engine-id ID --model NAME
 //	narwhal events [--kind K] [--engine ID] [--since DUR] [--json]
+//	narwhal dashboard [--listen HOST:PORT]       the live fleet page
 //	narwhal preflight --config FILE
 //	narwhal chaos proxy|arm|list|disarm|run
 //	narwhal bench
