@@ -116,6 +116,7 @@ func simConfig(cfg LocalConfig, role, id string) sim.Config {
 	return sim.Config{
 		Role: role, EngineID: id, Model: cfg.Model, TTFT: cfg.TTFT, ITL: cfg.ITL,
 		PrefillPerToken: cfg.PrefillPerToken,
+		BlockSize:       cfg.BlockSize, KVCacheBlocks: cfg.KVCacheBlocks, MaxNumSeqs: cfg.MaxNumSeqs,
 	}
 }
 

@@ -69,14 +69,10 @@ func (s PolicySims) withDefaults() PolicySims {
 		s.BlockSize = sim.BlockSize
 	}
 	if s.KVCacheBlocks <= 0 {
-		s.KVCacheBlocks = defaultSimCacheBlocks
+		s.KVCacheBlocks = sim.DefaultKVCacheBlocks
 	}
 	return s
 }
-
-// defaultSimCacheBlocks is the simulator's default prefix cache capacity
-// (its --kv-cache-blocks default), assumed by the oracle when none is set.
-const defaultSimCacheBlocks = 4096
 
 // PolicyCompareOptions configure ComparePolicies.
 type PolicyCompareOptions struct {

@@ -5,7 +5,9 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"math"
+	"net/http"
 	"os"
 	"strings"
 	"testing"
@@ -414,6 +416,18 @@ func TestComparePoliciesRuns(t *testing.T) {
 		if n != 12 {
 			t.Fatalf("%s: %d prefill legs, want 12", p.Name, n)
 		}
+		// Every prefill leg looked its whole prompt up once: the fleet's
+		// queries are the trace's prompt tokens.
+		if !p.CacheCounters || p.QueryTokens != tr.PromptTokens() || p.HitTokens < 0 || p.HitTokens > p.QueryTokens {
+			t.Fatalf("%s: counters %v, %d hits of %d queries, want %d queries", p.Name, p.CacheCounters, p.HitTokens, p.QueryTokens, tr.PromptTokens())
+		}
+		if p.HitRate != float64(p.HitTokens)/float64(p.QueryTokens) || p.HitRateOfIdeal != p.HitRate/pc.Ideal.HitRate {
+			t.Fatalf("%s: hit rate %v, of ideal %v", p.Name, p.HitRate, p.HitRateOfIdeal)
+		}
+	}
+	// The sims ran with the asked cache settings.
+	if pc.Sims.BlockSize != 4 || pc.Sims.KVCacheBlocks != 64 {
+		t.Fatalf("sims %+v", pc.Sims)
 	}
 	// Windows alternate the order: a b, b a, a b.
 	var order []string
@@ -423,5 +437,51 @@ func TestComparePoliciesRuns(t *testing.T) {
 	}
 	if got := strings.Join(order, " "); got != "least_loaded prefix prefix least_loaded least_loaded prefix" {
 		t.Fatalf("window order %q", got)
+	}
+}
+
+// TestOracleMatchesSimulator: requests sent one at a time to a single
+// simulator whose cache is small enough to evict get exactly the hits the
+// oracle computes for one engine of that size: the oracle's blocks,
+// chaining, last-token rule and eviction order are the simulator's.
+func TestOracleMatchesSimulator(t *testing.T) {
+	w := testPrefixWorkload()
+	w.Tenants, w.QueriesPerUser = 4, 3 // 24 requests, 4 contexts of 10 blocks
+	tr, err := NewTrace(w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := sim.New(sim.Config{Role: sim.RoleBoth, EngineID: "e", Model: "m", BlockSize: 4, KVCacheBlocks: 25})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	url, err := s.Start("127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	client := &http.Client{Timeout: 10 * time.Second}
+	defer client.CloseIdleConnections()
+	for i, r := range tr.Requests {
+		resp, err := client.Post(url+"/v1/chat/completions", "application/json", bytes.NewReader(r.Body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("request %d: status %d", i, resp.StatusCode)
+		}
+	}
+	got, err := readCacheCounts(context.Background(), client, url)
+	if err != nil || !got.ok {
+		t.Fatalf("counters %+v, %v", got, err)
+	}
+	want, _ := Oracle{BlockSize: 4, Engines: 1, CacheBlocks: 25}.Run(tr)
+	if got.queries != want.QueryTokens || got.hits != want.HitTokens {
+		t.Fatalf("simulator %d hits of %d, oracle %d of %d", got.hits, got.queries, want.HitTokens, want.QueryTokens)
+	}
+	if want.HitTokens == 0 || want.HitRate > 0.9 {
+		t.Fatalf("oracle %+v: the trace should both hit and evict", want)
 	}
 }
