@@ -48,7 +48,9 @@ func NewProbeClient(cfg *config.Config) *engines.Client {
 // one-token prefill of ProbePrompt for model on producer with a new
 // handoff, then a decode of that handoff on consumer, read to its [DONE]. When
 // producer and consumer are the same engine the transfer is same-worker and
-// carries no transfer parameters (R-LEG-4). Each leg is bounded by ctx and
+// carries no transfer parameters (R-LEG-4). With a connector whose legs
+// run at once (sglang) both legs start together with the same body, as a
+// router's attempt does (R-DESC-7). Each leg is bounded by ctx and
 // c's timeouts (see NewProbeClient). When the decode request fails before
 // its stream opens, the handoff is released at the producer where its
 // connector can (R-OWN-6). When ctx carries a span, both legs carry its
@@ -82,6 +84,9 @@ func ProbeTransfer(ctx context.Context, c *engines.Client, producer, consumer *e
 		Consumer:         consumer,
 	}
 	req.SetTrace(ctx)
+	if connector.Concurrent(producer.Connector) || connector.Concurrent(consumer.Connector) {
+		return probeConcurrent(ctx, c, req)
+	}
 	result, err := c.Prefill(ctx, req)
 	if err != nil {
 		return err
@@ -99,6 +104,42 @@ func ProbeTransfer(ctx context.Context, c *engines.Client, producer, consumer *e
 		}
 		if err != nil {
 			return err
+		}
+	}
+}
+
+// probeConcurrent is ProbeTransfer for a connector whose legs run at once
+// (SGLang, R-DESC-7): the router's own path — fresh bootstrap fields, one
+// body to both engines, the prefill watched — with the decode read to its
+// [DONE] and the prefill's answer waited for: the probe passes only when
+// both legs succeeded.
+func probeConcurrent(ctx context.Context, c *engines.Client, req *engines.Request) error {
+	b, err := engines.NewBootstrap(req)
+	if err != nil {
+		return engines.NewFault(engines.KindPrefillResponse, schemas.PhasePrefill, req.Producer.ID, 0, err.Error())
+	}
+	legs, stream, err := c.StartSGLang(ctx, req, b, nil)
+	if legs == nil {
+		return err
+	}
+	defer legs.Close()
+	if err != nil {
+		return err
+	}
+	defer stream.Close()
+	for {
+		_, kind, err := stream.Next()
+		if err == io.EOF {
+			if f := legs.Wait(); f != nil {
+				return f
+			}
+			return nil
+		}
+		if err != nil {
+			return legs.Blame(err, req.Consumer.ID)
+		}
+		if kind == schemas.ChunkOutput && !legs.Commit() {
+			return legs.Failed()
 		}
 	}
 }

@@ -180,6 +180,9 @@ func (s *Service) pair(p *probe, eligible, checked map[string]bool) {
 	}
 	wantProducer := e.Role == connector.RoleDecode
 	can := func(c *engine) bool {
+		if c.Connector.Name() != e.Connector.Name() {
+			return false // engines of different connectors cannot hand off KV
+		}
 		if wantProducer {
 			return c.Role.CanPrefill()
 		}

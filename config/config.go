@@ -388,6 +388,11 @@ type EngineSpec struct {
 	// Connector is the engine's KV connector; Load and Parse set
 	// connector.DefaultName (nixl) when the file names none.
 	Connector string `yaml:"connector"`
+	// BootstrapPort is the port of a prefill SGLang engine's bootstrap
+	// server (SGLang's --disaggregation-bootstrap-port, 8998 by default
+	// there), required on prefill engines of connector sglang and refused
+	// on every other engine (SPEC R-DESC-7); 0 when absent.
+	BootstrapPort int `yaml:"bootstrap_port"`
 	// PrefillSlots and DecodeSlots are how many prefill / decode phases may
 	// run on the engine at once; 0 means no limit (R-OWN-3).
 	PrefillSlots int `yaml:"prefill_slots"`
@@ -411,7 +416,7 @@ func (s EngineSpec) FleetEntry(by string, now time.Time) schemas.FleetEntry {
 	now = now.UTC()
 	return schemas.FleetEntry{
 		Schema: schemas.SchemaFleetEntry, EngineID: s.ID, URL: s.URL, Role: string(s.Role), Connector: s.Connector,
-		PrefillSlots: s.PrefillSlots, DecodeSlots: s.DecodeSlots, APIKeyEnv: s.APIKeyEnv,
+		BootstrapPort: s.BootstrapPort, PrefillSlots: s.PrefillSlots, DecodeSlots: s.DecodeSlots, APIKeyEnv: s.APIKeyEnv,
 		State: schemas.FleetActive, Since: now, At: now, Source: schemas.SourceConfig, By: by,
 		Reason: "seeded from the configuration's fleet",
 	}
@@ -682,6 +687,10 @@ func (c *Config) Validate() error {
 		}
 		if !slices.Contains(connector.Names(), s.Connector) {
 			bad(key("connector"), "must be one of %s, got %q", strings.Join(connector.Names(), ", "), s.Connector)
+		} else if s.Role.Valid() {
+			if field, problem := connector.CheckEngine(s.Connector, s.Role, s.BootstrapPort); field != "" {
+				bad(key(field), "%s", problem)
+			}
 		}
 		if s.PrefillSlots < 0 {
 			bad(key("prefill_slots"), "must be >= 0, got %d", s.PrefillSlots)
@@ -690,7 +699,43 @@ func (c *Config) Validate() error {
 			bad(key("decode_slots"), "must be >= 0, got %d", s.DecodeSlots)
 		}
 	}
+	checkConnectorPairs(c.Fleet, bad)
 	return errors.Join(errs...)
+}
+
+// checkConnectorPairs refuses a fleet whose producers of one connector
+// have consumers only of another (SPEC R-DESC-3, R-DESC-7): a prefill and
+// a decode of different connectors cannot hand KV to each other, so such
+// an engine could never serve. A fleet of one connector, or one whose
+// every connector has both phases, passes (several models may each run on
+// their own connector), as does a fleet without one of the phases at all.
+func checkConnectorPairs(fleet []EngineSpec, bad func(key, format string, args ...any)) {
+	prefill, decode := map[string]bool{}, map[string]bool{}
+	known := func(s EngineSpec) bool { return slices.Contains(connector.Names(), s.Connector) }
+	for _, s := range fleet {
+		if !known(s) {
+			continue // refused on its own
+		}
+		if s.Role.CanPrefill() {
+			prefill[s.Connector] = true
+		}
+		if s.Role.CanDecode() {
+			decode[s.Connector] = true
+		}
+	}
+	if len(prefill) == 0 || len(decode) == 0 {
+		return
+	}
+	for i, s := range fleet {
+		key := "fleet[" + strconv.Itoa(i) + "].connector"
+		switch {
+		case !known(s):
+		case s.Role.CanPrefill() && !decode[s.Connector]:
+			bad(key, "prefill engine %s uses %s, but no decode engine does (a producer and a consumer of different connectors cannot hand off KV)", s.ID, s.Connector)
+		case s.Role.CanDecode() && !prefill[s.Connector]:
+			bad(key, "decode engine %s uses %s, but no prefill engine does (a producer and a consumer of different connectors cannot hand off KV)", s.ID, s.Connector)
+		}
+	}
 }
 
 func finite(v float64) bool { return !math.IsNaN(v) && !math.IsInf(v, 0) }

@@ -525,7 +525,7 @@ func TestValidateNamesEveryKey(t *testing.T) {
 		{func(c *Config) { c.Bus.TLSCert = "cert.pem" }, "config: bus.tls_cert: bus.tls_cert and bus.tls_key go together (a client certificate and its key), got only one"},
 		{func(c *Config) { c.EngineContract.Version = "~0.10" }, `config: engine_contract.version: bad version constraint "~0.10": clause "~0.10": want a dotted numeric version such as 0.10`},
 		{func(c *Config) { c.EngineContract.Version = ">=0.10,," }, `config: engine_contract.version: bad version constraint ">=0.10,,": clause "": want a dotted numeric version such as 0.10`},
-		{func(c *Config) { c.EngineContract.Connector = "lmcache" }, `config: engine_contract.connector: must be one of nixl, got "lmcache"`},
+		{func(c *Config) { c.EngineContract.Connector = "lmcache" }, `config: engine_contract.connector: must be one of nixl, sglang, got "lmcache"`},
 		{func(c *Config) { c.Fleet[1].ID = "" }, `config: fleet[1].id: must be non-empty and hold only letters, digits, '-' and '_', got ""`},
 		{func(c *Config) { c.Fleet[1].ID = "d.1" }, `config: fleet[1].id: must be non-empty and hold only letters, digits, '-' and '_', got "d.1"`},
 		{func(c *Config) { c.Fleet[1].ID = "p1" }, `config: fleet[1].id: duplicate id "p1" (also fleet[0])`},
@@ -533,10 +533,27 @@ func TestValidateNamesEveryKey(t *testing.T) {
 		{func(c *Config) { c.Fleet[0].URL = "grpc://10.0.0.11:8000" }, `config: fleet[0].url: must be an absolute http or https URL, got "grpc://10.0.0.11:8000"`},
 		{func(c *Config) { c.Fleet[0].URL = "http:///v1" }, `config: fleet[0].url: must be an absolute http or https URL, got "http:///v1"`},
 		{func(c *Config) { c.Fleet[0].Role = "producer" }, `config: fleet[0].role: must be "prefill", "decode" or "both", got "producer"`},
-		{func(c *Config) { c.Fleet[0].Connector = "" }, `config: fleet[0].connector: must be one of nixl, got ""`},
-		{func(c *Config) { c.Fleet[0].Connector = "mooncake" }, `config: fleet[0].connector: must be one of nixl, got "mooncake"`},
+		{func(c *Config) { c.Fleet[0].Connector = "" }, `config: fleet[0].connector: must be one of nixl, sglang, got ""`},
+		{func(c *Config) { c.Fleet[0].Connector = "mooncake" }, `config: fleet[0].connector: must be one of nixl, sglang, got "mooncake"`},
 		{func(c *Config) { c.Fleet[0].PrefillSlots = -1 }, "config: fleet[0].prefill_slots: must be >= 0, got -1"},
 		{func(c *Config) { c.Fleet[1].DecodeSlots = -2 }, "config: fleet[1].decode_slots: must be >= 0, got -2"},
+		// The sglang connector (R-DESC-7): a prefill names its bootstrap
+		// port, nothing else has one, no role both; a nixl producer with
+		// only an sglang consumer (or the reverse) is a mix that cannot
+		// hand off (R-DESC-3).
+		{func(c *Config) { c.Fleet[0].Connector, c.Fleet[1].Connector = "sglang", "sglang" },
+			"config: fleet[0].bootstrap_port: must be set on a prefill sglang engine (the port of its bootstrap server)"},
+		{func(c *Config) { c.Fleet[0].BootstrapPort = 8998 },
+			"config: fleet[0].bootstrap_port: only engines of a connector with a bootstrap server (sglang) have one, not nixl"},
+		{func(c *Config) {
+			c.Fleet[0].Connector, c.Fleet[1].Connector, c.Fleet[0].BootstrapPort, c.Fleet[1].BootstrapPort = "sglang", "sglang", 8998, 70000
+		}, "config: fleet[1].bootstrap_port: must be a port number (1 to 65535)"},
+		{func(c *Config) {
+			c.Fleet[0].Connector, c.Fleet[1].Connector, c.Fleet[0].BootstrapPort, c.Fleet[1].Role = "sglang", "sglang", 8998, "both"
+		}, "config: fleet[1].role: an sglang engine runs in one disaggregation mode: prefill or decode, not both"},
+		{func(c *Config) { c.Fleet[0].Connector, c.Fleet[0].BootstrapPort = "sglang", 8998 },
+			"config: fleet[0].connector: prefill engine p1 uses sglang, but no decode engine does (a producer and a consumer of different connectors cannot hand off KV)\n" +
+				"config: fleet[1].connector: decode engine d1 uses nixl, but no prefill engine does (a producer and a consumer of different connectors cannot hand off KV)"},
 	}
 	for _, tc := range cases {
 		c := valid()
@@ -550,7 +567,7 @@ func TestValidateNamesEveryKey(t *testing.T) {
 			t.Errorf("got  %s\nwant %s", err, tc.want)
 		}
 		kes := keyErrors(t, err)
-		if len(kes) != 1 || !strings.HasPrefix(tc.want, "config: "+kes[0].Key+": ") || kes[0].Env != "" {
+		if len(kes) != strings.Count(tc.want, "\n")+1 || !strings.HasPrefix(tc.want, "config: "+kes[0].Key+": ") || kes[0].Env != "" {
 			t.Errorf("%s: key errors %+v", tc.want, kes)
 		}
 	}
@@ -615,7 +632,7 @@ func TestYAMLErrorsNameTheKey(t *testing.T) {
 		"unknown contract key": {"engine_contract:\n  modle: m\n",
 			"config: engine_contract.modle: unknown key (known keys here: model, engine, version, connector)"},
 		"unknown fleet key": {"fleet:\n  - id: p1\n    url: http://h:1\n    role: prefill\n    slots: 2\n",
-			"config: fleet[0].slots: unknown key (known keys here: id, url, role, connector, prefill_slots, decode_slots, api_key_env)"},
+			"config: fleet[0].slots: unknown key (known keys here: id, url, role, connector, bootstrap_port, prefill_slots, decode_slots, api_key_env)"},
 		"string for a number": {"engine:\n  first_token_timeout_s: 30s\n",
 			`config: engine.first_token_timeout_s: must be a number, got string "30s"`},
 		"fraction for an integer": {"recovery:\n  eject_after: 1.5\n",

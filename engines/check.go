@@ -34,6 +34,7 @@ func FromConfig(fleet []config.EngineSpec) ([]Engine, error) {
 			return nil, fmt.Errorf("fleet engine %s: %w", spec.ID, err)
 		}
 		e.Credential = NewCredential(spec.APIKey.Reveal())
+		e.BootstrapPort = spec.BootstrapPort
 		out = append(out, e)
 	}
 	return out, nil

@@ -40,6 +40,9 @@ type Engine struct {
 	// Credential is the engine's API key, sent on every request to it;
 	// zero for an engine without one.
 	Credential Credential
+	// BootstrapPort is the port of a prefill SGLang engine's bootstrap
+	// server (fleet entry bootstrap_port, R-DESC-7); 0 for other engines.
+	BootstrapPort int
 }
 
 // NewEngine returns the Engine with id, the base URL baseURL (trailing

@@ -12,7 +12,8 @@ import (
 // bucket narwhal_fleet, SPEC R-FLEET-1) describes, with its credential
 // read from the environment variable the entry names (none when it names
 // none or the variable is empty: the engine then refuses, and the router
-// says so). It returns an error for an unknown connector or role; the
+// says so). It returns an error for an unknown connector or role, or
+// connector settings connector.CheckEngine refuses; the
 // entry is expected to be schema-valid already.
 func FromFleetEntry(e schemas.FleetEntry) (Engine, error) {
 	role := connector.Role(e.Role)
@@ -23,6 +24,10 @@ func FromFleetEntry(e schemas.FleetEntry) (Engine, error) {
 	if err != nil {
 		return Engine{}, fmt.Errorf("engines: engine %s: %w", e.EngineID, err)
 	}
+	if field, problem := connector.CheckEngine(e.Connector, role, e.BootstrapPort); field != "" {
+		return Engine{}, fmt.Errorf("engines: engine %s: %s: %s", e.EngineID, field, problem)
+	}
+	eng.BootstrapPort = e.BootstrapPort
 	if e.APIKeyEnv != "" {
 		eng.Credential = NewCredential(os.Getenv(e.APIKeyEnv))
 	}
@@ -30,9 +35,10 @@ func FromFleetEntry(e schemas.FleetEntry) (Engine, error) {
 }
 
 // SameSpec reports whether two fleet entries describe the same engine
-// (URL, role, connector, slots, API key variable), whatever their states:
+// (URL, role, connector, bootstrap port, slots, API key variable), whatever their states:
 // a change of any of these makes a process build the engine anew.
 func SameSpec(a, b schemas.FleetEntry) bool {
 	return a.EngineID == b.EngineID && a.URL == b.URL && a.Role == b.Role && a.Connector == b.Connector &&
+		a.BootstrapPort == b.BootstrapPort &&
 		a.PrefillSlots == b.PrefillSlots && a.DecodeSlots == b.DecodeSlots && a.APIKeyEnv == b.APIKeyEnv
 }

@@ -23,13 +23,16 @@ import (
 // slot limits — 0 for none — and the name of the variable holding its
 // API key, "" for none).
 type Spec struct {
-	ID           string
-	URL          string
-	Role         string
-	Connector    string
-	PrefillSlots int
-	DecodeSlots  int
-	APIKeyEnv    string
+	ID        string
+	URL       string
+	Role      string
+	Connector string
+	// BootstrapPort is a prefill SGLang engine's bootstrap port; 0 for
+	// other engines.
+	BootstrapPort int
+	PrefillSlots  int
+	DecodeSlots   int
+	APIKeyEnv     string
 }
 
 // ErrTaken is returned by Register when the engine id is in the fleet
@@ -98,7 +101,7 @@ func (r *Registration) entry(state, reason string) schemas.FleetEntry {
 	now := time.Now().UTC()
 	return schemas.FleetEntry{
 		Schema: schemas.SchemaFleetEntry, EngineID: r.spec.ID, URL: r.spec.URL, Role: r.spec.Role, Connector: r.spec.Connector,
-		PrefillSlots: r.spec.PrefillSlots, DecodeSlots: r.spec.DecodeSlots, APIKeyEnv: r.spec.APIKeyEnv,
+		BootstrapPort: r.spec.BootstrapPort, PrefillSlots: r.spec.PrefillSlots, DecodeSlots: r.spec.DecodeSlots, APIKeyEnv: r.spec.APIKeyEnv,
 		State: state, Since: now, At: now, Source: schemas.SourceRegistration, By: r.by, Reason: reason,
 		TTLS: r.ttl.Seconds(),
 	}

@@ -137,7 +137,10 @@ func Run(ctx context.Context, cfg *config.Config, opts Options) (*Report, error)
 
 	for _, p := range fleet {
 		for _, c := range fleet {
-			if p.Role.CanPrefill() && c.Role.CanDecode() {
+			// Engines of different connectors cannot hand off KV: no
+			// transfer between them is permitted (config validation
+			// refuses a fleet where that leaves an engine unpaired).
+			if p.Role.CanPrefill() && c.Role.CanDecode() && p.Connector.Name() == c.Connector.Name() {
 				r.Transfers = append(r.Transfers, Transfer{Producer: p, Consumer: c})
 			}
 		}

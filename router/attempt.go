@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/narwhalmesh/narwhal/engines"
+	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -77,6 +78,15 @@ func (c *call) attempt(avoid *avoidSet) *engines.Fault {
 	}
 	c.backendID = c.id + "-" + strconv.Itoa(c.attempts) + "-" + newID()[:8]
 	ereq := &engines.Request{Body: c.req, BackendRequestID: c.backendID, Producer: &c.producer.Engine, Consumer: &c.consumer.Engine}
+	if connector.Concurrent(c.producer.Connector) {
+		// Both legs at once (sglang.go), under the request's span.
+		if c.trace == nil {
+			ereq.Traceparent, ereq.Tracestate = c.traceparent, c.tracestate
+		} else {
+			ereq.SetTrace(c.trace.ctx)
+		}
+		return c.concurrentAttempt(ereq)
+	}
 	if f := c.tracePrefill(ereq); f != nil {
 		return f
 	}
@@ -92,7 +102,7 @@ func (c *call) place(avoid *avoidSet) *engines.Fault {
 	if err != nil {
 		return noEngine(prefillPhase)
 	}
-	cons, err := rt.fleet().place(c.req.Model, decodePhase, avoid[decodePhase])
+	cons, err := rt.fleet().placeConsumer(c.req.Model, avoid[decodePhase], prod.Connector.Name())
 	if err != nil {
 		prod.release(prefillPhase)
 		return noEngine(decodePhase)

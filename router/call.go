@@ -45,6 +45,7 @@ type call struct {
 	holdPrefill        bool // producer's prefill slot is reserved
 	holdDecode         bool // consumer's decode slot is reserved
 	result             *connector.PrefillResult
+	legs               *engines.SGLangLegs // the legs of a concurrent attempt (sglang.go)
 	backendID          string
 	stream             *engines.Stream
 	pending            []heldChunk // metadata read before the first output
@@ -301,6 +302,7 @@ func (c *call) finish() {
 	c.watch.stop()
 	c.watch = nil
 	c.closeStream()
+	c.closeLegs(c.first != nil)
 	if c.result != nil {
 		c.abandon("client_disconnected")
 	}

@@ -224,13 +224,25 @@ func (e *errNoEngine) Error() string { return "no eligible engine for " + e.phas
 // loaded of them (R-RETRY-3). It returns *errNoEngine when none can take
 // the phase.
 func (f *fleet) place(model string, p phase, avoid []*member) (*member, error) {
+	return f.placeIf(model, p, avoid, nil)
+}
+
+// placeConsumer is place for the decode phase among the engines of
+// connector conn only: a producer and a consumer of different connectors
+// cannot hand off KV, so a mixed fleet never pairs them (R-DESC-3).
+func (f *fleet) placeConsumer(model string, avoid []*member, conn string) (*member, error) {
+	return f.placeIf(model, decodePhase, avoid, func(m *member) bool { return m.Connector.Name() == conn })
+}
+
+// placeIf is place among the engines fit accepts (all when fit is nil).
+func (f *fleet) placeIf(model string, p phase, avoid []*member, fit func(*member) bool) (*member, error) {
 	now := time.Now().UnixNano()
 	for try := 0; try < 4; try++ {
 		// Least outstanding wins; ties are broken uniformly at random
 		// (reservoir sampling), so idle engines share the load evenly.
 		var best, fallback pick
 		for _, m := range f.members {
-			if !m.can(p) || !m.available(now) || !m.serves(model) {
+			if !m.can(p) || !m.available(now) || !m.serves(model) || (fit != nil && !fit(m)) {
 				continue
 			}
 			load := m.reserved[p].Load()

@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -141,7 +142,15 @@ func newStackWith(t *testing.T, defs []engineDef, mutate func(*config.Config), w
 		srv := simtest.Start(t, sc)
 		url := srv.URL()
 		s.sims[d.id] = srv
-		cfg.Fleet = append(cfg.Fleet, config.EngineSpec{ID: d.id, URL: url, Role: connector.Role(d.role), Connector: "nixl"})
+		spec := config.EngineSpec{ID: d.id, URL: url, Role: connector.Role(d.role), Connector: "nixl"}
+		if sc.Connector == sim.ConnectorSGLang {
+			spec.Connector = connector.SGLangName
+			if d.role == sim.RolePrefill {
+				_, port, _ := net.SplitHostPort(srv.KVAddr())
+				spec.BootstrapPort, _ = strconv.Atoi(port)
+			}
+		}
+		cfg.Fleet = append(cfg.Fleet, spec)
 	}
 	if mutate != nil {
 		mutate(&cfg)

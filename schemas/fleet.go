@@ -69,6 +69,10 @@ type FleetEntry struct {
 	// the engine; 0 = no limit.
 	PrefillSlots int `json:"prefill_slots,omitempty"`
 	DecodeSlots  int `json:"decode_slots,omitempty"`
+	// BootstrapPort is the port of the engine's bootstrap server, where
+	// SGLang consumers meet it for the KV (connector sglang, prefill-capable
+	// engines; SPEC R-DESC-7); 0 (absent) otherwise.
+	BootstrapPort int `json:"bootstrap_port,omitempty"`
 	// APIKeyEnv names the environment variable holding the engine's API
 	// key, empty when it has none.
 	APIKeyEnv string `json:"api_key_env,omitempty"`

@@ -131,7 +131,9 @@ func ParseRequest(endpoint string, body []byte) (*Request, error) {
 }
 
 // ParseLimited validates a client body for endpoint (SPEC R-API-4) and
-// returns the parsed request with kv_transfer_params removed (R-API-5).
+// returns the parsed request with kv_transfer_params removed (R-API-5),
+// and SGLang's bootstrap_host, bootstrap_port, bootstrap_room and
+// bootstrap_pair_key too (R-DESC-7: the router writes its own).
 // It keeps a private copy of body. It returns a *RequestError (status 400)
 // for invalid JSON, a body that is not an object, a missing or non-string
 // model, missing messages (chat) or prompt (completions), a non-boolean
@@ -160,6 +162,8 @@ func ParseLimited(endpoint string, body []byte, lim Limits) (*Request, error) {
 		switch string(m.key) {
 		case "kv_transfer_params":
 			continue // R-API-5
+		case "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key":
+			continue // SGLang's bootstrap fields are the router's to write (R-DESC-7)
 		case "model":
 			model = m.raw
 		case "messages":
@@ -411,4 +415,51 @@ func appendRawMember(dst []byte, first *bool, keyRaw, raw []byte) []byte {
 	dst = append(dst, keyRaw...)
 	dst = append(dst, ':')
 	return append(dst, raw...)
+}
+
+// Prompts returns how many prompts the request carries: for completions,
+// the length of a batched prompt (a JSON array of strings or of token
+// arrays); 1 for everything else (a string, one token array, chat).
+func (r *Request) Prompts() int {
+	if r.Endpoint != EndpointCompletions {
+		return 1
+	}
+	raw, ok := r.Member("prompt")
+	if !ok {
+		return 1
+	}
+	raw = bytes.TrimSpace(raw)
+	if len(raw) == 0 || raw[0] != '[' {
+		return 1
+	}
+	n, batched := 0, false
+	Elements(raw, func(e []byte) bool {
+		n++
+		if n == 1 {
+			batched = e[0] == '"' || e[0] == '['
+		}
+		return batched
+	})
+	if !batched || n < 1 {
+		return 1
+	}
+	return n
+}
+
+// AppendBootstrapBody appends the one body both legs of an SGLang attempt
+// receive (SPEC R-DESC-7): the decode body of AppendDecodeBody without
+// transfer parameters (the client's members, "stream":true,
+// stream_options with include_usage), followed by members — raw JSON
+// object members without braces, e.g.
+// "bootstrap_host":"10.0.0.11","bootstrap_port":8998,"bootstrap_room":7 —
+// which must not repeat a member the body has (the client's bootstrap
+// fields are removed by ParseLimited).
+func (r *Request) AppendBootstrapBody(dst []byte, members []byte) []byte {
+	dst = r.AppendDecodeBody(dst, nil)
+	if len(members) == 0 {
+		return dst
+	}
+	dst = append(dst[:len(dst)-1], ',')
+	dst = append(dst, members...)
+	return append(dst, '}')
 }

@@ -11,6 +11,7 @@ import (
 	"net/url"
 	"os"
 	"regexp"
+	"strings"
 	"time"
 
 	"github.com/narwhalmesh/narwhal/bus"
@@ -51,6 +52,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	id := fs.String("id", "", "fleet-unique engine `ID` (required)")
 	role := fs.String("role", "", "prefill, decode or both (required)")
 	conn := fs.String("connector", "nixl", "the engine's KV connector")
+	bootstrapPort := fs.Int("bootstrap-port", 0, "a prefill SGLang engine's bootstrap `PORT` (its --disaggregation-bootstrap-port)")
 	prefillSlots := fs.Int("prefill-slots", 0, "prefill phases at once on the engine (0: no limit)")
 	decodeSlots := fs.Int("decode-slots", 0, "decode phases at once on the engine (0: no limit)")
 	apiKeyEnv := fs.String("api-key-env", "", "`VAR` holding the engine's API key, in the agent's and every router's environment")
@@ -62,7 +64,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
-	spec := membership.Spec{ID: *id, URL: *engineURL, Role: *role, Connector: *conn,
+	spec := membership.Spec{ID: *id, URL: *engineURL, Role: *role, Connector: *conn, BootstrapPort: *bootstrapPort,
 		PrefillSlots: *prefillSlots, DecodeSlots: *decodeSlots, APIKeyEnv: *apiKeyEnv}
 	if err := checkSpec(spec); err != nil {
 		return err
@@ -105,6 +107,9 @@ func checkSpec(s membership.Spec) error {
 	}
 	if !connectorPattern.MatchString(s.Connector) {
 		return fmt.Errorf("--connector %q: 1 to 64 of a-z 0-9 _ -", s.Connector)
+	}
+	if field, problem := connector.CheckEngine(s.Connector, connector.Role(s.Role), s.BootstrapPort); field != "" && field != "connector" {
+		return fmt.Errorf("--%s: %s", strings.ReplaceAll(field, "_", "-"), problem)
 	}
 	if s.PrefillSlots < 0 || s.DecodeSlots < 0 {
 		return errors.New("--prefill-slots and --decode-slots must be >= 0")

@@ -72,6 +72,7 @@ func runFleet(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		fs.StringVar(&spec.URL, "url", "", "the engine's http(s) base `URL`")
 		fs.StringVar(&spec.Role, "role", "", "prefill, decode or both")
 		fs.StringVar(&spec.Connector, "connector", connector.DefaultName, "the KV connector: "+strings.Join(connector.Names(), ", "))
+		fs.IntVar(&spec.BootstrapPort, "bootstrap-port", 0, "a prefill SGLang engine's bootstrap `PORT` (connector sglang)")
 		fs.IntVar(&spec.PrefillSlots, "prefill-slots", 0, "prefill phases at once (0: no limit)")
 		fs.IntVar(&spec.DecodeSlots, "decode-slots", 0, "decode phases at once (0: no limit)")
 		fs.StringVar(&spec.APIKeyEnv, "api-key-env", "", "the environment `VAR` every process reads the engine's API key from")
@@ -200,6 +201,9 @@ func checkFleetSpec(e schemas.FleetEntry) error {
 	}
 	if !slices.Contains(connector.Names(), e.Connector) {
 		errs = append(errs, fmt.Errorf("--connector %q: want one of %s", e.Connector, strings.Join(connector.Names(), ", ")))
+	}
+	if field, problem := connector.CheckEngine(e.Connector, connector.Role(e.Role), e.BootstrapPort); field != "" && field != "connector" && connector.Role(e.Role).Valid() {
+		errs = append(errs, fmt.Errorf("--%s: %s", strings.ReplaceAll(field, "_", "-"), problem))
 	}
 	if e.PrefillSlots < 0 {
 		errs = append(errs, fmt.Errorf("--prefill-slots %d: want >= 0", e.PrefillSlots))

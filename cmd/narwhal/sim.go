@@ -7,7 +7,9 @@ import (
 	"flag"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
+	"strconv"
 
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/membership"
@@ -29,7 +31,8 @@ func init() {
 //	            [--kv-listen HOST:PORT] [--kv-host HOST] [--kv-timeout DUR]
 //	            [--engine-version V] [--engine-kind K] [--max-model-len N]
 //	            [--api-key KEY] [--tls-cert-file F --tls-key-file F]
-//	            [--fault JSON]… [--register [--advertise-url URL] [--connector C]]
+//	            [--connector nixl|sglang] [--bootstrap-port P]
+//	            [--fault JSON]… [--register [--advertise-url URL]]
 //
 // With --register it announces itself in the live fleet on the bus of
 // NARWHAL_NATS_URL (membership.registration_ttl_s, R-FLEET-4), heartbeats
@@ -66,7 +69,8 @@ func runSim(ctx context.Context, args []string) error {
 	keyFile := fs.String("tls-key-file", "", "PEM private key `FILE` of --tls-cert-file")
 	register := fs.Bool("register", false, "register in the live fleet on the bus of NARWHAL_NATS_URL, heartbeat, and leave it when stopped (docs/fleet.md)")
 	advertise := fs.String("advertise-url", "", "with --register: the base `URL` routers reach the simulator at (default: the URL it listens on)")
-	conn := fs.String("connector", "nixl", "with --register: the KV connector the fleet entry names")
+	fs.StringVar(&cfg.Connector, "connector", sim.ConnectorNixl, "the KV connector the engine speaks: nixl, or sglang (SGLang's bootstrap protocol; role prefill or decode)")
+	fs.IntVar(&cfg.BootstrapPort, "bootstrap-port", 0, "with --connector sglang: the bootstrap server's `PORT` on the --kv-listen host (default: --kv-listen's port)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -99,7 +103,11 @@ func runSim(ctx context.Context, args []string) error {
 	c := srv.Config()
 	fmt.Fprintf(os.Stdout, "sim %s (%s) listening on %s kv=%s\n", c.EngineID, c.Role, url, srv.KVAddr())
 	if *register {
-		spec := membership.Spec{ID: c.EngineID, URL: url, Role: c.Role, Connector: *conn}
+		spec := membership.Spec{ID: c.EngineID, URL: url, Role: c.Role, Connector: c.Connector}
+		if c.Connector == sim.ConnectorSGLang && c.Role == sim.RolePrefill {
+			_, port, _ := net.SplitHostPort(srv.KVAddr())
+			spec.BootstrapPort, _ = strconv.Atoi(port)
+		}
 		if *advertise != "" {
 			spec.URL = *advertise
 		}

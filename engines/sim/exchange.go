@@ -56,6 +56,9 @@ type completionRequest struct {
 	Tools               []toolSpec      `json:"tools"`
 	ToolChoice          json.RawMessage `json:"tool_choice"`
 	KVTransferParams    json.RawMessage `json:"kv_transfer_params"`
+	BootstrapHost       json.RawMessage `json:"bootstrap_host"`
+	BootstrapPort       json.RawMessage `json:"bootstrap_port"`
+	BootstrapRoom       json.RawMessage `json:"bootstrap_room"`
 }
 
 type toolSpec struct {
@@ -97,6 +100,9 @@ type exchange struct {
 	kvp     kvParams
 	faults  activeFaults
 
+	rooms    []uint64 // sglang: the request's bootstrap rooms, one per choice
+	bootAddr string   // sglang decode: the prefill's bootstrap server
+
 	body    []byte
 	buf     []byte
 	head    []byte // chunk prefix: {"id":…,"object":…,"created":…,"model":…,"choices":[
@@ -123,6 +129,7 @@ type exchange struct {
 	logprobs     bool
 	prefillLeg   bool
 	decodeLeg    bool
+	sglang       bool // a request paired by an sglang router (bootstrap.go)
 	aborted      bool
 }
 
@@ -135,6 +142,7 @@ func (x *exchange) reset(s *Server, w http.ResponseWriter, kind endpointKind) {
 		choices: x.choices[:0],
 		stop:    x.stop[:0],
 		hashes:  x.hashes[:0],
+		rooms:   x.rooms[:0],
 	}
 	x.s, x.w, x.kind = s, w, kind
 	x.flusher, _ = w.(interface{ FlushError() error })
@@ -153,8 +161,8 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request, kind end
 
 	status, msg := x.parse(r)
 	phase := PhaseDecode
-	if x.prefillLeg {
-		phase = PhasePrefill
+	if x.prefillLeg || (s.cfg.Connector == ConnectorSGLang && s.cfg.Role == RolePrefill) {
+		phase = PhasePrefill // sglang: both engines get the same body; the phase is the role
 	}
 	s.record(r, phase, x.body, status == 0)
 	if status != 0 {
@@ -320,6 +328,11 @@ func (x *exchange) parse(r *http.Request) (int, string) {
 	}
 	if x.kind == kindChat {
 		if status, msg := x.parseToolChoice(); status != 0 {
+			return status, msg
+		}
+	}
+	if s.cfg.Connector == ConnectorSGLang {
+		if status, msg := x.parseBootstrap(); status != 0 {
 			return status, msg
 		}
 	}
@@ -549,6 +562,9 @@ func (x *exchange) generate() {
 func (x *exchange) prepare() bool {
 	s := x.s
 	x.hashes = appendBlockHashes(x.hashes[:0], x.kind, x.prompt, s.cfg.BlockSize)
+	if x.sglang {
+		return x.prepareSGLang()
+	}
 	if x.decodeLeg {
 		reason, err := x.s.pullKV(x.ctx, &x.kvp, x.id, handoffDigest(x.kind, x.prompt))
 		if err != nil {
@@ -1158,7 +1174,7 @@ func (x *exchange) buildUnary() {
 // non-streaming prefill leg — and holds its KV blocks — or null
 // (ENGINE-SHAPES "Prefill response"). Descriptor faults alter it here.
 func (x *exchange) appendDescriptor(b []byte) []byte {
-	if !x.prefillLeg || x.choices[0].finish != FinishLength {
+	if !x.prefillLeg || x.sglang || x.choices[0].finish != FinishLength {
 		return append(b, "null"...)
 	}
 	if _, ok := x.faults.get(fkNoDescriptor); ok {

@@ -70,10 +70,23 @@ const (
 	// FaultWrongModel makes GET /v1/models list Message as the model, or
 	// "<model>-other" when Message is empty (R-BRK-6).
 	FaultWrongModel = "wrong-model"
+	// FaultRoomUnserved makes an sglang prefill answer as if it succeeded
+	// but never serve its rooms' KV on the bootstrap server: the decode
+	// waits for it until its own KV timeout (R-DESC-7).
+	FaultRoomUnserved = "room-unserved"
 )
 
 // Fault phases (Fault.Phase). A request is a prefill leg when its
-// kv_transfer_params.do_remote_decode is true, else it is a decode.
+// kv_transfer_params.do_remote_decode is true, else it is a decode. With
+// the sglang connector both engines of a pair receive the same body, so
+// the phase is the engine's role.
+//
+// On an sglang prefill, a silence, close, abort or error-object fault with
+// after_tokens 0 strikes during the prefill's forward pass, before its
+// rooms are served (the decode never gets the KV: a prefill that fails
+// after accepting the request, or hangs); with after_tokens ≥ 1 it strikes
+// after the rooms were served (the KV arrived; only the prefill's answer
+// fails).
 const (
 	PhaseAny     = "any"
 	PhasePrefill = "prefill"
@@ -133,6 +146,7 @@ const (
 	fkChangeConnectorShape
 	fkHealthStatus
 	fkWrongModel
+	fkRoomUnserved
 	numFaultKinds
 )
 
@@ -170,6 +184,8 @@ func faultKindOf(kind string) (faultKind, bool) {
 		return fkHealthStatus, true
 	case FaultWrongModel:
 		return fkWrongModel, true
+	case FaultRoomUnserved:
+		return fkRoomUnserved, true
 	}
 	return 0, false
 }
@@ -260,6 +276,8 @@ func (k faultKind) appliesTo(t faultTarget, prefillLeg, stream bool) bool {
 		return prefillLeg && !stream
 	case fkDoneBeforeToken:
 		return stream
+	case fkRoomUnserved:
+		return prefillLeg
 	}
 	return true
 }

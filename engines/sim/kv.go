@@ -67,6 +67,10 @@ type kvStore struct {
 	tombNext  int
 	nextBlock int
 	heldBlock int64
+	// rooms are the SGLang bootstrap rooms (bootstrap.go): waited for by
+	// decodes, served by this prefill.
+	rooms     map[uint64]*room
+	roomsHeld int // rooms served and not yet taken
 	served    int64
 	released  int64
 	expired   int64
@@ -75,6 +79,7 @@ type kvStore struct {
 func (k *kvStore) init() {
 	k.holds = make(map[string]*handoff)
 	k.tombs = make(map[string]tombstone)
+	k.rooms = make(map[uint64]*room)
 	k.nextBlock = 1
 }
 
@@ -149,6 +154,7 @@ func (k *kvStore) expire(now time.Time, timeout time.Duration) {
 	for id, h := range k.holds {
 		k.expireLocked(id, h, now, timeout)
 	}
+	k.expireRoomsLocked(now, timeout)
 }
 
 // pullRequest is the body of POST /kv/pull on the side channel.

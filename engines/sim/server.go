@@ -43,8 +43,14 @@ const (
 	// DefaultEngineVersion and DefaultEngineKind are reported by /version.
 	DefaultEngineVersion = "0.11.0"
 	DefaultEngineKind    = "vllm"
-	// ConnectorNixl is the only KV connector the simulator speaks.
+	// ConnectorNixl is vLLM's NixlConnector: a descriptor from the prefill's
+	// answer, pulled by the decode (the default).
 	ConnectorNixl = "nixl"
+	// ConnectorSGLang is SGLang's bootstrap protocol: both engines receive
+	// the same body with bootstrap_host, bootstrap_port and bootstrap_room;
+	// the decode meets the prefill's bootstrap server in the room (see
+	// bootstrap.go).
+	ConnectorSGLang = "sglang"
 )
 
 // maxBodyBytes bounds an inference request body; larger ones get 413.
@@ -94,16 +100,25 @@ type Config struct {
 	KVHost string
 	// KVTimeout is how long a producer holds unpulled blocks before it
 	// releases them (default DefaultKVTimeout, vLLM's
-	// VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
+	// VLLM_NIXL_ABORT_REQUEST_TIMEOUT). With the sglang connector it is
+	// also how long a decode waits for its room's KV before it fails the
+	// request, as SGLang's decode does (SGLANG_DISAGGREGATION_WAITING_TIMEOUT).
 	KVTimeout time.Duration
 	// EngineVersion is reported by GET /version (default "0.11.0").
 	EngineVersion string
 	// EngineKind is reported by GET /version as "engine" and by
 	// /v1/models as owned_by (default "vllm").
 	EngineKind string
-	// Connector is the KV connector (default "nixl", the only one
-	// supported).
+	// Connector is the KV connector: "nixl" (default) or "sglang". An
+	// sglang engine's role is prefill or decode, and it serves only
+	// requests that carry bootstrap_room (a router's pairing), as SGLang in
+	// disaggregation mode does.
 	Connector string
+	// BootstrapPort is, with the sglang connector, the port of the
+	// bootstrap server (SGLang's --disaggregation-bootstrap-port) on
+	// KVListen's host; 0 keeps KVListen's port. The bootstrap server is the
+	// side channel listener.
+	BootstrapPort int
 	// MaxModelLen is the context length (default DefaultMaxModelLen):
 	// prompt_tokens + max_tokens above it is a 400, as in vLLM.
 	MaxModelLen int
@@ -150,6 +165,7 @@ type Server struct {
 
 	pullTransport *http.Transport
 	pullClient    *http.Client
+	bootClient    *http.Client
 
 	kv       kvStore
 	cache    prefixCache
@@ -182,8 +198,20 @@ func New(cfg Config) (*Server, error) {
 	if cfg.Connector == "" {
 		cfg.Connector = ConnectorNixl
 	}
-	if cfg.Connector != ConnectorNixl {
-		return nil, fmt.Errorf("sim: unsupported connector %q (the simulator speaks nixl)", cfg.Connector)
+	switch cfg.Connector {
+	case ConnectorNixl:
+		if cfg.BootstrapPort != 0 {
+			return nil, errors.New("sim: a bootstrap port needs the sglang connector")
+		}
+	case ConnectorSGLang:
+		if cfg.Role == RoleBoth {
+			return nil, errors.New("sim: an sglang engine runs in one disaggregation mode: role prefill or decode")
+		}
+		if cfg.BootstrapPort < 0 || cfg.BootstrapPort > 65535 {
+			return nil, fmt.Errorf("sim: bootstrap port %d is not a port number", cfg.BootstrapPort)
+		}
+	default:
+		return nil, fmt.Errorf("sim: unsupported connector %q (the simulator speaks nixl and sglang)", cfg.Connector)
 	}
 	if cfg.TTFT < 0 || cfg.ITL < 0 || cfg.PrefillPerToken < 0 || cfg.KVTimeout < 0 {
 		return nil, errors.New("sim: durations must not be negative")
@@ -199,6 +227,13 @@ func New(cfg Config) (*Server, error) {
 	}
 	if cfg.KVListen == "" {
 		cfg.KVListen = "127.0.0.1:0"
+	}
+	if cfg.BootstrapPort != 0 {
+		host, _, err := net.SplitHostPort(cfg.KVListen)
+		if err != nil {
+			return nil, fmt.Errorf("sim: kv listen %q: %w", cfg.KVListen, err)
+		}
+		cfg.KVListen = net.JoinHostPort(host, strconv.Itoa(cfg.BootstrapPort))
 	}
 	if cfg.KVTimeout == 0 {
 		cfg.KVTimeout = DefaultKVTimeout
@@ -234,6 +269,7 @@ func New(cfg Config) (*Server, error) {
 		IdleConnTimeout:     90 * time.Second,
 	}
 	s.pullClient = &http.Client{Transport: s.pullTransport, Timeout: 30 * time.Second}
+	s.bootClient = &http.Client{Transport: s.pullTransport} // bounded by KVTimeout per request
 	s.exchanges.New = func() any { return new(exchange) }
 
 	mux := http.NewServeMux()
@@ -260,6 +296,7 @@ func New(cfg Config) (*Server, error) {
 
 	kvMux := http.NewServeMux()
 	kvMux.HandleFunc("POST /kv/pull", s.servePull)
+	kvMux.HandleFunc("POST /bootstrap/pull", s.serveBootstrap)
 	s.kvHandler = s.track(kvMux)
 
 	for _, f := range cfg.Faults {
@@ -490,7 +527,7 @@ func (s *Server) Stats() Stats {
 	st.ExternalPrefixCacheQueries, st.ExternalPrefixCacheHits = cs.extQueries, cs.extHits
 	st.PrefixCacheBlocks, st.PrefixCacheEvicted = cs.blocks, cs.evicted
 	s.kv.mu.Lock()
-	st.KVHeld = int64(len(s.kv.holds))
+	st.KVHeld = int64(len(s.kv.holds) + s.kv.roomsHeld)
 	st.KVServed = s.kv.served
 	st.KVReleased = s.kv.released
 	st.KVExpired = s.kv.expired
