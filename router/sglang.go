@@ -28,12 +28,12 @@ func (c *call) concurrentAttempt(ereq *engines.Request) *engines.Fault {
 		return f
 	}
 	c.decodeStart = time.Now()
-	prod, arrival := c.producer, c.arrival
+	prod, arrival, model := c.producer, c.arrival, c.modelSeries().label
 	legs, stream, err := rt.client.StartSGLang(c.ctx, ereq, b, func(late *engines.Fault) {
 		// The prefill's goroutine: only atomics and the recorder, which
 		// reads fields of c that no longer change once the attempt runs.
 		prod.release(prefillPhase)
-		rt.metrics.leg.WithLabelValues(schemas.PhasePrefill).Observe(time.Since(arrival).Seconds())
+		rt.metrics.leg.WithLabelValues(schemas.PhasePrefill, model).Observe(time.Since(arrival).Seconds())
 		if late != nil {
 			// The KV had arrived: the client's stream goes on.
 			c.recordFault(late)
