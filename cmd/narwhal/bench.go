@@ -47,7 +47,7 @@ func runBench(ctx context.Context, args []string) error {
 	fs.DurationVar(&f.ttft, "ttft", 0, "--local: simulated time to first token of each decode")
 	fs.DurationVar(&f.itl, "itl", 0, "--local: simulated inter-token latency")
 	fs.StringVar(&f.concurrency, "concurrency", "1", "closed loop: number of clients; a comma-separated list runs one workload per value")
-	fs.StringVar(&f.rate, "rate", "", "open loop: Poisson arrivals per second (instead of --concurrency); a comma-separated list runs one workload per value")
+	fs.StringVar(&f.rate, "rate", "", "open loop: Poisson arrivals per second (instead of --concurrency); a comma-separated list runs one workload per value (--workload: one value, default 32)")
 	fs.DurationVar(&f.duration, "duration", 30*time.Second, "measured duration of each workload")
 	fs.IntVar(&f.requests, "requests", 0, "end each workload after this many requests (0: --duration only)")
 	fs.DurationVar(&f.warmup, "warmup", 2*time.Second, "warm-up before each workload (discarded; per side with --compare-floor)")

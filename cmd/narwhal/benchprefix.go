@@ -30,9 +30,9 @@ type prefixFlags struct {
 
 func (p *prefixFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&p.workload, "workload", "", "shared-prefix or no-shared-prefix: a multi-tenant chat trace (tenants × context × users × queries, Poisson arrivals at --rate) sent to local sims, one fleet per policy; without it, the random-prompt workload")
-	fs.IntVar(&p.tenants, "tenants", 8, "--workload: tenants, each with its own shared context (the system prompt)")
-	fs.IntVar(&p.contextTokens, "context-tokens", 1024, "--workload: tokens (words) of a tenant's shared context")
-	fs.IntVar(&p.users, "users", 4, "--workload: users per tenant")
+	fs.IntVar(&p.tenants, "tenants", 32, "--workload: tenants, each with its own shared context (the system prompt)")
+	fs.IntVar(&p.contextTokens, "context-tokens", 512, "--workload: tokens (words) of a tenant's shared context")
+	fs.IntVar(&p.users, "users", 2, "--workload: users per tenant")
 	fs.IntVar(&p.queries, "queries", 8, "--workload: queries per user")
 	fs.IntVar(&p.queryTokens, "query-tokens", 64, "--workload: tokens (words) of each query (the user message)")
 	fs.StringVar(&p.policies, "compare-policies", "least_loaded,prefix", "--workload: placement policies to compare, comma-separated (prefix, least_loaded, random); each gets its own sims and routers, run in interleaved windows")
@@ -42,11 +42,11 @@ func (p *prefixFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&p.prefillSims, "prefill-sims", 4, "--workload: prefill simulators per policy")
 	fs.IntVar(&p.decodeSims, "decode-sims", 2, "--workload: decode simulators per policy")
 	fs.IntVar(&p.blockSize, "block-size", 16, "--workload: the simulators' KV block size in tokens")
-	fs.IntVar(&p.kvCacheBlocks, "kv-cache-blocks", 256, "--workload: each simulator's prefix cache capacity in blocks")
+	fs.IntVar(&p.kvCacheBlocks, "kv-cache-blocks", 416, "--workload: each simulator's prefix cache capacity in blocks")
 	fs.IntVar(&p.maxNumSeqs, "max-num-seqs", 2, "--workload: requests each simulator runs at once (the rest wait)")
 	fs.IntVar(&p.guardAbs, "balance-abs-threshold", 0, "--workload: the routers' placement.balance_abs_threshold (0: their default, 32)")
 	fs.Float64Var(&p.guardRel, "balance-rel-threshold", 0, "--workload: the routers' placement.balance_rel_threshold (0: their default, 1.5)")
-	fs.DurationVar(&p.prefillPerToken, "prefill-per-token", 200*time.Microsecond, "--workload: the simulators' prefill time per uncached prompt token")
+	fs.DurationVar(&p.prefillPerToken, "prefill-per-token", 500*time.Microsecond, "--workload: the simulators' prefill time per uncached prompt token")
 }
 
 // prefixOnly are the flags that mean something with --workload only.
@@ -124,7 +124,7 @@ func (f *benchFlags) runPrefix(ctx context.Context) error {
 	if f.compare || f.set["concurrency"] {
 		return errors.New("--workload is an open-loop trace; it excludes --compare-floor and --concurrency")
 	}
-	rate := 20.0
+	rate := 32.0
 	if f.set["rate"] {
 		r, err := strconv.ParseFloat(strings.TrimSpace(f.rate), 64)
 		if err != nil || r <= 0 {
