@@ -216,21 +216,33 @@ func TestTraceRootWithoutClientContext(t *testing.T) {
 }
 
 // TestTraceOfAFailedRequest: a request that fails has the fault's kind on
-// its request span and on the span of the leg that failed, both with an
-// error status; an engine failure before the first output (R-FAIL-6)
-// leaves no decode span on a failed prefill, and a failed decode leg's
-// span carries the fault.
+// its request span and on the span of the step that failed, both with an
+// error status: a failed prefill leg or handoff check leaves no decode
+// span, a failed decode leg's span carries the fault (R-FAIL-6).
 func TestTraceOfAFailedRequest(t *testing.T) {
 	cases := []struct {
 		name, engine, phase, kind, failed string
+		fault                             sim.Fault
+		maxAgeS                           float64
 	}{
-		{"prefill", "p1", sim.PhasePrefill, "prefill_status", spanPrefill},
-		{"decode", "d1", sim.PhaseDecode, "upstream_status", spanDecode},
+		{"prefill", "p1", sim.PhasePrefill, "prefill_status", spanPrefill,
+			sim.Fault{Kind: sim.FaultStatus, Phase: sim.PhasePrefill, Status: 500, Message: "engine says no"}, 0},
+		{"decode", "d1", sim.PhaseDecode, "upstream_status", spanDecode,
+			sim.Fault{Kind: sim.FaultStatus, Phase: sim.PhaseDecode, Status: 500, Message: "engine says no"}, 0},
+		// A prefill slower than handoff.max_age_s leaves an expired
+		// handoff (R-OWN-2): the handoff check fails, no decode is sent.
+		{"handoff", "p1", "", "handoff_expired", spanHandoff,
+			sim.Fault{Kind: sim.FaultHeaderDelay, Phase: sim.PhasePrefill, DelayMS: 60}, 0.02},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			s, exp := tracedStack(t, func(c *config.Config) { c.Recovery.RetryAttempts = 0 })
-			s.sims[tc.engine].Arm(sim.Fault{Kind: sim.FaultStatus, Phase: tc.phase, Status: 500, Message: "engine says no"})
+			s, exp := tracedStack(t, func(c *config.Config) {
+				c.Recovery.RetryAttempts = 0
+				if tc.maxAgeS > 0 {
+					c.Handoff.MaxAgeS = tc.maxAgeS
+				}
+			})
+			s.sims[tc.engine].Arm(tc.fault)
 			resp, body := s.post(schemas.EndpointChat, chatBody("fail", `"max_tokens":2,"stream":true`), "traceparent", clientTraceparent)
 			if resp.StatusCode/100 != 5 {
 				t.Fatalf("status %d: %s", resp.StatusCode, body)
@@ -247,11 +259,14 @@ func TestTraceOfAFailedRequest(t *testing.T) {
 				t.Fatalf("spans %v, want one %s", spanNames(spans), tc.failed)
 			}
 			if a := attrs(failed[0]); failed[0].Status.Code != codes.Error || a[attrFaultKind].AsString() != tc.kind || a[attrEngine].AsString() != tc.engine ||
-				!strings.Contains(failed[0].Status.Description, "engine says no") {
+				tc.fault.Message != "" && !strings.Contains(failed[0].Status.Description, tc.fault.Message) {
 				t.Fatalf("%s span status %+v attributes %v", tc.failed, failed[0].Status, failed[0].Attributes)
 			}
-			if tc.phase == sim.PhasePrefill && len(byName(spans, spanDecode)) != 0 {
-				t.Fatalf("a failed prefill has decode spans: %v", spanNames(spans))
+			if tc.phase != sim.PhaseDecode && len(byName(spans, spanDecode)) != 0 {
+				t.Fatalf("a failed %s has decode spans: %v", tc.name, spanNames(spans))
+			}
+			if tc.name == "handoff" && len(s.sims["d1"].Requests()) != 0 {
+				t.Fatalf("a decode request was sent for an expired handoff: %+v", s.sims["d1"].Requests())
 			}
 			if tc.phase == sim.PhaseDecode {
 				if p := byName(spans, spanPrefill); len(p) != 1 || p[0].Status.Code == codes.Error {
