@@ -264,8 +264,9 @@ func (h *harness) ejectPrefill(engine string) {
 // succeed publishes a successful request-completed event.
 func (h *harness) succeed(producer, consumer string) uint64 {
 	ttft, fb := 0.01, 0.02
+	prompt, completion := 3, 4
 	return h.publish(&schemas.RequestCompleted{
-		Envelope:   schemas.Envelope{Schema: schemas.SchemaRequest, RouterID: "test-router", EngineID: consumer, RequestID: "req-" + nuid.Next()},
+		Envelope:   schemas.Envelope{Schema: schemas.SchemaRequest, RouterID: "test-router", RequestID: "req-" + nuid.Next()},
 		Endpoint:   schemas.EndpointChat,
 		Model:      testModel,
 		Stream:     true,
@@ -273,7 +274,7 @@ func (h *harness) succeed(producer, consumer string) uint64 {
 		ProducerID: producer, ConsumerID: consumer,
 		Attempts:    1,
 		TTFTSeconds: &ttft, FirstByteSeconds: &fb,
-		DurationSeconds: 0.03, PromptTokens: 3, CompletionTokens: 4,
+		DurationSeconds: 0.03, PromptTokens: &prompt, CompletionTokens: &completion,
 	})
 }
 

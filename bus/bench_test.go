@@ -28,13 +28,14 @@ func BenchmarkPublish(b *testing.B) {
 	defer bs.Close()
 	p := bus.NewPublisher(bs, 1<<16, nil)
 	ttft, fb := 0.0012, 0.0015
+	prompt, completion := 32, 16
 	b.ReportAllocs()
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		p.Publish(&schemas.RequestCompleted{
-			Envelope: schemas.Envelope{Schema: schemas.SchemaRequest, RouterID: "r1", RequestID: "req-1", EngineID: "d1"},
+			Envelope: schemas.Envelope{Schema: schemas.SchemaRequest, RouterID: "r1", RequestID: "req-1"},
 			Endpoint: schemas.EndpointChat, Model: "m", Stream: true, Status: 200, ProducerID: "p1", ConsumerID: "d1",
-			Attempts: 1, TTFTSeconds: &ttft, FirstByteSeconds: &fb, DurationSeconds: 0.002, PromptTokens: 32, CompletionTokens: 16,
+			Attempts: 1, TTFTSeconds: &ttft, FirstByteSeconds: &fb, DurationSeconds: 0.002, PromptTokens: &prompt, CompletionTokens: &completion,
 		})
 	}
 	p.Close()

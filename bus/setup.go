@@ -1,16 +1,20 @@
 package bus
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/narwhalmesh/narwhal/internal/pause"
+	"github.com/narwhalmesh/narwhal/schemas"
 )
 
 // The buckets besides narwhal_placement (SPEC R-BRK-8, R-CHAOS-1). They
@@ -34,6 +38,13 @@ const (
 	// (narwhal.router.v1), rewritten every second; its TTL
 	// (RouterReportTTL) removes a stopped router's key.
 	RoutersBucket = "narwhal_routers"
+	// SchemasBucket is the KV bucket of the JSON Schemas of every bus
+	// event and bucket value (SPEC R-BUS-3): key = schema name (e.g.
+	// "narwhal.request.v1"), value = the schema file of schemas.SchemaFS,
+	// byte for byte. Setup writes them, so that a dashboard on the bus
+	// finds the schema a message's "schema" field names; the viewer role
+	// reads them.
+	SchemasBucket = "narwhal_schemas"
 	// ChaosProxyService is the NATS service (nats.go's micro protocol)
 	// every chaos proxy answers as, naming its engine in its metadata.
 	ChaosProxyService = "narwhal-chaos-proxy"
@@ -177,6 +188,13 @@ func bucketConfigs(replicas int, leaseTTL time.Duration) []jetstream.KeyValueCon
 			Replicas:    replicas,
 		},
 		{
+			Bucket:      SchemasBucket,
+			Description: "Narwhal JSON Schemas of events and bucket values by schema name",
+			History:     1,
+			Storage:     jetstream.FileStorage,
+			Replicas:    replicas,
+		},
+		{
 			Bucket:         ChaosBucket,
 			Description:    "Narwhal chaos: armed faults by <engine_id>.<fault_id>",
 			History:        1,
@@ -190,12 +208,14 @@ func bucketConfigs(replicas int, leaseTTL time.Duration) []jetstream.KeyValueCon
 
 // Setup creates streams NARWHAL_EVENTS, NARWHAL_HISTORY and NARWHAL_PREFIX
 // (the routers' prefix placements) and buckets narwhal_placement,
-// narwhal_breaker, narwhal_fleet, narwhal_routers and narwhal_chaos on js, or updates those whose settings
+// narwhal_breaker, narwhal_fleet, narwhal_routers, narwhal_schemas and
+// narwhal_chaos on js, or updates those whose settings
 // differ from Narwhal's — never deleting or recreating any (R-BUS-7), and
 // never changing the replicas of one that exists: it logs the replicas it
 // found against those it wanted and keeps them (R-BUS-8). It is the admin's
 // act: `narwhal bus`, `narwhal bus setup` and embedded servers run it;
-// every other process binds to what it made.
+// every other process binds to what it made. It writes the JSON Schemas
+// into narwhal_schemas (writeSchemas).
 //
 // While the server cannot be reached or JetStream is not ready (e.g. a
 // cluster still forming a quorum), Setup keeps trying until ctx ends,
@@ -252,7 +272,59 @@ func (b *Bus) setupOnce(ctx context.Context, stream jetstream.StreamConfig, buck
 			return err
 		}
 	}
+	return writeSchemas(ctx, b.js, log)
+}
+
+// writeSchemas puts every schema of schemas.SchemaFS into bucket
+// narwhal_schemas under its name, skipping those already there byte for
+// byte: a newer release's setup brings its schemas, and a rerun writes
+// nothing.
+func writeSchemas(ctx context.Context, js jetstream.JetStream, log *slog.Logger) error {
+	kv, err := js.KeyValue(ctx, SchemasBucket)
+	if err != nil {
+		return fmt.Errorf("bus: bucket %s: %w", SchemasBucket, err)
+	}
+	files, err := fs.Glob(schemas.SchemaFS, "*.json")
+	if err != nil {
+		return fmt.Errorf("bus: schemas: %w", err)
+	}
+	written := 0
+	for _, f := range files {
+		want, err := schemas.SchemaFS.ReadFile(f)
+		if err != nil {
+			return fmt.Errorf("bus: schemas: %w", err)
+		}
+		name := strings.TrimSuffix(f, ".json")
+		if have, err := kv.Get(ctx, name); err == nil && bytes.Equal(have.Value(), want) {
+			continue
+		} else if err != nil && !errors.Is(err, jetstream.ErrKeyNotFound) {
+			return fmt.Errorf("bus: bucket %s: %s: %w", SchemasBucket, name, err)
+		}
+		if _, err := kv.Put(ctx, name, want); err != nil {
+			return fmt.Errorf("bus: bucket %s: put %s: %w", SchemasBucket, name, err)
+		}
+		written++
+	}
+	if written > 0 {
+		log.Info("bus: schemas written", "bucket", SchemasBucket, "schemas", written)
+	}
 	return nil
+}
+
+// Schema returns the JSON Schema named name (e.g. "narwhal.request.v1")
+// as bucket narwhal_schemas holds it. It returns a *NotSetUpError when the
+// bucket does not exist, jetstream.ErrKeyNotFound for an unknown name, and
+// the server's error otherwise.
+func (b *Bus) Schema(ctx context.Context, name string) ([]byte, error) {
+	kv, err := b.BindBucket(ctx, SchemasBucket)
+	if err != nil {
+		return nil, err
+	}
+	e, err := kv.Get(ctx, name)
+	if err != nil {
+		return nil, fmt.Errorf("bus: schema %s: %w", name, err)
+	}
+	return e.Value(), nil
 }
 
 // ensureStream creates want, or updates the stream when the settings

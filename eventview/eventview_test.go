@@ -31,12 +31,13 @@ func testFailure(engine, id string) *schemas.Failure {
 
 func testRequest(id, router, producer, consumer string) *schemas.RequestCompleted {
 	ttft, firstByte := 0.12, 0.34
+	prompt, completion := 12, 34
 	return &schemas.RequestCompleted{
 		Envelope: envelope(schemas.SchemaRequest, id, router, "", "", "req-"+id),
 		Endpoint: schemas.EndpointChat, Model: "m", Stream: true, Status: 200,
 		ProducerID: producer, ConsumerID: consumer, Attempts: 1,
 		TTFTSeconds: &ttft, FirstByteSeconds: &firstByte, DurationSeconds: 1.25,
-		PromptTokens: 12, CompletionTokens: 34,
+		PromptTokens: &prompt, CompletionTokens: &completion,
 	}
 }
 

@@ -101,15 +101,17 @@ func (c *call) record(now time.Time) {
 		}
 	}
 	ev := &schemas.RequestCompleted{
-		Envelope:         schemas.Envelope{Schema: schemas.SchemaRequest, RouterID: rt.id, RequestID: c.id},
-		Endpoint:         c.req.Endpoint,
-		Model:            schemas.BoundField(c.req.Model), // a bounded client string
-		Stream:           c.req.Stream,
-		Status:           c.status,
-		Attempts:         c.attempts,
-		DurationSeconds:  dur.Seconds(),
-		PromptTokens:     c.promptTokens,
-		CompletionTokens: c.completionTokens,
+		Envelope:        schemas.Envelope{Schema: schemas.SchemaRequest, RouterID: rt.id, RequestID: c.id},
+		Endpoint:        c.req.Endpoint,
+		Model:           schemas.BoundField(c.req.Model), // a bounded client string
+		Stream:          c.req.Stream,
+		Status:          c.status,
+		Attempts:        c.attempts,
+		DurationSeconds: dur.Seconds(),
+	}
+	if c.usage { // absent, not 0, when the engine reported no usage
+		prompt, completion := c.promptTokens, c.completionTokens
+		ev.PromptTokens, ev.CompletionTokens = &prompt, &completion
 	}
 	if c.key != nil {
 		ev.KeyName = c.key.name
@@ -119,7 +121,6 @@ func (c *call) record(now time.Time) {
 	}
 	if c.producer != nil {
 		ev.ProducerID = c.producer.ID
-		ev.EngineID = c.consumer.ID
 		ev.ConsumerID = c.consumer.ID
 	}
 	if c.ttft > 0 {

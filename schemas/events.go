@@ -79,7 +79,12 @@ type Envelope struct {
 	RouterID string `json:"router_id,omitempty"`
 	// BreakerID names the publishing breaker; empty for router events.
 	BreakerID string `json:"breaker_id,omitempty"`
-	// EngineID is the engine the event is about, where there is one.
+	// EngineID is the engine the event is about, the last token of its
+	// subject: the engine that faulted (failure), was quarantined
+	// (quarantine), holds the abandoned KV (handoff: the producer), was
+	// probed (probe), changed eligibility (eligibility) or fleet state
+	// (fleet), or has the chaos fault (chaos). Request events have none
+	// (docs/mesh.md).
 	EngineID string `json:"engine_id,omitempty"`
 	// RequestID is the client-facing request id (X-Request-Id), where the
 	// event belongs to a request.
@@ -99,7 +104,9 @@ func (e *Envelope) Head() *Envelope { return e }
 
 // RequestCompleted is published once per client request when it ends,
 // whatever the outcome, on narwhal.events.request.<router_id>
-// (schema narwhal.request.v1, SPEC R-BUS-1, R-TIME-1).
+// (schema narwhal.request.v1, SPEC R-BUS-1, R-TIME-1). It has no
+// engine_id: it is about a request, whose engines are ProducerID and
+// ConsumerID (the schema forbids engine_id).
 type RequestCompleted struct {
 	Envelope
 	// Endpoint is the client's path, "/v1/chat/completions" or
@@ -133,9 +140,10 @@ type RequestCompleted struct {
 	// DurationSeconds is seconds from arrival until the request ended.
 	DurationSeconds float64 `json:"duration_s"`
 	// PromptTokens and CompletionTokens are the decode engine's usage
-	// (R-LEG-6); 0 when unknown.
-	PromptTokens     int `json:"prompt_tokens"`
-	CompletionTokens int `json:"completion_tokens"`
+	// (R-LEG-6); nil (absent) when it reported none, e.g. on a request
+	// that failed before its stream ended: an unknown count is not 0.
+	PromptTokens     *int `json:"prompt_tokens,omitempty"`
+	CompletionTokens *int `json:"completion_tokens,omitempty"`
 }
 
 // Subject returns narwhal.events.request.<router_id>.

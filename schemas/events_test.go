@@ -69,6 +69,15 @@ func validate(t *testing.T, sch *jsonschema.Schema, payload []byte) error {
 
 func f64(v float64) *float64 { return &v }
 
+func intp(v int) *int { return &v }
+
+// requestEnv is env for a request event, which has no engine_id.
+func requestEnv() schemas.Envelope {
+	e := env(schemas.SchemaRequest)
+	e.EngineID = ""
+	return e
+}
+
 var at = time.Date(2026, 3, 1, 12, 30, 45, 123456789, time.UTC)
 
 func env(schema string) schemas.Envelope {
@@ -88,9 +97,9 @@ func samples() []sample {
 	}
 	return []sample{
 		{schemas.KindRequest,
-			&schemas.RequestCompleted{Envelope: env(schemas.SchemaRequest), Endpoint: "/v1/chat/completions", Model: "m", Stream: true,
+			&schemas.RequestCompleted{Envelope: requestEnv(), Endpoint: "/v1/chat/completions", Model: "m", Stream: true,
 				Status: 504, ErrorKind: "first_token_timeout", ProducerID: "p1", ConsumerID: "d1", Attempts: 2,
-				TTFTSeconds: f64(0.12), FirstByteSeconds: f64(0.31), DurationSeconds: 1.5, PromptTokens: 12, CompletionTokens: 7},
+				TTFTSeconds: f64(0.12), FirstByteSeconds: f64(0.31), DurationSeconds: 1.5, PromptTokens: intp(12), CompletionTokens: intp(7)},
 			&schemas.RequestCompleted{Envelope: schemas.Envelope{Schema: schemas.SchemaRequest, ID: "Ev2", At: at, RouterID: "router-a", RequestID: "req-2"},
 				Endpoint: "/v1/completions", Status: 400}},
 		{schemas.KindFailure,
@@ -208,6 +217,10 @@ func TestBrokenEventsFail(t *testing.T) {
 			{"unknown endpoint", func(m map[string]any) { m["endpoint"] = "/v1/embeddings" }},
 			{"fractional tokens", func(m map[string]any) { m["completion_tokens"] = 1.5 }},
 			{"missing request_id", func(m map[string]any) { delete(m, "request_id") }},
+			// A request event names its engines producer_id and
+			// consumer_id; engine_id would repeat one of them.
+			{"engine_id present", func(m map[string]any) { m["engine_id"] = "d1" }},
+			{"negative tokens", func(m map[string]any) { m["prompt_tokens"] = -1 }},
 		},
 		schemas.SchemaFailure: {
 			{"unknown phase", func(m map[string]any) { m["phase"] = "both" }},
@@ -284,9 +297,16 @@ var subjectIDs = map[string][]string{
 	schemas.SchemaFleet:       {"breaker_id", "engine_id"},
 }
 
+// forbidden are the envelope fields a schema forbids (a property whose
+// schema is "not": {}): a request event has no engine_id.
+var forbidden = map[string][]string{
+	schemas.SchemaRequest: {"engine_id"},
+}
+
 // TestSchemasMatchGoTypes proves the schema files and the Go types agree
 // field for field: the same JSON names, each field's JSON type, and
-// required = the fields without omitempty plus the subject ids.
+// required = the fields without omitempty plus the subject ids; a field
+// the schema forbids is a property that matches nothing.
 func TestSchemasMatchGoTypes(t *testing.T) {
 	for _, s := range samples() {
 		name := s.full.Head().Schema
@@ -347,6 +367,12 @@ func TestSchemasMatchGoTypes(t *testing.T) {
 			if tag == "schema" {
 				continue
 			}
+			if slices.Contains(forbidden[name], tag) {
+				if not, ok := p["not"].(map[string]any); !ok || len(not) != 0 || p["type"] != nil {
+					t.Errorf("%s.%s: want a forbidden property (\"not\": {}), got %v", name, tag, p)
+				}
+				continue
+			}
 			var want any
 			switch {
 			case f.Type == reflect.TypeFor[time.Time]():
@@ -356,6 +382,8 @@ func TestSchemasMatchGoTypes(t *testing.T) {
 				}
 			case f.Type == reflect.TypeFor[*float64]():
 				want = []any{"number", "null"}
+			case f.Type == reflect.TypeFor[*int]():
+				want = "integer" // omitempty: absent when unknown, never null
 			case f.Type == reflect.TypeFor[map[string]string]():
 				want = "object"
 				if ap, _ := p["additionalProperties"].(map[string]any); ap["type"] != "string" {
