@@ -34,6 +34,7 @@ import (
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/internal/pause"
+	"github.com/narwhalmesh/narwhal/internal/promreg"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -238,6 +239,9 @@ func New(opts Options) (*Service, error) {
 		s.byID[spec.ID] = e
 	}
 	s.metrics = newMetrics(opts.Registry, s.id)
+	if opts.Registry != nil {
+		promreg.Register(opts.Registry, prometheus.Collector(ejectedCollector{s: s}))
+	}
 	for _, e := range s.fleet {
 		s.metrics.initEngine(e.ID)
 	}

@@ -90,6 +90,43 @@ func newMetrics(reg prometheus.Registerer, breakerID string) *metrics {
 	return m
 }
 
+// ejectedDesc is narwhal_breaker_engine_ejected{engine,phase}.
+var ejectedDesc = prometheus.NewDesc("narwhal_breaker_engine_ejected",
+	"1 while the engine is ejected (no router places on it until a probe readmits it), 0 while it is eligible, by engine and phase it serves (an engine serving both phases has a series for each); only the leading breaker reports it.",
+	[]string{"engine", "phase"}, nil)
+
+// ejectedCollector exports narwhal_breaker_engine_ejected from the
+// leader's placement entries at scrape time (its min by phase is 1 when a
+// whole phase is ejected); a standby breaker, whose entries are not kept,
+// exports none.
+type ejectedCollector struct{ s *Service }
+
+func (c ejectedCollector) Describe(ch chan<- *prometheus.Desc) { ch <- ejectedDesc }
+
+func (c ejectedCollector) Collect(ch chan<- prometheus.Metric) {
+	s := c.s
+	if !s.leader.Load() {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, e := range s.fleet {
+		if e.rev == 0 && e.entry.State == "" {
+			continue // no placement entry read or written yet
+		}
+		v := 0.0
+		if e.entry.State == schemas.StateEjected {
+			v = 1
+		}
+		if e.Role.CanPrefill() {
+			ch <- prometheus.MustNewConstMetric(ejectedDesc, prometheus.GaugeValue, v, e.ID, schemas.PhasePrefill)
+		}
+		if e.Role.CanDecode() {
+			ch <- prometheus.MustNewConstMetric(ejectedDesc, prometheus.GaugeValue, v, e.ID, schemas.PhaseDecode)
+		}
+	}
+}
+
 // initEngine creates engine id's series at zero, so that alerts and
 // dashboards see an engine that was never ejected.
 func (m *metrics) initEngine(id string) {

@@ -41,6 +41,13 @@ func TestMetricsShareTheRoutersEngineLabelRBRK1(t *testing.T) {
 	testkit.WaitFor(t, waitBound, "the ejection counted", func() bool {
 		return testkit.GatheredSum(t, reg, "narwhal_breaker_ejections_total", "engine", "d1") == 1
 	})
+	// The leader reports each engine's state: d1 ejected, p1 eligible.
+	testkit.WaitFor(t, waitBound, "narwhal_breaker_engine_ejected{engine=d1} 1", func() bool {
+		return testkit.GatheredSum(t, reg, "narwhal_breaker_engine_ejected", "engine", "d1") == 1
+	})
+	if n := seriesCount(t, reg, "narwhal_breaker_engine_ejected", "engine", "p1"); n != 1 || testkit.GatheredSum(t, reg, "narwhal_breaker_engine_ejected", "engine", "p1") != 0 {
+		t.Errorf("narwhal_breaker_engine_ejected{engine=p1}: %d series, want one at 0", n)
+	}
 	if v := testkit.GatheredSum(t, reg, "narwhal_breaker_ejections_total", "engine", "p1"); v != 0 {
 		t.Errorf("p1 ejections %v, want 0", v)
 	}
