@@ -303,10 +303,11 @@ func TestFleetFromTheBus(t *testing.T) {
 	}()
 
 	ttft, firstByte := 0.05, 0.25
+	prompt, completion := 10, 11
 	for i, status := range []int{200, 200, 502} {
 		e := &schemas.RequestCompleted{Envelope: env(schemas.SchemaRequest, "r"+string(rune('0'+i)), "rt-1", "", ""),
 			Endpoint: schemas.EndpointChat, Model: "m", Stream: true, Status: status, ProducerID: "p1", ConsumerID: "d2",
-			Attempts: 1, TTFTSeconds: &ttft, FirstByteSeconds: &firstByte, DurationSeconds: 1.25, PromptTokens: 10, CompletionTokens: 11}
+			Attempts: 1, TTFTSeconds: &ttft, FirstByteSeconds: &firstByte, DurationSeconds: 1.25, PromptTokens: &prompt, CompletionTokens: &completion}
 		e.RequestID = "req-" + e.ID
 		if status != 200 {
 			e.ErrorKind, e.FirstByteSeconds = "upstream_status", nil

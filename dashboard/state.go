@@ -475,8 +475,9 @@ func (s *state) applyRequest(e *schemas.RequestCompleted) {
 	c.firstByte.add(*e.FirstByteSeconds, at)
 	// The mean gap between generated tokens after the first: the decode
 	// time after the first output over the tokens after it.
-	if e.CompletionTokens > 1 && e.DurationSeconds >= *e.FirstByteSeconds {
-		c.itl.add((e.DurationSeconds-*e.FirstByteSeconds)/float64(e.CompletionTokens-1), at)
+	// A count the engine did not report is absent (nil).
+	if e.CompletionTokens != nil && *e.CompletionTokens > 1 && e.DurationSeconds >= *e.FirstByteSeconds {
+		c.itl.add((e.DurationSeconds-*e.FirstByteSeconds)/float64(*e.CompletionTokens-1), at)
 	}
 }
 
