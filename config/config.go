@@ -52,6 +52,8 @@ type Config struct {
 	// Membership holds the live fleet's timers: registrations and drains
 	// (SPEC R-FLEET-3, R-FLEET-4).
 	Membership Membership `yaml:"membership" envPrefix:"MEMBERSHIP_"`
+	// Placement holds the placement policy and its settings (SPEC §9b).
+	Placement Placement `yaml:"placement" envPrefix:"PLACEMENT_"`
 	// Router holds the router process's identity and logging.
 	Router Router `yaml:"router" envPrefix:"ROUTER_"`
 	// Server holds the front door: connection deadlines, caps, admission
@@ -216,6 +218,54 @@ func (m Membership) RegistrationTTL() time.Duration { return Seconds(m.Registrat
 
 // DrainTimeout returns DrainTimeoutS as a Duration (R-FLEET-3).
 func (m Membership) DrainTimeout() time.Duration { return Seconds(m.DrainTimeoutS) }
+
+// Placement policies, the values of Placement.Policy (SPEC R-PLACE-2).
+const (
+	// PolicyPrefix scores producers by the prompt's leading blocks
+	// recently sent to them against their load (the default).
+	PolicyPrefix = "prefix"
+	// PolicyLeastLoaded chooses the engine with the fewest attempts in
+	// flight.
+	PolicyLeastLoaded = "least_loaded"
+	// PolicyRandom chooses uniformly among the engines that may be
+	// chosen.
+	PolicyRandom = "random"
+)
+
+// Policies lists the placement policies Validate accepts.
+var Policies = []string{PolicyPrefix, PolicyLeastLoaded, PolicyRandom}
+
+// MaxPrefixIndexBlocks is the largest placement.prefix_index_blocks
+// (the index's slots are 32-bit; 2^24 blocks are about 640 MiB per
+// engine).
+const MaxPrefixIndexBlocks = 1 << 24
+
+// Placement holds how the router chooses among the engines that may
+// take a leg (SPEC §9b). Eligibility, quarantine, drain and slot limits
+// decide which engines may (R-PLACE-1); the policy only orders them.
+type Placement struct {
+	// Policy is "prefix" (default), "least_loaded" or "random"
+	// (R-PLACE-2). It orders the producers; with "prefix", the decode of
+	// a same-worker (role both) producer stays on it, and a crossed
+	// decode goes to the least loaded consumer.
+	Policy string `yaml:"policy" env:"POLICY"`
+	// BalanceAbsThreshold is the imbalance guard's absolute threshold:
+	// the guard chooses by load when the most and the least outstanding
+	// attempts among the candidates differ by more than it (and the
+	// relative threshold holds too). Also the score's exchange rate:
+	// this many more attempts in flight outweigh a whole prompt matched.
+	// Attempts, >= 0; default 32.
+	BalanceAbsThreshold int `yaml:"balance_abs_threshold" env:"BALANCE_ABS_THRESHOLD"`
+	// BalanceRelThreshold is the guard's relative threshold: the most
+	// outstanding must be above it times the least. A ratio, >= 1;
+	// default 1.5.
+	BalanceRelThreshold float64 `yaml:"balance_rel_threshold" env:"BALANCE_REL_THRESHOLD"`
+	// PrefixIndexBlocks bounds the prefix index per engine, in blocks of
+	// 64 bytes of rendered prompt (the least recent are evicted).
+	// 1…16,777,216; default 65,536 (4 MiB of prompt, about 2.5 MiB of
+	// router memory per engine).
+	PrefixIndexBlocks int `yaml:"prefix_index_blocks" env:"PREFIX_INDEX_BLOCKS"`
+}
 
 // MinLeaseTTLS is the smallest breaker.lease_ttl_s Validate accepts, in
 // seconds: the lease is renewed every third of it.
@@ -433,7 +483,8 @@ func (s EngineSpec) CanDecode() bool { return s.Role.CanDecode() }
 // to 1,048,576, handoff max age 120 s,
 // eject after 3, no quarantine, no retries, retry budget 0.2, readmit
 // every 5 s, a breaker lease of 5 s; registrations of 15 s and drains of
-// at most 600 s; router id the host name, an
+// at most 600 s; placement policy prefix with balance thresholds 32 and
+// 1.5 and 65,536 index blocks per engine; router id the host name, an
 // event buffer of 4096, text logs at info; on the front door a stall
 // timeout of 30 s, a header timeout of 10 s, an idle timeout of 90 s,
 // 64 KiB of headers, 10,000 connections, no in-flight limit and 1 GiB of
@@ -448,6 +499,7 @@ func Default() Config {
 		Recovery:   Recovery{EjectAfter: 3, FailureQuarantineS: 0, RetryAttempts: 0, RetryBudgetRatio: 0.2, ReadmitIntervalS: 5, MaxQuarantineS: 300},
 		Breaker:    Breaker{LeaseTTLS: 5},
 		Membership: Membership{RegistrationTTLS: 15, DrainTimeoutS: 600},
+		Placement:  Placement{Policy: PolicyPrefix, BalanceAbsThreshold: 32, BalanceRelThreshold: 1.5, PrefixIndexBlocks: 65536},
 		Router:     Router{ID: defaultRouterID(), EventBuffer: 4096, LogFormat: LogFormatText, LogLevel: "info"},
 		Server: Server{StallTimeoutS: 30, HeaderTimeoutS: 10, IdleTimeoutS: 90, MaxHeaderBytes: 64 << 10,
 			MaxConnections: 10000, MaxInflight: 0, MaxBodyBytesInflight: 1 << 30},
@@ -622,6 +674,20 @@ func (c *Config) Validate() error {
 	positive("recovery.max_quarantine_s", c.Recovery.MaxQuarantineS)
 	positive("membership.registration_ttl_s", c.Membership.RegistrationTTLS)
 	positive("membership.drain_timeout_s", c.Membership.DrainTimeoutS)
+	if !slices.Contains(Policies, c.Placement.Policy) {
+		bad("placement.policy", "must be one of %s, got %q", strings.Join(Policies, ", "), c.Placement.Policy)
+	}
+	if c.Placement.BalanceAbsThreshold < 0 {
+		bad("placement.balance_abs_threshold", "must be >= 0, got %d", c.Placement.BalanceAbsThreshold)
+	}
+	if v := c.Placement.BalanceRelThreshold; !finite(v) {
+		bad("placement.balance_rel_threshold", "must be a finite number, got %v", v)
+	} else if v < 1 {
+		bad("placement.balance_rel_threshold", "must be >= 1, got %v", v)
+	}
+	if v := c.Placement.PrefixIndexBlocks; v < 1 || v > MaxPrefixIndexBlocks {
+		bad("placement.prefix_index_blocks", "must be between 1 and %d, got %d", MaxPrefixIndexBlocks, v)
+	}
 	if v := c.Breaker.LeaseTTLS; !finite(v) {
 		bad("breaker.lease_ttl_s", "must be a finite number, got %v", v)
 	} else if v < MinLeaseTTLS {

@@ -72,59 +72,68 @@ func TestDefaults(t *testing.T) {
 		t.Errorf("TLS, admin metrics and client keys must be off by default: %+v %+v", d.Server, d.Auth)
 	}
 	want := map[string]float64{
-		"engine.first_token_timeout_s":   30,
-		"engine.decode_read_timeout_s":   30,
-		"engine.prefill_timeout_s":       60,
-		"request.timeout_s":              600,
-		"handoff.max_age_s":              120,
-		"recovery.eject_after":           3,
-		"recovery.failure_quarantine_s":  0,
-		"recovery.retry_attempts":        0,
-		"recovery.retry_budget_ratio":    0.2,
-		"recovery.readmit_interval_s":    5,
-		"recovery.max_quarantine_s":      300,
-		"breaker.lease_ttl_s":            5,
-		"request.max_body_bytes":         32 << 20,
-		"router.event_buffer":            4096,
-		"request.max_n":                  16,
-		"request.max_tokens_limit":       1 << 20,
-		"request.max_response_bytes":     64 << 20,
-		"server.stall_timeout_s":         30,
-		"server.header_timeout_s":        10,
-		"server.idle_timeout_s":          90,
-		"server.max_header_bytes":        65536,
-		"server.max_connections":         10000,
-		"server.max_inflight":            0,
-		"server.max_body_bytes_inflight": 1 << 30,
+		"engine.first_token_timeout_s":    30,
+		"engine.decode_read_timeout_s":    30,
+		"engine.prefill_timeout_s":        60,
+		"request.timeout_s":               600,
+		"handoff.max_age_s":               120,
+		"recovery.eject_after":            3,
+		"recovery.failure_quarantine_s":   0,
+		"recovery.retry_attempts":         0,
+		"recovery.retry_budget_ratio":     0.2,
+		"recovery.readmit_interval_s":     5,
+		"recovery.max_quarantine_s":       300,
+		"breaker.lease_ttl_s":             5,
+		"request.max_body_bytes":          32 << 20,
+		"router.event_buffer":             4096,
+		"request.max_n":                   16,
+		"request.max_tokens_limit":        1 << 20,
+		"request.max_response_bytes":      64 << 20,
+		"server.stall_timeout_s":          30,
+		"server.header_timeout_s":         10,
+		"server.idle_timeout_s":           90,
+		"server.max_header_bytes":         65536,
+		"server.max_connections":          10000,
+		"server.max_inflight":             0,
+		"server.max_body_bytes_inflight":  1 << 30,
+		"placement.balance_abs_threshold": 32,
+		"placement.balance_rel_threshold": 1.5,
+		"placement.prefix_index_blocks":   65536,
 	}
 	got := map[string]float64{
-		"engine.first_token_timeout_s":   d.Engine.FirstTokenTimeoutS,
-		"engine.decode_read_timeout_s":   d.Engine.DecodeReadTimeoutS,
-		"engine.prefill_timeout_s":       d.Engine.PrefillTimeoutS,
-		"request.timeout_s":              d.Request.TimeoutS,
-		"handoff.max_age_s":              d.Handoff.MaxAgeS,
-		"recovery.eject_after":           float64(d.Recovery.EjectAfter),
-		"recovery.failure_quarantine_s":  d.Recovery.FailureQuarantineS,
-		"recovery.retry_attempts":        float64(d.Recovery.RetryAttempts),
-		"recovery.retry_budget_ratio":    d.Recovery.RetryBudgetRatio,
-		"recovery.readmit_interval_s":    d.Recovery.ReadmitIntervalS,
-		"recovery.max_quarantine_s":      d.Recovery.MaxQuarantineS,
-		"breaker.lease_ttl_s":            d.Breaker.LeaseTTLS,
-		"request.max_body_bytes":         float64(d.Request.MaxBodyBytes),
-		"router.event_buffer":            float64(d.Router.EventBuffer),
-		"request.max_n":                  float64(d.Request.MaxN),
-		"request.max_tokens_limit":       float64(d.Request.MaxTokensLimit),
-		"request.max_response_bytes":     float64(d.Request.MaxResponseBytes),
-		"server.stall_timeout_s":         d.Server.StallTimeoutS,
-		"server.header_timeout_s":        d.Server.HeaderTimeoutS,
-		"server.idle_timeout_s":          d.Server.IdleTimeoutS,
-		"server.max_header_bytes":        float64(d.Server.MaxHeaderBytes),
-		"server.max_connections":         float64(d.Server.MaxConnections),
-		"server.max_inflight":            float64(d.Server.MaxInflight),
-		"server.max_body_bytes_inflight": float64(d.Server.MaxBodyBytesInflight),
+		"engine.first_token_timeout_s":    d.Engine.FirstTokenTimeoutS,
+		"engine.decode_read_timeout_s":    d.Engine.DecodeReadTimeoutS,
+		"engine.prefill_timeout_s":        d.Engine.PrefillTimeoutS,
+		"request.timeout_s":               d.Request.TimeoutS,
+		"handoff.max_age_s":               d.Handoff.MaxAgeS,
+		"recovery.eject_after":            float64(d.Recovery.EjectAfter),
+		"recovery.failure_quarantine_s":   d.Recovery.FailureQuarantineS,
+		"recovery.retry_attempts":         float64(d.Recovery.RetryAttempts),
+		"recovery.retry_budget_ratio":     d.Recovery.RetryBudgetRatio,
+		"recovery.readmit_interval_s":     d.Recovery.ReadmitIntervalS,
+		"recovery.max_quarantine_s":       d.Recovery.MaxQuarantineS,
+		"breaker.lease_ttl_s":             d.Breaker.LeaseTTLS,
+		"request.max_body_bytes":          float64(d.Request.MaxBodyBytes),
+		"router.event_buffer":             float64(d.Router.EventBuffer),
+		"request.max_n":                   float64(d.Request.MaxN),
+		"request.max_tokens_limit":        float64(d.Request.MaxTokensLimit),
+		"request.max_response_bytes":      float64(d.Request.MaxResponseBytes),
+		"server.stall_timeout_s":          d.Server.StallTimeoutS,
+		"server.header_timeout_s":         d.Server.HeaderTimeoutS,
+		"server.idle_timeout_s":           d.Server.IdleTimeoutS,
+		"server.max_header_bytes":         float64(d.Server.MaxHeaderBytes),
+		"server.max_connections":          float64(d.Server.MaxConnections),
+		"server.max_inflight":             float64(d.Server.MaxInflight),
+		"server.max_body_bytes_inflight":  float64(d.Server.MaxBodyBytesInflight),
+		"placement.balance_abs_threshold": float64(d.Placement.BalanceAbsThreshold),
+		"placement.balance_rel_threshold": d.Placement.BalanceRelThreshold,
+		"placement.prefix_index_blocks":   float64(d.Placement.PrefixIndexBlocks),
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("defaults:\n got %v\nwant %v", got, want)
+	}
+	if d.Placement.Policy != "prefix" {
+		t.Errorf("placement.policy default %q, want prefix (R-PLACE-2)", d.Placement.Policy)
 	}
 	if d.Router.LogFormat != "text" || d.Router.LogLevel != "info" || d.Router.Level() != slog.LevelInfo {
 		t.Errorf("log defaults: %q %q", d.Router.LogFormat, d.Router.LogLevel)
@@ -282,8 +291,8 @@ func envNames(t *testing.T) map[string]string {
 // the file.
 func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 	names := envNames(t)
-	if len(names) != 41 {
-		t.Fatalf("%d scalar keys, want 41: %v", len(names), names)
+	if len(names) != 45 {
+		t.Fatalf("%d scalar keys, want 45: %v", len(names), names)
 	}
 	dir := t.TempDir()
 	caFile, keysFile := testkit.NewCA(t).Path, filepath.Join(dir, "keys.yaml")
@@ -314,6 +323,8 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		"engine.tls_ca_file": "/nonexistent/ca.pem", "server.tls_cert_file": "file.crt", "server.tls_key_file": "file.key",
 		"server.metrics_on_admin": "false", "auth.api_keys_file": "/nonexistent/keys.yaml",
 		"membership.registration_ttl_s": "41", "membership.drain_timeout_s": "42",
+		"placement.policy": "random", "placement.balance_abs_threshold": "43", "placement.balance_rel_threshold": "2.5",
+		"placement.prefix_index_blocks": "44",
 	}
 	envValues := map[string]string{
 		"engine.first_token_timeout_s": "1.5", "engine.decode_read_timeout_s": "0", "engine.prefill_timeout_s": "3",
@@ -332,6 +343,8 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		"engine.tls_ca_file": caFile, "server.tls_cert_file": "env.crt", "server.tls_key_file": "env.key",
 		"server.metrics_on_admin": "true", "auth.api_keys_file": keysFile,
 		"membership.registration_ttl_s": "4.5", "membership.drain_timeout_s": "0.5",
+		"placement.policy": "least_loaded", "placement.balance_abs_threshold": "0", "placement.balance_rel_threshold": "1",
+		"placement.prefix_index_blocks": "7",
 	}
 	var file strings.Builder
 	sections := map[string][]string{}
@@ -368,6 +381,7 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		Recovery:   Recovery{EjectAfter: 7, FailureQuarantineS: 8, RetryAttempts: 9, RetryBudgetRatio: 1, ReadmitIntervalS: 0.25, MaxQuarantineS: 34},
 		Breaker:    Breaker{LeaseTTLS: 0.75},
 		Membership: Membership{RegistrationTTLS: 4.5, DrainTimeoutS: 0.5},
+		Placement:  Placement{Policy: "least_loaded", BalanceAbsThreshold: 0, BalanceRelThreshold: 1, PrefixIndexBlocks: 7},
 		Router:     Router{ID: "from-env", EventBuffer: 10, LogFormat: "text", LogLevel: "error"},
 		Server: Server{StallTimeoutS: 0.5, HeaderTimeoutS: 1.25, IdleTimeoutS: 2, MaxHeaderBytes: 8192,
 			MaxConnections: 11, MaxInflight: 12, MaxBodyBytesInflight: 13,
@@ -513,6 +527,11 @@ func TestValidateNamesEveryKey(t *testing.T) {
 		{func(c *Config) { c.Recovery.RetryBudgetRatio = math.NaN() }, "config: recovery.retry_budget_ratio: must be between 0 and 1, got NaN"},
 		{func(c *Config) { c.Recovery.ReadmitIntervalS = 0 }, "config: recovery.readmit_interval_s: must be > 0, got 0"},
 		{func(c *Config) { c.Recovery.MaxQuarantineS = 0 }, "config: recovery.max_quarantine_s: must be > 0, got 0"},
+		{func(c *Config) { c.Placement.Policy = "round_robin" }, `config: placement.policy: must be one of prefix, least_loaded, random, got "round_robin"`},
+		{func(c *Config) { c.Placement.BalanceAbsThreshold = -1 }, "config: placement.balance_abs_threshold: must be >= 0, got -1"},
+		{func(c *Config) { c.Placement.BalanceRelThreshold = 0.5 }, "config: placement.balance_rel_threshold: must be >= 1, got 0.5"},
+		{func(c *Config) { c.Placement.BalanceRelThreshold = math.NaN() }, "config: placement.balance_rel_threshold: must be a finite number, got NaN"},
+		{func(c *Config) { c.Placement.PrefixIndexBlocks = 0 }, "config: placement.prefix_index_blocks: must be between 1 and 16777216, got 0"},
 		{func(c *Config) { c.Breaker.LeaseTTLS = 0.2 }, "config: breaker.lease_ttl_s: must be >= 0.5, got 0.2"},
 		{func(c *Config) { c.Router.ID = "" }, `config: router.id: must be non-empty and hold only letters, digits, '-' and '_', got ""`},
 		{func(c *Config) { c.Router.ID = "host.example.com-1" }, `config: router.id: must be non-empty and hold only letters, digits, '-' and '_', got "host.example.com-1"`},
@@ -626,7 +645,7 @@ func TestYAMLErrorsNameTheKey(t *testing.T) {
 		want string
 	}{
 		"unknown top-level key": {"engines:\n  first_token_timeout_s: 3\n",
-			"config: engines: unknown key (known keys here: engine, request, handoff, recovery, breaker, membership, router, server, bus, auth, engine_contract, fleet)"},
+			"config: engines: unknown key (known keys here: engine, request, handoff, recovery, breaker, membership, placement, router, server, bus, auth, engine_contract, fleet)"},
 		"unknown section key": {"engine:\n  first_token_timeout: 3\n",
 			"config: engine.first_token_timeout: unknown key (known keys here: first_token_timeout_s, decode_read_timeout_s, prefill_timeout_s, tls_ca_file)"},
 		"unknown contract key": {"engine_contract:\n  modle: m\n",

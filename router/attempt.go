@@ -18,6 +18,7 @@ import (
 func (c *call) run() *engines.Fault {
 	rt := c.rt
 	var avoid avoidSet
+	defer c.releasePlacement()
 	for {
 		c.attempts++
 		f := c.attempt(&avoid)
@@ -94,18 +95,13 @@ func (c *call) attempt(avoid *avoidSet) *engines.Fault {
 }
 
 // place reserves a prefill slot and a decode slot for the attempt
-// (R-OWN-3), avoiding the engines in avoid (R-RETRY-3), or returns the
-// no_engine fault of the phase that has no eligible engine.
+// (R-OWN-3) on the engines the placement policy chooses (placeLegs,
+// R-PLACE-1, R-PLACE-2), avoiding the engines in avoid (R-RETRY-3), or
+// returns the no_engine fault of the phase that has no eligible engine.
 func (c *call) place(avoid *avoidSet) *engines.Fault {
-	rt := c.rt
-	prod, err := rt.fleet().place(c.req.Model, prefillPhase, avoid[prefillPhase])
-	if err != nil {
-		return noEngine(prefillPhase)
-	}
-	cons, err := rt.fleet().placeConsumer(c.req.Model, avoid[decodePhase], prod.Connector.Name())
-	if err != nil {
-		prod.release(prefillPhase)
-		return noEngine(decodePhase)
+	prod, cons, f := c.placeLegs(avoid)
+	if f != nil {
+		return f
 	}
 	c.producer, c.consumer = prod, cons
 	c.holdPrefill, c.holdDecode = true, true

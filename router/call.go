@@ -40,6 +40,7 @@ type call struct {
 	cancel   context.CancelCauseFunc
 	watch    *watch
 	attempts int
+	scratch  *placeScratch // placement's pooled buffers (placement.go)
 
 	producer, consumer *member
 	holdPrefill        bool // producer's prefill slot is reserved

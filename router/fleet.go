@@ -59,6 +59,10 @@ type member struct {
 	// draining or drained engine takes no new attempt (R-FLEET-2,
 	// R-FLEET-3).
 	active atomic.Bool
+	// waiting is the engine's own queue (vLLM's num_requests_waiting) as
+	// last read, 0 when unknown; the prefix policy adds it to the load
+	// (R-PLACE-2; Router.SetEngineWaiting).
+	waiting atomic.Int64
 	// entry is the engine's fleet entry as last applied.
 	entry atomic.Pointer[schemas.FleetEntry]
 	// fromConfig: the engine came from this router's config file; kept

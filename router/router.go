@@ -91,6 +91,7 @@ type Router struct {
 	watcher *disconnectWatcher
 	server  *fasthttp.Server
 	front   *frontDoor
+	placer  *placer // the placement policy and the prefix index (placement.go)
 	ready   func() bool
 	tracer  trace.Tracer // nil: tracing off
 
@@ -199,6 +200,7 @@ func New(opts Options) (*Router, error) {
 	for _, m := range f.members {
 		rt.metrics.initEngine(m)
 	}
+	rt.placer = newPlacer(cfg.Placement, reg, rt.fleet)
 	if cfg.Server.TLS() {
 		rt.tlsCert, err = newCertificate(cfg.Server.TLSCertFile, cfg.Server.TLSKeyFile, rt.log)
 		if err != nil {

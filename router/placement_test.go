@@ -1,0 +1,430 @@
+package router
+
+import (
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/engines"
+	"github.com/narwhalmesh/narwhal/engines/connector"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
+	"github.com/narwhalmesh/narwhal/prefix"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// placementRig is a router with only what placement needs: a fleet of
+// placeable members and a placer with the given policy.
+type placementRig struct {
+	rt *Router
+	f  *fleet
+}
+
+func newPlacementRig(t testing.TB, policy string, ids ...string) *placementRig {
+	t.Helper()
+	f := &fleet{byID: map[string]*member{}}
+	models := []string{"m"}
+	for _, id := range ids {
+		role := connector.RolePrefill
+		switch id[0] {
+		case 'd':
+			role = connector.RoleDecode
+		case 'b':
+			role = connector.RoleBoth
+		}
+		m := &member{Engine: engines.Engine{ID: id, Role: role, Connector: connector.Nixl{}}}
+		m.eligible.Store(true)
+		m.active.Store(true)
+		m.models.Store(&models)
+		f.members = append(f.members, m)
+		f.byID[id] = m
+	}
+	cfg := config.Default().Placement
+	cfg.Policy = policy
+	rt := &Router{}
+	rt.live.Store(f)
+	rt.placer = newPlacer(cfg, prometheus.NewRegistry(), rt.fleet)
+	return &placementRig{rt: rt, f: f}
+}
+
+// chatRequest is a chat request with a long shared system prompt and a
+// user question.
+func chatRequest(t testing.TB, system, question string) *schemas.Request {
+	t.Helper()
+	body := `{"model":"m","messages":[{"role":"system","content":"` + system + `"},{"role":"user","content":"` + question + `"}]}`
+	r, err := schemas.ParseRequest(schemas.EndpointChat, []byte(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+// place places one attempt's legs for req with the rig's router and
+// returns them (their slots reserved).
+func (g *placementRig) place(t testing.TB, req *schemas.Request, avoid *avoidSet) (prod, cons *member) {
+	t.Helper()
+	c := &call{rt: g.rt, req: req, attempts: 1}
+	defer c.releasePlacement()
+	if avoid == nil {
+		avoid = &avoidSet{}
+	}
+	prod, cons, f := c.placeLegs(avoid)
+	if f != nil {
+		t.Fatalf("placement failed: %v", f)
+	}
+	return prod, cons
+}
+
+func (g *placementRig) release(prod, cons *member) {
+	prod.release(prefillPhase)
+	cons.release(decodePhase)
+}
+
+var longSystem = strings.Repeat("You are a narwhal who answers questions about the Arctic. ", 40)
+
+// TestPrefixPlacementFollowsThePrefixRPLACE2: a prompt whose prefix was
+// placed on an engine goes back there while the load is even; a prompt
+// no engine has seen goes to the least loaded; the index records what
+// was placed, and the OnPlaced function gets only the fresh blocks.
+func TestPrefixPlacementFollowsThePrefixRPLACE2(t *testing.T) {
+	g := newPlacementRig(t, config.PolicyPrefix, "p1", "p2", "p3", "p4", "d1", "d2")
+	var mu sync.Mutex
+	var published []int
+	g.rt.OnPlaced(func(id string, fresh []uint64) {
+		mu.Lock()
+		published = append(published, len(fresh))
+		mu.Unlock()
+	})
+	first, cons := g.place(t, chatRequest(t, longSystem, "how cold is the water?"), nil)
+	g.release(first, cons)
+	if cons.Role != connector.RoleDecode {
+		t.Fatalf("the decode went to %s", cons.ID)
+	}
+	blocks := g.rt.PrefixIndex().Blocks(first.ID)
+	if blocks < 30 {
+		t.Fatalf("the index holds %d blocks for %s after a ~2.4 KB prompt", blocks, first.ID)
+	}
+	for i := range 40 {
+		// Another engine one attempt busier than the others: still the
+		// matched one wins (a few attempts cost less than the match).
+		first.reserved[prefillPhase].Store(int64(i % 3))
+		p, c := g.place(t, chatRequest(t, longSystem, "question "+strings.Repeat("x", i)), nil)
+		g.release(p, c)
+		if p != first {
+			t.Fatalf("follow-up %d went to %s, the prefix is on %s", i, p.ID, first.ID)
+		}
+	}
+	first.reserved[prefillPhase].Store(0)
+	mu.Lock()
+	if len(published) == 0 || published[0] != blocks {
+		t.Fatalf("published fresh counts %v: want all %d blocks first", published, blocks)
+	}
+	for _, n := range published[1:] {
+		if n > 2 {
+			t.Fatalf("published fresh counts %v: a follow-up published %d blocks, want only its question's new ones", published, n)
+		}
+	}
+	mu.Unlock()
+	// A different system prompt matches nothing: least loaded, spread.
+	seen := map[string]bool{}
+	for i := range 40 {
+		g.f.byID["p1"].reserved[prefillPhase].Store(1)
+		p, c := g.place(t, chatRequest(t, fmt.Sprintf("tenant %d: ", i)+longSystem, "q"), nil)
+		g.release(p, c)
+		if p.ID == "p1" {
+			t.Fatalf("an unseen prompt went to the busier p1")
+		}
+		seen[p.ID] = true
+	}
+	if len(seen) != 3 {
+		t.Fatalf("unseen prompts went to %v, want spread over p2, p3, p4", seen)
+	}
+}
+
+// TestPrefixPlacementGuardRPLACE2: when the outstanding attempts are too
+// uneven (both thresholds crossed) the least loaded engine wins over the
+// one holding the prefix; below either threshold, the prefix holds when
+// the load penalty allows.
+func TestPrefixPlacementGuardRPLACE2(t *testing.T) {
+	g := newPlacementRig(t, config.PolicyPrefix, "p1", "p2", "d1")
+	req := chatRequest(t, longSystem, "q")
+	hot, c := g.place(t, req, nil)
+	g.release(hot, c)
+	other := g.f.byID["p1"]
+	if hot == other {
+		other = g.f.byID["p2"]
+	}
+	// 40 − 5 = 35 > 32 and 40 > 1.5 × 5: the guard chooses by load.
+	hot.reserved[prefillPhase].Store(40)
+	other.reserved[prefillPhase].Store(5)
+	if p, c := g.place(t, req, nil); p != other {
+		t.Fatalf("guard: placed on %s, want the least loaded %s", p.ID, other.ID)
+	} else {
+		g.release(p, c)
+	}
+	// The engine's own queue counts as load in the score too.
+	hot.reserved[prefillPhase].Store(0)
+	other.reserved[prefillPhase].Store(0)
+	hot.waiting.Store(100)
+	if p, c := g.place(t, req, nil); p != other {
+		t.Fatalf("100 waiting on the matched engine: placed on %s, want %s", p.ID, other.ID)
+	} else {
+		g.release(p, c)
+	}
+	g.rt.SetEngineWaiting(hot.ID, -3)
+	if hot.waiting.Load() != 0 {
+		t.Fatal("a negative queue was stored")
+	}
+	g.rt.PrefixIndex().Drop(other.ID) // the placements above recorded the prompt there too
+	if p, c := g.place(t, req, nil); p != hot {
+		t.Fatalf("even load: placed on %s, want the matched %s", p.ID, hot.ID)
+	} else {
+		g.release(p, c)
+	}
+}
+
+// TestPrefixPlacementNeverOverridesEligibilityRPLACE1: the engine that
+// holds the prompt's prefix is never chosen while it is quarantined,
+// ejected, draining, out of slots, refusing credentials or not serving
+// the model — the score only orders the engines that may be chosen.
+func TestPrefixPlacementNeverOverridesEligibilityRPLACE1(t *testing.T) {
+	g := newPlacementRig(t, config.PolicyPrefix, "p1", "p2", "d1")
+	req := chatRequest(t, longSystem, "q")
+	hot, c := g.place(t, req, nil)
+	g.release(hot, c)
+	other := g.f.byID["p1"]
+	if hot == other {
+		other = g.f.byID["p2"]
+	}
+	entry := schemas.FleetEntry{State: schemas.FleetActive}
+	cases := []struct {
+		name        string
+		break_, fix func()
+	}{
+		{"quarantined", func() { hot.quarantinedUntil.Store(time.Now().Add(time.Hour).UnixNano()) }, func() { hot.quarantinedUntil.Store(0) }},
+		{"ejected", func() { hot.eligible.Store(false) }, func() { hot.eligible.Store(true) }},
+		{"draining", func() {
+			e := entry
+			e.State = schemas.FleetDraining
+			hot.setEntry(e)
+		}, func() { hot.setEntry(entry) }},
+		{"out of slots", func() { hot.limit[prefillPhase] = 1; hot.reserved[prefillPhase].Store(1) }, func() { hot.limit[prefillPhase] = 0; hot.reserved[prefillPhase].Store(0) }},
+		{"refusing credentials", func() { hot.refused.Store(true) }, func() { hot.refused.Store(false) }},
+		{"not serving the model", func() { ms := []string{"other"}; hot.models.Store(&ms) }, func() { ms := []string{"m"}; hot.models.Store(&ms) }},
+	}
+	for _, tc := range cases {
+		tc.break_()
+		for range 20 {
+			p, c := g.place(t, req, nil)
+			g.release(p, c)
+			if p == hot {
+				t.Fatalf("%s: the matched engine was chosen", tc.name)
+			}
+		}
+		tc.fix()
+		g.rt.PrefixIndex().Drop(other.ID) // the placements above recorded the prompt there too
+		if p, c := g.place(t, req, nil); p != hot {
+			t.Fatalf("after %s ended: placed on %s, want the matched %s again", tc.name, p.ID, hot.ID)
+		} else {
+			g.release(p, c)
+		}
+	}
+	// Every producer out: no engine, nothing reserved.
+	hot.eligible.Store(false)
+	other.eligible.Store(false)
+	c2 := &call{rt: g.rt, req: req, attempts: 1}
+	if _, _, f := c2.placeLegs(&avoidSet{}); f == nil || f.Kind != engines.KindNoEngine {
+		t.Fatalf("no producer: %v", f)
+	}
+	c2.releasePlacement()
+	if g.f.byID["d1"].reserved[decodePhase].Load() != 0 {
+		t.Fatal("a decode slot was reserved without a producer")
+	}
+}
+
+// TestPrefixPlacementRetryAvoidsFailedRRETRY3: a retry never goes back to
+// the producer that failed while another may take it, however well it
+// matches; only when none other can does it return there.
+func TestPrefixPlacementRetryAvoidsFailedRRETRY3(t *testing.T) {
+	g := newPlacementRig(t, config.PolicyPrefix, "p1", "p2", "d1")
+	req := chatRequest(t, longSystem, "q")
+	hot, c := g.place(t, req, nil)
+	g.release(hot, c)
+	avoid := &avoidSet{}
+	avoid[prefillPhase] = []*member{hot}
+	for range 20 {
+		p, c := g.place(t, req, avoid)
+		g.release(p, c)
+		if p == hot {
+			t.Fatal("the retry went back to the failed producer")
+		}
+	}
+	for _, m := range g.f.members {
+		if m != hot && m.Role.CanPrefill() {
+			m.eligible.Store(false)
+		}
+	}
+	if p, c := g.place(t, req, avoid); p != hot {
+		t.Fatalf("only the failed producer left: placed on %s", p.ID)
+	} else {
+		g.release(p, c)
+	}
+}
+
+// TestPrefixPlacementSameWorkerRPLACE2: under the prefix policy a
+// same-worker producer keeps the decode (the whole attempt where the
+// prefix is), unless the decode must avoid it or it has no decode slot:
+// then the least loaded consumer takes it.
+func TestPrefixPlacementSameWorkerRPLACE2(t *testing.T) {
+	g := newPlacementRig(t, config.PolicyPrefix, "b1", "b2", "b3")
+	req := chatRequest(t, longSystem, "q")
+	for range 20 {
+		p, c := g.place(t, req, nil)
+		g.release(p, c)
+		if p != c {
+			t.Fatalf("same-worker producer %s, decode on %s", p.ID, c.ID)
+		}
+	}
+	hot, _ := g.place(t, req, nil)
+	hot.release(prefillPhase)
+	hot.release(decodePhase)
+	avoid := &avoidSet{}
+	avoid[decodePhase] = []*member{hot}
+	if p, c := g.place(t, req, avoid); p != hot || c == hot {
+		t.Fatalf("decode avoiding %s: prefill %s, decode %s", hot.ID, p.ID, c.ID)
+	} else {
+		g.release(p, c)
+	}
+	hot.limit[decodePhase] = 1
+	hot.reserved[decodePhase].Store(1)
+	if p, c := g.place(t, req, nil); p != hot || c == hot {
+		t.Fatalf("no decode slot on %s: prefill %s, decode %s", hot.ID, p.ID, c.ID)
+	} else {
+		g.release(p, c)
+	}
+	// least_loaded keeps choosing the legs apart.
+	ll := newPlacementRig(t, config.PolicyLeastLoaded, "b1", "b2")
+	crossed := 0
+	for range 40 {
+		p, c := ll.place(t, req, nil)
+		ll.release(p, c)
+		if p != c {
+			crossed++
+		}
+	}
+	if crossed == 0 {
+		t.Fatal("least_loaded never crossed the legs")
+	}
+}
+
+// TestRandomPlacementSpreadsRPLACE1: the random policy picks uniformly
+// among the producers that may be chosen, never another.
+func TestRandomPlacementSpreadsRPLACE1(t *testing.T) {
+	g := newPlacementRig(t, config.PolicyRandom, "p1", "p2", "p3", "d1")
+	g.f.byID["p3"].eligible.Store(false)
+	g.f.byID["p1"].reserved[prefillPhase].Store(10)
+	counts := map[string]int{}
+	req := chatRequest(t, longSystem, "q")
+	for range 400 {
+		p, c := g.place(t, req, nil)
+		g.release(p, c)
+		counts[p.ID]++
+	}
+	if counts["p3"] != 0 || counts["p1"] < 140 || counts["p2"] < 140 {
+		t.Fatalf("random placements %v: want p1 and p2 about evenly, never p3", counts)
+	}
+	if g.rt.PrefixIndex().Blocks("p1") != 0 {
+		t.Fatal("the random policy recorded prefixes")
+	}
+}
+
+// TestPrefixPlacementEndToEndRPLACE2 runs real requests through a router
+// over simulators: follow-ups of a conversation go to the producer of its
+// first request, and narwhal_prefix_index_blocks reports the index.
+func TestPrefixPlacementEndToEndRPLACE2(t *testing.T) {
+	s := newStack(t, []engineDef{{id: "p1", role: "prefill"}, {id: "p2", role: "prefill"}, {id: "p3", role: "prefill"}, {id: "d1", role: "decode"}}, nil)
+	s.waitModels()
+	system := strings.Repeat("A long shared context about narwhals. ", 30)
+	body := func(q string) string {
+		return `{"model":"` + testModel + `","max_tokens":2,"messages":[{"role":"system","content":"` + system + `"},{"role":"user","content":"` + q + `"}]}`
+	}
+	resp, b := s.post(schemas.EndpointChat, body("first"))
+	if resp.StatusCode != 200 {
+		t.Fatalf("status %d: %s", resp.StatusCode, b)
+	}
+	first := resp.Header.Get("X-Narwhal-Prefill-Engine")
+	for i := range 10 {
+		resp, b := s.post(schemas.EndpointChat, body("follow-up "+strings.Repeat("?", i)))
+		if resp.StatusCode != 200 {
+			t.Fatalf("status %d: %s", resp.StatusCode, b)
+		}
+		if got := resp.Header.Get("X-Narwhal-Prefill-Engine"); got != first {
+			t.Fatalf("follow-up %d prefilled on %s, the conversation's prefix is on %s", i, got, first)
+		}
+	}
+	mfs, err := s.rt.reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v, found := testkit.Sum(mfs, "narwhal_prefix_index_blocks", "engine", first); !found || v < 15 {
+		t.Fatalf("narwhal_prefix_index_blocks{engine=%s} = %v (found %v), want the prompt's blocks", first, v, found)
+	}
+	for _, id := range []string{"p1", "p2", "p3"} {
+		if id == first {
+			continue
+		}
+		if v, found := testkit.Sum(mfs, "narwhal_prefix_index_blocks", "engine", id); !found || v != 0 {
+			t.Fatalf("narwhal_prefix_index_blocks{engine=%s} = %v (found %v), want 0", id, v, found)
+		}
+	}
+	if v, _ := testkit.Sum(mfs, "narwhal_prefix_placements_total", "decision", "matched"); v != 10 {
+		t.Fatalf("narwhal_prefix_placements_total{decision=matched} = %v, want the 10 follow-ups", v)
+	}
+}
+
+// BenchmarkPrefixPlacement2000Tokens is one whole prefix placement of a
+// 2,000-token chat prompt (about 8,000 bytes: a long system prompt and
+// six turns) over 4 producers whose indexes are full, one holding the
+// conversation: rendering, hashing, matching, scoring, reserving both
+// legs and recording the blocks at the producer (R-PLACE-2). The hash
+// and score alone are prefix.BenchmarkPrefixScore2000Tokens. 0 allocs/op.
+func BenchmarkPrefixPlacement2000Tokens(b *testing.B) {
+	g := newPlacementRig(b, config.PolicyPrefix, "p1", "p2", "p3", "p4", "d1")
+	var sb strings.Builder
+	sb.WriteString(`{"model":"m","messages":[{"role":"system","content":"` + strings.Repeat("You are a narwhal. ", 200) + `"}`)
+	for i := range 6 {
+		sb.WriteString(`,{"role":"user","content":"` + strings.Repeat("narwhals use their tusks to sense the water around them.\\n ", 13) + string(rune('a'+i)) + `"}`)
+	}
+	sb.WriteString(`]}`)
+	req, err := schemas.ParseRequest(schemas.EndpointChat, []byte(sb.String()))
+	if err != nil {
+		b.Fatal(err)
+	}
+	ix := g.rt.PrefixIndex()
+	for i, id := range []string{"p1", "p2", "p3", "p4"} {
+		for j := 0; ix.Blocks(id) < ix.Capacity(); j++ {
+			p := []byte(strings.Repeat(string(rune('A'+i))+string(rune('a'+j%26))+string(rune('a'+j/26%26)), 8000/3))
+			ix.Learn(id, prefix.AppendHashes(nil, p))
+		}
+	}
+	hot, c := g.place(b, req, nil)
+	g.release(hot, c)
+	var avoid avoidSet
+	call := &call{rt: g.rt, req: req, attempts: 1}
+	b.ReportAllocs()
+	b.ResetTimer()
+	cpu := cpuTime()
+	for b.Loop() {
+		p, c, f := call.placeLegs(&avoid)
+		if f != nil || p != hot {
+			b.Fatalf("placed on %v (%v), the prompt is on %s", p, f, hot.ID)
+		}
+		call.releasePlacement()
+		g.release(p, c)
+	}
+	b.ReportMetric(float64(cpuTime()-cpu)/float64(b.N), "cpu-ns/op")
+}
