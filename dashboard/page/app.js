@@ -116,7 +116,7 @@
       cell(tr, f.probability, "num");
       cell(tr, f.count > 0 ? f.left + " of " + f.count : "unlimited", "num");
       cell(tr, f.params || "", "msg");
-      cell(tr, inFuture(f.expires), "num");
+      cell(tr, "in " + inFuture(f.expires), "num");
       return tr;
     });
   }
