@@ -51,3 +51,22 @@ func BenchmarkHash8000Bytes(b *testing.B) {
 		hashes = AppendHashes(hashes[:0], p)
 	}
 }
+
+// BenchmarkRecord2000Tokens records a 2,000-token prompt (125 blocks)
+// already held, at an engine whose index is full: the index's work after
+// each placement.
+func BenchmarkRecord2000Tokens(b *testing.B) {
+	ix := NewIndex(DefaultBlocksPerEngine)
+	for j := 0; ix.Blocks("e") < DefaultBlocksPerEngine; j++ {
+		ix.Record("e", AppendHashes(nil, prompt(uint64(j+10), 125*BlockBytes)), nil)
+	}
+	hashes := AppendHashes(nil, prompt(1, 8000))
+	fresh := make([]uint64, 0, len(hashes))
+	ix.Record("e", hashes, nil)
+	b.ReportAllocs()
+	cpu := cpuTime()
+	for b.Loop() {
+		fresh = ix.Record("e", hashes, fresh[:0])
+	}
+	b.ReportMetric(float64(cpuTime()-cpu)/float64(b.N), "cpu-ns/op")
+}

@@ -156,14 +156,14 @@ func (ix *Index) Match(engineID string, hashes []uint64) int {
 	}
 	e.mu.RLock()
 	defer e.mu.RUnlock()
-	if _, ok := e.slot[hashes[0]]; !ok {
+	if _, ok := e.slot.get(hashes[0]); !ok {
 		return 0
 	}
 	// hashes[lo-1] is held; the answer is in [lo, hi].
 	lo, hi := 1, len(hashes)
 	for lo < hi {
 		mid := (lo + hi + 1) / 2
-		if _, ok := e.slot[hashes[mid-1]]; ok {
+		if _, ok := e.slot.get(hashes[mid-1]); ok {
 			lo = mid
 		} else {
 			hi = mid - 1
@@ -190,13 +190,13 @@ func (ix *Index) Engines(fn func(engineID string, blocks int)) {
 	}
 }
 
-// engineLRU is one engine's bounded LRU set of hashes: a map from hash to
-// slot and a doubly linked list through the slots, in arrays, so that
+// engineLRU is one engine's bounded LRU set of hashes: a table from hash
+// to slot and a doubly linked list through the slots, in arrays, so that
 // once full it never allocates (an evicted slot is reused).
 type engineLRU struct {
 	mu         sync.RWMutex
 	capacity   int
-	slot       map[uint64]int32
+	slot       *table
 	hash       []uint64
 	prev, next []int32
 	head, tail int32 // most and least recent slot; -1 when empty
@@ -204,14 +204,14 @@ type engineLRU struct {
 }
 
 func newEngineLRU(capacity int) *engineLRU {
-	return &engineLRU{capacity: capacity, slot: map[uint64]int32{}, head: -1, tail: -1}
+	return &engineLRU{capacity: capacity, slot: newTable(), head: -1, tail: -1}
 }
 
 // touch makes h the most recent hash, inserting it (and evicting the
 // least recent when full) if absent. It reports whether h was held. The
 // caller holds e.mu.
 func (e *engineLRU) touch(h uint64) bool {
-	if s, ok := e.slot[h]; ok {
+	if s, ok := e.slot.get(h); ok {
 		if s != e.head {
 			e.unlink(s)
 			e.pushFront(s)
@@ -227,11 +227,11 @@ func (e *engineLRU) touch(h uint64) bool {
 		e.size.Store(int64(len(e.hash)))
 	} else {
 		s = e.tail
-		delete(e.slot, e.hash[s])
+		e.slot.del(e.hash[s])
 		e.unlink(s)
 		e.hash[s] = h
 	}
-	e.slot[h] = s
+	e.slot.put(h, s)
 	e.pushFront(s)
 	return false
 }
