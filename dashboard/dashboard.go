@@ -206,6 +206,7 @@ func (d *Dashboard) serveEvents(w http.ResponseWriter, r *http.Request) {
 	}
 	defer d.streams.Add(-1)
 	rc := http.NewResponseController(w)
+	_ = rc.SetReadDeadline(time.Time{}) // a stream outlives the server's ReadTimeout
 	h := w.Header()
 	h.Set("Content-Type", "text/event-stream")
 	h.Set("X-Accel-Buffering", "no")

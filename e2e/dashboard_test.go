@@ -66,8 +66,9 @@ type pageRow struct {
 // shows in the chaos table; the requests it strikes eject decode-1
 // (R-BRK-1), which the page shows — state, timeline, failures — without a
 // reload; the breaker's probe then readmits it (R-BRK-3) and the page
-// shows that too. A forged failure event whose message is HTML is shown as
-// text and runs nothing. A screenshot is taken and checked.
+// shows that too. The keyboard alone reaches the page's one control. A
+// forged failure event whose message is HTML is shown as text and runs
+// nothing. A screenshot is taken and checked.
 func TestDashboardInBrowser(t *testing.T) {
 	browser := chromium(t)
 	ctx := testContext(t, browserBound)
@@ -144,6 +145,44 @@ func TestDashboardInBrowser(t *testing.T) {
 	})
 	if s := text("#status"); s != "live" {
 		t.Errorf("status %q, want live", s)
+	}
+
+	// The keyboard alone: Tab reaches the one control (after the skip
+	// link), and the L key toggles large text.
+	large := func() bool {
+		on, err := chromedp.Run(bctx, chromedp.Evaluate[bool](`document.documentElement.classList.contains("large")`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return on
+	}
+	var focused string
+	var err error
+	for range 4 {
+		if err := chromedp.Do(bctx, chromedp.KeyEvent("\t")); err != nil {
+			t.Fatal(err)
+		}
+		if focused, err = chromedp.Run(bctx, chromedp.Evaluate[string](`document.activeElement ? document.activeElement.id : ""`)); err != nil {
+			t.Fatal(err)
+		}
+		if focused == "large" {
+			break
+		}
+	}
+	if focused != "large" {
+		t.Errorf("Tab did not reach the Large text button (focus on %q)", focused)
+	}
+	if err := chromedp.Do(bctx, chromedp.KeyEvent("\r")); err != nil {
+		t.Fatal(err)
+	}
+	if !large() {
+		t.Error("Enter on the Large text button did not enlarge the text")
+	}
+	if err := chromedp.Do(bctx, chromedp.KeyEvent("l")); err != nil {
+		t.Fatal(err)
+	}
+	if large() {
+		t.Error("the L key did not toggle large text back")
 	}
 
 	// Arm three HTTP 503s on decode-1: the page lists the fault.
