@@ -129,6 +129,9 @@ type LoadSpread struct {
 	// GuardPeakMaxOverMean is the largest max / mean among GuardSamples
 	// (0 when there were none).
 	GuardPeakMaxOverMean float64 `json:"guard_peak_max_over_mean"`
+	// GuardOverShare is the share of GuardSamples in which some engine had
+	// more than 1.5× the mean (0 when there were none).
+	GuardOverShare float64 `json:"guard_over_share"`
 	// MeanOutstanding is the mean over samples of the mean outstanding.
 	MeanOutstanding float64 `json:"mean_outstanding"`
 }
@@ -555,6 +558,7 @@ func (l *lane) sample(opts *PolicyCompareOptions) (stop func()) {
 // spreadAcc accumulates LoadSpread samples.
 type spreadAcc struct {
 	samples, over, guard int
+	guardOver            int
 	sumRatio, peak       float64
 	guardPeak, sumMean   float64
 }
@@ -584,6 +588,9 @@ func (a *spreadAcc) add(load []int64, abs int, rel float64) {
 	if hi-lo > int64(abs) && float64(hi) > rel*float64(lo) {
 		a.guard++
 		a.guardPeak = max(a.guardPeak, ratio)
+		if ratio > 1.5 {
+			a.guardOver++
+		}
 	}
 }
 
@@ -593,6 +600,9 @@ func (a *spreadAcc) spread() LoadSpread {
 		s.MeanMaxOverMean = a.sumRatio / float64(a.samples)
 		s.OverShare = float64(a.over) / float64(a.samples)
 		s.MeanOutstanding = a.sumMean / float64(a.samples)
+	}
+	if a.guard > 0 {
+		s.GuardOverShare = float64(a.guardOver) / float64(a.guard)
 	}
 	return s
 }
@@ -674,11 +684,12 @@ func WritePolicyTable(w io.Writer, pc *PolicyComparison) error {
 	row("outst. mean", func(p *PolicyReport) string { return fmt.Sprintf("%.2f", p.Outstanding.MeanOutstanding) })
 	row("outst. max/mean avg", func(p *PolicyReport) string { return fmt.Sprintf("%.2f", p.Outstanding.MeanMaxOverMean) })
 	row("outst. >1.5× mean", func(p *PolicyReport) string { return fmt.Sprintf("%.0f%%", 100*p.Outstanding.OverShare) })
+	row("guard peak max/mean", func(p *PolicyReport) string { return fmt.Sprintf("%.2f", p.Outstanding.GuardPeakMaxOverMean) })
 	row("guard samples", func(p *PolicyReport) string {
 		if p.Outstanding.GuardSamples == 0 {
 			return "0"
 		}
-		return fmt.Sprintf("%d (peak %.2f)", p.Outstanding.GuardSamples, p.Outstanding.GuardPeakMaxOverMean)
+		return fmt.Sprintf("%d, %.0f%% >1.5×", p.Outstanding.GuardSamples, 100*p.Outstanding.GuardOverShare)
 	})
 	row("errors", func(p *PolicyReport) string { return errorsLine(p.Run.Errors) })
 	return bw.Flush()

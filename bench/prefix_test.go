@@ -295,7 +295,7 @@ func TestLoadSpread(t *testing.T) {
 	if s.Samples != 3 || s.PeakMaxOverMean != 4 || math.Abs(s.MeanMaxOverMean-8.0/3) > 1e-12 {
 		t.Fatalf("spread %+v", s)
 	}
-	if math.Abs(s.OverShare-2.0/3) > 1e-12 || s.GuardSamples != 1 || s.GuardPeakMaxOverMean != 3 {
+	if math.Abs(s.OverShare-2.0/3) > 1e-12 || s.GuardSamples != 1 || s.GuardPeakMaxOverMean != 3 || s.GuardOverShare != 1 {
 		t.Fatalf("spread %+v", s)
 	}
 	if math.Abs(s.MeanOutstanding-(1+1+20)/3.0) > 1e-12 {
