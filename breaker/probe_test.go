@@ -3,7 +3,9 @@ package breaker
 import (
 	"context"
 	"errors"
+	"net"
 	"net/http"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -158,3 +160,50 @@ func TestCheckContract(t *testing.T) {
 		t.Fatalf("engine down: %v", err)
 	}
 }
+
+// TestProbeTransferSGLang: with the sglang connector the probe runs the
+// router's path (R-DESC-7, R-BRK-3, R-PRE-1): one body with bootstrap
+// fields to both engines at once, the decode's KV taken from the room; it
+// fails as the producer's fault when the prefill fails (the decode is not
+// left waiting for KV), as the consumer's when the decode does.
+func TestProbeTransferSGLang(t *testing.T) {
+	ctx := context.Background()
+	c := probeClient(t)
+	sg := func(role, id string) (*sim.Server, *engines.Engine) {
+		srv, e := startEngine(t, sim.Config{Role: role, EngineID: id, Connector: sim.ConnectorSGLang, KVTimeout: 10 * time.Second})
+		e.Connector = connector.SGLang{}
+		if role == "prefill" {
+			_, port, _ := net.SplitHostPort(srv.KVAddr())
+			e.BootstrapPort, _ = strconv.Atoi(port)
+		}
+		return srv, e
+	}
+	psrv, p := sg("prefill", "p1")
+	dsrv, d := sg("decode", "d1")
+	if err := ProbeTransfer(ctx, c, p, d, testModel); err != nil {
+		t.Fatal(err)
+	}
+	pr, dr := psrv.Requests(), dsrv.Requests()
+	if len(pr) != 1 || len(dr) != 1 || string(pr[0].Body) != string(dr[0].Body) || !strings.Contains(string(pr[0].Body), `"bootstrap_room":`) {
+		t.Fatalf("probe legs: prefill %+v decode %+v", pr, dr)
+	}
+	if ds := dsrv.Stats(); ds.KVPulled != 1 || ds.Completed != 1 {
+		t.Fatalf("decode %+v", ds)
+	}
+
+	psrv.Arm(sim.Fault{Kind: sim.FaultHeaderDelay, DelayMS: 100, Count: 1})
+	psrv.Arm(sim.Fault{Kind: sim.FaultStatus, Status: 500, Count: 1})
+	start := time.Now()
+	err := ProbeTransfer(ctx, c, p, d, testModel)
+	var f *engines.Fault
+	if !errors.As(err, &f) || f.EngineID != "p1" || f.Phase != schemas.PhasePrefill || time.Since(start) > 2*time.Second {
+		t.Fatalf("probe with a failing prefill: %v after %v", err, time.Since(start))
+	}
+
+	dsrv.Arm(sim.Fault{Kind: sim.FaultStatus, Status: 500, Count: 1})
+	err = ProbeTransfer(ctx, c, p, d, testModel)
+	if !errors.As(err, &f) || f.EngineID != "d1" || f.Phase != schemas.PhaseDecode {
+		t.Fatalf("probe with a failing decode: %v", err)
+	}
+}
+

@@ -76,9 +76,14 @@ func (c *call) concurrentAttempt(ereq *engines.Request) *engines.Fault {
 // concurrentFault ends a concurrent attempt that failed before the
 // decode's first output: both legs are stopped and waited for, the
 // consumer's slot released, the fault — the prefill's when it failed
-// first — recorded.
+// first — recorded. When the prefill had completed, its KV waits in the
+// room for a consumer that will not come: a handoff event with outcome
+// abandoned makes it visible (R-OWN-6; SGLang frees the room itself,
+// nothing is released early).
 func (c *call) concurrentFault(f *engines.Fault) *engines.Fault {
-	c.closeLegs(false)
+	if c.closeLegs(false) {
+		c.publishAbandoned(c.producer.ID, "", abandonReason(f), time.Since(c.decodeStart), false)
+	}
 	c.releaseDecode()
 	c.recordFault(f)
 	return f
@@ -90,18 +95,21 @@ func (c *call) concurrentFault(f *engines.Fault) *engines.Fault {
 const prefillGrace = 250 * time.Millisecond
 
 // closeLegs ends a concurrent attempt's prefill leg — after prefillGrace
-// when wait is set — and takes ttft_s from its completion (R-TIME-1).
-func (c *call) closeLegs(wait bool) {
+// when wait is set — and takes ttft_s from its completion (R-TIME-1). It
+// reports whether the prefill had completed successfully.
+func (c *call) closeLegs(wait bool) bool {
 	l := c.legs
 	if l == nil {
-		return
+		return false
 	}
 	c.legs = nil
 	if wait {
 		l.WaitFor(prefillGrace)
 	}
 	l.Close()
-	if t := l.Completed(); !t.IsZero() {
+	t := l.Completed()
+	if !t.IsZero() {
 		c.ttft = t.Sub(c.arrival)
 	}
+	return !t.IsZero()
 }

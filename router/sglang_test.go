@@ -365,3 +365,24 @@ func TestSGLangNeverPairsMixedConnectorsRDESC3(t *testing.T) {
 	}
 	s.idle()
 }
+
+// TestSGLangDecodeFailureAbandonsRoomROWN6: a decode that fails before
+// its output after the prefill served the room is the consumer's fault,
+// and the room's stranded KV is published as an abandoned handoff
+// (R-OWN-6, R-DESC-7).
+func TestSGLangDecodeFailureAbandonsRoomROWN6(t *testing.T) {
+	s := sglangStack(t, 1, 1, nil)
+	s.sims["d1"].Arm(sim.Fault{Kind: sim.FaultHeaderDelay, Phase: sim.PhaseDecode, DelayMS: 200})
+	s.sims["d1"].Arm(sim.Fault{Kind: sim.FaultStatus, Phase: sim.PhaseDecode, Status: 500})
+	resp, body := s.post(schemas.EndpointChat, chatBody("the decode fails", ""))
+	if resp.StatusCode != 502 {
+		t.Fatalf("status %d: %s", resp.StatusCode, body)
+	}
+	s.idle()
+	s.oneFailure("d1", "decode", "upstream_status", true)
+	hs := s.events.handoffs()
+	if len(hs) != 1 || hs[0].EngineID != "p1" || hs[0].Connector != "sglang" || hs[0].Reason != "decode_failed" || hs[0].Released {
+		t.Fatalf("handoff events %+v", hs)
+	}
+	s.validEvents()
+}
