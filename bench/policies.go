@@ -29,11 +29,14 @@ type PolicyVariant struct {
 	ShareIndex bool `json:"share_index"`
 }
 
-// Name is the variant as tables show it: the policy, then "×N shared" or
-// "×N isolated" for several routers.
+// Name is the variant as tables show it: the policy, then "×N" for
+// several routers, and for the prefix policy "shared" or "isolated".
 func (v PolicyVariant) Name() string {
 	if v.Routers <= 1 {
 		return v.Policy
+	}
+	if v.Policy != "prefix" {
+		return fmt.Sprintf("%s ×%d", v.Policy, v.Routers)
 	}
 	how := "shared"
 	if !v.ShareIndex {
@@ -651,7 +654,7 @@ func WritePolicyTable(w io.Writer, pc *PolicyComparison) error {
 	fmt.Fprintf(bw, "sims per variant: %d prefill + %d decode, block size %d, %d KV cache blocks, max-num-seqs %d, prefill %s/token\n",
 		s.Prefill, s.Decode, s.BlockSize, s.KVCacheBlocks, s.MaxNumSeqs, s.PrefillPerToken)
 	fmt.Fprintf(bw, "ideal hit rate (oracle, pooled LRU of %d blocks): %.3f\n", s.Prefill*s.KVCacheBlocks, pc.Ideal.HitRate)
-	const col = "%18s"
+	const col = "%22s"
 	row := func(name string, cell func(p *PolicyReport) string) {
 		fmt.Fprintf(bw, "%-22s", name)
 		for _, p := range pc.Policies {

@@ -346,6 +346,7 @@ func TestPolicyVariantName(t *testing.T) {
 		{Policy: "prefix", Routers: 1, ShareIndex: true}:  "prefix",
 		{Policy: "prefix", Routers: 3, ShareIndex: true}:  "prefix ×3 shared",
 		{Policy: "prefix", Routers: 3, ShareIndex: false}: "prefix ×3 isolated",
+		{Policy: "least_loaded", Routers: 3}:              "least_loaded ×3",
 	} {
 		if got := v.Name(); got != want {
 			t.Errorf("%+v: %q, want %q", v, got, want)
