@@ -206,4 +206,3 @@ func TestProbeTransferSGLang(t *testing.T) {
 		t.Fatalf("probe with a failing decode: %v", err)
 	}
 }
-
