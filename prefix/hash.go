@@ -21,6 +21,12 @@ import (
 // tokens of English text (vLLM's default KV block).
 const BlockBytes = 64
 
+// MinScoredBlocks is the shortest prompt, in blocks, whose match is worth
+// weighing against load (256 bytes, about 64 tokens): a hit on a shorter
+// prompt saves too little prefill to matter, so Choose places it by load
+// alone and identical short prompts still spread over the engines.
+const MinScoredBlocks = 4
+
 // MaxBlocks bounds the blocks hashed per prompt (256 KiB of rendered
 // prompt): the bytes after them are not hashed, so the work of one
 // placement is bounded whatever the prompt's size.

@@ -254,6 +254,15 @@ func TestChooseNoMatchIsLeastLoadedRPLACE2(t *testing.T) {
 	if i, _ := Choose(cands, 0, b); i != 1 && i != 2 {
 		t.Fatalf("prompt of no block: chose %d", i)
 	}
+	// A prompt shorter than MinScoredBlocks goes by load, matched or not.
+	short := []Candidate{{Matched: MinScoredBlocks - 1, Outstanding: 1}, {Outstanding: 0}}
+	if i, g := Choose(short, MinScoredBlocks-1, b); i != 1 || g {
+		t.Fatalf("short prompt: chose %d (guard %v), want the least loaded 1", i, g)
+	}
+	short[0].Matched, short[1].Matched = MinScoredBlocks, 0
+	if i, _ := Choose(short, MinScoredBlocks, b); i != 0 {
+		t.Fatalf("prompt of MinScoredBlocks: chose %d, want the matched 0", i)
+	}
 	if i, _ := Choose(nil, 10, b); i != -1 {
 		t.Fatalf("no candidate: %d", i)
 	}

@@ -51,8 +51,9 @@ func (b Balance) Imbalanced(cands []Candidate) bool {
 // cands is empty; blocks is the prompt's length in blocks (the hashes
 // Match was given). guarded reports that the imbalance guard decided.
 //
-// When the guard holds (Imbalanced), the least loaded candidate wins.
-// Otherwise each candidate scores
+// When the guard holds (Imbalanced), or the prompt is shorter than
+// MinScoredBlocks, the least loaded candidate wins. Otherwise each
+// candidate scores
 //
 //	Matched/blocks − (load − least load)/Abs
 //
@@ -60,7 +61,8 @@ func (b Balance) Imbalanced(cands []Candidate) bool {
 // prompt's leading blocks recently sent there, less 1/Abs per attempt
 // it has beyond the least loaded one. The highest score wins; ties —
 // among them every candidate of a prompt no engine has seen — are broken
-// uniformly at random, so with no shared prefixes Choose is least loaded.
+// uniformly at random, so with no shared prefixes Choose is least loaded
+// (a short prompt's ties go to the least loaded: same thing).
 // It does not allocate.
 func Choose(cands []Candidate, blocks int, b Balance) (i int, guarded bool) {
 	if len(cands) == 0 {
@@ -68,6 +70,9 @@ func Choose(cands []Candidate, blocks int, b Balance) (i int, guarded bool) {
 	}
 	if b.Imbalanced(cands) {
 		return leastLoaded(cands), true
+	}
+	if blocks < MinScoredBlocks {
+		return leastLoaded(cands), false
 	}
 	least := cands[0].load()
 	for i := 1; i < len(cands); i++ {

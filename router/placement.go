@@ -61,7 +61,7 @@ func newPlacer(cfg config.Placement, reg prometheus.Registerer, f func() *fleet)
 	pl.scratch.New = func() any { return new(placeScratch) }
 	decisions := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "narwhal_prefix_placements_total",
-		Help: "Prefill placements of the prefix policy by what decided them: matched (the chosen engine held part of the prompt's prefix), unmatched (none did: least loaded), guard (the imbalance guard chose by load).",
+		Help: "Prefill placements of the prefix policy by what decided them: matched (the chosen engine held part of the prompt's prefix), unmatched (none did, or the prompt was too short to weigh: least loaded), guard (the imbalance guard chose by load).",
 	}, []string{"decision"})
 	pl.matched = decisions.WithLabelValues("matched")
 	pl.unmatched = decisions.WithLabelValues("unmatched")
@@ -212,7 +212,7 @@ func (f *fleet) placeBy(pl *placer, model string, p phase, avoid []*member, hash
 		case pl.policy == config.PolicyRandom:
 			chosen = ms[rand.IntN(len(ms))]
 		default:
-			if len(hashes) > 0 {
+			if len(hashes) >= prefix.MinScoredBlocks {
 				for i, m := range ms {
 					cands[i].Matched = pl.index.Match(m.ID, hashes)
 				}

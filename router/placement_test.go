@@ -428,3 +428,20 @@ func BenchmarkPrefixPlacement2000Tokens(b *testing.B) {
 	}
 	b.ReportMetric(float64(cpuTime()-cpu)/float64(b.N), "cpu-ns/op")
 }
+
+// TestPrefixPlacementShortPromptsSpreadRPLACE2: a prompt shorter than
+// prefix.MinScoredBlocks is placed by load, so the same short request
+// sent again and again still reaches every producer.
+func TestPrefixPlacementShortPromptsSpreadRPLACE2(t *testing.T) {
+	g := newPlacementRig(t, config.PolicyPrefix, "p1", "p2", "p3", "d1")
+	req := chatRequest(t, "be brief", "the same short question, again and again")
+	seen := map[string]int{}
+	for range 60 {
+		p, c := g.place(t, req, nil)
+		g.release(p, c)
+		seen[p.ID]++
+	}
+	if len(seen) != 3 {
+		t.Fatalf("a repeated short prompt went to %v, want every producer", seen)
+	}
+}
