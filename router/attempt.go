@@ -80,13 +80,8 @@ func (c *call) attempt(avoid *avoidSet) *engines.Fault {
 	c.backendID = c.id + "-" + strconv.Itoa(c.attempts) + "-" + newID()[:8]
 	ereq := &engines.Request{Body: c.req, BackendRequestID: c.backendID, Producer: &c.producer.Engine, Consumer: &c.consumer.Engine}
 	if connector.Concurrent(c.producer.Connector) {
-		// Both legs at once (sglang.go), under the request's span.
-		if c.trace == nil {
-			ereq.Traceparent, ereq.Tracestate = c.traceparent, c.tracestate
-		} else {
-			ereq.SetTrace(c.trace.ctx)
-		}
-		return c.concurrentAttempt(ereq)
+		// Both legs at once (sglang.go), in one span.
+		return c.traceConcurrent(ereq)
 	}
 	if f := c.tracePrefill(ereq); f != nil {
 		return f

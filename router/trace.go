@@ -32,6 +32,7 @@ const (
 	spanPrefill   = "narwhal.prefill"
 	spanHandoff   = "narwhal.handoff_check"
 	spanDecode    = "narwhal.decode"
+	spanLegs      = "narwhal.legs" // both legs at once, for a concurrent connector
 )
 
 // Span attribute keys beyond OpenTelemetry's semantic conventions.
@@ -175,6 +176,28 @@ func (c *call) traceDecode(ereq *engines.Request) *engines.Fault {
 	ereq.SetTrace(ctx)
 	c.trace.decode = span
 	f := c.decodeUntilOutput(ereq)
+	if f != nil {
+		c.trace.decode = nil
+		endWith(span, f)
+	}
+	return f
+}
+
+// traceConcurrent runs an attempt whose legs start at once (a concurrent
+// connector, sglang.go) in one legs span, the parent of both legs, which
+// stays open like a decode span until the attempt fails or the request
+// finishes.
+func (c *call) traceConcurrent(ereq *engines.Request) *engines.Fault {
+	if c.trace == nil {
+		ereq.Traceparent, ereq.Tracestate = c.traceparent, c.tracestate
+		return c.concurrentAttempt(ereq)
+	}
+	ctx, span := c.trace.start(spanLegs, trace.SpanKindClient,
+		attrAttempt.Int(c.attempts), attrPrefillEngine.String(c.producer.ID), attrDecodeEngine.String(c.consumer.ID),
+		attrBackendRequestID.String(c.backendID), attrConnector.String(c.producer.Connector.Name()))
+	ereq.SetTrace(ctx)
+	c.trace.decode = span
+	f := c.concurrentAttempt(ereq)
 	if f != nil {
 		c.trace.decode = nil
 		endWith(span, f)

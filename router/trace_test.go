@@ -325,3 +325,46 @@ func TestTracingOff(t *testing.T) {
 		t.Fatalf("%d spans with tracing off", n)
 	}
 }
+
+// TestTraceOfAConcurrentAttempt: an attempt whose legs start at once (the
+// sglang connector, R-DESC-7) has one legs span beside placement, the
+// parent of both legs: each engine receives its traceparent.
+func TestTraceOfAConcurrentAttempt(t *testing.T) {
+	exp := tracetest.NewInMemoryExporter()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp))
+	t.Cleanup(func() { _ = tp.Shutdown(t.Context()) })
+	s := newStackWith(t, sglangFleet(1, 1), func(c *config.Config) {
+		c.Engine.FirstTokenTimeoutS = 5
+		c.Engine.PrefillTimeoutS = 0.5
+	}, nil, io.Discard, func(o *Options) { o.TracerProvider = tp })
+	s.waitModels()
+	resp, body := s.post(schemas.EndpointChat, chatBody("concurrent", `"max_tokens":3,"stream":true`), "X-Request-Id", "sg-traced",
+		"traceparent", clientTraceparent)
+	if resp.StatusCode != 200 {
+		t.Fatalf("status %d: %s", resp.StatusCode, body)
+	}
+	spans := requestSpans(t, exp)
+	legs := byName(spans, spanLegs)
+	if len(spans) != 3 || len(byName(spans, spanPlacement)) != 1 || len(legs) != 1 {
+		t.Fatalf("spans %v, want the request, placement and legs", spanNames(spans))
+	}
+	root := spans[0]
+	a := attrs(legs[0])
+	if legs[0].Parent.SpanID() != root.SpanContext.SpanID() || root.SpanContext.TraceID().String() != clientTraceID ||
+		a[attrPrefillEngine].AsString() != "p1" || a[attrDecodeEngine].AsString() != "d1" || a[attrOutcome].AsString() != "ok" ||
+		a[attrCompletionTokens].AsInt64() != 3 || !strings.HasPrefix(a[attrBackendRequestID].AsString(), "sg-traced-1-") {
+		t.Fatalf("legs span %+v parent %v", legs[0].Attributes, legs[0].Parent)
+	}
+	want := "00-" + clientTraceID + "-" + legs[0].SpanContext.SpanID().String() + "-01"
+	for _, id := range []string{"p1", "d1"} {
+		var got []string
+		for _, r := range s.sims[id].Requests() {
+			if strings.HasPrefix(r.RequestID, "sg-traced-") {
+				got = append(got, r.Traceparent)
+			}
+		}
+		if len(got) != 1 || got[0] != want {
+			t.Fatalf("%s received traceparents %q, want [%s]", id, got, want)
+		}
+	}
+}
