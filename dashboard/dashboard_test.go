@@ -291,6 +291,11 @@ func TestFleetFromTheBus(t *testing.T) {
 		"armed_at": time.Now().UTC(), "expires": time.Now().Add(time.Minute).UTC()})
 
 	d := New(Options{Bus: viewer})
+	// The page's clock stands still a second ahead: every event of the test
+	// falls within the rates' 10 s window however slow the machine is
+	// (one from after it is shown at it).
+	fixed := time.Now().Add(time.Second)
+	d.st.now = func() time.Time { return fixed }
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
@@ -447,4 +452,35 @@ func waitQuietly(d time.Duration, cond func() bool) bool {
 		time.Sleep(10 * time.Millisecond)
 	}
 	return true
+}
+
+// TestEventsBeforeTheBuckets checks that events replayed at start, which
+// may come before the buckets' first read, are kept for an engine the
+// buckets name later (R-BUS-2, R-FLEET-1), and that ids no bucket names
+// give their room up to one that does.
+func TestEventsBeforeTheBuckets(t *testing.T) {
+	now := time.Date(2026, 12, 1, 12, 0, 0, 0, time.UTC)
+	s := newState(func() time.Time { return now })
+	s.applyProbe(&schemas.Probe{Envelope: schemas.Envelope{EngineID: "d1", At: now}, Outcome: schemas.ProbeFailure})
+	s.applyQuarantine(&schemas.Quarantine{Envelope: schemas.Envelope{EngineID: "d1", At: now}, Until: now.Add(time.Minute)})
+	s.applyFailure(&schemas.Failure{Envelope: schemas.Envelope{EngineID: "d1", At: now}})
+	if snap := s.snapshot(); len(snap.Engines) != 0 {
+		t.Fatalf("an id no bucket names is shown: %+v", snap.Engines)
+	}
+	s.applyFleet("d1", &schemas.FleetEntry{Role: "decode", State: schemas.FleetActive})
+	snap := s.snapshot()
+	if len(snap.Engines) != 1 || snap.Engines[0].Probe == nil || snap.Engines[0].Failures != 1 || snap.Engines[0].State != stateQuarantined {
+		t.Fatalf("d1 after its events: %+v", snap.Engines)
+	}
+	// Forged ids fill the records; a real engine's events still land.
+	for i := range maxEngines {
+		s.applyFailure(&schemas.Failure{Envelope: schemas.Envelope{EngineID: "forged-" + strconv.Itoa(i), At: now}})
+	}
+	s.applyFleet("d2", &schemas.FleetEntry{Role: "decode", State: schemas.FleetActive})
+	s.applyFailure(&schemas.Failure{Envelope: schemas.Envelope{EngineID: "d2", At: now}})
+	for _, e := range s.snapshot().Engines {
+		if e.Failures != 1 {
+			t.Errorf("%s: %d failures, want 1", e.ID, e.Failures)
+		}
+	}
 }

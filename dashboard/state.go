@@ -40,6 +40,9 @@ const (
 	// reportMaxAge ignores a router's in-flight report older than this
 	// (a stopped router's key lingers until the bucket's TTL).
 	reportMaxAge = 10 * time.Second
+	// routerMaxSilence is how long a router without a request event or
+	// a report keeps its row when room is needed for another.
+	routerMaxSilence = 5 * time.Minute
 	// maxText is the longest text (message, reason) kept, in bytes; longer
 	// ones are cut at a rune boundary and end in "…".
 	maxText = 400
@@ -83,11 +86,18 @@ type engine struct {
 	placementState                   string
 	streak                           int
 	reason                           string
-	quarantinedUntil                 time.Time
-	quarantineReason                 string
-	probe                            *probeView
-	failures                         int
-	ttft, firstByte, itl             samples
+}
+
+// engineStats is what the events say of one engine id. It is kept apart
+// from the engines the buckets name because events replayed at start may
+// come before the buckets' first read: an id the buckets never name is
+// not shown, and its record is dropped when room is needed.
+type engineStats struct {
+	quarantinedUntil     time.Time
+	quarantineReason     string
+	probe                *probeView
+	failures             int
+	ttft, firstByte, itl samples
 }
 
 // samples is a ring of the last latencySamples observations, in seconds.
@@ -176,6 +186,7 @@ type state struct {
 	mu       sync.Mutex
 	now      func() time.Time
 	engines  map[string]*engine
+	stats    map[string]*engineStats // by engine id, ≤ maxEngines
 	routers  map[string]*routerStats
 	failures []failureView  // oldest first, ≤ maxFailures
 	timeline []timelineView // oldest first, ≤ maxTimeline
@@ -195,6 +206,7 @@ func newState(now func() time.Time) *state {
 	return &state{
 		now:     now,
 		engines: map[string]*engine{},
+		stats:   map[string]*engineStats{},
 		routers: map[string]*routerStats{},
 		faults:  map[string]faultView{},
 		changed: make(chan struct{}),
@@ -244,6 +256,33 @@ func (s *state) engineFor(id string) *engine {
 	e := &engine{id: id}
 	s.engines[id] = e
 	return e
+}
+
+// statsFor returns the event record of engine id, creating it when
+// there is room: when maxEngines records exist, those of ids no bucket
+// names are dropped first; nil when there is still none. The caller
+// holds mu.
+func (s *state) statsFor(id string) *engineStats {
+	if st := s.stats[id]; st != nil {
+		return st
+	}
+	if id == "" || len(id) > maxID {
+		return nil
+	}
+	if len(s.stats) >= maxEngines {
+		for k := range s.stats {
+			if s.engines[k] == nil {
+				delete(s.stats, k)
+			}
+		}
+		if len(s.stats) >= maxEngines {
+			s.ignored++
+			return nil
+		}
+	}
+	st := &engineStats{}
+	s.stats[id] = st
+	return st
 }
 
 // forget drops e when no bucket names it any more. The caller holds mu.
@@ -369,9 +408,22 @@ func (s *state) routerFor(id string) *routerStats {
 	if r := s.routers[id]; r != nil {
 		return r
 	}
-	if len(s.routers) >= maxRouters || id == "" || len(id) > maxID {
+	if id == "" || len(id) > maxID {
 		s.ignored++
 		return nil
+	}
+	if len(s.routers) >= maxRouters {
+		// Room first: routers silent for routerMaxSilence go.
+		now := s.now()
+		for k, r := range s.routers {
+			if now.Sub(r.lastSeen) > routerMaxSilence {
+				delete(s.routers, k)
+			}
+		}
+		if len(s.routers) >= maxRouters {
+			s.ignored++
+			return nil
+		}
 	}
 	r := &routerStats{id: id}
 	s.routers[id] = r
@@ -465,11 +517,16 @@ func (s *state) applyRequest(e *schemas.RequestCompleted) {
 	if e.Status != 200 || e.ErrorKind != "" {
 		return
 	}
-	if p := s.engines[e.ProducerID]; p != nil && e.TTFTSeconds != nil && *e.TTFTSeconds >= 0 {
-		p.ttft.add(*e.TTFTSeconds, at)
+	if e.TTFTSeconds != nil && *e.TTFTSeconds >= 0 {
+		if p := s.statsFor(e.ProducerID); p != nil {
+			p.ttft.add(*e.TTFTSeconds, at)
+		}
 	}
-	c := s.engines[e.ConsumerID]
-	if c == nil || e.FirstByteSeconds == nil || *e.FirstByteSeconds < 0 {
+	if e.FirstByteSeconds == nil || *e.FirstByteSeconds < 0 {
+		return
+	}
+	c := s.statsFor(e.ConsumerID)
+	if c == nil {
 		return
 	}
 	c.firstByte.add(*e.FirstByteSeconds, at)
@@ -486,8 +543,8 @@ func (s *state) applyFailure(e *schemas.Failure) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	defer s.touch()
-	if en := s.engines[e.EngineID]; en != nil {
-		en.failures++
+	if st := s.statsFor(e.EngineID); st != nil {
+		st.failures++
 	}
 	s.failures = appendBounded(s.failures, failureView{
 		At:       s.eventTime(e.At),
@@ -546,8 +603,8 @@ func (s *state) applyQuarantine(e *schemas.Quarantine) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	defer s.touch()
-	if en := s.engines[e.EngineID]; en != nil && e.Until.After(en.quarantinedUntil) {
-		en.quarantinedUntil, en.quarantineReason = e.Until, clip(e.Reason, maxText)
+	if st := s.statsFor(e.EngineID); st != nil && e.Until.After(st.quarantinedUntil) {
+		st.quarantinedUntil, st.quarantineReason = e.Until, clip(e.Reason, maxText)
 	}
 	s.addTimeline(e.At, e.EngineID, whatQuarantined, "for "+formatSeconds(e.DurationSeconds)+": "+e.Reason)
 }
@@ -557,8 +614,8 @@ func (s *state) applyProbe(e *schemas.Probe) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	defer s.touch()
-	if en := s.engines[e.EngineID]; en != nil {
-		en.probe = &probeView{At: s.eventTime(e.At), Outcome: clip(e.Outcome, maxID), Message: clip(e.Message, maxText)}
+	if st := s.statsFor(e.EngineID); st != nil {
+		st.probe = &probeView{At: s.eventTime(e.At), Outcome: clip(e.Outcome, maxID), Message: clip(e.Message, maxText)}
 	}
 }
 
@@ -716,17 +773,22 @@ func (s *state) snapshot() Snapshot {
 		})
 	}
 	since := now.Add(-latencyMaxAge)
+	none := &engineStats{}
 	for _, e := range s.engines {
+		st := s.stats[e.id]
+		if st == nil {
+			st = none
+		}
 		v := engineView{
 			ID: e.id, Role: e.role, Fleet: e.fleetState, Streak: e.streak, Reason: e.reason,
-			InFlight: inFlight[e.id], Failures: e.failures, Probe: e.probe,
-			TTFT: e.ttft.median(since), FirstByte: e.firstByte.median(since), ITL: e.itl.median(since),
+			InFlight: inFlight[e.id], Failures: st.failures, Probe: st.probe,
+			TTFT: st.ttft.median(since), FirstByte: st.firstByte.median(since), ITL: st.itl.median(since),
 		}
-		if e.quarantinedUntil.After(now) {
-			until := e.quarantinedUntil
+		if st.quarantinedUntil.After(now) {
+			until := st.quarantinedUntil
 			v.QuarantinedUntil = &until
 		}
-		v.State = e.shownState(now)
+		v.State = e.shownState(st, now)
 		snap.Engines = append(snap.Engines, v)
 	}
 	for i := len(s.failures) - 1; i >= 0; i-- {
@@ -748,8 +810,9 @@ func (s *state) snapshot() Snapshot {
 	return snap
 }
 
-// shownState is the one state the page shows for e at now.
-func (e *engine) shownState(now time.Time) string {
+// shownState is the one state the page shows for e, with its events'
+// record st, at now.
+func (e *engine) shownState(st *engineStats, now time.Time) string {
 	switch e.fleetState {
 	case schemas.FleetDraining:
 		return stateDraining
@@ -761,7 +824,7 @@ func (e *engine) shownState(now time.Time) string {
 	if e.inPlacement && !e.eligible {
 		return stateEjected
 	}
-	if e.quarantinedUntil.After(now) {
+	if st.quarantinedUntil.After(now) {
 		return stateQuarantined
 	}
 	return stateEligible
