@@ -410,7 +410,7 @@ func TestAuthAPIKeys(t *testing.T) {
 		t.Errorf("the 429 reached the prefill engine")
 	}
 
-	if m := s.get(t, s.url+"/metrics"); !strings.Contains(m, `code="403",endpoint="/v1/chat/completions",key="team-b",outcome="permission_denied"} 1`) {
+	if m := s.get(t, s.url+"/metrics"); !strings.Contains(m, `code="403",endpoint="/v1/chat/completions",key="team-b",model="`+meshModel+`",outcome="permission_denied"} 1`) {
 		t.Errorf("/metrics lacks the 403 of team-b:\n%s", grepLines(m, "narwhal_requests_total"))
 	}
 

@@ -141,10 +141,16 @@ func (c *call) prepare(fctx *fasthttp.RequestCtx, endpoint string) bool {
 		return false
 	}
 	c.req = req
+	served := rt.fleet().everServed(req.Model)
+	if served {
+		// A model the fleet has served: a bounded label, also on a
+		// request its key may not make.
+		c.series = rt.metrics.series(req.Model)
+	}
 	if !c.admitKey(fctx) {
 		return false
 	}
-	if !rt.fleet().everServed(req.Model) {
+	if !served {
 		c.reject(fctx, 404, unknownModelMessage(req.Model, modelsFor(c.key, rt.fleet().models())), "client_error")
 		return false
 	}
@@ -153,7 +159,6 @@ func (c *call) prepare(fctx *fasthttp.RequestCtx, endpoint string) bool {
 		return false
 	}
 	rt.budget.request()
-	c.series = rt.metrics.series(req.Model) // a model the fleet has served: bounded
 
 	deadline := rt.cfg.Request.Timeout()
 	if d, ok := clientTimeout(fctx); ok && d < deadline {
