@@ -122,26 +122,27 @@ type Options struct {
 	// HandoffMaxAge is handoff.max_age_s (R-OWN-2); zero means no age
 	// limit.
 	HandoffMaxAge time.Duration
-	// Transport is the HTTP transport of decode legs, releases and probes;
-	// nil means NewTransport().
+	// Transport is the HTTP transport of releases, probes and model
+	// listings (HTTPClient, HTTPClientFor); nil means NewTransport(). The
+	// prefill and decode legs do not use it: they run on the client's own
+	// connections (at most PrefillConnsPerEngine prefill connections per
+	// engine, decode connections bounded by the engines' decode slots).
 	Transport http.RoundTripper
-	// PrefillTransport is the HTTP transport of prefill legs; nil means
-	// NewPrefillTransport() when Transport is nil too, else Transport.
-	PrefillTransport http.RoundTripper
 	// MaxResponseBytes bounds a prefill response or an error body read
 	// whole; 0 means 16 MiB.
 	MaxResponseBytes int64
 	// RootCAs are the certificate authorities of https:// engines for the
-	// default transports (engine.tls_ca_file); nil means the system's
-	// roots. Ignored for a Transport or PrefillTransport given here.
+	// engine legs and the default Transport (engine.tls_ca_file); nil
+	// means the system's roots. A Transport given here keeps its own.
 	RootCAs *x509.CertPool
 }
 
 // Client runs engine legs. It is safe for concurrent use; create one per
 // process and reuse it so that connections to engines are reused.
 type Client struct {
-	http              *http.Client // decode legs, releases, probes
-	prefillHTTP       *http.Client // prefill legs
+	http              *http.Client // releases, probes, model listings
+	prefillPools      *enginePools // prefill legs
+	decodePools       *enginePools // decode legs
 	prefillTimeout    time.Duration
 	firstTokenTimeout time.Duration
 	readTimeout       time.Duration
@@ -169,23 +170,14 @@ func NewTransport() *http.Transport {
 	}
 }
 
-// PrefillConnsPerEngine caps the connections the default prefill transport
-// opens to one engine. Prefill legs are short: a burst of new requests
+// PrefillConnsPerEngine caps the prefill connections the client opens to
+// one engine. Prefill legs are short: a burst of new requests
 // waits briefly for a connection (within engine.prefill_timeout_s) instead
 // of opening one socket each, which would exhaust the router's file
 // descriptors (each open stream already holds two) and the engine's accept
 // queue. Decode streams are long and each needs its own connection, so the
-// decode transport is not capped: decode_slots bounds them.
+// decode connections are not capped: decode_slots bounds them.
 const PrefillConnsPerEngine = 256
-
-// NewPrefillTransport returns NewTransport with at most
-// PrefillConnsPerEngine connections per engine.
-func NewPrefillTransport() *http.Transport {
-	t := NewTransport()
-	t.MaxConnsPerHost = PrefillConnsPerEngine
-	t.MaxIdleConnsPerHost = PrefillConnsPerEngine
-	return t
-}
 
 // NewClient returns a Client configured by opts.
 func NewClient(opts Options) *Client {
@@ -199,22 +191,17 @@ func NewClient(opts Options) *Client {
 	if c.maxResponse <= 0 {
 		c.maxResponse = 16 << 20
 	}
-	decodeTransport, prefillTransport := opts.Transport, opts.PrefillTransport
-	if prefillTransport == nil {
-		prefillTransport = decodeTransport
-		if prefillTransport == nil {
-			t := NewPrefillTransport()
-			withRoots(t, opts.RootCAs)
-			prefillTransport = t
-		}
-	}
-	if decodeTransport == nil {
+	transport := opts.Transport
+	if transport == nil {
 		t := NewTransport()
 		withRoots(t, opts.RootCAs)
-		decodeTransport = t
+		transport = t
 	}
-	c.http = &http.Client{Transport: decodeTransport}
-	c.prefillHTTP = &http.Client{Transport: prefillTransport}
+	c.http = &http.Client{Transport: transport}
+	legTLS := &tls.Config{RootCAs: opts.RootCAs, MinVersion: tls.VersionTLS12}
+	dial := (&net.Dialer{KeepAlive: dialKeepAlive}).DialContext
+	c.prefillPools = &enginePools{maxConns: PrefillConnsPerEngine, maxIdle: PrefillConnsPerEngine, tls: legTLS, dial: dial}
+	c.decodePools = &enginePools{maxIdle: maxIdlePerEngine, tls: legTLS, dial: dial}
 	return c
 }
 
@@ -223,10 +210,14 @@ func NewClient(opts Options) *Client {
 // (R-TMO-4).
 func (c *Client) DecodeReadTimeout() time.Duration { return c.readTimeout }
 
-// CloseIdleConnections closes the idle connections of both transports.
+// CloseIdleConnections closes the idle connections of the engine legs and
+// of the HTTP transport.
 func (c *Client) CloseIdleConnections() {
 	c.http.CloseIdleConnections()
-	c.prefillHTTP.CloseIdleConnections()
+	if c.prefillPools != nil {
+		c.prefillPools.closeIdle()
+		c.decodePools.closeIdle()
+	}
 }
 
 // withRoots makes t trust roots (nil: the system's) for https:// engines,
@@ -266,18 +257,24 @@ func (c *Client) Prefill(ctx context.Context, req *Request) (*connector.PrefillR
 	legCtx, cancel := withTimeoutCause(ctx, c.prefillTimeout, errPrefillTimeout)
 	defer cancel()
 	started := time.Now()
-	resp, err := c.do(legCtx, c.prefillHTTP, p.Credential, p.URL+req.Body.Endpoint, req, body)
+	l, err := send(legCtx, c.prefillPools, &prefillReaders, p, req, body)
 	if err != nil {
 		return nil, classifyTransport(ctx, legCtx, err, schemas.PhasePrefill, p.ID, true)
 	}
-	defer resp.Body.Close()
-	if resp.StatusCode/100 != 2 {
-		return nil, c.statusFault(resp, schemas.PhasePrefill, p.ID)
+	status := l.status()
+	if status/100 != 2 {
+		resp := l.httpResponse()
+		f := c.statusFault(resp, schemas.PhasePrefill, p.ID)
+		l.finish(false)
+		return nil, f
 	}
-	raw, err := io.ReadAll(io.LimitReader(resp.Body, c.maxResponse))
+	// One read takes the whole response when it fits the leg's buffer.
+	raw, err := l.readBody(int(min(c.maxResponse, 1<<31-1)))
 	if err != nil {
+		l.finish(false)
 		return nil, classifyTransport(ctx, legCtx, err, schemas.PhasePrefill, p.ID, false)
 	}
+	defer l.finish(true)
 	completed := time.Now()
 	// One allocation-free pass over the completion for the two members
 	// that matter; the generated token is discarded (R-LEG-1).
@@ -293,7 +290,7 @@ func (c *Client) Prefill(ctx context.Context, req *Request) (*connector.PrefillR
 		return true
 	})
 	if !valid || !hasChoices {
-		return nil, NewFault(KindPrefillResponse, schemas.PhasePrefill, p.ID, resp.StatusCode, "prefill engine returned an invalid completion")
+		return nil, NewFault(KindPrefillResponse, schemas.PhasePrefill, p.ID, status, "prefill engine returned an invalid completion")
 	}
 	meta := connector.PrefillResult{
 		ProducerID:  p.ID,
@@ -386,26 +383,6 @@ func (c *Client) Decode(ctx context.Context, req *Request, result *connector.Pre
 	}
 	body := req.Body.AppendDecodeBody(make([]byte, 0, req.Body.Size()+len(kv)+96), kv)
 	return c.openStream(ctx, req, body)
-}
-
-// do sends one POST of req's leg with the engine's credential, req's
-// backend request id and its trace context. The body is an in-memory
-// reader, so net/http writes headers and body together in one write (a
-// reader it does not know gets its headers flushed first: two syscalls per
-// leg).
-func (c *Client) do(ctx context.Context, hc *http.Client, cred Credential, url string, req *Request, body []byte) (*http.Response, error) {
-	hreq, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
-	if err != nil {
-		return nil, err
-	}
-	hreq.Header = http.Header{
-		"Content-Type": {"application/json"},
-		"Accept":       {"application/json, text/event-stream"},
-		"X-Request-Id": {req.BackendRequestID},
-	}
-	req.writeTrace(hreq.Header)
-	cred.Authorize(hreq.Header)
-	return hc.Do(hreq)
 }
 
 // statusFault classifies a non-2xx engine response (R-FAIL-6).

@@ -2,6 +2,7 @@ package engines
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"errors"
 	"io"
@@ -208,20 +209,31 @@ func (c *Client) watchPrefill(parent, pctx context.Context, req *Request, body [
 	p := req.Producer
 	legCtx, cancel := withTimeoutCause(pctx, c.prefillTimeout, errPrefillTimeout)
 	defer cancel()
-	resp, err := c.do(legCtx, c.prefillHTTP, p.Credential, p.URL+req.Body.Endpoint, req, body)
+	l, err := send(legCtx, c.prefillPools, &prefillReaders, p, req, body)
 	if err != nil {
 		return classifyTransport(parent, legCtx, err, schemas.PhasePrefill, p.ID, true)
 	}
-	defer resp.Body.Close()
-	if resp.StatusCode/100 != 2 {
-		return c.statusFault(resp, schemas.PhasePrefill, p.ID)
+	status := l.status()
+	if status/100 != 2 {
+		f := c.statusFault(l.httpResponse(), schemas.PhasePrefill, p.ID)
+		l.finish(false)
+		return f
 	}
-	r := io.LimitReader(resp.Body, c.maxResponse)
-	if !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
+	// The connection is reused only after a JSON answer read to its end;
+	// a stream is left at its [DONE].
+	clean := false
+	defer func() { l.finish(clean) }()
+	stream, err := l.bodyStream()
+	if err != nil {
+		return classifyTransport(parent, legCtx, err, schemas.PhasePrefill, p.ID, false)
+	}
+	r := io.LimitReader(stream, c.maxResponse)
+	if !bytes.HasPrefix(l.resp.Header.ContentType(), []byte("text/event-stream")) {
 		raw, err := io.ReadAll(r)
 		if err != nil {
 			return classifyTransport(parent, legCtx, err, schemas.PhasePrefill, p.ID, false)
 		}
+		clean = int64(len(raw)) < c.maxResponse
 		if obj, ok := schemas.ParseError(raw); ok {
 			return prefillErrorObject(obj, p.ID)
 		}
@@ -233,7 +245,7 @@ func (c *Client) watchPrefill(parent, pctx context.Context, req *Request, body [
 			return true
 		})
 		if !valid || !hasChoices {
-			return NewFault(KindPrefillResponse, schemas.PhasePrefill, p.ID, resp.StatusCode, "prefill engine "+p.ID+" returned an invalid completion")
+			return NewFault(KindPrefillResponse, schemas.PhasePrefill, p.ID, status, "prefill engine "+p.ID+" returned an invalid completion")
 		}
 		return nil
 	}
@@ -243,7 +255,7 @@ func (c *Client) watchPrefill(parent, pctx context.Context, req *Request, body [
 		line, err := schemas.ReadSSELine(br, &long)
 		if err != nil {
 			if err == io.EOF && legCtx.Err() == nil {
-				return NewFault(KindPrefillResponse, schemas.PhasePrefill, p.ID, resp.StatusCode, "prefill engine "+p.ID+" ended its stream before [DONE]")
+				return NewFault(KindPrefillResponse, schemas.PhasePrefill, p.ID, status, "prefill engine "+p.ID+" ended its stream before [DONE]")
 			}
 			return classifyTransport(parent, legCtx, err, schemas.PhasePrefill, p.ID, false)
 		}
@@ -259,7 +271,7 @@ func (c *Client) watchPrefill(parent, pctx context.Context, req *Request, body [
 			return prefillErrorObject(obj, p.ID)
 		case schemas.ChunkOutput, schemas.ChunkMetadata:
 		default:
-			return NewFault(KindPrefillResponse, schemas.PhasePrefill, p.ID, resp.StatusCode, "prefill engine "+p.ID+" sent data that is not JSON")
+			return NewFault(KindPrefillResponse, schemas.PhasePrefill, p.ID, status, "prefill engine "+p.ID+" sent data that is not JSON")
 		}
 	}
 }

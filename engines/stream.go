@@ -2,9 +2,9 @@ package engines
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"io"
-	"net/http"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -23,8 +23,10 @@ type Stream struct {
 	parent context.Context
 	ctx    context.Context
 	cancel context.CancelCauseFunc
-	resp   *http.Response
-	br     *bufio.Reader
+	leg    *leg          // the decode leg on the client's own connection (Decode)
+	closer io.Closer     // the body given to NewStream
+	open   bool          // Close has not run
+	br     *bufio.Reader // SSE lines, from the decoded body
 	body   activityBody
 	timer  *time.Timer
 
@@ -57,19 +59,41 @@ const (
 const drainTimeout = 100 * time.Millisecond
 
 // activityBody records the time of every transport chunk (any Read that
-// returns bytes) for the between-chunk timer.
+// returns bytes) for the between-chunk timer, and whether the body ended.
 type activityBody struct {
 	r    io.Reader
 	s    *Stream
 	last atomic.Int64 // nanoseconds since s.start
+	eof  bool         // the body ended cleanly (io.EOF)
+	// conn is the connection's reader under a chunked body r (nil for a
+	// body given to NewStream): a Read goes on to the next chunks while
+	// their headers are already buffered, so that events that arrived
+	// together are read — and relayed — together.
+	conn *bufio.Reader
 }
 
 func (a *activityBody) Read(p []byte) (int, error) {
 	n, err := a.r.Read(p)
+	for err == nil && n > 0 && n < len(p) && a.conn != nil && chunkHeaderBuffered(a.conn) {
+		var m int
+		m, err = a.r.Read(p[n:])
+		n += m
+	}
 	if n > 0 {
 		a.last.Store(int64(time.Since(a.s.start)))
 	}
+	if err == io.EOF {
+		a.eof = true
+	}
 	return n, err
+}
+
+// chunkHeaderBuffered reports whether br holds a whole line (the next
+// chunk's size line), so that reading the next chunk does not block before
+// it returns data; as net/http's chunked reader does.
+func chunkHeaderBuffered(br *bufio.Reader) bool {
+	b, _ := br.Peek(br.Buffered())
+	return bytes.IndexByte(b, '\n') >= 0
 }
 
 var readerPool = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 2<<10) }}
@@ -81,22 +105,33 @@ func (c *Client) openStream(ctx context.Context, req *Request, body []byte) (*St
 	s := &Stream{parent: ctx, engineID: consumer.ID, readTimeout: c.readTimeout, start: time.Now()}
 	s.ctx, s.cancel = context.WithCancelCause(ctx)
 	s.timer = time.AfterFunc(c.firstTokenBudget(), s.onTimer)
-	resp, err := c.do(s.ctx, c.http, consumer.Credential, consumer.URL+req.Body.Endpoint, req, body)
+	l, err := send(s.ctx, c.decodePools, &decodeReaders, consumer, req, body)
 	if err != nil {
 		f := classifyTransport(ctx, s.ctx, err, schemas.PhaseDecode, consumer.ID, true)
 		s.stop()
 		return nil, f
 	}
-	if resp.StatusCode/100 != 2 {
-		f := c.statusFault(resp, schemas.PhaseDecode, consumer.ID)
-		resp.Body.Close()
+	if l.status()/100 != 2 {
+		f := c.statusFault(l.httpResponse(), schemas.PhaseDecode, consumer.ID)
+		l.finish(false)
 		if cf := s.timerFault(); cf != nil {
 			f = cf
 		}
 		s.stop()
 		return nil, f
 	}
-	s.attach(resp)
+	r, err := l.bodyStream()
+	if err != nil {
+		l.finish(false)
+		f := classifyTransport(ctx, s.ctx, err, schemas.PhaseDecode, consumer.ID, true)
+		s.stop()
+		return nil, f
+	}
+	s.leg = l
+	s.attach(r)
+	if l.resp.Header.ContentLength() == -1 {
+		s.body.conn = l.br
+	}
 	return s, nil
 }
 
@@ -113,10 +148,10 @@ func (c *Client) firstTokenBudget() time.Duration {
 	return c.firstTokenTimeout
 }
 
-// attach makes resp's body the stream's source.
-func (s *Stream) attach(resp *http.Response) {
-	s.resp = resp
-	s.body.r = resp.Body
+// attach makes body the stream's source.
+func (s *Stream) attach(body io.Reader) {
+	s.open = true
+	s.body.r = body
 	s.body.s = s
 	s.br = readerPool.Get().(*bufio.Reader)
 	s.br.Reset(&s.body)
@@ -132,7 +167,8 @@ func (c *Client) NewStream(ctx context.Context, engineID string, body io.ReadClo
 	s := &Stream{parent: ctx, engineID: engineID, readTimeout: c.readTimeout, start: time.Now()}
 	s.ctx, s.cancel = context.WithCancelCause(ctx)
 	s.timer = time.AfterFunc(c.firstTokenBudget(), s.onTimer)
-	s.attach(&http.Response{Body: body})
+	s.closer = body
+	s.attach(body)
 	return s
 }
 
@@ -338,9 +374,10 @@ func (s *Stream) fail(f *Fault) error {
 // reused; otherwise the connection is closed, which tells the engine to
 // abort the request (R-OWN-5). Close is idempotent.
 func (s *Stream) Close() {
-	if s.resp == nil {
+	if !s.open {
 		return
 	}
+	s.open = false
 	if s.done {
 		// The terminating chunk normally arrived with [DONE]; drain what is
 		// left, briefly, so the connection goes back to the pool.
@@ -348,8 +385,15 @@ func (s *Stream) Close() {
 		s.timer.Reset(drainTimeout)
 		_, _ = io.CopyN(io.Discard, s.br, 4<<10)
 	}
-	s.resp.Body.Close()
-	s.resp = nil
+	if s.leg != nil {
+		// Reused only after a clean end of the body: the connection's abort
+		// (registered on s.ctx) is stopped before s.ctx is cancelled below.
+		s.leg.finish(s.done && s.body.eof && s.br.Buffered() == 0)
+		s.leg = nil
+	} else {
+		_ = s.closer.Close()
+	}
+	s.body.r, s.body.conn = nil, nil
 	s.br.Reset(nil)
 	readerPool.Put(s.br)
 	s.br = nil

@@ -2,8 +2,8 @@ package engines
 
 import (
 	"context"
-	"net/http"
 
+	"github.com/valyala/fasthttp"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 )
@@ -40,12 +40,12 @@ func (c *traceCarrier) Set(key, value string) {
 
 // writeTrace adds r's trace context headers to h: the one place the
 // engine legs get them.
-func (r *Request) writeTrace(h http.Header) {
+func (r *Request) writeTrace(h *fasthttp.RequestHeader) {
 	if r.Traceparent == "" {
 		return
 	}
-	h["Traceparent"] = []string{r.Traceparent}
+	h.Set("Traceparent", r.Traceparent)
 	if r.Tracestate != "" {
-		h["Tracestate"] = []string{r.Tracestate}
+		h.Set("Tracestate", r.Tracestate)
 	}
 }
