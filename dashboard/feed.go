@@ -228,6 +228,9 @@ func follow(ctx context.Context, b *bus.Bus, kind string, start bus.SubscribeOpt
 			stop()
 			return
 		}
+		if ctx.Err() != nil {
+			return // stopped while the consumer was being made: no news
+		}
 		if !warned {
 			log.Warn("dashboard: event consumer could not be made; retrying", "kind", kind, "err", err)
 			warned = true

@@ -25,6 +25,7 @@ func TestCLIErrorsOnce(t *testing.T) {
 		{"bus", "setup", "--bogus"},
 		{"sim", "--bogus"},
 		{"events", "--bogus"},
+		{"dashboard", "--bogus"},
 		{"preflight", "--bogus"},
 		{"bench", "--bogus"},
 		{"chaos", "arm", "--bogus"},

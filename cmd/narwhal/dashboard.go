@@ -44,7 +44,7 @@ func runDashboard(ctx context.Context, args []string, stdout, stderr io.Writer) 
 	fs := flag.NewFlagSet("narwhal dashboard", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.Usage = func() {
-		fmt.Fprintln(stderr, "usage: narwhal dashboard [--listen HOST:PORT] [--connect-timeout DUR]")
+		fmt.Fprintln(stderr, "usage: narwhal dashboard [--listen HOST:PORT] [--config FILE] [--connect-timeout DUR]")
 		fmt.Fprintln(stderr, "Serves the live fleet page for the bus at NARWHAL_NATS_URL (default "+defaultNATSURL+"); the page is read-only.")
 		fs.PrintDefaults()
 	}

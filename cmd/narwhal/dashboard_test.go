@@ -79,4 +79,31 @@ func TestDashboardCommand(t *testing.T) {
 	if strings.Contains(stderr.String(), "Permissions Violation") || strings.Contains(stderr.String(), "level=WARN") {
 		t.Errorf("the viewer's credential was refused something:\n%s", stderr.String())
 	}
+
+	// With --config the file's fleet is listed before the live fleet
+	// names it (the bucket is empty here).
+	path, _ := preflightFleet(t, [][2]string{{"p1", "prefill"}, {"d1", "decode"}})
+	listen = "127.0.0.1:" + strconv.Itoa(freeTCPPort(t))
+	ctx, cancel = context.WithCancel(context.Background())
+	defer cancel()
+	done = make(chan error, 1)
+	var out2, err2 capturedOutput
+	go func() { done <- runDashboard(ctx, []string{"--listen", listen, "--config", path}, &out2, &err2) }()
+	var engines struct {
+		Engines []struct {
+			ID   string `json:"id"`
+			Role string `json:"role"`
+		} `json:"engines"`
+	}
+	testkit.WaitFor(t, cmdTestBound, "the config file's engines on /state", func() bool {
+		status, body := getBody(client, "http://"+listen+"/state")
+		return status == 200 && json.Unmarshal([]byte(body), &engines) == nil && len(engines.Engines) == 2
+	})
+	if e := engines.Engines; e[0].ID != "d1" || e[0].Role != "decode" || e[1].ID != "p1" || e[1].Role != "prefill" {
+		t.Errorf("engines %+v, want d1 decode and p1 prefill", e)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Errorf("narwhal dashboard --config after SIGINT: %v", err)
+	}
 }
