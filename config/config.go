@@ -265,7 +265,22 @@ type Placement struct {
 	// 1…16,777,216; default 65,536 (4 MiB of prompt, about 2.5 MiB of
 	// router memory per engine).
 	PrefixIndexBlocks int `yaml:"prefix_index_blocks" env:"PREFIX_INDEX_BLOCKS"`
+	// ShareIndex makes the router's prefix index the mesh's: it publishes
+	// the placements it makes on the bus and applies those of the other
+	// routers, so N routers place as one (R-PLACE-2; docs/placement.md).
+	// false: neither. Default true.
+	ShareIndex bool `yaml:"share_index" env:"SHARE_INDEX"`
+	// EngineMetricsIntervalS is how often the router reads each prefill
+	// engine's GET /metrics: its queue (vllm:num_requests_waiting) for the
+	// prefix scorer, and its process_start_time_seconds, whose change
+	// (a restart: the engine's cache is gone) drops the engine's index
+	// entries. Seconds, >= 0; 0 = off; default 2.
+	EngineMetricsIntervalS float64 `yaml:"engine_metrics_interval_s" env:"ENGINE_METRICS_INTERVAL_S"`
 }
+
+// EngineMetricsInterval returns EngineMetricsIntervalS as a Duration (0:
+// the engines' /metrics are not read).
+func (p Placement) EngineMetricsInterval() time.Duration { return Seconds(p.EngineMetricsIntervalS) }
 
 // MinLeaseTTLS is the smallest breaker.lease_ttl_s Validate accepts, in
 // seconds: the lease is renewed every third of it.
@@ -499,7 +514,7 @@ func Default() Config {
 		Recovery:   Recovery{EjectAfter: 3, FailureQuarantineS: 0, RetryAttempts: 0, RetryBudgetRatio: 0.2, ReadmitIntervalS: 5, MaxQuarantineS: 300},
 		Breaker:    Breaker{LeaseTTLS: 5},
 		Membership: Membership{RegistrationTTLS: 15, DrainTimeoutS: 600},
-		Placement:  Placement{Policy: PolicyPrefix, BalanceAbsThreshold: 32, BalanceRelThreshold: 1.5, PrefixIndexBlocks: 65536},
+		Placement:  Placement{Policy: PolicyPrefix, BalanceAbsThreshold: 32, BalanceRelThreshold: 1.5, PrefixIndexBlocks: 65536, ShareIndex: true, EngineMetricsIntervalS: 2},
 		Router:     Router{ID: defaultRouterID(), EventBuffer: 4096, LogFormat: LogFormatText, LogLevel: "info"},
 		Server: Server{StallTimeoutS: 30, HeaderTimeoutS: 10, IdleTimeoutS: 90, MaxHeaderBytes: 64 << 10,
 			MaxConnections: 10000, MaxInflight: 0, MaxBodyBytesInflight: 1 << 30},
@@ -685,6 +700,7 @@ func (c *Config) Validate() error {
 	} else if v < 1 {
 		bad("placement.balance_rel_threshold", "must be >= 1, got %v", v)
 	}
+	nonNegative("placement.engine_metrics_interval_s", c.Placement.EngineMetricsIntervalS)
 	if v := c.Placement.PrefixIndexBlocks; v < 1 || v > MaxPrefixIndexBlocks {
 		bad("placement.prefix_index_blocks", "must be between 1 and %d, got %d", MaxPrefixIndexBlocks, v)
 	}

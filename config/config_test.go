@@ -291,8 +291,8 @@ func envNames(t *testing.T) map[string]string {
 // the file.
 func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 	names := envNames(t)
-	if len(names) != 45 {
-		t.Fatalf("%d scalar keys, want 45: %v", len(names), names)
+	if len(names) != 47 {
+		t.Fatalf("%d scalar keys, want 47: %v", len(names), names)
 	}
 	dir := t.TempDir()
 	caFile, keysFile := testkit.NewCA(t).Path, filepath.Join(dir, "keys.yaml")
@@ -324,7 +324,7 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		"server.metrics_on_admin": "false", "auth.api_keys_file": "/nonexistent/keys.yaml",
 		"membership.registration_ttl_s": "41", "membership.drain_timeout_s": "42",
 		"placement.policy": "random", "placement.balance_abs_threshold": "43", "placement.balance_rel_threshold": "2.5",
-		"placement.prefix_index_blocks": "44",
+		"placement.prefix_index_blocks": "44", "placement.share_index": "true", "placement.engine_metrics_interval_s": "45",
 	}
 	envValues := map[string]string{
 		"engine.first_token_timeout_s": "1.5", "engine.decode_read_timeout_s": "0", "engine.prefill_timeout_s": "3",
@@ -344,7 +344,7 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		"server.metrics_on_admin": "true", "auth.api_keys_file": keysFile,
 		"membership.registration_ttl_s": "4.5", "membership.drain_timeout_s": "0.5",
 		"placement.policy": "least_loaded", "placement.balance_abs_threshold": "0", "placement.balance_rel_threshold": "1",
-		"placement.prefix_index_blocks": "7",
+		"placement.prefix_index_blocks": "7", "placement.share_index": "false", "placement.engine_metrics_interval_s": "0.5",
 	}
 	var file strings.Builder
 	sections := map[string][]string{}
@@ -381,7 +381,7 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		Recovery:   Recovery{EjectAfter: 7, FailureQuarantineS: 8, RetryAttempts: 9, RetryBudgetRatio: 1, ReadmitIntervalS: 0.25, MaxQuarantineS: 34},
 		Breaker:    Breaker{LeaseTTLS: 0.75},
 		Membership: Membership{RegistrationTTLS: 4.5, DrainTimeoutS: 0.5},
-		Placement:  Placement{Policy: "least_loaded", BalanceAbsThreshold: 0, BalanceRelThreshold: 1, PrefixIndexBlocks: 7},
+		Placement:  Placement{Policy: "least_loaded", BalanceAbsThreshold: 0, BalanceRelThreshold: 1, PrefixIndexBlocks: 7, ShareIndex: false, EngineMetricsIntervalS: 0.5},
 		Router:     Router{ID: "from-env", EventBuffer: 10, LogFormat: "text", LogLevel: "error"},
 		Server: Server{StallTimeoutS: 0.5, HeaderTimeoutS: 1.25, IdleTimeoutS: 2, MaxHeaderBytes: 8192,
 			MaxConnections: 11, MaxInflight: 12, MaxBodyBytesInflight: 13,

@@ -15,6 +15,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -138,7 +139,11 @@ type mesh struct {
 //   - it watches the live fleet, KV bucket narwhal_fleet, and applies
 //     each engine's arrival, state change and removal on arrival
 //     (R-FLEET-1…3; membership.go), and writes its in-flight report to
-//     narwhal_routers every second (R-FLEET-3).
+//     narwhal_routers every second (R-FLEET-3);
+//   - under the prefix policy with placement.share_index, it shares its
+//     prefix index with the other routers: it publishes its placements
+//     and applies theirs, and warms the index from the recent past
+//     (R-PLACE-2; prefixshare.go).
 //
 // The goroutines it starts belong to the router and stop at Shutdown.
 // JoinMesh waits until the initial placement is loaded or wait passes
@@ -165,6 +170,11 @@ func (rt *Router) JoinMesh(b *bus.Bus, wait time.Duration) error {
 	}
 	rt.goOwned(func() { rt.watchFleet(b, func() { once.Do(func() { close(fleetLoaded) }) }) })
 	rt.goOwned(func() { rt.reportLoop(b) })
+	if rt.placer.policy == config.PolicyPrefix {
+		if err := rt.shareIndex(b); err != nil {
+			return err
+		}
+	}
 	t := time.NewTimer(wait)
 	defer t.Stop()
 	select {

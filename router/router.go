@@ -270,6 +270,9 @@ func (rt *Router) Serve(ln net.Listener) error {
 	if !rt.goOwned(rt.refreshLoop) || !rt.goOwned(func() { rt.front.bodies.sweepLoop(rt.base) }) {
 		return nil
 	}
+	if rt.placer.policy == config.PolicyPrefix && !rt.goOwned(func() { newEngineWatch(rt).run(rt.cfg.Placement.EngineMetricsInterval()) }) {
+		return nil
+	}
 	err := rt.server.Serve(ln)
 	if err != nil && rt.base.Err() != nil {
 		return nil

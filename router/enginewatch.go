@@ -1,0 +1,170 @@
+package router
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/narwhalmesh/narwhal/engines"
+	"github.com/narwhalmesh/narwhal/internal/promreg"
+)
+
+// indexCheckEvery is how often the prefix index is checked against the
+// fleet: an engine that left it, was ejected or is not active (draining,
+// drained) has its entries dropped within this.
+const indexCheckEvery = 250 * time.Millisecond
+
+// maxEngineMetricsWait bounds one read of an engine's /metrics.
+const maxEngineMetricsWait = 2 * time.Second
+
+// Reasons of narwhal_prefix_index_drops_total.
+const (
+	indexDropRemoved   = "removed"
+	indexDropEjected   = "ejected"
+	indexDropInactive  = "inactive"
+	indexDropRestarted = "restarted"
+)
+
+// engineLife is what the router last read of one engine's /metrics: its
+// start time and prompt-token counter, to see it restart.
+type engineLife struct {
+	start, prompt       float64
+	hasStart, hasPrompt bool
+}
+
+// engineWatch keeps the prefix index true to the engines' caches (SPEC
+// R-PLACE-2): the entries of an engine that left the fleet, was ejected,
+// is draining or drained, or restarted (its cache is gone) are dropped;
+// and it reads each prefill engine's queue for the prefix scorer.
+type engineWatch struct {
+	rt    *Router
+	drops *prometheus.CounterVec
+	mu    sync.Mutex
+	life  map[string]*engineLife // by engine id; fleet members only
+}
+
+func newEngineWatch(rt *Router) *engineWatch {
+	w := &engineWatch{rt: rt, life: map[string]*engineLife{},
+		drops: promreg.Register(rt.reg, prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "narwhal_prefix_index_drops_total",
+			Help: "Engines whose prefix index entries were dropped, by reason: removed (left the fleet), ejected, inactive (draining, drained, joining), restarted (its start time changed or its prompt-token counter went back).",
+		}, []string{"reason"}))}
+	for _, r := range []string{indexDropRemoved, indexDropEjected, indexDropInactive, indexDropRestarted} {
+		w.drops.WithLabelValues(r)
+	}
+	return w
+}
+
+// drop forgets what the index holds for engine id, for reason.
+func (w *engineWatch) drop(id, reason string) {
+	w.rt.PrefixIndex().Drop(id)
+	w.drops.WithLabelValues(reason).Inc()
+	w.rt.log.Info("prefix index entries dropped", "engine_id", id, "reason", reason)
+}
+
+// checkIndex drops the entries of every engine the index holds blocks
+// for that is not a placeable member of the fleet any more.
+func (w *engineWatch) checkIndex() {
+	fl := w.rt.fleet()
+	type gone struct{ id, reason string }
+	var drop []gone
+	w.rt.PrefixIndex().Engines(func(id string, blocks int) {
+		if blocks == 0 {
+			return
+		}
+		m := fl.byID[id]
+		switch {
+		case m == nil:
+			drop = append(drop, gone{id, indexDropRemoved})
+		case !m.eligible.Load():
+			drop = append(drop, gone{id, indexDropEjected})
+		case !m.active.Load():
+			drop = append(drop, gone{id, indexDropInactive})
+		}
+	})
+	for _, g := range drop {
+		w.drop(g.id, g.reason)
+	}
+}
+
+// poll reads every prefill engine's /metrics once, concurrently: it sets
+// the engine's queue for the scorer (0 when unknown) and drops its index
+// entries when it restarted.
+func (w *engineWatch) poll(wait time.Duration) {
+	fl := w.rt.fleet()
+	var wg sync.WaitGroup
+	w.mu.Lock()
+	for id := range w.life {
+		if fl.byID[id] == nil {
+			delete(w.life, id)
+		}
+	}
+	for _, m := range fl.members {
+		if !m.can(prefillPhase) {
+			continue
+		}
+		life := w.life[m.ID]
+		if life == nil {
+			life = &engineLife{}
+			w.life[m.ID] = life
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			w.pollOne(m, life, wait)
+		}()
+	}
+	w.mu.Unlock()
+	wg.Wait()
+}
+
+// pollOne reads m's /metrics (bounded by wait) into life.
+func (w *engineWatch) pollOne(m *member, life *engineLife, wait time.Duration) {
+	ctx, cancel := context.WithTimeout(w.rt.base, wait)
+	defer cancel()
+	l, err := engines.ReadLoad(ctx, w.rt.client.HTTPClient(), &m.Engine)
+	if err != nil {
+		w.rt.SetEngineWaiting(m.ID, 0)
+		return
+	}
+	w.rt.SetEngineWaiting(m.ID, l.Waiting)
+	restarted := false
+	if l.HasStartTime {
+		restarted = life.hasStart && l.StartTime != life.start
+		life.start, life.hasStart = l.StartTime, true
+	}
+	if l.HasPromptTokens {
+		restarted = restarted || life.hasPrompt && l.PromptTokens < life.prompt
+		life.prompt, life.hasPrompt = l.PromptTokens, true
+	}
+	if restarted {
+		w.drop(m.ID, indexDropRestarted)
+	}
+}
+
+// run checks the index every indexCheckEvery and, when interval > 0
+// (placement.engine_metrics_interval_s), reads the engines' /metrics
+// every interval, until the router shuts down.
+func (w *engineWatch) run(interval time.Duration) {
+	check := time.NewTicker(indexCheckEvery)
+	defer check.Stop()
+	var pollC <-chan time.Time
+	if interval > 0 {
+		p := time.NewTicker(interval)
+		defer p.Stop()
+		pollC = p.C
+		w.poll(min(interval, maxEngineMetricsWait))
+	}
+	for {
+		select {
+		case <-w.rt.base.Done():
+			return
+		case <-check.C:
+			w.checkIndex()
+		case <-pollC:
+			w.poll(min(interval, maxEngineMetricsWait))
+		}
+	}
+}
