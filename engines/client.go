@@ -385,7 +385,7 @@ func (c *Client) Decode(ctx context.Context, req *Request, result *connector.Pre
 	return c.openStream(ctx, req, body)
 }
 
-// statusFault classifies a non-2xx engine response (R-FAIL-6).
+// statusFault classifies a non-2xx engine response (R-FAIL-6, R-FAIL-7).
 func (c *Client) statusFault(resp *http.Response, phase, engineID string) *Fault {
 	body, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
 	obj, ok := schemas.ParseError(body)
@@ -408,12 +408,19 @@ func (c *Client) statusFault(resp *http.Response, phase, engineID string) *Fault
 	case 401, 403:
 		return NewFault(KindEngineUnauthorized, phase, engineID, resp.StatusCode,
 			phase+" engine "+engineID+" refused the router's credentials (HTTP "+strconv.Itoa(resp.StatusCode)+")")
-	case 429:
+	case 429, 503:
+		// 429 is overload; 503 only with a Retry-After (backpressure,
+		// R-FAIL-7) — without one it is an engine fault below.
+		ra, hasRA := ParseRetryAfter(resp.Header.Get("Retry-After"), time.Now())
+		if resp.StatusCode == 503 && !hasRA {
+			break
+		}
 		if msg == "" {
 			msg = "engine overloaded"
 		}
-		f = NewFault(KindOverload, phase, engineID, 429, msg)
+		f = NewFault(KindOverload, phase, engineID, resp.StatusCode, msg)
 		f.Body = body
+		f.RetryAfter = ra
 		return f
 	}
 	kind := KindUpstreamStatus

@@ -2,7 +2,10 @@ package engines
 
 import (
 	"errors"
+	"net/http"
 	"strconv"
+	"strings"
+	"time"
 
 	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/schemas"
@@ -67,8 +70,10 @@ const (
 	// ejection; the router places nothing on the engine while its
 	// credentials are refused (docs/failures.md).
 	KindEngineUnauthorized FaultKind = "engine_unauthorized"
-	// KindOverload: the engine answered 429: passed through as 429, counted
-	// as overload, not failure (R-FAIL-6).
+	// KindOverload: the engine answered 429, or 503 with a valid
+	// Retry-After header: passed through with that status (and the
+	// Retry-After, Fault.RetryAfter), counted as overload, not failure
+	// (R-FAIL-6, R-FAIL-7).
 	KindOverload FaultKind = "overload"
 	// KindRequestTimeout: the request's own deadline (request.timeout_s or
 	// the client's) ran out (R-TMO-5). 504, not transient, not counted:
@@ -126,8 +131,13 @@ type Fault struct {
 	// for every other kind. Callers decide on it, never on Message.
 	Rejection string
 	// Body is the engine's error body for passed-through client faults
-	// and 429s; nil otherwise.
+	// and overloads; nil otherwise.
 	Body []byte
+	// RetryAfter is, for KindOverload, how long the engine asked not to
+	// be sent requests (its Retry-After header, seconds or HTTP-date,
+	// rounded up to whole seconds, at least 1 s); 0 when it sent none
+	// (R-FAIL-7). The router caps it.
+	RetryAfter time.Duration
 	// Cause is the underlying error, if any (for logs).
 	Cause error
 }
@@ -156,6 +166,9 @@ func NewFault(kind FaultKind, phase, engineID string, upstream int, message stri
 		f.Status = upstream
 	case KindOverload:
 		f.Status = 429
+		if upstream == 503 {
+			f.Status = 503
+		}
 	case KindNoEngine, KindShutdown:
 		f.Status = 503
 	case KindClientGone:
@@ -281,4 +294,56 @@ func appendErrorObject(dst []byte, status int, typ, message string) []byte {
 		return schemas.AppendErrorJSON(dst, status, message)
 	}
 	return append(dst, b...)
+}
+
+// ParseRetryAfter reads a Retry-After header value (RFC 9110 §10.2.3):
+// delay-seconds (a non-negative integer) or an HTTP-date, relative to now.
+// The delay is rounded up to whole seconds and is at least one second; ok
+// is false for an empty or malformed value (R-FAIL-7). Values beyond a day
+// are cut to a day (callers cap further).
+func ParseRetryAfter(v string, now time.Time) (time.Duration, bool) {
+	v = strings.TrimSpace(v)
+	if v == "" {
+		return 0, false
+	}
+	const most = 24 * time.Hour
+	var d time.Duration
+	if v[0] >= '0' && v[0] <= '9' {
+		n, err := strconv.ParseUint(v, 10, 64)
+		if err != nil {
+			if !allDigits(v) {
+				return 0, false
+			}
+			n = uint64(most / time.Second) // overflow: a very long delay
+		}
+		if n > uint64(most/time.Second) {
+			n = uint64(most / time.Second)
+		}
+		d = time.Duration(n) * time.Second
+	} else {
+		t, err := http.ParseTime(v)
+		if err != nil {
+			return 0, false
+		}
+		d = t.Sub(now)
+		if d > most {
+			d = most
+		}
+		if d%time.Second != 0 {
+			d = d.Truncate(time.Second) + time.Second
+		}
+	}
+	if d < time.Second {
+		d = time.Second
+	}
+	return d, true
+}
+
+func allDigits(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] < '0' || s[i] > '9' {
+			return false
+		}
+	}
+	return true
 }

@@ -150,3 +150,32 @@ func (l *lateBody) Read(p []byte) (int, error) {
 }
 
 func (l *lateBody) Close() error { return nil }
+
+// TestParseRetryAfterRFAIL7 proves both Retry-After forms are read, that
+// short delays round up to a second and that malformed values are not
+// backpressure (R-FAIL-7).
+func TestParseRetryAfterRFAIL7(t *testing.T) {
+	now := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
+	cases := []struct {
+		in   string
+		want time.Duration
+		ok   bool
+	}{
+		{"1", time.Second, true},
+		{" 120 ", 120 * time.Second, true},
+		{"0", time.Second, true},
+		{"99999999999999999999999", 24 * time.Hour, true},
+		{now.Add(30 * time.Second).Format(http.TimeFormat), 30 * time.Second, true},
+		{now.Add(-time.Hour).Format(http.TimeFormat), time.Second, true},
+		{"", 0, false},
+		{"-1", 0, false},
+		{"1.5", 0, false},
+		{"soon", 0, false},
+	}
+	for _, c := range cases {
+		got, ok := ParseRetryAfter(c.in, now)
+		if got != c.want || ok != c.ok {
+			t.Errorf("ParseRetryAfter(%q) = %v, %v; want %v, %v", c.in, got, ok, c.want, c.ok)
+		}
+	}
+}

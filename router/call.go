@@ -289,6 +289,10 @@ func (c *call) fail(fctx *fasthttp.RequestCtx, f *engines.Fault) {
 		}
 		fctx.Response.Header.Set("Retry-After", strconv.Itoa(retry))
 	}
+	if d := c.rt.backpressure(f); d > 0 {
+		// The engine's backpressure, passed through (R-FAIL-7).
+		fctx.Response.Header.Set("Retry-After", strconv.Itoa(int(d/time.Second)))
+	}
 	fctx.SetStatusCode(status)
 	fctx.SetContentType("application/json")
 	fctx.SetBody(f.AppendJSON(nil))

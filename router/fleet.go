@@ -40,6 +40,11 @@ type member struct {
 	// quarantinedUntil is a UnixNano deadline, 0 when not quarantined
 	// (R-QUAR-1).
 	quarantinedUntil atomic.Int64
+	// skipUntil is a UnixNano deadline before which this router places
+	// nothing on the engine because it answered overload with a
+	// Retry-After (R-FAIL-7); 0 when none. Local to the router, never
+	// published: it is backpressure, not a quarantine.
+	skipUntil atomic.Int64
 	// models is the list the engine's /v1/models returned; nil until known.
 	models atomic.Pointer[[]string]
 	// refused is set while the engine refuses the router's credentials
@@ -121,6 +126,9 @@ func (m *member) unplaceable(nowNano int64) string {
 	if q := m.quarantinedUntil.Load(); q > nowNano {
 		return "quarantined"
 	}
+	if s := m.skipUntil.Load(); s > nowNano {
+		return "asked the router to back off (Retry-After)"
+	}
 	return ""
 }
 
@@ -187,8 +195,22 @@ func (m *member) available(nowNano int64) bool {
 	if !m.active.Load() || !m.eligible.Load() || m.refused.Load() {
 		return false
 	}
+	if s := m.skipUntil.Load(); s > nowNano {
+		return false
+	}
 	q := m.quarantinedUntil.Load()
 	return q == 0 || q <= nowNano
+}
+
+// backOff makes the member unplaceable on this router until until
+// (R-FAIL-7); a later deadline already set is kept.
+func (m *member) backOff(until int64) {
+	for {
+		cur := m.skipUntil.Load()
+		if cur >= until || m.skipUntil.CompareAndSwap(cur, until) {
+			return
+		}
+	}
 }
 
 // tryReserve takes one slot of phase p if the limit allows.

@@ -21,6 +21,11 @@ func (c *call) recordFault(f *engines.Fault) {
 	}
 	rt.metrics.faults.WithLabelValues(f.EngineID, f.Phase, string(f.Kind)).Inc()
 	rt.credentialFault(f)
+	if d := rt.backpressure(f); d > 0 {
+		if m := rt.fleet().byID[f.EngineID]; m != nil {
+			m.backOff(time.Now().Add(d).UnixNano())
+		}
+	}
 	// An engine's message is as untrusted as a client's string: bounded in
 	// the log and the event (the client still gets it whole).
 	msg := schemas.BoundField(f.Message)
@@ -56,6 +61,23 @@ func (c *call) recordFault(f *engines.Fault) {
 			})
 		}
 	}
+}
+
+// backpressure is how long this router skips the engine of an overload
+// fault that carried a Retry-After (R-FAIL-7): the engine's delay capped
+// at recovery.max_quarantine_s; 0 for every other fault.
+func (rt *Router) backpressure(f *engines.Fault) time.Duration {
+	if f.Kind != engines.KindOverload || f.RetryAfter <= 0 {
+		return 0
+	}
+	d := f.RetryAfter
+	if most := rt.cfg.Recovery.MaxQuarantine(); most > 0 && d > most {
+		d = most.Truncate(time.Second)
+		if d < time.Second {
+			d = time.Second
+		}
+	}
+	return d
 }
 
 // publishAbandoned counts an abandoned handoff and publishes its event

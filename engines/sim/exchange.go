@@ -522,6 +522,9 @@ func (x *exchange) run() {
 	if f, ok := x.faults.get(fkStatus); ok {
 		status := f.statusOr(http.StatusInternalServerError)
 		msg := f.messageOr(fmt.Sprintf("simulated engine fault: HTTP %d", status))
+		if f.RetryAfterS > 0 {
+			x.w.Header().Set("Retry-After", strconv.Itoa(f.RetryAfterS))
+		}
 		writeError(x.w, status, msg)
 		return
 	}

@@ -48,7 +48,8 @@ const (
 	// status).
 	FaultErrorObject = "error-object"
 	// FaultStatus answers HTTP Status (default 500) with a vLLM error body
-	// carrying Message.
+	// carrying Message, and a Retry-After header of RetryAfterS seconds
+	// when RetryAfterS > 0 (backpressure, e.g. status 503).
 	FaultStatus = "status"
 	// FaultTrickle adds DelayMS between tokens.
 	FaultTrickle = "trickle"
@@ -94,7 +95,8 @@ const (
 )
 
 // Fault is one armed misbehaviour. JSON: {"kind","phase","count",
-// "after_tokens","delay_ms","interval_ms","status","message"}; see the
+// "after_tokens","delay_ms","interval_ms","status","message",
+// "retry_after_s"}; see the
 // Fault* kind constants for what each field means to each kind.
 type Fault struct {
 	// Kind is one of the Fault* constants.
@@ -124,6 +126,9 @@ type Fault struct {
 	// Message is the error message (status, error-object) or the model
 	// name (wrong-model).
 	Message string `json:"message"`
+	// RetryAfterS is, for status, the Retry-After header in seconds sent
+	// with the answer; 0 sends none.
+	RetryAfterS int `json:"retry_after_s"`
 }
 
 // faultKind indexes the per-request set of active faults.
@@ -203,8 +208,8 @@ func (f Fault) Validate() error {
 	default:
 		return fmt.Errorf("fault %s: unknown phase %q (want prefill, decode or any)", f.Kind, f.Phase)
 	}
-	if f.Count < 0 || f.AfterTokens < 0 || f.DelayMS < 0 || f.IntervalMS < 0 {
-		return fmt.Errorf("fault %s: count, after_tokens, delay_ms and interval_ms must not be negative", f.Kind)
+	if f.Count < 0 || f.AfterTokens < 0 || f.DelayMS < 0 || f.IntervalMS < 0 || f.RetryAfterS < 0 {
+		return fmt.Errorf("fault %s: count, after_tokens, delay_ms, interval_ms and retry_after_s must not be negative", f.Kind)
 	}
 	if f.Status < 0 {
 		return fmt.Errorf("fault %s: status must not be negative", f.Kind)
