@@ -104,8 +104,8 @@ func (t *callTrace) start(name string, kind trace.SpanKind, attrs ...attribute.K
 	return t.tracer.Start(t.ctx, name, trace.WithSpanKind(kind), trace.WithAttributes(attrs...))
 }
 
-// endWith ends span with f's fault kind and an error status, or Ok when f
-// is nil.
+// endWith ends span with f's fault kind, the engine it blames and an error
+// status; with outcome ok when f is nil.
 func endWith(span trace.Span, f *engines.Fault) {
 	if f == nil {
 		span.SetAttributes(attrOutcome.String("ok"))
