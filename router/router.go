@@ -53,8 +53,10 @@ type Options struct {
 	Registry *prometheus.Registry
 	// Logger is the router's logger; nil means slog.Default().
 	Logger *slog.Logger
-	// Transport is the engine legs' HTTP transport; nil means
-	// engines.NewTransport().
+	// Transport is the HTTP transport of releases, health checks and
+	// model listings (engines.Options.Transport); nil means
+	// engines.NewTransport(). The engine legs run on the engine client's
+	// own connections.
 	Transport http.RoundTripper
 	// ModelRefresh is how often each engine's /v1/models is read again;
 	// 0 means 30 s. An engine whose models are unknown is retried every
