@@ -166,13 +166,28 @@ func TestPrefixPlacementPermissions(t *testing.T) {
 		t.Fatalf("router A publishing placements: %v", err)
 	}
 
-	oc, err := routerB.JetStream().OrderedConsumer(ctx, bus.PrefixStream, jetstream.OrderedConsumerConfig{})
+	// As a router warms its index: the stream's info, then an ordered
+	// consumer from a start time, fetched from.
+	if _, err := routerB.JetStream().Stream(ctx, bus.PrefixStream); err != nil {
+		t.Fatalf("router reads the prefix stream's info: %v", err)
+	}
+	since := time.Now().Add(-bus.PrefixMaxAge)
+	oc, err := routerB.JetStream().OrderedConsumer(ctx, bus.PrefixStream, jetstream.OrderedConsumerConfig{
+		FilterSubjects: []string{bus.PrefixSubjectPrefix + "*"}, DeliverPolicy: jetstream.DeliverByStartTimePolicy, OptStartTime: &since,
+	})
 	if err != nil {
 		t.Fatalf("router reads the prefix stream: %v", err)
 	}
-	msg, err := oc.Next(jetstream.FetchMaxWait(waitBound))
-	if err != nil || msg.Subject() != bus.PrefixSubject("router-a") {
-		t.Fatalf("router reads the prefix stream: %v %v", msg, err)
+	batch, err := oc.Fetch(1, jetstream.FetchMaxWait(waitBound))
+	if err != nil {
+		t.Fatalf("router reads the prefix stream: %v", err)
+	}
+	msg := <-batch.Messages()
+	if msg == nil || msg.Subject() != bus.PrefixSubject("router-a") {
+		t.Fatalf("router reads the prefix stream: %v %v", msg, batch.Error())
+	}
+	if err := routerB.PermissionError(); err != nil {
+		t.Fatalf("router B reading the stream: %v", err)
 	}
 
 	for _, role := range []string{bus.RoleBreaker, bus.RoleEngine, bus.RoleChaos, bus.RoleViewer} {
