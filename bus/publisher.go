@@ -1,6 +1,7 @@
 package bus
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"log/slog"
@@ -107,14 +108,68 @@ type Publisher struct {
 
 	publishedTotal prometheus.Counter
 	droppedTotal   *prometheus.CounterVec
+
+	// Owned by the publisher's goroutine: the encoder and its sink,
+	// outbounds free for reuse, and the timer bounding a window's wait.
+	sink  appendSink
+	enc   *json.Encoder
+	free  []*outbound
+	bound *time.Timer
+
+	// flightMu guards inFlight (the messages of the window being
+	// published, by the message the JetStream client hands back to its
+	// callbacks) and their outbounds' state and err.
+	flightMu sync.Mutex
+	inFlight map[*nats.Msg]*outbound
 }
 
-// queued is one event the publisher's goroutine holds: marshalled, with
+// queued is one event the publisher's goroutine holds: encoded, with
 // the time of its first publish (zero until then).
 type queued struct {
-	msg   *nats.Msg
+	out   *outbound
 	kind  string
 	first time.Time
+}
+
+// outbound is one encoded event and the message that carries it. Its
+// buffer and message are reused for a later event only once the stream
+// has acknowledged this one: until then the JetStream client keeps the
+// message (and its Data) to publish it again itself (no responders), and
+// the publisher keeps it to publish it again under the same id.
+type outbound struct {
+	msg nats.Msg
+	id  [1]string // the message id header's value; msg.Header refers to it
+	buf []byte    // msg.Data is buf
+	// state and err are the outcome of the latest publish, written by the
+	// JetStream client's callbacks under Publisher.flightMu.
+	state int
+	err   error
+	// stale: a publish of it was given up on without an outcome; the
+	// JetStream client may still hold it, so it is never reused.
+	stale bool
+}
+
+// States of an outbound's latest publish.
+const (
+	outPending = iota
+	outAcked
+	outFailed
+)
+
+// Encoder reuse bounds: an outbound whose buffer grew past
+// maxReusedBuffer is left to the collector, and at most maxFree outbounds
+// wait for reuse.
+const (
+	maxReusedBuffer = 16 << 10
+	maxFree         = 2 * publishWindow
+)
+
+// appendSink is the json.Encoder's writer: it appends to buf.
+type appendSink struct{ buf []byte }
+
+func (s *appendSink) Write(b []byte) (int, error) {
+	s.buf = append(s.buf, b...)
+	return len(b), nil
 }
 
 // NewPublisher returns a Publisher on b with room for buffer waiting events
@@ -137,6 +192,7 @@ func NewPublisher(b *Bus, buffer int, reg prometheus.Registerer) *Publisher {
 		capacity: int64(buffer),
 		stop:     make(chan struct{}),
 		done:     make(chan struct{}),
+		inFlight: make(map[*nats.Msg]*outbound, publishWindow),
 		publishedTotal: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "narwhal_events_published_total",
 			Help: "Bus events acknowledged by the stream.",
@@ -168,9 +224,21 @@ func NewPublisher(b *Bus, buffer int, reg prometheus.Registerer) *Publisher {
 			return 0
 		}))
 	}
+	p.enc = json.NewEncoder(&p.sink)
+	p.bound = time.NewTimer(time.Hour)
+	p.bound.Stop()
+	// Outcomes arrive through the JetStream client's callbacks rather than
+	// one future per event: the publisher waits for a whole window with
+	// PublishAsyncComplete, then reads each event's outcome.
 	js, err := jetstream.New(b.nc,
 		jetstream.WithPublishAsyncMaxPending(publishWindow),
 		jetstream.WithPublishAsyncTimeout(ackTimeout),
+		jetstream.WithPublishAsyncAckHandler(func(_ jetstream.JetStream, m *nats.Msg, _ *jetstream.PubAck) {
+			p.outcome(m, nil)
+		}),
+		jetstream.WithPublishAsyncErrHandler(func(_ jetstream.JetStream, m *nats.Msg, err error) {
+			p.outcome(m, err)
+		}),
 	)
 	if err != nil { // only for invalid options, which are constants here
 		panic("bus: jetstream publisher options: " + err.Error())
@@ -348,8 +416,8 @@ func (p *Publisher) run() {
 	}
 }
 
-// enqueue marshals ev and appends it to queue; an event that cannot be
-// published is dropped and counted instead.
+// enqueue encodes ev into a reused outbound and appends it to queue; an
+// event that cannot be published is dropped and counted instead.
 func (p *Publisher) enqueue(queue []queued, ev schemas.Event) []queued {
 	subject := ev.Subject()
 	kind := kindOf(subject)
@@ -358,14 +426,71 @@ func (p *Publisher) enqueue(queue []queued, ev schemas.Event) []queued {
 		p.drop(DropInvalid, kind)
 		return queue
 	}
-	data, err := json.Marshal(ev)
+	o := p.outbound()
+	p.sink.buf = o.buf[:0]
+	err := p.enc.Encode(ev)
+	o.buf = p.sink.buf
+	p.sink.buf = nil
 	if err != nil {
+		p.release(o)
 		p.settle()
 		p.drop(DropInvalid, kind)
 		return queue
 	}
-	m := &nats.Msg{Subject: subject, Data: data, Header: nats.Header{jetstream.MsgIDHeader: []string{ev.Head().ID}}}
-	return append(queue, queued{msg: m, kind: kind})
+	o.msg.Subject = subject
+	o.msg.Data = bytes.TrimSuffix(o.buf, newline) // Encode ends each value with one
+	o.id[0] = ev.Head().ID
+	return append(queue, queued{out: o, kind: kind})
+}
+
+var newline = []byte{'\n'}
+
+// errNoAck is the outcome of a publish that had none when its window
+// ended.
+var errNoAck = errors.New("no ack within " + (ackTimeout + time.Second).String())
+
+// outbound returns an outbound free for a new event.
+func (p *Publisher) outbound() *outbound {
+	if n := len(p.free); n > 0 {
+		o := p.free[n-1]
+		p.free[n-1] = nil
+		p.free = p.free[:n-1]
+		return o
+	}
+	o := &outbound{}
+	o.msg.Header = nats.Header{jetstream.MsgIDHeader: o.id[:]}
+	return o
+}
+
+// release makes o free for reuse once its event was acknowledged (or
+// never published); a stale one, or one with a large buffer, is left to
+// the collector.
+func (p *Publisher) release(o *outbound) {
+	if o.stale || cap(o.buf) > maxReusedBuffer || len(p.free) >= maxFree {
+		return
+	}
+	o.msg.Subject, o.msg.Data, o.id[0] = "", nil, ""
+	o.state, o.err = outPending, nil
+	p.free = append(p.free, o)
+}
+
+// outcome records the outcome of publishing m (err nil: acknowledged);
+// the JetStream client calls it, once per publish, before
+// PublishAsyncComplete's channel closes. An acknowledgement is final: an
+// error reported later for an earlier attempt of the same event does not
+// undo it. A message of no window being published is ignored.
+func (p *Publisher) outcome(m *nats.Msg, err error) {
+	p.flightMu.Lock()
+	defer p.flightMu.Unlock()
+	o := p.inFlight[m]
+	if o == nil || o.state == outAcked {
+		return
+	}
+	if err == nil {
+		o.state, o.err = outAcked, nil
+	} else {
+		o.state, o.err = outFailed, err
+	}
 }
 
 // take moves buffered events into queue until it holds a window's worth.
@@ -382,76 +507,83 @@ func (p *Publisher) take(queue []queued) []queued {
 }
 
 // sendWindow publishes the head of queue (up to size events, at most
-// publishWindow) and waits until each is acknowledged or has failed. It
-// returns queue without the acknowledged events (and those given up on),
-// in their order, how many were acknowledged, and the last publish error
-// (nil when every event was acknowledged).
+// publishWindow) asynchronously and waits once for the whole window: until
+// the JetStream client holds no publish awaiting its ack (each settles
+// within ackTimeout), then reads every event's outcome. It returns queue
+// without the acknowledged events (and those given up on), in their
+// order, how many were acknowledged, and the last publish error (nil when
+// every event was acknowledged).
 func (p *Publisher) sendWindow(queue []queued, size int) ([]queued, int, error) {
 	n := min(len(queue), size, publishWindow)
-	futures := make([]jetstream.PubAckFuture, n)
-	errs := make([]error, n)
 	now := time.Now()
 	for i := range n {
 		q := &queue[i]
 		if q.first.IsZero() {
 			q.first = now
 		}
-		// A new message each time: a sent one holds its reply subject.
-		m := &nats.Msg{Subject: q.msg.Subject, Header: q.msg.Header, Data: q.msg.Data}
-		futures[i], errs[i] = p.js.PublishMsgAsync(m)
-	}
-	// Each future settles within ackTimeout (the jetstream publisher's
-	// own timeout); the bound below only guards against a lost one.
-	bound := time.NewTimer(ackTimeout + time.Second)
-	defer bound.Stop()
-wait:
-	for i, f := range futures {
-		if errs[i] != nil {
-			continue
-		}
-		select {
-		case <-f.Ok():
-		case err := <-f.Err():
-			errs[i] = err
-		case <-bound.C:
-			lost := errors.New("no ack within " + (ackTimeout + time.Second).String())
-			for j := i; j < n; j++ {
-				if errs[j] == nil {
-					select {
-					case <-futures[j].Ok():
-					case err := <-futures[j].Err():
-						errs[j] = err
-					default:
-						errs[j] = lost
-					}
-				}
+		o := q.out
+		p.flightMu.Lock()
+		o.state, o.err = outPending, nil
+		p.inFlight[&o.msg] = o
+		p.flightMu.Unlock()
+		// The client copies Data into the connection's buffer before it
+		// returns, and keeps &o.msg until the publish settles.
+		if _, err := p.js.PublishMsgAsync(&o.msg); err != nil {
+			p.flightMu.Lock()
+			if o.state != outAcked {
+				o.state, o.err = outFailed, err
 			}
-			break wait
+			p.flightMu.Unlock()
 		}
 	}
+	// The bound only guards against a publish whose outcome is lost.
+	p.bound.Reset(ackTimeout + time.Second)
+	lost := false
+	select {
+	case <-p.js.PublishAsyncComplete():
+	case <-p.bound.C:
+		lost = true
+	}
+	p.bound.Stop()
 	var (
 		acked   int
 		lastErr error
 		kept    = queue[:0]
 	)
+	p.flightMu.Lock()
+	for i := range n {
+		o := queue[i].out
+		delete(p.inFlight, &o.msg)
+		if o.state == outPending {
+			// Its outcome is still on its way (a reconnect settles every
+			// publish at once) or was lost: publish it again.
+			o.state, o.err = outFailed, errNoAck
+			if lost {
+				o.stale = true
+			}
+		}
+	}
+	p.flightMu.Unlock()
 	for i := range n {
 		q := queue[i]
+		err := q.out.err
 		switch {
-		case errs[i] == nil:
+		case q.out.state == outAcked:
 			acked++
 			p.published.Add(1)
 			p.publishedTotal.Inc()
 			p.settle()
-		case permanent(errs[i]):
-			lastErr = errs[i]
+			p.release(q.out)
+		case permanent(err):
+			lastErr = err
 			p.settle()
 			p.drop(DropInvalid, q.kind)
 		case now.Sub(q.first) > RetryHorizon:
-			lastErr = errs[i]
+			lastErr = err
 			p.settle()
 			p.drop(DropExpired, q.kind)
 		default:
-			lastErr = errs[i]
+			lastErr = err
 			kept = append(kept, q)
 		}
 	}
