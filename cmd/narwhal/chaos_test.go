@@ -417,6 +417,10 @@ func TestSpellSelf(t *testing.T) {
 		{"/usr/local/bin/narwhal", "narwhal", "narwhal"},
 		{"/home/u/narwhal/bin/narwhal", "./bin/narwhal", "./bin/narwhal"},
 		{"/home/u/go-builds/narwhal", "narwhal", "narwhal"},
+		// A second `go run` runs the executable it cached in GOCACHE.
+		{"/root/.cache/go-build/96/966fe088ee019be9da354c600d1d3b5a8d11f919bb200635a89fb55094e0b79d-d/narwhal",
+			"/root/.cache/go-build/96/966fe088ee019be9da354c600d1d3b5a8d11f919bb200635a89fb55094e0b79d-d/narwhal", "go run ./cmd/narwhal"},
+		{"/opt/96/not-a-hash-d/narwhal", "narwhal", "narwhal"},
 	} {
 		if got := spellSelf(c.exe, c.arg0); got != c.want {
 			t.Errorf("spellSelf(%q, %q) = %q, want %q", c.exe, c.arg0, got, c.want)

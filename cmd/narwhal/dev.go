@@ -162,7 +162,8 @@ export NARWHAL_NATS_URL=%[1]s
 
 // selfCommand is how the dev banner spells this binary so that its lines
 // can be pasted as they are: "go run ./cmd/narwhal" when `go run` built it
-// (its executable then lives in a go-build folder), else arg0 as it was
+// (its executable then lives in a go-build folder, or in the build cache,
+// where Go keeps the executables `go run` built), else arg0 as it was
 // started (e.g. "narwhal" from PATH, or "./bin/narwhal").
 func selfCommand(arg0 string) string {
 	exe, err := os.Executable()
@@ -175,12 +176,21 @@ func selfCommand(arg0 string) string {
 // goBuildDir is the name of the folder `go run` builds in (go-build<N>).
 var goBuildDir = regexp.MustCompile(`^go-build[0-9]+$`)
 
+// goCacheExeDir is the name of the build cache's folder of an executable
+// `go run` built and cached (<GOCACHE>/<2 hex>/<64 hex>-d/narwhal), which
+// it runs from there on the next `go run`.
+var goCacheExeDir = regexp.MustCompile(`^[0-9a-f]{64}-d$`)
+
 // spellSelf is selfCommand for the executable's path exe.
 func spellSelf(exe, arg0 string) string {
-	for _, dir := range strings.Split(filepath.ToSlash(filepath.Dir(exe)), "/") {
+	dirs := strings.Split(filepath.ToSlash(filepath.Dir(exe)), "/")
+	for _, dir := range dirs {
 		if goBuildDir.MatchString(dir) {
 			return "go run ./cmd/narwhal"
 		}
+	}
+	if n := len(dirs); n >= 2 && goCacheExeDir.MatchString(dirs[n-1]) && len(dirs[n-2]) == 2 && strings.HasPrefix(dirs[n-1], dirs[n-2]) {
+		return "go run ./cmd/narwhal"
 	}
 	if arg0 == "" {
 		return "narwhal"
