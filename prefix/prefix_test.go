@@ -2,6 +2,7 @@ package prefix
 
 import (
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"strings"
 	"sync"
@@ -289,5 +290,36 @@ func TestChooseGuardRPLACE2(t *testing.T) {
 	}
 	if b.Imbalanced(cands[:1]) {
 		t.Fatal("guard with one candidate")
+	}
+}
+
+// TestChooseHostileQueueRPLACE2: an engine's own queue comes from its
+// /metrics, which the router does not trust; a queue so large that
+// adding the router's attempts would overflow still counts as the
+// largest load, with the guard on and off, and never attracts the
+// placement.
+func TestChooseHostileQueueRPLACE2(t *testing.T) {
+	b := Balance{Abs: 32, Rel: 1.5}
+	for _, waiting := range []int64{math.MaxInt64 - 1, math.MaxInt64, 1 << 62} {
+		cands := []Candidate{{Matched: 100, Outstanding: 5, Waiting: waiting}, {Outstanding: 0}}
+		if i, _ := Choose(cands, 100, b); i != 1 {
+			t.Fatalf("waiting %d: chose the engine that says it queues that many", waiting)
+		}
+		cands[0].Outstanding = 40 // guard: 40 − 0 > 32
+		if i, g := Choose(cands, 100, b); i != 1 || !g {
+			t.Fatalf("waiting %d, guard: chose %d (guard %v), want 1", waiting, i, g)
+		}
+	}
+}
+
+// TestChooseHugeAbsThresholdRPLACE2: a balance_abs_threshold of any
+// size (an operator turning the guard off) does not overflow the score:
+// the matched engine still wins.
+func TestChooseHugeAbsThresholdRPLACE2(t *testing.T) {
+	for _, abs := range []int64{1 << 40, 1 << 53, math.MaxInt64} {
+		cands := []Candidate{{Matched: 0}, {Matched: 100, Outstanding: 3}}
+		if i, _ := Choose(cands, 100, Balance{Abs: abs, Rel: 1.5}); i != 1 {
+			t.Fatalf("abs %d: chose %d, want the matched engine 1", abs, i)
+		}
 	}
 }

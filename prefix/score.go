@@ -17,9 +17,17 @@ type Candidate struct {
 	Waiting int64
 }
 
+// maxLoad bounds each term of a candidate's load: Waiting comes from the
+// engine's /metrics and may be anything, and an unbounded sum could wrap
+// and make the most loaded engine look the least.
+const maxLoad = 1 << 40
+
 // load is what the score weighs against the match: the router's
-// outstanding attempts plus the engine's own queue.
-func (c *Candidate) load() int64 { return c.Outstanding + c.Waiting }
+// outstanding attempts plus the engine's own queue, each clamped to
+// [0, maxLoad].
+func (c *Candidate) load() int64 {
+	return min(max(c.Outstanding, 0), maxLoad) + min(max(c.Waiting, 0), maxLoad)
+}
 
 // Balance is the imbalance guard's setting (SPEC R-PLACE-2).
 type Balance struct {
@@ -79,16 +87,16 @@ func Choose(cands []Candidate, blocks int, b Balance) (i int, guarded bool) {
 		least = min(least, cands[i].load())
 	}
 	// Scores in integers, scaled by blocks × abs: Matched × abs −
-	// (load − least) × blocks. Matched ≤ MaxBlocks and blocks ≤ MaxBlocks
-	// keep it far from overflow for any load below 2^40.
-	abs := max(b.Abs, 1)
+	// (load − least) × blocks. Matched ≤ MaxBlocks, blocks ≤ MaxBlocks and
+	// load ≤ 2 × maxLoad keep it far from overflow.
+	abs := min(max(b.Abs, 1), maxLoad)
 	n := int64(max(blocks, 1))
 	best, ties := -1, 0
 	var bestScore int64
 	for i := range cands {
 		c := &cands[i]
 		matched := int64(min(max(c.Matched, 0), max(blocks, 0)))
-		s := matched*abs - min(c.load()-least, 1<<40)*n
+		s := matched*abs - (c.load()-least)*n
 		switch {
 		case best < 0 || s > bestScore:
 			best, bestScore, ties = i, s, 1
