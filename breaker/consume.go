@@ -208,11 +208,15 @@ type requestOutcome struct {
 	ErrorKind  string `json:"error_kind"`
 	ProducerID string `json:"producer_id"`
 	ConsumerID string `json:"consumer_id"`
+	// KVRecomputed: the consumer recomputed the prompt (R-FAIL-8).
+	KVRecomputed bool `json:"kv_recomputed"`
 }
 
 // applyRequest resets the streaks of the producer and consumer of a
-// successful request (status 200, no error kind) (R-BRK-1). An ejected
-// engine keeps its state: only a probe readmits (R-BRK-3).
+// successful request (status 200, no error kind) (R-BRK-1). A consumer
+// that recomputed the prompt instead of loading the KV (kv_recomputed,
+// R-FAIL-8) keeps its streak: the request proves nothing of the pair. An
+// ejected engine keeps its state: only a probe readmits (R-BRK-3).
 func (s *Service) applyRequest(ctx context.Context, data []byte) error {
 	var r requestOutcome
 	if err := json.Unmarshal(data, &r); err != nil {
@@ -224,7 +228,7 @@ func (s *Service) applyRequest(ctx context.Context, data []byte) error {
 	if err := s.resetStreak(ctx, r.ProducerID); err != nil {
 		return err
 	}
-	if r.ConsumerID != r.ProducerID {
+	if r.ConsumerID != r.ProducerID && !r.KVRecomputed {
 		return s.resetStreak(ctx, r.ConsumerID)
 	}
 	return nil

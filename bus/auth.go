@@ -155,7 +155,8 @@ func viewerDenied() []string {
 // them. Every role may subscribe to _INBOX.> (replies) and read the
 // stream's info; beyond that:
 //
-//   - router: publish failure, quarantine, handoff and request events;
+//   - router: publish failure, quarantine, handoff, request and
+//     kv_recomputed events;
 //     subscribe to quarantine events; publish and subscribe to prefix
 //     placements (narwhal.prefix.<router_id>) and read stream
 //     NARWHAL_PREFIX through consumers of its own (R-PLACE-2); read narwhal_placement,
@@ -192,7 +193,7 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 	switch role {
 	case RoleRouter:
 		pub = slices.Concat(common,
-			eventsPub("failure", "quarantine", "handoff", "request"),
+			eventsPub("failure", "quarantine", "handoff", "request", "kv_recomputed"),
 			bucketRead(PlacementBucket), bucketRead(LeaseBucket), bucketRead(ChaosBucket),
 			bucketWatch(FleetBucket),
 			[]string{jsAPI + "STREAM.INFO.KV_" + RoutersBucket}, bucketWrite(RoutersBucket),

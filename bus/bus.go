@@ -69,7 +69,7 @@ const (
 
 // HistoryKinds are the event kinds NARWHAL_HISTORY keeps: all but
 // request events.
-var HistoryKinds = []string{"failure", "quarantine", "handoff", "probe", "eligibility", "chaos", "fleet"}
+var HistoryKinds = []string{"failure", "quarantine", "handoff", "probe", "eligibility", "chaos", "fleet", "kv_recomputed"}
 
 // jsErrCodeClusterNoPeers is JetStream's "no suitable peers for
 // placement": a cluster still forming, or fewer servers than replicas.

@@ -314,7 +314,7 @@ func (p *Publisher) settle() { p.pending.Add(-1) }
 // eventKinds are the kind label's values of narwhal_events_dropped_total
 // besides "unknown": every event kind a router or a breaker publishes.
 var eventKinds = []string{schemas.KindFailure, schemas.KindQuarantine, schemas.KindHandoff, schemas.KindRequest,
-	schemas.KindProbe, schemas.KindEligibility, schemas.KindChaos, schemas.KindFleet}
+	schemas.KindProbe, schemas.KindEligibility, schemas.KindChaos, schemas.KindFleet, schemas.KindKVRecomputed}
 
 // dropReasons are the reason label's values of
 // narwhal_events_dropped_total.

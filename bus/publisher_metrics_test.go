@@ -34,7 +34,7 @@ func TestDroppedEventsStartAtZeroRBUS10(t *testing.T) {
 	}
 	for _, r := range []string{bus.DropBufferFull, bus.DropExpired, bus.DropInvalid, bus.DropClosed} {
 		for _, k := range []string{schemas.KindFailure, schemas.KindQuarantine, schemas.KindHandoff, schemas.KindRequest,
-			schemas.KindProbe, schemas.KindEligibility, schemas.KindChaos, schemas.KindFleet} {
+			schemas.KindProbe, schemas.KindEligibility, schemas.KindChaos, schemas.KindFleet, schemas.KindKVRecomputed} {
 			v, ok := seen[[2]string{r, k}]
 			if !ok || v != 0 {
 				t.Errorf("narwhal_events_dropped_total{reason=%q,kind=%q}: present %v, value %v; want a zero series", r, k, ok, v)

@@ -149,7 +149,23 @@ type Handoff struct {
 	// Keep it below the producer's own KV release timeout. Seconds, > 0;
 	// default 120.
 	MaxAgeS float64 `yaml:"max_age_s" env:"MAX_AGE_S"`
+	// OnRecompute is what a decode engine that recomputed the prompt
+	// instead of loading the handed-off KV does to its pair (R-FAIL-8):
+	// OnRecomputeCount (the default) publishes a kv_recomputed event and
+	// counts it in narwhal_kv_recomputed_total; OnRecomputeFailPair also
+	// publishes a counted failure of the decode engine (with its
+	// producer), towards the pair's ejection streak.
+	OnRecompute string `yaml:"on_recompute" env:"ON_RECOMPUTE"`
 }
+
+// The values of handoff.on_recompute (R-FAIL-8).
+const (
+	// OnRecomputeCount: seen, published and counted; never ejects.
+	OnRecomputeCount = "count"
+	// OnRecomputeFailPair: also a failure that counts towards the pair's
+	// ejection streak.
+	OnRecomputeFailPair = "fail_pair"
+)
 
 // MaxAge returns MaxAgeS as a Duration (R-OWN-2).
 func (h Handoff) MaxAge() time.Duration { return Seconds(h.MaxAgeS) }
@@ -510,7 +526,7 @@ func Default() Config {
 	return Config{
 		Engine:     Engine{FirstTokenTimeoutS: 30, DecodeReadTimeoutS: 30, PrefillTimeoutS: 60},
 		Request:    Request{TimeoutS: 600, MaxBodyBytes: 32 << 20, MaxN: 16, MaxTokensLimit: 1 << 20, MaxResponseBytes: 64 << 20},
-		Handoff:    Handoff{MaxAgeS: 120},
+		Handoff:    Handoff{MaxAgeS: 120, OnRecompute: OnRecomputeCount},
 		Recovery:   Recovery{EjectAfter: 3, FailureQuarantineS: 0, RetryAttempts: 0, RetryBudgetRatio: 0.2, ReadmitIntervalS: 5, MaxQuarantineS: 300},
 		Breaker:    Breaker{LeaseTTLS: 5},
 		Membership: Membership{RegistrationTTLS: 15, DrainTimeoutS: 600},
@@ -675,6 +691,9 @@ func (c *Config) Validate() error {
 		bad("server.max_body_bytes_inflight", "must be >= request.max_body_bytes (%d), or the largest body allowed could never be read, got %d", c.Request.MaxBodyBytes, v)
 	}
 	positive("handoff.max_age_s", c.Handoff.MaxAgeS)
+	if v := c.Handoff.OnRecompute; v != OnRecomputeCount && v != OnRecomputeFailPair {
+		bad("handoff.on_recompute", "must be %s or %s, got %q", OnRecomputeCount, OnRecomputeFailPair, v)
+	}
 	if c.Recovery.EjectAfter < 1 {
 		bad("recovery.eject_after", "must be >= 1, got %d", c.Recovery.EjectAfter)
 	}

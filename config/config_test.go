@@ -291,8 +291,8 @@ func envNames(t *testing.T) map[string]string {
 // the file.
 func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 	names := envNames(t)
-	if len(names) != 47 {
-		t.Fatalf("%d scalar keys, want 47: %v", len(names), names)
+	if len(names) != 48 {
+		t.Fatalf("%d scalar keys, want 48: %v", len(names), names)
 	}
 	dir := t.TempDir()
 	caFile, keysFile := testkit.NewCA(t).Path, filepath.Join(dir, "keys.yaml")
@@ -309,7 +309,7 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 	fileValues := map[string]string{
 		"engine.first_token_timeout_s": "11", "engine.decode_read_timeout_s": "12", "engine.prefill_timeout_s": "13",
 		"request.timeout_s": "14", "request.max_body_bytes": "15",
-		"handoff.max_age_s":    "16",
+		"handoff.max_age_s": "16", "handoff.on_recompute": "count",
 		"recovery.eject_after": "17", "recovery.failure_quarantine_s": "18", "recovery.retry_attempts": "19",
 		"recovery.retry_budget_ratio": "0.5", "recovery.readmit_interval_s": "21", "breaker.lease_ttl_s": "23",
 		"recovery.max_quarantine_s": "33",
@@ -329,7 +329,7 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 	envValues := map[string]string{
 		"engine.first_token_timeout_s": "1.5", "engine.decode_read_timeout_s": "0", "engine.prefill_timeout_s": "3",
 		"request.timeout_s": "4", "request.max_body_bytes": "5",
-		"handoff.max_age_s":    "6",
+		"handoff.max_age_s": "6", "handoff.on_recompute": "fail_pair",
 		"recovery.eject_after": "7", "recovery.failure_quarantine_s": "8", "recovery.retry_attempts": "9",
 		"recovery.retry_budget_ratio": "1", "recovery.readmit_interval_s": "0.25", "breaker.lease_ttl_s": "0.75",
 		"recovery.max_quarantine_s": "34",
@@ -377,7 +377,7 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 	want := Config{
 		Engine:     Engine{FirstTokenTimeoutS: 1.5, DecodeReadTimeoutS: 0, PrefillTimeoutS: 3},
 		Request:    Request{TimeoutS: 4, MaxBodyBytes: 5, MaxN: 2, MaxTokensLimit: 3, MaxResponseBytes: 36},
-		Handoff:    Handoff{MaxAgeS: 6},
+		Handoff:    Handoff{MaxAgeS: 6, OnRecompute: "fail_pair"},
 		Recovery:   Recovery{EjectAfter: 7, FailureQuarantineS: 8, RetryAttempts: 9, RetryBudgetRatio: 1, ReadmitIntervalS: 0.25, MaxQuarantineS: 34},
 		Breaker:    Breaker{LeaseTTLS: 0.75},
 		Membership: Membership{RegistrationTTLS: 4.5, DrainTimeoutS: 0.5},

@@ -214,6 +214,21 @@ func appendDetails(b []byte, kind string, payload []byte) (_ []byte, ok bool) {
 			b = strconv.AppendQuote(b, e.Message)
 		}
 		b = appendSource(b, e.Envelope, 0)
+	case schemas.KindKVRecomputed:
+		var e schemas.KVRecomputed
+		if json.Unmarshal(payload, &e) != nil {
+			return b, false
+		}
+		b = append(b, e.Connector...)
+		b = appendEnds(b, e.ProducerID, e.EngineID)
+		b = append(b, " cached="...)
+		b = strconv.AppendInt(b, int64(e.CachedTokens), 10)
+		b = append(b, '/')
+		b = strconv.AppendInt(b, int64(e.PromptTokens), 10)
+		if e.Counts {
+			b = append(b, " counts"...)
+		}
+		b = appendSource(b, e.Envelope, 0)
 	case schemas.KindChaos:
 		var e schemas.Chaos
 		if json.Unmarshal(payload, &e) != nil {

@@ -22,7 +22,7 @@ import (
 var Kinds = []string{
 	schemas.KindFailure, schemas.KindQuarantine, schemas.KindHandoff,
 	schemas.KindRequest, schemas.KindProbe, schemas.KindEligibility,
-	schemas.KindChaos,
+	schemas.KindChaos, schemas.KindKVRecomputed,
 }
 
 // Selection is which events are kept: Kind (one of Kinds) and Engine (an

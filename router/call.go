@@ -60,6 +60,9 @@ type call struct {
 	promptTokens     int
 	completionTokens int
 	usage            bool // the decode engine reported usage: the token counts are known
+	cachedTokens     int  // its usage.prompt_tokens_details.cached_tokens, when cachedKnown
+	cachedKnown      bool // it reported them (R-FAIL-8)
+	recomputed       bool // it recomputed the prompt instead of loading the KV (R-FAIL-8)
 	committed        bool
 	decodeStart      time.Time
 	chunks           int
@@ -321,6 +324,7 @@ func (c *call) finish() {
 	c.rt.front.releaseBody(c.bodyBytes)
 	c.bodyBytes = 0
 	c.releaseKey()
+	c.checkRecompute()
 	if c.cancel != nil {
 		c.cancel(context.Canceled)
 		c.cancelDeadline()

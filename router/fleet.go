@@ -45,6 +45,10 @@ type member struct {
 	// Retry-After (R-FAIL-7); 0 when none. Local to the router, never
 	// published: it is backpressure, not a quarantine.
 	skipUntil atomic.Int64
+	// noCacheDetails is set once the engine, as a decode consumer, reported
+	// usage without prompt_tokens_details.cached_tokens: said once in the
+	// log (R-FAIL-8).
+	noCacheDetails atomic.Bool
 	// models is the list the engine's /v1/models returned; nil until known.
 	models atomic.Pointer[[]string]
 	// refused is set while the engine refuses the router's credentials

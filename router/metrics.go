@@ -47,6 +47,10 @@ type metrics struct {
 	// refusedCredentials counts episodes of an engine refusing the
 	// router's credentials (engine label: fleet ids, bounded).
 	refusedCredentials *prometheus.CounterVec
+	// kvRecomputed counts decode engines' silent recomputes of a
+	// handed-off prompt, by producer and consumer (R-FAIL-8; fleet ids,
+	// bounded).
+	kvRecomputed *prometheus.CounterVec
 
 	// models holds each model label's series, resolved once per request
 	// (modelSeries): the relay observes through them without a lookup.
@@ -189,6 +193,10 @@ func newMetrics(reg prometheus.Registerer, f func() *fleet, routerID string, dea
 		Name: "narwhal_engine_credentials_refused_total",
 		Help: "Times an engine started refusing the router's API key (HTTP 401 or 403), by engine; it is not placeable until it accepts it again.",
 	}, []string{"engine"})
+	m.kvRecomputed = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "narwhal_kv_recomputed_total",
+		Help: "Requests whose decode engine recomputed the prompt instead of loading the KV its producer handed off (it reported fewer than half of the prompt tokens as cached), by producer and consumer engine.",
+	}, []string{"producer", "consumer"})
 	info := prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "narwhal_router_info",
 		Help: "Always 1; its router label is the router id that names this router in bus events (router_id).",
@@ -204,7 +212,7 @@ func newMetrics(reg prometheus.Registerer, f func() *fleet, routerID string, dea
 	empty := map[string]*modelSeries{}
 	m.models.Store(&empty)
 	m.other = m.newModelSeries(otherModel)
-	reg.MustRegister(m.refusedCredentials, info, m.interToken, m.prompt, m.generation)
+	reg.MustRegister(m.refusedCredentials, m.kvRecomputed, info, m.interToken, m.prompt, m.generation)
 	reg.MustRegister(m.requests.vec, m.duration, m.ttft, m.firstByte, m.leg, m.faults, m.retries, m.retryDenied,
 		m.disconnects, m.inflight, m.abandoned, m.releaseFailures, m.quarantines, m.relayedChunks, m.placementIgnored, m.fleetIgnored, &reservationCollector{f: f})
 	return m

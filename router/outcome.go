@@ -138,6 +138,7 @@ func (c *call) record(now time.Time) {
 	if c.key != nil {
 		ev.KeyName = c.key.name
 	}
+	ev.KVRecomputed = c.recomputed
 	if c.outcome != "ok" {
 		ev.ErrorKind = c.outcome
 	}

@@ -246,6 +246,7 @@ func (r *relayBody) Close() error {
 func (c *call) appendEvent(dst, payload []byte, ch schemas.Chunk) []byte {
 	if ch.Kind == schemas.ChunkMetadata && ch.Usage {
 		c.promptTokens, c.completionTokens, c.usage = ch.PromptTokens, ch.CompletionTokens, true
+		c.cachedTokens, c.cachedKnown = ch.CachedTokens, ch.Cached
 		if !c.req.IncludeUsage && ch.UsageOnly {
 			return dst
 		}
@@ -299,8 +300,12 @@ func (c *call) aggregate(fctx *fasthttp.RequestCtx) {
 			c.fail(fctx, f)
 			return
 		}
-		if c.stream.Chunk().Kind == schemas.ChunkOutput {
+		ch := c.stream.Chunk()
+		if ch.Kind == schemas.ChunkOutput {
 			c.observeOutput()
+		}
+		if ch.Usage {
+			c.cachedTokens, c.cachedKnown = ch.CachedTokens, ch.Cached
 		}
 		if err := agg.Add(payload); err != nil {
 			f := engines.NewFault(engines.KindInvalidStream, schemas.PhaseDecode, c.consumer.ID, 0, "decode engine "+c.consumer.ID+" sent a chunk that could not be aggregated")

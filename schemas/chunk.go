@@ -67,6 +67,12 @@ type Chunk struct {
 	// usage.completion_tokens when Usage is true (0 when absent or not a
 	// non-negative integer), as UsageTokens reads them.
 	PromptTokens, CompletionTokens int
+	// Cached reports that the usage object holds
+	// prompt_tokens_details.cached_tokens as a non-negative integer (vLLM
+	// with prompt-token details on, SGLang); CachedTokens is its value
+	// (R-FAIL-8).
+	Cached       bool
+	CachedTokens int
 }
 
 // ScanChunk reads payload once and reports everything ClassifyChunk,
@@ -91,6 +97,7 @@ func ScanChunk(payload []byte) Chunk {
 	}
 	if f.usageObject {
 		c.PromptTokens, c.CompletionTokens = f.promptTokens, f.completionTokens
+		c.Cached, c.CachedTokens = f.cachedKnown, f.cachedTokens
 	}
 	return c
 }
@@ -177,6 +184,10 @@ type chunkFacts struct {
 	// promptTokens and completionTokens are the last "usage" object's
 	// prompt_tokens and completion_tokens (0 when absent or invalid).
 	promptTokens, completionTokens int
+	// cachedTokens is its prompt_tokens_details.cached_tokens, when
+	// cachedKnown.
+	cachedTokens int
+	cachedKnown  bool
 }
 
 // chunkWalker is an allocation-free validating JSON reader over buf.
@@ -271,9 +282,9 @@ func (w *chunkWalker) walkTop(f *chunkFacts) bool {
 			}
 			f.flatError = chunkStringIs(w.buf[start:w.pos], escaped, "error")
 		case "usage":
-			f.promptTokens, f.completionTokens = 0, 0
+			f.promptTokens, f.completionTokens, f.cachedTokens, f.cachedKnown = 0, 0, 0, false
 			if w.peek() == '{' {
-				if f.promptTokens, f.completionTokens, ok = w.walkUsage(); !ok {
+				if !w.walkUsage(f) {
 					return false
 				}
 				f.usageObject = true
@@ -295,35 +306,70 @@ func (w *chunkWalker) walkTop(f *chunkFacts) bool {
 	}
 }
 
-// walkUsage reads the top-level "usage" object at w.pos (depth 2) and
-// returns its prompt_tokens and completion_tokens (the last occurrence of
-// each; 0 when absent or not a non-negative integer).
-func (w *chunkWalker) walkUsage() (prompt, completion int, ok bool) {
+// walkUsage reads the top-level "usage" object at w.pos (depth 2) into f:
+// its prompt_tokens and completion_tokens (the last occurrence of each; 0
+// when absent or not a non-negative integer) and
+// prompt_tokens_details.cached_tokens.
+func (w *chunkWalker) walkUsage(f *chunkFacts) bool {
 	empty, ok := w.openObject()
 	if !ok || empty {
-		return 0, 0, ok
+		return ok
 	}
 	for {
 		name, ok := w.memberName()
 		if !ok {
-			return 0, 0, false
+			return false
 		}
 		start := w.pos
 		if !w.skipValue(2) {
-			return 0, 0, false
+			return false
 		}
 		switch string(name) {
 		case "prompt_tokens":
-			prompt, _ = nonNegativeInt(w.buf[start:w.pos])
+			f.promptTokens, _ = nonNegativeInt(w.buf[start:w.pos])
 		case "completion_tokens":
-			completion, _ = nonNegativeInt(w.buf[start:w.pos])
+			f.completionTokens, _ = nonNegativeInt(w.buf[start:w.pos])
+		case "prompt_tokens_details":
+			// Already validated by skipValue: read it again on its own.
+			f.cachedTokens, f.cachedKnown = 0, false
+			if w.buf[start] == '{' {
+				d := chunkWalker{buf: w.buf[start:w.pos]}
+				f.cachedTokens, f.cachedKnown = d.walkDetails()
+			}
 		}
 		more, ok := w.nextMember('}')
 		if !ok {
-			return 0, 0, false
+			return false
 		}
 		if !more {
-			return prompt, completion, true
+			return true
+		}
+	}
+}
+
+// walkDetails reads a valid usage.prompt_tokens_details object from the
+// start of w.buf and returns its cached_tokens (the last occurrence) when
+// it is a non-negative integer.
+func (w *chunkWalker) walkDetails() (cached int, known bool) {
+	empty, ok := w.openObject()
+	if !ok || empty {
+		return 0, false
+	}
+	for {
+		name, ok := w.memberName()
+		if !ok {
+			return 0, false
+		}
+		start := w.pos
+		if !w.skipValue(3) {
+			return 0, false
+		}
+		if string(name) == "cached_tokens" {
+			cached, known = nonNegativeInt(w.buf[start:w.pos])
+		}
+		more, ok := w.nextMember('}')
+		if !ok || !more {
+			return cached, known
 		}
 	}
 }

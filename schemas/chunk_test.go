@@ -663,3 +663,39 @@ func BenchmarkSSEData(b *testing.B) {
 		SSEData(line)
 	}
 }
+
+// TestScanChunkCachedTokensRFAIL8 proves the one scan of a usage chunk
+// reads usage.prompt_tokens_details.cached_tokens (the last occurrence,
+// only when it is a non-negative integer in an object), reports its
+// absence, and allocates nothing (R-FAIL-8).
+func TestScanChunkCachedTokensRFAIL8(t *testing.T) {
+	cases := []struct {
+		payload string
+		known   bool
+		cached  int
+	}{
+		{`{"choices":[],"usage":{"prompt_tokens":40,"completion_tokens":4,"prompt_tokens_details":{"cached_tokens":39}}}`, true, 39},
+		{`{"choices":[],"usage":{"prompt_tokens_details":{"audio_tokens":1,"cached_tokens":0},"prompt_tokens":40}}`, true, 0},
+		{`{"choices":[],"usage":{"prompt_tokens":40,"completion_tokens":4}}`, false, 0},
+		{`{"choices":[],"usage":{"prompt_tokens":40,"prompt_tokens_details":null}}`, false, 0},
+		{`{"choices":[],"usage":{"prompt_tokens":40,"prompt_tokens_details":{"cached_tokens":"39"}}}`, false, 0},
+		{`{"choices":[],"usage":{"prompt_tokens":40,"prompt_tokens_details":{"cached_tokens":-1}}}`, false, 0},
+		{`{"choices":[],"usage":{"prompt_tokens_details":{"cached_tokens":5,"cached_tokens":7}}}`, true, 7},
+		{`{"choices":[],"usage":{"prompt_tokens_details":{"cached_tokens":5}},"usage":{"prompt_tokens":2}}`, false, 0},
+		{`{"choices":[],"prompt_tokens_details":{"cached_tokens":5},"usage":{"prompt_tokens":2}}`, false, 0},
+		{`{"choices":[],"usage":{"prompt_tokens_details":{"c\u0061ched_tokens":12}}}`, true, 12},
+	}
+	for _, c := range cases {
+		ch := ScanChunk([]byte(c.payload))
+		if !ch.Usage || ch.Cached != c.known || ch.CachedTokens != c.cached {
+			t.Errorf("%s: usage %v cached %v %d, want %v %d", c.payload, ch.Usage, ch.Cached, ch.CachedTokens, c.known, c.cached)
+		}
+	}
+	if ch := ScanChunk([]byte(`{"choices":[],"usage":{"prompt_tokens_details":{"cached_tokens":5}`)); ch.Kind != ChunkInvalid || ch.Cached {
+		t.Errorf("truncated chunk: %+v", ch)
+	}
+	p := []byte(cases[0].payload)
+	if n := testkit.LeastAllocs(100, func() { ScanChunk(p) }); n != 0 {
+		t.Errorf("ScanChunk of a usage chunk with details: %v allocs", n)
+	}
+}

@@ -38,6 +38,8 @@ const (
 	SchemaProbe       = "narwhal.probe.v1"
 	SchemaEligibility = "narwhal.eligibility.v1"
 	SchemaChaos       = "narwhal.chaos.v1"
+	// SchemaKVRecomputed names the kv_recomputed event (R-FAIL-8).
+	SchemaKVRecomputed = "narwhal.kv_recomputed.v1"
 )
 
 // SchemaPlacement names the JSON Schema of a value in KV bucket
@@ -56,6 +58,9 @@ const (
 	KindProbe       = "probe"
 	KindEligibility = "eligibility"
 	KindChaos       = "chaos"
+	// KindKVRecomputed: a decode engine recomputed the prompt instead of
+	// loading the handed-off KV (R-FAIL-8).
+	KindKVRecomputed = "kv_recomputed"
 )
 
 // Phases of an attempt, as they appear in events and metrics.
@@ -144,6 +149,11 @@ type RequestCompleted struct {
 	// that failed before its stream ended: an unknown count is not 0.
 	PromptTokens     *int `json:"prompt_tokens,omitempty"`
 	CompletionTokens *int `json:"completion_tokens,omitempty"`
+	// KVRecomputed is true when the decode engine recomputed the prompt
+	// instead of loading the handed-off KV (R-FAIL-8; a kv_recomputed
+	// event was published): the breaker does not take the request as
+	// proof that the consumer is healthy.
+	KVRecomputed bool `json:"kv_recomputed,omitempty"`
 }
 
 // Subject returns narwhal.events.request.<router_id>.
@@ -230,6 +240,33 @@ type Handoff struct {
 
 // Subject returns narwhal.events.handoff.<engine_id>.
 func (e *Handoff) Subject() string { return "narwhal.events.handoff." + e.EngineID }
+
+// KVRecomputed reports a decode engine that recomputed the prompt instead
+// of loading the KV blocks its producer handed off (SPEC R-FAIL-8): its
+// usage.prompt_tokens_details.cached_tokens was below half of its
+// usage.prompt_tokens. On narwhal.events.kv_recomputed.<engine_id> where
+// engine_id is the decode engine (the consumer); schema
+// narwhal.kv_recomputed.v1.
+type KVRecomputed struct {
+	Envelope
+	// ProducerID is the engine that ran the prefill and handed off.
+	ProducerID string `json:"producer_id"`
+	// Connector is the KV connector of the handoff, e.g. "nixl", "sglang".
+	Connector string `json:"connector"`
+	// BackendRequestID is the attempt's backend request id.
+	BackendRequestID string `json:"backend_request_id,omitempty"`
+	// PromptTokens is the decode engine's usage.prompt_tokens.
+	PromptTokens int `json:"prompt_tokens"`
+	// CachedTokens is its usage.prompt_tokens_details.cached_tokens.
+	CachedTokens int `json:"cached_tokens"`
+	// Counts is whether the recompute also counts towards the pair's
+	// ejection streak (handoff.on_recompute: fail_pair; a failure event
+	// of kind kv_recomputed is then published too).
+	Counts bool `json:"counts"`
+}
+
+// Subject returns narwhal.events.kv_recomputed.<engine_id>.
+func (e *KVRecomputed) Subject() string { return "narwhal.events.kv_recomputed." + e.EngineID }
 
 // Probe outcomes, the values of Probe.Outcome (SPEC R-BRK-3…5).
 const (

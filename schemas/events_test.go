@@ -133,6 +133,11 @@ func samples() []sample {
 				Probability: 0.5, Count: 3, Left: 2, Expires: at.Add(time.Minute), Params: map[string]string{"code": "503", "after_tokens": "2"}},
 			&schemas.Chaos{Envelope: schemas.Envelope{Schema: schemas.SchemaChaos, ID: "Ev11", At: at, EngineID: "p1"},
 				Action: schemas.ChaosArm, Fault: "connect-refused", FaultID: "refuse-all", Phase: "any", Probability: 1, Expires: at}},
+		{schemas.KindKVRecomputed,
+			&schemas.KVRecomputed{Envelope: schemas.Envelope{Schema: schemas.SchemaKVRecomputed, ID: "Ev12", At: at, RouterID: "router-a", EngineID: "d1", RequestID: "req-1"},
+				ProducerID: "p1", Connector: "nixl", BackendRequestID: "req-1-1-abc", PromptTokens: 40, CachedTokens: 0, Counts: true},
+			&schemas.KVRecomputed{Envelope: schemas.Envelope{Schema: schemas.SchemaKVRecomputed, ID: "Ev13", At: at, RouterID: "r", EngineID: "d2"},
+				ProducerID: "p2", Connector: "sglang", PromptTokens: 17, CachedTokens: 8}},
 	}
 }
 
@@ -145,7 +150,7 @@ func TestEverySchemaFileIsAnEvent(t *testing.T) {
 		got = append(got, name)
 	}
 	want := []string{schemas.SchemaRequest, schemas.SchemaFailure, schemas.SchemaQuarantine, schemas.SchemaHandoff, schemas.SchemaProbe, schemas.SchemaEligibility, schemas.SchemaChaos, schemas.SchemaPlacement,
-		schemas.SchemaFleet, schemas.SchemaFleetEntry, schemas.SchemaRouterReport}
+		schemas.SchemaKVRecomputed, schemas.SchemaFleet, schemas.SchemaFleetEntry, schemas.SchemaRouterReport}
 	sort.Strings(got)
 	sort.Strings(want)
 	if !slices.Equal(got, want) {
@@ -247,6 +252,14 @@ func TestBrokenEventsFail(t *testing.T) {
 			{"unknown state", func(m map[string]any) { m["state"] = "probing" }},
 			{"negative streak", func(m map[string]any) { m["streak"] = -1 }},
 		},
+		schemas.SchemaKVRecomputed: {
+			{"no router_id", func(m map[string]any) { delete(m, "router_id") }},
+			{"no producer_id", func(m map[string]any) { delete(m, "producer_id") }},
+			{"negative cached tokens", func(m map[string]any) { m["cached_tokens"] = -1 }},
+			{"prompt tokens 0", func(m map[string]any) { m["prompt_tokens"] = 0 }},
+			{"fractional cached tokens", func(m map[string]any) { m["cached_tokens"] = 1.5 }},
+			{"counts missing", func(m map[string]any) { delete(m, "counts") }},
+		},
 		schemas.SchemaChaos: {
 			{"unknown action", func(m map[string]any) { m["action"] = "arm-later" }},
 			{"unknown fault", func(m map[string]any) { m["fault"] = "meteor-strike" }},
@@ -287,14 +300,15 @@ func TestBrokenEventsFail(t *testing.T) {
 // type marks them omitempty: the id that ends the event's subject
 // (R-BUS-1), and the request id of a request event (R-API-6).
 var subjectIDs = map[string][]string{
-	schemas.SchemaRequest:     {"router_id", "request_id"},
-	schemas.SchemaFailure:     {"router_id", "engine_id"},
-	schemas.SchemaQuarantine:  {"router_id", "engine_id"},
-	schemas.SchemaHandoff:     {"router_id", "engine_id"},
-	schemas.SchemaProbe:       {"breaker_id", "engine_id"},
-	schemas.SchemaEligibility: {"breaker_id", "engine_id"},
-	schemas.SchemaChaos:       {"engine_id"},
-	schemas.SchemaFleet:       {"breaker_id", "engine_id"},
+	schemas.SchemaRequest:      {"router_id", "request_id"},
+	schemas.SchemaFailure:      {"router_id", "engine_id"},
+	schemas.SchemaQuarantine:   {"router_id", "engine_id"},
+	schemas.SchemaHandoff:      {"router_id", "engine_id"},
+	schemas.SchemaProbe:        {"breaker_id", "engine_id"},
+	schemas.SchemaEligibility:  {"breaker_id", "engine_id"},
+	schemas.SchemaChaos:        {"engine_id"},
+	schemas.SchemaKVRecomputed: {"router_id", "engine_id"},
+	schemas.SchemaFleet:        {"breaker_id", "engine_id"},
 }
 
 // forbidden are the envelope fields a schema forbids (a property whose

@@ -228,6 +228,9 @@ func firstOf[T any](raw json.RawMessage) (T, bool) {
 func (x *exchange) prepareSGLang() bool {
 	s := x.s
 	if x.decodeLeg {
+		if done, ok := x.pullFault(); done {
+			return ok
+		}
 		reason, err := x.pullRooms()
 		if err != nil {
 			x.abort()

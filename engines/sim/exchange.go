@@ -569,6 +569,9 @@ func (x *exchange) prepare() bool {
 		return x.prepareSGLang()
 	}
 	if x.decodeLeg {
+		if done, ok := x.pullFault(); done {
+			return ok
+		}
 		reason, err := x.s.pullKV(x.ctx, &x.kvp, x.id, handoffDigest(x.kind, x.prompt))
 		if err != nil {
 			x.abort()
@@ -589,6 +592,27 @@ func (x *exchange) prepare() bool {
 		return false
 	}
 	return true
+}
+
+// pullFault applies a kv-recompute or kv-pull-error fault to a decode
+// leg in place of its KV pull. done reports that one applied; ok is then
+// prepare's result.
+func (x *exchange) pullFault() (done, ok bool) {
+	s := x.s
+	if f, hit := x.faults.get(fkKVPullError); hit {
+		s.count.kvPullFailures.Add(1)
+		x.fail(f.statusOr(http.StatusInternalServerError), f.messageOr("KV transfer failed: simulated pull error"))
+		return true, false
+	}
+	if _, hit := x.faults.get(fkKVRecompute); hit {
+		x.cachedTokens = 0
+		if !x.sleep(s.cfg.PrefillPerToken * time.Duration(x.promptTokens)) {
+			x.abort()
+			return true, false
+		}
+		return true, true
+	}
+	return false, false
 }
 
 // fail ends the request with a vLLM error: an HTTP error response, or for
@@ -773,7 +797,8 @@ func (x *exchange) appendTokenChunk(j, i int) {
 
 // appendUsage appends {"prompt_tokens","completion_tokens","total_tokens",
 // "prompt_tokens_details":{"cached_tokens"}} (vLLM's usage with
-// --enable-prompt-tokens-details).
+// --enable-prompt-tokens-details); a negative cached leaves
+// prompt_tokens_details out (vLLM without it).
 func appendUsage(b []byte, prompt, completion, cached int) []byte {
 	b = append(b, `{"prompt_tokens":`...)
 	b = strconv.AppendInt(b, int64(prompt), 10)
@@ -781,6 +806,9 @@ func appendUsage(b []byte, prompt, completion, cached int) []byte {
 	b = strconv.AppendInt(b, int64(completion), 10)
 	b = append(b, `,"total_tokens":`...)
 	b = strconv.AppendInt(b, int64(prompt+completion), 10)
+	if cached < 0 {
+		return append(b, '}')
+	}
 	b = append(b, `,"prompt_tokens_details":{"cached_tokens":`...)
 	b = strconv.AppendInt(b, int64(cached), 10)
 	return append(b, "}}"...)
@@ -794,13 +822,22 @@ func (x *exchange) completionTokens() int {
 	return total
 }
 
+// reportedCached is the cached_tokens the usage reports, -1 (no
+// prompt_tokens_details) when Config.NoPromptTokensDetails.
+func (x *exchange) reportedCached() int {
+	if x.s.cfg.NoPromptTokensDetails {
+		return -1
+	}
+	return x.cachedTokens
+}
+
 // appendTail appends the usage-only chunk (when asked) and [DONE].
 func (x *exchange) appendTail() {
 	if x.includeUsage {
 		x.buf = append(x.buf, "data: "...)
 		x.buf = append(x.buf, x.head...)
 		x.buf = append(x.buf, `],"usage":`...)
-		x.buf = appendUsage(x.buf, x.promptTokens, x.completionTokens(), x.cachedTokens)
+		x.buf = appendUsage(x.buf, x.promptTokens, x.completionTokens(), x.reportedCached())
 		x.buf = append(x.buf, "}\n\n"...)
 	}
 	x.buf = append(x.buf, "data: [DONE]\n\n"...)
@@ -1167,7 +1204,7 @@ func (x *exchange) buildUnary() {
 		b = append(b, `"}`...)
 	}
 	b = append(b, `],"usage":`...)
-	b = appendUsage(b, x.promptTokens, x.completionTokens(), x.cachedTokens)
+	b = appendUsage(b, x.promptTokens, x.completionTokens(), x.reportedCached())
 	b = append(b, `,"kv_transfer_params":`...)
 	b = x.appendDescriptor(b)
 	x.buf = append(b, '}')

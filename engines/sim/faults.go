@@ -75,6 +75,17 @@ const (
 	// but never serve its rooms' KV on the bootstrap server: the decode
 	// waits for it until its own KV timeout (R-DESC-7).
 	FaultRoomUnserved = "room-unserved"
+	// FaultKVRecompute makes a decode leg ignore its handoff (descriptor
+	// or bootstrap room): it pulls no KV, computes the whole prompt itself
+	// (PrefillPerToken per prompt token) and reports
+	// usage.prompt_tokens_details.cached_tokens 0 — the silent recompute
+	// the router detects (R-FAIL-8).
+	FaultKVRecompute = "kv-recompute"
+	// FaultKVPullError makes a decode leg's KV pull fail: the decode
+	// answers an error, as vLLM's kv_load_failure_policy=fail does (HTTP
+	// Status, default 500, when not streaming; a 200 stream with one error
+	// frame of code Status and [DONE] when streaming).
+	FaultKVPullError = "kv-pull-error"
 )
 
 // Fault phases (Fault.Phase). A request is a prefill leg when its
@@ -152,6 +163,8 @@ const (
 	fkHealthStatus
 	fkWrongModel
 	fkRoomUnserved
+	fkKVRecompute
+	fkKVPullError
 	numFaultKinds
 )
 
@@ -191,6 +204,10 @@ func faultKindOf(kind string) (faultKind, bool) {
 		return fkWrongModel, true
 	case FaultRoomUnserved:
 		return fkRoomUnserved, true
+	case FaultKVRecompute:
+		return fkKVRecompute, true
+	case FaultKVPullError:
+		return fkKVPullError, true
 	}
 	return 0, false
 }
@@ -283,6 +300,8 @@ func (k faultKind) appliesTo(t faultTarget, prefillLeg, stream bool) bool {
 		return stream
 	case fkRoomUnserved:
 		return prefillLeg
+	case fkKVRecompute, fkKVPullError:
+		return !prefillLeg
 	}
 	return true
 }

@@ -79,6 +79,10 @@ type Config struct {
 	// but a decode leg whose KV pull succeeded) on the tokens the prefix
 	// cache did not hold. 0 is fine.
 	PrefillPerToken time.Duration
+	// NoPromptTokensDetails leaves usage.prompt_tokens_details out, as
+	// vLLM does without --enable-prompt-tokens-details: nothing tells then
+	// whether a decode loaded its KV.
+	NoPromptTokensDetails bool
 	// BlockSize is the number of prompt tokens per KV block (default
 	// BlockSize, 16, vLLM's default --block-size): the prefix cache's
 	// unit, and ceil(prompt_tokens/BlockSize) blocks are held per handoff.
