@@ -36,6 +36,10 @@ func WatchSnapshot(ctx context.Context, kv jetstream.KeyValue, snapshot func(map
 			case inSnapshot:
 				inSnapshot = false
 				snapshot(current)
+				// The snapshot's entries (each with its value) are not
+				// needed any more: a watch that lives for days must not
+				// hold the bucket as it was at its start.
+				current = nil
 			case e != nil:
 				update(e)
 			}
