@@ -507,6 +507,7 @@ func TestValidateNamesEveryKey(t *testing.T) {
 		{func(c *Config) { c.Engine.DecodeReadTimeoutS = -0.5 }, "config: engine.decode_read_timeout_s: must be >= 0, got -0.5"},
 		{func(c *Config) { c.Engine.PrefillTimeoutS = 0 }, "config: engine.prefill_timeout_s: must be > 0, got 0"},
 		{func(c *Config) { c.Request.TimeoutS = -3 }, "config: request.timeout_s: must be > 0, got -3"},
+		{func(c *Config) { c.Handoff.OnRecompute = "eject" }, `config: handoff.on_recompute: must be count or fail_pair, got "eject"`},
 		{func(c *Config) { c.Request.MaxBodyBytes = 0 }, "config: request.max_body_bytes: must be > 0, got 0"},
 		{func(c *Config) { c.Request.MaxN = 0 }, "config: request.max_n: must be >= 1, got 0"},
 		{func(c *Config) { c.Request.MaxTokensLimit = -1 }, "config: request.max_tokens_limit: must be >= 1, got -1"},

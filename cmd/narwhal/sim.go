@@ -31,7 +31,7 @@ func init() {
 //	            [--kv-listen HOST:PORT] [--kv-host HOST] [--kv-timeout DUR]
 //	            [--engine-version V] [--engine-kind K] [--max-model-len N]
 //	            [--api-key KEY] [--tls-cert-file F --tls-key-file F]
-//	            [--connector nixl|sglang] [--bootstrap-port P]
+//	            [--connector nixl|sglang] [--bootstrap-port P] [--no-prompt-tokens-details]
 //	            [--fault JSON]… [--register [--advertise-url URL]]
 //
 // With --register it announces itself in the live fleet on the bus of
@@ -56,6 +56,7 @@ func runSim(ctx context.Context, args []string) error {
 	fs.StringVar(&cfg.EngineVersion, "engine-version", sim.DefaultEngineVersion, "version reported by GET /version")
 	fs.StringVar(&cfg.EngineKind, "engine-kind", sim.DefaultEngineKind, "engine kind reported by GET /version and /v1/models owned_by")
 	fs.IntVar(&cfg.MaxModelLen, "max-model-len", sim.DefaultMaxModelLen, "context length in tokens")
+	fs.BoolVar(&cfg.NoPromptTokensDetails, "no-prompt-tokens-details", false, "leave usage.prompt_tokens_details out, like vLLM without --enable-prompt-tokens-details")
 	fs.Func("fault", "arm a fault at start: a `JSON` fault object or array, e.g. '{\"kind\":\"silence\",\"phase\":\"decode\",\"after_tokens\":2}' (repeatable)", func(v string) error {
 		faults, err := sim.ParseFaults([]byte(v))
 		if err != nil {
