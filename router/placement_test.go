@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
@@ -161,10 +162,16 @@ func TestPrefixPlacementGuardRPLACE2(t *testing.T) {
 	// 40 − 5 = 35 > 32 and 40 > 1.5 × 5: the guard chooses by load.
 	hot.reserved[prefillPhase].Store(40)
 	other.reserved[prefillPhase].Store(5)
+	guarded := testutil.ToFloat64(g.rt.placer.guarded)
 	if p, c := g.place(t, req, nil); p != other {
 		t.Fatalf("guard: placed on %s, want the least loaded %s", p.ID, other.ID)
 	} else {
 		g.release(p, c)
+	}
+	// The load penalty alone would also avoid the hot engine here: the
+	// guard must be what decided.
+	if n := testutil.ToFloat64(g.rt.placer.guarded) - guarded; n != 1 {
+		t.Fatalf("%v placements decided by the guard, want 1", n)
 	}
 	// The engine's own queue counts as load in the score too.
 	hot.reserved[prefillPhase].Store(0)

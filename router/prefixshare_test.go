@@ -107,7 +107,8 @@ func TestSharedIndexAppliesWithin250msRPLACE2(t *testing.T) {
 
 // TestSharedIndexRefusesHostileBatchesRBUS9: malformed batches, batches
 // on another router's subject and placements on engines that are not
-// prefill engines of the fleet change nothing and are counted.
+// placeable prefill engines of the fleet (unknown, decode only, ejected)
+// change nothing and are counted.
 func TestSharedIndexRefusesHostileBatchesRBUS9(t *testing.T) {
 	s := newStack(t, prefixFleet(), nil)
 	s.waitModels()
@@ -123,15 +124,17 @@ func TestSharedIndexRefusesHostileBatchesRBUS9(t *testing.T) {
 	batch.Reset("evil")
 	batch.Add("nope", []uint64{1, 2})
 	batch.Add("d1", []uint64{3})
+	s.rt.setEligibility("p2", false, "test") // ejected: not learned either
+	batch.Add("p2", []uint64{4})
 	_ = nc.Publish(bus.PrefixSubject("evil"), batch.Bytes())
 	_ = nc.Publish(bus.PrefixSubject("other"), batch.Bytes()) // names evil
 	_ = nc.Publish(bus.PrefixSubject("evil"), []byte("NWP1 garbage"))
 	reg := s.rt.Registry()
 	testkit.WaitFor(t, 5*time.Second, "the batches to be judged", func() bool {
 		return testkit.GatheredSum(t, reg, "narwhal_prefix_batches_dropped_total", "reason", "invalid") == 2 &&
-			testkit.GatheredSum(t, reg, "narwhal_prefix_placements_ignored_total") == 2
+			testkit.GatheredSum(t, reg, "narwhal_prefix_placements_ignored_total") == 3
 	})
-	for _, id := range []string{"nope", "d1", "p1"} {
+	for _, id := range []string{"nope", "d1", "p1", "p2"} {
 		if n := s.rt.PrefixIndex().Blocks(id); n != 0 {
 			t.Fatalf("the index holds %d blocks of %s", n, id)
 		}

@@ -20,10 +20,14 @@ const (
 // order — role, name, content (strings and text parts unescaped, other
 // parts compacted), tool calls, tool call id and any other member
 // compacted. Tools come first because chat templates render them into
-// the first (system) turn. The rendering is deterministic (the same
-// request, however its JSON is spaced or its object members ordered,
-// renders the same bytes; string escapes are decoded) and is not the
-// engine's chat template: it only has to make equal prefixes equal. It
+// the first (system) turn. The rendering is deterministic: the same
+// request renders the same bytes however its JSON is spaced, its string
+// escapes written, or the request's and each message's known members
+// (role, name, content, tool_calls, tool_call_id) ordered; the members of
+// values rendered compacted (tools, tool calls, non-text parts, other
+// message members) keep the client's order, so reordering those changes
+// the rendering. It is not the engine's chat template: it only has to
+// make equal prefixes equal. It
 // does not allocate when dst has room.
 func (r *Request) AppendPrompt(dst []byte) []byte {
 	dst = append(dst, r.Model...)
