@@ -35,6 +35,9 @@ type probe struct {
 	joining bool
 	// span is the probe's span; nil when probes are not traced (trace.go).
 	span trace.Span
+	// unpaired: the engine passed its checks but had no partner in this
+	// round (its partner phase is ejected and not due, R-BRK-7).
+	unpaired bool
 }
 
 // readmitLoop runs a readmission round every recovery.readmit_interval_s
@@ -208,7 +211,7 @@ func (s *Service) pair(p *probe, eligible, checked map[string]bool) {
 		}
 	}
 	if partner == "" {
-		p.outcome = schemas.ProbeInconclusive
+		p.outcome, p.unpaired = schemas.ProbeInconclusive, true
 		if wantProducer {
 			p.message = "no eligible prefill engine to pair the decode probe with"
 		} else {
@@ -302,6 +305,13 @@ func (s *Service) conclude(ctx context.Context, p *probe, roundStart time.Time) 
 		s.log.Info("engine probe inconclusive", "engine_id", e.ID, "phase", p.phase, "producer_id", p.producer, "consumer_id", p.consumer, "msg", p.message)
 	}
 	e.nextProbe = roundStart.Add(time.Duration(max(e.backoff, 1)) * s.interval)
+	if p.unpaired {
+		// Healthy but alone: probed again next round, not after its
+		// backoff, so that engines of both phases ejected in different
+		// rounds (their backoffs out of step) meet in one round instead of
+		// taking turns forever (R-BRK-7).
+		e.nextProbe = roundStart.Add(s.interval)
+	}
 	// Published under s.mu, so that no later decision on this engine can
 	// overtake the readmission's eligibility event.
 	s.publish(&schemas.Probe{
