@@ -302,6 +302,13 @@ func TestTracingOff(t *testing.T) {
 		{[]string{"traceparent", clientTraceparent, "tracestate", clientTracestate}, clientTraceparent, clientTracestate, "client context passed through"},
 		{[]string{"traceparent", "00-" + clientTraceID + "-" + clientSpanID + "-zz"}, "", "", "malformed traceparent dropped"},
 		{[]string{"traceparent", "00-00000000000000000000000000000000-" + clientSpanID + "-01"}, "", "", "zero trace id dropped"},
+		{[]string{"traceparent", "00-" + strings.ToUpper(clientTraceID) + "-" + clientSpanID + "-01"}, "", "", "uppercase hex dropped"},
+		{[]string{"traceparent", "ff-" + clientTraceID + "-" + clientSpanID + "-01"}, "", "", "version ff dropped"},
+		{[]string{"traceparent", "00-" + clientTraceID + "-0000000000000000-01"}, "", "", "zero span id dropped"},
+		{[]string{"traceparent", clientTraceparent + "-" + strings.Repeat("x", 6000)}, "", "", "huge version 00 dropped"},
+		{[]string{"traceparent", "01-" + clientTraceID + "-" + clientSpanID + "-01-" + strings.Repeat("x", 6000)}, clientTraceparent, "", "future version written as version 00"},
+		{[]string{"traceparent", clientTraceparent, "tracestate", strings.Repeat("k=v,", 2000)}, clientTraceparent, "", "huge tracestate dropped"},
+		{[]string{"traceparent", clientTraceparent, "tracestate", "Bad Key=v"}, clientTraceparent, "", "invalid tracestate dropped"},
 	}
 	for _, tc := range cases {
 		s.sims["p1"].ResetRequests()
