@@ -368,7 +368,8 @@ func TestDashboardAndAlertMetricsExistRBUS1(t *testing.T) {
 
 // liveMetrics starts a router and a leading breaker and returns the
 // metric names their /metrics pages serve; a histogram also as
-// "<name>#histogram".
+// "<name>#histogram"; each also as "<name>#type=<counter, gauge,
+// histogram…>" and, for each label its series have, "<name>{<label>}".
 func liveMetrics(t *testing.T) map[string]bool {
 	t.Helper()
 	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1})
@@ -400,8 +401,14 @@ func liveMetrics(t *testing.T) map[string]bool {
 	reg := prometheus.NewRegistry()
 	pub := bus.NewPublisher(connect("router"), 64, reg)
 	t.Cleanup(pub.Close)
+	rb := connect("router-mesh")
 	rt, err := router.New(router.Options{Config: &cfg, Publisher: pub, Registry: reg, ShutdownGrace: time.Second})
 	if err != nil {
+		t.Fatal(err)
+	}
+	// In the mesh as `narwhal router` joins it: placement, quarantines and
+	// the shared prefix index, with their metrics.
+	if err := rt.JoinMesh(rb, 5*time.Second); err != nil {
 		t.Fatal(err)
 	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -460,7 +467,95 @@ func liveMetrics(t *testing.T) map[string]bool {
 			if mf.GetType() == dto.MetricType_HISTOGRAM {
 				served[mf.GetName()+"#histogram"] = true
 			}
+			served[mf.GetName()+"#type="+strings.ToLower(mf.GetType().String())] = true
+			labels := map[string]bool{}
+			for _, m := range mf.GetMetric() {
+				for _, l := range m.GetLabel() {
+					labels[l.GetName()] = true
+				}
+			}
+			for l := range labels {
+				served[mf.GetName()+"{"+l+"}"] = true
+			}
 		}
 	}
 	return served
+}
+
+// docRow matches a metric's row in docs/observability.md's tables:
+// | `name` | type | labels | unit | meaning |.
+var docRow = regexp.MustCompile("(?m)^\\| `(narwhal_[a-z0-9_]+)` \\| ([a-z]+) \\| ([^|]*) \\|")
+
+// seriesLater are the documented metrics whose series appear at their
+// first count rather than at start: a producer and consumer pair's
+// recompute counter (one series per pair would be prefill × decode
+// engines).
+var seriesLater = map[string]bool{"narwhal_kv_recomputed_total": true}
+
+// docMetric is a metric's row in docs/observability.md.
+type docMetric struct {
+	typ    string
+	labels map[string]bool
+}
+
+// TestEveryMetricDocumented proves docs/observability.md lists every
+// Narwhal metric a live router and breaker serve, with its type and
+// exactly the labels it has, and lists no metric they do not serve.
+func TestEveryMetricDocumented(t *testing.T) {
+	doc, err := os.ReadFile("../docs/observability.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	documentedRows := map[string]docMetric{}
+	for _, m := range docRow.FindAllStringSubmatch(string(doc), -1) {
+		name, typ, labelCol := m[1], m[2], m[3]
+		var labels []string
+		if strings.TrimSpace(labelCol) != "—" {
+			for _, l := range strings.Split(labelCol, ",") {
+				labels = append(labels, strings.Trim(strings.TrimSpace(l), "`"))
+			}
+		}
+		doc := map[string]bool{}
+		for _, l := range labels {
+			doc[l] = true
+		}
+		documentedRows[name] = docMetric{typ: typ, labels: doc}
+	}
+	if len(documentedRows) < 40 {
+		t.Fatalf("only %d metric rows found in docs/observability.md", len(documentedRows))
+	}
+	served := liveMetrics(t)
+	for key := range served {
+		name, label, hasLabel := strings.Cut(strings.TrimSuffix(key, "}"), "{")
+		if strings.Contains(name, "#") || !strings.HasPrefix(name, "narwhal_") {
+			continue
+		}
+		row, ok := documentedRows[name]
+		if !ok {
+			if !hasLabel {
+				t.Errorf("%s is served but docs/observability.md does not list it", name)
+			}
+			continue
+		}
+		if hasLabel && label != "le" && !row.labels[label] {
+			t.Errorf("%s has label %s, which docs/observability.md does not list", name, label)
+		}
+		if !hasLabel && !served[name+"#type="+row.typ] {
+			t.Errorf("%s: docs/observability.md says it is a %s", name, row.typ)
+		}
+	}
+	for name, row := range documentedRows {
+		if !served[name] && seriesLater[name] {
+			continue
+		}
+		if !served[name] {
+			t.Errorf("docs/observability.md lists %s, which no router or breaker serves", name)
+			continue
+		}
+		for l := range row.labels {
+			if !served[name+"{"+l+"}"] {
+				t.Errorf("docs/observability.md lists label %s of %s, which its series do not have", l, name)
+			}
+		}
+	}
 }
