@@ -140,6 +140,7 @@ func (c *call) decodeUntilOutput(ereq *engines.Request) *engines.Fault {
 	}
 	c.stream = stream
 	c.pending = c.pending[:0]
+	held := 0
 	for {
 		payload, kind, err := stream.Next()
 		if err != nil {
@@ -153,7 +154,10 @@ func (c *call) decodeUntilOutput(ereq *engines.Request) *engines.Fault {
 			c.result = nil // consumed
 			return nil
 		}
-		c.pending = append(c.pending, heldChunk{payload: append([]byte(nil), payload...), chunk: stream.Chunk()})
+		if f := c.hold(&held, payload, stream.Chunk()); f != nil {
+			c.closeStream()
+			return c.decodeFault(f)
+		}
 	}
 }
 

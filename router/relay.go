@@ -332,3 +332,23 @@ func (c *call) aggregate(fctx *fasthttp.RequestCtx) {
 	c.status, c.outcome = 200, "ok"
 	c.finish()
 }
+
+// maxHeldBytes bounds the metadata chunks a decode leg may send before its
+// first generated output, which are held for the client until then
+// (R-TMO-1): normally one role chunk of a few hundred bytes. An engine
+// that sends metadata without end would otherwise grow the router's
+// memory until the first-token timeout.
+const maxHeldBytes = 1 << 20
+
+// hold keeps one metadata chunk read before the first output; held is
+// the attempt's count of bytes held so far. Past maxHeldBytes it holds
+// nothing more and returns the consumer's fault (invalid_stream, 502).
+func (c *call) hold(held *int, payload []byte, chunk schemas.Chunk) *engines.Fault {
+	*held += len(payload)
+	if *held > maxHeldBytes {
+		return engines.NewFault(engines.KindInvalidStream, schemas.PhaseDecode, c.consumer.ID, 0,
+			"decode engine "+c.consumer.ID+" sent more than 1 MiB of chunks before its first generated token")
+	}
+	c.pending = append(c.pending, heldChunk{payload: append([]byte(nil), payload...), chunk: chunk})
+	return nil
+}

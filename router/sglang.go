@@ -54,6 +54,7 @@ func (c *call) concurrentAttempt(ereq *engines.Request) *engines.Fault {
 	}
 	c.stream = stream
 	c.pending = c.pending[:0]
+	held := 0
 	for {
 		payload, kind, err := stream.Next()
 		if err != nil {
@@ -69,7 +70,10 @@ func (c *call) concurrentAttempt(ereq *engines.Request) *engines.Fault {
 			c.firstByte = stream.FirstOutput().Sub(c.arrival)
 			return nil
 		}
-		c.pending = append(c.pending, heldChunk{payload: append([]byte(nil), payload...), chunk: stream.Chunk()})
+		if f := c.hold(&held, payload, stream.Chunk()); f != nil {
+			c.closeStream()
+			return c.concurrentFault(f)
+		}
 	}
 }
 
