@@ -161,15 +161,18 @@ func (s *indexShare) flush(nc *nats.Conn) {
 }
 
 // receive applies a batch delivered live on narwhal.prefix.*.
-func (s *indexShare) receive(msg *nats.Msg) { s.apply(msg.Subject, msg.Data) }
+func (s *indexShare) receive(msg *nats.Msg) { s.apply(msg.Subject, msg.Data, false) }
 
-// apply applies one batch received on subject to the index: not this
-// router's own, and only when it is a valid batch of the router its
-// subject names (R-BUS-9). Each placement is learned only for a
-// prefill-capable engine of this router's fleet that is placeable
-// (eligible, active); the others are counted as ignored.
-func (s *indexShare) apply(subject string, data []byte) {
-	if subject == s.subject {
+// apply applies one batch received on subject to the index, only when it
+// is a valid batch of the router its subject names (R-BUS-9); a batch of
+// this router's own id only when own is set (read back when the process
+// starts: a router restarted with the same id made those placements in
+// its previous life, and this index never recorded them). Each placement
+// is learned only for a prefill-capable engine of this router's fleet
+// that is placeable (eligible, active); the others are counted as
+// ignored.
+func (s *indexShare) apply(subject string, data []byte, own bool) {
+	if subject == s.subject && !own {
 		return // ours, recorded when it was made
 	}
 	routerID, placements, err := bus.ParsePrefixBatch(data)
@@ -197,12 +200,12 @@ func (s *indexShare) apply(subject string, data []byte) {
 }
 
 // warm reads back the batches stream NARWHAL_PREFIX holds from since on
-// and applies them (the other routers' placements of the recent past),
-// up to the last batch the stream held when it began, or until
-// shareWarmTimeout passes. Every wait on the server is bounded, so a bus
-// that does not answer cannot hold the router. It reports whether it
-// read the stream.
-func (s *indexShare) warm(b *bus.Bus, since time.Time) bool {
+// and applies them (the other routers' placements of the recent past,
+// and this router id's own when own is set), up to the last batch the
+// stream held when it began, or until shareWarmTimeout passes. Every
+// wait on the server is bounded, so a bus that does not answer cannot
+// hold the router. It reports whether it read the stream.
+func (s *indexShare) warm(b *bus.Bus, since time.Time, own bool) bool {
 	ctx, cancel := context.WithTimeout(s.rt.base, shareWarmTimeout)
 	defer cancel()
 	start := time.Now()
@@ -214,16 +217,16 @@ func (s *indexShare) warm(b *bus.Bus, since time.Time) bool {
 	last := st.CachedInfo().State.LastSeq
 	n := 0
 	if last > 0 {
-		n = s.readBack(ctx, b, since, last)
+		n = s.readBack(ctx, b, since, last, own)
 	}
 	s.rt.log.Info("prefix index warmed from the bus", "batches", n, "since", since.UTC().Format(time.RFC3339), "took", time.Since(start).Round(time.Millisecond))
 	return true
 }
 
 // readBack applies the stream's batches from since up to sequence last
-// with an ordered consumer of the router's own, and returns how many it
-// read.
-func (s *indexShare) readBack(ctx context.Context, b *bus.Bus, since time.Time, last uint64) int {
+// with an ordered consumer of the router's own (applying this router id's
+// batches too when own is set), and returns how many it read.
+func (s *indexShare) readBack(ctx context.Context, b *bus.Bus, since time.Time, last uint64, own bool) int {
 	cons, err := b.JetStream().OrderedConsumer(ctx, bus.PrefixStream, jetstream.OrderedConsumerConfig{
 		FilterSubjects:    []string{bus.PrefixSubjectPrefix + "*"},
 		DeliverPolicy:     jetstream.DeliverByStartTimePolicy,
@@ -250,7 +253,7 @@ func (s *indexShare) readBack(ctx context.Context, b *bus.Bus, since time.Time, 
 			if done {
 				continue
 			}
-			s.apply(msg.Subject(), msg.Data())
+			s.apply(msg.Subject(), msg.Data(), own)
 			md, err := msg.Metadata()
 			if err != nil || md.Sequence.Stream >= last {
 				done = true
@@ -276,7 +279,10 @@ func (s *indexShare) run(b *bus.Bus, sub *nats.Subscription) {
 	status := nc.StatusChanged(nats.DISCONNECTED, nats.CONNECTED)
 	defer nc.RemoveStatusListener(status)
 	s.rt.goOwned(func() { s.flushLoop(nc) })
-	warmed := b.Connected() && s.warm(b, time.Now().Add(-bus.PrefixMaxAge))
+	// The first read-back also takes this router id's own batches: they
+	// are a previous process's. Later ones (after a reconnection) skip
+	// them, as this process recorded them when it made them.
+	warmed := b.Connected() && s.warm(b, time.Now().Add(-bus.PrefixMaxAge), true)
 	var downSince time.Time
 	for {
 		select {
@@ -294,7 +300,7 @@ func (s *indexShare) run(b *bus.Bus, sub *nats.Subscription) {
 					since = time.Now().Add(-bus.PrefixMaxAge)
 				}
 				downSince = time.Time{}
-				warmed = s.warm(b, since) || warmed
+				warmed = s.warm(b, since, !warmed) || warmed
 			}
 		}
 	}

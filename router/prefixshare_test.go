@@ -163,6 +163,30 @@ func TestSharedIndexWarmsFromTheStreamRPLACE2(t *testing.T) {
 	testkit.WaitFor(t, 5*time.Second, "the late router to warm its index", func() bool { return late.rt.PrefixIndex().Blocks(engine) > 0 })
 }
 
+// TestSharedIndexWarmsFromItsOwnPastRPLACE2: a router restarted with the
+// same id (router.id defaults to the host name) reads back the placements
+// it published before the restart too, not only the other routers': the
+// stream is the new process's only record of them.
+func TestSharedIndexWarmsFromItsOwnPastRPLACE2(t *testing.T) {
+	a := newStack(t, prefixFleet(), func(c *config.Config) { c.Router.ID = "rt-a" })
+	a.waitModels()
+	m := newMeshBus(t)
+	if err := a.rt.JoinMesh(m.b, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	engine := a.prefillEngineOf(sharedPrompt("own") + "q")
+	testkit.WaitFor(t, 5*time.Second, "A's batch to be published", func() bool {
+		return testkit.GatheredSum(t, a.rt.Registry(), "narwhal_prefix_batches_published_total") >= 1
+	})
+	again := peerRouter(t, a, m, "rt-a", nil) // A after a restart
+	testkit.WaitFor(t, 5*time.Second, "the restarted router to warm its index from its own placements", func() bool {
+		return again.rt.PrefixIndex().Blocks(engine) > 0
+	})
+	if got := again.prefillEngineOf(sharedPrompt("own") + "follow-up"); got != engine {
+		t.Fatalf("follow-up after the restart went to %s, the prefix is on %s", got, engine)
+	}
+}
+
 // TestShareIndexOffRPLACE2: with placement.share_index false a router
 // neither publishes its placements nor applies the others'.
 func TestShareIndexOffRPLACE2(t *testing.T) {
