@@ -368,6 +368,20 @@ func TestDevBus(t *testing.T) {
 	if db.chaos != nil {
 		t.Error("dev without --chaos opened the fault store")
 	}
+	// Its metrics are on the registry the dev router serves.
+	mfs, err := db.reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, mf := range mfs {
+		names = append(names, mf.GetName())
+	}
+	for _, want := range []string{"narwhal_breaker_leader", "narwhal_breaker_events_total", "narwhal_breaker_probes_total"} {
+		if !slices.Contains(names, want) {
+			t.Errorf("the dev router's registry lacks the dev breaker's %s (has %v)", want, names)
+		}
+	}
 	var banner bytes.Buffer
 	writeDevBanner(&banner, "http://127.0.0.1:8080", "narwhal", db)
 	if strings.Contains(banner.String(), "chaos") || !strings.Contains(banner.String(), "\nNARWHAL_NATS_URL="+url+" narwhal events\n") {

@@ -14,6 +14,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines/connector"
@@ -118,9 +120,9 @@ func runDev(ctx context.Context, args []string) error {
 		return err
 	}
 	self := selfCommand(os.Args[0])
-	return runRouter(ctx, cfg, *listen, log, func(base string) {
+	return runRouterWith(ctx, routerRun{cfg: cfg, listen: *listen, log: log, reg: db.reg, onReady: func(base string) {
 		writeDevBanner(os.Stdout, base, self, db)
-	})
+	}})
 }
 
 // writeDevBanner writes the ready message of `narwhal dev` for the router
@@ -212,6 +214,9 @@ type devBus struct {
 	stops   []func()  // stop the chaos proxies
 	fronts  []string  // "chaos <engine> <proxy URL> -> <sim URL>"
 	page    string    // the live fleet page's URL; "" when none runs
+	// reg holds the dev breaker's metrics; the dev router serves it on
+	// its /metrics beside its own.
+	reg *prometheus.Registry
 }
 
 // startDevBus starts the bus of `narwhal dev`: an embedded NATS server with
@@ -221,7 +226,7 @@ type devBus struct {
 // — and connects to it. It sets cfg.Bus.URL so that the dev router joins
 // the same bus.
 func startDevBus(ctx context.Context, cfg *config.Config, log *slog.Logger, port int) (*devBus, error) {
-	d := &devBus{natsURL: cfg.Bus.URL}
+	d := &devBus{natsURL: cfg.Bus.URL, reg: prometheus.NewRegistry()}
 	if d.natsURL == "" {
 		if port > 0 && !portFree(port) {
 			port = -1 // taken: a free one at once, not after the server's ready timeout
@@ -294,7 +299,7 @@ func (d *devBus) startBreaker(ctx context.Context, cfg *config.Config, log *slog
 		log.Warn("dev on an external bus (bus.url): no breaker runs unless `narwhal breaker` does")
 		return nil
 	}
-	stop, err := startBreaker(context.WithoutCancel(ctx), cfg, d.b, "breaker-"+cfg.Router.ID, nil, log)
+	stop, err := startBreaker(context.WithoutCancel(ctx), cfg, d.b, "breaker-"+cfg.Router.ID, d.reg, log)
 	if err != nil {
 		return err
 	}

@@ -103,6 +103,9 @@ type routerRun struct {
 	// and the TLS certificate of its result (R-API-9). nil: no reloads.
 	hup    <-chan os.Signal
 	reload func() (*config.Config, error)
+	// reg is the registry the router's /metrics serves (the router's own
+	// series are added to it); nil: a new one.
+	reg *prometheus.Registry
 }
 
 // runRouterWith is runRouter with an admin listener and reloads on SIGHUP.
@@ -122,7 +125,10 @@ func runRouterWith(ctx context.Context, r routerRun) error {
 		return err
 	}
 	defer stopBus()
-	reg := prometheus.NewRegistry()
+	reg := r.reg
+	if reg == nil {
+		reg = prometheus.NewRegistry()
+	}
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	pub := bus.NewPublisher(b, cfg.Router.EventBuffer, reg)
 	defer pub.Close()
