@@ -324,14 +324,17 @@ var metricName = regexp.MustCompile(`\bnarwhal_[a-z0-9_]+\b`)
 
 // TestDashboardAndAlertMetricsExistRBUS1 proves that every metric the
 // dashboard and the alerts query is one a live router or breaker serves
-// on /metrics (a histogram's _bucket, _sum and _count by its name): a
-// renamed metric or label cannot leave a panel or an alert silently
-// empty. The router and the breaker run in this process on an embedded
+// on /metrics (a histogram's _bucket, _sum and _count by its name), and
+// every label a query matches, groups or joins by is one its metrics
+// have: a renamed metric or label cannot leave a panel or an alert
+// silently empty. The router and the breaker run in this process on an embedded
 // bus, over two simulated engines.
 func TestDashboardAndAlertMetricsExistRBUS1(t *testing.T) {
 	used := map[string][]string{}
+	exprs := map[string]string{} // query → where it is used
 	for _, p := range readDashboard(t).panels() {
 		for _, q := range p.Targets {
+			exprs[q.Expr] = "dashboard panel " + p.Title
 			for _, m := range metricName.FindAllString(q.Expr, -1) {
 				used[m] = append(used[m], "dashboard panel "+p.Title)
 			}
@@ -339,6 +342,7 @@ func TestDashboardAndAlertMetricsExistRBUS1(t *testing.T) {
 	}
 	for _, g := range readAlerts(t).Groups {
 		for _, r := range g.Rules {
+			exprs[r.Expr] = "alert " + r.Alert
 			for _, m := range metricName.FindAllString(r.Expr, -1) {
 				used[m] = append(used[m], "alert "+r.Alert)
 			}
@@ -364,7 +368,50 @@ func TestDashboardAndAlertMetricsExistRBUS1(t *testing.T) {
 			t.Errorf("%s (used by %s) is not served by a router or a breaker", name, strings.Join(slices.Compact(where), ", "))
 		}
 	}
+
+	// Every label a query matches on a metric is one of that metric's;
+	// every label it groups or joins by is one of a metric it queries
+	// (or Prometheus's own instance and job, or a histogram's le).
+	family := func(name string) string {
+		for _, suffix := range []string{"_bucket", "_sum", "_count"} {
+			if b, ok := strings.CutSuffix(name, suffix); ok && served[b+"#histogram"] {
+				return b
+			}
+		}
+		return name
+	}
+	for expr, where := range exprs {
+		for _, m := range selector.FindAllStringSubmatch(expr, -1) {
+			for _, l := range matcherLabel.FindAllStringSubmatch(m[2], -1) {
+				if !served[family(m[1])+"{"+l[1]+"}"] {
+					t.Errorf("%s: %s has no label %s", where, m[1], l[1])
+				}
+			}
+		}
+		for _, g := range grouping.FindAllStringSubmatch(expr, -1) {
+			for _, l := range strings.Split(g[1], ",") {
+				l = strings.TrimSpace(l)
+				ok := l == "instance" || l == "job" || l == "le" && strings.Contains(expr, "_bucket")
+				for _, m := range metricName.FindAllString(expr, -1) {
+					ok = ok || served[family(m)+"{"+l+"}"]
+				}
+				if !ok {
+					t.Errorf("%s: groups or joins by %s, a label of none of its metrics", where, l)
+				}
+			}
+		}
+	}
 }
+
+var (
+	// selector matches a metric name with its label matchers.
+	selector = regexp.MustCompile(`\b(narwhal_[a-z0-9_]+)\{([^}]*)\}`)
+	// matcherLabel matches the label of one label matcher.
+	matcherLabel = regexp.MustCompile(`([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)`)
+	// grouping matches the labels of by, without, on, ignoring,
+	// group_left and group_right.
+	grouping = regexp.MustCompile(`\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)`)
+)
 
 // liveMetrics starts a router and a leading breaker and returns the
 // metric names their /metrics pages serve; a histogram also as
