@@ -118,9 +118,15 @@ type Publisher struct {
 
 	// flightMu guards inFlight (the messages of the window being
 	// published, by the message the JetStream client hands back to its
-	// callbacks) and their outbounds' state and err.
-	flightMu sync.Mutex
-	inFlight map[*nats.Msg]*outbound
+	// callbacks), their outbounds' state and err, outstanding (how many
+	// of them have no outcome yet) and sent (the whole window was handed
+	// to the client). windowDone receives once outstanding reaches 0
+	// after sent.
+	flightMu    sync.Mutex
+	inFlight    map[*nats.Msg]*outbound
+	outstanding int
+	sent        bool
+	windowDone  chan struct{}
 }
 
 // queued is one event the publisher's goroutine holds: encoded, with
@@ -186,13 +192,14 @@ func NewPublisher(b *Bus, buffer int, reg prometheus.Registerer) *Publisher {
 		buffer = 1
 	}
 	p := &Publisher{
-		nc:       b.nc,
-		log:      b.log,
-		events:   make(chan schemas.Event, buffer),
-		capacity: int64(buffer),
-		stop:     make(chan struct{}),
-		done:     make(chan struct{}),
-		inFlight: make(map[*nats.Msg]*outbound, publishWindow),
+		nc:         b.nc,
+		log:        b.log,
+		events:     make(chan schemas.Event, buffer),
+		capacity:   int64(buffer),
+		stop:       make(chan struct{}),
+		done:       make(chan struct{}),
+		inFlight:   make(map[*nats.Msg]*outbound, publishWindow),
+		windowDone: make(chan struct{}, 1),
 		publishedTotal: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "narwhal_events_published_total",
 			Help: "Bus events acknowledged by the stream.",
@@ -228,8 +235,8 @@ func NewPublisher(b *Bus, buffer int, reg prometheus.Registerer) *Publisher {
 	p.bound = time.NewTimer(time.Hour)
 	p.bound.Stop()
 	// Outcomes arrive through the JetStream client's callbacks rather than
-	// one future per event: the publisher waits for a whole window with
-	// PublishAsyncComplete, then reads each event's outcome.
+	// one future per event: the publisher waits once for a whole window,
+	// then reads each event's outcome.
 	js, err := jetstream.New(b.nc,
 		jetstream.WithPublishAsyncMaxPending(publishWindow),
 		jetstream.WithPublishAsyncTimeout(ackTimeout),
@@ -475,10 +482,10 @@ func (p *Publisher) release(o *outbound) {
 }
 
 // outcome records the outcome of publishing m (err nil: acknowledged);
-// the JetStream client calls it, once per publish, before
-// PublishAsyncComplete's channel closes. An acknowledgement is final: an
-// error reported later for an earlier attempt of the same event does not
-// undo it. A message of no window being published is ignored.
+// the JetStream client calls it once per publish, from its own
+// goroutines. An acknowledgement is final: an error reported later for an
+// earlier attempt of the same event does not undo it. A message of no
+// window being published is ignored.
 func (p *Publisher) outcome(m *nats.Msg, err error) {
 	p.flightMu.Lock()
 	defer p.flightMu.Unlock()
@@ -486,10 +493,26 @@ func (p *Publisher) outcome(m *nats.Msg, err error) {
 	if o == nil || o.state == outAcked {
 		return
 	}
+	p.settled(o)
 	if err == nil {
 		o.state, o.err = outAcked, nil
 	} else {
 		o.state, o.err = outFailed, err
+	}
+}
+
+// settled counts o's outcome as known when it was still pending, and
+// signals windowDone when it was the window's last; flightMu held.
+func (p *Publisher) settled(o *outbound) {
+	if o.state != outPending {
+		return
+	}
+	p.outstanding--
+	if p.outstanding == 0 && p.sent {
+		select {
+		case p.windowDone <- struct{}{}:
+		default:
+		}
 	}
 }
 
@@ -508,14 +531,21 @@ func (p *Publisher) take(queue []queued) []queued {
 
 // sendWindow publishes the head of queue (up to size events, at most
 // publishWindow) asynchronously and waits once for the whole window: until
-// the JetStream client holds no publish awaiting its ack (each settles
-// within ackTimeout), then reads every event's outcome. It returns queue
+// the JetStream client has reported the outcome of every one (each
+// settles within ackTimeout), then reads them. It returns queue
 // without the acknowledged events (and those given up on), in their
 // order, how many were acknowledged, and the last publish error (nil when
 // every event was acknowledged).
 func (p *Publisher) sendWindow(queue []queued, size int) ([]queued, int, error) {
 	n := min(len(queue), size, publishWindow)
 	now := time.Now()
+	select {
+	case <-p.windowDone: // a signal left over from an abandoned window
+	default:
+	}
+	p.flightMu.Lock()
+	p.outstanding, p.sent = n, false
+	p.flightMu.Unlock()
 	for i := range n {
 		q := &queue[i]
 		if q.first.IsZero() {
@@ -531,20 +561,25 @@ func (p *Publisher) sendWindow(queue []queued, size int) ([]queued, int, error) 
 		if _, err := p.js.PublishMsgAsync(&o.msg); err != nil {
 			p.flightMu.Lock()
 			if o.state != outAcked {
+				p.settled(o)
 				o.state, o.err = outFailed, err
 			}
 			p.flightMu.Unlock()
 		}
 	}
+	p.flightMu.Lock()
+	p.sent = true
+	complete := p.outstanding <= 0
+	p.flightMu.Unlock()
 	// The bound only guards against a publish whose outcome is lost.
-	p.bound.Reset(ackTimeout + time.Second)
-	lost := false
-	select {
-	case <-p.js.PublishAsyncComplete():
-	case <-p.bound.C:
-		lost = true
+	if !complete {
+		p.bound.Reset(ackTimeout + time.Second)
+		select {
+		case <-p.windowDone:
+		case <-p.bound.C:
+		}
+		p.bound.Stop()
 	}
-	p.bound.Stop()
 	var (
 		acked   int
 		lastErr error
@@ -555,12 +590,10 @@ func (p *Publisher) sendWindow(queue []queued, size int) ([]queued, int, error) 
 		o := queue[i].out
 		delete(p.inFlight, &o.msg)
 		if o.state == outPending {
-			// Its outcome is still on its way (a reconnect settles every
-			// publish at once) or was lost: publish it again.
+			// Its outcome was lost: publish it again. The client may
+			// still hold it, so its buffer is never reused.
 			o.state, o.err = outFailed, errNoAck
-			if lost {
-				o.stale = true
-			}
+			o.stale = true
 		}
 	}
 	p.flightMu.Unlock()
