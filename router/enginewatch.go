@@ -139,7 +139,10 @@ func (w *engineWatch) pollOne(m *member, life *engineLife, wait time.Duration) {
 		restarted = restarted || life.hasPrompt && l.PromptTokens < life.prompt
 		life.prompt, life.hasPrompt = l.PromptTokens, true
 	}
-	if restarted {
+	// An engine the index holds nothing for has nothing to drop: one
+	// whose start time flaps (lying, or restarting in a loop) is not
+	// counted and logged at every read.
+	if restarted && w.rt.PrefixIndex().Blocks(m.ID) > 0 {
 		w.drop(m.ID, indexDropRestarted)
 	}
 }

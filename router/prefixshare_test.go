@@ -264,3 +264,37 @@ func TestIndexForgetsEnginesWhoseCacheIsGoneRPLACE2(t *testing.T) {
 		}
 	}
 }
+
+// TestIndexRestartFlappingRPLACE2: an engine whose start time changes at
+// every read (lying, or restarting in a loop) costs only its own entries:
+// a read that finds nothing held for it drops, counts and logs nothing.
+func TestIndexRestartFlappingRPLACE2(t *testing.T) {
+	var reads atomic.Int64
+	fake := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/metrics":
+			fmt.Fprintf(w, "process_start_time_seconds %d\n", 1700000000+reads.Add(1))
+		case "/v1/models":
+			fmt.Fprintf(w, `{"object":"list","data":[{"id":%q,"object":"model"}]}`, testModel)
+		default:
+			http.NotFound(w, r)
+		}
+	}))
+	defer fake.Close()
+	s := newStack(t, prefixFleet(), func(c *config.Config) {
+		c.Fleet = append(c.Fleet, config.EngineSpec{ID: "p9", URL: fake.URL, Role: connector.RolePrefill, Connector: "nixl"})
+		c.Placement.EngineMetricsIntervalS = 0.02
+	})
+	s.waitModels()
+	testkit.WaitFor(t, 5*time.Second, "p9 to be read a few times", func() bool { return reads.Load() >= 5 })
+	if n := testkit.GatheredSum(t, s.rt.Registry(), "narwhal_prefix_index_drops_total", "reason", "restarted"); n != 0 {
+		t.Fatalf("%v restart drops of an engine the index held nothing for", n)
+	}
+	s.rt.PrefixIndex().Record("p9", []uint64{1, 2, 3}, nil)
+	testkit.WaitFor(t, 5*time.Second, "p9's entries to be dropped", func() bool { return s.rt.PrefixIndex().Blocks("p9") == 0 })
+	seen := reads.Load()
+	testkit.WaitFor(t, 5*time.Second, "p9 to be read a few times more", func() bool { return reads.Load() >= seen+5 })
+	if n := testkit.GatheredSum(t, s.rt.Registry(), "narwhal_prefix_index_drops_total", "reason", "restarted"); n != 1 {
+		t.Fatalf("%v restart drops, want 1: only the read that found entries", n)
+	}
+}
