@@ -71,6 +71,12 @@ const otherModel = "other"
 // beyond it are counted as otherModel.
 const maxModelLabels = 512
 
+// maxModelLabelBytes bounds a model label value: an engine listing a
+// longer model id (its /v1/models may hold one id of up to a megabyte)
+// has that model counted as otherModel, so that the label cannot blow up
+// every scrape.
+const maxModelLabelBytes = 256
+
 // modelSeries are the per-request series of one model label value,
 // resolved once so that the relay's per-chunk observation is one
 // Observe, with no label lookup and no allocation.
@@ -243,13 +249,14 @@ func (m *metrics) newModelSeries(label string) *modelSeries {
 
 // series returns model's series, creating them for a model seen for the
 // first time: the caller has checked that the fleet serves model (or has
-// served it), which bounds the label's values; past maxModelLabels, or
-// for an empty model, the series of otherModel.
+// served it), which bounds the label's values; past maxModelLabels, for
+// an empty model or one longer than maxModelLabelBytes, the series of
+// otherModel.
 func (m *metrics) series(model string) *modelSeries {
 	if ms := (*m.models.Load())[model]; ms != nil {
 		return ms
 	}
-	if model == "" || model == otherModel {
+	if model == "" || model == otherModel || len(model) > maxModelLabelBytes {
 		return m.other
 	}
 	m.modelsMu.Lock()

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/narwhalmesh/narwhal/config"
@@ -112,6 +113,26 @@ func TestRequestMetricsByModelRTIME1(t *testing.T) {
 		if m := series(g["narwhal_leg_seconds"], "phase", phase, "model", testModel); m.GetHistogram().GetSampleCount() != 1 {
 			t.Errorf("narwhal_leg_seconds{phase=%s,model=%s} count %v, want 1", phase, testModel, m.GetHistogram().GetSampleCount())
 		}
+	}
+}
+
+// TestModelLabelBounded proves the model label's values stay bounded
+// whatever the engines list (R-BUS-1): a model id longer than
+// maxModelLabelBytes, and every model past the first maxModelLabels, is
+// counted as "other".
+func TestModelLabelBounded(t *testing.T) {
+	m := newMetrics(prometheus.NewRegistry(), func() *fleet { return &fleet{} }, "r", time.Minute)
+	if got := m.series(strings.Repeat("m", maxModelLabelBytes+1)); got != m.other {
+		t.Errorf("a %d-byte model has the label %.20q…, want %q", maxModelLabelBytes+1, got.label, otherModel)
+	}
+	if got := m.series(strings.Repeat("m", maxModelLabelBytes)); got.label != strings.Repeat("m", maxModelLabelBytes) {
+		t.Errorf("a %d-byte model has the label %q", maxModelLabelBytes, got.label)
+	}
+	for i := range maxModelLabels {
+		m.series("model-" + strconv.Itoa(i))
+	}
+	if got := m.series("one-too-many"); got != m.other {
+		t.Errorf("model %d has the label %q, want %q", maxModelLabels+2, got.label, otherModel)
 	}
 }
 
