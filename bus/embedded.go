@@ -111,6 +111,15 @@ func StartEmbedded(opts EmbeddedOptions) (*Embedded, error) {
 		sopts.ServerName = "narwhal"
 	}
 	sopts.Host, sopts.Port, sopts.DontListen = host, opts.Port, opts.Port == 0
+	// A listening server that sets itself up opens its client port only
+	// once the stream and buckets exist: a client dialling meanwhile (a
+	// router started first, retrying) would otherwise find the bus half
+	// set up and give up on it as never set up. A clustered server listens
+	// at once: nats-server starts its routes only after the client port.
+	listenLater := e.listens && !opts.NoSetup && opts.Cluster == ""
+	if listenLater {
+		sopts.DontListen = true
+	}
 	sopts.JetStream, sopts.StoreDir = true, dir
 	sopts.NoSigs, sopts.NoLog = true, true
 	if opts.Cluster != "" {
@@ -170,6 +179,15 @@ func StartEmbedded(opts EmbeddedOptions) (*Embedded, error) {
 			return nil, fmt.Errorf("bus: embedded server set-up: %w", err)
 		}
 		b.Close()
+	}
+	if listenLater {
+		ready := make(chan struct{})
+		go srv.AcceptLoop(ready)
+		<-ready
+		if srv.Addr() == nil {
+			e.Shutdown()
+			return nil, fmt.Errorf("bus: embedded server: cannot listen on %s", net.JoinHostPort(host, strconv.Itoa(opts.Port)))
+		}
 	}
 	return e, nil
 }
