@@ -205,7 +205,12 @@ func TestReadStreamNoAllocationPerToken(t *testing.T) {
 		})
 	}
 	small, large := allocs(10), allocs(1000)
-	if large > small || large > 0 {
+	// The 1000-token stream runs a hundred times longer, so on a loaded
+	// machine it also counts what other goroutines of the test process
+	// allocate meanwhile (1 per stream, under -race in the full suite).
+	// One allocation per token, or per hundred tokens, would still show
+	// as 10 or more; one per stream shows in the short stream's 0.
+	if small > 0 || large > small+2 {
 		t.Errorf("allocations per stream: %v for 10 tokens, %v for 1000; want 0 and no growth", small, large)
 	}
 }
