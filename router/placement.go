@@ -135,7 +135,9 @@ func (c *call) placeProducer(fl *fleet, avoid []*member) (*member, error) {
 	sc := c.placeScratch()
 	if !sc.hashed {
 		// Hashed once per request; a retry reuses the hashes.
-		sc.prompt = c.req.AppendPrompt(sc.prompt[:0])
+		// Only the hashed head is rendered: a prompt of many MiB costs no
+		// more than MaxBlocks blocks.
+		sc.prompt = c.req.AppendPromptPrefix(sc.prompt[:0], prefix.MaxBlocks*prefix.BlockBytes)
 		sc.hashes = prefix.AppendHashes(sc.hashes[:0], sc.prompt)
 		sc.hashed = true
 	}

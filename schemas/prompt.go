@@ -2,6 +2,7 @@ package schemas
 
 import (
 	"bytes"
+	"math"
 	"unicode/utf16"
 	"unicode/utf8"
 )
@@ -30,22 +31,44 @@ const (
 // make equal prefixes equal. It
 // does not allocate when dst has room.
 func (r *Request) AppendPrompt(dst []byte) []byte {
+	return r.appendPrompt(dst, math.MaxInt)
+}
+
+// AppendPromptPrefix appends to dst the first n bytes (all of them when
+// shorter) of what AppendPrompt appends, and returns the extended slice.
+// It reads the request no further than those bytes need, so a prompt of
+// many MiB costs no more than n (prefix placement hashes only a bounded
+// head of the prompt). It does not allocate when dst has room for
+// n + 16 bytes (the rendering runs a few bytes past n before the cut).
+// n <= 0 appends nothing.
+func (r *Request) AppendPromptPrefix(dst []byte, n int) []byte {
+	if n <= 0 {
+		return dst
+	}
+	limit := len(dst) + min(n, math.MaxInt-len(dst))
+	dst = r.appendPrompt(dst, limit)
+	return dst[:min(len(dst), limit)]
+}
+
+// appendPrompt is AppendPrompt stopping once dst holds limit bytes or
+// more (it may hold a few more; the caller cuts).
+func (r *Request) appendPrompt(dst []byte, limit int) []byte {
 	dst = append(dst, r.Model...)
 	dst = append(dst, promptMessage)
 	if !r.Chat() {
 		if raw, ok := r.Member("prompt"); ok {
-			dst = appendPromptValue(dst, raw)
+			dst = appendPromptValue(dst, raw, limit)
 			dst = append(dst, promptMessage)
 		}
 		return dst
 	}
 	if raw, ok := r.Member("tools"); ok && !isNull(raw) {
-		dst = appendCompact(dst, raw)
+		dst = appendCompact(dst, raw, limit)
 		dst = append(dst, promptMessage)
 	}
 	if raw, ok := r.Member("messages"); ok {
-		for it := (elements{buf: raw}); it.next(); {
-			dst = appendMessage(dst, it.value())
+		for it := (elements{buf: raw}); len(dst) < limit && it.next(); {
+			dst = appendMessage(dst, it.value(), limit)
 			dst = append(dst, promptMessage)
 		}
 	}
@@ -55,12 +78,12 @@ func (r *Request) AppendPrompt(dst []byte) []byte {
 // appendPromptValue appends a completion's prompt: a string unescaped,
 // an array element by element (strings unescaped, token ids and the
 // rest compacted), anything else compacted.
-func appendPromptValue(dst, raw []byte) []byte {
+func appendPromptValue(dst, raw []byte, limit int) []byte {
 	if len(raw) == 0 || raw[0] != '[' {
-		return appendText(dst, raw)
+		return appendText(dst, raw, limit)
 	}
-	for it := (elements{buf: raw}); it.next(); {
-		dst = appendText(dst, it.value())
+	for it := (elements{buf: raw}); len(dst) < limit && it.next(); {
+		dst = appendText(dst, it.value(), limit)
 		dst = append(dst, promptField)
 	}
 	return dst
@@ -74,9 +97,9 @@ var messageFields = [...]string{"role", "name", "content", "tool_calls", "tool_c
 // messageFields' order, then any other member as name and compacted
 // value in the client's order. A message that is not an object is
 // compacted whole.
-func appendMessage(dst, msg []byte) []byte {
+func appendMessage(dst, msg []byte, limit int) []byte {
 	if len(msg) == 0 || msg[0] != '{' {
-		return appendCompact(dst, msg)
+		return appendCompact(dst, msg, limit)
 	}
 	var known [len(messageFields)][]byte
 	others := false
@@ -91,22 +114,22 @@ func appendMessage(dst, msg []byte) []byte {
 		switch {
 		case raw == nil || isNull(raw):
 		case messageFields[i] == "content":
-			dst = appendContent(dst, raw)
+			dst = appendContent(dst, raw, limit)
 		default:
-			dst = appendText(dst, raw)
+			dst = appendText(dst, raw, limit)
 		}
 		dst = append(dst, promptField)
 	}
 	if !others {
 		return dst
 	}
-	for it := (members{buf: msg}); it.next(); {
+	for it := (members{buf: msg}); len(dst) < limit && it.next(); {
 		if messageField(it.name()) >= 0 {
 			continue
 		}
-		dst = append(dst, it.name()...)
+		dst = appendClipped(dst, it.name(), limit)
 		dst = append(dst, ':')
-		dst = appendCompact(dst, it.value())
+		dst = appendCompact(dst, it.value(), limit)
 		dst = append(dst, promptField)
 	}
 	return dst
@@ -126,16 +149,16 @@ func messageField(name []byte) int {
 // appendContent appends a message's content: a string unescaped; an
 // array of parts with each text part's text unescaped and every other
 // part compacted.
-func appendContent(dst, raw []byte) []byte {
+func appendContent(dst, raw []byte, limit int) []byte {
 	if raw[0] != '[' {
-		return appendText(dst, raw)
+		return appendText(dst, raw, limit)
 	}
-	for it := (elements{buf: raw}); it.next(); {
+	for it := (elements{buf: raw}); len(dst) < limit && it.next(); {
 		part := it.value()
 		if text, ok := textPart(part); ok {
-			dst = appendText(dst, text)
+			dst = appendText(dst, text, limit)
 		} else {
-			dst = appendCompact(dst, part)
+			dst = appendCompact(dst, part, limit)
 		}
 		dst = append(dst, promptField)
 	}
@@ -161,23 +184,37 @@ func textPart(part []byte) ([]byte, bool) {
 
 // appendText appends a JSON string's text unescaped, or any other value
 // compacted.
-func appendText(dst, raw []byte) []byte {
+func appendText(dst, raw []byte, limit int) []byte {
 	if len(raw) < 2 || raw[0] != '"' {
-		return appendCompact(dst, raw)
+		return appendCompact(dst, raw, limit)
 	}
-	return appendUnescaped(dst, raw[1:len(raw)-1])
+	return appendUnescaped(dst, raw[1:len(raw)-1], limit)
+}
+
+// appendClipped appends b, or as much of it as keeps dst within limit.
+func appendClipped(dst, b []byte, limit int) []byte {
+	if room := limit - len(dst); len(b) > room {
+		b = b[:max(room, 0)]
+	}
+	return append(dst, b...)
 }
 
 // appendUnescaped appends the text of a valid JSON string's inside s:
 // escapes decoded, \u escapes to UTF-8 (surrogate pairs joined, a lone
-// surrogate as U+FFFD).
-func appendUnescaped(dst, s []byte) []byte {
+// surrogate as U+FFFD), stopping once dst holds limit bytes.
+func appendUnescaped(dst, s []byte, limit int) []byte {
 	for {
+		if len(dst) >= limit {
+			return dst
+		}
 		i := bytes.IndexByte(s, '\\')
 		if i < 0 {
-			return append(dst, s...)
+			return appendClipped(dst, s, limit)
 		}
-		dst = append(dst, s[:i]...)
+		dst = appendClipped(dst, s[:i], limit)
+		if len(dst) >= limit {
+			return dst
+		}
 		s = s[i:]
 		if len(s) < 2 {
 			return append(dst, s...)
@@ -234,19 +271,20 @@ func hex4(s []byte) (rune, bool) {
 }
 
 // appendCompact appends the JSON value raw without the whitespace
-// between its tokens (strings kept as written, skipped at memchr speed).
-func appendCompact(dst, raw []byte) []byte {
+// between its tokens (strings kept as written, skipped at memchr speed),
+// stopping once dst holds limit bytes.
+func appendCompact(dst, raw []byte, limit int) []byte {
 	start := 0
-	for i := 0; i < len(raw); i++ {
+	for i := 0; i < len(raw) && len(dst)+i-start < limit; i++ {
 		switch c := raw[i]; {
 		case c == '"':
 			i = stringEnd(raw, i) - 1
 		case chunkIsSpace(c):
-			dst = append(dst, raw[start:i]...)
+			dst = appendClipped(dst, raw[start:i], limit)
 			start = i + 1
 		}
 	}
-	return append(dst, raw[start:]...)
+	return appendClipped(dst, raw[start:], limit)
 }
 
 // The walkers below read JSON that ParseRequest has already validated

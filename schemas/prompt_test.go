@@ -148,3 +148,43 @@ func chatBody2000() []byte {
 	sb.WriteString(`]}`)
 	return []byte(sb.String())
 }
+
+// TestAppendPromptPrefixRPLACE2: AppendPromptPrefix(n) is exactly the
+// first n bytes of AppendPrompt's rendering, whatever n cuts (an escape,
+// a compacted value, a member name, a separator), and a huge prompt is
+// rendered no further than n: into a buffer of n + 16 bytes it
+// allocates nothing.
+func TestAppendPromptPrefixRPLACE2(t *testing.T) {
+	bodies := []struct {
+		ep   string
+		body string
+	}{
+		{EndpointChat, `{"model":"m","tools":[{"type":"function", "function":{"name":"dive"}}],"messages":[{"role":"system","content":"a\nb \u00e9\ud83d\udc0b \"q\" c"},{"role":"user","name":"ana","content":[{"type":"text","text":"x\ty"},{"type":"image_url", "image_url":{"url":"u"}}],"extra": [1, 2]},{"role":"assistant","content":null,"tool_calls":[{"id":"c1"}]}]}`},
+		{EndpointCompletions, `{"model":"m","prompt":["one \n", 2, "three"]}`},
+	}
+	for _, b := range bodies {
+		r, err := ParseRequest(b.ep, []byte(b.body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		full := r.AppendPrompt(nil)
+		for n := 0; n <= len(full)+3; n++ {
+			got := r.AppendPromptPrefix([]byte("pre"), n)
+			want := append([]byte("pre"), full[:min(n, len(full))]...)
+			if !bytes.Equal(got, want) {
+				t.Fatalf("n=%d:\n got %q\nwant %q", n, got, want)
+			}
+		}
+	}
+	big := `{"model":"m","messages":[{"role":"user","content":"` + strings.Repeat("abc \\n ", 1<<20) + `"}]}`
+	r, err := ParseRequest(EndpointChat, []byte(big))
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 256 << 10
+	backing := make([]byte, 0, n+16) // the rendering may run a few bytes past n before the cut
+	var buf []byte
+	if a := testing.AllocsPerRun(5, func() { buf = r.AppendPromptPrefix(backing[:0], n) }); a != 0 || len(buf) != n {
+		t.Fatalf("%v allocations, %d bytes rendered of a %d-byte prompt; want 0 and %d", a, len(buf), len(big), n)
+	}
+}
