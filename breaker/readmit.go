@@ -46,8 +46,9 @@ func (s *Service) readmitLoop(ctx context.Context) {
 	pause.Every(ctx, s.interval, func(time.Time) { s.round(ctx) })
 }
 
-// round probes every ejected engine whose backoff has passed, all in
-// parallel, so that a whole wave of ejected engines is probed together
+// round probes every ejected engine whose backoff has passed, and every
+// engine of a phase that no eligible engine serves, all in parallel, so
+// that a whole wave of ejected engines is probed together each round
 // (R-BRK-7), in two steps: first each engine's GET /health and, with an
 // engine contract, its lifecycle validation (R-BRK-6); then an inference
 // probe through its role (R-BRK-3, R-BRK-4). A prefill or decode engine is
@@ -61,15 +62,26 @@ func (s *Service) round(ctx context.Context) {
 	s.mu.Lock()
 	var due []*probe
 	eligible := map[string]bool{}
+	var canPrefill, canDecode bool // an eligible engine serves the phase
 	for _, e := range s.fleet {
-		switch {
-		case e.entry.State == schemas.StateEligible:
-			// Only an active engine partners a probe: a draining one
-			// takes no new work (R-FLEET-3).
-			if e.fleetEntry.State == schemas.FleetActive {
-				eligible[e.ID] = true
-			}
-		case now.Add(s.interval / 2).After(e.nextProbe):
+		// Only an active engine partners a probe: a draining one takes
+		// no new work (R-FLEET-3).
+		if e.entry.State == schemas.StateEligible && e.fleetEntry.State == schemas.FleetActive {
+			eligible[e.ID] = true
+			canPrefill = canPrefill || e.Role.CanPrefill()
+			canDecode = canDecode || e.Role.CanDecode()
+		}
+	}
+	for _, e := range s.fleet {
+		if e.entry.State == schemas.StateEligible {
+			continue
+		}
+		// A phase that no eligible engine serves is a whole wave out: each
+		// of its engines is probed every round, backoff or not, so that
+		// they are probed together and the phase comes back as soon as
+		// one of them can serve it (R-BRK-7).
+		wave := (e.Role.CanPrefill() && !canPrefill) || (e.Role.CanDecode() && !canDecode)
+		if wave || now.Add(s.interval/2).After(e.nextProbe) {
 			due = append(due, &probe{e: e, phase: s.probePhase(e), joining: e.fleetEntry.State == schemas.FleetJoining})
 		}
 	}
