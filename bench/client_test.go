@@ -168,7 +168,7 @@ func TestRouterClientCancelledRunNotCounted(t *testing.T) {
 }
 
 // syntheticStream is an SSE response of n token chunks, the finish chunk,
-// the usage chunk and [DONE], shaped as ENGINE-SHAPES.md shows.
+// the usage chunk and [DONE], shaped as vLLM sends them.
 func syntheticStream(n int) []byte {
 	var b bytes.Buffer
 	b.WriteString(`data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}` + "\n\n")

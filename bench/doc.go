@@ -3,7 +3,7 @@
 // cost would) with a closed-loop or Poisson open-loop workload of chat or
 // text completions, streamed or not, and measures what a client sees:
 // requests/s, output tokens/s, TTFT (time to the first generated output,
-// SPEC §0), inter-token latency (between output chunks) and end-to-end
+// behaviour.md §0), inter-token latency (between output chunks) and end-to-end
 // latency, with errors counted by class (HTTP status, terminal SSE error
 // events of R-FAIL-5 by code, transport errors, streams truncated before
 // [DONE] of R-FAIL-2).

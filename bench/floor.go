@@ -15,7 +15,7 @@ import (
 
 // FloorTarget runs both legs of every request itself, directly against
 // the engines, with engines.Client: Prefill on a producer, then Decode on a
-// consumer with the handoff (SPEC R-LEG-1…5), producer and consumer each
+// consumer with the handoff (behaviour.md R-LEG-1…5), producer and consumer each
 // chosen round-robin. It is what a router of zero cost would do, so its
 // latencies and throughput are the floor the router is compared with.
 // Latencies are measured as RouterTarget measures them: TTFT at the first
@@ -30,7 +30,7 @@ type FloorTarget struct {
 
 // NewFloorTarget returns a floor target over the given producers (role
 // prefill or both) and consumers (decode or both). The engine client uses
-// the SPEC §11 default timeouts and engines.NewTransport, as the router's
+// the behaviour.md §11 default timeouts and engines.NewTransport, as the router's
 // does. It fails when either list is empty.
 func NewFloorTarget(prefill, decode []engines.Engine) (*FloorTarget, error) {
 	if len(prefill) == 0 || len(decode) == 0 {
@@ -45,7 +45,7 @@ func NewFloorTarget(prefill, decode []engines.Engine) (*FloorTarget, error) {
 }
 
 // defaultEngineOptions are the engine client options of config.Default:
-// the router's timeouts when nothing is configured (SPEC §11).
+// the router's timeouts when nothing is configured (behaviour.md §11).
 func defaultEngineOptions() engines.Options {
 	cfg := config.Default()
 	return engines.Options{

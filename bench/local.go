@@ -55,7 +55,7 @@ type LocalEngines struct {
 	// Prefill and Decode are the simulators as the engine client sees
 	// them (nixl connector).
 	Prefill, Decode []engines.Engine
-	// Specs is the fleet for a router configuration (SPEC §14).
+	// Specs is the fleet for a router configuration (behaviour.md §14).
 	Specs []config.EngineSpec
 }
 
@@ -130,8 +130,8 @@ func (l *LocalEngines) Close() {
 	}
 }
 
-// RouterConfigYAML returns a router configuration file (SPEC §14) for
-// fleet: the SPEC §11 defaults, the given router id, logging at "error"
+// RouterConfigYAML returns a router configuration file (behaviour.md §14) for
+// fleet: the behaviour.md §11 defaults, the given router id, logging at "error"
 // so that a benchmarked router stays quiet, and the fleet.
 func RouterConfigYAML(routerID string, fleet []config.EngineSpec) []byte {
 	var b bytes.Buffer
@@ -164,7 +164,7 @@ type RouterProcessOptions struct {
 }
 
 // RouterProcess is a router running as a child process
-// (`narwhal router --config FILE --listen 127.0.0.1:PORT`, SPEC §14), so
+// (`narwhal router --config FILE --listen 127.0.0.1:PORT`, behaviour.md §14), so
 // that its CPU time can be read apart from the bench's (ProcessCPU).
 type RouterProcess struct {
 	// URL is the router's base URL.

@@ -57,7 +57,7 @@ func stackWorkload(model string) Workload {
 	return wl
 }
 
-// A short closed-loop run through the router (SPEC R-API-1, R-LEG-5)
+// A short closed-loop run through the router (behaviour.md R-API-1, R-LEG-5)
 // ends in a report with no errors and sane numbers; the progress line is
 // written meanwhile.
 func TestClosedLoopThroughRouter(t *testing.T) {

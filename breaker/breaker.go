@@ -1,4 +1,4 @@
-// Package breaker is Narwhal's breaker service (SPEC §8): it consumes the
+// Package breaker is Narwhal's breaker service (behaviour.md §8): it consumes the
 // routers' failure and request events from JetStream with a durable
 // consumer, counts each engine's consecutive counted failures, ejects an
 // engine after recovery.eject_after of them, probes ejected engines with a
@@ -38,7 +38,7 @@ import (
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
-// Names on the bus (SPEC R-BRK-1, R-BRK-8, R-BUS-7).
+// Names on the bus (behaviour.md R-BRK-1, R-BRK-8, R-BUS-7).
 const (
 	// LeaseBucket is the KV bucket that holds the leader lease. Its TTL is
 	// the lease TTL; the admin creates it (bus.Setup, R-BUS-8) and the
@@ -113,7 +113,7 @@ type Options struct {
 	TracerProvider trace.TracerProvider
 }
 
-// Service is one breaker (SPEC §8). Create it with New and run it with Run;
+// Service is one breaker (behaviour.md §8). Create it with New and run it with Run;
 // it campaigns for the lease and, while it holds it, consumes events,
 // ejects, probes and readmits. Its methods are safe for concurrent use.
 type Service struct {

@@ -17,7 +17,7 @@ import (
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
-// Tuning of the breaker's part of the live fleet (SPEC §9a).
+// Tuning of the breaker's part of the live fleet (behaviour.md §9a).
 const (
 	// drainCheckEvery is how often the leader reads the routers' reports
 	// for the draining engines (R-FLEET-3).
@@ -30,7 +30,7 @@ const (
 // SeedFleet writes every entry to KV bucket narwhal_fleet that has no key
 // there yet — create-if-absent, so that seeding from a config file never
 // overwrites newer runtime state (an engine drained or re-added with
-// `narwhal fleet`) — and returns how many it created (SPEC R-FLEET-1).
+// `narwhal fleet`) — and returns how many it created (behaviour.md R-FLEET-1).
 // The caller is the process that seeds: `narwhal breaker` in a mesh, a
 // single-node `narwhal router`. It returns the bus's error for anything
 // but an existing key.

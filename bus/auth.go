@@ -15,7 +15,7 @@ import (
 	"github.com/nats-io/nkeys"
 )
 
-// The roles of a mesh, each with its own NATS credential (SPEC R-BUS-8).
+// The roles of a mesh, each with its own NATS credential (behaviour.md R-BUS-8).
 const (
 	// RoleRouter publishes failure, quarantine, handoff and request
 	// events and reads placement and chaos state.
@@ -151,7 +151,7 @@ func viewerDenied() []string {
 }
 
 // RolePermissions returns the NATS publish and subscribe permissions of
-// role (SPEC R-BUS-8), as they go into its user JWT; docs/mesh.md lists
+// role (behaviour.md R-BUS-8), as they go into its user JWT; docs/mesh.md lists
 // them. Every role may subscribe to _INBOX.> (replies) and read the
 // stream's info; beyond that:
 //
@@ -256,7 +256,7 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 }
 
 // WriteCredentials creates dir (and its parents) when missing and writes a
-// complete decentralised-JWT set-up for one mesh into it (SPEC R-BUS-8):
+// complete decentralised-JWT set-up for one mesh into it (behaviour.md R-BUS-8):
 // a new operator, a system account and account NARWHAL (JetStream
 // enabled), one user per role with RolePermissions — the credential files
 // router.creds, breaker.creds, chaos.creds, viewer.creds and admin.creds

@@ -1,4 +1,4 @@
-// Package bus is Narwhal's link to NATS JetStream (SPEC §9): an embedded
+// Package bus is Narwhal's link to NATS JetStream (behaviour.md §9): an embedded
 // server for single-machine use and tests, the connection with its stream
 // and placement bucket, a publisher that never blocks a request, an
 // ordered subscription for tools, and validation of events against their
@@ -27,7 +27,7 @@ import (
 	"github.com/narwhalmesh/narwhal/internal/pause"
 )
 
-// Names on the bus (SPEC R-BUS-1, R-BUS-2).
+// Names on the bus (behaviour.md R-BUS-1, R-BUS-2).
 const (
 	// StreamName is the JetStream stream that stores every event.
 	StreamName = "NARWHAL_EVENTS"
@@ -84,7 +84,7 @@ const (
 	waitLogEvery = 5 * time.Second
 )
 
-// ConnectOptions says where the bus is and who connects (SPEC R-BUS-4,
+// ConnectOptions says where the bus is and who connects (behaviour.md R-BUS-4,
 // R-BUS-8).
 type ConnectOptions struct {
 	// URL is the NATS server URL, e.g. NARWHAL_NATS_URL

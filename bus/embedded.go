@@ -22,7 +22,7 @@ import (
 const embeddedReadyTimeout = 10 * time.Second
 
 // EmbeddedOptions configures an in-process NATS server with JetStream
-// (SPEC R-BUS-4).
+// (behaviour.md R-BUS-4).
 type EmbeddedOptions struct {
 	// Dir is the JetStream store directory (NARWHAL_DATA_DIR). When empty,
 	// a new temporary directory is used and removed by Shutdown.
@@ -72,7 +72,7 @@ type Embedded struct {
 }
 
 // StartEmbedded starts a NATS server with JetStream in this process, waits
-// until it accepts clients (SPEC R-BUS-4) and, unless opts.NoSetup, creates
+// until it accepts clients (behaviour.md R-BUS-4) and, unless opts.NoSetup, creates
 // the stream and every bucket in-process with one replica (Setup; the
 // embedded server is its own admin, R-BUS-8). It returns an error when the
 // store directory cannot be created, the options are rejected (e.g. the

@@ -8,7 +8,7 @@ import (
 )
 
 // LeaseKey is the key of the breakers' leader lease in LeaseBucket; its
-// value is a Lease (SPEC R-BRK-8, R-BUS-9).
+// value is a Lease (behaviour.md R-BRK-8, R-BUS-9).
 const LeaseKey = "leader"
 
 // Lease is the value of LeaseKey: who holds the lease, since when, and in

@@ -10,7 +10,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 )
 
-// The routers' shared prefix index on the bus (SPEC R-PLACE-2): every
+// The routers' shared prefix index on the bus (behaviour.md R-PLACE-2): every
 // router publishes the block hashes it placed on each engine, and applies
 // the other routers' placements to its own index.
 const (

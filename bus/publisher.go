@@ -73,12 +73,12 @@ const (
 )
 
 // Publisher publishes events to stream NARWHAL_EVENTS from its own
-// goroutine so that Publish never blocks its caller (SPEC R-BUS-6): events
+// goroutine so that Publish never blocks its caller (behaviour.md R-BUS-6): events
 // wait in a bounded buffer and are dropped, counted per kind, only when it
 // is full. Every other event is published, in the order of Publish, and
 // published again under its own message id until the stream acknowledges
 // it — across a stream leader election, a lost quorum, a reconnect or a
-// server restart — for up to RetryHorizon (SPEC R-BUS-10). The message id
+// server restart — for up to RetryHorizon (behaviour.md R-BUS-10). The message id
 // makes the stream drop a re-published event that was stored already
 // (R-BUS-3). Safe for concurrent use.
 type Publisher struct {

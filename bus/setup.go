@@ -17,7 +17,7 @@ import (
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
-// The buckets besides narwhal_placement (SPEC R-BRK-8, R-CHAOS-1). They
+// The buckets besides narwhal_placement (behaviour.md R-BRK-8, R-CHAOS-1). They
 // are named here, with the stream and the placement bucket, because one
 // process — the admin (`narwhal bus`, `narwhal bus setup`, an embedded
 // server) — creates all of them and everyone else only binds (R-BUS-8).
@@ -28,18 +28,18 @@ const (
 	// ChaosBucket is the KV bucket of armed chaos faults, key
 	// <engine_id>.<fault_id>.
 	ChaosBucket = "narwhal_chaos"
-	// FleetBucket is the KV bucket of the live fleet (SPEC R-FLEET-1):
+	// FleetBucket is the KV bucket of the live fleet (behaviour.md R-FLEET-1):
 	// key = engine id, value = a schemas.FleetEntry as JSON
 	// (narwhal.engine.v1). Per-key TTLs are allowed, for registrations
 	// (R-FLEET-4).
 	FleetBucket = "narwhal_fleet"
 	// RoutersBucket is the KV bucket of the routers' in-flight reports
-	// (SPEC R-FLEET-3): key = router id, value = a schemas.RouterReport
+	// (behaviour.md R-FLEET-3): key = router id, value = a schemas.RouterReport
 	// (narwhal.router.v1), rewritten every second; its TTL
 	// (RouterReportTTL) removes a stopped router's key.
 	RoutersBucket = "narwhal_routers"
 	// SchemasBucket is the KV bucket of the JSON Schemas of every bus
-	// event and bucket value (SPEC R-BUS-3): key = schema name (e.g.
+	// event and bucket value (behaviour.md R-BUS-3): key = schema name (e.g.
 	// "narwhal.request.v1"), value = the schema file of schemas.SchemaFS,
 	// byte for byte. Setup writes them, so that a dashboard on the bus
 	// finds the schema a message's "schema" field names; the viewer role
@@ -79,7 +79,7 @@ const (
 )
 
 // SetupOptions are the admin's choices for the stream and the buckets
-// (SPEC R-BUS-8).
+// (behaviour.md R-BUS-8).
 type SetupOptions struct {
 	// Replicas applies to a stream or bucket that Setup creates; one that
 	// exists keeps its replicas (logged as found versus wanted). 0 means 1.
@@ -93,7 +93,7 @@ type SetupOptions struct {
 }
 
 // NotSetUpError says that a stream or bucket a process binds to does not
-// exist, and which command creates it (SPEC R-BUS-8).
+// exist, and which command creates it (behaviour.md R-BUS-8).
 type NotSetUpError struct {
 	// What is "stream" or "bucket".
 	What string
@@ -427,7 +427,7 @@ func ensureBucket(ctx context.Context, js jetstream.JetStream, want jetstream.Ke
 }
 
 // BindBucket returns KV bucket name as it exists on b, without creating or
-// changing it (SPEC R-BUS-8). It returns a *NotSetUpError when the bucket
+// changing it (behaviour.md R-BUS-8). It returns a *NotSetUpError when the bucket
 // does not exist, and the server's error (or the permission the
 // credential lacks) otherwise.
 func (b *Bus) BindBucket(ctx context.Context, name string) (jetstream.KeyValue, error) {

@@ -12,7 +12,7 @@ import (
 )
 
 // SubscribeOptions says which events SubscribeWith delivers and from where
-// in stream NARWHAL_EVENTS it starts (SPEC R-BUS-5).
+// in stream NARWHAL_EVENTS it starts (behaviour.md R-BUS-5).
 type SubscribeOptions struct {
 	// Filter is a subject filter within narwhal.events.>, e.g.
 	// "narwhal.events.failure.*" or "narwhal.events.*.d1"; "" means every
@@ -27,7 +27,7 @@ type SubscribeOptions struct {
 }
 
 // Subscribe starts an ordered, ephemeral JetStream consumer on stream
-// NARWHAL_EVENTS (SPEC R-BUS-5) and calls fn with each message's subject
+// NARWHAL_EVENTS (behaviour.md R-BUS-5) and calls fn with each message's subject
 // and JSON payload, one message at a time, in stream order. filter is a
 // subject filter within narwhal.events.> (e.g. "narwhal.events.failure.*");
 // "" means every event. With deliverAll it starts at the oldest stored
@@ -44,7 +44,7 @@ func Subscribe(ctx context.Context, b *Bus, filter string, deliverAll bool, fn f
 	return SubscribeWith(ctx, b, SubscribeOptions{Filter: filter, DeliverAll: deliverAll}, fn)
 }
 
-// SubscribeWith is Subscribe with a choice of start (SPEC R-BUS-5): the
+// SubscribeWith is Subscribe with a choice of start (behaviour.md R-BUS-5): the
 // events published after it returns (the zero SubscribeOptions), every
 // stored event (DeliverAll), or the events stored since a time (Since, e.g.
 // time.Now().Add(-10*time.Minute)). It calls fn with each message's subject

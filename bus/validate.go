@@ -24,7 +24,7 @@ var eventSchemas struct {
 }
 
 // ValidateEvent checks one bus message against the JSON Schema its
-// "schema" field names, from schemas.SchemaFS (SPEC R-BUS-3), with format
+// "schema" field names, from schemas.SchemaFS (behaviour.md R-BUS-3), with format
 // assertions on ("at" must be an RFC 3339 UTC date-time). The schemas are
 // compiled once, on first use. It returns nil for a valid event, and an
 // error when payload is not a JSON object, names no known schema, or does
@@ -94,7 +94,7 @@ func compileEventSchemas() {
 }
 
 // ValidatePlacement checks a value of KV bucket narwhal_placement against
-// schemas/narwhal.placement.v1.json (SPEC R-BUS-9): an eligibility object
+// schemas/narwhal.placement.v1.json (behaviour.md R-BUS-9): an eligibility object
 // with its writer's breaker_id and lease_term. It returns nil for a valid
 // value and an error listing what is wrong otherwise. It does not check
 // that the writer holds the lease; routers do that against the lease.
@@ -103,7 +103,7 @@ func ValidatePlacement(value []byte) error {
 }
 
 // ValidateFleetEntry checks a value of KV bucket narwhal_fleet against
-// schemas/narwhal.engine.v1.json (SPEC R-FLEET-1, R-BUS-9). It returns nil
+// schemas/narwhal.engine.v1.json (behaviour.md R-FLEET-1, R-BUS-9). It returns nil
 // for a valid value and an error listing what is wrong otherwise. It does
 // not check that engine_id is the key; readers do.
 func ValidateFleetEntry(value []byte) error {
@@ -136,7 +136,7 @@ func ParseFleetEntry(key string, value []byte) (schemas.FleetEntry, error) {
 }
 
 // ValidateRouterReport checks a value of KV bucket narwhal_routers against
-// schemas/narwhal.router.v1.json (SPEC R-FLEET-3). It returns nil for a
+// schemas/narwhal.router.v1.json (behaviour.md R-FLEET-3). It returns nil for a
 // valid value and an error listing what is wrong otherwise.
 func ValidateRouterReport(value []byte) error {
 	return validateValue(schemas.SchemaRouterReport, "router report", value)

@@ -9,7 +9,7 @@ import (
 )
 
 // descriptorField is the top-level member of a prefill response that holds
-// the handoff descriptor (ENGINE-SHAPES "Prefill response").
+// the handoff descriptor (vLLM's "Prefill response").
 const descriptorField = "kv_transfer_params"
 
 // changedShape is the descriptor change-connector-shape puts in place of

@@ -1,5 +1,5 @@
 // Package chaos injects engine faults between a router and its engines
-// (SPEC R-CHAOS-1), so that the router's timeouts, error mapping, retries
+// (behaviour.md R-CHAOS-1), so that the router's timeouts, error mapping, retries
 // and the breaker's ejection and readmission can be proven against any
 // OpenAI-compatible engine — the simulator or a real vLLM.
 //

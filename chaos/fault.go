@@ -14,7 +14,7 @@ import (
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
-// Fault names, the catalogue of SPEC R-CHAOS-1. docs/chaos.md says what a
+// Fault names, the catalogue of behaviour.md R-CHAOS-1. docs/chaos.md says what a
 // client behind a router sees for each.
 const (
 	// FaultConnectRefused closes the client connection without a response

@@ -67,7 +67,7 @@ type ProxyOptions struct {
 }
 
 // Proxy is a transparent streaming reverse proxy in front of one engine
-// that injects the faults armed for that engine (SPEC R-CHAOS-1). It is an
+// that injects the faults armed for that engine (behaviour.md R-CHAOS-1). It is an
 // http.Handler built on httputil.ReverseProxy: every chunk is flushed as it
 // arrives, and methods, paths, headers (X-Forwarded-* included) and bodies
 // pass through untouched, full duplex; the outbound Host is the target's.

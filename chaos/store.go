@@ -17,7 +17,7 @@ import (
 )
 
 // Bucket is the JetStream KV bucket of armed faults: key
-// <engine_id>.<fault_id>, value a Fault as JSON (SPEC R-CHAOS-1).
+// <engine_id>.<fault_id>, value a Fault as JSON (behaviour.md R-CHAOS-1).
 // The admin creates it (bus.Setup, R-BUS-8); OpenStore only binds.
 const Bucket = bus.ChaosBucket
 

@@ -14,7 +14,7 @@ import (
 	"github.com/goccy/go-yaml"
 )
 
-// Auth holds client authentication (SPEC R-API-9): which bearer tokens may
+// Auth holds client authentication (behaviour.md R-API-9): which bearer tokens may
 // call /v1/* and what each may do. With no keys at all the router is open.
 type Auth struct {
 	// APIKeys are the accepted client keys, each stored as the SHA-256 of
@@ -29,7 +29,7 @@ type Auth struct {
 	APIKeysFile string `yaml:"api_keys_file" env:"API_KEYS_FILE"`
 }
 
-// APIKey is one accepted client key (SPEC R-API-9).
+// APIKey is one accepted client key (behaviour.md R-API-9).
 type APIKey struct {
 	// Name identifies the caller in logs, events (the request event's key
 	// field) and metrics (the key label); never the key. 1 to 64 letters,

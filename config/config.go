@@ -1,4 +1,4 @@
-// Package config reads Narwhal's settings (SPEC §11, §14): scalar settings
+// Package config reads Narwhal's settings (behaviour.md §11, §14): scalar settings
 // from a YAML file, each overridable by an environment variable
 // NARWHAL_<SECTION>_<KEY>, plus the fleet and the optional engine contract
 // from the same file.
@@ -38,34 +38,34 @@ const (
 
 // Config is the whole configuration of one Narwhal process.
 type Config struct {
-	// Engine holds the engine-leg timeouts (SPEC §6).
+	// Engine holds the engine-leg timeouts (behaviour.md §6).
 	Engine Engine `yaml:"engine" envPrefix:"ENGINE_"`
-	// Request holds the client-request limits (SPEC R-TMO-5, R-API-4).
+	// Request holds the client-request limits (behaviour.md R-TMO-5, R-API-4).
 	Request Request `yaml:"request" envPrefix:"REQUEST_"`
-	// Handoff holds the KV handoff limits (SPEC R-OWN-2).
+	// Handoff holds the KV handoff limits (behaviour.md R-OWN-2).
 	Handoff Handoff `yaml:"handoff" envPrefix:"HANDOFF_"`
 	// Recovery holds retries, quarantine, ejection and readmission
-	// (SPEC §7, §8).
+	// (behaviour.md §7, §8).
 	Recovery Recovery `yaml:"recovery" envPrefix:"RECOVERY_"`
-	// Breaker holds the breaker service's leader lease (SPEC R-BRK-8).
+	// Breaker holds the breaker service's leader lease (behaviour.md R-BRK-8).
 	Breaker Breaker `yaml:"breaker" envPrefix:"BREAKER_"`
 	// Membership holds the live fleet's timers: registrations and drains
-	// (SPEC R-FLEET-3, R-FLEET-4).
+	// (behaviour.md R-FLEET-3, R-FLEET-4).
 	Membership Membership `yaml:"membership" envPrefix:"MEMBERSHIP_"`
-	// Placement holds the placement policy and its settings (SPEC §9b).
+	// Placement holds the placement policy and its settings (behaviour.md §9b).
 	Placement Placement `yaml:"placement" envPrefix:"PLACEMENT_"`
 	// Router holds the router process's identity and logging.
 	Router Router `yaml:"router" envPrefix:"ROUTER_"`
 	// Server holds the front door: connection deadlines, caps, admission
-	// limits (SPEC R-API-7, R-API-8, R-TMO-6) and TLS.
+	// limits (behaviour.md R-API-7, R-API-8, R-TMO-6) and TLS.
 	Server Server `yaml:"server" envPrefix:"SERVER_"`
-	// Bus says how every process reaches NATS (SPEC §9, R-BUS-4,
+	// Bus says how every process reaches NATS (behaviour.md §9, R-BUS-4,
 	// R-BUS-8). Its variables are NARWHAL_NATS_<KEY>, e.g.
 	// NARWHAL_NATS_URL.
 	Bus Bus `yaml:"bus" envPrefix:"NATS_"`
-	// Auth holds client authentication (SPEC R-API-9).
+	// Auth holds client authentication (behaviour.md R-API-9).
 	Auth Auth `yaml:"auth" envPrefix:"AUTH_"`
-	// EngineContract pins what every engine must be (SPEC R-BRK-6,
+	// EngineContract pins what every engine must be (behaviour.md R-BRK-6,
 	// R-PRE-1); nil when the file has no engine_contract (development
 	// fleets). It is not read from the environment.
 	EngineContract *Contract `yaml:"engine_contract"`
@@ -81,7 +81,7 @@ type Config struct {
 // TLS reports whether the front end serves HTTPS.
 func (s Server) TLS() bool { return s.TLSCertFile != "" }
 
-// Engine holds the timeouts of the engine legs, in seconds (SPEC §6).
+// Engine holds the timeouts of the engine legs, in seconds (behaviour.md §6).
 type Engine struct {
 	// FirstTokenTimeoutS bounds the decode leg from before its HTTP request
 	// is opened until the first generated output (R-TMO-1), and each leg of
@@ -170,7 +170,7 @@ const (
 // MaxAge returns MaxAgeS as a Duration (R-OWN-2).
 func (h Handoff) MaxAge() time.Duration { return Seconds(h.MaxAgeS) }
 
-// Recovery holds retries, quarantine, ejection and readmission (SPEC §7, §8).
+// Recovery holds retries, quarantine, ejection and readmission (behaviour.md §7, §8).
 type Recovery struct {
 	// EjectAfter is how many consecutive failures of one engine eject it
 	// (R-BRK-1). >= 1; default 3.
@@ -204,7 +204,7 @@ func (r Recovery) MaxQuarantine() time.Duration { return Seconds(r.MaxQuarantine
 // ReadmitInterval returns ReadmitIntervalS as a Duration (R-BRK-5).
 func (r Recovery) ReadmitInterval() time.Duration { return Seconds(r.ReadmitIntervalS) }
 
-// Breaker holds the breaker service's settings (SPEC §8).
+// Breaker holds the breaker service's settings (behaviour.md §8).
 type Breaker struct {
 	// LeaseTTLS is how long the active breaker's lease (key "leader" of KV
 	// bucket narwhal_breaker) lives without renewal: the leader renews it
@@ -217,7 +217,7 @@ type Breaker struct {
 func (b Breaker) LeaseTTL() time.Duration { return Seconds(b.LeaseTTLS) }
 
 // Membership holds the timers of the live fleet in KV bucket
-// narwhal_fleet (SPEC §9a).
+// narwhal_fleet (behaviour.md §9a).
 type Membership struct {
 	// RegistrationTTLS is how long an engine's registration lasts without
 	// a heartbeat; a lapsed one leaves placement like a removal
@@ -235,7 +235,7 @@ func (m Membership) RegistrationTTL() time.Duration { return Seconds(m.Registrat
 // DrainTimeout returns DrainTimeoutS as a Duration (R-FLEET-3).
 func (m Membership) DrainTimeout() time.Duration { return Seconds(m.DrainTimeoutS) }
 
-// Placement policies, the values of Placement.Policy (SPEC R-PLACE-2).
+// Placement policies, the values of Placement.Policy (behaviour.md R-PLACE-2).
 const (
 	// PolicyPrefix scores producers by the prompt's leading blocks
 	// recently sent to them against their load (the default).
@@ -257,7 +257,7 @@ var Policies = []string{PolicyPrefix, PolicyLeastLoaded, PolicyRandom}
 const MaxPrefixIndexBlocks = 1 << 24
 
 // Placement holds how the router chooses among the engines that may
-// take a leg (SPEC §9b). Eligibility, quarantine, drain and slot limits
+// take a leg (behaviour.md §9b). Eligibility, quarantine, drain and slot limits
 // decide which engines may (R-PLACE-1); the policy only orders them.
 type Placement struct {
 	// Policy is "prefix" (default), "least_loaded" or "random"
@@ -303,7 +303,7 @@ func (p Placement) EngineMetricsInterval() time.Duration { return Seconds(p.Engi
 const MinLeaseTTLS = 0.5
 
 // Server holds the front door's deadlines, caps and admission limits
-// (SPEC R-API-7, R-API-8, R-TMO-6). docs/security.md says what each one
+// (behaviour.md R-API-7, R-API-8, R-TMO-6). docs/security.md says what each one
 // defends against.
 type Server struct {
 	// StallTimeoutS is how long a client may accept no bytes of its
@@ -384,7 +384,7 @@ type Router struct {
 	LogLevel string `yaml:"log_level" env:"LOG_LEVEL"`
 }
 
-// Bus says how a process reaches NATS (SPEC §9, R-BUS-4, R-BUS-8). It is
+// Bus says how a process reaches NATS (behaviour.md §9, R-BUS-4, R-BUS-8). It is
 // read once, with the rest of the configuration, and handed to whatever
 // connects. The environment variables are NARWHAL_NATS_URL,
 // NARWHAL_NATS_CREDS, NARWHAL_NATS_TLS_CA, NARWHAL_NATS_TLS_CERT,
@@ -439,7 +439,7 @@ func (r Router) Level() slog.Level {
 // logLevels are the values Router.LogLevel may take.
 var logLevels = []string{"debug", "info", "warn", "error"}
 
-// Contract is the pinned engine contract (SPEC R-BRK-6, R-PRE-1): what every
+// Contract is the pinned engine contract (behaviour.md R-BRK-6, R-PRE-1): what every
 // engine must still be when it is readmitted or checked by preflight. An
 // empty field pins nothing.
 type Contract struct {
@@ -455,7 +455,7 @@ type Contract struct {
 	Connector string `yaml:"connector"`
 }
 
-// EngineSpec is one engine of the fleet (SPEC §0, §14).
+// EngineSpec is one engine of the fleet (behaviour.md §0, §14).
 type EngineSpec struct {
 	// ID is the fleet-unique engine_id: it ends the engine's bus subjects
 	// and is its key in the placement bucket (R-BUS-1, R-BUS-2), so it
@@ -472,7 +472,7 @@ type EngineSpec struct {
 	// BootstrapPort is the port of a prefill SGLang engine's bootstrap
 	// server (SGLang's --disaggregation-bootstrap-port, 8998 by default
 	// there), required on prefill engines of connector sglang and refused
-	// on every other engine (SPEC R-DESC-7); 0 when absent.
+	// on every other engine (behaviour.md R-DESC-7); 0 when absent.
 	BootstrapPort int `yaml:"bootstrap_port"`
 	// PrefillSlots and DecodeSlots are how many prefill / decode phases may
 	// run on the engine at once; 0 means no limit (R-OWN-3).
@@ -490,7 +490,7 @@ type EngineSpec struct {
 }
 
 // FleetEntry returns the spec as a value of KV bucket narwhal_fleet
-// (SPEC R-FLEET-1) in state active, seeded from the config (source
+// (behaviour.md R-FLEET-1) in state active, seeded from the config (source
 // "config"), written by by at now (UTC). The API key stays out: only
 // APIKeyEnv, the variable's name, goes on the bus.
 func (s EngineSpec) FleetEntry(by string, now time.Time) schemas.FleetEntry {
@@ -509,7 +509,7 @@ func (s EngineSpec) CanPrefill() bool { return s.Role.CanPrefill() }
 // CanDecode reports whether the engine's role permits the decode leg.
 func (s EngineSpec) CanDecode() bool { return s.Role.CanDecode() }
 
-// Default returns the defaults of SPEC §11: engine timeouts 30/30/60 s,
+// Default returns the defaults of behaviour.md §11: engine timeouts 30/30/60 s,
 // request timeout 600 s, a 32 MiB body limit, n up to 16 and max_tokens up
 // to 1,048,576, handoff max age 120 s,
 // eject after 3, no quarantine, no retries, retry budget 0.2, readmit
@@ -805,7 +805,7 @@ func (c *Config) Validate() error {
 }
 
 // checkConnectorPairs refuses a fleet whose producers of one connector
-// have consumers only of another (SPEC R-DESC-3, R-DESC-7): a prefill and
+// have consumers only of another (behaviour.md R-DESC-3, R-DESC-7): a prefill and
 // a decode of different connectors cannot hand KV to each other, so such
 // an engine could never serve. A fleet of one connector, or one whose
 // every connector has both phases, passes (several models may each run on
@@ -853,7 +853,7 @@ func (c *Config) EngineByID(id string) (EngineSpec, bool) {
 }
 
 // DataDirEnv names the variable of the embedded NATS server's JetStream
-// store (SPEC R-BUS-4): a router without bus.url, and `narwhal dev`, keep
+// store (behaviour.md R-BUS-4): a router without bus.url, and `narwhal dev`, keep
 // their bus there; unset means a temporary folder removed at exit.
 const DataDirEnv = "NARWHAL_DATA_DIR"
 

@@ -19,7 +19,7 @@ import (
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
-// specExample is the config file of SPEC §14, verbatim.
+// specExample is the config file of behaviour.md §14, verbatim.
 const specExample = `engine:
   first_token_timeout_s: 30
   decode_read_timeout_s: 30
@@ -64,7 +64,7 @@ func keyErrors(t *testing.T, err error) []*KeyError {
 	return out
 }
 
-// TestDefaults proves the defaults table of SPEC §11 (and R-RETRY-1: one
+// TestDefaults proves the defaults table of behaviour.md §11 (and R-RETRY-1: one
 // attempt by default, R-QUAR-1: quarantine off by default).
 func TestDefaults(t *testing.T) {
 	d := Default()
@@ -175,7 +175,7 @@ func TestDefaults(t *testing.T) {
 	}
 }
 
-// TestSpecExampleLoads proves the example config file of SPEC §14 loads
+// TestSpecExampleLoads proves the example config file of behaviour.md §14 loads
 // from a file with the values it spells out.
 func TestSpecExampleLoads(t *testing.T) {
 	for _, name := range envNames(t) {
@@ -286,7 +286,7 @@ func envNames(t *testing.T) map[string]string {
 	return out
 }
 
-// TestEnvOverridesYAMLForEveryKey proves SPEC §11: every scalar key has an
+// TestEnvOverridesYAMLForEveryKey proves behaviour.md §11: every scalar key has an
 // environment variable NARWHAL_<SECTION>_<KEY>, and the variable wins over
 // the file.
 func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
@@ -435,7 +435,7 @@ func TestParseAndLoadReadTheProcessEnvironment(t *testing.T) {
 	}
 }
 
-// TestBadEnvValueNamesVariableAndKey proves SPEC §11: invalid config fails
+// TestBadEnvValueNamesVariableAndKey proves behaviour.md §11: invalid config fails
 // with a message naming the key — here the variable too.
 func TestBadEnvValueNamesVariableAndKey(t *testing.T) {
 	cases := map[string]struct {
@@ -470,7 +470,7 @@ func TestBadEnvValueNamesVariableAndKey(t *testing.T) {
 	}
 }
 
-// TestValidateNamesEveryKey proves SPEC §11 (invalid config fails naming
+// TestValidateNamesEveryKey proves behaviour.md §11 (invalid config fails naming
 // the key) for every rule of Validate, and R-TMO-4 (decode_read_timeout_s
 // = 0 is valid) and R-QUAR-1 (failure_quarantine_s = 0 is valid).
 func TestValidateNamesEveryKey(t *testing.T) {
@@ -638,7 +638,7 @@ func TestConnectorRegistryIsTheOnlyList(t *testing.T) {
 	}
 }
 
-// TestYAMLErrorsNameTheKey proves SPEC §11 for the file: unknown keys and
+// TestYAMLErrorsNameTheKey proves behaviour.md §11 for the file: unknown keys and
 // values of the wrong type fail with a message naming the key.
 func TestYAMLErrorsNameTheKey(t *testing.T) {
 	cases := map[string]struct {

@@ -19,7 +19,7 @@ import (
 
 // Load reads the configuration: Default, then the YAML file at path (none
 // when path is ""), then the environment variables NARWHAL_<SECTION>_<KEY>,
-// then Validate (SPEC §11). A fleet entry without a connector gets
+// then Validate (behaviour.md §11). A fleet entry without a connector gets
 // connector.DefaultName. It returns an error when the file cannot be read, is not
 // valid YAML, holds an unknown key or a value of the wrong type, when an
 // environment variable does not parse, or when Validate fails; each error

@@ -7,7 +7,7 @@ import (
 	"strings"
 )
 
-// VersionSatisfies reports whether version meets constraint (SPEC R-BRK-6,
+// VersionSatisfies reports whether version meets constraint (behaviour.md R-BRK-6,
 // R-PRE-1: the engine_contract's version pin).
 //
 // constraint is one or more comma-joined clauses, all of which must hold,

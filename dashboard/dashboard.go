@@ -1,5 +1,5 @@
 // Package dashboard is the live fleet page of `narwhal dashboard` and
-// `narwhal dev`: a bus viewer (SPEC R-BUS-5; a viewer credential
+// `narwhal dev`: a bus viewer (behaviour.md R-BUS-5; a viewer credential
 // suffices, R-BUS-8) that follows the event stream and the placement,
 // fleet, routers and chaos buckets, and serves one page — HTML, CSS and
 // JavaScript embedded in the binary, no build step, nothing fetched from

@@ -31,7 +31,7 @@ import (
 )
 
 // The front door's authentication and TLS through the real binaries
-// (SPEC R-API-9, issue 10 items 4–6): `narwhal router` and two `narwhal
+// (behaviour.md R-API-9, issue 10 items 4–6): `narwhal router` and two `narwhal
 // sim` engines, each its own process, with the official OpenAI Go SDK as
 // the client and the test process's own embedded NATS as the bus.
 

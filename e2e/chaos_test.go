@@ -23,12 +23,12 @@ import (
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
-// The chaos end-to-end tests (SPEC R-CHAOS-2): real processes — `narwhal
+// The chaos end-to-end tests (behaviour.md R-CHAOS-2): real processes — `narwhal
 // bus`, two routers, one breaker, a `narwhal chaos proxy` in front of each
 // of the four simulators — with faults armed over NATS by `narwhal chaos
 // arm` / `narwhal chaos run`. Each fault of the catalogue is checked for
-// what the client sees (SPEC §5, §6, docs/failures.md), the events on the
-// bus, and the breaker's decisions (SPEC §8); a storm of mixed faults
+// what the client sees (behaviour.md §5, §6, docs/failures.md), the events on the
+// bus, and the breaker's decisions (behaviour.md §8); a storm of mixed faults
 // checks that no request hangs, is cut without an error or repeats a token.
 
 // Settings of the chaos clusters.
@@ -65,7 +65,7 @@ const (
 )
 
 // chaosEnv are the environment overrides of the catalogue's routers and
-// breaker (SPEC §11).
+// breaker (behaviour.md §11).
 var chaosEnv = []string{
 	"NARWHAL_RECOVERY_EJECT_AFTER=" + strconv.Itoa(chaosEjectAfter),
 	"NARWHAL_ENGINE_FIRST_TOKEN_TIMEOUT_S=" + seconds(chaosTimeout),
@@ -376,7 +376,7 @@ func (c *cluster) breakerCaughtUp(t *testing.T) {
 // ---- the catalogue
 
 // chaosCase is one fault of the catalogue (R-CHAOS-1) armed on one engine
-// for one phase, and what SPEC §5–§8 and docs/failures.md say follows when
+// for one phase, and what behaviour.md §5–§8 and docs/failures.md say follows when
 // it strikes a request.
 type chaosCase struct {
 	name   string   // the subtest, and the fault's --id

@@ -25,7 +25,7 @@ import (
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
-// The cluster of the mesh tests (SPEC §8, §9): `narwhal bus`, three
+// The cluster of the mesh tests (behaviour.md §8, §9): `narwhal bus`, three
 // `narwhal router` processes r1, r2, r3, two `narwhal breaker` processes and
 // four `narwhal sim` engines p1, p2 (prefill) and d1, d2 (decode), every one
 // its own process, all reading the same YAML file. clusterOptions may ask
@@ -34,7 +34,7 @@ import (
 // the bus too, to read the events, the placement bucket and the lease.
 
 // Settings of the cluster's routers and breakers, given as environment
-// overrides of the YAML file (SPEC §11).
+// overrides of the YAML file (behaviour.md §11).
 const (
 	// readmitInterval is recovery.readmit_interval_s.
 	readmitInterval = 300 * time.Millisecond
@@ -754,7 +754,7 @@ func (c *cluster) streamInfo(t *testing.T, name string) *jetstream.StreamInfo {
 
 // ---- events
 
-// event is the fields of every event schema the tests read (SPEC §9), with
+// event is the fields of every event schema the tests read (behaviour.md §9), with
 // its position in the stream's delivery order.
 type event struct {
 	seq     int

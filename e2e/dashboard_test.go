@@ -60,7 +60,7 @@ type pageRow struct {
 }
 
 // TestDashboardInBrowser runs `narwhal dev --chaos` and drives its fleet
-// page in a real headless browser (the observability page over SPEC
+// page in a real headless browser (the observability page over behaviour.md
 // R-BUS-5): the page lists every engine with its role as eligible; a
 // fault armed with `narwhal chaos arm` (three HTTP 503s on decode-1)
 // shows in the chaos table; the requests it strikes eject decode-1

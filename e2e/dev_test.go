@@ -21,7 +21,7 @@ const devModel = "narwhal-sim"
 var curlLine = regexp.MustCompile(`(?m)^curl -N (\S+) -H '([^']*)' -d '([^']*)'$`)
 
 // TestDevStackCurl runs `narwhal dev` as a process, reads the curl command
-// it prints (SPEC §14), sends the same request with net/http and checks
+// it prints (behaviour.md §14), sends the same request with net/http and checks
 // that it streams the simulator's tokens for that prompt and ends with
 // data: [DONE] (R-API-1, R-FAIL-2). SIGINT then stops the whole stack with
 // exit status 0.

@@ -73,7 +73,7 @@ func ServedModels(ctx context.Context, httpc *http.Client, e *Engine) ([]ServedM
 }
 
 // CheckLifecycle runs an engine's own checks as readmission and preflight
-// do (SPEC R-BRK-6, R-PRE-1): CheckHealth bounded by timeout, then, within
+// do (behaviour.md R-BRK-6, R-PRE-1): CheckHealth bounded by timeout, then, within
 // a second window of timeout, ServedModels when contract pins no model and
 // CheckContract when there is a contract. It returns the model e's
 // probes use — contract.Model, else the first model e serves — and nil, or
@@ -118,7 +118,7 @@ type EngineVersion struct {
 }
 
 // ContractError is one way an engine breaks the pinned engine contract
-// (SPEC R-BRK-6, R-PRE-1).
+// (behaviour.md R-BRK-6, R-PRE-1).
 type ContractError struct {
 	// EngineID is the engine checked.
 	EngineID string
@@ -135,7 +135,7 @@ func (e *ContractError) Error() string {
 	return "engine " + e.EngineID + " breaks engine_contract." + e.Field + ": want " + e.Want + ", got " + e.Got
 }
 
-// CheckContract validates e against contract (SPEC R-BRK-6, R-PRE-1): the
+// CheckContract validates e against contract (behaviour.md R-BRK-6, R-PRE-1): the
 // contract's model is listed by GET /v1/models; the engine kind (GET
 // /version "engine", else the model's owned_by) equals the contract's,
 // ignoring case; the version from GET /version satisfies the contract's

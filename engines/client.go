@@ -1,8 +1,9 @@
 // Package engines is Narwhal's engine client: it runs the prefill and
 // decode legs of an attempt against OpenAI-compatible engines (vLLM,
-// SGLang, the simulator) over net/http, reads decode streams under the
+// SGLang, the simulator) on its own bounded keep-alive connections per
+// engine (fasthttp's header and body codecs), reads decode streams under the
 // first-token and between-token timers, and classifies every failure as a
-// typed *Fault (SPEC §2, §3, §5, §6, §12).
+// typed *Fault (behaviour.md §2, §3, §5, §6, §12).
 //
 // Client.Prefill returns a *connector.PrefillResult; passing it unchanged
 // to Client.Decode runs the decode leg.
@@ -59,7 +60,7 @@ func NewEngine(id, baseURL string, role connector.Role, connectorName string) (E
 }
 
 // Request is one attempt's view of a client request: what to send and
-// where (SPEC §0 "attempt").
+// where (behaviour.md §0 "attempt").
 type Request struct {
 	// Body is the parsed client request (kv_transfer_params removed).
 	Body *schemas.Request
@@ -106,7 +107,7 @@ var (
 // Options configures a Client. Every duration is used as given: a zero
 // (or negative) duration means no bound of that kind, as in net/http, so
 // that validated config values pass through unchanged — the defaults are
-// config.Default's (SPEC §11), not the client's.
+// config.Default's (behaviour.md §11), not the client's.
 type Options struct {
 	// PrefillTimeout bounds the whole prefill leg (engine.prefill_timeout_s);
 	// zero means only ctx bounds it.
@@ -238,7 +239,7 @@ func withTimeoutCause(ctx context.Context, d time.Duration, cause error) (contex
 // HTTPClient returns the client's *http.Client (for probes and releases).
 func (c *Client) HTTPClient() *http.Client { return c.http }
 
-// Prefill runs the prefill leg of req on req.Producer (SPEC R-LEG-1,
+// Prefill runs the prefill leg of req on req.Producer (behaviour.md R-LEG-1,
 // R-LEG-1a, R-LEG-4), bounded by the prefill timeout and ctx, and captures
 // the handoff descriptor into a PrefillResult (R-LEG-2). For a crossed
 // attempt the descriptor is validated against R-DESC-0…2 and the
@@ -366,7 +367,7 @@ func rejectFault(producerID string, err *connector.RejectError) *Fault {
 }
 
 // Decode runs the decode leg of req on req.Consumer with result's
-// descriptor (SPEC R-LEG-3, R-LEG-4, R-LEG-5): it first applies
+// descriptor (behaviour.md R-LEG-3, R-LEG-4, R-LEG-5): it first applies
 // CheckHandoff, then opens the stream with the first-token budget already
 // running (R-TMO-1) and returns it once response headers arrived with a
 // 2xx status. Read it with Stream.Next and always Close it. Errors are

@@ -34,7 +34,7 @@ func parse(t *testing.T, endpoint, body string) *schemas.Request {
 func TestPrefillThenDecodeOverTheSimulator(t *testing.T) {
 	// R-LEG-2: the result binds the descriptor to producer, URL, endpoint,
 	// backend request id, connector and the leg's start; Decode consumes
-	// it unchanged (SPEC §12).
+	// it unchanged (behaviour.md §12).
 	psrv, p := startSim(t, "p1", "prefill")
 	dsrv, d := startSim(t, "d1", "decode")
 	c := NewClient(Options{})

@@ -16,7 +16,7 @@ import (
 // docs/failures.md.
 type FaultKind string
 
-// The fault kinds (SPEC §5, §6, R-FAIL-6, R-DESC-6, R-OWN-2).
+// The fault kinds (behaviour.md §5, §6, R-FAIL-6, R-DESC-6, R-OWN-2).
 const (
 	// KindConnectError: the engine could not be reached, or the connection
 	// failed before any response header arrived. 502, transient, counts.
@@ -89,7 +89,7 @@ const (
 	KindShutdown FaultKind = "router_shutdown"
 )
 
-// Exact client messages from SPEC.md.
+// Exact client messages from docs/behaviour.md.
 const (
 	MsgFirstTokenTimeout = "engine first token timeout"
 	MsgSilence           = "engine went silent between tokens"
@@ -120,8 +120,8 @@ type Fault struct {
 	UpstreamStatus int
 	// Timeout is whether the fault is timeout-shaped (504).
 	Timeout bool
-	// Message is the client-facing message; it starts with SPEC's exact
-	// detail string where SPEC gives one.
+	// Message is the client-facing message; it starts with docs/behaviour.md's exact
+	// detail string where docs/behaviour.md gives one.
 	Message string
 	// Type is the error type shown to the client (the engine's own for
 	// error objects and passed-through errors).
@@ -237,7 +237,7 @@ func (f *Fault) EngineFault() bool {
 	return true
 }
 
-// Transient reports whether a fresh attempt may help (SPEC R-RETRY-2):
+// Transient reports whether a fresh attempt may help (behaviour.md R-RETRY-2):
 // connect errors, timeouts, 5xx, closed streams, [DONE] before a token,
 // rejected descriptors and expired handoffs.
 func (f *Fault) Transient() bool {
@@ -253,7 +253,7 @@ func (f *Fault) Transient() bool {
 }
 
 // CountsTowardEjection reports whether the breaker counts the fault in the
-// engine's failure streak (SPEC R-BRK-2): every engine fault except
+// engine's failure streak (behaviour.md R-BRK-2): every engine fault except
 // client faults, overload, client disconnects, the request's own deadline,
 // an expired handoff (which measures the router's wait, not the engine)
 // and refused credentials (a configuration fault). An error object counts
@@ -274,7 +274,7 @@ func (f *Fault) CountsTowardEjection() bool {
 
 // AppendJSON appends the client error body for f: the engine's own body for
 // passed-through client faults and 429s when it is valid JSON, otherwise
-// {"error":{"message","type","param":null,"code"}} (SPEC R-API-3).
+// {"error":{"message","type","param":null,"code"}} (behaviour.md R-API-3).
 func (f *Fault) AppendJSON(dst []byte) []byte {
 	if (f.Kind == KindClientFault || f.Kind == KindOverload) && len(f.Body) > 0 {
 		if _, ok := schemas.ParseError(f.Body); ok {

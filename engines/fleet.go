@@ -9,7 +9,7 @@ import (
 )
 
 // FromFleetEntry returns the Engine a live-fleet entry (a value of KV
-// bucket narwhal_fleet, SPEC R-FLEET-1) describes, with its credential
+// bucket narwhal_fleet, behaviour.md R-FLEET-1) describes, with its credential
 // read from the environment variable the entry names (none when it names
 // none or the variable is empty: the engine then refuses, and the router
 // says so). It returns an error for an unknown connector or role, or

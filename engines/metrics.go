@@ -21,7 +21,7 @@ const MaxMetricsBytes = 8 << 20
 const maxMetricsLine = 1 << 20
 
 // Load is what an engine's Prometheus /metrics says about its queue and
-// its life, for placement (SPEC R-PLACE-2): the queue is a load signal,
+// its life, for placement (behaviour.md R-PLACE-2): the queue is a load signal,
 // and a new start time (or a counter that went back) says the engine
 // restarted and lost its prefix cache. Each Has… field says whether the
 // metric was there.

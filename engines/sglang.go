@@ -19,7 +19,7 @@ import (
 )
 
 // This file is the attempt of a connector whose two legs run at once
-// (connector.Concurrent: SGLang's bootstrap protocol, SPEC R-DESC-7): one
+// (connector.Concurrent: SGLang's bootstrap protocol, behaviour.md R-DESC-7): one
 // body with the attempt's bootstrap fields, sent to the producer and the
 // consumer together; the consumer's stream is the client's; the
 // producer's answer is watched so that its failure ends the attempt at

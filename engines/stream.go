@@ -12,7 +12,7 @@ import (
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
-// Stream is an open decode stream (SPEC §5, §6). It enforces both timers:
+// Stream is an open decode stream (behaviour.md §5, §6). It enforces both timers:
 // the first-token budget, running since before the decode request was
 // opened and spent by connect, headers and metadata chunks alike (R-TMO-1),
 // and after the first generated output the between-chunk bound, reset by

@@ -148,7 +148,7 @@ func TestValidStream(t *testing.T) {
 }
 
 func TestImmediateStopIsOutput(t *testing.T) {
-	// SPEC §0: an immediate finish_reason is output (an empty completion), not R-FAIL-3.
+	// behaviour.md §0: an immediate finish_reason is output (an empty completion), not R-FAIL-3.
 	srv := scripted(t, 0, 200, step{send: data(roleChunk)}, step{send: data(stopChunk)}, step{send: data("[DONE]")})
 	if r := runStream(context.Background(), testClient(time.Second, time.Second), srv.URL); r.err != nil || r.outputs != 1 {
 		t.Fatalf("%+v: %v", r, r.err)

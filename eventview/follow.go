@@ -12,7 +12,7 @@ import (
 // Follow follows stream NARWHAL_EVENTS on b from start (its Filter is
 // replaced by sel's) and writes each selected event to w as one line
 // (Printer; with asJSON the JSON exactly as published), one event at a
-// time and in stream order (SPEC R-BUS-5). Once the consumer exists it
+// time and in stream order (behaviour.md R-BUS-5). Once the consumer exists it
 // calls ready, when set, with the subject filter in use.
 //
 // It runs until ctx ends and then returns nil. It returns an error when

@@ -1,7 +1,7 @@
 // Package eventview turns the bus's events into what a person reads: the
 // selection of `narwhal events` (which kinds and engines, from when), one
 // line per event (readable, or the JSON exactly as published), and the
-// loop that follows stream NARWHAL_EVENTS and prints (SPEC R-BUS-5).
+// loop that follows stream NARWHAL_EVENTS and prints (behaviour.md R-BUS-5).
 //
 // It imports bus and schemas only; cmd/narwhal parses the flags and wires
 // it to stdout.
@@ -17,7 +17,7 @@ import (
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
-// Kinds are the event kinds a Selection accepts, in the order of SPEC
+// Kinds are the event kinds a Selection accepts, in the order of behaviour.md
 // R-BUS-1, then chaos.
 var Kinds = []string{
 	schemas.KindFailure, schemas.KindQuarantine, schemas.KindHandoff,

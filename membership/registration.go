@@ -1,6 +1,6 @@
 // Package membership keeps an engine in the live fleet by its own
 // announcement: a registration in KV bucket narwhal_fleet that carries a
-// TTL and lasts only while a heartbeat renews it (SPEC R-FLEET-4). `narwhal
+// TTL and lasts only while a heartbeat renews it (behaviour.md R-FLEET-4). `narwhal
 // sim --register` and `narwhal agent` use it; docs/fleet.md describes it.
 package membership
 
@@ -42,7 +42,7 @@ type Spec struct {
 var ErrTaken = errors.New("the engine id is in the fleet already, not as a registration")
 
 // Registration is one engine's registration in KV bucket narwhal_fleet
-// (SPEC R-FLEET-4): its key carries a TTL of TTL, and Run renews it every
+// (behaviour.md R-FLEET-4): its key carries a TTL of TTL, and Run renews it every
 // TTL/3 (a heartbeat), keeping the state the breaker or an operator gave
 // it; a process that stops heartbeating — killed, partitioned — leaves
 // the fleet when the TTL lapses (the bucket removes the key and every
@@ -256,7 +256,7 @@ func (r *Registration) wake() <-chan struct{} {
 	return r.draining
 }
 
-// Drain asks for the engine to be drained (SPEC R-FLEET-3): it writes
+// Drain asks for the engine to be drained (behaviour.md R-FLEET-3): it writes
 // state draining at once (Run keeps it so) and waits until no router has
 // a leg in flight on the engine — the breaker marked it drained, or every
 // router's in-flight report (bucket narwhal_routers) lists it with zero —

@@ -1,4 +1,4 @@
-// Package prefix is prefix-aware placement (SPEC R-PLACE-2): a prompt
+// Package prefix is prefix-aware placement (behaviour.md R-PLACE-2): a prompt
 // turned into chained hashes of fixed-size blocks (AppendHashes), a
 // bounded per-engine index of the blocks recently sent to each engine
 // (Index), and the scorer that weighs the leading blocks an engine

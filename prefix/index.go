@@ -21,7 +21,7 @@ const MaxBlocksPerEngine = 1 << 24
 const MaxEngines = 1024
 
 // Index is, per engine, a bounded LRU set of the block hashes recently
-// placed there (SPEC R-PLACE-2): this router's own placements (Record)
+// placed there (behaviour.md R-PLACE-2): this router's own placements (Record)
 // and the other routers' (Learn). It is safe for concurrent use. Match,
 // the placement path's call, takes no lock of the index as a whole: the
 // engines' table is read through an atomic pointer (copied on the rare

@@ -3,7 +3,7 @@ package prefix
 import "math/rand/v2"
 
 // Candidate is one engine placement may choose (eligibility, quarantine,
-// drain and slot limits already applied by the caller: SPEC R-PLACE-1 —
+// drain and slot limits already applied by the caller: behaviour.md R-PLACE-1 —
 // the scorer only orders what it is given).
 type Candidate struct {
 	// Matched is the leading blocks of the prompt the index holds for the
@@ -29,7 +29,7 @@ func (c *Candidate) load() int64 {
 	return min(max(c.Outstanding, 0), maxLoad) + min(max(c.Waiting, 0), maxLoad)
 }
 
-// Balance is the imbalance guard's setting (SPEC R-PLACE-2).
+// Balance is the imbalance guard's setting (behaviour.md R-PLACE-2).
 type Balance struct {
 	// Abs is placement.balance_abs_threshold: the guard needs max − min
 	// outstanding above it. It is also the score's exchange rate: Abs

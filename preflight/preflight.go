@@ -1,4 +1,4 @@
-// Package preflight checks a fleet before it serves (SPEC R-PRE-1): every
+// Package preflight checks a fleet before it serves (behaviour.md R-PRE-1): every
 // engine against its health endpoint and the pinned engine_contract (or,
 // without one, its model list), then every role-permitted KV transfer with
 // a real one-token prefill and a real decode. It needs no bus. Run returns

@@ -69,7 +69,7 @@ func (a *avoidSet) blame(f *fleet, fault *engines.Fault) {
 	a[p] = append(a[p], m)
 }
 
-// attempt runs one prefill and the start of one decode (SPEC §0 attempt):
+// attempt runs one prefill and the start of one decode (behaviour.md §0 attempt):
 // it places both phases, runs the prefill leg, and reads the decode stream
 // up to its first generated output. Every fault it returns is already
 // recorded, and the attempt's reservations and stream are released.

@@ -18,7 +18,7 @@ import (
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
-// Client authentication (SPEC R-API-9). The router keeps the SHA-256 of
+// Client authentication (behaviour.md R-API-9). The router keeps the SHA-256 of
 // every accepted key, never a key. A request's bearer token is hashed and
 // the digest looked up in a map, then compared again with
 // subtle.ConstantTimeCompare. The lookup's timing depends only on the
@@ -157,7 +157,7 @@ func (a *auth) set(keys []config.APIKey) (removed []string) {
 	return removed
 }
 
-// SetAPIKeys replaces the accepted client keys (SPEC R-API-9), e.g. after
+// SetAPIKeys replaces the accepted client keys (behaviour.md R-API-9), e.g. after
 // SIGHUP re-read the configuration; keys must be validated (config.Load
 // does). Requests in flight keep running, also those of a key that is
 // gone, and a key that stays keeps its in-flight count towards
@@ -185,7 +185,7 @@ func (rt *Router) SetAPIKeys(keys []config.APIKey) {
 
 // authenticate admits a /v1/* request: on an open router it returns (nil,
 // true); otherwise the request's key, or (nil, false) after answering 401
-// (SPEC R-API-9). A 401 is counted with the key label "none" and publishes
+// (behaviour.md R-API-9). A 401 is counted with the key label "none" and publishes
 // no event, so a flood of them costs the bus nothing.
 func (rt *Router) authenticate(fctx *fasthttp.RequestCtx) (*clientKey, bool) {
 	if rt.auth.open() {
@@ -228,7 +228,7 @@ func keyName(k *clientKey) string {
 	return k.name
 }
 
-// admitKey applies the key's own rules to a parsed request (SPEC R-API-9):
+// admitKey applies the key's own rules to a parsed request (behaviour.md R-API-9):
 // a model outside the key's list gets 403, a key at its max_inflight 429
 // with Retry-After. On success the key's in-flight slot is taken; finish
 // gives it back. It returns false after answering.

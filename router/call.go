@@ -29,7 +29,7 @@ import (
 // call.fail.
 
 // call is one client request from arrival to its last byte. It owns every
-// leg, reservation, timer and watch of the request (SPEC R-OWN-1): all of
+// leg, reservation, timer and watch of the request (behaviour.md R-OWN-1): all of
 // them are released by finish, whatever the outcome.
 type call struct {
 	rt       *Router

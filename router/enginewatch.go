@@ -34,7 +34,7 @@ type engineLife struct {
 	hasStart, hasPrompt bool
 }
 
-// engineWatch keeps the prefix index true to the engines' caches (SPEC
+// engineWatch keeps the prefix index true to the engines' caches (behaviour.md
 // R-PLACE-2): the entries of an engine that left the fleet, was ejected,
 // is draining or drained, or restarted (its cache is gone) are dropped;
 // and it reads each prefill engine's queue for the prefix scorer.

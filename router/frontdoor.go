@@ -17,7 +17,7 @@ import (
 	"github.com/narwhalmesh/narwhal/internal/pause"
 )
 
-// The front door (SPEC R-API-7, R-API-8): deadlines on every connection, a
+// The front door (behaviour.md R-API-7, R-API-8): deadlines on every connection, a
 // cap on connections and header bytes, admission of completion requests
 // and a memory bound on the request bodies held at once. Everything here
 // answers before any engine is touched. docs/security.md is the threat

@@ -13,7 +13,7 @@ import (
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
-// Tuning of the live fleet (SPEC §9a).
+// Tuning of the live fleet (behaviour.md §9a).
 const (
 	// reportEvery is how often a router writes its in-flight report to
 	// narwhal_routers (R-FLEET-3); well inside bus.RouterReportTTL.

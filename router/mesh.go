@@ -113,7 +113,7 @@ type mesh struct {
 	bridged map[string]uint64
 }
 
-// JoinMesh makes the router a member of the mesh on b (SPEC §9):
+// JoinMesh makes the router a member of the mesh on b (behaviour.md §9):
 //
 //   - it reads the whole narwhal_placement bucket, then watches it, and
 //     applies each engine's eligibility as it changes — a push, well within

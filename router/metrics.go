@@ -311,7 +311,7 @@ func (m *metrics) initKeys(names []string) {
 
 // requestCounter is narwhal_requests_total{endpoint,code,outcome,key,model}.
 // The key label holds a configured key's name or config.NoKeyName, so its
-// values are bounded by the configured keys (SPEC R-API-9); the series of
+// values are bounded by the configured keys (behaviour.md R-API-9); the series of
 // a key removed by a reload are deleted. The model label is bounded by the
 // fleet's models (metrics.series).
 type requestCounter struct{ vec *prometheus.CounterVec }

@@ -17,11 +17,11 @@ import (
 // PlacedFunc receives, after each prefix placement, the producer's
 // engine id and the block hashes of the prompt the router's index did
 // not hold for that engine before: what the other routers need to Learn
-// (SPEC R-PLACE-2). It runs on the request path: it must not block, and
+// (behaviour.md R-PLACE-2). It runs on the request path: it must not block, and
 // must copy fresh to keep it (the slice is reused).
 type PlacedFunc func(engineID string, fresh []uint64)
 
-// placer is the router's placement policy (SPEC R-PLACE-1, R-PLACE-2):
+// placer is the router's placement policy (behaviour.md R-PLACE-1, R-PLACE-2):
 // which of the engines that may take a leg gets it.
 type placer struct {
 	policy  string
@@ -95,7 +95,7 @@ func (rt *Router) SetEngineWaiting(engineID string, n int64) {
 	}
 }
 
-// placeLegs places both legs of an attempt (SPEC R-PLACE-1, R-PLACE-2,
+// placeLegs places both legs of an attempt (behaviour.md R-PLACE-1, R-PLACE-2,
 // R-RETRY-3) and reserves their slots: the producer by the policy, the
 // consumer least loaded among the engines of the producer's connector
 // (R-DESC-3) — except that under the prefix policy a

@@ -15,7 +15,7 @@ import (
 	"github.com/narwhalmesh/narwhal/prefix"
 )
 
-// Tuning of the shared prefix index (SPEC R-PLACE-2).
+// Tuning of the shared prefix index (behaviour.md R-PLACE-2).
 const (
 	// shareFlushEvery is how often the placements a router made are
 	// published, at the latest: well within the 250 ms in which another
@@ -48,7 +48,7 @@ const (
 	dropInvalid = "invalid"
 )
 
-// indexShare is one router's part of the mesh-wide prefix index (SPEC
+// indexShare is one router's part of the mesh-wide prefix index (behaviour.md
 // R-PLACE-2): it publishes the placements this router makes, batched on
 // narwhal.prefix.<router_id>, applies those of the other routers to the
 // index, and warms the index from stream NARWHAL_PREFIX when the router
@@ -306,7 +306,7 @@ func (s *indexShare) run(b *bus.Bus, sub *nats.Subscription) {
 	}
 }
 
-// shareIndex makes the router's prefix index the mesh's (SPEC R-PLACE-2)
+// shareIndex makes the router's prefix index the mesh's (behaviour.md R-PLACE-2)
 // when placement.share_index is on: its placements are published on b
 // and the other routers' applied. A router id longer than a batch can
 // name (255 bytes) turns sharing off, with a warning.

@@ -17,7 +17,7 @@ import (
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
-// relayBody is the body of a committed stream (SPEC R-FAIL-5, R-RETRY-4).
+// relayBody is the body of a committed stream (behaviour.md R-FAIL-5, R-RETRY-4).
 // fasthttp calls WriteTo in the connection's own goroutine and sends each
 // Write as one chunk, flushed: the relay writes the metadata held before
 // the first output, the first output, then every event as the engine sent

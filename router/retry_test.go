@@ -14,7 +14,7 @@ import (
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
-// Tests of SPEC §7: one attempt by default (R-RETRY-1), fresh attempts
+// Tests of behaviour.md §7: one attempt by default (R-RETRY-1), fresh attempts
 // before visible output (R-RETRY-2, R-RETRY-3, R-OWN-4), none after it
 // (R-RETRY-4), the router-wide retry budget and the deadline, and the
 // local half of quarantine (R-QUAR-1).

@@ -1,4 +1,4 @@
-// Package router is Narwhal's router: the fasthttp front end of SPEC §1,
+// Package router is Narwhal's router: the fasthttp front end of behaviour.md §1,
 // placement over the fleet, the attempts of each client request (prefill
 // leg, handoff checks, decode leg, retries, deadlines, reservations), the
 // relay of the decode stream to the client, Prometheus metrics and the

@@ -193,7 +193,7 @@ func judge(endpoint string, stream bool, resp *http.Response, body []byte, want 
 	return "malformed", fmt.Sprintf("%s stream=%v: text %q, want %q", endpoint, stream, text, want)
 }
 
-// TestSoak proves SPEC R-OWN-1, R-OWN-3, R-OWN-6, R-FAIL-1…5, R-TMO-1…3
+// TestSoak proves behaviour.md R-OWN-1, R-OWN-3, R-OWN-6, R-FAIL-1…5, R-TMO-1…3
 // and R-RETRY-2…4 together: 2,000 requests (streaming and not, chat and
 // completions) at concurrency 1, then 8, then 64, while random faults of
 // the simulator's whole request-path catalogue strike random engines; half

@@ -15,7 +15,7 @@ import (
 )
 
 // disconnectWatcher tells a request that its client went away while the
-// router waits on engines (SPEC R-OWN-5). fasthttp cannot see this itself:
+// router waits on engines (behaviour.md R-OWN-5). fasthttp cannot see this itself:
 // nothing reads the socket while the handler waits (fasthttp issues #468,
 // #965). Instead of
 // peeking every socket a few times a second, the watcher registers each

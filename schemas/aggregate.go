@@ -7,7 +7,7 @@ import (
 )
 
 // Aggregator builds the one non-streaming completion a client gets from the
-// decode stream (SPEC R-LEG-5): the decode leg is always streamed, and a
+// decode stream (behaviour.md R-LEG-5): the decode leg is always streamed, and a
 // client that asked for "stream": false receives the chunks folded into the
 // shape vLLM returns for a non-streaming request.
 //

@@ -267,7 +267,7 @@ func TestAggregatorToolCallsOrder(t *testing.T) {
 }
 
 // TestAggregatorEmptyCompletion: an immediate stop gives content "" (not
-// null) and the finish_reason (SPEC §0: an immediate stop is output).
+// null) and the finish_reason (behaviour.md §0: an immediate stop is output).
 func TestAggregatorEmptyCompletion(t *testing.T) {
 	_, out := aggregate(t, true, vllmRoleChunk, chatChunk(0, `{}`, `,"finish_reason":"stop"`))
 	var got sdkChatCompletion

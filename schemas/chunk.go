@@ -3,7 +3,7 @@ package schemas
 import "encoding/binary"
 
 // ChunkKind is what one SSE data payload of a decode stream holds, in the
-// terms of SPEC §0 (generated output, metadata chunk). The router uses it to
+// terms of behaviour.md §0 (generated output, metadata chunk). The router uses it to
 // stop the first-token timer (R-TMO-1), to recognise a valid end of stream
 // (R-FAIL-2, R-FAIL-3) and to find error frames inside an HTTP 200 stream
 // (R-FAIL-4).
@@ -14,7 +14,7 @@ const (
 	// output: the role-only first chat chunk, empty deltas, the usage-only
 	// chunk ("choices": []), and any valid JSON that is not an object.
 	ChunkMetadata ChunkKind = iota
-	// ChunkOutput is generated output (SPEC §0): at least one choice has a
+	// ChunkOutput is generated output (behaviour.md §0): at least one choice has a
 	// non-empty string delta.content, delta.reasoning_content,
 	// delta.reasoning or text, a non-empty delta.tool_calls array, a
 	// logprobs member that is present and not null, or a finish_reason that
@@ -103,7 +103,7 @@ func ScanChunk(payload []byte) Chunk {
 }
 
 // ClassifyChunk reports what the SSE data payload of a decode stream holds
-// (SPEC §0; R-FAIL-2/3/4, R-TMO-1/2). It validates the whole payload as JSON
+// (behaviour.md §0; R-FAIL-2/3/4, R-TMO-1/2). It validates the whole payload as JSON
 // and reads the members it needs on the real JSON structure: keys are
 // compared after unescaping, in any order, and when a key is repeated in an
 // object the last occurrence counts (as encoding/json does). Precedence:

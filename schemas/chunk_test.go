@@ -11,7 +11,7 @@ import (
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
-// Real vLLM stream chunks (ENGINE-SHAPES.md "Streaming response").
+// Real vLLM stream chunks (vLLM's "Streaming response" shape).
 const (
 	vllmRoleChunk    = `{"id":"chatcmpl-7f3a","object":"chat.completion.chunk","created":1764460000,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}`
 	vllmContentChunk = `{"id":"chatcmpl-7f3a","object":"chat.completion.chunk","created":1764460000,"model":"m","choices":[{"index":0,"delta":{"content":" narwhal"},"logprobs":null,"finish_reason":null}]}`
@@ -29,7 +29,7 @@ type chunkCase struct {
 	want    ChunkKind
 }
 
-// chunkCases covers SPEC §0 (generated output vs metadata), R-FAIL-2/3
+// chunkCases covers behaviour.md §0 (generated output vs metadata), R-FAIL-2/3
 // ([DONE]), R-FAIL-4 (error frames) and malformed payloads.
 var chunkCases = []chunkCase{
 	// Real vLLM chunks.
@@ -149,7 +149,7 @@ var chunkCases = []chunkCase{
 	{"SSE line not stripped", `data: {"choices":[]}`, ChunkInvalid},
 }
 
-// TestClassifyChunk checks every case against its expected kind (SPEC §0,
+// TestClassifyChunk checks every case against its expected kind (behaviour.md §0,
 // R-FAIL-2/3/4, R-TMO-1/2) and against the encoding/json reference, so the
 // reference itself is pinned by the table.
 func TestClassifyChunk(t *testing.T) {
@@ -324,7 +324,7 @@ func (g *chunkGen) object(depth, level int) {
 
 // TestClassifyChunkGenerated cross-checks ClassifyChunk, ChunkHasUsage and
 // IsUsageOnly against the encoding/json reference on generated documents
-// (SPEC §0, R-FAIL-4), and checks that every truncation of a document is
+// (behaviour.md §0, R-FAIL-4), and checks that every truncation of a document is
 // classified like the reference too.
 func TestClassifyChunkGenerated(t *testing.T) {
 	g := &chunkGen{r: rand.New(rand.NewPCG(1, 2))}

@@ -5,12 +5,12 @@ import (
 	"strconv"
 )
 
-// ErrorObject is the OpenAI/vLLM error object (SPEC R-API-3, ENGINE-SHAPES
-// "Errors"): {"message":…,"type":…,"param":null,"code":<int>}. Code is the
+// ErrorObject is the OpenAI/vLLM error object (behaviour.md R-API-3; vLLM's error
+// body): {"message":…,"type":…,"param":null,"code":<int>}. Code is the
 // HTTP status the error travels with.
 type ErrorObject struct {
 	// Message is the human-readable detail. Narwhal's own messages start
-	// with the exact detail strings SPEC.md gives.
+	// with the exact detail strings docs/behaviour.md gives.
 	Message string `json:"message"`
 	// Type is the error class, e.g. "BadRequestError" (see ErrorType).
 	Type string `json:"type"`
@@ -22,7 +22,7 @@ type ErrorObject struct {
 
 // ErrorResponse is the body of every error Narwhal returns:
 // {"error": ErrorObject}. The same shape is the terminal SSE event of a
-// stream that fails after commit (SPEC R-FAIL-5).
+// stream that fails after commit (behaviour.md R-FAIL-5).
 type ErrorResponse struct {
 	Error ErrorObject `json:"error"`
 }

@@ -28,7 +28,7 @@ func BoundField(s string) string {
 	return s[:n] + TruncatedMarker
 }
 
-// Event schema names, carried in every event's "schema" field (SPEC R-BUS-3).
+// Event schema names, carried in every event's "schema" field (behaviour.md R-BUS-3).
 // Each has a JSON Schema file in this folder, <name>.json (see SchemaFS).
 const (
 	SchemaRequest     = "narwhal.request.v1"
@@ -44,12 +44,12 @@ const (
 
 // SchemaPlacement names the JSON Schema of a value in KV bucket
 // narwhal_placement (narwhal.placement.v1.json): an Eligibility that
-// carries its writer's breaker_id and lease_term (SPEC R-BUS-2, R-BUS-9).
+// carries its writer's breaker_id and lease_term (behaviour.md R-BUS-2, R-BUS-9).
 // It is not an event: the values keep "schema": SchemaEligibility.
 const SchemaPlacement = "narwhal.placement.v1"
 
 // Event kinds: the <kind> part of the subject narwhal.events.<kind>.<id>
-// (SPEC R-BUS-1).
+// (behaviour.md R-BUS-1).
 const (
 	KindRequest     = "request"
 	KindFailure     = "failure"
@@ -69,7 +69,7 @@ const (
 	PhaseDecode  = "decode"
 )
 
-// Envelope is the part every bus event shares (SPEC R-BUS-3). It is
+// Envelope is the part every bus event shares (behaviour.md R-BUS-3). It is
 // embedded in each event type; JSON field names are given in the tags.
 type Envelope struct {
 	// Schema is the event's versioned schema name, e.g. "narwhal.failure.v1".
@@ -109,7 +109,7 @@ func (e *Envelope) Head() *Envelope { return e }
 
 // RequestCompleted is published once per client request when it ends,
 // whatever the outcome, on narwhal.events.request.<router_id>
-// (schema narwhal.request.v1, SPEC R-BUS-1, R-TIME-1). It has no
+// (schema narwhal.request.v1, behaviour.md R-BUS-1, R-TIME-1). It has no
 // engine_id: it is about a request, whose engines are ProducerID and
 // ConsumerID (the schema forbids engine_id).
 type RequestCompleted struct {
@@ -130,7 +130,7 @@ type RequestCompleted struct {
 	ProducerID string `json:"producer_id,omitempty"`
 	ConsumerID string `json:"consumer_id,omitempty"`
 	// KeyName is the name of the client's API key (auth.api_keys[].name,
-	// SPEC R-API-9), never the key; empty (absent) on a router without
+	// behaviour.md R-API-9), never the key; empty (absent) on a router without
 	// client authentication.
 	KeyName string `json:"key_name,omitempty"`
 	// Attempts is the number of attempts made (0 when the request was
@@ -161,7 +161,7 @@ func (e *RequestCompleted) Subject() string { return "narwhal.events.request." +
 
 // Failure is one engine fault seen by a router on one leg of one attempt,
 // on narwhal.events.failure.<engine_id> (schema narwhal.failure.v1). The
-// breaker counts it towards ejection when Counts is true (SPEC R-BRK-2).
+// breaker counts it towards ejection when Counts is true (behaviour.md R-BRK-2).
 type Failure struct {
 	Envelope
 	// Phase is "prefill" or "decode".
@@ -193,7 +193,7 @@ func (e *Failure) Subject() string { return "narwhal.events.failure." + e.Engine
 
 // Quarantine says a router excluded an engine from its placement for a
 // while after a failed attempt, on narwhal.events.quarantine.<engine_id>
-// (schema narwhal.quarantine.v1, SPEC R-QUAR-1). Other routers apply it on
+// (schema narwhal.quarantine.v1, behaviour.md R-QUAR-1). Other routers apply it on
 // arrival.
 type Quarantine struct {
 	Envelope
@@ -211,13 +211,13 @@ func (e *Quarantine) Subject() string { return "narwhal.events.quarantine." + e.
 // Handoff outcomes.
 const (
 	// HandoffAbandoned: the descriptor will not be consumed (client gone,
-	// decode failed before pulling, retry, expiry) (SPEC R-OWN-6).
+	// decode failed before pulling, retry, expiry) (behaviour.md R-OWN-6).
 	HandoffAbandoned = "abandoned"
 )
 
 // Handoff reports the fate of one KV handoff, on
 // narwhal.events.handoff.<engine_id> where engine_id is the producer
-// (schema narwhal.handoff.v1, SPEC R-OWN-6).
+// (schema narwhal.handoff.v1, behaviour.md R-OWN-6).
 type Handoff struct {
 	Envelope
 	// Outcome is "abandoned".
@@ -242,7 +242,7 @@ type Handoff struct {
 func (e *Handoff) Subject() string { return "narwhal.events.handoff." + e.EngineID }
 
 // KVRecomputed reports a decode engine that recomputed the prompt instead
-// of loading the KV blocks its producer handed off (SPEC R-FAIL-8): its
+// of loading the KV blocks its producer handed off (behaviour.md R-FAIL-8): its
 // usage.prompt_tokens_details.cached_tokens was below half of its
 // usage.prompt_tokens. On narwhal.events.kv_recomputed.<engine_id> where
 // engine_id is the decode engine (the consumer); schema
@@ -268,7 +268,7 @@ type KVRecomputed struct {
 // Subject returns narwhal.events.kv_recomputed.<engine_id>.
 func (e *KVRecomputed) Subject() string { return "narwhal.events.kv_recomputed." + e.EngineID }
 
-// Probe outcomes, the values of Probe.Outcome (SPEC R-BRK-3…5).
+// Probe outcomes, the values of Probe.Outcome (behaviour.md R-BRK-3…5).
 const (
 	// ProbeSuccess: both legs of the probe succeeded; the engine is
 	// readmitted.
@@ -283,7 +283,7 @@ const (
 )
 
 // Probe reports one inference probe of an ejected engine, on
-// narwhal.events.probe.<engine_id> (schema narwhal.probe.v1, SPEC R-BRK-3…5).
+// narwhal.events.probe.<engine_id> (schema narwhal.probe.v1, behaviour.md R-BRK-3…5).
 type Probe struct {
 	Envelope
 	// Outcome is "success", "failure" or "inconclusive".
@@ -303,7 +303,7 @@ type Probe struct {
 // Subject returns narwhal.events.probe.<engine_id>.
 func (e *Probe) Subject() string { return "narwhal.events.probe." + e.EngineID }
 
-// Placement states, the values of Eligibility.State (SPEC R-BRK-1,
+// Placement states, the values of Eligibility.State (behaviour.md R-BRK-1,
 // R-BRK-8).
 const (
 	// StateEligible: routers may place on the engine (Eligible is true).
@@ -316,7 +316,7 @@ const (
 // Eligibility is an engine's placement state as the breaker decided it. It
 // is the value of the engine's key in KV bucket narwhal_placement and is
 // also published on narwhal.events.eligibility.<engine_id> (schema
-// narwhal.eligibility.v1, SPEC R-BRK-8, R-BUS-2).
+// narwhal.eligibility.v1, behaviour.md R-BRK-8, R-BUS-2).
 type Eligibility struct {
 	Envelope
 	// Eligible is whether routers may place on the engine.
@@ -337,7 +337,7 @@ type Eligibility struct {
 // Subject returns narwhal.events.eligibility.<engine_id>.
 func (e *Eligibility) Subject() string { return "narwhal.events.eligibility." + e.EngineID }
 
-// Chaos actions, the values of Chaos.Action (SPEC R-CHAOS-1).
+// Chaos actions, the values of Chaos.Action (behaviour.md R-CHAOS-1).
 const (
 	// ChaosArm: a fault was armed on an engine (or re-armed, replacing the
 	// fault of the same id).
@@ -350,7 +350,7 @@ const (
 )
 
 // Chaos reports one action of the chaos tool on an engine's faults, on
-// narwhal.events.chaos.<engine_id> (schema narwhal.chaos.v1, SPEC
+// narwhal.events.chaos.<engine_id> (schema narwhal.chaos.v1, behaviour.md
 // R-CHAOS-1): `narwhal chaos arm` and `disarm` publish arm and disarm
 // events, a chaos proxy publishes an inject event for each fault it
 // injects. RequestID is the request's X-Request-Id on inject events (absent

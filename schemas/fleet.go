@@ -2,7 +2,7 @@ package schemas
 
 import "time"
 
-// Fleet states of an engine in KV bucket narwhal_fleet (SPEC R-FLEET-1…3),
+// Fleet states of an engine in KV bucket narwhal_fleet (behaviour.md R-FLEET-1…3),
 // the values of FleetEntry.State and FleetChange.State.
 const (
 	// FleetJoining: in the fleet, not yet placeable; the breaker runs the
@@ -32,7 +32,7 @@ const (
 	SourceRegistration = "registration"
 )
 
-// Schema names of the fleet's bus values and events (SPEC R-BUS-3).
+// Schema names of the fleet's bus values and events (behaviour.md R-BUS-3).
 const (
 	// SchemaFleetEntry names the value of an engine's key in KV bucket
 	// narwhal_fleet (narwhal.engine.v1.json).
@@ -50,7 +50,7 @@ const (
 const KindFleet = "fleet"
 
 // FleetEntry is one engine of the live fleet: the value of its key in KV
-// bucket narwhal_fleet (key = EngineID), schema narwhal.engine.v1 (SPEC
+// bucket narwhal_fleet (key = EngineID), schema narwhal.engine.v1 (behaviour.md
 // R-FLEET-1). Slots of 0 mean no limit (R-OWN-3). The engine's API key
 // itself never goes on the bus: APIKeyEnv names the variable each process
 // reads it from.
@@ -71,7 +71,7 @@ type FleetEntry struct {
 	DecodeSlots  int `json:"decode_slots,omitempty"`
 	// BootstrapPort is the port of the engine's bootstrap server, where
 	// SGLang consumers meet it for the KV (connector sglang, prefill-capable
-	// engines; SPEC R-DESC-7); 0 (absent) otherwise.
+	// engines; behaviour.md R-DESC-7); 0 (absent) otherwise.
 	BootstrapPort int `json:"bootstrap_port,omitempty"`
 	// APIKeyEnv names the environment variable holding the engine's API
 	// key, empty when it has none.
@@ -99,7 +99,7 @@ type FleetEntry struct {
 }
 
 // FleetChange is the event of an engine's fleet state change, on
-// narwhal.events.fleet.<engine_id> (schema narwhal.fleet.v1, SPEC
+// narwhal.events.fleet.<engine_id> (schema narwhal.fleet.v1, behaviour.md
 // R-FLEET-2, R-FLEET-3): published by the leading breaker for the changes
 // it makes (active after the readmission checks, drained) and those it
 // sees (joining, draining, gone).
@@ -119,7 +119,7 @@ func (e *FleetChange) Subject() string { return "narwhal.events.fleet." + e.Engi
 // RouterReport is one router's report of its legs in flight: the value of
 // its key in KV bucket narwhal_routers (key = RouterID; the bucket's TTL
 // removes the key of a router that stopped), schema narwhal.router.v1
-// (SPEC R-FLEET-3). A router writes it every second.
+// (behaviour.md R-FLEET-3). A router writes it every second.
 type RouterReport struct {
 	// Schema is SchemaRouterReport.
 	Schema string `json:"schema"`

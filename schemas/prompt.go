@@ -15,7 +15,7 @@ const (
 )
 
 // AppendPrompt appends to dst the request's prompt as prefix placement
-// hashes it (SPEC R-PLACE-2) and returns the extended slice: the model,
+// hashes it (behaviour.md R-PLACE-2) and returns the extended slice: the model,
 // then for a completion its prompt (strings unescaped, token ids as
 // written), for a chat completion its tools and then every message in
 // order — role, name, content (strings and text parts unescaped, other

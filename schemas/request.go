@@ -7,14 +7,14 @@ import (
 	"strconv"
 )
 
-// Endpoints Narwhal serves and forwards (SPEC R-API-1).
+// Endpoints Narwhal serves and forwards (behaviour.md R-API-1).
 const (
 	EndpointChat        = "/v1/chat/completions"
 	EndpointCompletions = "/v1/completions"
 )
 
 // RequestError is a client request Narwhal refuses before touching any
-// engine (SPEC R-API-4): Status is 400 (or 404 for an unknown model, 413
+// engine (behaviour.md R-API-4): Status is 400 (or 404 for an unknown model, 413
 // for a body over the limit), Message the client-facing detail, Param the
 // offending field or "".
 type RequestError struct {
@@ -33,7 +33,7 @@ func badRequest(param, msg string) *RequestError {
 // Request is a parsed client completion request: the top-level members of
 // the JSON body kept as raw bytes, in the client's order (a repeated key
 // keeps its last value, as encoding/json does), with kv_transfer_params
-// already removed (SPEC R-API-5). Build it with ParseRequest; it is
+// already removed (behaviour.md R-API-5). Build it with ParseRequest; it is
 // immutable afterwards and safe to share between the attempts of one
 // request.
 type Request struct {
@@ -115,7 +115,7 @@ func splitObject(buf []byte, into []member) (members []member, ok bool) {
 	return members, true
 }
 
-// Limits are the caps ParseLimited applies to a client request (SPEC
+// Limits are the caps ParseLimited applies to a client request (behaviour.md
 // R-API-8). A zero field means no cap.
 type Limits struct {
 	// MaxN is the largest n accepted.
@@ -130,7 +130,7 @@ func ParseRequest(endpoint string, body []byte) (*Request, error) {
 	return ParseLimited(endpoint, body, Limits{})
 }
 
-// ParseLimited validates a client body for endpoint (SPEC R-API-4) and
+// ParseLimited validates a client body for endpoint (behaviour.md R-API-4) and
 // returns the parsed request with kv_transfer_params removed (R-API-5),
 // and SGLang's bootstrap_host, bootstrap_port, bootstrap_room and
 // bootstrap_pair_key too (R-DESC-7: the router writes its own).
@@ -337,7 +337,7 @@ var prefillDropped = map[string]bool{
 	"echo": true, "best_of": true, "ignore_eos": true, "min_tokens": true, "kv_transfer_params": true,
 }
 
-// AppendPrefillBody appends the prefill leg's JSON body to dst (SPEC
+// AppendPrefillBody appends the prefill leg's JSON body to dst (behaviour.md
 // R-LEG-1, R-LEG-1a): every member that shapes the prompt unchanged;
 // "stream":false, "max_tokens":1, "max_completion_tokens":1, "n":1,
 // "ignore_eos":true; stream_options, stop, stop_token_ids, logprobs,
@@ -364,7 +364,7 @@ func (r *Request) AppendPrefillBody(dst []byte, kvParams []byte) []byte {
 	return append(dst, '}')
 }
 
-// AppendDecodeBody appends the decode leg's JSON body to dst (SPEC R-LEG-3,
+// AppendDecodeBody appends the decode leg's JSON body to dst (behaviour.md R-LEG-3,
 // R-LEG-5): the client's members unchanged, except "stream":true and
 // stream_options with include_usage true (the client's other
 // stream_options kept), and "kv_transfer_params" set to kvParams, or
@@ -447,7 +447,7 @@ func (r *Request) Prompts() int {
 }
 
 // AppendBootstrapBody appends the one body both legs of an SGLang attempt
-// receive (SPEC R-DESC-7): the decode body of AppendDecodeBody without
+// receive (behaviour.md R-DESC-7): the decode body of AppendDecodeBody without
 // transfer parameters (the client's members, "stream":true,
 // stream_options with include_usage), followed by members — raw JSON
 // object members without braces, e.g.

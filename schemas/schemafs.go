@@ -4,7 +4,7 @@ import "embed"
 
 // SchemaFS holds the JSON Schema (draft 2020-12) of every bus event, one
 // file per schema name at the root: "<name>.json", e.g.
-// "narwhal.failure.v1.json" for SchemaFailure (SPEC R-BUS-3). Each file's
+// "narwhal.failure.v1.json" for SchemaFailure (behaviour.md R-BUS-3). Each file's
 // $id is "https://github.com/narwhalmesh/narwhal/schemas/<name>.json". The
 // schemas match the event types of this package field for field, with
 // "additionalProperties": false, "schema" as a const and "at" as an

@@ -37,7 +37,7 @@ const (
 )
 
 // runAgent is `narwhal agent --engine-url URL --id ID --role ROLE
-// [--connector C] …` (SPEC §14, R-FLEET-4): it waits until the engine
+// [--connector C] …` (behaviour.md §14, R-FLEET-4): it waits until the engine
 // answers GET /health and lists a model on GET /v1/models, registers it in
 // bucket narwhal_fleet with membership.registration_ttl_s and heartbeats;
 // on SIGTERM or SIGINT it drains the engine — no router places new work

@@ -36,7 +36,7 @@ type benchFlags struct {
 	prefix                                                   prefixFlags
 }
 
-// runBench is `narwhal bench` (SPEC §14): a load generator for the
+// runBench is `narwhal bench` (behaviour.md §14): a load generator for the
 // OpenAI-compatible front end, with a side-by-side comparison against the
 // floor (both legs run directly against the engines).
 func runBench(ctx context.Context, args []string) error {

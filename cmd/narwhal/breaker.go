@@ -33,7 +33,7 @@ var errNoNATSURL = errors.New("NARWHAL_NATS_URL (bus.url) is not set: a standalo
 	"(a router without NARWHAL_NATS_URL runs its own breaker on its embedded bus)")
 
 // runBreakerCmd is `narwhal breaker --config FILE [--metrics HOST:PORT]`
-// (SPEC §8, §14): it connects to the NATS at NARWHAL_NATS_URL (credentials
+// (behaviour.md §8, §14): it connects to the NATS at NARWHAL_NATS_URL (credentials
 // and TLS from NARWHAL_NATS_CREDS, NARWHAL_NATS_TLS_CA, _CERT, _KEY) and
 // runs a breaker.Service — leader or standby — until SIGINT/SIGTERM. With
 // --metrics it serves Prometheus text at http://HOST:PORT/metrics.
@@ -99,7 +99,7 @@ func runBreaker(ctx context.Context, cfg *config.Config, b *bus.Bus, id string, 
 }
 
 // startBreaker runs a breaker.Service on b in the background (the
-// in-process breaker of a single-node router, SPEC §14) and returns the
+// in-process breaker of a single-node router, behaviour.md §14) and returns the
 // function that stops it and waits for it; call it before closing b.
 func startBreaker(ctx context.Context, cfg *config.Config, b *bus.Bus, id string, reg prometheus.Registerer, log *slog.Logger) (stop func(), err error) {
 	tp, stopTracing, err := startTracing(ctx, breakerService, id, log)

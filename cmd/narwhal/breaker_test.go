@@ -23,7 +23,7 @@ func TestBreakerNeedsNATSURL(t *testing.T) {
 	}
 }
 
-// TestBreakerCommandLeads proves `narwhal breaker` (SPEC §8, §14): pointed
+// TestBreakerCommandLeads proves `narwhal breaker` (behaviour.md §8, §14): pointed
 // at a NATS server by NARWHAL_NATS_URL it takes the leader lease, writes
 // every engine's placement entry (R-BRK-8), and returns cleanly when its
 // context ends (SIGINT/SIGTERM), releasing the lease.

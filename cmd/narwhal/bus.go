@@ -55,7 +55,7 @@ narwhal bus creds   writes one credential per role (router, breaker, chaos, view
 See docs/mesh.md.
 `
 
-// runBus is `narwhal bus` and its subcommands `setup` and `creds` (SPEC
+// runBus is `narwhal bus` and its subcommands `setup` and `creds` (behaviour.md
 // §14, R-BUS-4, R-BUS-8).
 func runBus(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if len(args) > 0 {
@@ -82,7 +82,7 @@ func busConfig(path string) (*config.Config, error) {
 }
 
 // runBusServe is `narwhal bus [--listen HOST:PORT] [--data DIR] [--config
-// FILE] [--verbose]` (SPEC §14, R-BUS-4): the embedded NATS server with
+// FILE] [--verbose]` (behaviour.md §14, R-BUS-4): the embedded NATS server with
 // JetStream as a process of its own, so that several Narwhal processes
 // share a bus with NARWHAL_NATS_URL=nats://HOST:PORT. As the bus's admin it
 // creates stream NARWHAL_EVENTS and every bucket (bus.Setup: replicas
@@ -185,7 +185,7 @@ func runBusServe(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	return nil
 }
 
-// runBusCreds is `narwhal bus creds --out DIR` (SPEC R-BUS-8): it creates
+// runBusCreds is `narwhal bus creds --out DIR` (behaviour.md R-BUS-8): it creates
 // DIR when missing and writes a new credential set for one mesh into it
 // (bus.WriteCredentials: router.creds, breaker.creds, chaos.creds,
 // viewer.creds, admin.creds, auth.conf, route.secret and keys/), then lists
@@ -217,7 +217,7 @@ func runBusCreds(args []string, stdout, stderr io.Writer) error {
 }
 
 // runBusSetup is `narwhal bus setup [--config FILE] [--connect-timeout
-// DUR]` (SPEC R-BUS-8): with the admin credential (NARWHAL_NATS_CREDS) it
+// DUR]` (behaviour.md R-BUS-8): with the admin credential (NARWHAL_NATS_CREDS) it
 // creates stream NARWHAL_EVENTS and every bucket on the NATS at
 // NARWHAL_NATS_URL (default nats://127.0.0.1:4222), or updates those whose
 // settings differ — keeping the replicas of any that exists, logged as
@@ -291,7 +291,7 @@ func parseListen(listen string) (host string, port int, err error) {
 }
 
 // busOptions returns the options to connect to the NATS of c (URL,
-// credential, TLS; SPEC R-BUS-4, R-BUS-8) under client name name, logging
+// credential, TLS; behaviour.md R-BUS-4, R-BUS-8) under client name name, logging
 // to log. Every process that joins a mesh uses it.
 func busOptions(c config.Bus, name string, log *slog.Logger) bus.ConnectOptions {
 	return bus.ConnectOptions{

@@ -62,7 +62,7 @@ Every command reaches NATS through NARWHAL_NATS_URL (default ` + defaultNATSURL 
 with NARWHAL_NATS_CREDS and NARWHAL_NATS_TLS_{CA,CERT,KEY}. See docs/chaos.md.
 `
 
-// runChaos is `narwhal chaos proxy|arm|list|disarm|run` (SPEC §14,
+// runChaos is `narwhal chaos proxy|arm|list|disarm|run` (behaviour.md §14,
 // R-CHAOS-1). Results go to stdout, notices and usage to stderr. It
 // returns flag.ErrHelp for -h, and an error for an unknown subcommand, bad
 // flags, an unreachable bus or a failed operation.

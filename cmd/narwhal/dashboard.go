@@ -27,7 +27,7 @@ func init() {
 const defaultDashboardListen = "127.0.0.1:8081"
 
 // runDashboard is `narwhal dashboard [--listen HOST:PORT] [--config FILE]
-// [--connect-timeout DUR]` (SPEC §14, R-BUS-5): it follows the bus at
+// [--connect-timeout DUR]` (behaviour.md §14, R-BUS-5): it follows the bus at
 // NARWHAL_NATS_URL (default nats://127.0.0.1:4222, with the credential and
 // TLS variables of the bus section; the viewer credential suffices and it
 // changes nothing on the bus, R-BUS-8) and serves the live fleet page on

@@ -34,7 +34,7 @@ const (
 )
 
 // runEvents is `narwhal events [--kind K] [--engine ID] [--since DUR]
-// [--json] [--connect-timeout DUR]` (SPEC §14, R-BUS-5): it follows stream
+// [--json] [--connect-timeout DUR]` (behaviour.md §14, R-BUS-5): it follows stream
 // NARWHAL_EVENTS on NARWHAL_NATS_URL (default nats://127.0.0.1:4222, with
 // the credential and TLS variables of the bus section; a viewer credential
 // suffices, and it changes nothing on the bus, R-BUS-8) and writes each event to

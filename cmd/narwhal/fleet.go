@@ -36,7 +36,7 @@ const fleetWriter = "narwhal-fleet"
 // fleetOpTimeout bounds one bus operation of `narwhal fleet`.
 const fleetOpTimeout = 5 * time.Second
 
-// runFleet is `narwhal fleet list|add|drain|undrain|remove` (SPEC §14,
+// runFleet is `narwhal fleet list|add|drain|undrain|remove` (behaviour.md §14,
 // R-FLEET-1…3). It talks to the bus only — NARWHAL_NATS_URL (default
 // nats://127.0.0.1:4222) with the bus section's credential and TLS
 // variables — and changes KV bucket narwhal_fleet, which needs the admin
@@ -214,7 +214,7 @@ func checkFleetSpec(e schemas.FleetEntry) error {
 	return errors.Join(errs...)
 }
 
-// fleetAdd adds engine spec to the fleet in state joining (SPEC
+// fleetAdd adds engine spec to the fleet in state joining (behaviour.md
 // R-FLEET-2): the breaker probes it and makes it active. It refuses an
 // invalid spec or an id the fleet holds already, changing nothing.
 func fleetAdd(ctx context.Context, kv jetstream.KeyValue, spec schemas.FleetEntry, now time.Time) error {
@@ -288,7 +288,7 @@ func fleetSetState(ctx context.Context, kv jetstream.KeyValue, cur schemas.Fleet
 	return nil
 }
 
-// fleetDrain makes engine id draining (SPEC R-FLEET-3) and returns its
+// fleetDrain makes engine id draining (behaviour.md R-FLEET-3) and returns its
 // state afterwards. An engine already draining or drained is left as it
 // is; an unknown id is an error.
 func fleetDrain(ctx context.Context, kv jetstream.KeyValue, id string, now time.Time) (string, error) {
@@ -339,7 +339,7 @@ func fleetUndrain(ctx context.Context, kv jetstream.KeyValue, id string, now tim
 }
 
 // fleetRemove deletes engine id's key: routers place nothing more there,
-// and running attempts finish (SPEC R-FLEET-1). Without force it refuses
+// and running attempts finish (behaviour.md R-FLEET-1). Without force it refuses
 // an engine that is not drained — or joining, which never took work.
 func fleetRemove(ctx context.Context, kv jetstream.KeyValue, id string, force bool) error {
 	ctx, cancel := context.WithTimeout(ctx, fleetOpTimeout)

@@ -45,7 +45,7 @@ func runFleetCmd(args ...string) (string, error) {
 	return stdout.String() + stderr.String(), err
 }
 
-// TestFleetCommandBadInputChangesNothing proves SPEC §14 and R-FLEET-1:
+// TestFleetCommandBadInputChangesNothing proves behaviour.md §14 and R-FLEET-1:
 // `narwhal fleet` refuses each invalid input with an error naming what is
 // wrong — a duplicate id, a bad URL, an unknown role or connector, a
 // negative slot count, a bad id, removing an engine that is not drained,
@@ -103,7 +103,7 @@ func TestFleetCommandBadInputChangesNothing(t *testing.T) {
 	}
 }
 
-// TestFleetCommandLifecycle proves SPEC §14 and R-FLEET-2/3: add writes a
+// TestFleetCommandLifecycle proves behaviour.md §14 and R-FLEET-2/3: add writes a
 // joining entry, drain makes it draining, undrain active again, a drained
 // engine undrains to joining, remove deletes a drained one, and list
 // shows each engine with its state.

@@ -1,6 +1,6 @@
 // Command narwhal is Narwhal's single binary: a router mesh for
 // disaggregated LLM serving. Each subcommand is one process role or tool
-// (SPEC §14):
+// (behaviour.md §14):
 //
 //	narwhal dev [--listen HOST:PORT] [--chaos]    the whole stack on one machine
 //	narwhal router --config FILE --listen HOST:PORT
@@ -47,7 +47,7 @@ const configUsage = "YAML configuration file (docs/configuration.md); environmen
 
 // loadMesh loads the configuration of a process that takes its engines
 // from the live fleet (a router, a breaker): with a bus URL (a mesh, whose
-// bucket narwhal_fleet lists the engines, SPEC R-FLEET-1) the file's
+// bucket narwhal_fleet lists the engines, behaviour.md R-FLEET-1) the file's
 // fleet may be empty; without one it must list at least one engine, as
 // as every other command that runs on a fleet.
 func loadMesh(path string) (*config.Config, error) {

@@ -24,7 +24,7 @@ func init() {
 	}
 }
 
-// runPreflight is `narwhal preflight --config FILE [--parallel N]` (SPEC
+// runPreflight is `narwhal preflight --config FILE [--parallel N]` (behaviour.md
 // R-PRE-1): it loads the config, runs preflight.Run and prints its report
 // to out as two tables (engine checks: engine, role, check, result, time,
 // error; transfers: producer, consumer, result, time, error) and a last

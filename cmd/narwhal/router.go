@@ -18,7 +18,7 @@ func init() {
 	}
 }
 
-// runRouterCmd is `narwhal router --config FILE --listen HOST:PORT` (SPEC
+// runRouterCmd is `narwhal router --config FILE --listen HOST:PORT` (behaviour.md
 // §14). With no NARWHAL_NATS_URL it runs its own embedded NATS.
 //
 // SIGHUP reads the configuration again (the file, the environment and the

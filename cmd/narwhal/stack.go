@@ -36,7 +36,7 @@ func newLogger(cfg *config.Config, w io.Writer) *slog.Logger {
 // bus.connect_timeout_s, or for ever when that is 0 (R-BUS-8) — or else
 // starts an embedded NATS server with JetStream whose store is
 // NARWHAL_DATA_DIR (a fresh temporary folder, removed at exit, when that is
-// unset) and which sets itself up (SPEC R-BUS-4). The returned stop
+// unset) and which sets itself up (behaviour.md R-BUS-4). The returned stop
 // function closes everything it started.
 func joinBus(ctx context.Context, cfg *config.Config, name string, log *slog.Logger) (*bus.Bus, func(), error) {
 	if url := cfg.Bus.URL; url != "" {
@@ -139,7 +139,7 @@ func runRouterWith(ctx context.Context, r routerRun) error {
 			return err
 		}
 		// A single node is complete: on its own embedded bus the router
-		// runs its own breaker (SPEC §14). It outlives the router's
+		// runs its own breaker (behaviour.md §14). It outlives the router's
 		// graceful shutdown and stops before the bus closes.
 		stopBreaker, err := startBreaker(context.WithoutCancel(ctx), cfg, b, "breaker-"+cfg.Router.ID, reg, log)
 		if err != nil {
@@ -281,7 +281,7 @@ type heldListener struct{ *net.TCPListener }
 func (l heldListener) Close() error { return l.SetDeadline(time.Unix(1, 0)) }
 
 // seedFleet writes the config file's engines to KV bucket narwhal_fleet
-// where the bucket has no key for them (SPEC R-FLEET-1): the seed never
+// where the bucket has no key for them (behaviour.md R-FLEET-1): the seed never
 // overwrites an engine's newer runtime state.
 func seedFleet(ctx context.Context, cfg *config.Config, b *bus.Bus, by string, log *slog.Logger) error {
 	entries := make([]schemas.FleetEntry, 0, len(cfg.Fleet))

@@ -1,6 +1,6 @@
 // Package connector defines how Narwhal asks a producer engine for a KV
 // handoff, checks the handoff descriptor it returns, and binds that
-// descriptor to the attempt that produced it (SPEC §2, §3).
+// descriptor to the attempt that produced it (behaviour.md §2, §3).
 //
 // A connector is one KV transfer mechanism (vLLM's NixlConnector first).
 // Adding another (LMCache, Mooncake, …) is one type that implements
@@ -22,7 +22,7 @@ type Connector interface {
 	Name() string
 	// HandoffRequest returns the kv_transfer_params JSON object that asks a
 	// producer to keep the prompt's KV blocks for a remote consumer
-	// (SPEC R-LEG-1). The returned slice is shared: callers must not
+	// (behaviour.md R-LEG-1). The returned slice is shared: callers must not
 	// modify it.
 	HandoffRequest() []byte
 	// Validate checks the kv_transfer_params value of a prefill response
@@ -32,7 +32,7 @@ type Connector interface {
 	// descriptor names, or a *RejectError.
 	Validate(descriptor []byte) (Handoff, error)
 	// Release frees a handoff's KV blocks at the producer when the
-	// descriptor will not be consumed (SPEC R-OWN-6). It returns
+	// descriptor will not be consumed (behaviour.md R-OWN-6). It returns
 	// released=false with a nil error when the producer has no way to
 	// release early (the blocks then wait for the producer's own timeout);
 	// an error means the attempt to release failed.
@@ -61,7 +61,7 @@ const (
 	ReasonEndpointMismatch  = "endpoint mismatch"
 )
 
-// RejectError is a rejected handoff descriptor (SPEC R-DESC-6). Its Error
+// RejectError is a rejected handoff descriptor (behaviour.md R-DESC-6). Its Error
 // text is the client-facing message "handoff descriptor rejected: <reason>"
 // followed, where useful, by a detail after " (".
 type RejectError struct {

@@ -11,7 +11,7 @@ import (
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
-// Nixl is vLLM's NixlConnector (SPEC §2, §3; ENGINE-SHAPES.md). The
+// Nixl is vLLM's NixlConnector (behaviour.md §2, §3; docs/connectors.md). The
 // producer is asked for a handoff with
 //
 //	{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,

@@ -125,7 +125,7 @@ func TestNixlValidateRejects(t *testing.T) {
 }
 
 func TestPrefillResultParametersDetached(t *testing.T) {
-	// SPEC §12: Parameters returns a detached copy.
+	// behaviour.md §12: Parameters returns a detached copy.
 	src := []byte(goodDescriptor)
 	r := NewPrefillResult(PrefillResult{ProducerID: "p1", Connector: NixlName, Started: time.Now()}, src)
 	src[3] = 'X' // the caller's buffer changing changes nothing either

@@ -6,7 +6,7 @@ import (
 )
 
 // PrefillResult is the outcome of one prefill leg: the handoff descriptor
-// the producer returned, bound to where and when it came from (SPEC
+// the producer returned, bound to where and when it came from (behaviour.md
 // R-LEG-2). engines.Client.Prefill builds it; pass it unchanged to
 // engines.Client.Decode. It is immutable once built and safe to share.
 type PrefillResult struct {
@@ -55,7 +55,7 @@ func (r *PrefillResult) HasDescriptor() bool { return r.descriptor != nil }
 // Parameters returns a detached copy of the descriptor as a JSON object
 // (map of field name to decoded value; numbers are float64 as
 // encoding/json decodes them), or nil when there is none. Changing the
-// returned map changes nothing inside r (SPEC §12).
+// returned map changes nothing inside r (behaviour.md §12).
 func (r *PrefillResult) Parameters() map[string]any {
 	if r.descriptor == nil {
 		return nil

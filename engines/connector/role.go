@@ -1,6 +1,6 @@
 package connector
 
-// Role is what an engine may do in a KV transfer (SPEC §0): the value of a
+// Role is what an engine may do in a KV transfer (behaviour.md §0): the value of a
 // fleet entry's role. Its names are defined here only; config validates
 // against them.
 type Role string

@@ -6,7 +6,7 @@ import (
 )
 
 // SGLang is SGLang's prefill/decode disaggregation, its bootstrap
-// protocol (SPEC R-DESC-7; docs/connectors.md). No descriptor passes
+// protocol (behaviour.md R-DESC-7; docs/connectors.md). No descriptor passes
 // through the router: the router writes
 //
 //	"bootstrap_host": "<the producer's host>",

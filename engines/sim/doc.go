@@ -1,7 +1,7 @@
 // Package sim is a vLLM-compatible inference engine simulator with a real
 // KV handoff between simulated producers and consumers.
 //
-// A Server speaks vLLM's OpenAI server dialect (ENGINE-SHAPES.md):
+// A Server speaks vLLM's OpenAI server dialect:
 // POST /v1/chat/completions and /v1/completions (streaming or not),
 // GET /v1/models, /health, /version and /metrics, with vLLM's error bodies.
 // Its output is deterministic (see Generate), so a test can compute exactly
@@ -15,7 +15,7 @@
 // HTTP listener, POST /kv/pull) before it generates, and checks that they
 // were computed for the same endpoint kind and prompt. Forged, foreign,
 // garbled, already pulled, expired and released handoffs fail the decode
-// the way a real engine fails it (SPEC §2, §3, R-OWN-6).
+// the way a real engine fails it (behaviour.md §2, §3, R-OWN-6).
 //
 // Each Server keeps a prefix cache of KV blocks like vLLM's automatic
 // prefix caching (Config.BlockSize, Config.KVCacheBlocks): prefill
@@ -26,7 +26,7 @@
 //
 // Faults (Fault) make the simulator misbehave on command — header and
 // first-token delays, silences, closes, aborts, error objects, bad statuses,
-// descriptor corruption — so the router's failure handling (SPEC §5, §6,
+// descriptor corruption — so the router's failure handling (behaviour.md §5, §6,
 // R-CHAOS-1) can be proven against a real process. Faults are armed from
 // Config, with Server.Arm, or at run time over HTTP (/sim/faults).
 package sim

@@ -845,7 +845,7 @@ func (x *exchange) appendTail() {
 
 // runStream serves a streaming request: headers at once, then the KV pull
 // or prefill, the role chunks, the tokens, the finish chunks, the usage
-// chunk and [DONE] (ENGINE-SHAPES "Streaming response").
+// chunk and [DONE] (vLLM's "Streaming response").
 func (x *exchange) runStream() {
 	h := x.w.Header()
 	h["Content-Type"] = sseContentType
@@ -1212,7 +1212,7 @@ func (x *exchange) buildUnary() {
 
 // appendDescriptor appends the handoff descriptor of a length-capped,
 // non-streaming prefill leg — and holds its KV blocks — or null
-// (ENGINE-SHAPES "Prefill response"). Descriptor faults alter it here.
+// (vLLM's "Prefill response"). Descriptor faults alter it here.
 func (x *exchange) appendDescriptor(b []byte) []byte {
 	if !x.prefillLeg || x.sglang || x.choices[0].finish != FinishLength {
 		return append(b, "null"...)

@@ -10,7 +10,7 @@ import (
 )
 
 // Fault kinds (Fault.Kind). Each imitates an engine failure the router
-// must handle (SPEC §5, §6, R-DESC-0…3, R-CHAOS-1).
+// must handle (behaviour.md §5, §6, R-DESC-0…3, R-CHAOS-1).
 const (
 	// FaultHeaderDelay sleeps DelayMS before any response header is
 	// written (and before a decode leg pulls its KV blocks).

@@ -86,7 +86,7 @@ func expectKVFailure(t testing.TB, c *http.Client, url, path string, body map[st
 var longPrompt = strings.TrimSpace(strings.Repeat("ice ", 40))
 
 // TestHandoffCrossedDecode: a prefill leg on producer p1 returns the nixl
-// descriptor (ENGINE-SHAPES "Prefill response") and holds the blocks; a
+// descriptor (vLLM's "Prefill response") and holds the blocks; a
 // decode leg on consumer d1 pulls them over p1's side channel and streams
 // exactly Generate's tokens (R-LEG-1, R-LEG-2, R-LEG-3).
 func TestHandoffCrossedDecode(t *testing.T) {

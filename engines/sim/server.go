@@ -20,7 +20,7 @@ import (
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
-// Roles an engine advertises (SPEC §0). The simulator is lenient like
+// Roles an engine advertises (behaviour.md §0). The simulator is lenient like
 // vLLM: every role accepts prefill legs, decode legs and plain requests;
 // the role only changes what the engine advertises (the listening line and
 // narwhal_sim_info in /metrics).
@@ -140,10 +140,10 @@ type Config struct {
 }
 
 // Server is one simulated engine: the OpenAI-compatible API and the KV
-// side channel. It plays the engine's side of the two legs (SPEC R-LEG-1…4:
+// side channel. It plays the engine's side of the two legs (behaviour.md R-LEG-1…4:
 // a prefill leg hands off a descriptor, a decode leg pulls and streams),
 // of the descriptors the router validates (R-DESC-0…5), of early release
-// (R-OWN-6) and, through faults, of the failures of SPEC §5 and §6.
+// (R-OWN-6) and, through faults, of the failures of behaviour.md §5 and §6.
 // Create it with New, serve it with Start (or mount Handler yourself:
 // descriptors then advertise no side channel and cannot be pulled), and
 // stop it with Close. Its methods are safe for concurrent use.
@@ -577,7 +577,7 @@ var (
 )
 
 // writeError writes a vLLM error body {"error":{"message","type","param",
-// "code"}} with status (SPEC R-API-3).
+// "code"}} with status (behaviour.md R-API-3).
 func writeError(w http.ResponseWriter, status int, msg string) {
 	body := schemas.AppendErrorJSON(make([]byte, 0, 96+len(msg)), status, msg)
 	w.Header()["Content-Type"] = jsonContentType

@@ -14,7 +14,7 @@ import (
 )
 
 // TestChatStreamShapes checks a chat stream chunk by chunk against
-// ENGINE-SHAPES.md "Streaming response" (R-API-1 include_usage, R-LEG-5):
+// vLLM's "Streaming response" shape (R-API-1 include_usage, R-LEG-5):
 // the role chunk, one content delta per token, the finish chunk with an
 // empty delta, the usage-only chunk with "choices":[], then [DONE].
 func TestChatStreamShapes(t *testing.T) {
@@ -94,7 +94,7 @@ func TestStreamWithoutUsage(t *testing.T) {
 }
 
 // TestUnaryShapes checks non-streaming chat and completions bodies
-// (ENGINE-SHAPES "Prefill response" shape, kv_transfer_params null for a
+// (vLLM's "Prefill response" shape, kv_transfer_params null for a
 // plain request).
 func TestUnaryShapes(t *testing.T) {
 	_, url := startEngine(t, Config{})
@@ -373,7 +373,7 @@ func TestRequestErrors(t *testing.T) {
 }
 
 // TestInfoEndpoints: /health, /version, /v1/models and /metrics in vLLM's
-// shapes (ENGINE-SHAPES "Other endpoints").
+// shapes (vLLM's "Other endpoints").
 func TestInfoEndpoints(t *testing.T) {
 	_, url := startEngine(t, Config{Model: "my-model", EngineVersion: "0.10.2", EngineKind: "vllm"})
 	c := newClient(t)

