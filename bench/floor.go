@@ -3,7 +3,6 @@ package bench
 import (
 	"context"
 	"errors"
-	"io"
 	"strconv"
 	"sync/atomic"
 	"time"
@@ -62,7 +61,8 @@ func (t *FloorTarget) Name() string { return "floor" }
 // Close closes the engine client's idle connections.
 func (t *FloorTarget) Close() { t.client.CloseIdleConnections() }
 
-// do implements Target: the prefill leg, the decode leg, and the decode
+// do implements Target: one whole attempt through the producer's
+// connector, as a router runs it (engines.Client.Transfer), the decode
 // stream read to its end. A non-streaming workload still reads the decode
 // stream (the decode leg always streams, R-LEG-5) but records no ITL and
 // a TTFT equal to its end-to-end latency, as the router's aggregated
@@ -84,40 +84,20 @@ func (t *FloorTarget) do(ctx context.Context, w *worker, start time.Time) {
 		Producer:         p,
 		Consumer:         c,
 	}
-	res, err := t.client.Prefill(rctx, req)
-	if err != nil {
-		w.fail(ctx, rctx, faultClass(err))
-		return
-	}
-	stream, err := t.client.Decode(rctx, req, res)
-	if err != nil {
-		// The handoff will not be consumed: free it, as the router does
-		// (R-OWN-6).
-		rel, relCancel := context.WithTimeout(context.Background(), time.Second)
-		_, _ = t.client.Release(rel, p, res)
-		relCancel()
-		w.fail(ctx, rctx, faultClass(err))
-		return
-	}
-	defer stream.Close()
 	mark := len(w.rec.itl)
 	out := newOutputTally()
-	for {
-		payload, kind, err := stream.Next()
-		if err == io.EOF {
-			break
-		}
-		if err != nil {
-			w.rec.itl = w.rec.itl[:mark]
-			w.fail(ctx, rctx, faultClass(err))
-			return
-		}
+	err = t.client.Transfer(rctx, req, func(payload []byte, kind schemas.ChunkKind) {
 		if w.onPayload != nil {
 			w.onPayload(payload)
 		}
 		if gap, ok := out.see(kind, payload); ok && w.stream {
 			w.rec.itl = append(w.rec.itl, gap)
 		}
+	})
+	if err != nil {
+		w.rec.itl = w.rec.itl[:mark]
+		w.fail(ctx, rctx, faultClass(err))
+		return
 	}
 	end := time.Now()
 	first := out.first

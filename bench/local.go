@@ -71,7 +71,7 @@ func StartLocal(cfg LocalConfig) (*LocalEngines, error) {
 	if cfg.Model == "" {
 		cfg.Model = "narwhal-sim"
 	}
-	conn, err := connector.Lookup(connector.NixlName)
+	conn, err := connector.Lookup(connector.DefaultName)
 	if err != nil {
 		return nil, err
 	}
@@ -93,7 +93,7 @@ func StartLocal(cfg LocalConfig) (*LocalEngines, error) {
 		} else {
 			l.Decode = append(l.Decode, e)
 		}
-		l.Specs = append(l.Specs, config.EngineSpec{ID: id, URL: url, Role: role, Connector: connector.NixlName})
+		l.Specs = append(l.Specs, config.EngineSpec{ID: id, URL: url, Role: role, Connector: connector.DefaultName})
 		return nil
 	}
 	for i := 1; i <= cfg.Prefill; i++ {

@@ -33,6 +33,7 @@ import (
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
+	kvprobe "github.com/narwhalmesh/narwhal/engines/probe"
 	"github.com/narwhalmesh/narwhal/internal/pause"
 	"github.com/narwhalmesh/narwhal/internal/promreg"
 	"github.com/narwhalmesh/narwhal/schemas"
@@ -101,7 +102,7 @@ type Options struct {
 	ID string
 	// Logger receives the Service's logs; nil means slog.Default().
 	Logger *slog.Logger
-	// Client runs the probes; nil means NewProbeClient(Config), whose idle
+	// Client runs the probes; nil means kvprobe.NewClient(Config), whose idle
 	// connections the Service closes when Run returns.
 	Client *engines.Client
 	// Registry receives the Service's metrics (narwhal_breaker_*) and its
@@ -212,7 +213,7 @@ func New(opts Options) (*Service, error) {
 		s.tracer = opts.TracerProvider.Tracer(TracerName)
 	}
 	if s.client == nil {
-		s.client = NewProbeClient(cfg)
+		s.client = kvprobe.NewClient(cfg)
 		s.ownsClient = true
 	}
 	if s.leaseTTL <= 0 {

@@ -17,6 +17,7 @@ import (
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines/connector"
+	kvprobe "github.com/narwhalmesh/narwhal/engines/probe"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/engines/sim/simtest"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
@@ -385,7 +386,7 @@ func (h *harness) eligibilities(engine string) []schemas.Eligibility {
 func probeRequests(srv *sim.Server) []sim.RecordedRequest {
 	var out []sim.RecordedRequest
 	for _, r := range srv.Requests() {
-		if strings.HasPrefix(r.RequestID, ProbeRequestIDPrefix) {
+		if strings.HasPrefix(r.RequestID, kvprobe.RequestIDPrefix) {
 			out = append(out, r)
 		}
 	}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/engines/connector"
+	kvprobe "github.com/narwhalmesh/narwhal/engines/probe"
 	"github.com/narwhalmesh/narwhal/internal/pause"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
@@ -247,7 +248,7 @@ func (s *Service) transfer(ctx, pctx context.Context, p *probe) {
 		return
 	}
 	producer, consumer := &p.prodE.Engine, &p.consE.Engine
-	err := ProbeTransfer(p.traced(pctx), s.client, producer, consumer, p.model)
+	err := kvprobe.Transfer(p.traced(pctx), s.client, producer, consumer, p.model)
 	switch {
 	case err == nil:
 		p.outcome = schemas.ProbeSuccess

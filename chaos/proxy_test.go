@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/narwhalmesh/narwhal/engines/connector"
+	"github.com/narwhalmesh/narwhal/engines/connector/nixl"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 	"golang.org/x/sync/errgroup"
@@ -456,10 +457,10 @@ func TestCatalogue(t *testing.T) {
 			if !ok || !ok2 {
 				t.Fatalf("no descriptor: direct %s, proxied %s", direct.body, r.body)
 			}
-			if _, err := (connector.Nixl{}).Validate(direct.body[ds:de]); err != nil {
+			if _, err := (nixl.Nixl{}).Validate(direct.body[ds:de]); err != nil {
 				t.Fatalf("the engine's descriptor is rejected already: %v", err)
 			}
-			_, err := (connector.Nixl{}).Validate(r.body[ps:pe])
+			_, err := (nixl.Nixl{}).Validate(r.body[ps:pe])
 			var rej *connector.RejectError
 			if !errors.As(err, &rej) || rej.Reason != tc.reason {
 				t.Errorf("descriptor %s: %v, want rejected for %s", r.body[ps:pe], err, tc.reason)

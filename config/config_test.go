@@ -5,7 +5,6 @@ import (
 	"errors"
 	"log/slog"
 	"math"
-	"net/http"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -606,13 +605,13 @@ func TestValidateNamesEveryKey(t *testing.T) {
 // TestConnectorRegistryIsTheOnlyList.
 type registryConnector struct{}
 
-func (registryConnector) Name() string           { return "lmcache-test" }
-func (registryConnector) HandoffRequest() []byte { return []byte(`{}`) }
-func (registryConnector) Validate([]byte) (connector.Handoff, error) {
-	return connector.Handoff{}, nil
+func (registryConnector) Name() string     { return "lmcache-test" }
+func (registryConnector) Fields() []string { return nil }
+func (registryConnector) CheckEngine(connector.Role, int) (string, string) {
+	return "", ""
 }
-func (registryConnector) Release(context.Context, *http.Client, string, []byte) (bool, error) {
-	return false, nil
+func (registryConnector) Start(context.Context, connector.Legs) (connector.Run, error) {
+	return nil, errors.New("lmcache-test runs no attempt")
 }
 
 var registerOnce sync.Once

@@ -23,8 +23,8 @@ import (
 	"github.com/openai/openai-go/v3"
 	"github.com/openai/openai-go/v3/option"
 
-	"github.com/narwhalmesh/narwhal/breaker"
 	"github.com/narwhalmesh/narwhal/bus"
+	kvprobe "github.com/narwhalmesh/narwhal/engines/probe"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
@@ -680,7 +680,7 @@ func TestEngineKeysBreakerProbe(t *testing.T) {
 	testkit.WaitEvery(t, decisionBound, pollInterval, "d1 readmitted", func() bool { return availability() == 1 })
 	var probes int
 	for _, r := range d1.requests(t) {
-		if strings.HasPrefix(r.RequestID, breaker.ProbeRequestIDPrefix) && r.Phase == "decode" {
+		if strings.HasPrefix(r.RequestID, kvprobe.RequestIDPrefix) && r.Phase == "decode" {
 			probes++
 		}
 	}
@@ -689,7 +689,7 @@ func TestEngineKeysBreakerProbe(t *testing.T) {
 	}
 	var probePrefills int
 	for _, r := range s.sims[0].requests(t) {
-		if strings.HasPrefix(r.RequestID, breaker.ProbeRequestIDPrefix) {
+		if strings.HasPrefix(r.RequestID, kvprobe.RequestIDPrefix) {
 			probePrefills++
 		}
 	}

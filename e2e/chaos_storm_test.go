@@ -12,7 +12,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/narwhalmesh/narwhal/breaker"
+	kvprobe "github.com/narwhalmesh/narwhal/engines/probe"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
@@ -237,7 +237,7 @@ func TestChaosStorm(t *testing.T) {
 		switch {
 		case isChaos && ce.Action == schemas.ChaosDisarm && disarmAt.IsZero():
 			disarmAt = e.At
-		case isChaos && ce.Action == schemas.ChaosInject && !strings.HasPrefix(e.RequestID, breaker.ProbeRequestIDPrefix):
+		case isChaos && ce.Action == schemas.ChaosInject && !strings.HasPrefix(e.RequestID, kvprobe.RequestIDPrefix):
 			if injected[ce.FaultID] == 0 {
 				struckBy[e.EngineID]++
 			}

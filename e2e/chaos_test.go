@@ -18,6 +18,7 @@ import (
 	"github.com/narwhalmesh/narwhal/breaker"
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/chaos"
+	kvprobe "github.com/narwhalmesh/narwhal/engines/probe"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
@@ -809,7 +810,7 @@ func checkEjectAndReadmit(t *testing.T, c *cluster, tc chaosCase, mark int, seed
 	// The probe goes through the proxy too: struck, it fails (R-BRK-3).
 	// Probes of one engine run one at a time, so the first after the
 	// ejection is the one struck (disarmed only once it was).
-	c.waitEvents(t, decisionBound, 1, "the injection into "+tc.engine+"'s probe", since(mark, isInjection(t, tc.engine, tc.name, breaker.ProbeRequestIDPrefix)))
+	c.waitEvents(t, decisionBound, 1, "the injection into "+tc.engine+"'s probe", since(mark, isInjection(t, tc.engine, tc.name, kvprobe.RequestIDPrefix)))
 	disarm()
 	disarmedAt := time.Now()
 	probe := c.waitEvents(t, decisionBound, 1, tc.engine+"'s first probe", after(ej, isProbe(tc.engine, "")))[0]

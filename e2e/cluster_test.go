@@ -20,6 +20,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/breaker"
 	"github.com/narwhalmesh/narwhal/bus"
+	kvprobe "github.com/narwhalmesh/narwhal/engines/probe"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
@@ -502,12 +503,12 @@ func (c *cluster) disarm(t *testing.T, s *simProc) {
 
 // routed returns the requests s received from routers: everything it
 // recorded except the breaker's probes (X-Request-Id with
-// breaker.ProbeRequestIDPrefix).
+// kvprobe.RequestIDPrefix).
 func routed(t *testing.T, s *simProc) []sim.RecordedRequest {
 	t.Helper()
 	var out []sim.RecordedRequest
 	for _, r := range s.requests(t) {
-		if !strings.HasPrefix(r.RequestID, breaker.ProbeRequestIDPrefix) {
+		if !strings.HasPrefix(r.RequestID, kvprobe.RequestIDPrefix) {
 			out = append(out, r)
 		}
 	}
@@ -519,7 +520,7 @@ func probed(t *testing.T, s *simProc, phase string) []sim.RecordedRequest {
 	t.Helper()
 	var out []sim.RecordedRequest
 	for _, r := range s.requests(t) {
-		if strings.HasPrefix(r.RequestID, breaker.ProbeRequestIDPrefix) && r.Phase == phase {
+		if strings.HasPrefix(r.RequestID, kvprobe.RequestIDPrefix) && r.Phase == phase {
 			out = append(out, r)
 		}
 	}

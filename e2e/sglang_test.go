@@ -14,8 +14,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/narwhalmesh/narwhal/breaker"
 	"github.com/narwhalmesh/narwhal/bus"
+	kvprobe "github.com/narwhalmesh/narwhal/engines/probe"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
@@ -424,7 +424,7 @@ func TestSGLangThroughRouterRDESC7(t *testing.T) {
 		// fields, to p1 and a decode.
 		var probes []sim.RecordedRequest
 		for _, r := range s.sims["p1"].requests(t) {
-			if strings.HasPrefix(r.RequestID, breaker.ProbeRequestIDPrefix) {
+			if strings.HasPrefix(r.RequestID, kvprobe.RequestIDPrefix) {
 				probes = append(probes, r)
 			}
 		}

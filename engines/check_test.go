@@ -8,6 +8,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines/connector"
+	"github.com/narwhalmesh/narwhal/engines/connector/nixl"
 )
 
 // TestFromConfig checks the one constructor of the configured fleet: every
@@ -24,8 +25,8 @@ func TestFromConfig(t *testing.T) {
 	}))
 	defer srv.Close()
 	fleet := []config.EngineSpec{
-		{ID: "p1", URL: srv.URL + "/", Role: connector.RolePrefill, Connector: connector.NixlName, APIKey: "k-1"},
-		{ID: "d1", URL: "http://127.0.0.1:1", Role: connector.RoleDecode, Connector: connector.NixlName},
+		{ID: "p1", URL: srv.URL + "/", Role: connector.RolePrefill, Connector: nixl.Name, APIKey: "k-1"},
+		{ID: "d1", URL: "http://127.0.0.1:1", Role: connector.RoleDecode, Connector: nixl.Name},
 	}
 	got, err := FromConfig(fleet)
 	if err != nil || len(got) != 2 || got[0].ID != "p1" || got[0].URL != srv.URL || got[1].ID != "d1" || got[1].Role != connector.RoleDecode || !got[1].Credential.IsZero() {

@@ -10,7 +10,6 @@
 package engines
 
 import (
-	"bytes"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -24,6 +23,8 @@ import (
 	"time"
 
 	"github.com/narwhalmesh/narwhal/engines/connector"
+	// The connectors Narwhal ships, registered for NewEngine.
+	_ "github.com/narwhalmesh/narwhal/engines/connector/all"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -239,83 +240,39 @@ func withTimeoutCause(ctx context.Context, d time.Duration, cause error) (contex
 // HTTPClient returns the client's *http.Client (for probes and releases).
 func (c *Client) HTTPClient() *http.Client { return c.http }
 
-// Prefill runs the prefill leg of req on req.Producer (behaviour.md R-LEG-1,
-// R-LEG-1a, R-LEG-4), bounded by the prefill timeout and ctx, and captures
-// the handoff descriptor into a PrefillResult (R-LEG-2). For a crossed
+// Prefill runs the prefill leg of req on req.Producer (behaviour.md
+// R-LEG-1, R-LEG-1a, R-LEG-4), bounded by the prefill timeout and ctx, and
+// captures the handoff descriptor into a PrefillResult (R-LEG-2), through
+// the producer's connector (connector.Descriptors: nixl). For a crossed
 // attempt the descriptor is validated against R-DESC-0…2 and the
-// producer connector's shape. Errors are *Fault: connect_error,
-// prefill_timeout, prefill_status, prefill_response, descriptor_rejected,
-// client_fault, overload, request_timeout or client_disconnected.
+// connector's shape. Errors are *Fault: connect_error, prefill_timeout,
+// prefill_status, prefill_response, descriptor_rejected (also for a
+// connector that passes no descriptor), client_fault, overload,
+// request_timeout or client_disconnected. StartAttempt runs a whole
+// attempt of any connector.
 func (c *Client) Prefill(ctx context.Context, req *Request) (*connector.PrefillResult, error) {
-	p := req.Producer
-	same := req.SameWorker()
-	var kv []byte
-	if !same {
-		kv = p.Connector.HandoffRequest()
-	}
-	body := req.Body.AppendPrefillBody(make([]byte, 0, req.Body.Size()+len(kv)+96), kv)
-
-	legCtx, cancel := withTimeoutCause(ctx, c.prefillTimeout, errPrefillTimeout)
-	defer cancel()
-	started := time.Now()
-	l, err := send(legCtx, c.prefillPools, &prefillReaders, p, req, body)
-	if err != nil {
-		return nil, classifyTransport(ctx, legCtx, err, schemas.PhasePrefill, p.ID, true)
-	}
-	status := l.status()
-	if status/100 != 2 {
-		resp := l.httpResponse()
-		f := c.statusFault(resp, schemas.PhasePrefill, p.ID)
-		l.finish(false)
+	d, a, f := c.descriptors(ctx, req)
+	if f != nil {
 		return nil, f
 	}
-	// One read takes the whole response when it fits the leg's buffer.
-	raw, err := l.readBody(int(min(c.maxResponse, 1<<31-1)))
+	res, err := d.Prefill(ctx, a.legs())
 	if err != nil {
-		l.finish(false)
-		return nil, classifyTransport(ctx, legCtx, err, schemas.PhasePrefill, p.ID, false)
+		return nil, a.fault(err, schemas.PhasePrefill)
 	}
-	defer l.finish(true)
-	completed := time.Now()
-	// One allocation-free pass over the completion for the two members
-	// that matter; the generated token is discarded (R-LEG-1).
-	var desc []byte
-	var hasChoices bool
-	valid := schemas.Members(raw, func(name, v []byte) bool {
-		switch string(name) {
-		case "kv_transfer_params":
-			desc = v
-		case "choices":
-			hasChoices = len(v) > 0 && v[0] == '['
-		}
-		return true
-	})
-	if !valid || !hasChoices {
-		return nil, NewFault(KindPrefillResponse, schemas.PhasePrefill, p.ID, status, "prefill engine returned an invalid completion")
+	return res, nil
+}
+
+// descriptors returns the producer's connector as a descriptor-passing
+// one and a bare attempt of req, or the descriptor_rejected fault of a
+// connector that passes no descriptor.
+func (c *Client) descriptors(ctx context.Context, req *Request) (connector.Descriptors, *Attempt, *Fault) {
+	a := c.newAttempt(ctx, req, nil)
+	d, ok := req.Producer.Connector.(connector.Descriptors)
+	if !ok {
+		return nil, nil, rejectFault(req.Producer.ID, &connector.RejectError{Reason: connector.ReasonConnectorMismatch,
+			Detail: "the " + req.Producer.Connector.Name() + " connector passes no descriptor"})
 	}
-	meta := connector.PrefillResult{
-		ProducerID:  p.ID,
-		ProducerURL: p.URL,
-		Endpoint:    req.Body.Endpoint,
-		RequestID:   req.BackendRequestID,
-		Connector:   p.Connector.Name(),
-		Started:     started,
-		Completed:   completed,
-	}
-	if same {
-		return connector.NewPrefillResult(meta, nil), nil
-	}
-	h, err := p.Connector.Validate(desc)
-	if err != nil {
-		var rej *connector.RejectError
-		if !errors.As(err, &rej) {
-			// A connector outside the contract: reject with its words.
-			rej = &connector.RejectError{Reason: connector.ReasonConnectorMismatch, Detail: err.Error()}
-		}
-		return nil, rejectFault(p.ID, rej)
-	}
-	meta.Handoff = h
-	return connector.NewPrefillResult(meta, bytes.TrimSpace(desc)), nil
+	return d, a, nil
 }
 
 // Release frees result's KV blocks at the producer when the handoff will
@@ -323,38 +280,23 @@ func (c *Client) Prefill(ctx context.Context, req *Request) (*connector.PrefillR
 // false with a nil error when the connector or engine cannot release early.
 // ctx should be short-lived and independent of a cancelled request.
 func (c *Client) Release(ctx context.Context, producer *Engine, result *connector.PrefillResult) (bool, error) {
-	if result == nil || !result.HasDescriptor() {
+	d, ok := producer.Connector.(connector.Descriptors)
+	if result == nil || !result.HasDescriptor() || !ok {
 		return false, nil
 	}
-	return producer.Connector.Release(ctx, c.HTTPClientFor(producer), producer.URL, result.AppendDescriptor(nil))
+	return d.Release(ctx, c.HTTPClientFor(producer), producer.URL, result.AppendDescriptor(nil))
 }
 
 // CheckHandoff applies the checks Decode makes before any decode HTTP
-// request (R-DESC-0, R-DESC-3, R-DESC-4, R-OWN-2) and returns the fault, or
-// nil when the handoff may be consumed.
+// request (R-DESC-0, R-DESC-3, R-DESC-4, R-OWN-2), at now, through the
+// producer's connector, and returns the fault, or nil when the handoff
+// may be consumed.
 func (c *Client) CheckHandoff(req *Request, result *connector.PrefillResult, now time.Time) *Fault {
-	if result == nil {
-		return rejectFault(req.Producer.ID, &connector.RejectError{Reason: connector.ReasonMissingDescriptor})
+	d, a, f := c.descriptors(context.Background(), req)
+	if f != nil {
+		return f
 	}
-	if !req.SameWorker() {
-		if !result.HasDescriptor() {
-			return rejectFault(result.ProducerID, &connector.RejectError{Reason: connector.ReasonMissingDescriptor})
-		}
-		if result.Connector != req.Consumer.Connector.Name() {
-			return rejectFault(result.ProducerID, &connector.RejectError{Reason: connector.ReasonConnectorMismatch,
-				Detail: "producer " + result.Connector + ", consumer " + req.Consumer.Connector.Name()})
-		}
-	}
-	if result.Endpoint != req.Body.Endpoint {
-		return rejectFault(result.ProducerID, &connector.RejectError{Reason: connector.ReasonEndpointMismatch,
-			Detail: "prefill " + result.Endpoint + ", decode " + req.Body.Endpoint})
-	}
-	if age := result.Age(now); c.handoffMaxAge > 0 && age > c.handoffMaxAge {
-		return NewFault(KindHandoffExpired, schemas.PhaseDecode, result.ProducerID, 0,
-			MsgHandoffExpired+": age "+strconv.FormatFloat(age.Seconds(), 'f', 3, 64)+"s exceeds handoff.max_age_s "+
-				strconv.FormatFloat(c.handoffMaxAge.Seconds(), 'f', -1, 64))
-	}
-	return nil
+	return a.fault(d.CheckHandoff(a.legs(), result, now), schemas.PhasePrefill)
 }
 
 // rejectFault is the R-DESC-6 fault of a rejected descriptor, an engine
@@ -367,23 +309,23 @@ func rejectFault(producerID string, err *connector.RejectError) *Fault {
 }
 
 // Decode runs the decode leg of req on req.Consumer with result's
-// descriptor (behaviour.md R-LEG-3, R-LEG-4, R-LEG-5): it first applies
-// CheckHandoff, then opens the stream with the first-token budget already
-// running (R-TMO-1) and returns it once response headers arrived with a
-// 2xx status. Read it with Stream.Next and always Close it. Errors are
-// *Fault (descriptor_rejected, handoff_expired, connect_error,
+// descriptor (behaviour.md R-LEG-3, R-LEG-4, R-LEG-5), through the
+// producer's connector: it first checks the handoff (R-DESC-0, R-DESC-3,
+// R-DESC-4, R-OWN-2), then opens the stream with the first-token budget
+// already running (R-TMO-1) and returns it once response headers arrived
+// with a 2xx status. Read it with Stream.Next and always Close it. Errors
+// are *Fault (descriptor_rejected, handoff_expired, connect_error,
 // first_token_timeout, upstream_status, client_fault, overload,
 // request_timeout, client_disconnected).
 func (c *Client) Decode(ctx context.Context, req *Request, result *connector.PrefillResult) (*Stream, error) {
-	if f := c.CheckHandoff(req, result, time.Now()); f != nil {
+	d, a, f := c.descriptors(ctx, req)
+	if f != nil {
 		return nil, f
 	}
-	var kv []byte
-	if !req.SameWorker() {
-		kv = result.AppendDescriptor(nil)
+	if err := d.Decode(ctx, a.legs(), result); err != nil {
+		return nil, a.fault(err, schemas.PhaseDecode)
 	}
-	body := req.Body.AppendDecodeBody(make([]byte, 0, req.Body.Size()+len(kv)+96), kv)
-	return c.openStream(ctx, req, body)
+	return a.stream, nil
 }
 
 // statusFault classifies a non-2xx engine response (R-FAIL-6, R-FAIL-7).

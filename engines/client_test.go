@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/narwhalmesh/narwhal/engines/connector"
+	"github.com/narwhalmesh/narwhal/engines/connector/nixl"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/engines/sim/simtest"
 	"github.com/narwhalmesh/narwhal/schemas"
@@ -19,7 +20,7 @@ import (
 func startSim(t *testing.T, id, role string) (*sim.Server, *Engine) {
 	t.Helper()
 	srv := simtest.Start(t, sim.Config{Role: role, EngineID: id, Model: "m"})
-	return srv, &Engine{ID: id, URL: srv.URL(), Role: connector.Role(role), Connector: connector.Nixl{}}
+	return srv, &Engine{ID: id, URL: srv.URL(), Role: connector.Role(role), Connector: nixl.Nixl{}}
 }
 
 func parse(t *testing.T, endpoint, body string) *schemas.Request {
@@ -104,15 +105,15 @@ func TestPrefillThenDecodeOverTheSimulator(t *testing.T) {
 
 // otherConnector is a second connector, to prove that adding one is a
 // small addition and that mismatches are refused (R-DESC-3).
-type otherConnector struct{ connector.Nixl }
+type otherConnector struct{ nixl.Nixl }
 
 func (otherConnector) Name() string { return "other" }
 
 func TestCheckHandoffRDESC3And4AndROWN2(t *testing.T) {
 	c := NewClient(Options{HandoffMaxAge: time.Second})
 	body := parse(t, schemas.EndpointChat, `{"model":"m","messages":[{"role":"user","content":"x"}]}`)
-	p := &Engine{ID: "p1", Connector: connector.Nixl{}}
-	d := &Engine{ID: "d1", Connector: connector.Nixl{}}
+	p := &Engine{ID: "p1", Connector: nixl.Nixl{}}
+	d := &Engine{ID: "d1", Connector: nixl.Nixl{}}
 	good := connector.NewPrefillResult(connector.PrefillResult{ProducerID: "p1", Endpoint: schemas.EndpointChat, Connector: "nixl", Started: time.Now()},
 		[]byte(`{"remote_engine_id":"p1","remote_block_ids":[1]}`))
 	req := &Request{Body: body, Producer: p, Consumer: d}
@@ -252,11 +253,11 @@ func newTestStream(body []byte) *Stream {
 // slashes leave the base URL, the connector comes from the registry, and
 // an unregistered connector is an error naming the known ones.
 func TestNewEngine(t *testing.T) {
-	e, err := NewEngine("p1", "http://10.0.0.11:8000//", connector.RolePrefill, connector.NixlName)
-	if err != nil || e.ID != "p1" || e.URL != "http://10.0.0.11:8000" || e.Role != connector.RolePrefill || e.Connector == nil || e.Connector.Name() != connector.NixlName {
+	e, err := NewEngine("p1", "http://10.0.0.11:8000//", connector.RolePrefill, nixl.Name)
+	if err != nil || e.ID != "p1" || e.URL != "http://10.0.0.11:8000" || e.Role != connector.RolePrefill || e.Connector == nil || e.Connector.Name() != nixl.Name {
 		t.Fatalf("NewEngine = %+v, %v", e, err)
 	}
-	if _, err := NewEngine("p1", "http://h:1", connector.RolePrefill, "lmcache-x"); err == nil || !strings.Contains(err.Error(), `unknown connector "lmcache-x"`) || !strings.Contains(err.Error(), connector.NixlName) {
+	if _, err := NewEngine("p1", "http://h:1", connector.RolePrefill, "lmcache-x"); err == nil || !strings.Contains(err.Error(), `unknown connector "lmcache-x"`) || !strings.Contains(err.Error(), nixl.Name) {
 		t.Fatalf("unknown connector: %v", err)
 	}
 }

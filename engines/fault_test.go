@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/narwhalmesh/narwhal/engines/connector"
+	"github.com/narwhalmesh/narwhal/engines/connector/nixl"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -49,7 +50,7 @@ func prefillAnswering(t *testing.T, descriptor string) *Engine {
 		fmt.Fprint(w, `{"id":"c1","object":"text_completion","choices":[{"index":0,"text":"x","finish_reason":"length"}]`+kv+`}`)
 	}))
 	t.Cleanup(srv.Close)
-	return &Engine{ID: "p1", URL: srv.URL, Role: connector.RolePrefill, Connector: connector.Nixl{}}
+	return &Engine{ID: "p1", URL: srv.URL, Role: connector.RolePrefill, Connector: nixl.Nixl{}}
 }
 
 // TestRejectionIsTyped: a rejected descriptor carries its reason as a
@@ -58,7 +59,7 @@ func prefillAnswering(t *testing.T, descriptor string) *Engine {
 func TestRejectionIsTyped(t *testing.T) {
 	c := NewClient(Options{PrefillTimeout: 5 * time.Second})
 	defer c.CloseIdleConnections()
-	d := &Engine{ID: "d1", URL: "http://127.0.0.1:1", Role: connector.RoleDecode, Connector: connector.Nixl{}}
+	d := &Engine{ID: "d1", URL: "http://127.0.0.1:1", Role: connector.RoleDecode, Connector: nixl.Nixl{}}
 	cases := []struct {
 		descriptor, reason string
 		missing            bool
@@ -88,7 +89,7 @@ func TestRejectionIsTyped(t *testing.T) {
 	}
 	// The checks before the decode request are typed the same way.
 	body := parse(t, schemas.EndpointChat, `{"model":"m","messages":[{"role":"user","content":"x"}]}`)
-	p := &Engine{ID: "p1", Role: connector.RolePrefill, Connector: connector.Nixl{}}
+	p := &Engine{ID: "p1", Role: connector.RolePrefill, Connector: nixl.Nixl{}}
 	f := c.CheckHandoff(&Request{Body: body, Producer: p, Consumer: d}, nil, time.Now())
 	if f == nil || !f.MissingDescriptor() {
 		t.Fatalf("no result: %v", f)
@@ -116,8 +117,8 @@ func TestZeroOptionsMeanNoBound(t *testing.T) {
 	}
 	// No age limit: a day-old handoff may still be consumed.
 	body := parse(t, schemas.EndpointChat, `{"model":"m","messages":[{"role":"user","content":"x"}]}`)
-	p := &Engine{ID: "p1", Role: connector.RolePrefill, Connector: connector.Nixl{}}
-	d := &Engine{ID: "d1", Role: connector.RoleDecode, Connector: connector.Nixl{}}
+	p := &Engine{ID: "p1", Role: connector.RolePrefill, Connector: nixl.Nixl{}}
+	d := &Engine{ID: "d1", Role: connector.RoleDecode, Connector: nixl.Nixl{}}
 	res := connector.NewPrefillResult(connector.PrefillResult{ProducerID: "p1", Endpoint: schemas.EndpointChat, Connector: "nixl", Started: time.Now().Add(-24 * time.Hour)}, []byte(`{"remote_engine_id":"p1"}`))
 	if f := c.CheckHandoff(&Request{Body: body, Producer: p, Consumer: d}, res, time.Now()); f != nil {
 		t.Fatalf("no age limit, yet %v", f)

@@ -14,6 +14,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/narwhalmesh/narwhal/engines/connector"
+	"github.com/narwhalmesh/narwhal/engines/connector/nixl"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -91,7 +92,7 @@ func testRequest(url string) (*Request, *connector.PrefillResult) {
 	if err != nil {
 		panic(err)
 	}
-	e := &Engine{ID: "d1", URL: url, Role: connector.RoleBoth, Connector: connector.Nixl{}}
+	e := &Engine{ID: "d1", URL: url, Role: connector.RoleBoth, Connector: nixl.Nixl{}}
 	req := &Request{Body: body, BackendRequestID: "b-1", Producer: e, Consumer: e}
 	res := connector.NewPrefillResult(connector.PrefillResult{ProducerID: "d1", Endpoint: schemas.EndpointChat, Connector: "nixl", Started: time.Now()}, nil)
 	return req, res

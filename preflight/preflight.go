@@ -12,9 +12,9 @@ import (
 	"sync"
 	"time"
 
-	"github.com/narwhalmesh/narwhal/breaker"
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
+	"github.com/narwhalmesh/narwhal/engines/probe"
 )
 
 // DefaultParallel is how many checks and transfers Run runs at once when
@@ -112,7 +112,7 @@ func Run(ctx context.Context, cfg *config.Config, opts Options) (*Report, error)
 	for i := range configured {
 		fleet[i] = &configured[i]
 	}
-	client := breaker.NewProbeClient(cfg)
+	client := probe.NewClient(cfg)
 	defer client.CloseIdleConnections()
 	ftt := cfg.Engine.FirstTokenTimeout()
 
@@ -159,7 +159,7 @@ func Run(ctx context.Context, cfg *config.Config, opts Options) (*Report, error)
 			tr.Err = errors.New("no model known for either engine (see the engine checks)")
 		} else {
 			tctx, cancel := context.WithTimeout(ctx, 3*ftt+cfg.Engine.DecodeReadTimeout())
-			tr.Err = breaker.ProbeTransfer(tctx, client, tr.Producer, tr.Consumer, m)
+			tr.Err = probe.Transfer(tctx, client, tr.Producer, tr.Consumer, m)
 			cancel()
 		}
 		tr.Took = time.Since(start)

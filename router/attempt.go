@@ -1,7 +1,6 @@
 package router
 
 import (
-	"context"
 	"strconv"
 	"time"
 
@@ -69,24 +68,51 @@ func (a *avoidSet) blame(f *fleet, fault *engines.Fault) {
 	a[p] = append(a[p], m)
 }
 
-// attempt runs one prefill and the start of one decode (behaviour.md §0 attempt):
-// it places both phases, runs the prefill leg, and reads the decode stream
-// up to its first generated output. Every fault it returns is already
-// recorded, and the attempt's reservations and stream are released.
+// attempt runs one attempt (behaviour.md §0 "attempt"): it places both
+// phases, has the producer's connector start the legs (which, in what
+// order, with which bodies and checks is the connector's:
+// engines.Client.StartAttempt), and reads the decode stream up to its
+// first generated output, holding the metadata chunks before it
+// (R-TMO-1). Every fault it returns is already recorded, and the
+// attempt's reservations and stream are released.
 func (c *call) attempt(avoid *avoidSet) *engines.Fault {
 	if f := c.tracePlace(avoid); f != nil {
 		return f
 	}
+	rt := c.rt
 	c.backendID = c.id + "-" + strconv.Itoa(c.attempts) + "-" + newID()[:8]
-	ereq := &engines.Request{Body: c.req, BackendRequestID: c.backendID, Producer: &c.producer.Engine, Consumer: &c.consumer.Engine}
-	if connector.Concurrent(c.producer.Connector) {
-		// Both legs at once (sglang.go), in one span.
-		return c.traceConcurrent(ereq)
+	ereq := &engines.Request{Body: c.req, BackendRequestID: c.backendID, Producer: &c.producer.Engine, Consumer: &c.consumer.Engine,
+		Traceparent: c.traceparent, Tracestate: c.tracestate}
+	a, f := rt.client.StartAttempt(c.ctx, ereq, steps{c: c})
+	if f != nil {
+		return c.attemptFailed(a, f)
 	}
-	if f := c.tracePrefill(ereq); f != nil {
-		return f
+	stream := a.Stream()
+	c.stream = stream
+	c.pending = c.pending[:0]
+	held := 0
+	for {
+		payload, kind, err := stream.Next()
+		if err != nil {
+			c.closeStream()
+			return c.attemptFailed(a, a.Blame(err))
+		}
+		if kind == schemas.ChunkOutput {
+			if f := a.Commit(); f != nil {
+				c.closeStream()
+				return c.attemptFailed(a, f)
+			}
+			c.live = a
+			c.first = append([]byte(nil), payload...)
+			c.lastOutput = stream.FirstOutput()
+			c.firstByte = c.lastOutput.Sub(c.arrival)
+			return nil
+		}
+		if f := c.hold(&held, payload, stream.Chunk()); f != nil {
+			c.closeStream()
+			return c.attemptFailed(a, f)
+		}
 	}
-	return c.traceDecode(ereq)
 }
 
 // place reserves a prefill slot and a decode slot for the attempt
@@ -99,72 +125,25 @@ func (c *call) place(avoid *avoidSet) *engines.Fault {
 		return f
 	}
 	c.producer, c.consumer = prod, cons
-	c.holdPrefill, c.holdDecode = true, true
+	c.holdPrefill.Store(true)
+	c.holdDecode = true
 	return nil
 }
 
-// prefill runs the prefill leg and keeps its result (R-LEG-2). The
-// producer's slot is released when the leg ends (R-OWN-3); on a fault the
-// consumer's too.
-func (c *call) prefill(ereq *engines.Request) *engines.Fault {
-	rt := c.rt
-	res, err := rt.client.Prefill(c.ctx, ereq)
-	rt.metrics.leg.WithLabelValues(schemas.PhasePrefill, c.modelSeries().label).Observe(time.Since(c.arrival).Seconds())
+// attemptFailed ends attempt a, which failed with f before its first
+// output: its open step ended with f, a handoff it left unconsumed
+// released where its connector can and reported (R-OWN-6), ttft_s taken
+// from a prefill that completed (R-TIME-1), both slots released
+// (R-OWN-3), the fault recorded.
+func (c *call) attemptFailed(a *engines.Attempt, f *engines.Fault) *engines.Fault {
+	c.traceFailed(f)
+	if ab, ok := a.Abandon(engines.AbandonReason(f)); ok {
+		c.reportAbandoned(ab)
+	}
+	if t, _ := a.Finish(0); !t.IsZero() {
+		c.ttft = t.Sub(c.arrival)
+	}
 	c.releasePrefill()
-	if err != nil {
-		f := engines.AsFault(err, schemas.PhasePrefill, c.producer.ID)
-		c.releaseDecode()
-		if f.Kind == engines.KindDescriptorRejected && !f.MissingDescriptor() {
-			// The producer may hold blocks for a descriptor nobody can
-			// use: make the stranded KV visible (R-OWN-6). Without a
-			// descriptor there is no handoff to abandon.
-			c.publishAbandoned(c.producer.ID, "", "descriptor_rejected", 0, false)
-		}
-		c.recordFault(f)
-		return f
-	}
-	c.result = res
-	c.ttft = res.Completed.Sub(c.arrival)
-	return nil
-}
-
-// decodeUntilOutput opens the decode leg with the prefill's descriptor and
-// reads it up to the first generated output, holding the metadata chunks
-// before it (R-TMO-1). On a fault the handoff is abandoned (R-OWN-6).
-func (c *call) decodeUntilOutput(ereq *engines.Request) *engines.Fault {
-	rt := c.rt
-	c.decodeStart = time.Now()
-	stream, err := rt.client.Decode(c.ctx, ereq, c.result)
-	if err != nil {
-		return c.decodeFault(engines.AsFault(err, schemas.PhaseDecode, c.consumer.ID))
-	}
-	c.stream = stream
-	c.pending = c.pending[:0]
-	held := 0
-	for {
-		payload, kind, err := stream.Next()
-		if err != nil {
-			c.closeStream()
-			return c.decodeFault(engines.AsFault(err, schemas.PhaseDecode, c.consumer.ID))
-		}
-		if kind == schemas.ChunkOutput {
-			c.first = append([]byte(nil), payload...)
-			c.lastOutput = stream.FirstOutput()
-			c.firstByte = c.lastOutput.Sub(c.arrival)
-			c.result = nil // consumed
-			return nil
-		}
-		if f := c.hold(&held, payload, stream.Chunk()); f != nil {
-			c.closeStream()
-			return c.decodeFault(f)
-		}
-	}
-}
-
-// decodeFault ends a decode leg that failed before its first output: the
-// handoff is abandoned, the consumer's slot released, the fault recorded.
-func (c *call) decodeFault(f *engines.Fault) *engines.Fault {
-	c.abandon(abandonReason(f))
 	c.releaseDecode()
 	c.recordFault(f)
 	return f
@@ -174,41 +153,38 @@ func noEngine(p phase) *engines.Fault {
 	return engines.NewFault(engines.KindNoEngine, p.String(), "", 0, "no eligible engine for "+p.String())
 }
 
-// abandonReason is the reason of the handoff event for a handoff that f
-// left unconsumed (R-OWN-6).
-func abandonReason(f *engines.Fault) string {
-	switch f.Kind {
-	case engines.KindClientGone:
-		return "client_disconnected"
-	case engines.KindDescriptorRejected:
-		return "descriptor_rejected"
-	case engines.KindHandoffExpired:
-		return "handoff_expired"
-	case engines.KindShutdown:
-		return "router_shutdown"
-	case engines.KindRequestTimeout:
-		return "request_timeout"
+// reportAbandoned reports a handoff an attempt left unconsumed: a release
+// that failed is counted and logged, and a handoff event with outcome
+// abandoned is published either way (R-OWN-6).
+func (c *call) reportAbandoned(ab connector.Abandoned) {
+	rt := c.rt
+	if ab.ReleaseErr != nil {
+		rt.metrics.releaseFailures.Inc()
+		rt.log.Warn("handoff release failed", "request_id", c.id, "engine_id", ab.ProducerID, "err", ab.ReleaseErr)
 	}
-	return "decode_failed"
+	c.publishAbandoned(ab.ProducerID, ab.Connector, ab.Reason, ab.Age, ab.Released)
 }
 
-// abandon releases an unconsumed handoff at the producer where the
-// connector can and publishes a handoff event with outcome abandoned
-// either way (R-OWN-6). It runs synchronously, bounded to one second, so
-// nothing outlives the request.
-func (c *call) abandon(reason string) {
-	res := c.result
-	c.result = nil
-	if res == nil || !res.HasDescriptor() {
+// prefillGrace is how long a request whose decode succeeded waits, at its
+// end, for a prefill leg still running (a connector whose legs run at
+// once): its answer normally comes with the decode's first tokens, and
+// ttft_s ends there (R-TIME-1).
+const prefillGrace = 250 * time.Millisecond
+
+// finishAttempt ends the committed attempt's legs when the request ends,
+// after prefillGrace for a prefill still running when the request got its
+// first output, and takes ttft_s from the prefill's completion.
+func (c *call) finishAttempt() {
+	a := c.live
+	if a == nil {
 		return
 	}
-	rt := c.rt
-	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-	released, err := rt.client.Release(ctx, &c.producer.Engine, res)
-	cancel()
-	if err != nil {
-		rt.metrics.releaseFailures.Inc()
-		rt.log.Warn("handoff release failed", "request_id", c.id, "engine_id", res.ProducerID, "err", err)
+	c.live = nil
+	wait := time.Duration(0)
+	if c.first != nil {
+		wait = prefillGrace
 	}
-	c.publishAbandoned(res.ProducerID, res.Connector, reason, res.Age(time.Now()), released)
+	if t, _ := a.Finish(wait); !t.IsZero() {
+		c.ttft = t.Sub(c.arrival)
+	}
 }

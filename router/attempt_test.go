@@ -11,6 +11,7 @@ import (
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/engines/connector"
+	"github.com/narwhalmesh/narwhal/engines/connector/nixl"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
@@ -79,7 +80,7 @@ func TestPlaceAvoidsEveryFailedEngine(t *testing.T) {
 	f := &fleet{byID: map[string]*member{}}
 	models := []string{"m"}
 	for _, id := range []string{"d1", "d2", "d3"} {
-		m := &member{Engine: engines.Engine{ID: id, Role: connector.RoleDecode, Connector: connector.Nixl{}}}
+		m := &member{Engine: engines.Engine{ID: id, Role: connector.RoleDecode, Connector: nixl.Nixl{}}}
 		m.eligible.Store(true)
 		m.active.Store(true)
 		m.models.Store(&models)

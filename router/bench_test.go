@@ -13,6 +13,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/engines/connector"
+	"github.com/narwhalmesh/narwhal/engines/connector/nixl"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -87,7 +88,7 @@ func BenchmarkPlace(b *testing.B) {
 	f := &fleet{byID: map[string]*member{}}
 	models := []string{"m"}
 	for i, role := range []connector.Role{connector.RolePrefill, connector.RolePrefill, connector.RoleDecode, connector.RoleDecode, connector.RoleDecode, connector.RoleDecode} {
-		m := &member{Engine: engines.Engine{ID: "e" + string(rune('0'+i)), Role: role, Connector: connector.Nixl{}}}
+		m := &member{Engine: engines.Engine{ID: "e" + string(rune('0'+i)), Role: role, Connector: nixl.Nixl{}}}
 		m.eligible.Store(true)
 		m.active.Store(true)
 		m.models.Store(&models)

@@ -6,12 +6,12 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/valyala/fasthttp"
 
 	"github.com/narwhalmesh/narwhal/engines"
-	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -19,7 +19,7 @@ import (
 //
 //	serveCompletion        this file: arrive, prepare, run, answer
 //	  call.run             attempt.go: attempts under the retry policy (retry.go)
-//	    call.attempt       attempt.go: placement, prefill leg, decode leg up to its first output
+//	    call.attempt       attempt.go: placement, the connector's legs (engines.Client.StartAttempt), the decode up to its first output
 //	  call.answer          this file, then relay.go: the stream relayed, or aggregated
 //	  call.finish          this file: every reservation, leg and watch released
 //	    call.record        outcome.go: metrics, the request event, the log line
@@ -43,10 +43,9 @@ type call struct {
 	scratch  *placeScratch // placement's pooled buffers (placement.go)
 
 	producer, consumer *member
-	holdPrefill        bool // producer's prefill slot is reserved
-	holdDecode         bool // consumer's decode slot is reserved
-	result             *connector.PrefillResult
-	legs               *engines.SGLangLegs // the legs of a concurrent attempt (sglang.go)
+	holdPrefill        atomic.Bool      // producer's prefill slot is reserved (released from the prefill's goroutine too)
+	holdDecode         bool             // consumer's decode slot is reserved
+	live               *engines.Attempt // the committed attempt, until finish ends its legs
 	backendID          string
 	stream             *engines.Stream
 	pending            []heldChunk // metadata read before the first output
@@ -315,10 +314,7 @@ func (c *call) finish() {
 	c.watch.stop()
 	c.watch = nil
 	c.closeStream()
-	c.closeLegs(c.first != nil)
-	if c.result != nil {
-		c.abandon("client_disconnected")
-	}
+	c.finishAttempt()
 	c.releasePrefill()
 	c.releaseDecode()
 	c.rt.front.releaseBody(c.bodyBytes)
@@ -335,8 +331,7 @@ func (c *call) finish() {
 }
 
 func (c *call) releasePrefill() {
-	if c.holdPrefill {
-		c.holdPrefill = false
+	if c.holdPrefill.CompareAndSwap(true, false) {
 		c.producer.release(prefillPhase)
 	}
 }

@@ -18,6 +18,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines/connector"
+	"github.com/narwhalmesh/narwhal/engines/connector/sglang"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/engines/sim/simtest"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
@@ -144,7 +145,7 @@ func newStackWith(t *testing.T, defs []engineDef, mutate func(*config.Config), w
 		s.sims[d.id] = srv
 		spec := config.EngineSpec{ID: d.id, URL: url, Role: connector.Role(d.role), Connector: "nixl"}
 		if sc.Connector == sim.ConnectorSGLang {
-			spec.Connector = connector.SGLangName
+			spec.Connector = sglang.Name
 			if d.role == sim.RolePrefill {
 				_, port, _ := net.SplitHostPort(srv.KVAddr())
 				spec.BootstrapPort, _ = strconv.Atoi(port)

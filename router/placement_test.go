@@ -13,6 +13,7 @@ import (
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/engines/connector"
+	"github.com/narwhalmesh/narwhal/engines/connector/nixl"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/prefix"
 	"github.com/narwhalmesh/narwhal/schemas"
@@ -37,7 +38,7 @@ func newPlacementRig(t testing.TB, policy string, ids ...string) *placementRig {
 		case 'b':
 			role = connector.RoleBoth
 		}
-		m := &member{Engine: engines.Engine{ID: id, Role: role, Connector: connector.Nixl{}}}
+		m := &member{Engine: engines.Engine{ID: id, Role: role, Connector: nixl.Nixl{}}}
 		m.eligible.Store(true)
 		m.active.Store(true)
 		m.models.Store(&models)

@@ -12,6 +12,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/narwhalmesh/narwhal/engines"
+	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -63,10 +64,12 @@ var traceContext propagation.TraceContext
 
 // callTrace is a traced request's spans.
 type callTrace struct {
-	tracer trace.Tracer
-	ctx    context.Context // carries the request span: the parent of every child span
-	span   trace.Span      // the request span
-	decode trace.Span      // the decode leg's span while it is open
+	tracer  trace.Tracer
+	ctx     context.Context // carries the request span: the parent of every child span
+	span    trace.Span      // the request span
+	prefill trace.Span      // the prefill leg's span while it is open
+	check   trace.Span      // the handoff check's span while it is open
+	decode  trace.Span      // the decode leg's (or both legs') span while it is open
 }
 
 // requestHeaders reads a fasthttp request's headers for the propagator.
@@ -133,76 +136,93 @@ func (c *call) tracePlace(avoid *avoidSet) *engines.Fault {
 	return f
 }
 
-// tracePrefill runs the prefill leg in a prefill span whose traceparent
-// the leg carries.
-func (c *call) tracePrefill(ereq *engines.Request) *engines.Fault {
-	if c.trace == nil {
-		ereq.Traceparent, ereq.Tracestate = c.traceparent, c.tracestate
-		return c.prefill(ereq)
+// steps is the request's engines.Observer of an attempt: it releases the
+// producer's prefill slot when the prefill leg ends (R-OWN-3), observes
+// the leg's duration, records a late prefill failure, notes when the
+// decode leg starts, and traces each step as a span. With tracing off it
+// traces nothing, and every leg carries the client's own trace context.
+type steps struct{ c *call }
+
+// Begin opens step's span and returns the trace context its legs carry.
+func (s steps) Begin(step connector.Step, detail connector.StepDetail) (traceparent, tracestate string) {
+	c := s.c
+	if step == connector.StepHandoffCheck || step == connector.StepLegs {
+		c.decodeStart = time.Now()
 	}
-	ctx, span := c.trace.start(spanPrefill, trace.SpanKindClient,
-		attrAttempt.Int(c.attempts), attrEngine.String(c.producer.ID), attrBackendRequestID.String(c.backendID),
-		attrConnector.String(c.producer.Connector.Name()))
-	ereq.SetTrace(ctx)
-	f := c.prefill(ereq)
-	endWith(span, f)
-	return f
+	t := c.trace
+	if t == nil {
+		return c.traceparent, c.tracestate
+	}
+	var ctx context.Context
+	switch step {
+	case connector.StepPrefill:
+		ctx, t.prefill = t.start(spanPrefill, trace.SpanKindClient,
+			attrAttempt.Int(c.attempts), attrEngine.String(c.producer.ID), attrBackendRequestID.String(c.backendID),
+			attrConnector.String(c.producer.Connector.Name()))
+	case connector.StepHandoffCheck:
+		_, t.check = t.start(spanHandoff, trace.SpanKindInternal,
+			attrAttempt.Int(c.attempts), attrPrefillEngine.String(c.producer.ID), attrDecodeEngine.String(c.consumer.ID))
+		if detail.Connector != "" {
+			t.check.SetAttributes(attrConnector.String(detail.Connector),
+				attribute.Float64("narwhal.handoff_age_s", detail.HandoffAge.Seconds()))
+		}
+		return "", ""
+	case connector.StepDecode:
+		ctx, t.decode = t.start(spanDecode, trace.SpanKindClient,
+			attrAttempt.Int(c.attempts), attrEngine.String(c.consumer.ID), attrBackendRequestID.String(c.backendID))
+	case connector.StepLegs:
+		// Both legs at once, in one span, the parent of both.
+		ctx, t.decode = t.start(spanLegs, trace.SpanKindClient,
+			attrAttempt.Int(c.attempts), attrPrefillEngine.String(c.producer.ID), attrDecodeEngine.String(c.consumer.ID),
+			attrBackendRequestID.String(c.backendID), attrConnector.String(c.producer.Connector.Name()))
+	default:
+		return c.traceparent, c.tracestate
+	}
+	var legs engines.Request
+	legs.SetTrace(ctx)
+	return legs.Traceparent, legs.Tracestate
 }
 
-// traceDecode runs the handoff checks in their span, then opens the decode
-// leg in a decode span that stays open until the leg ends: at a fault
-// before the first output, or when the request finishes.
-func (c *call) traceDecode(ereq *engines.Request) *engines.Fault {
-	if c.trace == nil {
-		ereq.Traceparent, ereq.Tracestate = c.traceparent, c.tracestate
-		return c.decodeUntilOutput(ereq)
+// End ends step's span with f.
+func (s steps) End(step connector.Step, f *engines.Fault) {
+	t := s.c.trace
+	if t == nil {
+		return
 	}
-	_, check := c.trace.start(spanHandoff, trace.SpanKindInternal,
-		attrAttempt.Int(c.attempts), attrPrefillEngine.String(c.producer.ID), attrDecodeEngine.String(c.consumer.ID))
-	if c.result != nil {
-		check.SetAttributes(attrConnector.String(c.result.Connector),
-			attribute.Float64("narwhal.handoff_age_s", c.result.Age(time.Now()).Seconds()))
+	switch step {
+	case connector.StepPrefill:
+		if t.prefill != nil {
+			endWith(t.prefill, f)
+			t.prefill = nil
+		}
+	case connector.StepHandoffCheck:
+		if t.check != nil {
+			endWith(t.check, f)
+			t.check = nil
+		}
 	}
-	if f := c.rt.client.CheckHandoff(ereq, c.result, time.Now()); f != nil {
-		endWith(check, f)
-		// The decode leg applies the same checks and fails with this
-		// fault (a handoff only gets older) before any request is sent.
-		ereq.Traceparent, ereq.Tracestate = "", ""
-		return c.decodeUntilOutput(ereq)
-	}
-	endWith(check, nil)
-	ctx, span := c.trace.start(spanDecode, trace.SpanKindClient,
-		attrAttempt.Int(c.attempts), attrEngine.String(c.consumer.ID), attrBackendRequestID.String(c.backendID))
-	ereq.SetTrace(ctx)
-	c.trace.decode = span
-	f := c.decodeUntilOutput(ereq)
-	if f != nil {
-		c.trace.decode = nil
-		endWith(span, f)
-	}
-	return f
 }
 
-// traceConcurrent runs an attempt whose legs start at once (a concurrent
-// connector, sglang.go) in one legs span, the parent of both legs, which
-// stays open like a decode span until the attempt fails or the request
-// finishes.
-func (c *call) traceConcurrent(ereq *engines.Request) *engines.Fault {
-	if c.trace == nil {
-		ereq.Traceparent, ereq.Tracestate = c.traceparent, c.tracestate
-		return c.concurrentAttempt(ereq)
+// PrefillEnded releases the producer's prefill slot and observes the
+// leg; a late failure (the KV had arrived: the client's stream goes on)
+// is recorded. It may run on the prefill's own goroutine: it touches only
+// atomics and fields of c that no longer change once the attempt runs.
+func (s steps) PrefillEnded(late *engines.Fault) {
+	c := s.c
+	c.releasePrefill()
+	c.rt.metrics.leg.WithLabelValues(schemas.PhasePrefill, c.modelSeries().label).Observe(time.Since(c.arrival).Seconds())
+	if late != nil {
+		c.recordFault(late)
 	}
-	ctx, span := c.trace.start(spanLegs, trace.SpanKindClient,
-		attrAttempt.Int(c.attempts), attrPrefillEngine.String(c.producer.ID), attrDecodeEngine.String(c.consumer.ID),
-		attrBackendRequestID.String(c.backendID), attrConnector.String(c.producer.Connector.Name()))
-	ereq.SetTrace(ctx)
-	c.trace.decode = span
-	f := c.concurrentAttempt(ereq)
-	if f != nil {
-		c.trace.decode = nil
-		endWith(span, f)
+}
+
+// traceFailed ends the attempt's open decode (or legs) span with the
+// fault that ended the attempt before its first output.
+func (c *call) traceFailed(f *engines.Fault) {
+	if t := c.trace; t != nil && t.decode != nil {
+		endWith(t.decode, f)
+		t.decode = nil
 	}
-	return f
 }
 
 // traceEnd ends the open decode span and the request span with what the

@@ -446,15 +446,15 @@ func (r *Request) Prompts() int {
 	return n
 }
 
-// AppendBootstrapBody appends the one body both legs of an SGLang attempt
-// receive (behaviour.md R-DESC-7): the decode body of AppendDecodeBody without
-// transfer parameters (the client's members, "stream":true,
+// AppendDecodeBodyWith appends the decode body of AppendDecodeBody
+// without transfer parameters (the client's members, "stream":true,
 // stream_options with include_usage), followed by members — raw JSON
-// object members without braces, e.g.
-// "bootstrap_host":"10.0.0.11","bootstrap_port":8998,"bootstrap_room":7 —
-// which must not repeat a member the body has (the client's bootstrap
-// fields are removed by ParseLimited).
-func (r *Request) AppendBootstrapBody(dst []byte, members []byte) []byte {
+// object members without braces that a connector writes, e.g.
+// "bootstrap_host":"10.0.0.11","bootstrap_port":8998,"bootstrap_room":7
+// (behaviour.md R-DESC-7) — which must not repeat a member the body has
+// (the members connectors write are removed from the client's request by
+// ParseLimited).
+func (r *Request) AppendDecodeBodyWith(dst []byte, members []byte) []byte {
 	dst = r.AppendDecodeBody(dst, nil)
 	if len(members) == 0 {
 		return dst

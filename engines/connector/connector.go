@@ -1,10 +1,15 @@
-// Package connector defines how Narwhal asks a producer engine for a KV
-// handoff, checks the handoff descriptor it returns, and binds that
-// descriptor to the attempt that produced it (behaviour.md §2, §3).
+// Package connector defines what a connector is: one KV transfer
+// mechanism between a producer and a consumer engine, which owns how an
+// attempt runs — which legs, in what order or at once, the bodies they
+// are sent, what is verified, and whom each failure blames (behaviour.md
+// §2, §3).
 //
-// A connector is one KV transfer mechanism (vLLM's NixlConnector first).
-// Adding another (LMCache, Mooncake, …) is one type that implements
-// Connector and one line in the registry (see Register).
+// Each connector is a package of its own below this one (nixl, sglang,
+// sharedstorage) that implements Connector over the engine client's legs
+// (Legs) and registers itself in its init function; the list of the
+// connectors Narwhal ships is package engines/connector/all, one import
+// line each. docs/architecture.md, "How to add a connector", is the walk
+// through.
 package connector
 
 import (
@@ -13,30 +18,203 @@ import (
 	"net/http"
 	"sort"
 	"sync"
+	"time"
+
+	"github.com/narwhalmesh/narwhal/schemas"
 )
 
 // Connector is one KV transfer mechanism. Implementations are stateless and
-// safe for concurrent use.
+// safe for concurrent use; the state of one attempt lives in its Run.
 type Connector interface {
 	// Name is the connector's configuration name, e.g. "nixl".
 	Name() string
-	// HandoffRequest returns the kv_transfer_params JSON object that asks a
-	// producer to keep the prompt's KV blocks for a remote consumer
-	// (behaviour.md R-LEG-1). The returned slice is shared: callers must not
-	// modify it.
-	HandoffRequest() []byte
-	// Validate checks the kv_transfer_params value of a prefill response
-	// (raw JSON; nil, "null" or "{}" when the producer returned none) for a
-	// crossed decode, following R-DESC-0, R-DESC-1, R-DESC-2 and the
-	// connector-shape half of R-DESC-3. It returns the identity the
-	// descriptor names, or a *RejectError.
-	Validate(descriptor []byte) (Handoff, error)
-	// Release frees a handoff's KV blocks at the producer when the
-	// descriptor will not be consumed (behaviour.md R-OWN-6). It returns
-	// released=false with a nil error when the producer has no way to
-	// release early (the blocks then wait for the producer's own timeout);
-	// an error means the attempt to release failed.
-	Release(ctx context.Context, client *http.Client, producerURL string, descriptor []byte) (released bool, err error)
+	// Fields lists the request body members the connector writes for a
+	// handoff (nixl: kv_transfer_params; sglang: bootstrap_host,
+	// bootstrap_port, bootstrap_room). A client never sends them: the
+	// front end removes them from every request (behaviour.md R-API-5,
+	// R-DESC-7).
+	Fields() []string
+	// CheckEngine judges one engine's connector settings: its role and
+	// its bootstrap port (fleet entry bootstrap_port, 0 when absent). It
+	// returns "" when they fit, else the fleet entry field at fault
+	// ("role" or "bootstrap_port") and what is wrong.
+	CheckEngine(role Role, bootstrapPort int) (field, problem string)
+	// Start runs one attempt of legs' request on its producer (an engine
+	// of this connector) and consumer, up to the moment the decode
+	// stream is open (Legs.Decode returned nil). It refuses a consumer of
+	// another connector before any leg starts.
+	//
+	// On success it returns the running attempt and a nil error. On
+	// failure the error is the attempt's: an error a Legs method returned
+	// (an engine fault), a *RejectError (a descriptor or a pairing the
+	// connector refuses; blamed on the producer), or an error of
+	// Legs.Failure. The Run is then non-nil whenever the attempt left
+	// something to end (a handoff to abandon, a leg still running): the
+	// caller calls its Abandon, then Finish.
+	Start(ctx context.Context, legs Legs) (Run, error)
+}
+
+// Run is one running attempt, owned by the goroutine that started it.
+type Run interface {
+	// Blame returns the error that ends the attempt when its decode
+	// stream failed with err before the first generated output: err
+	// itself, or the failure of another leg that caused it (an SGLang
+	// prefill that failed first).
+	Blame(err error) error
+	// Commit is called at the decode's first generated output. A non-nil
+	// error means the attempt cannot be committed (the prefill had failed
+	// first) and is its failure.
+	Commit() error
+	// Abandon ends an attempt that failed before its first output with
+	// reason (an abandoned handoff's reason, e.g. "decode_failed"): its
+	// legs are stopped and a handoff the producer still holds is released
+	// where the connector can (behaviour.md R-OWN-6), bounded to one
+	// second. It returns the handoff left unconsumed, to be reported, and
+	// false when none was. Idempotent.
+	Abandon(reason string) (Abandoned, bool)
+	// Finish ends the attempt's legs when the request ends: a prefill leg
+	// still running is waited for at most wait (0: cancelled at once),
+	// then cancelled. It returns when the prefill leg completed (zero if
+	// it did not), where ttft_s ends (behaviour.md R-TIME-1), and the
+	// prefill's failure when it failed (nil for a leg ended by Finish or
+	// by the request). Idempotent; nothing of the attempt outlives it
+	// (behaviour.md R-OWN-1).
+	Finish(wait time.Duration) (prefillCompleted time.Time, prefillErr error)
+}
+
+// Abandoned is a handoff an attempt left unconsumed (behaviour.md
+// R-OWN-6), as its handoff event reports it.
+type Abandoned struct {
+	// ProducerID is the engine that holds (or held) the KV blocks.
+	ProducerID string
+	// Connector names the connector in the event; empty where no
+	// descriptor was accepted.
+	Connector string
+	// Reason is why the handoff was not consumed, e.g. "decode_failed".
+	Reason string
+	// Age is the handoff's age when it was abandoned.
+	Age time.Duration
+	// Released reports whether the producer freed the blocks early.
+	Released bool
+	// ReleaseErr is the error of a release that was tried and failed.
+	ReleaseErr error
+}
+
+// Engine is what a connector knows of one engine of an attempt.
+type Engine struct {
+	// ID is the engine's fleet id.
+	ID string
+	// URL is its base URL, e.g. "http://10.0.0.11:8000".
+	URL string
+	// Role is its fleet role.
+	Role Role
+	// Connector is its connector's name.
+	Connector string
+	// BootstrapPort is its bootstrap server's port (SGLang), 0 when none.
+	BootstrapPort int
+}
+
+// Step is a step of an attempt that the caller observes (the router
+// traces each as a span).
+type Step int
+
+// The steps of an attempt.
+const (
+	// StepPrefill is the prefill leg.
+	StepPrefill Step = iota
+	// StepHandoffCheck is the checks of a handoff before its decode leg.
+	StepHandoffCheck
+	// StepDecode is the decode leg. A connector begins it and never ends
+	// it: it stays open until the attempt fails or the request ends, and
+	// the caller ends it.
+	StepDecode
+	// StepLegs is both legs of an attempt whose legs run at once; like
+	// StepDecode it is begun by the connector and ended by the caller.
+	StepLegs
+)
+
+// StepDetail is what a step's observer may show of it.
+type StepDetail struct {
+	// Connector is the handoff's connector name (StepHandoffCheck).
+	Connector string
+	// HandoffAge is the handoff's age at the check (StepHandoffCheck).
+	HandoffAge time.Duration
+}
+
+// PrefillAnswer is a prefill leg's answer.
+type PrefillAnswer struct {
+	// KVTransferParams is the answer's kv_transfer_params member, raw
+	// JSON with its white space trimmed; nil when the answer has none
+	// (or was a stream).
+	KVTransferParams []byte
+	// Started is when the leg's HTTP request started (handoff age counts
+	// from here, behaviour.md R-OWN-2).
+	Started time.Time
+	// Completed is when its answer was read.
+	Completed time.Time
+}
+
+// Legs is the engine client's side of one attempt: the legs a connector
+// may run on the attempt's producer and consumer, and the steps it tells
+// the caller about. The engine client implements it for each attempt; a
+// Run may call PrefillEnded and the prefill methods from a goroutine of
+// its own, the others from the goroutine that called Start.
+type Legs interface {
+	// Request is the client's parsed request.
+	Request() *schemas.Request
+	// BackendRequestID is the attempt's backend request id, sent as
+	// X-Request-Id on both legs (behaviour.md R-OWN-4).
+	BackendRequestID() string
+	// Producer and Consumer are the attempt's two engines (the same
+	// engine for a same-worker attempt, behaviour.md R-LEG-4).
+	Producer() Engine
+	Consumer() Engine
+	// Begin marks the start of step: the legs sent until its End carry
+	// the step's trace context.
+	Begin(step Step, detail StepDetail)
+	// End marks the end of step with the error it failed with (nil when
+	// it succeeded).
+	End(step Step, err error)
+	// Prefill sends body to the producer as a one-token, non-streaming
+	// prefill leg, bounded by engine.prefill_timeout_s and ctx, and reads
+	// its JSON answer (a completion with choices). Errors are engine
+	// faults (connect_error, prefill_timeout, prefill_status,
+	// prefill_response, client_fault, overload, request_timeout,
+	// client_disconnected).
+	Prefill(ctx context.Context, body []byte) (PrefillAnswer, error)
+	// PrefillToEnd sends body to the producer and reads its answer to its
+	// end, a JSON completion or an event stream to [DONE], bounded by
+	// engine.prefill_timeout_s and ctx: a non-2xx status, an error
+	// object, a stream ended early or anything that is not JSON is its
+	// failure (an engine fault). The answer's content is discarded.
+	// Cancellations of ctx that the request did not cause are reported
+	// as such (the caller ignores them).
+	PrefillToEnd(ctx context.Context, body []byte) (PrefillAnswer, error)
+	// PrefillEnded reports that the prefill leg is over: the producer's
+	// prefill slot is released and the leg's duration observed. late is
+	// a failure of the leg that came after the attempt committed (it is
+	// recorded; the client's stream goes on), else nil. Once per attempt,
+	// from any goroutine.
+	PrefillEnded(late error)
+	// Decode opens body on the consumer as the attempt's decode stream,
+	// with the first-token budget already running (behaviour.md
+	// R-TMO-1), and returns once the response headers arrived with a 2xx
+	// status. ctx may be cancelled by the connector (a prefill that
+	// failed first); the stream is the caller's to read and close.
+	// Errors are engine faults of the consumer.
+	Decode(ctx context.Context, body []byte) error
+	// HTTPClient is the client for calls to the producer outside its
+	// legs (a release), with its credential.
+	HTTPClient() *http.Client
+	// HandoffMaxAge is handoff.max_age_s; zero means no limit.
+	HandoffMaxAge() time.Duration
+	// Expired returns the handoff_expired failure of a handoff of age
+	// (behaviour.md R-OWN-2, 504 "handoff expired").
+	Expired(age time.Duration) error
+	// Failure returns a failure of the producer's prefill leg that the
+	// connector found itself (message as the client reads it), e.g. a
+	// producer without a bootstrap port: prefill_response, 502.
+	Failure(message string) error
 }
 
 // Handoff is the identity a validated descriptor names.
@@ -52,7 +230,7 @@ type Handoff struct {
 	Blocks int
 }
 
-// Rejection reasons, the suffixes of R-DESC-6's messages.
+// Rejection reasons, the suffixes of behaviour.md R-DESC-6's messages.
 const (
 	ReasonMissingDescriptor = "missing descriptor"
 	ReasonMissingIdentity   = "missing engine identity"
@@ -61,9 +239,10 @@ const (
 	ReasonEndpointMismatch  = "endpoint mismatch"
 )
 
-// RejectError is a rejected handoff descriptor (behaviour.md R-DESC-6). Its Error
-// text is the client-facing message "handoff descriptor rejected: <reason>"
-// followed, where useful, by a detail after " (".
+// RejectError is a rejected handoff descriptor or pairing (behaviour.md
+// R-DESC-6). Its Error text is the client-facing message "handoff
+// descriptor rejected: <reason>" followed, where useful, by a detail
+// after " (".
 type RejectError struct {
 	// Reason is one of the Reason* constants.
 	Reason string
@@ -80,12 +259,24 @@ func (e *RejectError) Error() string {
 	return "handoff descriptor rejected: " + e.Reason + " (" + e.Detail + ")"
 }
 
-func reject(reason, format string, args ...any) *RejectError {
+// Reject returns a *RejectError with reason and a detail formatted from
+// format and args (empty format: no detail).
+func Reject(reason, format string, args ...any) *RejectError {
 	d := ""
 	if format != "" {
 		d = fmt.Sprintf(format, args...)
 	}
 	return &RejectError{Reason: reason, Detail: d}
+}
+
+// Mismatch is the rejection of a pairing of producer and consumer of
+// different connectors (behaviour.md R-DESC-3, R-DESC-7, R-DESC-8), or
+// nil when they match.
+func Mismatch(producer, consumer Engine) *RejectError {
+	if producer.Connector == consumer.Connector {
+		return nil
+	}
+	return &RejectError{Reason: ReasonConnectorMismatch, Detail: "producer " + producer.Connector + ", consumer " + consumer.Connector}
 }
 
 var (
@@ -94,7 +285,8 @@ var (
 )
 
 // Register makes c available under c.Name(). It panics if the name is
-// taken, as registering twice is a programming error.
+// taken, as registering twice is a programming error. Each connector's
+// package calls it from its init function.
 func Register(c Connector) {
 	registryMu.Lock()
 	defer registryMu.Unlock()
@@ -126,4 +318,52 @@ func Names() []string {
 	}
 	sort.Strings(out)
 	return out
+}
+
+// CheckEngine judges one engine's connector settings: the connector
+// registered as name, its role and its bootstrap port (fleet entry
+// bootstrap_port, 0 when absent). It returns "" when they fit together,
+// else the fleet entry field at fault ("connector", "role" or
+// "bootstrap_port") and what is wrong. A port outside 0…65535 is wrong
+// for every connector; the rest is the connector's own rule
+// (Connector.CheckEngine).
+func CheckEngine(name string, role Role, bootstrapPort int) (field, problem string) {
+	c, err := Lookup(name)
+	if err != nil {
+		return "connector", err.Error()
+	}
+	if bootstrapPort < 0 || bootstrapPort > 65535 {
+		return "bootstrap_port", "must be a port number (1 to 65535)"
+	}
+	return c.CheckEngine(role, bootstrapPort)
+}
+
+// NoBootstrapPort is the bootstrap-port rule of a connector without a
+// bootstrap server: an engine names none. It returns CheckEngine's
+// field and problem for name's engines.
+func NoBootstrapPort(name string, bootstrapPort int) (field, problem string) {
+	if bootstrapPort != 0 {
+		return "bootstrap_port", "only engines of a connector with a bootstrap server (sglang) have one, not " + name
+	}
+	return "", ""
+}
+
+// Descriptors is implemented by a connector whose producer returns a
+// handoff descriptor that the decode leg carries (nixl): the two halves
+// of its attempt, which the engine client's public calls
+// engines.Client.Prefill and engines.Client.Decode run one at a time
+// (behaviour.md §12), and the early release of an unconsumed descriptor.
+type Descriptors interface {
+	// Prefill runs the prefill leg and binds the descriptor to it.
+	Prefill(ctx context.Context, legs Legs) (*PrefillResult, error)
+	// Decode checks result's handoff and opens the decode leg with it.
+	Decode(ctx context.Context, legs Legs, result *PrefillResult) error
+	// CheckHandoff applies the checks Decode makes before any decode HTTP
+	// request, at now; nil when result's handoff may be consumed.
+	CheckHandoff(legs Legs, result *PrefillResult, now time.Time) error
+	// Release frees an unconsumed descriptor's KV blocks at the producer
+	// (behaviour.md R-OWN-6). It returns released=false with a nil error
+	// when the producer has no way to release early; an error means the
+	// release was tried and failed.
+	Release(ctx context.Context, client *http.Client, producerURL string, descriptor []byte) (released bool, err error)
 }

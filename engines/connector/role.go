@@ -29,4 +29,4 @@ func (r Role) CanDecode() bool { return r == RoleDecode || r == RoleBoth }
 
 // DefaultName is the connector an engine gets when its fleet entry names
 // none: nixl.
-const DefaultName = NixlName
+const DefaultName = "nixl"

@@ -1,10 +1,11 @@
-package connector
+package nixl
 
 import (
 	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
+	"github.com/narwhalmesh/narwhal/engines/connector"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -17,9 +18,9 @@ const goodDescriptor = `{"do_remote_prefill":true,"do_remote_decode":false,"remo
 
 func rejectReason(t *testing.T, err error) string {
 	t.Helper()
-	var re *RejectError
+	var re *connector.RejectError
 	if !errors.As(err, &re) {
-		t.Fatalf("error %v is not a *RejectError", err)
+		t.Fatalf("error %v is not a *connector.RejectError", err)
 	}
 	if !strings.HasPrefix(re.Error(), "handoff descriptor rejected: "+re.Reason) {
 		t.Fatalf("message %q does not start with the R-DESC-6 text", re.Error())
@@ -79,37 +80,37 @@ func TestNixlValidateRejects(t *testing.T) {
 		name, desc, reason string
 	}{
 		// R-DESC-0: missing, null or empty descriptor.
-		{"R-DESC-0 absent", ``, ReasonMissingDescriptor},
-		{"R-DESC-0 null", `null`, ReasonMissingDescriptor},
-		{"R-DESC-0 empty object", `{}`, ReasonMissingDescriptor},
-		{"R-DESC-0 empty object spaced", ` { } `, ReasonMissingDescriptor},
+		{"R-DESC-0 absent", ``, connector.ReasonMissingDescriptor},
+		{"R-DESC-0 null", `null`, connector.ReasonMissingDescriptor},
+		{"R-DESC-0 empty object", `{}`, connector.ReasonMissingDescriptor},
+		{"R-DESC-0 empty object spaced", ` { } `, connector.ReasonMissingDescriptor},
 		// R-DESC-1: no engine identity.
-		{"R-DESC-1 missing", `{"do_remote_prefill":true,"remote_block_ids":[1]}`, ReasonMissingIdentity},
-		{"R-DESC-1 null", `{"do_remote_prefill":true,"remote_engine_id":null,"remote_block_ids":[1]}`, ReasonMissingIdentity},
-		{"R-DESC-1 empty", `{"do_remote_prefill":true,"remote_engine_id":"","remote_block_ids":[1]}`, ReasonMissingIdentity},
-		{"R-DESC-1 number", `{"do_remote_prefill":true,"remote_engine_id":7,"remote_block_ids":[1]}`, ReasonMissingIdentity},
+		{"R-DESC-1 missing", `{"do_remote_prefill":true,"remote_block_ids":[1]}`, connector.ReasonMissingIdentity},
+		{"R-DESC-1 null", `{"do_remote_prefill":true,"remote_engine_id":null,"remote_block_ids":[1]}`, connector.ReasonMissingIdentity},
+		{"R-DESC-1 empty", `{"do_remote_prefill":true,"remote_engine_id":"","remote_block_ids":[1]}`, connector.ReasonMissingIdentity},
+		{"R-DESC-1 number", `{"do_remote_prefill":true,"remote_engine_id":7,"remote_block_ids":[1]}`, connector.ReasonMissingIdentity},
 		// R-DESC-2: malformed block ids.
-		{"R-DESC-2 missing", `{"remote_engine_id":"e"}`, ReasonMalformedBlocks},
-		{"R-DESC-2 null", `{"remote_engine_id":"e","remote_block_ids":null}`, ReasonMalformedBlocks},
-		{"R-DESC-2 empty", `{"remote_engine_id":"e","remote_block_ids":[]}`, ReasonMalformedBlocks},
-		{"R-DESC-2 strings", `{"remote_engine_id":"e","remote_block_ids":["17","18"]}`, ReasonMalformedBlocks},
-		{"R-DESC-2 float", `{"remote_engine_id":"e","remote_block_ids":[1.5]}`, ReasonMalformedBlocks},
-		{"R-DESC-2 integral float", `{"remote_engine_id":"e","remote_block_ids":[1.0]}`, ReasonMalformedBlocks},
-		{"R-DESC-2 exponent", `{"remote_engine_id":"e","remote_block_ids":[1e3]}`, ReasonMalformedBlocks},
-		{"R-DESC-2 negative", `{"remote_engine_id":"e","remote_block_ids":[-1]}`, ReasonMalformedBlocks},
-		{"R-DESC-2 null element", `{"remote_engine_id":"e","remote_block_ids":[1,null]}`, ReasonMalformedBlocks},
-		{"R-DESC-2 mixed nesting", `{"remote_engine_id":"e","remote_block_ids":[[1],2]}`, ReasonMalformedBlocks},
-		{"R-DESC-2 mixed nesting 2", `{"remote_engine_id":"e","remote_block_ids":[1,[2]]}`, ReasonMalformedBlocks},
-		{"R-DESC-2 empty group", `{"remote_engine_id":"e","remote_block_ids":[[1],[]]}`, ReasonMalformedBlocks},
-		{"R-DESC-2 deep nesting", `{"remote_engine_id":"e","remote_block_ids":[[[1]]]}`, ReasonMalformedBlocks},
-		{"R-DESC-2 object", `{"remote_engine_id":"e","remote_block_ids":{"a":1}}`, ReasonMalformedBlocks},
-		{"R-DESC-2 scalar", `{"remote_engine_id":"e","remote_block_ids":3}`, ReasonMalformedBlocks},
+		{"R-DESC-2 missing", `{"remote_engine_id":"e"}`, connector.ReasonMalformedBlocks},
+		{"R-DESC-2 null", `{"remote_engine_id":"e","remote_block_ids":null}`, connector.ReasonMalformedBlocks},
+		{"R-DESC-2 empty", `{"remote_engine_id":"e","remote_block_ids":[]}`, connector.ReasonMalformedBlocks},
+		{"R-DESC-2 strings", `{"remote_engine_id":"e","remote_block_ids":["17","18"]}`, connector.ReasonMalformedBlocks},
+		{"R-DESC-2 float", `{"remote_engine_id":"e","remote_block_ids":[1.5]}`, connector.ReasonMalformedBlocks},
+		{"R-DESC-2 integral float", `{"remote_engine_id":"e","remote_block_ids":[1.0]}`, connector.ReasonMalformedBlocks},
+		{"R-DESC-2 exponent", `{"remote_engine_id":"e","remote_block_ids":[1e3]}`, connector.ReasonMalformedBlocks},
+		{"R-DESC-2 negative", `{"remote_engine_id":"e","remote_block_ids":[-1]}`, connector.ReasonMalformedBlocks},
+		{"R-DESC-2 null element", `{"remote_engine_id":"e","remote_block_ids":[1,null]}`, connector.ReasonMalformedBlocks},
+		{"R-DESC-2 mixed nesting", `{"remote_engine_id":"e","remote_block_ids":[[1],2]}`, connector.ReasonMalformedBlocks},
+		{"R-DESC-2 mixed nesting 2", `{"remote_engine_id":"e","remote_block_ids":[1,[2]]}`, connector.ReasonMalformedBlocks},
+		{"R-DESC-2 empty group", `{"remote_engine_id":"e","remote_block_ids":[[1],[]]}`, connector.ReasonMalformedBlocks},
+		{"R-DESC-2 deep nesting", `{"remote_engine_id":"e","remote_block_ids":[[[1]]]}`, connector.ReasonMalformedBlocks},
+		{"R-DESC-2 object", `{"remote_engine_id":"e","remote_block_ids":{"a":1}}`, connector.ReasonMalformedBlocks},
+		{"R-DESC-2 scalar", `{"remote_engine_id":"e","remote_block_ids":3}`, connector.ReasonMalformedBlocks},
 		// R-DESC-3: not the connector's shape.
-		{"R-DESC-3 other connector", `{"lmcache_key":"abc","lmcache_host":"h"}`, ReasonConnectorMismatch},
-		{"R-DESC-3 not an object", `[1,2]`, ReasonConnectorMismatch},
-		{"R-DESC-3 string", `"x"`, ReasonConnectorMismatch},
-		{"R-DESC-3 do_remote_prefill false", `{"do_remote_prefill":false,"remote_engine_id":"e","remote_block_ids":[1]}`, ReasonConnectorMismatch},
-		{"R-DESC-3 invalid json", `{"remote_engine_id":`, ReasonConnectorMismatch},
+		{"R-DESC-3 other connector", `{"lmcache_key":"abc","lmcache_host":"h"}`, connector.ReasonConnectorMismatch},
+		{"R-DESC-3 not an object", `[1,2]`, connector.ReasonConnectorMismatch},
+		{"R-DESC-3 string", `"x"`, connector.ReasonConnectorMismatch},
+		{"R-DESC-3 do_remote_prefill false", `{"do_remote_prefill":false,"remote_engine_id":"e","remote_block_ids":[1]}`, connector.ReasonConnectorMismatch},
+		{"R-DESC-3 invalid json", `{"remote_engine_id":`, connector.ReasonConnectorMismatch},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -127,7 +128,7 @@ func TestNixlValidateRejects(t *testing.T) {
 func TestPrefillResultParametersDetached(t *testing.T) {
 	// behaviour.md §12: Parameters returns a detached copy.
 	src := []byte(goodDescriptor)
-	r := NewPrefillResult(PrefillResult{ProducerID: "p1", Connector: NixlName, Started: time.Now()}, src)
+	r := connector.NewPrefillResult(connector.PrefillResult{ProducerID: "p1", Connector: Name, Started: time.Now()}, src)
 	src[3] = 'X' // the caller's buffer changing changes nothing either
 	p := r.Parameters()
 	if p["remote_engine_id"] != "9b1e-dp0" {
@@ -148,7 +149,7 @@ func TestPrefillResultParametersDetached(t *testing.T) {
 	if string(r.AppendDescriptor(nil)) != goodDescriptor {
 		t.Fatal("AppendDescriptor aliases the result")
 	}
-	same := NewPrefillResult(PrefillResult{ProducerID: "p1"}, nil)
+	same := connector.NewPrefillResult(connector.PrefillResult{ProducerID: "p1"}, nil)
 	if same.HasDescriptor() || same.Parameters() != nil {
 		t.Fatal("same-worker result has a descriptor")
 	}
@@ -160,7 +161,7 @@ func TestRDESC5OpaqueFieldsKeptByteForByte(t *testing.T) {
 	if _, err := (Nixl{}).Validate([]byte(d)); err != nil {
 		t.Fatal(err)
 	}
-	r := NewPrefillResult(PrefillResult{}, []byte(d))
+	r := connector.NewPrefillResult(connector.PrefillResult{}, []byte(d))
 	if string(r.AppendDescriptor(nil)) != d {
 		t.Fatalf("got %s", r.AppendDescriptor(nil))
 	}
@@ -197,11 +198,11 @@ func TestNixlRelease(t *testing.T) {
 }
 
 func TestRegistry(t *testing.T) {
-	c, err := Lookup("nixl")
+	c, err := connector.Lookup("nixl")
 	if err != nil || c.Name() != "nixl" {
 		t.Fatalf("lookup nixl: %v %v", c, err)
 	}
-	if _, err := Lookup("mooncake"); err == nil || !strings.Contains(err.Error(), "nixl") {
+	if _, err := connector.Lookup("mooncake"); err == nil || !strings.Contains(err.Error(), "nixl") {
 		t.Fatalf("unknown connector error %v", err)
 	}
 }
@@ -211,31 +212,31 @@ func TestRegistry(t *testing.T) {
 func refValidate(b []byte) string {
 	d := bytes.TrimSpace(b)
 	if len(d) == 0 || string(d) == "null" {
-		return ReasonMissingDescriptor
+		return connector.ReasonMissingDescriptor
 	}
 	var m map[string]json.RawMessage
 	if d[0] != '{' || json.Unmarshal(d, &m) != nil {
-		return ReasonConnectorMismatch
+		return connector.ReasonConnectorMismatch
 	}
 	if len(m) == 0 {
-		return ReasonMissingDescriptor
+		return connector.ReasonMissingDescriptor
 	}
 	_, a := m["do_remote_prefill"]
 	_, e := m["remote_engine_id"]
 	_, c := m["remote_block_ids"]
 	if !a && !e && !c {
-		return ReasonConnectorMismatch
+		return connector.ReasonConnectorMismatch
 	}
 	if a && string(bytes.TrimSpace(m["do_remote_prefill"])) != "true" {
-		return ReasonConnectorMismatch
+		return connector.ReasonConnectorMismatch
 	}
 	var id string
 	if !e || json.Unmarshal(m["remote_engine_id"], &id) != nil || id == "" {
-		return ReasonMissingIdentity
+		return connector.ReasonMissingIdentity
 	}
 	var outer []json.RawMessage
 	if json.Unmarshal(m["remote_block_ids"], &outer) != nil || len(outer) == 0 {
-		return ReasonMalformedBlocks
+		return connector.ReasonMalformedBlocks
 	}
 	isID := func(r json.RawMessage) bool {
 		r = bytes.TrimSpace(r)
@@ -253,17 +254,17 @@ func refValidate(b []byte) string {
 	for _, g := range outer {
 		if !nested {
 			if !isID(g) {
-				return ReasonMalformedBlocks
+				return connector.ReasonMalformedBlocks
 			}
 			continue
 		}
 		var inner []json.RawMessage
 		if json.Unmarshal(g, &inner) != nil || len(inner) == 0 {
-			return ReasonMalformedBlocks
+			return connector.ReasonMalformedBlocks
 		}
 		for _, x := range inner {
 			if !isID(x) {
-				return ReasonMalformedBlocks
+				return connector.ReasonMalformedBlocks
 			}
 		}
 	}
@@ -285,7 +286,7 @@ func FuzzNixlValidate(f *testing.F) {
 		want := refValidate(b)
 		got := ""
 		if err != nil {
-			var re *RejectError
+			var re *connector.RejectError
 			if !errors.As(err, &re) {
 				t.Fatalf("error of type %T", err)
 			}

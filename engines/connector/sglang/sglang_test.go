@@ -1,4 +1,4 @@
-package engines
+package sglang
 
 import (
 	"encoding/json"
@@ -9,19 +9,20 @@ import (
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
-func sglangRequest(t *testing.T, endpoint, body string, port int) *Request {
+// sglangRequest returns a parsed request and its producer, p1 at
+// http://10.0.0.11:30000 with bootstrap port port.
+func sglangRequest(t *testing.T, endpoint, body string, port int) (*schemas.Request, connector.Engine) {
 	t.Helper()
 	parsed, err := schemas.ParseRequest(endpoint, []byte(body))
 	if err != nil {
 		t.Fatal(err)
 	}
-	p, err := NewEngine("p1", "http://10.0.0.11:30000", connector.RolePrefill, connector.SGLangName)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p.BootstrapPort = port
-	d, _ := NewEngine("d1", "http://10.0.0.21:30001", connector.RoleDecode, connector.SGLangName)
-	return &Request{Body: parsed, BackendRequestID: "r-1", Producer: &p, Consumer: &d}
+	p := connector.Engine{ID: "p1", URL: "http://10.0.0.11:30000", Role: connector.RolePrefill, Connector: Name, BootstrapPort: port}
+	return parsed, p
+}
+
+func newBootstrap(req *schemas.Request, p connector.Engine) (Bootstrap, error) {
+	return NewBootstrap(p, req.Prompts(), req.N)
 }
 
 // TestBootstrapFieldsRDESC7: the producer's host and bootstrap port, one
@@ -41,8 +42,8 @@ func TestBootstrapFieldsRDESC7(t *testing.T) {
 	}
 	seen := map[uint64]bool{}
 	for _, c := range cases {
-		req := sglangRequest(t, c.endpoint, c.body, 8998)
-		b, err := NewBootstrap(req)
+		req, p := sglangRequest(t, c.endpoint, c.body, 8998)
+		b, err := newBootstrap(req, p)
 		if err != nil || len(b.Rooms) != c.rooms || b.Host != "10.0.0.11" || b.Port != 8998 || b.Addr() != "10.0.0.11:8998" {
 			t.Fatalf("%s: %+v %v, want %d rooms on 10.0.0.11:8998", c.body, b, err, c.rooms)
 		}
@@ -52,7 +53,7 @@ func TestBootstrapFieldsRDESC7(t *testing.T) {
 			}
 			seen[r] = true
 		}
-		body := req.Body.AppendBootstrapBody(nil, b.AppendMembers(nil))
+		body := req.AppendDecodeBodyWith(nil, b.AppendMembers(nil))
 		var got map[string]json.RawMessage
 		if err := json.Unmarshal(body, &got); err != nil {
 			t.Fatalf("body %s: %v", body, err)
@@ -66,7 +67,7 @@ func TestBootstrapFieldsRDESC7(t *testing.T) {
 			t.Fatalf("bootstrap_room %s for %d rooms", got["bootstrap_room"], c.rooms)
 		}
 	}
-	if _, err := NewBootstrap(sglangRequest(t, schemas.EndpointChat, `{"model":"m","messages":[{"role":"user","content":"x"}]}`, 0)); err == nil {
+	if _, err := newBootstrap(sglangRequest(t, schemas.EndpointChat, `{"model":"m","messages":[{"role":"user","content":"x"}]}`, 0)); err == nil {
 		t.Fatal("a producer without a bootstrap port was accepted")
 	}
 }
