@@ -8,4 +8,5 @@ import (
 	// Each line registers one connector.
 	_ "github.com/narwhalmesh/narwhal/engines/connector/nixl"
 	_ "github.com/narwhalmesh/narwhal/engines/connector/sglang"
+	_ "github.com/narwhalmesh/narwhal/engines/connector/sharedstorage"
 )
