@@ -503,6 +503,115 @@ func (s EngineSpec) FleetEntry(by string, now time.Time) schemas.FleetEntry {
 	}
 }
 
+// Validate checks one engine's settings, the only place they are checked
+// (Config.Validate runs it on every fleet entry): an id of letters,
+// digits, '-' and '_' (it ends bus subjects, behaviour.md R-BUS-1), an
+// absolute http or https URL, a valid connector.Role, a connector
+// registered in engines/connector (so Connector must be set: Load sets
+// connector.DefaultName on entries without one), connector settings that
+// fit together (an sglang engine is prefill or decode, a prefill sglang
+// engine names its bootstrap port 1…65535, no other engine has one:
+// behaviour.md R-DESC-7) and slots >= 0 (R-OWN-3). It returns nil or an
+// error joining (errors.Join) one *KeyError per problem, in that order,
+// each with Key the field's YAML key in a fleet entry ("id", "url",
+// "role", "connector", "bootstrap_port", "prefill_slots" or
+// "decode_slots") and the Problem Config.Validate reports for
+// fleet[<i>].<field>; KeyErrors lists them. Whether ids are unique and
+// connectors pair up is a matter of the whole fleet, for Config.Validate.
+func (s EngineSpec) Validate() error {
+	p := newProblems()
+	s.validate(p, nil, 0)
+	return p.err()
+}
+
+// validate reports s's problems into p (see Validate). seen, when not nil,
+// maps the ids of the fleet entries before s to their index: a duplicate
+// id is reported after the id's own check, and s's id is added as entry i.
+func (s EngineSpec) validate(p problems, seen map[string]int, i int) {
+	switch {
+	case !validID(s.ID):
+		p.bad("id", "must be non-empty and hold only letters, digits, '-' and '_', got %q", s.ID)
+	case seen != nil:
+		if j, dup := seen[s.ID]; dup {
+			p.bad("id", "duplicate id %q (also fleet[%d])", s.ID, j)
+		} else {
+			seen[s.ID] = i
+		}
+	}
+	if u, err := url.Parse(s.URL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		p.bad("url", "must be an absolute http or https URL, got %q", s.URL)
+	}
+	if !s.Role.Valid() {
+		p.bad("role", "must be %q, %q or %q, got %q", connector.RolePrefill, connector.RoleDecode, connector.RoleBoth, s.Role)
+	}
+	if !slices.Contains(connector.Names(), s.Connector) {
+		p.bad("connector", "must be one of %s, got %q", strings.Join(connector.Names(), ", "), s.Connector)
+	} else if s.Role.Valid() {
+		if field, problem := connector.CheckEngine(s.Connector, s.Role, s.BootstrapPort); field != "" {
+			p.bad(field, "%s", problem)
+		}
+	}
+	if s.PrefillSlots < 0 {
+		p.bad("prefill_slots", "must be >= 0, got %d", s.PrefillSlots)
+	}
+	if s.DecodeSlots < 0 {
+		p.bad("decode_slots", "must be >= 0, got %d", s.DecodeSlots)
+	}
+}
+
+// KeyErrors returns the *KeyError values joined in err (as Validate and
+// EngineSpec.Validate return them), in order; nil for a nil err. An error
+// that is not a *KeyError is left out.
+func KeyErrors(err error) []*KeyError {
+	if err == nil {
+		return nil
+	}
+	var out []*KeyError
+	for _, e := range unjoin(err) {
+		var ke *KeyError
+		if errors.As(e, &ke) {
+			out = append(out, ke)
+		}
+	}
+	return out
+}
+
+// problems collects the invalid settings one validation finds, each a
+// *KeyError whose Key is prefix followed by the key the check names.
+type problems struct {
+	prefix string
+	errs   *[]error
+}
+
+func newProblems() problems { return problems{errs: new([]error)} }
+
+// in returns a collector into the same list for the keys under section
+// ("engine", "fleet[2]").
+func (p problems) in(section string) problems {
+	return problems{prefix: p.prefix + section + ".", errs: p.errs}
+}
+
+// bad reports key (under p's prefix) as invalid, the problem formatted
+// from format and args.
+func (p problems) bad(key, format string, args ...any) {
+	*p.errs = append(*p.errs, &KeyError{Key: p.prefix + key, Problem: fmt.Sprintf(format, args...)})
+}
+
+// err returns the problems joined (errors.Join), nil when there are none.
+func (p problems) err() error { return errors.Join(*p.errs...) }
+
+// EngineSpecFromFleetEntry returns the engine a value of KV bucket
+// narwhal_fleet (behaviour.md R-FLEET-1) describes, the inverse of
+// FleetEntry: id, URL, role, connector, bootstrap port, slots and the API
+// key variable's name. APIKey stays empty (the entry holds no key); the
+// spec is not validated (Validate does that).
+func EngineSpecFromFleetEntry(e schemas.FleetEntry) EngineSpec {
+	return EngineSpec{
+		ID: e.EngineID, URL: e.URL, Role: connector.Role(e.Role), Connector: e.Connector,
+		BootstrapPort: e.BootstrapPort, PrefillSlots: e.PrefillSlots, DecodeSlots: e.DecodeSlots, APIKeyEnv: e.APIKeyEnv,
+	}
+}
+
 // CanPrefill reports whether the engine's role permits the prefill leg.
 func (s EngineSpec) CanPrefill() bool { return s.Role.CanPrefill() }
 
@@ -640,10 +749,8 @@ func (e *KeyError) Error() string {
 // contract's version constraint parses and its connector, when set, is
 // known. An empty fleet is valid.
 func (c *Config) Validate() error {
-	var errs []error
-	bad := func(key, format string, args ...any) {
-		errs = append(errs, &KeyError{Key: key, Problem: fmt.Sprintf(format, args...)})
-	}
+	p := newProblems()
+	bad := p.bad
 	positive := func(key string, v float64) {
 		if !finite(v) {
 			bad(key, "must be a finite number, got %v", v)
@@ -769,39 +876,10 @@ func (c *Config) Validate() error {
 
 	seen := make(map[string]int, len(c.Fleet))
 	for i, s := range c.Fleet {
-		key := func(field string) string { return "fleet[" + strconv.Itoa(i) + "]." + field }
-		switch {
-		case !validID(s.ID):
-			bad(key("id"), "must be non-empty and hold only letters, digits, '-' and '_', got %q", s.ID)
-		default:
-			if j, dup := seen[s.ID]; dup {
-				bad(key("id"), "duplicate id %q (also fleet[%d])", s.ID, j)
-			} else {
-				seen[s.ID] = i
-			}
-		}
-		if u, err := url.Parse(s.URL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-			bad(key("url"), "must be an absolute http or https URL, got %q", s.URL)
-		}
-		if !s.Role.Valid() {
-			bad(key("role"), "must be %q, %q or %q, got %q", connector.RolePrefill, connector.RoleDecode, connector.RoleBoth, s.Role)
-		}
-		if !slices.Contains(connector.Names(), s.Connector) {
-			bad(key("connector"), "must be one of %s, got %q", strings.Join(connector.Names(), ", "), s.Connector)
-		} else if s.Role.Valid() {
-			if field, problem := connector.CheckEngine(s.Connector, s.Role, s.BootstrapPort); field != "" {
-				bad(key(field), "%s", problem)
-			}
-		}
-		if s.PrefillSlots < 0 {
-			bad(key("prefill_slots"), "must be >= 0, got %d", s.PrefillSlots)
-		}
-		if s.DecodeSlots < 0 {
-			bad(key("decode_slots"), "must be >= 0, got %d", s.DecodeSlots)
-		}
+		s.validate(p.in("fleet["+strconv.Itoa(i)+"]"), seen, i)
 	}
 	checkConnectorPairs(c.Fleet, bad)
-	return errors.Join(errs...)
+	return p.err()
 }
 
 // checkConnectorPairs refuses a fleet whose producers of one connector
