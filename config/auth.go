@@ -159,22 +159,24 @@ func ParseAPIKeys(data []byte, name string) ([]APIKey, error) {
 	return keys, nil
 }
 
-// validateAuth checks the API keys: every name valid and unique, every
+// validate checks the API keys: every name valid and unique, every
 // key_sha256 64 hex digits and unique, max_inflight >= 0, no empty model
-// name. Keys from the keys file are named by their position after the
-// config's own (auth.api_keys[<n>] with n counting on), with the file's
-// name. Messages never repeat a key_sha256 value.
-func (c *Config) validateAuth(bad func(key, format string, args ...any)) {
-	own := len(c.Auth.APIKeys) - c.fileKeys
+// name. The last fileKeys keys came from the keys file: they are named by
+// their position in it, with the file's name, the others as
+// auth.api_keys[<i>]; p takes the keys whole. Messages never repeat a
+// key_sha256 value.
+func (a Auth) validate(p problems, fileKeys int) {
+	bad := p.bad
+	own := len(a.APIKeys) - fileKeys
 	keyOf := func(i int, field string) string {
-		if i >= own && c.Auth.APIKeysFile != "" {
-			return c.Auth.APIKeysFile + ": api_keys[" + strconv.Itoa(i-own) + "]." + field
+		if i >= own && a.APIKeysFile != "" {
+			return a.APIKeysFile + ": api_keys[" + strconv.Itoa(i-own) + "]." + field
 		}
 		return "auth.api_keys[" + strconv.Itoa(i) + "]." + field
 	}
-	names := make(map[string]int, len(c.Auth.APIKeys))
-	hashes := make(map[string]int, len(c.Auth.APIKeys))
-	for i, k := range c.Auth.APIKeys {
+	names := make(map[string]int, len(a.APIKeys))
+	hashes := make(map[string]int, len(a.APIKeys))
+	for i, k := range a.APIKeys {
 		switch {
 		case !validKeyName(k.Name):
 			bad(keyOf(i, "name"), "must be 1 to %d letters, digits, '.', '-' or '_', got %q", maxKeyNameLen, truncate(k.Name, maxKeyNameLen))
@@ -194,7 +196,7 @@ func (c *Config) validateAuth(bad func(key, format string, args ...any)) {
 			bad(keyOf(i, "key_sha256"), "%s: must be the SHA-256 of the key as 64 hexadecimal digits, got %d characters%s",
 				label, len(k.KeySHA256), notHex(k.KeySHA256))
 		} else if j, dup := hashes[k.KeySHA256]; dup {
-			bad(keyOf(i, "key_sha256"), "%s: the same key as %s (%q)", label, keyOf(j, "name"), c.Auth.APIKeys[j].Name)
+			bad(keyOf(i, "key_sha256"), "%s: the same key as %s (%q)", label, keyOf(j, "name"), a.APIKeys[j].Name)
 		} else {
 			hashes[k.KeySHA256] = i
 		}

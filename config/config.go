@@ -85,13 +85,13 @@ func (s Server) TLS() bool { return s.TLSCertFile != "" }
 type Engine struct {
 	// FirstTokenTimeoutS bounds the decode leg from before its HTTP request
 	// is opened until the first generated output (R-TMO-1), and each leg of
-	// a breaker probe (R-BRK-3). Seconds, > 0; default 30.
+	// a breaker probe (R-BRK-3). Seconds, > 0.
 	FirstTokenTimeoutS float64 `yaml:"first_token_timeout_s" env:"FIRST_TOKEN_TIMEOUT_S"`
 	// DecodeReadTimeoutS bounds the silence between transport chunks after
 	// the first generated output (R-TMO-2); 0 means no per-chunk bound
-	// (R-TMO-4). Seconds, >= 0; default 30.
+	// (R-TMO-4). Seconds, >= 0.
 	DecodeReadTimeoutS float64 `yaml:"decode_read_timeout_s" env:"DECODE_READ_TIMEOUT_S"`
-	// PrefillTimeoutS bounds the whole prefill leg. Seconds, > 0; default 60.
+	// PrefillTimeoutS bounds the whole prefill leg. Seconds, > 0.
 	PrefillTimeoutS float64 `yaml:"prefill_timeout_s" env:"PREFILL_TIMEOUT_S"`
 	// TLSCAFile is a PEM file of the certificate authorities that sign the
 	// certificates of https:// engines; empty means the system's roots.
@@ -114,44 +114,71 @@ func (e Engine) DecodeReadTimeout() time.Duration { return Seconds(e.DecodeReadT
 // PrefillTimeout returns PrefillTimeoutS as a Duration.
 func (e Engine) PrefillTimeout() time.Duration { return Seconds(e.PrefillTimeoutS) }
 
+// defaultEngine returns the engine section of Default.
+func defaultEngine() Engine {
+	return Engine{FirstTokenTimeoutS: 30, DecodeReadTimeoutS: 30, PrefillTimeoutS: 60}
+}
+
+// validate checks the engine timeouts, all finite: first token and
+// prefill > 0, decode read >= 0 (0: no per-chunk bound, R-TMO-4).
+// tls_ca_file is checked when Load reads it.
+func (e Engine) validate(p problems) {
+	p.positive("first_token_timeout_s", e.FirstTokenTimeoutS)
+	p.atLeast("decode_read_timeout_s", e.DecodeReadTimeoutS, 0)
+	p.positive("prefill_timeout_s", e.PrefillTimeoutS)
+}
+
 // Request holds the limits of one client request.
 type Request struct {
 	// TimeoutS is the original request deadline that bounds both legs and
-	// every retry (R-TMO-5). Seconds, > 0; default 600.
+	// every retry (R-TMO-5). Seconds, > 0.
 	TimeoutS float64 `yaml:"timeout_s" env:"TIMEOUT_S"`
 	// MaxBodyBytes is the largest client request body accepted; a larger one
-	// gets 413 (R-API-4). Bytes, > 0; default 32 MiB.
+	// gets 413 (R-API-4). Bytes, > 0.
 	MaxBodyBytes int `yaml:"max_body_bytes" env:"MAX_BODY_BYTES"`
 	// MaxN is the largest n (choices per request) accepted; a larger one
-	// gets 400 naming n (R-API-8). >= 1; default 16.
+	// gets 400 naming n (R-API-8). >= 1.
 	MaxN int `yaml:"max_n" env:"MAX_N"`
 	// MaxTokensLimit is the largest max_tokens or max_completion_tokens
 	// accepted; a larger one gets 400 naming the field (R-API-8). Tokens,
-	// >= 1; default 1,048,576.
+	// >= 1.
 	MaxTokensLimit int `yaml:"max_tokens_limit" env:"MAX_TOKENS_LIMIT"`
 	// MaxResponseBytes bounds the output a non-streamed request may make
 	// the router hold while it aggregates the decode stream (R-LEG-5,
 	// R-API-8): texts, tool-call arguments and logprobs entries, as counted
 	// by schemas.Aggregator.Bytes. Beyond it the decode leg is cancelled
 	// and the client gets 400 (outcome response_too_large); nothing counts
-	// against the engine. Streams are not bounded by it. Bytes, > 0;
-	// default 64 MiB.
+	// against the engine. Streams are not bounded by it. Bytes, > 0.
 	MaxResponseBytes int `yaml:"max_response_bytes" env:"MAX_RESPONSE_BYTES"`
 }
 
 // Timeout returns TimeoutS as a Duration (R-TMO-5).
 func (r Request) Timeout() time.Duration { return Seconds(r.TimeoutS) }
 
+// defaultRequest returns the request section of Default.
+func defaultRequest() Request {
+	return Request{TimeoutS: 600, MaxBodyBytes: 32 << 20, MaxN: 16, MaxTokensLimit: 1 << 20, MaxResponseBytes: 64 << 20}
+}
+
+// validate checks the request limits: a finite timeout > 0, body and
+// response bounds > 0, max_n and max_tokens_limit >= 1.
+func (r Request) validate(p problems) {
+	p.positive("timeout_s", r.TimeoutS)
+	p.positiveInt("max_body_bytes", r.MaxBodyBytes)
+	p.atLeastInt("max_n", r.MaxN, 1)
+	p.atLeastInt("max_tokens_limit", r.MaxTokensLimit, 1)
+	p.positiveInt("max_response_bytes", r.MaxResponseBytes)
+}
+
 // Handoff holds the limits of a KV handoff.
 type Handoff struct {
 	// MaxAgeS is the oldest a handoff descriptor may be, counted from the
 	// start of the producer HTTP leg, when it is sent to decode (R-OWN-2).
-	// Keep it below the producer's own KV release timeout. Seconds, > 0;
-	// default 120.
+	// Keep it below the producer's own KV release timeout. Seconds, > 0.
 	MaxAgeS float64 `yaml:"max_age_s" env:"MAX_AGE_S"`
 	// OnRecompute is what a decode engine that recomputed the prompt
 	// instead of loading the handed-off KV does to its pair (R-FAIL-8):
-	// OnRecomputeCount (the default) publishes a kv_recomputed event and
+	// OnRecomputeCount publishes a kv_recomputed event and
 	// counts it in narwhal_kv_recomputed_total; OnRecomputeFailPair also
 	// publishes a counted failure of the decode engine (with its
 	// producer), towards the pair's ejection streak.
@@ -170,27 +197,39 @@ const (
 // MaxAge returns MaxAgeS as a Duration (R-OWN-2).
 func (h Handoff) MaxAge() time.Duration { return Seconds(h.MaxAgeS) }
 
+// defaultHandoff returns the handoff section of Default.
+func defaultHandoff() Handoff { return Handoff{MaxAgeS: 120, OnRecompute: OnRecomputeCount} }
+
+// validate checks the handoff limits: a finite max age > 0 and an
+// on_recompute of OnRecomputeCount or OnRecomputeFailPair.
+func (h Handoff) validate(p problems) {
+	p.positive("max_age_s", h.MaxAgeS)
+	if v := h.OnRecompute; v != OnRecomputeCount && v != OnRecomputeFailPair {
+		p.bad("on_recompute", "must be %s or %s, got %q", OnRecomputeCount, OnRecomputeFailPair, v)
+	}
+}
+
 // Recovery holds retries, quarantine, ejection and readmission (behaviour.md §7, §8).
 type Recovery struct {
 	// EjectAfter is how many consecutive failures of one engine eject it
-	// (R-BRK-1). >= 1; default 3.
+	// (R-BRK-1). >= 1.
 	EjectAfter int `yaml:"eject_after" env:"EJECT_AFTER"`
 	// FailureQuarantineS is how long an engine that failed an attempt is
 	// kept out of placement; 0 turns quarantine off (R-QUAR-1). Seconds,
-	// >= 0; default 0.
+	// >= 0.
 	FailureQuarantineS float64 `yaml:"failure_quarantine_s" env:"FAILURE_QUARANTINE_S"`
 	// RetryAttempts is how many extra attempts one request may get
-	// (R-RETRY-1, R-RETRY-2). >= 0; default 0.
+	// (R-RETRY-1, R-RETRY-2). >= 0.
 	RetryAttempts int `yaml:"retry_attempts" env:"RETRY_ATTEMPTS"`
 	// RetryBudgetRatio is the router-wide share of recent requests that may
-	// be retries (R-RETRY-2). In [0, 1]; default 0.2.
+	// be retries (R-RETRY-2). In [0, 1].
 	RetryBudgetRatio float64 `yaml:"retry_budget_ratio" env:"RETRY_BUDGET_RATIO"`
 	// ReadmitIntervalS is the breaker's probe cadence for ejected engines,
-	// before backoff (R-BRK-5, R-BRK-7). Seconds, > 0; default 5.
+	// before backoff (R-BRK-5, R-BRK-7). Seconds, > 0.
 	ReadmitIntervalS float64 `yaml:"readmit_interval_s" env:"READMIT_INTERVAL_S"`
 	// MaxQuarantineS caps the duration of a quarantine another router
 	// announces on the bus: a longer one is applied for this long
-	// (R-BUS-9). Seconds, > 0; default 300.
+	// (R-BUS-9). Seconds, > 0.
 	MaxQuarantineS float64 `yaml:"max_quarantine_s" env:"MAX_QUARANTINE_S"`
 }
 
@@ -204,28 +243,55 @@ func (r Recovery) MaxQuarantine() time.Duration { return Seconds(r.MaxQuarantine
 // ReadmitInterval returns ReadmitIntervalS as a Duration (R-BRK-5).
 func (r Recovery) ReadmitInterval() time.Duration { return Seconds(r.ReadmitIntervalS) }
 
+// defaultRecovery returns the recovery section of Default: one attempt
+// per request (R-RETRY-1) and quarantine off (R-QUAR-1).
+func defaultRecovery() Recovery {
+	return Recovery{EjectAfter: 3, FailureQuarantineS: 0, RetryAttempts: 0, RetryBudgetRatio: 0.2, ReadmitIntervalS: 5, MaxQuarantineS: 300}
+}
+
+// validate checks retries, quarantine, ejection and readmission:
+// eject_after >= 1, failure_quarantine_s >= 0 (R-QUAR-1), retry_attempts
+// >= 0, retry_budget_ratio in [0, 1], readmit and quarantine caps > 0,
+// every duration finite.
+func (r Recovery) validate(p problems) {
+	p.atLeastInt("eject_after", r.EjectAfter, 1)
+	p.atLeast("failure_quarantine_s", r.FailureQuarantineS, 0)
+	p.atLeastInt("retry_attempts", r.RetryAttempts, 0)
+	if v := r.RetryBudgetRatio; !(v >= 0 && v <= 1) {
+		p.bad("retry_budget_ratio", "must be between 0 and 1, got %v", v)
+	}
+	p.positive("readmit_interval_s", r.ReadmitIntervalS)
+	p.positive("max_quarantine_s", r.MaxQuarantineS)
+}
+
 // Breaker holds the breaker service's settings (behaviour.md §8).
 type Breaker struct {
 	// LeaseTTLS is how long the active breaker's lease (key "leader" of KV
 	// bucket narwhal_breaker) lives without renewal: the leader renews it
 	// every third of it, and a standby takes over at most this long after
-	// the leader stopped renewing (R-BRK-8). Seconds, >= 0.5; default 5.
+	// the leader stopped renewing (R-BRK-8). Seconds, >= MinLeaseTTLS.
 	LeaseTTLS float64 `yaml:"lease_ttl_s" env:"LEASE_TTL_S"`
 }
 
 // LeaseTTL returns LeaseTTLS as a Duration (R-BRK-8).
 func (b Breaker) LeaseTTL() time.Duration { return Seconds(b.LeaseTTLS) }
 
+// defaultBreaker returns the breaker section of Default.
+func defaultBreaker() Breaker { return Breaker{LeaseTTLS: 5} }
+
+// validate checks the lease: finite and >= MinLeaseTTLS.
+func (b Breaker) validate(p problems) { p.atLeast("lease_ttl_s", b.LeaseTTLS, MinLeaseTTLS) }
+
 // Membership holds the timers of the live fleet in KV bucket
 // narwhal_fleet (behaviour.md §9a).
 type Membership struct {
 	// RegistrationTTLS is how long an engine's registration lasts without
 	// a heartbeat; a lapsed one leaves placement like a removal
-	// (R-FLEET-4). Seconds, > 0; default 15.
+	// (R-FLEET-4). Seconds, > 0.
 	RegistrationTTLS float64 `yaml:"registration_ttl_s" env:"REGISTRATION_TTL_S"`
 	// DrainTimeoutS is how long a draining engine waits for every router
 	// to report no leg in flight on it before the breaker declares it
-	// drained anyway (R-FLEET-3). Seconds, > 0; default 600.
+	// drained anyway (R-FLEET-3). Seconds, > 0.
 	DrainTimeoutS float64 `yaml:"drain_timeout_s" env:"DRAIN_TIMEOUT_S"`
 }
 
@@ -235,10 +301,19 @@ func (m Membership) RegistrationTTL() time.Duration { return Seconds(m.Registrat
 // DrainTimeout returns DrainTimeoutS as a Duration (R-FLEET-3).
 func (m Membership) DrainTimeout() time.Duration { return Seconds(m.DrainTimeoutS) }
 
+// defaultMembership returns the membership section of Default.
+func defaultMembership() Membership { return Membership{RegistrationTTLS: 15, DrainTimeoutS: 600} }
+
+// validate checks the live fleet's timers: finite and > 0.
+func (m Membership) validate(p problems) {
+	p.positive("registration_ttl_s", m.RegistrationTTLS)
+	p.positive("drain_timeout_s", m.DrainTimeoutS)
+}
+
 // Placement policies, the values of Placement.Policy (behaviour.md R-PLACE-2).
 const (
 	// PolicyPrefix scores producers by the prompt's leading blocks
-	// recently sent to them against their load (the default).
+	// recently sent to them against their load.
 	PolicyPrefix = "prefix"
 	// PolicyLeastLoaded chooses the engine with the fewest attempts in
 	// flight.
@@ -260,7 +335,7 @@ const MaxPrefixIndexBlocks = 1 << 24
 // take a leg (behaviour.md §9b). Eligibility, quarantine, drain and slot limits
 // decide which engines may (R-PLACE-1); the policy only orders them.
 type Placement struct {
-	// Policy is "prefix" (default), "least_loaded" or "random"
+	// Policy is "prefix", "least_loaded" or "random"
 	// (R-PLACE-2). It orders the producers; with "prefix", the decode of
 	// a same-worker (role both) producer stays on it, and a crossed
 	// decode goes to the least loaded consumer.
@@ -270,33 +345,49 @@ type Placement struct {
 	// attempts among the candidates differ by more than it (and the
 	// relative threshold holds too). Also the score's exchange rate:
 	// this many more attempts in flight outweigh a whole prompt matched.
-	// Attempts, >= 0; default 32.
+	// Attempts, >= 0.
 	BalanceAbsThreshold int `yaml:"balance_abs_threshold" env:"BALANCE_ABS_THRESHOLD"`
 	// BalanceRelThreshold is the guard's relative threshold: the most
-	// outstanding must be above it times the least. A ratio, >= 1;
-	// default 1.5.
+	// outstanding must be above it times the least. A ratio, >= 1.
 	BalanceRelThreshold float64 `yaml:"balance_rel_threshold" env:"BALANCE_REL_THRESHOLD"`
 	// PrefixIndexBlocks bounds the prefix index per engine, in blocks of
 	// 64 bytes of rendered prompt (the least recent are evicted).
-	// 1…16,777,216; default 65,536 (4 MiB of prompt, about 2.5 MiB of
-	// router memory per engine).
+	// 1…MaxPrefixIndexBlocks; 65,536 blocks are 4 MiB of prompt and about
+	// 2.5 MiB of router memory per engine.
 	PrefixIndexBlocks int `yaml:"prefix_index_blocks" env:"PREFIX_INDEX_BLOCKS"`
 	// ShareIndex makes the router's prefix index the mesh's: it publishes
 	// the placements it makes on the bus and applies those of the other
 	// routers, so N routers place as one (R-PLACE-2; docs/placement.md).
-	// false: neither. Default true.
+	// false: neither.
 	ShareIndex bool `yaml:"share_index" env:"SHARE_INDEX"`
 	// EngineMetricsIntervalS is how often the router reads each prefill
 	// engine's GET /metrics: its queue (vllm:num_requests_waiting) for the
 	// prefix scorer, and its process_start_time_seconds, whose change
 	// (a restart: the engine's cache is gone) drops the engine's index
-	// entries. Seconds, >= 0; 0 = off; default 2.
+	// entries. Seconds, >= 0; 0 = off.
 	EngineMetricsIntervalS float64 `yaml:"engine_metrics_interval_s" env:"ENGINE_METRICS_INTERVAL_S"`
 }
 
 // EngineMetricsInterval returns EngineMetricsIntervalS as a Duration (0:
 // the engines' /metrics are not read).
 func (p Placement) EngineMetricsInterval() time.Duration { return Seconds(p.EngineMetricsIntervalS) }
+
+// defaultPlacement returns the placement section of Default.
+func defaultPlacement() Placement {
+	return Placement{Policy: PolicyPrefix, BalanceAbsThreshold: 32, BalanceRelThreshold: 1.5, PrefixIndexBlocks: 65536, ShareIndex: true, EngineMetricsIntervalS: 2}
+}
+
+// validate checks the placement settings: a policy of Policies,
+// balance_abs_threshold >= 0, a finite balance_rel_threshold >= 1, a
+// finite engine_metrics_interval_s >= 0 and prefix_index_blocks in
+// [1, MaxPrefixIndexBlocks].
+func (pl Placement) validate(p problems) {
+	p.oneOf("policy", pl.Policy, Policies)
+	p.atLeastInt("balance_abs_threshold", pl.BalanceAbsThreshold, 0)
+	p.atLeast("balance_rel_threshold", pl.BalanceRelThreshold, 1)
+	p.atLeast("engine_metrics_interval_s", pl.EngineMetricsIntervalS, 0)
+	p.betweenInt("prefix_index_blocks", pl.PrefixIndexBlocks, 1, MaxPrefixIndexBlocks)
+}
 
 // MinLeaseTTLS is the smallest breaker.lease_ttl_s Validate accepts, in
 // seconds: the lease is renewed every third of it.
@@ -310,44 +401,42 @@ type Server struct {
 	// response before the request ends as client_stalled: the connection is
 	// closed, the legs cancelled, every reservation released, nothing
 	// counted against an engine (R-TMO-6). A whole non-streamed response
-	// must be accepted within it too. Seconds, > 0; default 30.
+	// must be accepted within it too. Seconds, > 0.
 	StallTimeoutS float64 `yaml:"stall_timeout_s" env:"STALL_TIMEOUT_S"`
 	// HeaderTimeoutS bounds the reading of one request: its first byte must
 	// arrive within it of the accept, and its headers and body within it of
 	// that first byte; the connection is closed otherwise (R-API-7).
-	// Seconds, > 0; default 10.
+	// Seconds, > 0.
 	HeaderTimeoutS float64 `yaml:"header_timeout_s" env:"HEADER_TIMEOUT_S"`
 	// IdleTimeoutS is how long a kept-alive connection may wait for its
-	// next request before it is closed (R-API-7). Seconds, > 0; default 90.
+	// next request before it is closed (R-API-7). Seconds, > 0.
 	IdleTimeoutS float64 `yaml:"idle_timeout_s" env:"IDLE_TIMEOUT_S"`
 	// MaxHeaderBytes is the largest request line plus headers accepted;
 	// larger ones get 431 (R-API-7). It is also the size of the read buffer
-	// a connection holds while it reads headers. Bytes, 4096 to 16 MiB;
-	// default 65536.
+	// a connection holds while it reads headers. Bytes, MinHeaderBytes to
+	// MaxHeaderBytes.
 	MaxHeaderBytes int `yaml:"max_header_bytes" env:"MAX_HEADER_BYTES"`
 	// MaxConnections is how many client connections are served at once;
-	// more are answered 503 and closed at once (R-API-7). >= 1; default
-	// 10,000.
+	// more are answered 503 and closed at once (R-API-7). >= 1.
 	MaxConnections int `yaml:"max_connections" env:"MAX_CONNECTIONS"`
 	// MaxInflight is how many completion requests may run at once; beyond
 	// it a request gets 503 with Retry-After without touching an engine
-	// (R-API-8). >= 0; default 0 (no limit).
+	// (R-API-8). >= 0; 0 means no limit.
 	MaxInflight int `yaml:"max_inflight" env:"MAX_INFLIGHT"`
 	// MaxBodyBytesInflight bounds the request bodies held at once, from the
 	// moment their headers announce them until their requests end; a body
 	// that does not fit gets 503 with Retry-After before it is read
-	// (R-API-8). Bytes, >= request.max_body_bytes; default 1 GiB.
+	// (R-API-8). Bytes, >= request.max_body_bytes.
 	MaxBodyBytesInflight int `yaml:"max_body_bytes_inflight" env:"MAX_BODY_BYTES_INFLIGHT"`
 	// TLSCertFile and TLSKeyFile, both set, make the front end serve
 	// HTTPS with this PEM certificate chain and private key. The pair is
 	// read again when either file changes (checked at most once a second,
 	// on a new connection) and on SIGHUP; a pair that does not load keeps
-	// the previous one. Both empty (default) serves plain HTTP.
+	// the previous one. Both empty: plain HTTP.
 	TLSCertFile string `yaml:"tls_cert_file" env:"TLS_CERT_FILE"`
 	TLSKeyFile  string `yaml:"tls_key_file" env:"TLS_KEY_FILE"`
 	// MetricsOnAdmin moves GET /metrics from the client-facing listener to
 	// the admin listener (narwhal router --admin), which it then requires.
-	// Default false.
 	MetricsOnAdmin bool `yaml:"metrics_on_admin" env:"METRICS_ON_ADMIN"`
 }
 
@@ -367,20 +456,57 @@ const (
 	MaxHeaderBytes = 16 << 20
 )
 
+// defaultServer returns the server section of Default.
+func defaultServer() Server {
+	return Server{StallTimeoutS: 30, HeaderTimeoutS: 10, IdleTimeoutS: 90, MaxHeaderBytes: 64 << 10,
+		MaxConnections: 10000, MaxInflight: 0, MaxBodyBytesInflight: 1 << 30}
+}
+
+// validateLimits checks the front door's deadlines and caps: finite
+// timeouts > 0, max_header_bytes in [MinHeaderBytes, MaxHeaderBytes],
+// max_connections >= 1, max_inflight >= 0 and max_body_bytes_inflight at
+// least maxBodyBytes (request.max_body_bytes), or the largest body allowed
+// could never be read.
+func (s Server) validateLimits(p problems, maxBodyBytes int) {
+	p.positive("stall_timeout_s", s.StallTimeoutS)
+	p.positive("header_timeout_s", s.HeaderTimeoutS)
+	p.positive("idle_timeout_s", s.IdleTimeoutS)
+	p.betweenInt("max_header_bytes", s.MaxHeaderBytes, MinHeaderBytes, MaxHeaderBytes)
+	p.atLeastInt("max_connections", s.MaxConnections, 1)
+	if s.MaxInflight < 0 {
+		p.bad("max_inflight", "must be >= 0 (0 = no limit), got %d", s.MaxInflight)
+	}
+	if v := s.MaxBodyBytesInflight; v < maxBodyBytes {
+		p.bad("max_body_bytes_inflight", "must be >= request.max_body_bytes (%d), or the largest body allowed could never be read, got %d", maxBodyBytes, v)
+	}
+}
+
+// validateTLS checks that tls_cert_file and tls_key_file are both set or
+// both empty, naming the one missing.
+func (s Server) validateTLS(p problems) {
+	if (s.TLSCertFile == "") != (s.TLSKeyFile == "") {
+		if s.TLSCertFile == "" {
+			p.bad("tls_cert_file", "must be set when server.tls_key_file is")
+		} else {
+			p.bad("tls_key_file", "must be set when server.tls_cert_file is")
+		}
+	}
+}
+
 // Router holds the router process's identity and logging.
 type Router struct {
 	// ID names the router in events (router_id) and in its bus subjects
 	// (R-BUS-1, R-BUS-3) and its key in narwhal_routers (R-FLEET-3).
-	// Letters, digits, '-' and '_' only; default the host name with other
-	// characters replaced by '-', so that it stays the same across
-	// restarts. Routers sharing a host must each set their own.
+	// Letters, digits, '-' and '_' only. By default it is the host's
+	// name (defaultRouterID), so that it stays the same across restarts;
+	// routers sharing a host must each set their own.
 	ID string `yaml:"id" env:"ID"`
 	// EventBuffer is how many bus events may wait to be published before
-	// new ones are dropped and counted (R-BUS-6). > 0; default 4096.
+	// new ones are dropped and counted (R-BUS-6). > 0.
 	EventBuffer int `yaml:"event_buffer" env:"EVENT_BUFFER"`
-	// LogFormat is "text" (default) or "json".
+	// LogFormat is LogFormatText or LogFormatJSON.
 	LogFormat string `yaml:"log_format" env:"LOG_FORMAT"`
-	// LogLevel is "debug", "info" (default), "warn" or "error".
+	// LogLevel is "debug", "info", "warn" or "error".
 	LogLevel string `yaml:"log_level" env:"LOG_LEVEL"`
 }
 
@@ -410,11 +536,11 @@ type Bus struct {
 	// Replicas is the replica count of the stream and of every bucket
 	// when they are created (by `narwhal bus`, `narwhal bus setup` or an
 	// embedded server); an existing stream or bucket keeps its own
-	// (R-BUS-8). 1…5; default 1.
+	// (R-BUS-8). 1…MaxReplicas.
 	Replicas int `yaml:"replicas" env:"REPLICAS"`
 	// ConnectTimeoutS is how long a router, breaker or chaos proxy waits
 	// at start for the bus before it exits with an error, in seconds; 0
-	// (default) keeps trying for ever, logging what it waits for every
+	// keeps trying for ever, logging what it waits for every
 	// few seconds.
 	ConnectTimeoutS float64 `yaml:"connect_timeout_s" env:"CONNECT_TIMEOUT_S"`
 }
@@ -425,6 +551,19 @@ func (b Bus) ConnectTimeout() time.Duration { return Seconds(b.ConnectTimeoutS) 
 // MaxReplicas is the largest bus.replicas Validate accepts: NATS keeps at
 // most five replicas of a stream.
 const MaxReplicas = 5
+
+// defaultBus returns the bus section of Default.
+func defaultBus() Bus { return Bus{Replicas: 1} }
+
+// validate checks replicas in [1, MaxReplicas], a finite
+// connect_timeout_s >= 0, and tls_cert and tls_key both set or both empty.
+func (b Bus) validate(p problems) {
+	p.betweenInt("replicas", b.Replicas, 1, MaxReplicas)
+	p.atLeast("connect_timeout_s", b.ConnectTimeoutS, 0)
+	if (b.TLSCert == "") != (b.TLSKey == "") {
+		p.bad("tls_cert", "bus.tls_cert and bus.tls_key go together (a client certificate and its key), got only one")
+	}
+}
 
 // Level returns LogLevel as a slog.Level; an invalid level (which Validate
 // rejects) gives slog.LevelInfo.
@@ -438,6 +577,23 @@ func (r Router) Level() slog.Level {
 
 // logLevels are the values Router.LogLevel may take.
 var logLevels = []string{"debug", "info", "warn", "error"}
+
+// defaultRouter returns the router section of Default, its id the
+// host's name (defaultRouterID).
+func defaultRouter() Router {
+	return Router{ID: defaultRouterID(), EventBuffer: 4096, LogFormat: LogFormatText, LogLevel: "info"}
+}
+
+// validate checks a valid id (ValidID), an event buffer > 0, and a log
+// format and level of their sets.
+func (r Router) validate(p problems) {
+	p.id("id", r.ID)
+	p.positiveInt("event_buffer", r.EventBuffer)
+	if r.LogFormat != LogFormatText && r.LogFormat != LogFormatJSON {
+		p.bad("log_format", "must be %q or %q, got %q", LogFormatText, LogFormatJSON, r.LogFormat)
+	}
+	p.oneOf("log_level", r.LogLevel, logLevels)
+}
 
 // Contract is the pinned engine contract (behaviour.md R-BRK-6, R-PRE-1): what every
 // engine must still be when it is readmitted or checked by preflight. An
@@ -455,6 +611,20 @@ type Contract struct {
 	Connector string `yaml:"connector"`
 }
 
+// validate checks that the version constraint, when set, parses (see
+// VersionSatisfies) and the connector, when set, is registered in
+// engines/connector.
+func (ec Contract) validate(p problems) {
+	if ec.Version != "" {
+		if _, err := parseConstraint(ec.Version); err != nil {
+			p.bad("version", "%v", err)
+		}
+	}
+	if ec.Connector != "" {
+		p.oneOf("connector", ec.Connector, connector.Names())
+	}
+}
+
 // EngineSpec is one engine of the fleet (behaviour.md §0, §14).
 type EngineSpec struct {
 	// ID is the fleet-unique engine_id: it ends the engine's bus subjects
@@ -467,7 +637,7 @@ type EngineSpec struct {
 	// Role is connector.RolePrefill, RoleDecode or RoleBoth.
 	Role connector.Role `yaml:"role"`
 	// Connector is the engine's KV connector; Load and Parse set
-	// connector.DefaultName (nixl) when the file names none.
+	// connector.DefaultName when the file names none (setDefaults).
 	Connector string `yaml:"connector"`
 	// BootstrapPort is the port of a prefill SGLang engine's bootstrap
 	// server (SGLang's --disaggregation-bootstrap-port, 8998 by default
@@ -503,38 +673,196 @@ func (s EngineSpec) FleetEntry(by string, now time.Time) schemas.FleetEntry {
 	}
 }
 
+// Validate checks one engine's settings, the only place they are checked
+// (Config.Validate runs it on every fleet entry): an id of letters,
+// digits, '-' and '_' (it ends bus subjects, behaviour.md R-BUS-1), an
+// absolute http or https URL, a valid connector.Role, a connector
+// registered in engines/connector (so Connector must be set: Load sets
+// connector.DefaultName on entries without one), connector settings that
+// fit together (an sglang engine is prefill or decode, a prefill sglang
+// engine names its bootstrap port 1…65535, no other engine has one:
+// behaviour.md R-DESC-7) and slots >= 0 (R-OWN-3). It returns nil or an
+// error joining (errors.Join) one *KeyError per problem, in that order,
+// each with Key the field's YAML key in a fleet entry ("id", "url",
+// "role", "connector", "bootstrap_port", "prefill_slots" or
+// "decode_slots") and the Problem Config.Validate reports for
+// fleet[<i>].<field>; KeyErrors lists them. Whether ids are unique and
+// connectors pair up is a matter of the whole fleet, for Config.Validate.
+func (s EngineSpec) Validate() error {
+	p := newProblems()
+	s.validate(p, nil, 0)
+	return p.err()
+}
+
+// validate reports s's problems into p (see Validate). seen, when not nil,
+// maps the ids of the fleet entries before s to their index: a duplicate
+// id is reported after the id's own check, and s's id is added as entry i.
+func (s EngineSpec) validate(p problems, seen map[string]int, i int) {
+	switch {
+	case !p.id("id", s.ID): // reported; no duplicate check
+	case seen != nil:
+		if j, dup := seen[s.ID]; dup {
+			p.bad("id", "duplicate id %q (also fleet[%d])", s.ID, j)
+		} else {
+			seen[s.ID] = i
+		}
+	}
+	if u, err := url.Parse(s.URL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		p.bad("url", "must be an absolute http or https URL, got %q", s.URL)
+	}
+	if !s.Role.Valid() {
+		p.bad("role", "must be %q, %q or %q, got %q", connector.RolePrefill, connector.RoleDecode, connector.RoleBoth, s.Role)
+	}
+	if p.oneOf("connector", s.Connector, connector.Names()) && s.Role.Valid() {
+		if field, problem := connector.CheckEngine(s.Connector, s.Role, s.BootstrapPort); field != "" {
+			p.bad(field, "%s", problem)
+		}
+	}
+	p.atLeastInt("prefill_slots", s.PrefillSlots, 0)
+	p.atLeastInt("decode_slots", s.DecodeSlots, 0)
+}
+
+// setDefaults gives s what a fleet entry that leaves it out gets: the
+// connector connector.DefaultName.
+func (s *EngineSpec) setDefaults() {
+	if s.Connector == "" {
+		s.Connector = connector.DefaultName
+	}
+}
+
+// KeyErrors returns the *KeyError values joined in err (as Validate and
+// EngineSpec.Validate return them), in order; nil for a nil err. An error
+// that is not a *KeyError is left out.
+func KeyErrors(err error) []*KeyError {
+	if err == nil {
+		return nil
+	}
+	var out []*KeyError
+	for _, e := range unjoin(err) {
+		var ke *KeyError
+		if errors.As(e, &ke) {
+			out = append(out, ke)
+		}
+	}
+	return out
+}
+
+// problems collects the invalid settings one validation finds, each a
+// *KeyError whose Key is prefix followed by the key the check names.
+type problems struct {
+	prefix string
+	errs   *[]error
+}
+
+func newProblems() problems { return problems{errs: new([]error)} }
+
+// in returns a collector into the same list for the keys under section
+// ("engine", "fleet[2]").
+func (p problems) in(section string) problems {
+	return problems{prefix: p.prefix + section + ".", errs: p.errs}
+}
+
+// bad reports key (under p's prefix) as invalid, the problem formatted
+// from format and args.
+func (p problems) bad(key, format string, args ...any) {
+	*p.errs = append(*p.errs, &KeyError{Key: p.prefix + key, Problem: fmt.Sprintf(format, args...)})
+}
+
+// err returns the problems joined (errors.Join), nil when there are none.
+func (p problems) err() error { return errors.Join(*p.errs...) }
+
+// positive reports v unless it is finite and > 0.
+func (p problems) positive(key string, v float64) {
+	if !finite(v) {
+		p.bad(key, "must be a finite number, got %v", v)
+	} else if v <= 0 {
+		p.bad(key, "must be > 0, got %v", v)
+	}
+}
+
+// atLeast reports v unless it is finite and >= min.
+func (p problems) atLeast(key string, v, min float64) {
+	if !finite(v) {
+		p.bad(key, "must be a finite number, got %v", v)
+	} else if v < min {
+		p.bad(key, "must be >= %v, got %v", min, v)
+	}
+}
+
+// positiveInt reports v unless it is > 0.
+func (p problems) positiveInt(key string, v int) {
+	if v <= 0 {
+		p.bad(key, "must be > 0, got %d", v)
+	}
+}
+
+// atLeastInt reports v unless it is >= min.
+func (p problems) atLeastInt(key string, v, min int) {
+	if v < min {
+		p.bad(key, "must be >= %d, got %d", min, v)
+	}
+}
+
+// betweenInt reports v unless it is in [lo, hi].
+func (p problems) betweenInt(key string, v, lo, hi int) {
+	if v < lo || v > hi {
+		p.bad(key, "must be between %d and %d, got %d", lo, hi, v)
+	}
+}
+
+// oneOf reports v unless it is one of values, and says whether it is.
+func (p problems) oneOf(key, v string, values []string) bool {
+	if slices.Contains(values, v) {
+		return true
+	}
+	p.bad(key, "must be one of %s, got %q", strings.Join(values, ", "), v)
+	return false
+}
+
+// id reports v unless it is a valid id (ValidID), and says whether it is.
+func (p problems) id(key, v string) bool {
+	if validID(v) {
+		return true
+	}
+	p.bad(key, "must be non-empty and hold only letters, digits, '-' and '_', got %q", v)
+	return false
+}
+
+// EngineSpecFromFleetEntry returns the engine a value of KV bucket
+// narwhal_fleet (behaviour.md R-FLEET-1) describes, the inverse of
+// FleetEntry: id, URL, role, connector, bootstrap port, slots and the API
+// key variable's name. APIKey stays empty (the entry holds no key); the
+// spec is not validated (Validate does that).
+func EngineSpecFromFleetEntry(e schemas.FleetEntry) EngineSpec {
+	return EngineSpec{
+		ID: e.EngineID, URL: e.URL, Role: connector.Role(e.Role), Connector: e.Connector,
+		BootstrapPort: e.BootstrapPort, PrefillSlots: e.PrefillSlots, DecodeSlots: e.DecodeSlots, APIKeyEnv: e.APIKeyEnv,
+	}
+}
+
 // CanPrefill reports whether the engine's role permits the prefill leg.
 func (s EngineSpec) CanPrefill() bool { return s.Role.CanPrefill() }
 
 // CanDecode reports whether the engine's role permits the decode leg.
 func (s EngineSpec) CanDecode() bool { return s.Role.CanDecode() }
 
-// Default returns the defaults of behaviour.md §11: engine timeouts 30/30/60 s,
-// request timeout 600 s, a 32 MiB body limit, n up to 16 and max_tokens up
-// to 1,048,576, handoff max age 120 s,
-// eject after 3, no quarantine, no retries, retry budget 0.2, readmit
-// every 5 s, a breaker lease of 5 s; registrations of 15 s and drains of
-// at most 600 s; placement policy prefix with balance thresholds 32 and
-// 1.5 and 65,536 index blocks per engine; router id the host name, an
-// event buffer of 4096, text logs at info; on the front door a stall
-// timeout of 30 s, a header timeout of 10 s, an idle timeout of 90 s,
-// 64 KiB of headers, 10,000 connections, no in-flight limit and 1 GiB of
-// request bodies in flight; no bus URL (embedded), one bus replica, no
-// bus connect timeout. The fleet is empty and there is no engine
-// contract.
+// Default returns the defaults of behaviour.md §11: each section's own,
+// kept beside the section's type (defaultEngine, defaultRequest, …), so
+// that every default is written once; docs/configuration.md lists them
+// (a test holds the two equal). The client API keys, the fleet and the
+// engine contract are empty.
 func Default() Config {
 	return Config{
-		Engine:     Engine{FirstTokenTimeoutS: 30, DecodeReadTimeoutS: 30, PrefillTimeoutS: 60},
-		Request:    Request{TimeoutS: 600, MaxBodyBytes: 32 << 20, MaxN: 16, MaxTokensLimit: 1 << 20, MaxResponseBytes: 64 << 20},
-		Handoff:    Handoff{MaxAgeS: 120, OnRecompute: OnRecomputeCount},
-		Recovery:   Recovery{EjectAfter: 3, FailureQuarantineS: 0, RetryAttempts: 0, RetryBudgetRatio: 0.2, ReadmitIntervalS: 5, MaxQuarantineS: 300},
-		Breaker:    Breaker{LeaseTTLS: 5},
-		Membership: Membership{RegistrationTTLS: 15, DrainTimeoutS: 600},
-		Placement:  Placement{Policy: PolicyPrefix, BalanceAbsThreshold: 32, BalanceRelThreshold: 1.5, PrefixIndexBlocks: 65536, ShareIndex: true, EngineMetricsIntervalS: 2},
-		Router:     Router{ID: defaultRouterID(), EventBuffer: 4096, LogFormat: LogFormatText, LogLevel: "info"},
-		Server: Server{StallTimeoutS: 30, HeaderTimeoutS: 10, IdleTimeoutS: 90, MaxHeaderBytes: 64 << 10,
-			MaxConnections: 10000, MaxInflight: 0, MaxBodyBytesInflight: 1 << 30},
-		Bus: Bus{Replicas: 1},
+		Engine:     defaultEngine(),
+		Request:    defaultRequest(),
+		Handoff:    defaultHandoff(),
+		Recovery:   defaultRecovery(),
+		Breaker:    defaultBreaker(),
+		Membership: defaultMembership(),
+		Placement:  defaultPlacement(),
+		Router:     defaultRouter(),
+		Server:     defaultServer(),
+		Bus:        defaultBus(),
 	}
 }
 
@@ -622,186 +950,34 @@ func (e *KeyError) Error() string {
 }
 
 // Validate checks every setting and returns nil or an error joining one
-// *KeyError per invalid key (errors.Join; each line names its key). Rules:
-// timeouts and intervals > 0, except engine.decode_read_timeout_s >= 0
-// (R-TMO-4) and recovery.failure_quarantine_s >= 0 (R-QUAR-1); all of them
-// finite; recovery.retry_attempts >= 0; recovery.retry_budget_ratio in
-// [0, 1]; recovery.eject_after >= 1; breaker.lease_ttl_s >= 0.5;
-// request.max_body_bytes > 0; request.max_n and request.max_tokens_limit
-// >= 1; server timeouts > 0, server.max_header_bytes within
-// [MinHeaderBytes, MaxHeaderBytes], server.max_connections >= 1,
-// server.max_inflight >= 0, server.max_body_bytes_inflight >=
-// request.max_body_bytes; router.event_buffer > 0; router.id a valid id; router.log_format and
-// router.log_level from their sets; bus.replicas 1…5,
-// bus.connect_timeout_s >= 0, bus.tls_cert and bus.tls_key both or
-// neither; every fleet entry with a unique valid
-// id, an absolute http(s) URL, a valid connector.Role, a connector
-// registered in engines/connector and slots >= 0; the engine
-// contract's version constraint parses and its connector, when set, is
-// known. An empty fleet is valid.
+// *KeyError per invalid key (errors.Join; each line names its key): each
+// section's rules, kept beside the section's type (its validate method),
+// then every fleet entry's (EngineSpec.Validate), unique fleet ids and
+// connectors that pair up (checkConnectorPairs). An empty fleet is valid.
 func (c *Config) Validate() error {
-	var errs []error
-	bad := func(key, format string, args ...any) {
-		errs = append(errs, &KeyError{Key: key, Problem: fmt.Sprintf(format, args...)})
+	p := newProblems()
+	// The sections in the order of their messages.
+	c.Engine.validate(p.in("engine"))
+	c.Request.validate(p.in("request"))
+	c.Server.validateLimits(p.in("server"), c.Request.MaxBodyBytes)
+	c.Handoff.validate(p.in("handoff"))
+	c.Recovery.validate(p.in("recovery"))
+	c.Membership.validate(p.in("membership"))
+	c.Placement.validate(p.in("placement"))
+	c.Breaker.validate(p.in("breaker"))
+	c.Router.validate(p.in("router"))
+	c.Bus.validate(p.in("bus"))
+	c.Server.validateTLS(p.in("server"))
+	c.Auth.validate(p, c.fileKeys)
+	if c.EngineContract != nil {
+		c.EngineContract.validate(p.in("engine_contract"))
 	}
-	positive := func(key string, v float64) {
-		if !finite(v) {
-			bad(key, "must be a finite number, got %v", v)
-		} else if v <= 0 {
-			bad(key, "must be > 0, got %v", v)
-		}
-	}
-	nonNegative := func(key string, v float64) {
-		if !finite(v) {
-			bad(key, "must be a finite number, got %v", v)
-		} else if v < 0 {
-			bad(key, "must be >= 0, got %v", v)
-		}
-	}
-
-	positive("engine.first_token_timeout_s", c.Engine.FirstTokenTimeoutS)
-	nonNegative("engine.decode_read_timeout_s", c.Engine.DecodeReadTimeoutS)
-	positive("engine.prefill_timeout_s", c.Engine.PrefillTimeoutS)
-	positive("request.timeout_s", c.Request.TimeoutS)
-	if c.Request.MaxBodyBytes <= 0 {
-		bad("request.max_body_bytes", "must be > 0, got %d", c.Request.MaxBodyBytes)
-	}
-	if c.Request.MaxN < 1 {
-		bad("request.max_n", "must be >= 1, got %d", c.Request.MaxN)
-	}
-	if c.Request.MaxTokensLimit < 1 {
-		bad("request.max_tokens_limit", "must be >= 1, got %d", c.Request.MaxTokensLimit)
-	}
-	if c.Request.MaxResponseBytes <= 0 {
-		bad("request.max_response_bytes", "must be > 0, got %d", c.Request.MaxResponseBytes)
-	}
-	positive("server.stall_timeout_s", c.Server.StallTimeoutS)
-	positive("server.header_timeout_s", c.Server.HeaderTimeoutS)
-	positive("server.idle_timeout_s", c.Server.IdleTimeoutS)
-	if v := c.Server.MaxHeaderBytes; v < MinHeaderBytes || v > MaxHeaderBytes {
-		bad("server.max_header_bytes", "must be between %d and %d, got %d", MinHeaderBytes, MaxHeaderBytes, v)
-	}
-	if c.Server.MaxConnections < 1 {
-		bad("server.max_connections", "must be >= 1, got %d", c.Server.MaxConnections)
-	}
-	if c.Server.MaxInflight < 0 {
-		bad("server.max_inflight", "must be >= 0 (0 = no limit), got %d", c.Server.MaxInflight)
-	}
-	if v := c.Server.MaxBodyBytesInflight; v < c.Request.MaxBodyBytes {
-		bad("server.max_body_bytes_inflight", "must be >= request.max_body_bytes (%d), or the largest body allowed could never be read, got %d", c.Request.MaxBodyBytes, v)
-	}
-	positive("handoff.max_age_s", c.Handoff.MaxAgeS)
-	if v := c.Handoff.OnRecompute; v != OnRecomputeCount && v != OnRecomputeFailPair {
-		bad("handoff.on_recompute", "must be %s or %s, got %q", OnRecomputeCount, OnRecomputeFailPair, v)
-	}
-	if c.Recovery.EjectAfter < 1 {
-		bad("recovery.eject_after", "must be >= 1, got %d", c.Recovery.EjectAfter)
-	}
-	nonNegative("recovery.failure_quarantine_s", c.Recovery.FailureQuarantineS)
-	if c.Recovery.RetryAttempts < 0 {
-		bad("recovery.retry_attempts", "must be >= 0, got %d", c.Recovery.RetryAttempts)
-	}
-	if r := c.Recovery.RetryBudgetRatio; !(r >= 0 && r <= 1) {
-		bad("recovery.retry_budget_ratio", "must be between 0 and 1, got %v", r)
-	}
-	positive("recovery.readmit_interval_s", c.Recovery.ReadmitIntervalS)
-	positive("recovery.max_quarantine_s", c.Recovery.MaxQuarantineS)
-	positive("membership.registration_ttl_s", c.Membership.RegistrationTTLS)
-	positive("membership.drain_timeout_s", c.Membership.DrainTimeoutS)
-	if !slices.Contains(Policies, c.Placement.Policy) {
-		bad("placement.policy", "must be one of %s, got %q", strings.Join(Policies, ", "), c.Placement.Policy)
-	}
-	if c.Placement.BalanceAbsThreshold < 0 {
-		bad("placement.balance_abs_threshold", "must be >= 0, got %d", c.Placement.BalanceAbsThreshold)
-	}
-	if v := c.Placement.BalanceRelThreshold; !finite(v) {
-		bad("placement.balance_rel_threshold", "must be a finite number, got %v", v)
-	} else if v < 1 {
-		bad("placement.balance_rel_threshold", "must be >= 1, got %v", v)
-	}
-	nonNegative("placement.engine_metrics_interval_s", c.Placement.EngineMetricsIntervalS)
-	if v := c.Placement.PrefixIndexBlocks; v < 1 || v > MaxPrefixIndexBlocks {
-		bad("placement.prefix_index_blocks", "must be between 1 and %d, got %d", MaxPrefixIndexBlocks, v)
-	}
-	if v := c.Breaker.LeaseTTLS; !finite(v) {
-		bad("breaker.lease_ttl_s", "must be a finite number, got %v", v)
-	} else if v < MinLeaseTTLS {
-		bad("breaker.lease_ttl_s", "must be >= %v, got %v", MinLeaseTTLS, v)
-	}
-	if !validID(c.Router.ID) {
-		bad("router.id", "must be non-empty and hold only letters, digits, '-' and '_', got %q", c.Router.ID)
-	}
-	if c.Router.EventBuffer <= 0 {
-		bad("router.event_buffer", "must be > 0, got %d", c.Router.EventBuffer)
-	}
-	if c.Router.LogFormat != LogFormatText && c.Router.LogFormat != LogFormatJSON {
-		bad("router.log_format", "must be %q or %q, got %q", LogFormatText, LogFormatJSON, c.Router.LogFormat)
-	}
-	if !slices.Contains(logLevels, c.Router.LogLevel) {
-		bad("router.log_level", "must be one of %s, got %q", strings.Join(logLevels, ", "), c.Router.LogLevel)
-	}
-	if r := c.Bus.Replicas; r < 1 || r > MaxReplicas {
-		bad("bus.replicas", "must be between 1 and %d, got %d", MaxReplicas, r)
-	}
-	nonNegative("bus.connect_timeout_s", c.Bus.ConnectTimeoutS)
-	if (c.Bus.TLSCert == "") != (c.Bus.TLSKey == "") {
-		bad("bus.tls_cert", "bus.tls_cert and bus.tls_key go together (a client certificate and its key), got only one")
-	}
-	if (c.Server.TLSCertFile == "") != (c.Server.TLSKeyFile == "") {
-		if c.Server.TLSCertFile == "" {
-			bad("server.tls_cert_file", "must be set when server.tls_key_file is")
-		} else {
-			bad("server.tls_key_file", "must be set when server.tls_cert_file is")
-		}
-	}
-	c.validateAuth(bad)
-
-	if ec := c.EngineContract; ec != nil {
-		if ec.Version != "" {
-			if _, err := parseConstraint(ec.Version); err != nil {
-				bad("engine_contract.version", "%v", err)
-			}
-		}
-		if ec.Connector != "" && !slices.Contains(connector.Names(), ec.Connector) {
-			bad("engine_contract.connector", "must be one of %s, got %q", strings.Join(connector.Names(), ", "), ec.Connector)
-		}
-	}
-
 	seen := make(map[string]int, len(c.Fleet))
 	for i, s := range c.Fleet {
-		key := func(field string) string { return "fleet[" + strconv.Itoa(i) + "]." + field }
-		switch {
-		case !validID(s.ID):
-			bad(key("id"), "must be non-empty and hold only letters, digits, '-' and '_', got %q", s.ID)
-		default:
-			if j, dup := seen[s.ID]; dup {
-				bad(key("id"), "duplicate id %q (also fleet[%d])", s.ID, j)
-			} else {
-				seen[s.ID] = i
-			}
-		}
-		if u, err := url.Parse(s.URL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-			bad(key("url"), "must be an absolute http or https URL, got %q", s.URL)
-		}
-		if !s.Role.Valid() {
-			bad(key("role"), "must be %q, %q or %q, got %q", connector.RolePrefill, connector.RoleDecode, connector.RoleBoth, s.Role)
-		}
-		if !slices.Contains(connector.Names(), s.Connector) {
-			bad(key("connector"), "must be one of %s, got %q", strings.Join(connector.Names(), ", "), s.Connector)
-		} else if s.Role.Valid() {
-			if field, problem := connector.CheckEngine(s.Connector, s.Role, s.BootstrapPort); field != "" {
-				bad(key(field), "%s", problem)
-			}
-		}
-		if s.PrefillSlots < 0 {
-			bad(key("prefill_slots"), "must be >= 0, got %d", s.PrefillSlots)
-		}
-		if s.DecodeSlots < 0 {
-			bad(key("decode_slots"), "must be >= 0, got %d", s.DecodeSlots)
-		}
+		s.validate(p.in("fleet["+strconv.Itoa(i)+"]"), seen, i)
 	}
-	checkConnectorPairs(c.Fleet, bad)
-	return errors.Join(errs...)
+	checkConnectorPairs(c.Fleet, p)
+	return p.err()
 }
 
 // checkConnectorPairs refuses a fleet whose producers of one connector
@@ -810,7 +986,7 @@ func (c *Config) Validate() error {
 // an engine could never serve. A fleet of one connector, or one whose
 // every connector has both phases, passes (several models may each run on
 // their own connector), as does a fleet without one of the phases at all.
-func checkConnectorPairs(fleet []EngineSpec, bad func(key, format string, args ...any)) {
+func checkConnectorPairs(fleet []EngineSpec, p problems) {
 	prefill, decode := map[string]bool{}, map[string]bool{}
 	known := func(s EngineSpec) bool { return slices.Contains(connector.Names(), s.Connector) }
 	for _, s := range fleet {
@@ -832,9 +1008,9 @@ func checkConnectorPairs(fleet []EngineSpec, bad func(key, format string, args .
 		switch {
 		case !known(s):
 		case s.Role.CanPrefill() && !decode[s.Connector]:
-			bad(key, "prefill engine %s uses %s, but no decode engine does (a producer and a consumer of different connectors cannot hand off KV)", s.ID, s.Connector)
+			p.bad(key, "prefill engine %s uses %s, but no decode engine does (a producer and a consumer of different connectors cannot hand off KV)", s.ID, s.Connector)
 		case s.Role.CanDecode() && !prefill[s.Connector]:
-			bad(key, "decode engine %s uses %s, but no prefill engine does (a producer and a consumer of different connectors cannot hand off KV)", s.ID, s.Connector)
+			p.bad(key, "decode engine %s uses %s, but no prefill engine does (a producer and a consumer of different connectors cannot hand off KV)", s.ID, s.Connector)
 		}
 	}
 }

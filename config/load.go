@@ -13,17 +13,16 @@ import (
 	"github.com/goccy/go-yaml"
 	"github.com/goccy/go-yaml/ast"
 	"github.com/goccy/go-yaml/parser"
-
-	"github.com/narwhalmesh/narwhal/engines/connector"
 )
 
 // Load reads the configuration: Default, then the YAML file at path (none
 // when path is ""), then the environment variables NARWHAL_<SECTION>_<KEY>,
 // then Validate (behaviour.md §11). A fleet entry without a connector gets
-// connector.DefaultName. It returns an error when the file cannot be read, is not
-// valid YAML, holds an unknown key or a value of the wrong type, when an
-// environment variable does not parse, or when Validate fails; each error
-// about a setting is a *KeyError naming its key.
+// connector.DefaultName (EngineSpec.setDefaults). It returns an error when
+// the file cannot be read, is not valid YAML, holds an unknown key or a
+// value of the wrong type, when an environment variable does not parse, or
+// when Validate fails; each error about a setting is a *KeyError naming its
+// key.
 func Load(path string) (*Config, error) {
 	var data []byte
 	if path != "" {
@@ -50,9 +49,7 @@ func load(data []byte, environ map[string]string) (*Config, error) {
 		return nil, err
 	}
 	for i := range c.Fleet {
-		if c.Fleet[i].Connector == "" {
-			c.Fleet[i].Connector = connector.DefaultName
-		}
+		c.Fleet[i].setDefaults()
 	}
 	fromEnv, err := applyEnv(&c, environ)
 	if err != nil {
