@@ -13,19 +13,23 @@ import (
 
 	"github.com/nats-io/jwt/v2"
 	"github.com/nats-io/nkeys"
+
+	"github.com/narwhalmesh/narwhal/schemas"
 )
 
 // The roles of a mesh, each with its own NATS credential (behaviour.md R-BUS-8).
 const (
-	// RoleRouter publishes failure, quarantine, handoff and request
-	// events and reads placement and chaos state.
-	RoleRouter = "router"
+	// RoleRouter publishes the event kinds whose rows of
+	// schemas.EventKinds name it (failure, request and more) and reads
+	// placement and chaos state. It is schemas.RoleRouter.
+	RoleRouter = schemas.RoleRouter
 	// RoleBreaker consumes events through its durable consumer, writes
-	// placement and its lease, and publishes eligibility and probe
-	// events.
-	RoleBreaker = "breaker"
-	// RoleChaos writes the chaos bucket and publishes chaos events.
-	RoleChaos = "chaos"
+	// placement and its lease, and publishes the event kinds whose rows
+	// name it (eligibility, probe and more). It is schemas.RoleBreaker.
+	RoleBreaker = schemas.RoleBreaker
+	// RoleChaos writes the chaos bucket and publishes the event kinds
+	// whose rows name it (chaos events). It is schemas.RoleChaos.
+	RoleChaos = schemas.RoleChaos
 	// RoleViewer reads everything and may make its own consumers of the
 	// events (dashboards, `narwhal events`, `narwhal chaos list`).
 	RoleViewer = "viewer"
@@ -122,11 +126,28 @@ func streamWatch(stream string) []string {
 // delete and a purge are each a publish on the key's subject).
 func bucketWrite(name string) []string { return []string{"$KV." + name + ".>"} }
 
-// eventsPub is what publishing events of kind takes.
-func eventsPub(kinds ...string) []string {
-	out := make([]string, 0, len(kinds))
-	for _, k := range kinds {
-		out = append(out, SubjectPrefix+k+".*")
+// eventsPub is what publishing the event kinds of role takes: the
+// subjects narwhal.events.<kind>.* of every row of schemas.EventKinds
+// that names role among its Publishers, in the table's order.
+func eventsPub(role string) []string {
+	var out []string
+	for _, k := range schemas.EventKinds() {
+		if slices.Contains(k.Publishers, role) {
+			out = append(out, k.Filter())
+		}
+	}
+	return out
+}
+
+// eventsSub is what subscribing to the event kinds of role takes: the
+// subjects narwhal.events.<kind>.> of every row of schemas.EventKinds
+// that names role among its Subscribers, in the table's order.
+func eventsSub(role string) []string {
+	var out []string
+	for _, k := range schemas.EventKinds() {
+		if slices.Contains(k.Subscribers, role) {
+			out = append(out, SubjectPrefix+k.Name+".>")
+		}
 	}
 	return out
 }
@@ -153,24 +174,26 @@ func viewerDenied() []string {
 // RolePermissions returns the NATS publish and subscribe permissions of
 // role (behaviour.md R-BUS-8), as they go into its user JWT; docs/mesh.md lists
 // them. Every role may subscribe to _INBOX.> (replies) and read the
-// stream's info; beyond that:
+// stream's info. Every role but the viewer and the admin may publish the
+// event kinds whose rows of schemas.EventKinds name it among their
+// Publishers (narwhal.events.<kind>.*) and subscribe to those that name it
+// among their Subscribers (narwhal.events.<kind>.>): its event kinds.
+// Beyond that:
 //
-//   - router: publish failure, quarantine, handoff, request and
-//     kv_recomputed events;
-//     subscribe to quarantine events; publish and subscribe to prefix
+//   - router: its event kinds; publish and subscribe to prefix
 //     placements (narwhal.prefix.<router_id>) and read stream
 //     NARWHAL_PREFIX through consumers of its own (R-PLACE-2); read narwhal_placement,
 //     narwhal_breaker (the lease its placement values are checked
 //     against, R-BUS-9) and narwhal_chaos; watch narwhal_fleet; write its
 //     in-flight report in narwhal_routers (R-FLEET-3) — it cannot write
 //     the fleet;
-//   - breaker: publish eligibility, probe and fleet events; write and
+//   - breaker: its event kinds; write and
 //     read narwhal_placement, narwhal_breaker and narwhal_fleet (the
 //     states it decides: active after the checks, drained, R-FLEET-2,
 //     R-FLEET-3; watching, not direct gets); watch narwhal_routers; make,
 //     read from and acknowledge
 //     on its durable consumer narwhal-breaker;
-//   - chaos: publish chaos events; write and read narwhal_chaos; read
+//   - chaos: its event kinds; write and read narwhal_chaos; read
 //     narwhal_placement's info; answer as, and ask, the NATS service
 //     ChaosProxyService ($SRV.*, replies to the requests it receives);
 //   - viewer: subscribe to every event; read every stream and bucket of
@@ -180,28 +203,27 @@ func viewerDenied() []string {
 //     step-downs;
 //   - admin: everything ("> "), which `narwhal fleet add|drain|undrain|
 //     remove` needs to change the fleet;
-//   - engine: read narwhal_placement (to connect); write and read
-//     narwhal_fleet (its registration, R-FLEET-4); read narwhal_routers
-//     (the drain's reports) — no event, no other bucket.
+//   - engine: its event kinds (none today); read narwhal_placement (to
+//     connect); write and read narwhal_fleet (its registration,
+//     R-FLEET-4); read narwhal_routers (the drain's reports) — no other
+//     bucket.
 //
 // It returns an error for an unknown role.
 func RolePermissions(role string) (jwt.Permissions, error) {
 	var pub, sub, deny []string
 	var resp *jwt.ResponsePermission
-	common := []string{jsAPI + "INFO", jsAPI + "STREAM.INFO." + StreamName}
-	sub = []string{"_INBOX.>"}
+	common := slices.Concat([]string{jsAPI + "INFO", jsAPI + "STREAM.INFO." + StreamName}, eventsPub(role))
+	sub = slices.Concat([]string{"_INBOX.>"}, eventsSub(role))
 	switch role {
 	case RoleRouter:
 		pub = slices.Concat(common,
-			eventsPub("failure", "quarantine", "handoff", "request", "kv_recomputed"),
 			bucketRead(PlacementBucket), bucketRead(LeaseBucket), bucketRead(ChaosBucket),
 			bucketWatch(FleetBucket),
 			[]string{jsAPI + "STREAM.INFO.KV_" + RoutersBucket}, bucketWrite(RoutersBucket),
 			[]string{PrefixSubjectPrefix + "*"}, streamWatch(PrefixStream))
-		sub = append(sub, SubjectPrefix+"quarantine.>", PrefixSubjectPrefix+"*")
+		sub = append(sub, PrefixSubjectPrefix+"*")
 	case RoleBreaker:
 		pub = slices.Concat(common,
-			eventsPub("eligibility", "probe", "fleet"),
 			bucketRead(PlacementBucket), bucketWrite(PlacementBucket),
 			bucketRead(LeaseBucket), bucketWrite(LeaseBucket),
 			bucketWatch(FleetBucket), bucketWrite(FleetBucket), bucketWatch(RoutersBucket),
@@ -220,7 +242,6 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 			bucketRead(PlacementBucket), bucketRead(FleetBucket), bucketWrite(FleetBucket), bucketRead(RoutersBucket))
 	case RoleChaos:
 		pub = slices.Concat(common,
-			eventsPub("chaos"),
 			bucketRead(ChaosBucket), bucketWrite(ChaosBucket),
 			[]string{jsAPI + "STREAM.INFO.KV_" + PlacementBucket, "$SRV.PING." + ChaosProxyService})
 		// A proxy answers its service's PING, INFO and STATS requests.

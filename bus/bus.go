@@ -4,11 +4,14 @@
 // ordered subscription for tools, and validation of events against their
 // JSON Schemas.
 //
-// Routers publish failure, quarantine, handoff and request events; the
-// breaker publishes eligibility and probe events; all go to stream
-// NARWHAL_EVENTS on subjects narwhal.events.<kind>.<id> (R-BUS-1). Placement
-// eligibility lives in KV bucket narwhal_placement (R-BUS-2). Nothing here
-// ever deletes or recreates a stream, bucket or consumer (R-BUS-7).
+// Every event goes to stream NARWHAL_EVENTS on subjects
+// narwhal.events.<kind>.<id> (R-BUS-1). The kinds are the rows of
+// schemas.EventKinds, which this package reads for the credentials'
+// permissions (who publishes and subscribes to each kind), the history
+// stream's sources and the publisher's drop counter: a new kind changes
+// nothing here. Placement eligibility lives in KV bucket narwhal_placement
+// (R-BUS-2). Nothing here ever deletes or recreates a stream, bucket or
+// consumer (R-BUS-7).
 package bus
 
 import (
@@ -25,6 +28,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/narwhalmesh/narwhal/internal/pause"
+	"github.com/narwhalmesh/narwhal/schemas"
 )
 
 // Names on the bus (behaviour.md R-BUS-1, R-BUS-2).
@@ -39,8 +43,9 @@ const (
 	// of its own, so that a flood of request events cannot evict it.
 	HistoryStream = "NARWHAL_HISTORY"
 	// SubjectPrefix starts every event subject:
-	// narwhal.events.<kind>.<engine_id|router_id>.
-	SubjectPrefix = "narwhal.events."
+	// narwhal.events.<kind>.<engine_id|router_id> (it is
+	// schemas.EventSubjectPrefix).
+	SubjectPrefix = schemas.EventSubjectPrefix
 )
 
 // Stream limits of NARWHAL_EVENTS.
@@ -67,9 +72,22 @@ const (
 	HistoryMaxBytes = 512 << 20
 )
 
-// HistoryKinds are the event kinds NARWHAL_HISTORY keeps: all but
-// request events.
-var HistoryKinds = []string{"failure", "quarantine", "handoff", "probe", "eligibility", "chaos", "fleet", "kv_recomputed"}
+// HistoryKinds are the event kinds NARWHAL_HISTORY keeps, in the order
+// of schemas.EventKinds: those whose row sets History (every kind but
+// request events today).
+var HistoryKinds = historyKinds()
+
+// historyKinds returns the names of the rows of schemas.EventKinds that
+// set History.
+func historyKinds() []string {
+	var out []string
+	for _, k := range schemas.EventKinds() {
+		if k.History {
+			out = append(out, k.Name)
+		}
+	}
+	return out
+}
 
 // jsErrCodeClusterNoPeers is JetStream's "no suitable peers for
 // placement": a cluster still forming, or fewer servers than replicas.

@@ -316,17 +316,17 @@ func (p *Publisher) drop(reason, kind string) {
 // settle removes one accepted event from the pending count.
 func (p *Publisher) settle() { p.pending.Add(-1) }
 
-// kindOf returns the kind token of an event subject
-// (narwhal.events.<kind>.<id>), or "unknown".
 // eventKinds are the kind label's values of narwhal_events_dropped_total
-// besides "unknown": every event kind a router or a breaker publishes.
-var eventKinds = []string{schemas.KindFailure, schemas.KindQuarantine, schemas.KindHandoff, schemas.KindRequest,
-	schemas.KindProbe, schemas.KindEligibility, schemas.KindChaos, schemas.KindFleet, schemas.KindKVRecomputed}
+// besides "unknown": every kind of schemas.EventKinds.
+var eventKinds = schemas.EventKindNames()
 
 // dropReasons are the reason label's values of
 // narwhal_events_dropped_total.
 var dropReasons = []string{DropBufferFull, DropExpired, DropInvalid, DropClosed}
 
+// kindOf returns the kind token of an event subject
+// (narwhal.events.<kind>.<id>) when it is a kind of schemas.EventKinds, or
+// "unknown".
 func kindOf(subject string) string {
 	rest, ok := strings.CutPrefix(subject, SubjectPrefix)
 	if !ok {

@@ -28,8 +28,9 @@ var eventSchemas struct {
 // assertions on ("at" must be an RFC 3339 UTC date-time). The schemas are
 // compiled once, on first use. It returns nil for a valid event, and an
 // error when payload is not a JSON object, names no known schema, or does
-// not match it (the error lists every violation). Tests of every package
-// that publishes use it on each message they see.
+// not match it (the error lists every violation), or when a row of
+// schemas.EventKinds names a schema that has no file. Tests of every
+// package that publishes use it on each message they see.
 func ValidateEvent(payload []byte) error {
 	var head struct {
 		Schema *string `json:"schema"`
@@ -58,7 +59,8 @@ func ValidateEvent(payload []byte) error {
 	return nil
 }
 
-// compileEventSchemas compiles every file of schemas.SchemaFS.
+// compileEventSchemas compiles every file of schemas.SchemaFS; a row of
+// schemas.EventKinds whose schema has no file is an error.
 func compileEventSchemas() {
 	files, err := fs.Glob(schemas.SchemaFS, "*.json")
 	if err != nil {
@@ -89,6 +91,12 @@ func compileEventSchemas() {
 			return
 		}
 		byName[strings.TrimSuffix(f, ".json")] = sch
+	}
+	for _, k := range schemas.EventKinds() {
+		if byName[k.Schema] == nil {
+			eventSchemas.err = fmt.Errorf("bus: event kind %s: no schema file %s.json", k.Name, k.Schema)
+			return
+		}
 	}
 	eventSchemas.byName = byName
 }

@@ -23,10 +23,10 @@ const (
 	watchRetry = time.Second
 	// setupBound bounds binding a bucket or creating a consumer.
 	setupBound = 5 * time.Second
-	// historyWindow is how far back the page starts: the ejections,
-	// readmissions, failures and fleet changes of the last hour are
-	// replayed from the stream at start (request events are not: rates
-	// start from now).
+	// historyWindow is how far back the page starts: the events of the
+	// kinds NARWHAL_HISTORY keeps (ejections, readmissions, failures,
+	// fleet changes) of the last hour are replayed from the stream at
+	// start (request events are not: rates start from now).
 	historyWindow = time.Hour
 	// busPoll is how often the bus link's state is read.
 	busPoll = 500 * time.Millisecond
@@ -35,16 +35,12 @@ const (
 	maxValue = 64 << 10
 )
 
-// historyKinds are the event kinds replayed from historyWindow ago; the
-// request events start with the new ones.
-var historyKinds = []string{
-	schemas.KindFailure, schemas.KindEligibility, schemas.KindQuarantine,
-	schemas.KindProbe, schemas.KindFleet,
-}
-
 // feed keeps st up to date from b until ctx ends: one watch per bucket
-// and one ordered consumer per event kind, each set up again when it
-// ends (the connection was lost, the consumer deleted). Request events
+// and one ordered consumer per event kind the page shows (appliers),
+// each set up again when it ends (the connection was lost, the consumer
+// deleted). A kind whose row of schemas.EventKinds sets History (the
+// mesh's history: failures, ejections, readmissions, fleet changes) is
+// replayed from historyWindow before start; the others (request events)
 // count from start on. It returns when every one of them has stopped.
 func feed(ctx context.Context, b *bus.Bus, st *state, start time.Time, log *slog.Logger) {
 	var wg sync.WaitGroup
@@ -60,12 +56,16 @@ func feed(ctx context.Context, b *bus.Bus, st *state, start time.Time, log *slog
 	run(func() { watchBucket(ctx, b, bus.PlacementBucket, st, log, st.placementValue) })
 	run(func() { watchBucket(ctx, b, bus.RoutersBucket, st, log, st.routerValue) })
 	run(func() { watchBucket(ctx, b, bus.ChaosBucket, st, log, st.faultValue) })
-	for _, kind := range historyKinds {
-		run(func() {
-			follow(ctx, b, kind, bus.SubscribeOptions{Since: start.Add(-historyWindow)}, st, log)
-		})
+	for _, kind := range schemas.EventKinds() {
+		if appliers[kind.Name] == nil {
+			continue
+		}
+		since := start
+		if kind.History {
+			since = start.Add(-historyWindow)
+		}
+		run(func() { follow(ctx, b, kind, bus.SubscribeOptions{Since: since}, st, log) })
 	}
-	run(func() { follow(ctx, b, schemas.KindRequest, bus.SubscribeOptions{Since: start}, st, log) })
 	wg.Wait()
 }
 
@@ -212,8 +212,8 @@ func (s *state) faultValue(key string, value []byte) {
 // follow applies every event of kind from start until ctx ends, setting
 // its consumer up again (from the time it stopped) when it cannot be
 // made.
-func follow(ctx context.Context, b *bus.Bus, kind string, start bus.SubscribeOptions, st *state, log *slog.Logger) {
-	start.Filter = bus.SubjectPrefix + kind + ".*"
+func follow(ctx context.Context, b *bus.Bus, kind schemas.EventKind, start bus.SubscribeOptions, st *state, log *slog.Logger) {
+	start.Filter = kind.Filter()
 	warned := false
 	for ctx.Err() == nil {
 		stop, err := bus.SubscribeWith(ctx, b, start, func(subject string, payload []byte) {
@@ -221,7 +221,7 @@ func follow(ctx context.Context, b *bus.Bus, kind string, start bus.SubscribeOpt
 				st.refuse()
 				return
 			}
-			st.applyEvent(kind, payload)
+			st.applyEvent(kind.Name, payload)
 		})
 		if err == nil {
 			<-ctx.Done()
@@ -232,7 +232,7 @@ func follow(ctx context.Context, b *bus.Bus, kind string, start bus.SubscribeOpt
 			return // stopped while the consumer was being made: no news
 		}
 		if !warned {
-			log.Warn("dashboard: event consumer could not be made; retrying", "kind", kind, "err", err)
+			log.Warn("dashboard: event consumer could not be made; retrying", "kind", kind.Name, "err", err)
 			warned = true
 		}
 		if !pause.For(ctx, watchRetry) {

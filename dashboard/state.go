@@ -446,50 +446,45 @@ func (s *state) applyFault(key string, f *faultView) {
 	s.faults[key] = *f
 }
 
-// applyEvent applies one event of the stream (already schema-checked),
-// of kind (the subject's kind token), decoded from payload.
-func (s *state) applyEvent(kind string, payload []byte) {
-	switch kind {
-	case schemas.KindRequest:
-		var e schemas.RequestCompleted
-		if json.Unmarshal(payload, &e) == nil {
-			s.applyRequest(&e)
-			return
+// appliers are the event kinds the page shows, each with what applies
+// one event of it (decoded from its JSON); the other kinds of
+// schemas.EventKinds (handoff, chaos, kv_recomputed) are not followed.
+// Every key is a kind of the table (TestAppliersAreKinds).
+var appliers = map[string]func(s *state, payload []byte) bool{
+	schemas.KindRequest:     decoded((*state).applyRequest),
+	schemas.KindFailure:     decoded((*state).applyFailure),
+	schemas.KindEligibility: decoded((*state).applyEligibilityEvent),
+	schemas.KindQuarantine:  decoded((*state).applyQuarantine),
+	schemas.KindProbe:       decoded((*state).applyProbe),
+	schemas.KindFleet:       decoded((*state).applyFleetChange),
+}
+
+// decoded returns an applier that decodes the payload as an E and hands
+// it to apply; it reports false, applying nothing, when the payload does
+// not decode.
+func decoded[E any](apply func(*state, *E)) func(*state, []byte) bool {
+	return func(s *state, payload []byte) bool {
+		var e E
+		if json.Unmarshal(payload, &e) != nil {
+			return false
 		}
-	case schemas.KindFailure:
-		var e schemas.Failure
-		if json.Unmarshal(payload, &e) == nil {
-			s.applyFailure(&e)
-			return
-		}
-	case schemas.KindEligibility:
-		var e schemas.Eligibility
-		if json.Unmarshal(payload, &e) == nil {
-			s.applyEligibilityEvent(&e)
-			return
-		}
-	case schemas.KindQuarantine:
-		var e schemas.Quarantine
-		if json.Unmarshal(payload, &e) == nil {
-			s.applyQuarantine(&e)
-			return
-		}
-	case schemas.KindProbe:
-		var e schemas.Probe
-		if json.Unmarshal(payload, &e) == nil {
-			s.applyProbe(&e)
-			return
-		}
-	case schemas.KindFleet:
-		var e schemas.FleetChange
-		if json.Unmarshal(payload, &e) == nil {
-			s.applyFleetChange(&e)
-			return
-		}
-	default:
-		return // handoff, chaos: not shown
+		apply(s, &e)
+		return true
 	}
-	s.refuse()
+}
+
+// applyEvent applies one event of the stream (already schema-checked),
+// of kind (the subject's kind token), decoded from payload; one that
+// does not decode is counted as refused, one of a kind the page does not
+// show is ignored.
+func (s *state) applyEvent(kind string, payload []byte) {
+	apply := appliers[kind]
+	if apply == nil {
+		return // handoff, chaos, kv_recomputed: not shown
+	}
+	if !apply(s, payload) {
+		s.refuse()
+	}
 }
 
 // eventTime is an event's "at", or now when it has none or is in the

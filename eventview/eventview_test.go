@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -227,5 +228,76 @@ func TestPrinterReadableLines(t *testing.T) {
 		if i >= len(got) || got[i] != want[i] {
 			t.Errorf("line %d:\n got %q\nwant %q", i, got[min(i, len(got)-1)], want[i])
 		}
+	}
+}
+
+// TestEveryKindHasALine proves that `narwhal events` knows every kind of
+// schemas.EventKinds: --kind accepts it, in the table's order, and the
+// printer gives an event of it a readable line of its own, not the raw
+// JSON it shows for a kind it does not know.
+func TestEveryKindHasALine(t *testing.T) {
+	if want := schemas.EventKindNames(); !slices.Equal(Kinds, want) {
+		t.Errorf("Kinds %v, want the table's %v", Kinds, want)
+	}
+	for _, k := range schemas.EventKinds() {
+		ev := k.New()
+		*ev.Head() = envelope(k.Schema, "k-"+k.Name, "rt-1", "", "d1", "")
+		payload, err := json.Marshal(ev)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out bytes.Buffer
+		if err := NewPrinter(&out, false).Print(ev.Subject(), payload); err != nil {
+			t.Fatal(err)
+		}
+		line := out.String()
+		if !strings.HasPrefix(line, "2026-11-30T05:59:14.123Z "+k.Name+" ") || strings.Contains(line, `"schema"`) {
+			t.Errorf("kind %s has no line of its own in printer.go's appendDetails: %q", k.Name, line)
+		}
+	}
+}
+
+// TestSelectionByRouter checks that --engine on a kind whose subject ends
+// in a router id (request events) reads every id and keeps the events
+// whose producer or consumer is the engine, and that on a kind whose
+// subject ends in an engine id it filters on the subject alone.
+func TestSelectionByRouter(t *testing.T) {
+	for _, k := range schemas.EventKinds() {
+		sel := Selection{Kind: k.Name, Engine: "d1"}
+		want := k.Subject("d1")
+		if k.ID == schemas.IDRouter {
+			want = k.Filter()
+		}
+		if got := sel.Filter(); got != want {
+			t.Errorf("%+v.Filter() = %q, want %q", sel, got, want)
+		}
+	}
+}
+
+// TestPrinterFleetLine checks the readable line of a fleet event: the new
+// state, the one before and why.
+func TestPrinterFleetLine(t *testing.T) {
+	var out bytes.Buffer
+	p := NewPrinter(&out, false)
+	for _, ev := range []*schemas.FleetChange{
+		{Envelope: envelope(schemas.SchemaFleet, "fl1", "", "b1", "d1", ""),
+			State: schemas.FleetActive, Previous: schemas.FleetJoining, Reason: "inference probe passed"},
+		{Envelope: envelope(schemas.SchemaFleet, "fl2", "", "b1", "d1", ""), State: schemas.FleetJoining},
+	} {
+		payload, err := json.Marshal(ev)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := bus.ValidateEvent(payload); err != nil {
+			t.Fatalf("%v\n%s", err, payload)
+		}
+		if err := p.Print(ev.Subject(), payload); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want := "2026-11-30T05:59:14.123Z fleet       d1 active previous=joining \"inference probe passed\" (breaker b1)\n" +
+		"2026-11-30T05:59:14.123Z fleet       d1 joining (breaker b1)\n"
+	if out.String() != want {
+		t.Errorf("fleet lines:\n%s\nwant:\n%s", out.String(), want)
 	}
 }

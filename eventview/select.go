@@ -17,38 +17,37 @@ import (
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
-// Kinds are the event kinds a Selection accepts, in the order of behaviour.md
-// R-BUS-1, then chaos.
-var Kinds = []string{
-	schemas.KindFailure, schemas.KindQuarantine, schemas.KindHandoff,
-	schemas.KindRequest, schemas.KindProbe, schemas.KindEligibility,
-	schemas.KindChaos, schemas.KindKVRecomputed,
-}
+// Kinds are the event kinds a Selection accepts: every kind of
+// schemas.EventKinds, in its order (behaviour.md R-BUS-1, then the kinds
+// added since).
+var Kinds = schemas.EventKindNames()
 
 // Selection is which events are kept: Kind (one of Kinds) and Engine (an
-// engine id, or a router id for request events); "" means any.
+// engine id, or a router id for the kinds whose subject ends in one:
+// request events); "" means any.
 type Selection struct {
 	Kind, Engine string
 }
 
 // Filter returns the stream consumer's subject filter,
 // narwhal.events.<kind|*>.<engine|*>, widened to every id when Engine may
-// also match request events by their producer or consumer (Keep then
-// decides).
+// also match events of a kind whose subject ends in a router id (request
+// events) by their producer or consumer (Keep then decides).
 func (s Selection) Filter() string {
 	kind, id := s.Kind, s.Engine
 	if kind == "" {
 		kind = "*"
 	}
-	if id == "" || kind == "*" || kind == schemas.KindRequest {
+	if id == "" || kind == "*" || byRouter(kind) {
 		id = "*"
 	}
 	return bus.SubjectPrefix + kind + "." + id
 }
 
 // Keep reports whether an event that passed the consumer's Filter is
-// selected: with an Engine, its subject ends in Engine, or it is a request
-// event whose producer_id or consumer_id is Engine.
+// selected: with an Engine, its subject ends in Engine, or its subject
+// ends in a router id (a request event) and its producer_id or
+// consumer_id is Engine.
 func (s Selection) Keep(subject string, payload []byte) bool {
 	if s.Engine == "" {
 		return true
@@ -57,7 +56,7 @@ func (s Selection) Keep(subject string, payload []byte) bool {
 	if id == s.Engine {
 		return true
 	}
-	if kind != schemas.KindRequest {
+	if !byRouter(kind) {
 		return false
 	}
 	var ends struct {
@@ -101,6 +100,13 @@ func ParseSince(since string, now time.Time) (bus.SubscribeOptions, string, erro
 		return bus.SubscribeOptions{Since: t}, "since " + t.UTC().Format(time.RFC3339Nano), nil
 	}
 	return bus.SubscribeOptions{}, "", fmt.Errorf("--since %q: want a duration such as 10m, an RFC 3339 time, 0 or all", since)
+}
+
+// byRouter reports whether the subjects of kind end in a router id
+// rather than an engine id (its row of schemas.EventKinds says so).
+func byRouter(kind string) bool {
+	k, ok := schemas.LookupEventKind(kind)
+	return ok && k.ID == schemas.IDRouter
 }
 
 // subjectParts splits narwhal.events.<kind>.<id> into kind and id.

@@ -29,7 +29,8 @@ func BoundField(s string) string {
 }
 
 // Event schema names, carried in every event's "schema" field (behaviour.md R-BUS-3).
-// Each has a JSON Schema file in this folder, <name>.json (see SchemaFS).
+// Each has a JSON Schema file in this folder, <name>.json (see SchemaFS),
+// and is the Schema of one row of EventKinds.
 const (
 	SchemaRequest     = "narwhal.request.v1"
 	SchemaFailure     = "narwhal.failure.v1"
@@ -49,7 +50,8 @@ const (
 const SchemaPlacement = "narwhal.placement.v1"
 
 // Event kinds: the <kind> part of the subject narwhal.events.<kind>.<id>
-// (behaviour.md R-BUS-1).
+// (behaviour.md R-BUS-1), each the Name of one row of EventKinds, which
+// says who publishes it and where it is kept.
 const (
 	KindRequest     = "request"
 	KindFailure     = "failure"
@@ -157,7 +159,9 @@ type RequestCompleted struct {
 }
 
 // Subject returns narwhal.events.request.<router_id>.
-func (e *RequestCompleted) Subject() string { return "narwhal.events.request." + e.RouterID }
+func (e *RequestCompleted) Subject() string {
+	return EventSubjectPrefix + KindRequest + "." + e.RouterID
+}
 
 // Failure is one engine fault seen by a router on one leg of one attempt,
 // on narwhal.events.failure.<engine_id> (schema narwhal.failure.v1). The
@@ -189,7 +193,7 @@ type Failure struct {
 }
 
 // Subject returns narwhal.events.failure.<engine_id>.
-func (e *Failure) Subject() string { return "narwhal.events.failure." + e.EngineID }
+func (e *Failure) Subject() string { return EventSubjectPrefix + KindFailure + "." + e.EngineID }
 
 // Quarantine says a router excluded an engine from its placement for a
 // while after a failed attempt, on narwhal.events.quarantine.<engine_id>
@@ -206,7 +210,7 @@ type Quarantine struct {
 }
 
 // Subject returns narwhal.events.quarantine.<engine_id>.
-func (e *Quarantine) Subject() string { return "narwhal.events.quarantine." + e.EngineID }
+func (e *Quarantine) Subject() string { return EventSubjectPrefix + KindQuarantine + "." + e.EngineID }
 
 // Handoff outcomes.
 const (
@@ -239,7 +243,7 @@ type Handoff struct {
 }
 
 // Subject returns narwhal.events.handoff.<engine_id>.
-func (e *Handoff) Subject() string { return "narwhal.events.handoff." + e.EngineID }
+func (e *Handoff) Subject() string { return EventSubjectPrefix + KindHandoff + "." + e.EngineID }
 
 // KVRecomputed reports a decode engine that recomputed the prompt instead
 // of loading the KV blocks its producer handed off (behaviour.md R-FAIL-8): its
@@ -266,7 +270,9 @@ type KVRecomputed struct {
 }
 
 // Subject returns narwhal.events.kv_recomputed.<engine_id>.
-func (e *KVRecomputed) Subject() string { return "narwhal.events.kv_recomputed." + e.EngineID }
+func (e *KVRecomputed) Subject() string {
+	return EventSubjectPrefix + KindKVRecomputed + "." + e.EngineID
+}
 
 // Probe outcomes, the values of Probe.Outcome (behaviour.md R-BRK-3…5).
 const (
@@ -301,7 +307,7 @@ type Probe struct {
 }
 
 // Subject returns narwhal.events.probe.<engine_id>.
-func (e *Probe) Subject() string { return "narwhal.events.probe." + e.EngineID }
+func (e *Probe) Subject() string { return EventSubjectPrefix + KindProbe + "." + e.EngineID }
 
 // Placement states, the values of Eligibility.State (behaviour.md R-BRK-1,
 // R-BRK-8).
@@ -335,7 +341,9 @@ type Eligibility struct {
 }
 
 // Subject returns narwhal.events.eligibility.<engine_id>.
-func (e *Eligibility) Subject() string { return "narwhal.events.eligibility." + e.EngineID }
+func (e *Eligibility) Subject() string {
+	return EventSubjectPrefix + KindEligibility + "." + e.EngineID
+}
 
 // Chaos actions, the values of Chaos.Action (behaviour.md R-CHAOS-1).
 const (
@@ -386,4 +394,4 @@ type Chaos struct {
 }
 
 // Subject returns narwhal.events.chaos.<engine_id>.
-func (e *Chaos) Subject() string { return "narwhal.events.chaos." + e.EngineID }
+func (e *Chaos) Subject() string { return EventSubjectPrefix + KindChaos + "." + e.EngineID }

@@ -114,7 +114,7 @@ type FleetChange struct {
 }
 
 // Subject returns narwhal.events.fleet.<engine_id>.
-func (e *FleetChange) Subject() string { return "narwhal.events.fleet." + e.EngineID }
+func (e *FleetChange) Subject() string { return EventSubjectPrefix + KindFleet + "." + e.EngineID }
 
 // RouterReport is one router's report of its legs in flight: the value of
 // its key in KV bucket narwhal_routers (key = RouterID; the bucket's TTL

@@ -1,0 +1,151 @@
+package bus_test
+
+import (
+	"context"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// TestPermissionsFollowTheEventKinds proves that the credentials take
+// the event kinds from schemas.EventKinds (R-BUS-8): every role a row
+// names is a role of the mesh that can be given events (not the viewer,
+// which only reads, nor the admin, which may do anything); a role may
+// publish narwhal.events.<kind>.* exactly when the row names it among the
+// publishers, and subscribe to narwhal.events.<kind>.> exactly when it
+// names it among the subscribers; the viewer publishes no event.
+func TestPermissionsFollowTheEventKinds(t *testing.T) {
+	perms := map[string][2][]string{}
+	for _, role := range bus.Roles {
+		p, err := bus.RolePermissions(role)
+		if err != nil {
+			t.Fatal(err)
+		}
+		perms[role] = [2][]string{p.Pub.Allow, p.Sub.Allow}
+	}
+	for _, k := range schemas.EventKinds() {
+		for _, role := range slices.Concat(k.Publishers, k.Subscribers) {
+			if !slices.Contains(bus.Roles, role) || role == bus.RoleViewer || role == bus.RoleAdmin {
+				t.Errorf("kind %s names role %q: want one of %v but the viewer and the admin", k.Name, role, bus.Roles)
+			}
+		}
+		sub := bus.SubjectPrefix + k.Name + ".>"
+		for _, role := range bus.Roles {
+			if role == bus.RoleAdmin {
+				continue
+			}
+			pub := role != bus.RoleViewer && slices.Contains(k.Publishers, role)
+			if got := slices.Contains(perms[role][0], k.Filter()); got != pub {
+				t.Errorf("role %s may publish %s: %v, want %v (publishers %v)", role, k.Filter(), got, pub, k.Publishers)
+			}
+			if role == bus.RoleViewer {
+				continue // subscribes to narwhal.events.>
+			}
+			want := slices.Contains(k.Subscribers, role)
+			if got := slices.Contains(perms[role][1], sub); got != want {
+				t.Errorf("role %s may subscribe to %s: %v, want %v (subscribers %v)", role, sub, got, want, k.Subscribers)
+			}
+		}
+	}
+	if p, _ := bus.RolePermissions(bus.RoleAdmin); !slices.Equal(p.Pub.Allow, []string{">"}) {
+		t.Errorf("admin publishes %v, want everything", p.Pub.Allow)
+	}
+}
+
+// TestEveryKindsPublishersPublish proves on a server that enforces the
+// credentials (R-BUS-8) that each role a row of schemas.EventKinds names
+// among its publishers really may publish events of that kind into
+// NARWHAL_EVENTS.
+func TestEveryKindsPublishersPublish(t *testing.T) {
+	e, dir := authServer(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	conns := map[string]*bus.Bus{}
+	for _, k := range schemas.EventKinds() {
+		for _, role := range k.Publishers {
+			if conns[role] == nil {
+				conns[role] = connectAs(t, e, dir, role)
+			}
+			if _, err := conns[role].JetStream().Publish(ctx, k.Subject("kinds-test"), []byte(`{}`)); err != nil {
+				t.Errorf("%s publishes a %s event: %v (%v)", role, k.Name, err, conns[role].PermissionError())
+			}
+		}
+	}
+}
+
+// TestHistoryFollowsTheEventKinds proves that NARWHAL_HISTORY is
+// sourced with one filter per kind whose row of schemas.EventKinds sets
+// History, in the table's order, and with nothing else (R-BUS-1).
+func TestHistoryFollowsTheEventKinds(t *testing.T) {
+	var want []string
+	for _, k := range schemas.EventKinds() {
+		if k.History {
+			want = append(want, k.Name)
+		}
+	}
+	if !slices.Equal(bus.HistoryKinds, want) {
+		t.Errorf("HistoryKinds %v, want %v", bus.HistoryKinds, want)
+	}
+	e := startServer(t, bus.EmbeddedOptions{Port: 0})
+	b := connect(t, e)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	st, err := b.JetStream().Stream(ctx, bus.HistoryStream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srcs := st.CachedInfo().Config.Sources
+	if len(srcs) != 1 || srcs[0].Name != bus.StreamName {
+		t.Fatalf("history sources %+v, want %s alone", srcs, bus.StreamName)
+	}
+	var got []string
+	for _, tr := range srcs[0].SubjectTransforms {
+		if tr.Source != tr.Destination {
+			t.Errorf("transform %s → %s, want the subject kept", tr.Source, tr.Destination)
+		}
+		got = append(got, tr.Source)
+	}
+	var wantFilters []string
+	for _, k := range want {
+		wantFilters = append(wantFilters, bus.SubjectPrefix+k+".>")
+	}
+	if !slices.Equal(got, wantFilters) {
+		t.Errorf("history filters %v, want %v", got, wantFilters)
+	}
+}
+
+// TestDropCounterHasEveryKind proves narwhal_events_dropped_total starts
+// with a zero series for every kind of schemas.EventKinds and every reason
+// (R-BUS-10), so a new kind needs no change to the publisher.
+func TestDropCounterHasEveryKind(t *testing.T) {
+	e := startServer(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1})
+	b := connect(t, e)
+	reg := prometheus.NewRegistry()
+	p := bus.NewPublisher(b, 4, reg)
+	defer p.Close()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := map[string]int{}
+	for _, mf := range mfs {
+		if mf.GetName() != "narwhal_events_dropped_total" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			if m.GetCounter().GetValue() == 0 {
+				seen[label(m, "kind")]++
+			}
+		}
+	}
+	for _, k := range schemas.EventKinds() {
+		if seen[k.Name] != 4 {
+			t.Errorf("kind %s: %d zero series of narwhal_events_dropped_total, want one per reason (4)", k.Name, seen[k.Name])
+		}
+	}
+}

@@ -1,0 +1,136 @@
+package schemas
+
+import "slices"
+
+// EventSubjectPrefix starts every event subject,
+// narwhal.events.<kind>.<engine_id|router_id> (behaviour.md R-BUS-1).
+const EventSubjectPrefix = "narwhal.events."
+
+// The roles of behaviour.md R-BUS-8 that publish or subscribe to events,
+// as EventKind rows name them. Package bus gives its credentials the same
+// names (bus.RoleRouter is RoleRouter, and so on).
+const (
+	// RoleRouter is the routers' credential.
+	RoleRouter = "router"
+	// RoleBreaker is the breaker's credential.
+	RoleBreaker = "breaker"
+	// RoleChaos is the chaos tool's credential (`narwhal chaos`, the chaos
+	// proxies).
+	RoleChaos = "chaos"
+)
+
+// What the last token of an event's subject is: the values of
+// EventKind.ID, each the JSON name of the envelope field that holds it.
+const (
+	// IDEngine: the engine the event is about (Envelope.EngineID).
+	IDEngine = "engine_id"
+	// IDRouter: the router that published the event (Envelope.RouterID).
+	IDRouter = "router_id"
+)
+
+// EventKind is one row of the table of bus event kinds (EventKinds): all
+// that the bus, `narwhal events` and the dashboard know about a kind
+// besides its payload's fields (behaviour.md R-BUS-1, R-BUS-3, R-BUS-8).
+type EventKind struct {
+	// Name is the kind, the <kind> token of the subject
+	// narwhal.events.<kind>.<id>, e.g. "failure": one NATS subject token
+	// (no dots, wildcards or spaces).
+	Name string
+	// ID says what the subject's last token is: IDEngine or IDRouter.
+	ID string
+	// Schema is the events' "schema" field, e.g. "narwhal.failure.v1";
+	// SchemaFS holds its JSON Schema as "<Schema>.json".
+	Schema string
+	// Publishers are the roles whose credential may publish the kind (on
+	// narwhal.events.<kind>.*, R-BUS-8); the admin may publish anything.
+	Publishers []string
+	// Subscribers are the roles whose credential may subscribe to the
+	// kind's subjects directly (core NATS, narwhal.events.<kind>.>)
+	// besides the viewer, which may read every event; reading through a
+	// stream consumer needs no row.
+	Subscribers []string
+	// History is whether stream NARWHAL_HISTORY keeps the kind (30 days,
+	// apart from the high-volume kinds); NARWHAL_EVENTS keeps every kind
+	// for a day. The dashboard replays the last hour of a kind it shows
+	// only when History is set; it counts the others from its start.
+	History bool
+	// New returns a new, zero payload of the kind (a pointer to its Go
+	// type), for decoding an event of the kind.
+	New func() Event
+}
+
+// Subject returns the subject of an event of the kind about id (an engine
+// id or a router id, as ID says): narwhal.events.<kind>.<id>.
+func (k EventKind) Subject(id string) string { return EventSubjectPrefix + k.Name + "." + id }
+
+// Filter returns the subject filter of every event of the kind,
+// narwhal.events.<kind>.*: what a publisher's permission allows and a
+// consumer of the kind filters on.
+func (k EventKind) Filter() string { return EventSubjectPrefix + k.Name + ".*" }
+
+// eventKinds is the table, in the order of behaviour.md R-BUS-1, then
+// the kinds added since. Adding a kind is one row here, its payload type
+// (with a Subject method) and its JSON Schema file; docs/architecture.md
+// ("How to add an event kind") says what else to touch.
+var eventKinds = []EventKind{
+	{Name: KindFailure, ID: IDEngine, Schema: SchemaFailure,
+		Publishers: []string{RoleRouter}, History: true,
+		New: func() Event { return new(Failure) }},
+	{Name: KindQuarantine, ID: IDEngine, Schema: SchemaQuarantine,
+		Publishers: []string{RoleRouter}, Subscribers: []string{RoleRouter}, History: true,
+		New: func() Event { return new(Quarantine) }},
+	{Name: KindHandoff, ID: IDEngine, Schema: SchemaHandoff,
+		Publishers: []string{RoleRouter}, History: true,
+		New: func() Event { return new(Handoff) }},
+	{Name: KindRequest, ID: IDRouter, Schema: SchemaRequest,
+		Publishers: []string{RoleRouter}, History: false,
+		New: func() Event { return new(RequestCompleted) }},
+	{Name: KindProbe, ID: IDEngine, Schema: SchemaProbe,
+		Publishers: []string{RoleBreaker}, History: true,
+		New: func() Event { return new(Probe) }},
+	{Name: KindEligibility, ID: IDEngine, Schema: SchemaEligibility,
+		Publishers: []string{RoleBreaker}, History: true,
+		New: func() Event { return new(Eligibility) }},
+	{Name: KindChaos, ID: IDEngine, Schema: SchemaChaos,
+		Publishers: []string{RoleChaos}, History: true,
+		New: func() Event { return new(Chaos) }},
+	{Name: KindFleet, ID: IDEngine, Schema: SchemaFleet,
+		Publishers: []string{RoleBreaker}, History: true,
+		New: func() Event { return new(FleetChange) }},
+	{Name: KindKVRecomputed, ID: IDEngine, Schema: SchemaKVRecomputed,
+		Publishers: []string{RoleRouter}, History: true,
+		New: func() Event { return new(KVRecomputed) }},
+}
+
+// EventKinds returns the table of bus event kinds, one row per kind, in
+// a fixed order (the order of the credentials' permissions and of the
+// history stream's sources). The rows' slices are shared: callers must
+// not change them.
+func EventKinds() []EventKind { return slices.Clone(eventKinds) }
+
+// EventKindNames returns every kind's Name, in the order of EventKinds.
+func EventKindNames() []string {
+	names := make([]string, len(eventKinds))
+	for i, k := range eventKinds {
+		names[i] = k.Name
+	}
+	return names
+}
+
+// LookupEventKind returns the row of kind name, and false when the table
+// has none.
+func LookupEventKind(name string) (EventKind, bool) {
+	for _, k := range eventKinds {
+		if k.Name == name {
+			return k, true
+		}
+	}
+	return EventKind{}, false
+}
+
+// ValueSchemas are the schemas of SchemaFS that are not events' but KV
+// bucket values' (behaviour.md R-BUS-9): every other file is the schema of
+// a row of EventKinds.
+func ValueSchemas() []string {
+	return []string{SchemaPlacement, SchemaFleetEntry, SchemaRouterReport}
+}
