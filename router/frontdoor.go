@@ -46,7 +46,8 @@ type frontDoor struct {
 	maxInflight int64 // 0 = no limit
 	log         *slog.Logger
 
-	bodies bodyBudget
+	tickets doorTickets // the header hook's decisions, handed to the handler
+	bodies  bodyBudget
 	// unauthenticated reports from its headers that a request will get
 	// 401 (R-API-9); nil: never. Its body is then not read.
 	unauthenticated func(h *fasthttp.RequestHeader) bool
@@ -64,7 +65,7 @@ func newFrontDoor(cfg *config.Config, log *slog.Logger, reg prometheus.Registere
 		maxBody:     int64(cfg.Request.MaxBodyBytes),
 		maxInflight: int64(cfg.Server.MaxInflight),
 		log:         log,
-		bodies:      bodyBudget{limit: int64(cfg.Server.MaxBodyBytesInflight), hold: cfg.Server.HeaderTimeout() + ticketMargin},
+		tickets:     doorTickets{hold: cfg.Server.HeaderTimeout() + ticketMargin},
 		acceptErrors: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "narwhal_accept_errors_total",
 			Help: "Errors accepting client connections (such as running out of file descriptors); the router backs off and keeps serving.",
@@ -78,6 +79,7 @@ func newFrontDoor(cfg *config.Config, log *slog.Logger, reg prometheus.Registere
 			Help: "Requests refused before reaching an engine, by reason: header_too_large (431), header_timeout (408), body_too_large (413), malformed (400), max_inflight and body_memory (503).",
 		}, []string{"reason"}),
 	}
+	fd.bodies.limit, fd.bodies.tickets = int64(cfg.Server.MaxBodyBytesInflight), &fd.tickets
 	for _, r := range []string{refusedHeaderTooLarge, refusedHeaderTimeout, refusedBodyTooLarge, refusedMalformed, refusedInflight, refusedBodyMemory} {
 		fd.refused.WithLabelValues(r)
 	}
@@ -217,11 +219,11 @@ func (fd *frontDoor) refuseBodyMemory(ctx *fasthttp.RequestCtx) {
 func (rt *Router) serverError(ctx *fasthttp.RequestCtx, err error) {
 	fd := rt.front
 	requestID(ctx)
-	reserved, full := fd.bodies.claim(&ctx.Request.Header)
+	reserved, full := fd.tickets.claim(&ctx.Request.Header)
 	fd.bodies.release(reserved)
 	var small *fasthttp.ErrSmallBuffer
 	var netErr net.Error
-	if len(ctx.Request.Header.Peek(authRefusedHeader)) > 0 && errors.Is(err, fasthttp.ErrBodyTooLarge) {
+	if fd.tickets.authRefused(&ctx.Request.Header) && errors.Is(err, fasthttp.ErrBodyTooLarge) {
 		ctx.SetConnectionClose() // the body is on the wire, unread
 		rt.authenticate(ctx)
 		return
@@ -254,8 +256,8 @@ func (rt *Router) serverError(ctx *fasthttp.RequestCtx, err error) {
 // reading the body, else the error's status (the connection then closes).
 func (rt *Router) expectContinue(ctx *fasthttp.RequestCtx) int {
 	h := &ctx.Request.Header
-	refused := len(h.Peek(authRefusedHeader)) > 0 ||
-		string(h.Peek(bodyHeader)) == bodyFull ||
+	refused := rt.front.tickets.authRefused(h) ||
+		rt.front.tickets.full(h) ||
 		int64(h.ContentLength()) > rt.front.maxBody
 	if !refused {
 		return fasthttp.StatusContinue
@@ -263,17 +265,6 @@ func (rt *Router) expectContinue(ctx *fasthttp.RequestCtx) int {
 	rt.serverError(ctx, fasthttp.ErrBodyTooLarge)
 	return ctx.Response.StatusCode()
 }
-
-// bodyHeader carries a request's body reservation from headerReceived to
-// the handler: a ticket number, or bodyFull when none could be taken. A
-// client's own copy of the header is deleted before it is set.
-const (
-	// authRefusedHeader marks a request headerReceived found without a
-	// valid API key (R-API-9); a client's own copy is deleted first.
-	authRefusedHeader = "X-Narwhal-Auth-Refused"
-	bodyHeader        = "X-Narwhal-Body-Ticket"
-	bodyFull          = "full"
-)
 
 // headerReceived runs after a request's headers are read and before its
 // body is: it reserves the announced body (Content-Length, or
@@ -284,14 +275,14 @@ const (
 // socket (TCP holds the client back); the body then gets a fresh
 // server.header_timeout_s to arrive. A body still without room is not
 // read: fasthttp refuses it as too large, and serverError answers 503.
+// What it decides reaches the handler through fd.tickets.
 func (fd *frontDoor) headerReceived(h *fasthttp.RequestHeader) fasthttp.RequestConfig {
-	h.Del(bodyHeader)
-	h.Del(authRefusedHeader)
+	fd.tickets.receive(h)
 	if fd.unauthenticated != nil && fd.unauthenticated(h) {
 		// R-API-9: a request that will get 401 has its body neither read
 		// nor counted; fasthttp refuses the body unread (ErrBodyTooLarge)
 		// and serverError answers 401.
-		h.Set(authRefusedHeader, "1")
+		fd.tickets.refuseAuth(h)
 		if h.ContentLength() != 0 {
 			return fasthttp.RequestConfig{MaxRequestBodySize: 1}
 		}
@@ -307,26 +298,26 @@ func (fd *frontDoor) headerReceived(h *fasthttp.RequestHeader) fasthttp.RequestC
 	if need == 0 || need > fd.maxBody {
 		return fasthttp.RequestConfig{} // no body, or one fasthttp refuses with 413 unread
 	}
-	id, ok := fd.bodies.reserve(need)
+	ok := fd.bodies.reserve(need)
 	var rc fasthttp.RequestConfig
 	if !ok {
-		id, ok = fd.bodies.reserveWait(need, fd.cfg.HeaderTimeout())
+		ok = fd.bodies.reserveWait(need, fd.cfg.HeaderTimeout())
 		rc.ReadTimeout = fd.cfg.HeaderTimeout()
 	}
 	if !ok {
-		h.Set(bodyHeader, bodyFull)
+		fd.tickets.issueFull(h)
 		return fasthttp.RequestConfig{MaxRequestBodySize: 1}
 	}
-	h.Set(bodyHeader, strconv.FormatUint(id, 10))
+	fd.tickets.issue(h, need)
 	return rc
 }
 
 // holdBody makes a handler the owner of its request's body reservation,
-// adjusted to the body's real length, and removes the ticket header. It
+// adjusted to the body's real length, by claiming its ticket. It
 // returns the bytes now held (release them with releaseBody when the
 // request ends) and false when the body does not fit the bound.
 func (fd *frontDoor) holdBody(ctx *fasthttp.RequestCtx) (int64, bool) {
-	reserved, full := fd.bodies.claim(&ctx.Request.Header)
+	reserved, full := fd.tickets.claim(&ctx.Request.Header)
 	if full {
 		fd.bodies.release(reserved)
 		return 0, false
@@ -350,41 +341,27 @@ func (fd *frontDoor) holdBody(ctx *fasthttp.RequestCtx) (int64, bool) {
 // dropBody releases the body reservation of a request whose handler does
 // not keep its body.
 func (fd *frontDoor) dropBody(ctx *fasthttp.RequestCtx) {
-	reserved, _ := fd.bodies.claim(&ctx.Request.Header)
+	reserved, _ := fd.tickets.claim(&ctx.Request.Header)
 	fd.bodies.release(reserved)
 }
 
 // releaseBody gives back n bytes held by holdBody.
 func (fd *frontDoor) releaseBody(n int64) { fd.bodies.release(n) }
 
-// ticketMargin is how long after its read deadline a body reservation
-// nobody claimed is swept, and how often the sweep runs.
-const ticketMargin = 250 * time.Millisecond
-
 // bodyBudget counts the bytes of request bodies held, against limit.
-// Reservations taken before a body is read are tickets: the handler (or
-// the error handler) claims its ticket; a ticket nobody claimed within
-// hold (the body's read deadline plus ticketMargin: the connection died,
-// or its body never came) is swept and its bytes return, so no path leaks
-// budget. A handler that starts after its ticket was swept reserves its
-// body again.
+// A reservation taken before its body is read waits in tickets for the
+// handler that claims it; the bytes of tickets nobody claimed come back
+// through sweep.
 type bodyBudget struct {
-	limit  int64
-	hold   time.Duration
-	used   atomic.Int64
-	nextID atomic.Uint64
-	open   sync.Map // uint64 → *bodyTicket
+	limit   int64
+	used    atomic.Int64
+	tickets *doorTickets
 
 	// Waiters for room: release closes room (and makes a new one) when
 	// there are any, so the path without waiters takes no lock.
 	waiters atomic.Int64
 	mu      sync.Mutex
 	room    chan struct{}
-}
-
-type bodyTicket struct {
-	bytes   int64
-	expires int64 // unix nanoseconds
 }
 
 // reserveUntracked adds n to used if it fits under limit.
@@ -400,22 +377,19 @@ func (b *bodyBudget) reserveUntracked(n int64) (int64, bool) {
 	}
 }
 
-// reserve takes a ticket for n bytes, sweeping expired tickets first when
-// the budget looks full.
-func (b *bodyBudget) reserve(n int64) (uint64, bool) {
-	if _, ok := b.reserveUntracked(n); !ok {
-		b.sweep(time.Now().UnixNano())
-		if _, ok := b.reserveUntracked(n); !ok {
-			return 0, false
-		}
+// reserve adds n to used if it fits, sweeping expired tickets first when
+// the budget looks full. The caller issues the ticket.
+func (b *bodyBudget) reserve(n int64) bool {
+	if _, ok := b.reserveUntracked(n); ok {
+		return true
 	}
-	id := b.nextID.Add(1)
-	b.open.Store(id, &bodyTicket{bytes: n, expires: time.Now().Add(b.hold).UnixNano()})
-	return id, true
+	b.sweep(time.Now().UnixNano())
+	_, ok := b.reserveUntracked(n)
+	return ok
 }
 
 // reserveWait is reserve that waits up to wait for room.
-func (b *bodyBudget) reserveWait(n int64, wait time.Duration) (uint64, bool) {
+func (b *bodyBudget) reserveWait(n int64, wait time.Duration) bool {
 	b.waiters.Add(1)
 	defer b.waiters.Add(-1)
 	t := time.NewTimer(wait)
@@ -429,36 +403,15 @@ func (b *bodyBudget) reserveWait(n int64, wait time.Duration) (uint64, bool) {
 		}
 		room := b.room
 		b.mu.Unlock()
-		if id, ok := b.reserve(n); ok {
-			return id, true
+		if b.reserve(n) {
+			return true
 		}
 		select {
 		case <-room:
 		case <-t.C:
-			return 0, false
+			return false
 		}
 	}
-}
-
-// claim removes the ticket named in h and returns its bytes (0 when there
-// is none, or it was swept) and whether h says the body did not fit.
-func (b *bodyBudget) claim(h *fasthttp.RequestHeader) (bytes int64, full bool) {
-	v := h.Peek(bodyHeader)
-	if len(v) == 0 {
-		return 0, false
-	}
-	defer h.Del(bodyHeader)
-	if string(v) == bodyFull {
-		return 0, true
-	}
-	id, err := strconv.ParseUint(string(v), 10, 64)
-	if err != nil {
-		return 0, false
-	}
-	if t, ok := b.open.LoadAndDelete(id); ok {
-		return t.(*bodyTicket).bytes, false
-	}
-	return 0, false
 }
 
 // release gives back n bytes and wakes the waiters for room.
@@ -477,17 +430,8 @@ func (b *bodyBudget) release(n int64) {
 	}
 }
 
-// sweep releases the tickets that expired before now.
-func (b *bodyBudget) sweep(now int64) {
-	b.open.Range(func(k, v any) bool {
-		if v.(*bodyTicket).expires < now {
-			if t, ok := b.open.LoadAndDelete(k); ok {
-				b.release(t.(*bodyTicket).bytes)
-			}
-		}
-		return true
-	})
-}
+// sweep gives back the bytes of the tickets that expired before now.
+func (b *bodyBudget) sweep(now int64) { b.release(b.tickets.sweep(now)) }
 
 // sweepLoop sweeps expired tickets every ticketMargin; it exits with ctx.
 func (b *bodyBudget) sweepLoop(ctx context.Context) {

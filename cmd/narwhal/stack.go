@@ -2,12 +2,10 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
 	"log/slog"
 	"net"
-	"net/http"
 	"os"
 	"time"
 
@@ -118,7 +116,7 @@ func runRouterWith(ctx context.Context, r routerRun) error {
 		return fmt.Errorf("listen %s: %w", listen, err)
 	}
 	defer ln.Close()
-	stopWaiting := serveUnready(ln, cfg.Server, "bus unreachable", log)
+	stopWaiting := router.ServeUnready(ln, cfg.Server, "bus unreachable", log)
 	b, stopBus, err := joinBus(ctx, cfg, "narwhal-router-"+cfg.Router.ID, log)
 	stopWaiting()
 	if err != nil {
@@ -226,59 +224,6 @@ func reloadOnHUP(ctx context.Context, hup <-chan os.Signal, reload func() (*conf
 		log.Info("SIGHUP: configuration reloaded (API keys, TLS certificate; other settings apply at the next start)")
 	}
 }
-
-// serveUnready answers every request on ln with 503 while a process waits
-// for what it needs — /readyz with {"status":"not ready","problems":[why]},
-// anything else with an error object naming why — until the returned stop
-// is called, over HTTPS when srv configures TLS (its certificate files).
-// stop leaves ln open for the real server, closes the connections it
-// accepted and waits for its goroutine.
-func serveUnready(ln net.Listener, front config.Server, why string, log *slog.Logger) (stop func()) {
-	tl, ok := ln.(*net.TCPListener)
-	if !ok {
-		return func() {}
-	}
-	ready, _ := json.Marshal(map[string]any{"status": "not ready", "problems": []string{why}})
-	other := schemas.AppendErrorJSON(nil, http.StatusServiceUnavailable, "not ready: "+why)
-	srv := &http.Server{
-		ReadHeaderTimeout: 5 * time.Second,
-		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelDebug),
-		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			w.Header().Set("Content-Type", "application/json")
-			w.Header().Set("Retry-After", "1")
-			w.Header().Set("Connection", "close")
-			w.WriteHeader(http.StatusServiceUnavailable)
-			if r.URL.Path == "/readyz" {
-				_, _ = w.Write(ready)
-				return
-			}
-			_, _ = w.Write(other)
-		}),
-	}
-	srv.SetKeepAlivesEnabled(false)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		if front.TLS() {
-			_ = srv.ServeTLS(heldListener{tl}, front.TLSCertFile, front.TLSKeyFile)
-			return
-		}
-		_ = srv.Serve(heldListener{tl})
-	}()
-	return func() {
-		_ = srv.Close() // cuts a 503 being written: the client asks again
-		<-done
-		_ = tl.SetDeadline(time.Time{})
-	}
-}
-
-// heldListener is a TCP listener whose Close only wakes a blocked Accept
-// (with a past deadline), so that a server may stop serving on it and
-// another take it over.
-type heldListener struct{ *net.TCPListener }
-
-// Close makes Accept return at once and keeps the socket open.
-func (l heldListener) Close() error { return l.SetDeadline(time.Unix(1, 0)) }
 
 // seedFleet writes the config file's engines to KV bucket narwhal_fleet
 // where the bucket has no key for them (behaviour.md R-FLEET-1): the seed never
