@@ -240,18 +240,15 @@ func fleetAdd(ctx context.Context, st *fleet.Store, spec config.EngineSpec, now 
 	return nil
 }
 
-// errNotInFleet says an id names no engine of the fleet.
-var errNotInFleet = fleet.ErrNotInFleet
-
 // fleetGet reads engine id's entry and its revision. It returns an error
-// wrapping errNotInFleet for a missing or deleted key, and a clear error
+// wrapping fleet.ErrNotInFleet for a missing or deleted key, and a clear error
 // (and revision 0) for a value that is not a fleet entry for id.
 func fleetGet(ctx context.Context, st *fleet.Store, id string) (schemas.FleetEntry, uint64, error) {
 	e, rev, err := st.Get(ctx, id)
 	var invalid *fleet.InvalidError
 	switch {
 	case errors.Is(err, fleet.ErrNotInFleet):
-		return e, 0, fmt.Errorf("engine %s: %w (narwhal fleet list shows the fleet)", id, errNotInFleet)
+		return e, 0, fmt.Errorf("engine %s: %w (narwhal fleet list shows the fleet)", id, fleet.ErrNotInFleet)
 	case errors.As(err, &invalid):
 		return e, 0, invalidEntry(id, invalid.Err)
 	case err != nil:
@@ -335,7 +332,7 @@ func fleetRemove(ctx context.Context, st *fleet.Store, id string, force bool) er
 	ctx, cancel := context.WithTimeout(ctx, fleetOpTimeout)
 	defer cancel()
 	cur, rev, err := fleetGet(ctx, st, id)
-	if err != nil && (!force || errors.Is(err, errNotInFleet)) {
+	if err != nil && (!force || errors.Is(err, fleet.ErrNotInFleet)) {
 		return err
 	}
 	if err == nil && !force && !fleet.Removable(cur.State) {
