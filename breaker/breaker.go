@@ -34,6 +34,7 @@ import (
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
 	kvprobe "github.com/narwhalmesh/narwhal/engines/probe"
+	"github.com/narwhalmesh/narwhal/fleet"
 	"github.com/narwhalmesh/narwhal/internal/pause"
 	"github.com/narwhalmesh/narwhal/internal/promreg"
 	"github.com/narwhalmesh/narwhal/schemas"
@@ -138,8 +139,8 @@ type Service struct {
 	// config file's engines at first, then what narwhal_fleet holds.
 	fleet []*engine          // in fleet order
 	byID  map[string]*engine // by engine id
-	// fleetKV is bucket narwhal_fleet once bound by the fleet watch.
-	fleetKV atomic.Pointer[jetstream.KeyValue]
+	// fleetStore is bucket narwhal_fleet once bound by the fleet watch.
+	fleetStore atomic.Pointer[fleet.Store]
 	// fleetLoaded is set once the fleet watch read the whole bucket.
 	fleetLoaded atomic.Bool
 

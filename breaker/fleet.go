@@ -2,18 +2,15 @@ package breaker
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"time"
 
-	"github.com/nats-io/nats.go/jetstream"
 	"github.com/nats-io/nuid"
 
 	"github.com/narwhalmesh/narwhal/bus"
-	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
-	"github.com/narwhalmesh/narwhal/internal/pause"
+	"github.com/narwhalmesh/narwhal/fleet"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -28,86 +25,45 @@ const (
 )
 
 // SeedFleet writes every entry to KV bucket narwhal_fleet that has no key
-// there yet — create-if-absent, so that seeding from a config file never
-// overwrites newer runtime state (an engine drained or re-added with
-// `narwhal fleet`) — and returns how many it created (behaviour.md R-FLEET-1).
-// The caller is the process that seeds: `narwhal breaker` in a mesh, a
-// single-node `narwhal router`. It returns the bus's error for anything
-// but an existing key.
+// there yet and returns how many it created: fleet.Seed, create-if-absent,
+// so that seeding from a config file never overwrites newer runtime
+// state (behaviour.md R-FLEET-1). The caller is the process that seeds:
+// `narwhal breaker` in a mesh, a single-node `narwhal router`. It returns
+// the bus's error for anything but an existing key.
 func SeedFleet(ctx context.Context, b *bus.Bus, entries []schemas.FleetEntry) (int, error) {
-	kv, err := b.BindBucket(ctx, bus.FleetBucket)
-	if err != nil {
-		return 0, err
-	}
-	created := 0
-	for _, e := range entries {
-		data, err := json.Marshal(e)
-		if err != nil {
-			return created, err
-		}
-		octx, cancel := context.WithTimeout(ctx, opTimeout)
-		_, err = kv.Create(octx, e.EngineID, data)
-		cancel()
-		switch {
-		case err == nil:
-			created++
-		case errors.Is(err, jetstream.ErrKeyExists):
-		default:
-			return created, fmt.Errorf("breaker: seed the fleet with %s: %w", e.EngineID, err)
-		}
-	}
-	return created, nil
+	return fleet.Seed(ctx, b, entries)
 }
 
-// watchFleet keeps a watch on narwhal_fleet while ctx lasts, applying each
-// engine's arrival, state change and removal to the breaker's fleet
-// (R-FLEET-1). Every breaker watches, leading or not, so that a new
-// leader starts from the live fleet.
+// watchFleet keeps the fleet watch (fleet.Watch) on narwhal_fleet while
+// ctx lasts, applying each engine's arrival, state change and removal to
+// the breaker's fleet (R-FLEET-1). Every breaker watches, leading or not,
+// so that a new leader starts from the live fleet.
 func (s *Service) watchFleet(ctx context.Context) {
-	warned := false
-	for ctx.Err() == nil {
-		err := s.watchFleetOnce(ctx)
-		if ctx.Err() != nil {
-			return
-		}
-		if err != nil && !warned {
-			s.log.Warn("breaker fleet watch could not be set up; retrying", "err", err)
-			warned = true
-		} else if err == nil {
-			warned = false
-		}
-		if !pause.For(ctx, setupRetry) {
-			return
-		}
-	}
-}
-
-func (s *Service) watchFleetOnce(ctx context.Context) error {
-	octx, cancel := context.WithTimeout(ctx, opTimeout)
-	kv, err := s.bus.BindBucket(octx, bus.FleetBucket)
-	cancel()
-	if err != nil {
-		return err
-	}
-	s.fleetKV.Store(&kv)
-	return bus.WatchSnapshot(ctx, kv, func(snapshot map[string]jetstream.KeyValueEntry) {
-		s.applyFleetSnapshot(ctx, snapshot)
-		s.fleetLoaded.Store(true)
-	}, func(e jetstream.KeyValueEntry) { s.applyFleetValue(ctx, e, true) })
+	fleet.Watch(ctx, s.bus, fleet.Watcher{
+		OnBind: func(st *fleet.Store) { s.fleetStore.Store(st) },
+		OnSnapshot: func(snap fleet.Snapshot) {
+			s.applyFleetSnapshot(ctx, snap)
+			s.fleetLoaded.Store(true)
+		},
+		OnChange:     func(c fleet.Change) { s.applyFleetValue(ctx, c, true) },
+		Retry:        setupRetry,
+		SetupTimeout: opTimeout,
+		Log:          s.log,
+	})
 }
 
 // applyFleetSnapshot applies a full read of narwhal_fleet: every key, then
 // the removal of every engine without one except those of the config file
 // the bucket never held (they are being seeded).
-func (s *Service) applyFleetSnapshot(ctx context.Context, snapshot map[string]jetstream.KeyValueEntry) {
-	for _, e := range snapshot {
-		s.applyFleetValue(ctx, e, false)
+func (s *Service) applyFleetSnapshot(ctx context.Context, snap fleet.Snapshot) {
+	for _, c := range snap.Values {
+		s.applyFleetValue(ctx, c, false)
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	var gone []string
 	for _, e := range s.fleet {
-		if _, ok := snapshot[e.ID]; !ok && !e.fromConfig {
+		if _, ok := snap.Values[e.ID]; !ok && !e.fromConfig {
 			gone = append(gone, e.ID)
 		}
 	}
@@ -116,39 +72,36 @@ func (s *Service) applyFleetSnapshot(ctx context.Context, snapshot map[string]je
 	}
 }
 
-// applyFleetValue applies one entry of narwhal_fleet. live is set for a
+// applyFleetValue applies one value of narwhal_fleet. live is set for a
 // change after the watch's first full read: the leader then publishes a
 // fleet event for a change it did not make itself. A joining engine gets
 // a placement entry "ejected, joining" so that the next readmission round
-// probes it (R-FLEET-2).
-func (s *Service) applyFleetValue(ctx context.Context, kve jetstream.KeyValueEntry, live bool) {
-	key := kve.Key()
+// probes it (R-FLEET-2). A value that is no valid entry is ignored and
+// counted: the engine keeps its state (R-BUS-9).
+func (s *Service) applyFleetValue(ctx context.Context, c fleet.Change, live bool) {
+	key := c.ID
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if kve.Operation() != jetstream.KeyValuePut {
+	if c.Deleted {
 		s.removeEngine(key, live)
 		return
 	}
-	entry, err := bus.ParseFleetEntry(key, kve.Value())
-	var eng engines.Engine
-	if err == nil {
-		eng, err = engines.FromFleetEntry(entry)
-	}
-	if err != nil {
+	if c.Invalid != nil {
 		s.metrics.fleetIgnored.Inc()
-		s.log.Warn("breaker ignores a fleet value; the engine keeps its state", "engine_id", key, "revision", kve.Revision(), "err", err)
+		s.log.Warn("breaker ignores a fleet value; the engine keeps its state", "engine_id", key, "revision", c.Revision, "err", c.Invalid)
 		return
 	}
+	entry := c.Entry
 	e := s.byID[key]
 	prev := ""
 	if e != nil && engines.SameSpec(e.fleetEntry, entry) {
 		prev = e.fleetEntry.State
-		e.fleetEntry, e.fleetRev = entry, kve.Revision()
+		e.fleetEntry, e.fleetRev = entry, c.Revision
 	} else {
 		if e != nil {
 			prev = e.fleetEntry.State
 		}
-		ne := &engine{Engine: eng, fleetEntry: entry, fleetRev: kve.Revision(), backoff: 1, nextProbe: time.Now()}
+		ne := &engine{Engine: c.Engine, fleetEntry: entry, fleetRev: c.Revision, backoff: 1, nextProbe: time.Now()}
 		known := s.byID[key] != nil
 		s.replaceEngine(ne)
 		e = ne
@@ -240,44 +193,32 @@ func (s *Service) publishFleet(id, state, prev, reason string) {
 	})
 }
 
-// setFleetState writes e's fleet entry in state, revision-checked against
-// the entry last seen (so that an operator's change in between wins), and
-// publishes the fleet event. Called with s.mu held, while leading.
-func (s *Service) setFleetState(ctx context.Context, e *engine, state, reason string) error {
-	kvp := s.fleetKV.Load()
-	if kvp == nil {
+// setFleetState moves e's fleet entry by step (fleet.Apply: the state
+// machine's table) and writes it revision-checked against the entry last
+// seen (so that an operator's change in between wins) — a registration's
+// key with its TTL (fleet.KeyTTL: a plain update would leave it without
+// one, and an engine killed before its next heartbeat would never lapse,
+// R-FLEET-4) — then publishes the fleet event. Called with s.mu held,
+// while leading.
+func (s *Service) setFleetState(ctx context.Context, e *engine, step fleet.Step, reason string) error {
+	st := s.fleetStore.Load()
+	if st == nil {
 		return errors.New("breaker: the fleet bucket is not bound yet")
 	}
-	next := e.fleetEntry
-	prev := next.State
-	now := time.Now().UTC()
-	next.State, next.Since, next.At, next.By, next.Reason = state, now, now, s.id, reason
-	data, err := json.Marshal(next)
+	prev := e.fleetEntry.State
+	next, err := fleet.Apply(e.fleetEntry, step, s.id, reason, time.Now())
 	if err != nil {
 		return err
 	}
 	octx, cancel := context.WithTimeout(ctx, opTimeout)
 	defer cancel()
-	var rev uint64
-	if ttl := config.Seconds(next.TTLS); next.Source == schemas.SourceRegistration && ttl > 0 {
-		// A registration's key keeps its TTL through the breaker's write:
-		// a plain update would leave it without one, and an engine killed
-		// before its next heartbeat would never lapse (R-FLEET-4).
-		var ack *jetstream.PubAck
-		ack, err = s.bus.JetStream().Publish(octx, "$KV."+bus.FleetBucket+"."+e.ID, data,
-			jetstream.WithMsgTTL(ttl), jetstream.WithExpectLastSequencePerSubject(e.fleetRev))
-		if ack != nil {
-			rev = ack.Sequence
-		}
-	} else {
-		rev, err = (*kvp).Update(octx, e.ID, data, e.fleetRev)
-	}
+	rev, err := st.Update(octx, next, e.fleetRev, fleet.KeyTTL(next))
 	if err != nil {
 		return err
 	}
 	e.fleetEntry, e.fleetRev = next, rev
-	s.publishFleet(e.ID, state, prev, reason)
-	s.log.Info("breaker: fleet state changed", "engine_id", e.ID, "state", state, "previous", prev, "reason", reason)
+	s.publishFleet(e.ID, next.State, prev, reason)
+	s.log.Info("breaker: fleet state changed", "engine_id", e.ID, "state", next.State, "previous", prev, "reason", reason)
 	return nil
 }
 
@@ -299,9 +240,11 @@ func (s *Service) drainLoop(ctx context.Context) {
 // checkDrains makes each draining engine drained once every router's
 // report (KV bucket narwhal_routers) lists it with no leg in flight, or
 // membership.drain_timeout_s has passed since it began draining
-// (R-FLEET-3). A router whose report has not listed the engine yet has
-// not seen the drain: it counts as busy. A report that is not valid is
-// ignored (counted). With no router at all the engine is drained at once.
+// (R-FLEET-3): fleet.DrainDone, where a router whose report has not
+// listed the engine yet has not seen the drain and counts as busy, and
+// where no router at all ends the drain at once. A report that is not
+// valid is ignored (counted); while the reports cannot be read only the
+// timeout ends a drain.
 func (s *Service) checkDrains(ctx context.Context) {
 	s.mu.Lock()
 	var draining []*engine
@@ -327,23 +270,15 @@ func (s *Service) checkDrains(ctx context.Context) {
 		s.mu.Unlock()
 		if timeout > 0 && time.Since(since) >= timeout {
 			reason = fmt.Sprintf("drain timeout of %v passed", timeout)
-		} else if err == nil {
-			busy := 0
-			for _, r := range reports {
-				if n, ok := r.Draining[e.ID]; !ok || n > 0 {
-					busy++
-				}
-			}
-			if busy == 0 {
-				reason = fmt.Sprintf("every router (%d) reports no leg in flight", len(reports))
-			}
+		} else if err == nil && fleet.DrainDone(e.ID, reports, fleet.DoneWithoutReports) {
+			reason = fmt.Sprintf("every router (%d) reports no leg in flight", len(reports))
 		}
 		if reason == "" {
 			continue
 		}
 		s.mu.Lock()
 		if s.byID[e.ID] == e && e.fleetEntry.State == schemas.FleetDraining {
-			if err := s.setFleetState(ctx, e, schemas.FleetDrained, reason); err != nil {
+			if err := s.setFleetState(ctx, e, fleet.EndDrain, reason); err != nil {
 				s.log.Warn("breaker could not record a drained engine; trying again", "engine_id", e.ID, "err", err)
 			}
 		}
@@ -351,9 +286,10 @@ func (s *Service) checkDrains(ctx context.Context) {
 	}
 }
 
-// routerReports reads every valid router report of narwhal_routers: the
-// first, full delivery of a watch (the breaker's credential may watch the
-// bucket, not read single keys).
+// routerReports reads every valid router report of narwhal_routers
+// (fleet.ReadReports: through a watch's full delivery, as the breaker's
+// credential may watch the bucket, not read single keys) and counts the
+// values it ignored.
 func (s *Service) routerReports(ctx context.Context) ([]schemas.RouterReport, error) {
 	octx, cancel := context.WithTimeout(ctx, opTimeout)
 	defer cancel()
@@ -361,29 +297,7 @@ func (s *Service) routerReports(ctx context.Context) ([]schemas.RouterReport, er
 	if err != nil {
 		return nil, err
 	}
-	w, err := kv.WatchAll(octx, jetstream.IgnoreDeletes())
-	if err != nil {
-		return nil, err
-	}
-	defer func() { _ = w.Stop() }()
-	var out []schemas.RouterReport
-	for {
-		select {
-		case <-octx.Done():
-			return nil, octx.Err()
-		case kve, ok := <-w.Updates():
-			if !ok {
-				return nil, errors.New("breaker: the routers' watch ended")
-			}
-			if kve == nil {
-				return out, nil // the end of the full delivery
-			}
-			var r schemas.RouterReport
-			if bus.ValidateRouterReport(kve.Value()) != nil || json.Unmarshal(kve.Value(), &r) != nil || r.RouterID != kve.Key() {
-				s.metrics.reportsIgnored.Inc()
-				continue
-			}
-			out = append(out, r)
-		}
-	}
+	reports, ignored, err := fleet.ReadReports(octx, kv)
+	s.metrics.reportsIgnored.Add(float64(ignored))
+	return reports, err
 }

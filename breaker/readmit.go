@@ -14,6 +14,7 @@ import (
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/engines/connector"
 	kvprobe "github.com/narwhalmesh/narwhal/engines/probe"
+	"github.com/narwhalmesh/narwhal/fleet"
 	"github.com/narwhalmesh/narwhal/internal/pause"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
@@ -339,7 +340,7 @@ func (s *Service) conclude(ctx context.Context, p *probe, roundStart time.Time) 
 		s.publish(readmitted)
 		if e.fleetEntry.State == schemas.FleetJoining && s.byID[e.ID] == e {
 			// A joining engine becomes placeable only now (R-FLEET-2).
-			if err := s.setFleetState(ctx, e, schemas.FleetActive, fmt.Sprintf("readmission checks passed (prefill on %s, decode on %s)", p.producer, p.consumer)); err != nil {
+			if err := s.setFleetState(ctx, e, fleet.Admit, fmt.Sprintf("readmission checks passed (prefill on %s, decode on %s)", p.producer, p.consumer)); err != nil {
 				s.log.Warn("breaker could not make a joining engine active; probing it again", "engine_id", e.ID, "err", err)
 				e.nextProbe = time.Now()
 			}

@@ -12,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
@@ -61,7 +62,7 @@ func entryOf(t *testing.T, kv jetstream.KeyValue, id string) *schemas.FleetEntry
 	return &fe
 }
 
-var spec = Spec{ID: "d9", URL: "http://127.0.0.1:1", Role: "decode", Connector: "nixl"}
+var spec = config.EngineSpec{ID: "d9", URL: "http://127.0.0.1:1", Role: "decode", Connector: "nixl"}
 
 // TestRegistrationLapsesRFLEET4 proves R-FLEET-4 on the bus: Register
 // writes a schema-valid entry in state joining (source registration);

@@ -64,7 +64,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
-	spec := membership.Spec{ID: *id, URL: *engineURL, Role: *role, Connector: *conn, BootstrapPort: *bootstrapPort,
+	spec := config.EngineSpec{ID: *id, URL: *engineURL, Role: connector.Role(*role), Connector: *conn, BootstrapPort: *bootstrapPort,
 		PrefillSlots: *prefillSlots, DecodeSlots: *decodeSlots, APIKeyEnv: *apiKeyEnv}
 	if err := checkSpec(spec); err != nil {
 		return err
@@ -91,8 +91,10 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	return nil
 }
 
-// checkSpec returns a clear error for a spec no fleet entry can hold.
-func checkSpec(s membership.Spec) error {
+// checkSpec returns a clear error, naming the flag, for an engine spec of
+// `narwhal agent` or `narwhal sim --register` that no fleet entry can
+// hold.
+func checkSpec(s config.EngineSpec) error {
 	if s.ID == "" || s.URL == "" || s.Role == "" {
 		return errors.New("--engine-url, --id and --role are required")
 	}
@@ -102,13 +104,13 @@ func checkSpec(s membership.Spec) error {
 	if u, err := url.Parse(s.URL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 		return fmt.Errorf("--engine-url %q: an absolute http or https URL", s.URL)
 	}
-	if !connector.Role(s.Role).Valid() {
+	if !s.Role.Valid() {
 		return fmt.Errorf("--role %q: prefill, decode or both", s.Role)
 	}
 	if !connectorPattern.MatchString(s.Connector) {
 		return fmt.Errorf("--connector %q: 1 to 64 of a-z 0-9 _ -", s.Connector)
 	}
-	if field, problem := connector.CheckEngine(s.Connector, connector.Role(s.Role), s.BootstrapPort); field != "" && field != "connector" {
+	if field, problem := connector.CheckEngine(s.Connector, s.Role, s.BootstrapPort); field != "" && field != "connector" {
 		return fmt.Errorf("--%s: %s", strings.ReplaceAll(field, "_", "-"), problem)
 	}
 	if s.PrefillSlots < 0 || s.DecodeSlots < 0 {
@@ -163,7 +165,7 @@ func engineNotReady(ctx context.Context, httpc *http.Client, base string, cred e
 // until ctx ends, then — drainBound > 0 — drains the engine for at most
 // drainBound, and removes it from the fleet. It prints one line to stdout
 // once registered.
-func registered(ctx context.Context, spec membership.Spec, by string, drainBound time.Duration, log *slog.Logger, stdout io.Writer) error {
+func registered(ctx context.Context, spec config.EngineSpec, by string, drainBound time.Duration, log *slog.Logger, stdout io.Writer) error {
 	cfg, err := config.Parse(nil)
 	if err != nil {
 		return err

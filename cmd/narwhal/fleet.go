@@ -15,11 +15,10 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/nats-io/nats.go/jetstream"
-
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines/connector"
+	"github.com/narwhalmesh/narwhal/fleet"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -57,41 +56,41 @@ func runFleet(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	sub, rest := args[0], args[1:]
 	fs := flag.NewFlagSet("narwhal fleet "+sub, flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	var run func(ctx context.Context, kv jetstream.KeyValue, b *bus.Bus) error
+	var run func(ctx context.Context, st *fleet.Store, b *bus.Bus) error
 	var positional []string
 	oneID := func() (string, error) { return checkOneID(positional) }
 	switch sub {
 	case "list":
 		asJSON := fs.Bool("json", false, "print one JSON object per engine")
-		run = func(ctx context.Context, kv jetstream.KeyValue, b *bus.Bus) error {
-			return fleetList(ctx, kv, b, stdout, *asJSON)
+		run = func(ctx context.Context, st *fleet.Store, b *bus.Bus) error {
+			return fleetList(ctx, st, b, stdout, *asJSON)
 		}
 	case "add":
-		spec := schemas.FleetEntry{}
-		fs.StringVar(&spec.EngineID, "id", "", "the engine's `ID` (letters, digits, '-' and '_')")
+		spec := config.EngineSpec{}
+		fs.StringVar(&spec.ID, "id", "", "the engine's `ID` (letters, digits, '-' and '_')")
 		fs.StringVar(&spec.URL, "url", "", "the engine's http(s) base `URL`")
-		fs.StringVar(&spec.Role, "role", "", "prefill, decode or both")
+		fs.StringVar((*string)(&spec.Role), "role", "", "prefill, decode or both")
 		fs.StringVar(&spec.Connector, "connector", connector.DefaultName, "the KV connector: "+strings.Join(connector.Names(), ", "))
 		fs.IntVar(&spec.BootstrapPort, "bootstrap-port", 0, "a prefill SGLang engine's bootstrap `PORT` (connector sglang)")
 		fs.IntVar(&spec.PrefillSlots, "prefill-slots", 0, "prefill phases at once (0: no limit)")
 		fs.IntVar(&spec.DecodeSlots, "decode-slots", 0, "decode phases at once (0: no limit)")
 		fs.StringVar(&spec.APIKeyEnv, "api-key-env", "", "the environment `VAR` every process reads the engine's API key from")
-		run = func(ctx context.Context, kv jetstream.KeyValue, _ *bus.Bus) error {
-			if err := fleetAdd(ctx, kv, spec, time.Now()); err != nil {
+		run = func(ctx context.Context, st *fleet.Store, _ *bus.Bus) error {
+			if err := fleetAdd(ctx, st, spec, time.Now()); err != nil {
 				return err
 			}
-			fmt.Fprintf(stdout, "engine %s added: joining; placeable once the breaker's checks pass (watch: narwhal events --kind probe --engine %s)\n", spec.EngineID, spec.EngineID)
+			fmt.Fprintf(stdout, "engine %s added: joining; placeable once the breaker's checks pass (watch: narwhal events --kind probe --engine %s)\n", spec.ID, spec.ID)
 			return nil
 		}
 	case "drain":
 		wait := fs.Bool("wait", false, "wait until the engine is drained")
 		timeout := fs.Duration("timeout", 0, "with --wait: give up after `DUR` (0: wait for the breaker, which declares a drain over after membership.drain_timeout_s)")
-		run = func(ctx context.Context, kv jetstream.KeyValue, _ *bus.Bus) error {
+		run = func(ctx context.Context, st *fleet.Store, _ *bus.Bus) error {
 			id, err := oneID()
 			if err != nil {
 				return err
 			}
-			state, err := fleetDrain(ctx, kv, id, time.Now())
+			state, err := fleetDrain(ctx, st, id, time.Now())
 			if err != nil {
 				return err
 			}
@@ -99,15 +98,15 @@ func runFleet(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			if !*wait {
 				return nil
 			}
-			return fleetWaitDrained(ctx, kv, id, *timeout, stdout)
+			return fleetWaitDrained(ctx, st, id, *timeout, stdout)
 		}
 	case "undrain":
-		run = func(ctx context.Context, kv jetstream.KeyValue, _ *bus.Bus) error {
+		run = func(ctx context.Context, st *fleet.Store, _ *bus.Bus) error {
 			id, err := oneID()
 			if err != nil {
 				return err
 			}
-			state, err := fleetUndrain(ctx, kv, id, time.Now())
+			state, err := fleetUndrain(ctx, st, id, time.Now())
 			if err != nil {
 				return err
 			}
@@ -116,12 +115,12 @@ func runFleet(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		}
 	case "remove":
 		force := fs.Bool("force", false, "remove the engine even while it is not drained (its running attempts still finish)")
-		run = func(ctx context.Context, kv jetstream.KeyValue, _ *bus.Bus) error {
+		run = func(ctx context.Context, st *fleet.Store, _ *bus.Bus) error {
 			id, err := oneID()
 			if err != nil {
 				return err
 			}
-			if err := fleetRemove(ctx, kv, id, *force); err != nil {
+			if err := fleetRemove(ctx, st, id, *force); err != nil {
 				return err
 			}
 			fmt.Fprintf(stdout, "engine %s removed from the fleet\n", id)
@@ -162,12 +161,12 @@ func runFleet(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	defer b.Close()
 	bctx, bcancel := context.WithTimeout(ctx, fleetOpTimeout)
-	kv, err := b.BindBucket(bctx, bus.FleetBucket)
+	st, err := fleet.Bind(bctx, b)
 	bcancel()
 	if err != nil {
 		return err
 	}
-	err = run(ctx, kv, b)
+	err = run(ctx, st, b)
 	if perm := b.PermissionError(); err != nil && perm != nil {
 		return fmt.Errorf("%w (%v: changing the fleet takes the admin credential)", err, perm)
 	}
@@ -188,21 +187,21 @@ func checkOneID(args []string) (string, error) {
 
 // checkFleetSpec returns what is wrong with an engine `narwhal fleet add`
 // is given, naming the flag: its id, URL, role, connector and slots.
-func checkFleetSpec(e schemas.FleetEntry) error {
+func checkFleetSpec(e config.EngineSpec) error {
 	var errs []error
-	if !config.ValidID(e.EngineID) || len(e.EngineID) > 128 {
-		errs = append(errs, fmt.Errorf("--id %q: want 1 to 128 letters, digits, '-' and '_'", e.EngineID))
+	if !config.ValidID(e.ID) || len(e.ID) > 128 {
+		errs = append(errs, fmt.Errorf("--id %q: want 1 to 128 letters, digits, '-' and '_'", e.ID))
 	}
 	if u, err := url.Parse(e.URL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || u.RawQuery != "" || u.Fragment != "" {
 		errs = append(errs, fmt.Errorf("--url %q: want an absolute http or https base URL such as http://10.1.2.3:8000", e.URL))
 	}
-	if !connector.Role(e.Role).Valid() {
+	if !e.Role.Valid() {
 		errs = append(errs, fmt.Errorf("--role %q: want %s, %s or %s", e.Role, connector.RolePrefill, connector.RoleDecode, connector.RoleBoth))
 	}
 	if !slices.Contains(connector.Names(), e.Connector) {
 		errs = append(errs, fmt.Errorf("--connector %q: want one of %s", e.Connector, strings.Join(connector.Names(), ", ")))
 	}
-	if field, problem := connector.CheckEngine(e.Connector, connector.Role(e.Role), e.BootstrapPort); field != "" && field != "connector" && connector.Role(e.Role).Valid() {
+	if field, problem := connector.CheckEngine(e.Connector, e.Role, e.BootstrapPort); field != "" && field != "connector" && e.Role.Valid() {
 		errs = append(errs, fmt.Errorf("--%s: %s", strings.ReplaceAll(field, "_", "-"), problem))
 	}
 	if e.PrefillSlots < 0 {
@@ -217,70 +216,65 @@ func checkFleetSpec(e schemas.FleetEntry) error {
 // fleetAdd adds engine spec to the fleet in state joining (behaviour.md
 // R-FLEET-2): the breaker probes it and makes it active. It refuses an
 // invalid spec or an id the fleet holds already, changing nothing.
-func fleetAdd(ctx context.Context, kv jetstream.KeyValue, spec schemas.FleetEntry, now time.Time) error {
+func fleetAdd(ctx context.Context, st *fleet.Store, spec config.EngineSpec, now time.Time) error {
 	if err := checkFleetSpec(spec); err != nil {
 		return err
 	}
-	now = now.UTC()
-	spec.Schema, spec.State, spec.Since, spec.At = schemas.SchemaFleetEntry, schemas.FleetJoining, now, now
-	spec.Source, spec.By, spec.Reason = schemas.SourceCommand, fleetWriter, "added with narwhal fleet add"
 	spec.URL = strings.TrimRight(spec.URL, "/")
-	data, err := json.Marshal(spec)
-	if err != nil {
-		return err
-	}
-	if err := bus.ValidateFleetEntry(data); err != nil {
-		return fmt.Errorf("engine %s: %w", spec.EngineID, err)
+	entry := fleet.NewJoining(spec, schemas.SourceCommand, fleetWriter, "added with narwhal fleet add", now)
+	if err := fleet.Check(entry); err != nil {
+		return fmt.Errorf("engine %s: %w", spec.ID, err)
 	}
 	ctx, cancel := context.WithTimeout(ctx, fleetOpTimeout)
 	defer cancel()
-	if _, err := kv.Create(ctx, spec.EngineID, data); err != nil {
-		if errors.Is(err, jetstream.ErrKeyExists) {
-			cur, _, gerr := fleetGet(ctx, kv, spec.EngineID)
+	if _, err := st.Create(ctx, entry); err != nil {
+		if errors.Is(err, fleet.ErrExists) {
+			cur, _, gerr := fleetGet(ctx, st, spec.ID)
 			if gerr == nil {
-				return fmt.Errorf("engine %s is already in the fleet (%s, %s, %s): remove it first, or choose another id", spec.EngineID, cur.State, cur.Role, cur.URL)
+				return fmt.Errorf("engine %s is already in the fleet (%s, %s, %s): remove it first, or choose another id", spec.ID, cur.State, cur.Role, cur.URL)
 			}
-			return fmt.Errorf("engine %s is already in the fleet: remove it first, or choose another id", spec.EngineID)
+			return fmt.Errorf("engine %s is already in the fleet: remove it first, or choose another id", spec.ID)
 		}
-		return fmt.Errorf("add engine %s: %w", spec.EngineID, err)
+		return fmt.Errorf("add engine %s: %w", spec.ID, err)
 	}
 	return nil
 }
 
-// errNotInFleet says an id names no engine of the fleet.
-var errNotInFleet = errors.New("not in the fleet")
-
 // fleetGet reads engine id's entry and its revision. It returns an error
-// wrapping errNotInFleet for a missing or deleted key, and a clear error
-// for a value that is not a fleet entry for id.
-func fleetGet(ctx context.Context, kv jetstream.KeyValue, id string) (schemas.FleetEntry, uint64, error) {
-	var e schemas.FleetEntry
-	kve, err := kv.Get(ctx, id)
-	if errors.Is(err, jetstream.ErrKeyNotFound) || errors.Is(err, jetstream.ErrKeyDeleted) {
-		return e, 0, fmt.Errorf("engine %s: %w (narwhal fleet list shows the fleet)", id, errNotInFleet)
+// wrapping fleet.ErrNotInFleet for a missing or deleted key, and a clear error
+// (and revision 0) for a value that is not a fleet entry for id.
+func fleetGet(ctx context.Context, st *fleet.Store, id string) (schemas.FleetEntry, uint64, error) {
+	e, rev, err := st.Get(ctx, id)
+	var invalid *fleet.InvalidError
+	switch {
+	case errors.Is(err, fleet.ErrNotInFleet):
+		return e, 0, fmt.Errorf("engine %s: %w (narwhal fleet list shows the fleet)", id, fleet.ErrNotInFleet)
+	case errors.As(err, &invalid):
+		return e, 0, invalidEntry(id, invalid.Err)
+	case err != nil:
+		return e, 0, err
 	}
-	if err != nil {
-		return e, 0, fmt.Errorf("engine %s: %w", id, err)
-	}
-	if err := bus.ValidateFleetEntry(kve.Value()); err != nil {
-		return e, 0, fmt.Errorf("engine %s: its entry is not valid (%v): remove it with --force", id, err)
-	}
-	if err := json.Unmarshal(kve.Value(), &e); err != nil || e.EngineID != id {
-		return e, 0, fmt.Errorf("engine %s: its entry names another engine: remove it with --force", id)
-	}
-	return e, kve.Revision(), nil
+	return e, rev, nil
 }
 
-// fleetSetState writes engine id's entry in state next, revision-checked.
-func fleetSetState(ctx context.Context, kv jetstream.KeyValue, cur schemas.FleetEntry, rev uint64, next, reason string, now time.Time) error {
-	now = now.UTC()
-	cur.State, cur.Since, cur.At, cur.By, cur.Reason = next, now, now, fleetWriter, reason
-	data, err := json.Marshal(cur)
+// invalidEntry says that engine id's value is not a fleet entry for it,
+// and why.
+func invalidEntry(id string, why error) error {
+	return fmt.Errorf("engine %s: its entry is not valid (%v): remove it with --force", id, why)
+}
+
+// fleetStep moves engine id's entry cur (read at revision rev) by step
+// of the state machine (fleet.Apply) and writes it revision-checked.
+// `narwhal fleet` writes without a per-key TTL: a registration that is
+// alive renews its key with its TTL at once after another process's
+// write (membership, R-FLEET-4).
+func fleetStep(ctx context.Context, st *fleet.Store, cur schemas.FleetEntry, rev uint64, step fleet.Step, reason string, now time.Time) error {
+	next, err := fleet.Apply(cur, step, fleetWriter, reason, now)
 	if err != nil {
 		return err
 	}
-	if _, err := kv.Update(ctx, cur.EngineID, data, rev); err != nil {
-		if errors.Is(err, jetstream.ErrKeyRevisionMismatch) || errors.Is(err, jetstream.ErrKeyExists) {
+	if _, err := st.Update(ctx, next, rev, 0); err != nil {
+		if errors.Is(err, fleet.ErrChanged) {
 			return fmt.Errorf("engine %s changed meanwhile: run the command again", cur.EngineID)
 		}
 		return fmt.Errorf("engine %s: %w", cur.EngineID, err)
@@ -291,20 +285,17 @@ func fleetSetState(ctx context.Context, kv jetstream.KeyValue, cur schemas.Fleet
 // fleetDrain makes engine id draining (behaviour.md R-FLEET-3) and returns its
 // state afterwards. An engine already draining or drained is left as it
 // is; an unknown id is an error.
-func fleetDrain(ctx context.Context, kv jetstream.KeyValue, id string, now time.Time) (string, error) {
+func fleetDrain(ctx context.Context, st *fleet.Store, id string, now time.Time) (string, error) {
 	ctx, cancel := context.WithTimeout(ctx, fleetOpTimeout)
 	defer cancel()
-	cur, rev, err := fleetGet(ctx, kv, id)
+	cur, rev, err := fleetGet(ctx, st, id)
 	if err != nil {
 		return "", err
 	}
-	switch cur.State {
-	case schemas.FleetDraining:
-		return "is already draining", nil
-	case schemas.FleetDrained:
-		return "is already drained", nil
+	if _, ok := fleet.Next(cur.State, fleet.Drain); !ok {
+		return "is already " + cur.State, nil // draining or drained
 	}
-	if err := fleetSetState(ctx, kv, cur, rev, schemas.FleetDraining, "drained with narwhal fleet drain", now); err != nil {
+	if err := fleetStep(ctx, st, cur, rev, fleet.Drain, "drained with narwhal fleet drain", now); err != nil {
 		return "", err
 	}
 	return "draining", nil
@@ -313,23 +304,18 @@ func fleetDrain(ctx context.Context, kv jetstream.KeyValue, id string, now time.
 // fleetUndrain puts a draining engine back to active, and a drained one
 // to joining (it is checked again before it is placed: it may have been
 // restarted as something else). Any other state is an error.
-func fleetUndrain(ctx context.Context, kv jetstream.KeyValue, id string, now time.Time) (string, error) {
+func fleetUndrain(ctx context.Context, st *fleet.Store, id string, now time.Time) (string, error) {
 	ctx, cancel := context.WithTimeout(ctx, fleetOpTimeout)
 	defer cancel()
-	cur, rev, err := fleetGet(ctx, kv, id)
+	cur, rev, err := fleetGet(ctx, st, id)
 	if err != nil {
 		return "", err
 	}
-	next := ""
-	switch cur.State {
-	case schemas.FleetDraining:
-		next = schemas.FleetActive
-	case schemas.FleetDrained:
-		next = schemas.FleetJoining
-	default:
+	next, ok := fleet.Next(cur.State, fleet.Undrain)
+	if !ok {
 		return "", fmt.Errorf("engine %s is %s, not draining or drained: nothing to undo", id, cur.State)
 	}
-	if err := fleetSetState(ctx, kv, cur, rev, next, "undrained with narwhal fleet undrain", now); err != nil {
+	if err := fleetStep(ctx, st, cur, rev, fleet.Undrain, "undrained with narwhal fleet undrain", now); err != nil {
 		return "", err
 	}
 	if next == schemas.FleetJoining {
@@ -340,23 +326,20 @@ func fleetUndrain(ctx context.Context, kv jetstream.KeyValue, id string, now tim
 
 // fleetRemove deletes engine id's key: routers place nothing more there,
 // and running attempts finish (behaviour.md R-FLEET-1). Without force it refuses
-// an engine that is not drained — or joining, which never took work.
-func fleetRemove(ctx context.Context, kv jetstream.KeyValue, id string, force bool) error {
+// an engine that is not drained — or joining, which never took work
+// (fleet.Removable).
+func fleetRemove(ctx context.Context, st *fleet.Store, id string, force bool) error {
 	ctx, cancel := context.WithTimeout(ctx, fleetOpTimeout)
 	defer cancel()
-	cur, rev, err := fleetGet(ctx, kv, id)
-	if err != nil && (!force || errors.Is(err, errNotInFleet)) {
+	cur, rev, err := fleetGet(ctx, st, id)
+	if err != nil && (!force || errors.Is(err, fleet.ErrNotInFleet)) {
 		return err
 	}
-	if err == nil && !force && cur.State != schemas.FleetDrained && cur.State != schemas.FleetJoining {
+	if err == nil && !force && !fleet.Removable(cur.State) {
 		return fmt.Errorf("engine %s is %s: drain it first (narwhal fleet drain %s --wait), or remove it with --force", id, cur.State, id)
 	}
-	var opts []jetstream.KVDeleteOpt
-	if rev != 0 {
-		opts = append(opts, jetstream.LastRevision(rev))
-	}
-	if err := kv.Delete(ctx, id, opts...); err != nil {
-		if errors.Is(err, jetstream.ErrKeyRevisionMismatch) || errors.Is(err, jetstream.ErrKeyExists) {
+	if err := st.Delete(ctx, id, rev); err != nil {
+		if errors.Is(err, fleet.ErrChanged) {
 			return fmt.Errorf("engine %s changed meanwhile: run the command again", id)
 		}
 		return fmt.Errorf("remove engine %s: %w", id, err)
@@ -364,44 +347,29 @@ func fleetRemove(ctx context.Context, kv jetstream.KeyValue, id string, force bo
 	return nil
 }
 
-// fleetWaitDrained watches engine id until it is drained or gone, or
-// timeout (when > 0) or ctx ends.
-func fleetWaitDrained(ctx context.Context, kv jetstream.KeyValue, id string, timeout time.Duration, stdout io.Writer) error {
+// fleetWaitDrained waits until engine id is drained or gone
+// (fleet.Store.WaitDrained), or timeout (when > 0) or ctx ends.
+func fleetWaitDrained(ctx context.Context, st *fleet.Store, id string, timeout time.Duration, stdout io.Writer) error {
 	if timeout > 0 {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, timeout)
 		defer cancel()
 	}
-	w, err := kv.Watch(ctx, id)
-	if err != nil {
-		return fmt.Errorf("watch engine %s: %w", id, err)
-	}
-	defer func() { _ = w.Stop() }()
-	for {
-		select {
-		case <-ctx.Done():
-			if errors.Is(ctx.Err(), context.DeadlineExceeded) {
-				return fmt.Errorf("engine %s not drained within %v", id, timeout)
-			}
-			return ctx.Err()
-		case kve, ok := <-w.Updates():
-			if !ok {
-				return fmt.Errorf("watch of engine %s ended", id)
-			}
-			if kve == nil {
-				continue
-			}
-			if kve.Operation() != jetstream.KeyValuePut {
-				fmt.Fprintf(stdout, "engine %s left the fleet\n", id)
-				return nil
-			}
-			var e schemas.FleetEntry
-			if json.Unmarshal(kve.Value(), &e) == nil && e.State == schemas.FleetDrained {
-				fmt.Fprintf(stdout, "engine %s drained: %s\n", id, e.Reason)
-				return nil
-			}
+	e, gone, err := st.WaitDrained(ctx, id)
+	switch {
+	case err != nil && ctx.Err() != nil:
+		if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+			return fmt.Errorf("engine %s not drained within %v", id, timeout)
 		}
+		return ctx.Err()
+	case err != nil:
+		return err
+	case gone:
+		fmt.Fprintf(stdout, "engine %s left the fleet\n", id)
+	default:
+		fmt.Fprintf(stdout, "engine %s drained: %s\n", id, e.Reason)
 	}
+	return nil
 }
 
 // fleetRow is one engine as `narwhal fleet list` shows it.
@@ -420,28 +388,18 @@ type fleetRow struct {
 
 // fleetList prints every engine of the fleet: id, URL, role, state,
 // eligibility, legs in flight over the routers, source. It reads only.
-func fleetList(ctx context.Context, kv jetstream.KeyValue, b *bus.Bus, stdout io.Writer, asJSON bool) error {
+func fleetList(ctx context.Context, st *fleet.Store, b *bus.Bus, stdout io.Writer, asJSON bool) error {
 	ctx, cancel := context.WithTimeout(ctx, fleetOpTimeout)
 	defer cancel()
-	lister, err := kv.ListKeys(ctx)
+	listed, err := st.List(ctx)
 	if err != nil {
-		return fmt.Errorf("list the fleet: %w", err)
+		return err
 	}
-	var ids []string
-	for k := range lister.Keys() {
-		ids = append(ids, k)
-	}
-	sort.Strings(ids)
 	inflight := map[string]int64{}
 	models := map[string]map[string]bool{}
 	if rk, err := b.BindBucket(ctx, bus.RoutersBucket); err == nil {
-		if rl, err := rk.ListKeys(ctx); err == nil {
-			for k := range rl.Keys() {
-				kve, err := rk.Get(ctx, k)
-				var r schemas.RouterReport
-				if err != nil || bus.ValidateRouterReport(kve.Value()) != nil || json.Unmarshal(kve.Value(), &r) != nil {
-					continue
-				}
+		if reports, _, err := fleet.ReadReports(ctx, rk); err == nil {
+			for _, r := range reports {
 				for id, n := range r.InFlight {
 					inflight[id] += n
 				}
@@ -457,20 +415,17 @@ func fleetList(ctx context.Context, kv jetstream.KeyValue, b *bus.Bus, stdout io
 		}
 	}
 	var rows []fleetRow
-	for _, id := range ids {
+	for _, l := range listed {
+		id := l.ID
 		row := fleetRow{Eligible: true, InFlight: inflight[id], Models: []string{}}
 		for m := range models[id] {
 			row.Models = append(row.Models, m)
 		}
 		sort.Strings(row.Models)
-		e, _, err := fleetGet(ctx, kv, id)
-		if errors.Is(err, errNotInFleet) {
-			continue
-		}
-		row.FleetEntry = e
+		row.FleetEntry = l.Entry
 		row.EngineID = id
-		if err != nil {
-			row.Invalid = err.Error()
+		if l.Invalid != nil {
+			row.Invalid = invalidEntry(id, l.Invalid).Error()
 		}
 		if pe, err := b.Placement().Get(ctx, id); err == nil {
 			var el schemas.Eligibility

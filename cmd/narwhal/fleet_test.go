@@ -11,6 +11,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/fleet"
 	"github.com/narwhalmesh/narwhal/schemas"
 	"time"
 )
@@ -110,12 +111,12 @@ func TestFleetCommandBadInputChangesNothing(t *testing.T) {
 func TestFleetCommandLifecycle(t *testing.T) {
 	b := eventsBus(t)
 	ctx := context.Background()
-	kv, err := b.BindBucket(ctx, bus.FleetBucket)
+	st, err := fleet.Bind(ctx, b)
 	if err != nil {
 		t.Fatal(err)
 	}
 	state := func(id string) string {
-		e, _, err := fleetGet(ctx, kv, id)
+		e, _, err := fleetGet(ctx, st, id)
 		if err != nil {
 			return err.Error()
 		}
@@ -131,20 +132,20 @@ func TestFleetCommandLifecycle(t *testing.T) {
 		}
 	}
 	step(schemas.FleetJoining, "add", "--id", "d3", "--url", "http://127.0.0.1:9003/", "--role", "decode")
-	e, rev, _ := fleetGet(ctx, kv, "d3")
+	e, rev, _ := fleetGet(ctx, st, "d3")
 	if e.URL != "http://127.0.0.1:9003" || e.Source != schemas.SourceCommand || e.Connector != "nixl" {
 		t.Errorf("added entry %+v", e)
 	}
 	// The breaker makes it active after its checks; here, by hand.
-	if err := fleetSetState(ctx, kv, e, rev, schemas.FleetActive, "test", e.At); err != nil {
+	if err := fleetStep(ctx, st, e, rev, fleet.Admit, "test", e.At); err != nil {
 		t.Fatal(err)
 	}
 	step(schemas.FleetDraining, "drain", "d3")
 	step(schemas.FleetDraining, "drain", "d3") // already draining: left as it is
 	step(schemas.FleetActive, "undrain", "d3")
 	step(schemas.FleetDraining, "drain", "d3")
-	e, rev, _ = fleetGet(ctx, kv, "d3")
-	if err := fleetSetState(ctx, kv, e, rev, schemas.FleetDrained, "test", e.At); err != nil {
+	e, rev, _ = fleetGet(ctx, st, "d3")
+	if err := fleetStep(ctx, st, e, rev, fleet.EndDrain, "test", e.At); err != nil {
 		t.Fatal(err)
 	}
 	// Two routers report what d3 listed to them: list shows the union.

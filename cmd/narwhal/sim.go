@@ -11,8 +11,9 @@ import (
 	"os"
 	"strconv"
 
+	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/engines/sim"
-	"github.com/narwhalmesh/narwhal/membership"
 )
 
 func init() {
@@ -104,7 +105,7 @@ func runSim(ctx context.Context, args []string) error {
 	c := srv.Config()
 	fmt.Fprintf(os.Stdout, "sim %s (%s) listening on %s kv=%s\n", c.EngineID, c.Role, url, srv.KVAddr())
 	if *register {
-		spec := membership.Spec{ID: c.EngineID, URL: url, Role: c.Role, Connector: c.Connector}
+		spec := config.EngineSpec{ID: c.EngineID, URL: url, Role: connector.Role(c.Role), Connector: c.Connector}
 		if c.Connector == sim.ConnectorSGLang && c.Role == sim.RolePrefill {
 			_, port, _ := net.SplitHostPort(srv.KVAddr())
 			spec.BootstrapPort, _ = strconv.Atoi(port)

@@ -1,0 +1,75 @@
+package fleet
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// ReadReports returns every valid router in-flight report of KV bucket
+// narwhal_routers (kv; behaviour.md R-FLEET-3), and how many values it
+// ignored for not being one (not schema narwhal.router.v1, or a
+// router_id that is not the key, R-BUS-9). A router that stopped has no
+// key: the bucket's TTL removed it with its legs. It reads through one
+// watch's first, full delivery, which every credential that reads or
+// watches the bucket may do (the breaker's may not get single keys).
+func ReadReports(ctx context.Context, kv jetstream.KeyValue) (reports []schemas.RouterReport, ignored int, err error) {
+	all, err := readAll(ctx, kv)
+	if err != nil {
+		return nil, 0, fmt.Errorf("fleet: read the routers' reports: %w", err)
+	}
+	for _, kve := range all {
+		var r schemas.RouterReport
+		if bus.ValidateRouterReport(kve.Value()) != nil || json.Unmarshal(kve.Value(), &r) != nil || r.RouterID != kve.Key() {
+			ignored++
+			continue
+		}
+		reports = append(reports, r)
+	}
+	return reports, ignored, nil
+}
+
+// WithoutReports is what DrainDone answers when no router reports at
+// all.
+type WithoutReports bool
+
+// The two answers of DrainDone without any report; each caller names the
+// one it needs.
+const (
+	// DoneWithoutReports: no report means no router is running, so no
+	// leg can be in flight and the drain is over at once (docs/fleet.md:
+	// "With no router running, a drain ends at once"). The leading
+	// breaker, the judge of every drain, decides so.
+	DoneWithoutReports WithoutReports = true
+	// BusyWithoutReports: no report is no word from any router, and the
+	// drain goes on. An engine draining itself (package membership,
+	// `narwhal agent` on SIGTERM) waits so: it cannot tell no router
+	// from routers it does not hear yet, and the breaker's word (state
+	// drained, given at once when no router runs) or its own bound ends
+	// its wait instead.
+	BusyWithoutReports WithoutReports = false
+)
+
+// DrainDone reports whether every router is done with draining engine
+// id (behaviour.md R-FLEET-3): every report lists id among its draining
+// engines with zero legs in flight. A report that does not list id is
+// from a router that has not seen the drain yet: it counts as busy. With
+// no report at all it answers none. The drain timeout
+// (membership.drain_timeout_s) is the leading breaker's and is not
+// judged here.
+func DrainDone(id string, reports []schemas.RouterReport, none WithoutReports) bool {
+	if len(reports) == 0 {
+		return bool(none)
+	}
+	for _, r := range reports {
+		if legs, listed := r.Draining[id]; !listed || legs != 0 {
+			return false
+		}
+	}
+	return true
+}
