@@ -53,7 +53,7 @@ func (a *avoidSet) blame(f *fleet, fault *engines.Fault) {
 	if fault.Kind == engines.KindHandoffExpired {
 		return
 	}
-	m := f.byID[fault.EngineID]
+	m := f.Member(fault.EngineID)
 	if m == nil {
 		return
 	}

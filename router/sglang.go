@@ -32,7 +32,7 @@ func (c *call) concurrentAttempt(ereq *engines.Request) *engines.Fault {
 	legs, stream, err := rt.client.StartSGLang(c.ctx, ereq, b, func(late *engines.Fault) {
 		// The prefill's goroutine: only atomics and the recorder, which
 		// reads fields of c that no longer change once the attempt runs.
-		prod.release(prefillPhase)
+		prod.Release(prefillPhase)
 		rt.metrics.leg.WithLabelValues(schemas.PhasePrefill, model).Observe(time.Since(arrival).Seconds())
 		if late != nil {
 			// The KV had arrived: the client's stream goes on.
