@@ -555,3 +555,39 @@ func TestPrefixPlacementShortPromptsSpreadRPLACE2(t *testing.T) {
 		t.Fatalf("a repeated short prompt went to %v, want every producer", seen)
 	}
 }
+
+// TestPolicyFromConfigRPLACE1: a placement policy is built once from
+// placement.policy — prefix weighs the prompt and keeps a same-worker
+// producer's decode, least_loaded and random do neither — and a name
+// that is none of them, the empty one included, makes New fail: the
+// default is config.Default's alone.
+func TestPolicyFromConfigRPLACE1(t *testing.T) {
+	for _, tc := range []struct {
+		name                     string
+		weighsPrefix, sameWorker bool
+	}{
+		{config.PolicyPrefix, true, true},
+		{config.PolicyLeastLoaded, false, false},
+		{config.PolicyRandom, false, false},
+	} {
+		cfg := config.Default().Placement
+		cfg.Policy = tc.name
+		pl, err := newPlacer(cfg)
+		if err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		if pl.policy.weighsPrefix() != tc.weighsPrefix || pl.policy.sameWorker() != tc.sameWorker {
+			t.Errorf("%s: weighsPrefix %v sameWorker %v, want %v %v", tc.name, pl.policy.weighsPrefix(), pl.policy.sameWorker(), tc.weighsPrefix, tc.sameWorker)
+		}
+	}
+	if got := config.Default().Placement.Policy; got != config.PolicyPrefix {
+		t.Fatalf("config.Default's policy is %q, want %q", got, config.PolicyPrefix)
+	}
+	for _, name := range []string{"", "round_robin"} {
+		cfg := config.Default()
+		cfg.Placement.Policy = name
+		if _, err := New(Options{Config: &cfg}); err == nil || !strings.Contains(err.Error(), "placement.policy") {
+			t.Errorf("policy %q: New returned %v, want an error naming placement.policy", name, err)
+		}
+	}
+}

@@ -132,13 +132,13 @@ func newID() string {
 }
 
 // meshBus starts an embedded NATS server on a fixed free port (so it can be
-// restarted at the same address) and connects the stack's router to it.
+// restarted at the same address) and connects the stack's view to it.
 type meshBus struct {
 	t    *testing.T
 	dir  string
 	port int
 	emb  *bus.Embedded
-	b    *bus.Bus // the router's connection
+	b    *bus.Bus // the view's connection
 	peer *bus.Bus // another process's view, to write the bucket and publish
 	term uint64   // the lease term of "test-breaker", which writes placement
 }
