@@ -35,10 +35,10 @@ import (
 
 // Options configures a View.
 type Options struct {
-	// Config is the router's validated configuration: its fleet is the
-	// view's first, and it gives the router id, recovery.max_quarantine_s,
-	// the placement section (the prefix index's size, share_index,
-	// engine_metrics_interval_s).
+	// Config is the router's validated configuration (required): its
+	// fleet is the view's first, and it gives the router id,
+	// recovery.max_quarantine_s and the placement section (the prefix
+	// index's size, share_index, engine_metrics_interval_s).
 	Config *config.Config
 	// Logger is the router's logger; nil means slog.Default().
 	Logger *slog.Logger
