@@ -52,7 +52,7 @@ func (a *avoidSet) blame(f *fleet, fault *engines.Fault) {
 	if fault.Kind == engines.KindHandoffExpired {
 		return
 	}
-	m := f.byID[fault.EngineID]
+	m := f.Member(fault.EngineID)
 	if m == nil {
 		return
 	}

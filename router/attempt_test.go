@@ -11,8 +11,8 @@ import (
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/engines/connector"
-	"github.com/narwhalmesh/narwhal/engines/connector/nixl"
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/router/meshview"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -77,27 +77,18 @@ func TestRetryPolicy(t *testing.T) {
 // engine of avoid is chosen while another can take the phase, and the
 // least loaded of them when none can.
 func TestPlaceAvoidsEveryFailedEngine(t *testing.T) {
-	f := &fleet{byID: map[string]*member{}}
-	models := []string{"m"}
-	for _, id := range []string{"d1", "d2", "d3"} {
-		m := &member{Engine: engines.Engine{ID: id, Role: connector.RoleDecode, Connector: nixl.Nixl{}}}
-		m.eligible.Store(true)
-		m.active.Store(true)
-		m.models.Store(&models)
-		f.members = append(f.members, m)
-		f.byID[id] = m
-	}
-	d1, d2, d3 := f.byID["d1"], f.byID["d2"], f.byID["d3"]
+	d1, d2, d3 := testMember("d1", connector.RoleDecode), testMember("d2", connector.RoleDecode), testMember("d3", connector.RoleDecode)
+	f := meshview.NewFleet(d1, d2, d3)
 	for i := 0; i < 100; i++ {
-		m, err := f.place("m", decodePhase, []*member{d1, d2})
+		m, err := placeLeast(f, "m", decodePhase, []*member{d1, d2})
 		if err != nil || m != d3 {
 			t.Fatalf("placed on %v (%v) while d3 was free", m, err)
 		}
-		m.release(decodePhase)
+		m.Release(decodePhase)
 	}
-	d3.eligible.Store(false)
-	d1.reserved[decodePhase].Store(5)
-	m, err := f.place("m", decodePhase, []*member{d1, d2})
+	d3.SetEligible(false)
+	setLoad(t, d1, decodePhase, 5)
+	m, err := placeLeast(f, "m", decodePhase, []*member{d1, d2})
 	if err != nil || m != d2 {
 		t.Fatalf("every engine avoided: placed on %v (%v), want the least loaded d2", m, err)
 	}

@@ -41,8 +41,8 @@ func TestBackpressureRFAIL7(t *testing.T) {
 				}
 			}
 			s.events.mu.Unlock()
-			m := s.rt.fleet().byID[engine]
-			if m.available(time.Now().UnixNano()) || !strings.Contains(m.unplaceable(time.Now().UnixNano()), "Retry-After") {
+			m := s.rt.fleet().Member(engine)
+			if m.Available(time.Now().UnixNano()) || !strings.Contains(m.Unplaceable(time.Now().UnixNano()), "Retry-After") {
 				t.Fatal("the engine is placeable right after its Retry-After")
 			}
 			// While it lasts, the router places nothing on the engine.
@@ -55,7 +55,7 @@ func TestBackpressureRFAIL7(t *testing.T) {
 				t.Fatalf("the engine got %d requests while it asked to be left alone", n-calls)
 			}
 			deadline := time.Now().Add(5 * time.Second)
-			for !m.available(time.Now().UnixNano()) {
+			for !m.Available(time.Now().UnixNano()) {
 				if time.Now().After(deadline) {
 					t.Fatal("the engine never became placeable again")
 				}
@@ -84,7 +84,7 @@ func TestUnavailableWithoutRetryAfterRFAIL7(t *testing.T) {
 	}
 	s.idle()
 	s.oneFailure("d1", "decode", "upstream_status", true)
-	if m := s.rt.fleet().byID["d1"]; m.skipUntil.Load() != 0 {
+	if m := s.rt.fleet().Member("d1"); m.BackedOffUntil() != 0 {
 		t.Fatal("a 503 without Retry-After made the router back off")
 	}
 }
@@ -98,7 +98,7 @@ func TestBackpressureCappedRFAIL7(t *testing.T) {
 	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") != "2" {
 		t.Fatalf("status %d Retry-After %q, want 503 and 2: %s", resp.StatusCode, resp.Header.Get("Retry-After"), body)
 	}
-	until := time.Unix(0, s.rt.fleet().byID["d1"].skipUntil.Load())
+	until := time.Unix(0, s.rt.fleet().Member("d1").BackedOffUntil())
 	if d := time.Until(until); d > 2*time.Second || d < time.Second {
 		t.Fatalf("skipped for %v more, want at most 2 s", d)
 	}

@@ -13,7 +13,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/engines/connector"
-	"github.com/narwhalmesh/narwhal/engines/connector/nixl"
+	"github.com/narwhalmesh/narwhal/router/meshview"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -85,29 +85,25 @@ func benchRelay(b *testing.B, chunk string) {
 
 // BenchmarkPlace is one placement of both phases and their release.
 func BenchmarkPlace(b *testing.B) {
-	f := &fleet{byID: map[string]*member{}}
-	models := []string{"m"}
+	var ms []*member
 	for i, role := range []connector.Role{connector.RolePrefill, connector.RolePrefill, connector.RoleDecode, connector.RoleDecode, connector.RoleDecode, connector.RoleDecode} {
-		m := &member{Engine: engines.Engine{ID: "e" + string(rune('0'+i)), Role: role, Connector: nixl.Nixl{}}}
-		m.eligible.Store(true)
-		m.active.Store(true)
-		m.models.Store(&models)
-		f.members = append(f.members, m)
-		f.byID[m.ID] = m
+		ms = append(ms, testMember("e"+string(rune('0'+i)), role))
 	}
+	f := meshview.NewFleet(ms...)
 	b.ReportAllocs()
 	b.RunParallel(func(pb *testing.PB) {
+		sc := new(placeScratch) // a request's pooled buffers
 		for pb.Next() {
-			p, err := f.place("m", prefillPhase, nil)
+			p, err := place(f, "m", prefillPhase, nil, "", leastLoaded{}, nil, sc)
 			if err != nil {
 				b.Fatal(err)
 			}
-			d, err := f.place("m", decodePhase, nil)
+			d, err := place(f, "m", decodePhase, nil, "", leastLoaded{}, nil, sc)
 			if err != nil {
 				b.Fatal(err)
 			}
-			p.release(prefillPhase)
-			d.release(decodePhase)
+			p.Release(prefillPhase)
+			d.Release(decodePhase)
 		}
 	})
 }

@@ -143,7 +143,7 @@ func (c *call) prepare(fctx *fasthttp.RequestCtx, endpoint string) bool {
 		return false
 	}
 	c.req = req
-	served := rt.fleet().everServed(req.Model)
+	served := rt.fleet().EverServed(req.Model)
 	if served {
 		// A model the fleet has served: a bounded label, also on a
 		// request its key may not make.
@@ -153,10 +153,10 @@ func (c *call) prepare(fctx *fasthttp.RequestCtx, endpoint string) bool {
 		return false
 	}
 	if !served {
-		c.reject(fctx, 404, unknownModelMessage(req.Model, modelsFor(c.key, rt.fleet().models())), "client_error")
+		c.reject(fctx, 404, unknownModelMessage(req.Model, modelsFor(c.key, rt.fleet().Models())), "client_error")
 		return false
 	}
-	if p, should := rt.fleet().unreachableFor(req.Model); should != nil {
+	if p, should := rt.fleet().UnreachableFor(req.Model); should != nil {
 		c.fail(fctx, engines.NewFault(engines.KindNoEngine, p.String(), "", 0, unreachableModelMessage(req.Model, p, should)))
 		return false
 	}
@@ -203,7 +203,7 @@ func unreachableModelMessage(model string, p phase, should []*member) string {
 	fmt.Fprintf(&b, "no reachable engine serves model %q for %s: engines that serve it: ", schemas.BoundField(model), p)
 	now := time.Now().UnixNano()
 	writeListed(&b, len(should), func(i int) {
-		why := should[i].unplaceable(now)
+		why := should[i].Unplaceable(now)
 		if why == "" {
 			why = "no longer lists it"
 		}
@@ -332,14 +332,14 @@ func (c *call) finish() {
 
 func (c *call) releasePrefill() {
 	if c.holdPrefill.CompareAndSwap(true, false) {
-		c.producer.release(prefillPhase)
+		c.producer.Release(prefillPhase)
 	}
 }
 
 func (c *call) releaseDecode() {
 	if c.holdDecode {
 		c.holdDecode = false
-		c.consumer.release(decodePhase)
+		c.consumer.Release(decodePhase)
 	}
 }
 

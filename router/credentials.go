@@ -1,50 +1,16 @@
 package router
 
 import (
-	"net/http"
-
 	"github.com/narwhalmesh/narwhal/engines"
 )
 
-// Engines behind API keys (fleet[].api_key_env). An engine that answers
-// 401 or 403 refuses the router's credentials: a configuration fault
-// (engines.KindEngineUnauthorized), never a stream failure that ejects.
-// While it lasts the engine is not placeable on this router: the model
-// refresh asks its GET /v1/models, with the same credentials, every second,
-// and the engine is placeable again once that answers 200.
-
-// refuseCredentials marks m as refusing the router's credentials after an
-// HTTP status (401 or 403) on what ("prefill", "decode", "/v1/models").
-// The log line, at error level, is written once per episode.
-func (rt *Router) refuseCredentials(m *member, status int, what string) {
-	if m == nil || !m.refused.CompareAndSwap(false, true) {
-		return
-	}
-	rt.metrics.refusedCredentials.WithLabelValues(m.ID).Inc()
-	hint := "the engine expects an API key: set fleet[].api_key_env for it"
-	if !m.Credential.IsZero() {
-		hint = "the engine does not accept the key in its fleet[].api_key_env variable"
-	}
-	rt.log.Error("engine refused the router's credentials; not placeable on this router until its /v1/models accepts them",
-		"engine_id", m.ID, "status", status, "on", what, "hint", hint)
-}
-
-// acceptCredentials clears the refusal once the engine answered 200.
-func (rt *Router) acceptCredentials(m *member) {
-	if m.refused.CompareAndSwap(true, false) {
-		rt.log.Info("engine accepts the router's credentials again; placeable", "engine_id", m.ID)
-	}
-}
-
-// credentialFault handles an engine fault of kind engine_unauthorized.
+// credentialFault handles an engine fault of kind engine_unauthorized:
+// the engine refuses the router's credentials, and the mesh view keeps
+// it out of placement until its /v1/models accepts them
+// (meshview.View.RefuseCredentials).
 func (rt *Router) credentialFault(f *engines.Fault) {
 	if f.Kind != engines.KindEngineUnauthorized {
 		return
 	}
-	rt.refuseCredentials(rt.fleet().byID[f.EngineID], f.UpstreamStatus, f.Phase)
-}
-
-// refusal reports whether status is an engine's refusal of credentials.
-func refusal(status int) bool {
-	return status == http.StatusUnauthorized || status == http.StatusForbidden
+	rt.mesh.RefuseCredentials(rt.fleet().Member(f.EngineID), f.UpstreamStatus, f.Phase)
 }

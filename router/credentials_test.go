@@ -30,9 +30,9 @@ func TestEngineAPIKeys(t *testing.T) {
 			}
 			c.Fleet[2].APIKey = "not-the-key"
 		})
-	testkit.WaitFor(t, 3*time.Second, "d2 refused", func() bool { return s.rt.fleet().byID["d2"].refused.Load() })
+	testkit.WaitFor(t, 3*time.Second, "d2 refused", func() bool { return s.rt.fleet().Member("d2").Refused() })
 	testkit.WaitFor(t, 3*time.Second, "p1 and d1 models", func() bool {
-		return s.rt.fleet().byID["p1"].models.Load() != nil && s.rt.fleet().byID["d1"].models.Load() != nil
+		return s.rt.fleet().Member("p1").Models() != nil && s.rt.fleet().Member("d1").Models() != nil
 	})
 	for i := 0; i < 6; i++ {
 		resp, body := s.post("/v1/chat/completions", `{"model":"`+testModel+`","messages":[{"role":"user","content":"hi"}],"max_tokens":3,"stream":true}`)
@@ -109,6 +109,6 @@ func TestEngineUnauthorizedFault(t *testing.T) {
 		t.Errorf("%d failure events, want still 1: a refusing engine is not tried again", n)
 	}
 	modelsRefused.Store(false)
-	testkit.WaitFor(t, 3*time.Second, "d1 placeable again", func() bool { return s.rt.fleet().byID["d1"].available(nowNano()) })
+	testkit.WaitFor(t, 3*time.Second, "d1 placeable again", func() bool { return s.rt.fleet().Member("d1").Available(nowNano()) })
 	s.idle()
 }

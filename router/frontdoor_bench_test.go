@@ -151,8 +151,8 @@ func benchRouter(b *testing.B, mutate func(*config.Config)) string {
 		<-done
 	})
 	testkit.WaitFor(b, 5*time.Second, "the engines' models", func() bool {
-		for _, m := range rt.fleet().members {
-			if m.models.Load() == nil {
+		for _, m := range rt.fleet().Members() {
+			if m.Models() == nil {
 				return false
 			}
 		}

@@ -305,8 +305,8 @@ func (s *stack) idle() {
 // waitModels waits until the router knows every engine's models.
 func (s *stack) waitModels() {
 	testkit.WaitFor(s.t, 3*time.Second, "models known", func() bool {
-		for _, m := range s.rt.fleet().members {
-			if m.models.Load() == nil {
+		for _, m := range s.rt.fleet().Members() {
+			if m.Models() == nil {
 				return false
 			}
 		}

@@ -3,6 +3,7 @@ package router
 import (
 	"context"
 	"encoding/json"
+	"slices"
 	"testing"
 	"time"
 
@@ -38,6 +39,20 @@ func (m *meshBus) putFleetRaw(key string, value []byte) {
 	}
 }
 
+// placeableIDs returns the ids of the engines placement may choose now
+// for phase p, sorted.
+func (rt *Router) placeableIDs(p phase) []string {
+	now := time.Now().UnixNano()
+	var out []string
+	for _, m := range rt.fleet().Members() {
+		if m.Can(p) && m.Available(now) {
+			out = append(out, m.ID)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
 // TestLiveFleetRFLEET1 proves R-FLEET-1…3 and R-BUS-9 on one router: an
 // engine written to narwhal_fleet joins the router's fleet, is not placed
 // on while joining, takes attempts within a second of becoming active;
@@ -60,8 +75,8 @@ func TestLiveFleetRFLEET1(t *testing.T) {
 	m.putFleet("d3", schemas.FleetEntry{EngineID: "d3", URL: d3.URL(), Role: "decode", State: schemas.FleetJoining})
 	testkit.WaitFor(t, time.Second, "d3 in the fleet, joining", func() bool { return s.rt.FleetIDs()["d3"] == schemas.FleetJoining })
 	testkit.WaitFor(t, 3*time.Second, "d3's models known", func() bool {
-		mb := s.rt.fleet().byID["d3"]
-		return mb != nil && mb.models.Load() != nil
+		mb := s.rt.fleet().Member("d3")
+		return mb != nil && mb.Models() != nil
 	})
 	for range 20 {
 		if eng, _ := s.decodeEngineOf("joining"); eng == "d3" {
@@ -158,11 +173,11 @@ func TestEmptyConfigFleetServesTheBucketRFLEET1(t *testing.T) {
 	}
 	testkit.WaitFor(t, 3*time.Second, "four engines with models", func() bool {
 		f := s.rt.fleet()
-		if len(f.members) != 4 {
+		if len(f.Members()) != 4 {
 			return false
 		}
-		for _, mb := range f.members {
-			if mb.models.Load() == nil {
+		for _, mb := range f.Members() {
+			if mb.Models() == nil {
 				return false
 			}
 		}

@@ -38,15 +38,6 @@ type metrics struct {
 	releaseFailures prometheus.Counter
 	quarantines     prometheus.Counter
 	relayedChunks   prometheus.Counter
-	// placementIgnored is narwhal_placement_ignored_total{reason}: values
-	// of narwhal_placement the router did not apply (R-BUS-9).
-	placementIgnored *prometheus.CounterVec
-	// fleetIgnored is narwhal_fleet_ignored_total{reason}: values of
-	// narwhal_fleet the router did not apply (R-FLEET-1, R-BUS-9).
-	fleetIgnored *prometheus.CounterVec
-	// refusedCredentials counts episodes of an engine refusing the
-	// router's credentials (engine label: fleet ids, bounded).
-	refusedCredentials *prometheus.CounterVec
 	// kvRecomputed counts decode engines' silent recomputes of a
 	// handed-off prompt, by producer and consumer (R-FAIL-8; fleet ids,
 	// bounded).
@@ -118,10 +109,6 @@ var engineFaultKinds = []engines.FaultKind{
 // retryDenials are the values of narwhal_retries_denied_total's reason.
 var retryDenials = []retryDenial{denyDeadline, denyBudget}
 
-// placementIgnoredReasons are the values of
-// narwhal_placement_ignored_total's reason.
-var placementIgnoredReasons = []string{ignoredInvalid, ignoredNotLeader, ignoredDeleted}
-
 func newMetrics(reg prometheus.Registerer, f func() *fleet, routerID string, deadline time.Duration) *metrics {
 	buckets := latencyBuckets(deadline)
 	m := &metrics{
@@ -186,19 +173,7 @@ func newMetrics(reg prometheus.Registerer, f func() *fleet, routerID string, dea
 		relayedChunks: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "narwhal_relayed_chunks_total", Help: "Decode stream events (server-sent events) relayed to clients.",
 		}),
-		placementIgnored: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "narwhal_placement_ignored_total",
-			Help: "Placement values not applied, by reason: invalid (not a valid placement value), not_leader (not written by the current lease holder), deleted (a deleted key).",
-		}, []string{"reason"}),
-		fleetIgnored: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "narwhal_fleet_ignored_total",
-			Help: "Values of the live fleet's bucket not applied, by reason: invalid (not a valid fleet entry for its key).",
-		}, []string{"reason"}),
 	}
-	m.refusedCredentials = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "narwhal_engine_credentials_refused_total",
-		Help: "Times an engine started refusing the router's API key (HTTP 401 or 403), by engine; it is not placeable until it accepts it again.",
-	}, []string{"engine"})
 	m.kvRecomputed = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "narwhal_kv_recomputed_total",
 		Help: "Requests whose decode engine recomputed the prompt instead of loading the KV its producer handed off (it reported fewer than half of the prompt tokens as cached), by producer and consumer engine.",
@@ -211,16 +186,12 @@ func newMetrics(reg prometheus.Registerer, f func() *fleet, routerID string, dea
 	for _, d := range retryDenials {
 		m.retryDenied.WithLabelValues(string(d))
 	}
-	for _, r := range placementIgnoredReasons {
-		m.placementIgnored.WithLabelValues(r)
-	}
-	m.fleetIgnored.WithLabelValues(fleetIgnoredInvalid)
 	empty := map[string]*modelSeries{}
 	m.models.Store(&empty)
 	m.other = m.newModelSeries(otherModel)
-	reg.MustRegister(m.refusedCredentials, m.kvRecomputed, info, m.interToken, m.prompt, m.generation)
+	reg.MustRegister(m.kvRecomputed, info, m.interToken, m.prompt, m.generation)
 	reg.MustRegister(m.requests.vec, m.duration, m.ttft, m.firstByte, m.leg, m.faults, m.retries, m.retryDenied,
-		m.disconnects, m.inflight, m.abandoned, m.releaseFailures, m.quarantines, m.relayedChunks, m.placementIgnored, m.fleetIgnored, &reservationCollector{f: f})
+		m.disconnects, m.inflight, m.abandoned, m.releaseFailures, m.quarantines, m.relayedChunks, &reservationCollector{f: f})
 	return m
 }
 
@@ -279,18 +250,17 @@ func (m *metrics) series(model string) *modelSeries {
 }
 
 // initEngine creates the zero series of engine e's labelled counters:
-// its faults for every phase it serves and kind, and its credential
-// refusals.
+// its faults for every phase it serves and kind (the mesh view creates
+// those of its credential refusals).
 func (m *metrics) initEngine(e *member) {
 	for _, p := range []phase{prefillPhase, decodePhase} {
-		if !e.can(p) {
+		if !e.Can(p) {
 			continue
 		}
 		for _, k := range engineFaultKinds {
 			m.faults.WithLabelValues(e.ID, p.String(), string(k))
 		}
 	}
-	m.refusedCredentials.WithLabelValues(e.ID)
 }
 
 // initKeys records the configured API key names and creates the zero
@@ -337,11 +307,11 @@ func (c *reservationCollector) Describe(ch chan<- *prometheus.Desc) {
 
 func (c *reservationCollector) Collect(ch chan<- prometheus.Metric) {
 	now := nowNano()
-	for _, m := range c.f().members {
-		ch <- prometheus.MustNewConstMetric(reservationsDesc, prometheus.GaugeValue, float64(m.reserved[prefillPhase].Load()), m.ID, "prefill")
-		ch <- prometheus.MustNewConstMetric(reservationsDesc, prometheus.GaugeValue, float64(m.reserved[decodePhase].Load()), m.ID, "decode")
+	for _, m := range c.f().Members() {
+		ch <- prometheus.MustNewConstMetric(reservationsDesc, prometheus.GaugeValue, float64(m.Reserved(prefillPhase)), m.ID, "prefill")
+		ch <- prometheus.MustNewConstMetric(reservationsDesc, prometheus.GaugeValue, float64(m.Reserved(decodePhase)), m.ID, "decode")
 		v := 0.0
-		if m.available(now) {
+		if m.Available(now) {
 			v = 1
 		}
 		ch <- prometheus.MustNewConstMetric(eligibleDesc, prometheus.GaugeValue, v, m.ID)

@@ -22,8 +22,8 @@ func (c *call) recordFault(f *engines.Fault) {
 	rt.metrics.faults.WithLabelValues(f.EngineID, f.Phase, string(f.Kind)).Inc()
 	rt.credentialFault(f)
 	if d := rt.backpressure(f); d > 0 {
-		if m := rt.fleet().byID[f.EngineID]; m != nil {
-			m.backOff(time.Now().Add(d).UnixNano())
+		if m := rt.fleet().Member(f.EngineID); m != nil {
+			m.BackOff(time.Now().Add(d).UnixNano())
 		}
 	}
 	// An engine's message is as untrusted as a client's string: bounded in

@@ -1,10 +1,11 @@
 package router
 
 import (
+	"fmt"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -12,6 +13,7 @@ import (
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/prefix"
+	"github.com/narwhalmesh/narwhal/router/meshview"
 )
 
 // PlacedFunc receives, after each prefix placement, the producer's
@@ -19,19 +21,17 @@ import (
 // not hold for that engine before: what the other routers need to Learn
 // (behaviour.md R-PLACE-2). It runs on the request path: it must not block, and
 // must copy fresh to keep it (the slice is reused).
-type PlacedFunc func(engineID string, fresh []uint64)
+type PlacedFunc = meshview.PlacedFunc
 
-// placer is the router's placement policy (behaviour.md R-PLACE-1, R-PLACE-2):
-// which of the engines that may take a leg gets it.
+// placer is the router's placement (behaviour.md R-PLACE-1, R-PLACE-2):
+// the policy that chooses the producer and the pooled buffers of each
+// request's placement.
 type placer struct {
-	policy  string
-	balance prefix.Balance
-	index   *prefix.Index
-	placed  atomic.Pointer[PlacedFunc]
+	policy  policy
 	scratch sync.Pool // *placeScratch
-
-	// decisions counts prefix placements by what decided them.
-	matched, unmatched, guarded prometheus.Counter
+	// decisions is narwhal_prefix_placements_total{decision}, registered
+	// whatever the policy (only the prefix policy counts in it).
+	decisions *prometheus.CounterVec
 }
 
 // placeScratch is one request's placement buffers, pooled so that a
@@ -41,98 +41,191 @@ type placeScratch struct {
 	hashes []uint64
 	hashed bool // prompt and hashes are this request's
 	fresh  []uint64
-	ms     []*member
-	cands  []prefix.Candidate
+	// ms and cands are the last eligibility scan (eligible): the engines
+	// that may take the leg, and their loads.
+	ms    []*member
+	cands []prefix.Candidate
 }
 
 // maxPooledPrompt is the largest rendered-prompt buffer kept for reuse:
 // a rare huge prompt does not pin its buffer in the pool.
 const maxPooledPrompt = 1 << 20
 
-func newPlacer(cfg config.Placement, reg prometheus.Registerer, f func() *fleet) *placer {
-	pl := &placer{
-		policy:  cfg.Policy,
-		balance: prefix.Balance{Abs: int64(cfg.BalanceAbsThreshold), Rel: cfg.BalanceRelThreshold},
-		index:   prefix.NewIndex(cfg.PrefixIndexBlocks),
-	}
-	if pl.policy == "" {
-		pl.policy = config.PolicyLeastLoaded
-	}
-	pl.scratch.New = func() any { return new(placeScratch) }
+// newPlacer builds the placement of cfg: its policy (newPolicy) and the
+// prefix policy's counter, for the caller to register. It returns
+// newPolicy's error.
+func newPlacer(cfg config.Placement) (*placer, error) {
 	decisions := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "narwhal_prefix_placements_total",
 		Help: "Prefill placements of the prefix policy by what decided them: matched (the chosen engine held part of the prompt's prefix), unmatched (none did, or the prompt was too short to weigh: least loaded), guard (the imbalance guard chose by load).",
 	}, []string{"decision"})
-	pl.matched = decisions.WithLabelValues("matched")
-	pl.unmatched = decisions.WithLabelValues("unmatched")
-	pl.guarded = decisions.WithLabelValues("guard")
-	reg.MustRegister(decisions, &indexCollector{index: pl.index, f: f})
-	return pl
+	pol, err := newPolicy(cfg, decisions)
+	if err != nil {
+		return nil, err
+	}
+	pl := &placer{policy: pol, decisions: decisions}
+	pl.scratch.New = func() any { return new(placeScratch) }
+	return pl, nil
 }
+
+// policy is a placement policy (behaviour.md R-PLACE-1, R-PLACE-2):
+// which of the engines that may take the prefill leg gets it. It is a
+// value built once from placement.policy (newPolicy) and chooses only
+// among what the one eligibility scan (placeScratch.eligible) found.
+type policy interface {
+	// choose returns the index in sc.ms (never empty; sc.cands holds
+	// their loads) of the producer. mesh is the router's view of the
+	// mesh (the prefix index's matches); sc.hashes are the prompt's
+	// blocks when weighsPrefix.
+	choose(mesh meshView, sc *placeScratch) int
+	// weighsPrefix reports whether the policy chooses by the prompt's
+	// leading blocks: the prompt is hashed before the choice and
+	// recorded at the chosen producer after, so the router keeps the
+	// prefix index (shared with the mesh, kept true to the engines'
+	// caches).
+	weighsPrefix() bool
+	// sameWorker reports whether a same-worker producer (role both)
+	// keeps the decode leg when it can take it, so that the whole
+	// attempt runs where the prefix is.
+	sameWorker() bool
+}
+
+// newPolicy returns the policy named by cfg.Policy — config.PolicyPrefix,
+// config.PolicyLeastLoaded or config.PolicyRandom — or an error for any
+// other name, the empty one included: the default is config.Default's,
+// never the router's. The prefix policy counts its decisions in
+// decisions.
+func newPolicy(cfg config.Placement, decisions *prometheus.CounterVec) (policy, error) {
+	switch cfg.Policy {
+	case config.PolicyPrefix:
+		return &prefixPolicy{
+			balance:   prefix.Balance{Abs: int64(cfg.BalanceAbsThreshold), Rel: cfg.BalanceRelThreshold},
+			matched:   decisions.WithLabelValues("matched"),
+			unmatched: decisions.WithLabelValues("unmatched"),
+			guarded:   decisions.WithLabelValues("guard"),
+		}, nil
+	case config.PolicyLeastLoaded:
+		return leastLoaded{}, nil
+	case config.PolicyRandom:
+		return randomPolicy{}, nil
+	}
+	return nil, fmt.Errorf("placement.policy must be one of %s, got %q", strings.Join(config.Policies, ", "), cfg.Policy)
+}
+
+// leastLoaded is policy least_loaded: the engine with the fewest of this
+// router's attempts in the phase, ties broken uniformly at random so
+// that idle engines share the load evenly (R-OWN-3). It is also how
+// every decode leg is placed.
+type leastLoaded struct{}
+
+func (leastLoaded) choose(_ meshView, sc *placeScratch) int {
+	best, ties := 0, 1
+	for i := 1; i < len(sc.cands); i++ {
+		switch load := sc.cands[i].Outstanding; {
+		case load < sc.cands[best].Outstanding:
+			best, ties = i, 1
+		case load == sc.cands[best].Outstanding:
+			ties++
+			if rand.IntN(ties) == 0 {
+				best = i
+			}
+		}
+	}
+	return best
+}
+
+func (leastLoaded) weighsPrefix() bool { return false }
+func (leastLoaded) sameWorker() bool   { return false }
+
+// randomPolicy is policy random: uniformly among the engines that may
+// be chosen.
+type randomPolicy struct{}
+
+func (randomPolicy) choose(_ meshView, sc *placeScratch) int { return rand.IntN(len(sc.ms)) }
+func (randomPolicy) weighsPrefix() bool                      { return false }
+func (randomPolicy) sameWorker() bool                        { return false }
+
+// prefixPolicy is policy prefix (R-PLACE-2): each engine scored by the
+// leading blocks of the prompt the prefix index holds for it against its
+// load, with the imbalance guard (prefix.Choose); a prompt shorter than
+// prefix.MinScoredBlocks is placed by load alone.
+type prefixPolicy struct {
+	balance prefix.Balance
+	// matched, unmatched and guarded count the placements by what
+	// decided them (narwhal_prefix_placements_total).
+	matched, unmatched, guarded prometheus.Counter
+}
+
+func (p *prefixPolicy) choose(mesh meshView, sc *placeScratch) int {
+	if len(sc.hashes) >= prefix.MinScoredBlocks {
+		for i, m := range sc.ms {
+			sc.cands[i].Matched = mesh.MatchPrefix(m.ID, sc.hashes)
+		}
+	}
+	i, guarded := prefix.Choose(sc.cands, len(sc.hashes), p.balance)
+	switch {
+	case guarded:
+		p.guarded.Inc()
+	case sc.cands[i].Matched > 0:
+		p.matched.Inc()
+	default:
+		p.unmatched.Inc()
+	}
+	return i
+}
+
+func (*prefixPolicy) weighsPrefix() bool { return true }
+func (*prefixPolicy) sameWorker() bool   { return true }
 
 // OnPlaced sets the function that receives each prefix placement's
 // fresh block hashes (for publishing them on the bus); nil removes it.
-func (rt *Router) OnPlaced(fn PlacedFunc) {
-	if fn == nil {
-		rt.placer.placed.Store(nil)
-		return
-	}
-	rt.placer.placed.Store(&fn)
-}
+func (rt *Router) OnPlaced(fn PlacedFunc) { rt.view.OnPlaced(fn) }
 
 // PrefixIndex returns the router's prefix index: what the mesh's other
 // routers placed is applied to it with Learn, and an engine whose cache
 // is gone (ejected, drained, restarted) is dropped from it with Drop.
-func (rt *Router) PrefixIndex() *prefix.Index { return rt.placer.index }
+func (rt *Router) PrefixIndex() *prefix.Index { return rt.view.PrefixIndex() }
 
 // SetEngineWaiting records engineID's own queue (vLLM's
 // num_requests_waiting, as last read from the engine) for placement: the
 // prefix policy weighs it with the router's outstanding attempts. n < 0
 // is taken as 0. Unknown engines are ignored.
-func (rt *Router) SetEngineWaiting(engineID string, n int64) {
-	if m := rt.fleet().byID[engineID]; m != nil {
-		m.waiting.Store(max(n, 0))
-	}
-}
+func (rt *Router) SetEngineWaiting(engineID string, n int64) { rt.view.SetEngineWaiting(engineID, n) }
 
 // placeLegs places both legs of an attempt (behaviour.md R-PLACE-1, R-PLACE-2,
 // R-RETRY-3) and reserves their slots: the producer by the policy, the
 // consumer least loaded among the engines of the producer's connector
-// (R-DESC-3) — except that under the prefix policy a
-// same-worker producer (role both) keeps the decode when it can take it,
-// so the whole attempt runs where the prefix is. It returns the fault of
-// a phase no engine can take.
+// (R-DESC-3) — except that under a policy that keeps a same-worker
+// producer's decode (prefix), a producer of role both keeps the decode
+// when it can take it, so the whole attempt runs where the prefix is.
+// It returns the fault of a phase no engine can take.
 func (c *call) placeLegs(avoid *avoidSet) (prod, cons *member, f *engines.Fault) {
-	rt := c.rt
-	fl := rt.fleet()
+	fl := c.rt.fleet()
 	prod, err := c.placeProducer(fl, avoid[prefillPhase])
 	if err != nil {
 		return nil, nil, noEngine(prefillPhase)
 	}
-	if rt.placer.policy == config.PolicyPrefix && prod.can(decodePhase) && !slices.Contains(avoid[decodePhase], prod) &&
-		prod.available(time.Now().UnixNano()) && prod.tryReserve(decodePhase) {
+	if c.rt.placer.policy.sameWorker() && prod.Can(decodePhase) && !slices.Contains(avoid[decodePhase], prod) &&
+		prod.Available(time.Now().UnixNano()) && prod.TryReserve(decodePhase) {
 		return prod, prod, nil
 	}
-	cons, err = fl.placeConsumer(c.req.Model, avoid[decodePhase], prod.Connector.Name())
+	cons, err = place(fl, c.req.Model, decodePhase, avoid[decodePhase], prod.Connector.Name(), leastLoaded{}, c.rt.mesh, c.placeScratch())
 	if err != nil {
-		prod.release(prefillPhase)
+		prod.Release(prefillPhase)
 		return nil, nil, noEngine(decodePhase)
 	}
 	return prod, cons, nil
 }
 
-// placeProducer places the prefill leg by the router's policy; under the
-// prefix policy it records the prompt's blocks at the chosen producer
-// and hands the fresh ones to the OnPlaced function.
+// placeProducer places the prefill leg by the router's policy; under a
+// policy that weighs the prefix it records the prompt's blocks at the
+// chosen producer, which hands the fresh ones to the OnPlaced function.
 func (c *call) placeProducer(fl *fleet, avoid []*member) (*member, error) {
-	pl := c.rt.placer
-	switch pl.policy {
-	case config.PolicyLeastLoaded:
-		return fl.place(c.req.Model, prefillPhase, avoid)
-	case config.PolicyRandom:
-		return fl.placeBy(pl, c.req.Model, prefillPhase, avoid, nil, c.placeScratch())
-	}
+	pol := c.rt.placer.policy
 	sc := c.placeScratch()
+	if !pol.weighsPrefix() {
+		return place(fl, c.req.Model, prefillPhase, avoid, "", pol, c.rt.mesh, sc)
+	}
 	if !sc.hashed {
 		// Hashed once per request; a retry reuses the hashes.
 		// Only the hashed head is rendered: a prompt of many MiB costs no
@@ -141,14 +234,11 @@ func (c *call) placeProducer(fl *fleet, avoid []*member) (*member, error) {
 		sc.hashes = prefix.AppendHashes(sc.hashes[:0], sc.prompt)
 		sc.hashed = true
 	}
-	m, err := fl.placeBy(pl, c.req.Model, prefillPhase, avoid, sc.hashes, sc)
+	m, err := place(fl, c.req.Model, prefillPhase, avoid, "", pol, c.rt.mesh, sc)
 	if err != nil || len(sc.hashes) == 0 {
 		return m, err
 	}
-	sc.fresh = pl.index.Record(m.ID, sc.hashes, sc.fresh[:0])
-	if fn := pl.placed.Load(); fn != nil && len(sc.fresh) > 0 {
-		(*fn)(m.ID, sc.fresh)
-	}
+	sc.fresh = c.rt.mesh.RecordPrefix(m.ID, sc.hashes, sc.fresh)
 	return m, nil
 }
 
@@ -178,93 +268,82 @@ func (c *call) releasePlacement() {
 	c.rt.placer.scratch.Put(sc)
 }
 
-// placeBy chooses, among the engines that may take phase p for model now
-// (eligible, not quarantined, active, within their slot limit: R-PLACE-1),
-// one by pl's policy and reserves its slot (R-OWN-3): prefix scores each
-// by the leading blocks of hashes its index holds against its load, with
-// the imbalance guard (R-PLACE-2); random picks uniformly. Engines in
-// avoid are chosen only when no other engine can take the phase, and
-// then the least loaded of them (R-RETRY-3). It returns *errNoEngine when
-// none can take the phase.
-func (f *fleet) placeBy(pl *placer, model string, p phase, avoid []*member, hashes []uint64, sc *placeScratch) (*member, error) {
+// errNoEngine is returned by place when no engine can take a phase.
+type errNoEngine struct{ phase phase }
+
+func (e *errNoEngine) Error() string { return "no eligible engine for " + e.phase.String() }
+
+// place chooses, among the engines of fl that may take phase p for
+// model now — of connector conn unless conn is "" (a producer and a
+// consumer of different connectors cannot hand off KV, R-DESC-3) — one
+// by policy by, and reserves its slot (R-OWN-3). Engines in avoid (those
+// that failed this phase in an earlier attempt of the request) are
+// chosen only when no other engine can take the phase, and then the
+// least loaded of them (R-RETRY-3). sc holds the scan's buffers. It
+// returns *errNoEngine when none can take the phase.
+func place(fl *fleet, model string, p phase, avoid []*member, conn string, by policy, mesh meshView, sc *placeScratch) (*member, error) {
 	now := time.Now().UnixNano()
 	for try := 0; try < 4; try++ {
-		ms, cands := sc.ms[:0], sc.cands[:0]
-		var fallback pick
-		for _, m := range f.members {
-			if !m.can(p) || !m.available(now) || !m.serves(model) {
-				continue
-			}
-			load := m.reserved[p].Load()
-			if m.limit[p] > 0 && load >= m.limit[p] {
-				continue
-			}
-			if slices.Contains(avoid, m) {
-				fallback.offer(m, load)
-				continue
-			}
-			ms = append(ms, m)
-			cands = append(cands, prefix.Candidate{Outstanding: load, Waiting: m.waiting.Load()})
-		}
-		sc.ms, sc.cands = ms, cands
-		var chosen *member
-		switch {
-		case len(ms) == 0:
-			chosen = fallback.m
-		case pl.policy == config.PolicyRandom:
-			chosen = ms[rand.IntN(len(ms))]
-		default:
-			if len(hashes) >= prefix.MinScoredBlocks {
-				for i, m := range ms {
-					cands[i].Matched = pl.index.Match(m.ID, hashes)
-				}
-			}
-			i, guarded := prefix.Choose(cands, len(hashes), pl.balance)
-			chosen = ms[i]
-			switch {
-			case guarded:
-				pl.guarded.Inc()
-			case cands[i].Matched > 0:
-				pl.matched.Inc()
-			default:
-				pl.unmatched.Inc()
-			}
+		chosen := sc.eligible(fl, model, p, avoid, conn, now)
+		if len(sc.ms) > 0 {
+			chosen = sc.ms[by.choose(mesh, sc)]
 		}
 		if chosen == nil {
 			return nil, &errNoEngine{p}
 		}
-		if chosen.tryReserve(p) {
+		if chosen.TryReserve(p) {
 			return chosen, nil
 		}
 	}
 	return nil, &errNoEngine{p}
 }
 
-// indexCollector exports narwhal_prefix_index_blocks{engine}: the block
-// hashes the prefix index holds per engine (each bounded by
-// placement.prefix_index_blocks), for every fleet member and every
-// other engine the index still holds blocks for.
-type indexCollector struct {
-	index *prefix.Index
-	f     func() *fleet
+// eligible is placement's one eligibility scan (R-PLACE-1): it sets
+// sc.ms to the engines of fl that may take phase p for model at nowNano
+// (meshview.Member.Takes: eligible, active, not quarantined or backing
+// off, credentials accepted, listing model, a slot free) — of connector
+// conn unless conn is "" — that are not in avoid, and sc.cands to their
+// loads (this router's reservations of p, the engine's own queue). It
+// returns the least loaded of those in avoid that may take the phase,
+// ties broken at random, nil when none may (R-RETRY-3).
+func (sc *placeScratch) eligible(fl *fleet, model string, p phase, avoid []*member, conn string, nowNano int64) *member {
+	ms, cands := sc.ms[:0], sc.cands[:0]
+	var fallback pick
+	for _, m := range fl.Members() {
+		if conn != "" && m.Connector.Name() != conn {
+			continue
+		}
+		load, ok := m.Takes(p, model, nowNano)
+		if !ok {
+			continue
+		}
+		if slices.Contains(avoid, m) {
+			fallback.offer(m, load)
+			continue
+		}
+		ms = append(ms, m)
+		cands = append(cands, prefix.Candidate{Outstanding: load, Waiting: m.Waiting()})
+	}
+	sc.ms, sc.cands = ms, cands
+	return fallback.m
 }
 
-var indexBlocksDesc = prometheus.NewDesc("narwhal_prefix_index_blocks",
-	"Block hashes the prefix placement index holds per engine (bounded by placement.prefix_index_blocks).", []string{"engine"}, nil)
+// pick is the least-loaded member offered so far, ties broken uniformly at
+// random.
+type pick struct {
+	m    *member
+	load int64
+	ties int
+}
 
-func (c *indexCollector) Describe(ch chan<- *prometheus.Desc) { ch <- indexBlocksDesc }
-
-func (c *indexCollector) Collect(ch chan<- prometheus.Metric) {
-	seen := map[string]bool{}
-	c.index.Engines(func(id string, n int) {
-		seen[id] = true
-		ch <- prometheus.MustNewConstMetric(indexBlocksDesc, prometheus.GaugeValue, float64(n), id)
-	})
-	if fl := c.f(); fl != nil {
-		for _, m := range fl.members {
-			if !seen[m.ID] {
-				ch <- prometheus.MustNewConstMetric(indexBlocksDesc, prometheus.GaugeValue, 0, m.ID)
-			}
+func (k *pick) offer(m *member, load int64) {
+	switch {
+	case k.m == nil || load < k.load:
+		k.m, k.load, k.ties = m, load, 1
+	case load == k.load:
+		k.ties++
+		if rand.IntN(k.ties) == 0 {
+			k.m = m
 		}
 	}
 }

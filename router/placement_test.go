@@ -1,13 +1,17 @@
 package router
 
 import (
+	"context"
 	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/narwhalmesh/narwhal/config"
@@ -16,20 +20,73 @@ import (
 	"github.com/narwhalmesh/narwhal/engines/connector/nixl"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/prefix"
+	"github.com/narwhalmesh/narwhal/router/meshview"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
-// placementRig is a router with only what placement needs: a fleet of
-// placeable members and a placer with the given policy.
+// placementRig is a router with only what placement needs: a view of a
+// fleet of placeable members (no watch runs) and a placer with the given
+// policy. Every member's /v1/models is served by the rig's engines
+// server, each engine's answer set by refreshWith.
 type placementRig struct {
 	rt *Router
 	f  *fleet
+
+	mu      sync.Mutex
+	answers map[string]modelsAnswer // by engine id
 }
+
+// modelsAnswer is what an engine of the rig answers GET /v1/models with.
+type modelsAnswer struct {
+	status int
+	models []string
+}
+
+// serveModels answers GET /<id>/v1/models for each rig engine id.
+func (g *placementRig) serveModels(w http.ResponseWriter, r *http.Request) {
+	id, ok := strings.CutSuffix(strings.TrimPrefix(r.URL.Path, "/"), "/v1/models")
+	g.mu.Lock()
+	a, known := g.answers[id]
+	g.mu.Unlock()
+	if !ok || !known {
+		http.NotFound(w, r)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(a.status)
+	var b strings.Builder
+	b.WriteString(`{"object":"list","data":[`)
+	for i, m := range a.models {
+		if i > 0 {
+			b.WriteString(",")
+		}
+		b.WriteString(`{"id":"` + m + `","object":"model"}`)
+	}
+	b.WriteString(`]}`)
+	_, _ = w.Write([]byte(b.String()))
+}
+
+// refreshWith makes engine m answer its /v1/models with status and
+// models, and has the rig's view read every engine's again.
+func refreshWith(t testing.TB, g *placementRig, m *member, status int, models ...string) {
+	t.Helper()
+	g.mu.Lock()
+	g.answers[m.ID] = modelsAnswer{status: status, models: models}
+	g.mu.Unlock()
+	g.rt.view.RefreshModels(context.Background())
+}
+
+// rigSlots is the slot limit per phase of every rig member: far above
+// the loads the tests set, reached only where a test fills an engine.
+const rigSlots = 64
 
 func newPlacementRig(t testing.TB, policy string, ids ...string) *placementRig {
 	t.Helper()
-	f := &fleet{byID: map[string]*member{}}
-	models := []string{"m"}
+	g := &placementRig{answers: map[string]modelsAnswer{}}
+	srv := httptest.NewServer(http.HandlerFunc(g.serveModels))
+	t.Cleanup(srv.Close)
+	cfg := config.Default()
+	cfg.Placement.Policy = policy
 	for _, id := range ids {
 		role := connector.RolePrefill
 		switch id[0] {
@@ -38,19 +95,66 @@ func newPlacementRig(t testing.TB, policy string, ids ...string) *placementRig {
 		case 'b':
 			role = connector.RoleBoth
 		}
-		m := &member{Engine: engines.Engine{ID: id, Role: role, Connector: nixl.Nixl{}}}
-		m.eligible.Store(true)
-		m.active.Store(true)
-		m.models.Store(&models)
-		f.members = append(f.members, m)
-		f.byID[id] = m
+		cfg.Fleet = append(cfg.Fleet, config.EngineSpec{ID: id, URL: srv.URL + "/" + id, Role: role, Connector: "nixl", PrefillSlots: rigSlots, DecodeSlots: rigSlots})
+		g.answers[id] = modelsAnswer{status: 200, models: []string{"m"}}
 	}
-	cfg := config.Default().Placement
-	cfg.Policy = policy
-	rt := &Router{}
-	rt.live.Store(f)
-	rt.placer = newPlacer(cfg, prometheus.NewRegistry(), rt.fleet)
-	return &placementRig{rt: rt, f: f}
+	pl, err := newPlacer(cfg.Placement)
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, err := meshview.New(meshview.Options{Config: &cfg, Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), KeepsIndex: pl.policy.weighsPrefix()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	g.rt = &Router{view: v, mesh: v, placer: pl}
+	g.f = g.rt.fleet()
+	v.RefreshModels(context.Background())
+	for _, m := range g.f.Members() {
+		if !m.Serves("m") {
+			t.Fatalf("rig engine %s lists %v", m.ID, m.Models())
+		}
+	}
+	return g
+}
+
+// testMember returns a placeable member of engine id with role: eligible,
+// active, listing model "m", its connector nixl, without slot limits.
+func testMember(id string, role connector.Role) *member {
+	m := meshview.NewMember(engines.Engine{ID: id, Role: role, Connector: nixl.Nixl{}}, schemas.FleetEntry{State: schemas.FleetActive}, true)
+	m.SetModels([]string{"m"})
+	return m
+}
+
+// setLoad makes m's reserved slots of phase p n, by reserving or
+// releasing them.
+func setLoad(t testing.TB, m *member, p phase, n int64) {
+	t.Helper()
+	for m.Reserved(p) > n {
+		m.Release(p)
+	}
+	for m.Reserved(p) < n {
+		if !m.TryReserve(p) {
+			t.Fatalf("%s: %d slots of %s reserved, its limit reached", m.ID, m.Reserved(p), p)
+		}
+	}
+}
+
+// fill reserves every slot of phase p that m has left.
+func fill(m *member, p phase) {
+	for m.TryReserve(p) {
+	}
+}
+
+// placeLeast places phase p of model on f by load alone (as every decode
+// leg is placed) with buffers of its own.
+func placeLeast(f *fleet, model string, p phase, avoid []*member) (*member, error) {
+	return place(f, model, p, avoid, "", leastLoaded{}, nil, new(placeScratch))
+}
+
+// guarded returns the rig's prefix policy's count of placements
+// decided by the imbalance guard.
+func (g *placementRig) guarded() float64 {
+	return testutil.ToFloat64(g.rt.placer.policy.(*prefixPolicy).guarded)
 }
 
 // chatRequest is a chat request with a long shared system prompt and a
@@ -82,8 +186,8 @@ func (g *placementRig) place(t testing.TB, req *schemas.Request, avoid *avoidSet
 }
 
 func (g *placementRig) release(prod, cons *member) {
-	prod.release(prefillPhase)
-	cons.release(decodePhase)
+	prod.Release(prefillPhase)
+	cons.Release(decodePhase)
 }
 
 var longSystem = strings.Repeat("You are a narwhal who answers questions about the Arctic. ", 40)
@@ -113,14 +217,14 @@ func TestPrefixPlacementFollowsThePrefixRPLACE2(t *testing.T) {
 	for i := range 40 {
 		// Another engine one attempt busier than the others: still the
 		// matched one wins (a few attempts cost less than the match).
-		first.reserved[prefillPhase].Store(int64(i % 3))
+		setLoad(t, first, prefillPhase, int64(i%3))
 		p, c := g.place(t, chatRequest(t, longSystem, "question "+strings.Repeat("x", i)), nil)
 		g.release(p, c)
 		if p != first {
 			t.Fatalf("follow-up %d went to %s, the prefix is on %s", i, p.ID, first.ID)
 		}
 	}
-	first.reserved[prefillPhase].Store(0)
+	setLoad(t, first, prefillPhase, 0)
 	mu.Lock()
 	if len(published) == 0 || published[0] != blocks {
 		t.Fatalf("published fresh counts %v: want all %d blocks first", published, blocks)
@@ -134,7 +238,7 @@ func TestPrefixPlacementFollowsThePrefixRPLACE2(t *testing.T) {
 	// A different system prompt matches nothing: least loaded, spread.
 	seen := map[string]bool{}
 	for i := range 40 {
-		g.f.byID["p1"].reserved[prefillPhase].Store(1)
+		setLoad(t, g.f.Member("p1"), prefillPhase, 1)
 		p, c := g.place(t, chatRequest(t, fmt.Sprintf("tenant %d: ", i)+longSystem, "q"), nil)
 		g.release(p, c)
 		if p.ID == "p1" {
@@ -156,14 +260,14 @@ func TestPrefixPlacementGuardRPLACE2(t *testing.T) {
 	req := chatRequest(t, longSystem, "q")
 	hot, c := g.place(t, req, nil)
 	g.release(hot, c)
-	other := g.f.byID["p1"]
+	other := g.f.Member("p1")
 	if hot == other {
-		other = g.f.byID["p2"]
+		other = g.f.Member("p2")
 	}
 	// 40 − 5 = 35 > 32 and 40 > 1.5 × 5: the guard chooses by load.
-	hot.reserved[prefillPhase].Store(40)
-	other.reserved[prefillPhase].Store(5)
-	guarded := testutil.ToFloat64(g.rt.placer.guarded)
+	setLoad(t, hot, prefillPhase, 40)
+	setLoad(t, other, prefillPhase, 5)
+	guarded := g.guarded()
 	if p, c := g.place(t, req, nil); p != other {
 		t.Fatalf("guard: placed on %s, want the least loaded %s", p.ID, other.ID)
 	} else {
@@ -171,20 +275,20 @@ func TestPrefixPlacementGuardRPLACE2(t *testing.T) {
 	}
 	// The load penalty alone would also avoid the hot engine here: the
 	// guard must be what decided.
-	if n := testutil.ToFloat64(g.rt.placer.guarded) - guarded; n != 1 {
+	if n := g.guarded() - guarded; n != 1 {
 		t.Fatalf("%v placements decided by the guard, want 1", n)
 	}
 	// The engine's own queue counts as load in the score too.
-	hot.reserved[prefillPhase].Store(0)
-	other.reserved[prefillPhase].Store(0)
-	hot.waiting.Store(100)
+	setLoad(t, hot, prefillPhase, 0)
+	setLoad(t, other, prefillPhase, 0)
+	g.rt.SetEngineWaiting(hot.ID, 100)
 	if p, c := g.place(t, req, nil); p != other {
 		t.Fatalf("100 waiting on the matched engine: placed on %s, want %s", p.ID, other.ID)
 	} else {
 		g.release(p, c)
 	}
 	g.rt.SetEngineWaiting(hot.ID, -3)
-	if hot.waiting.Load() != 0 {
+	if hot.Waiting() != 0 {
 		t.Fatal("a negative queue was stored")
 	}
 	g.rt.PrefixIndex().Drop(other.ID) // the placements above recorded the prompt there too
@@ -204,25 +308,25 @@ func TestPrefixPlacementNeverOverridesEligibilityRPLACE1(t *testing.T) {
 	req := chatRequest(t, longSystem, "q")
 	hot, c := g.place(t, req, nil)
 	g.release(hot, c)
-	other := g.f.byID["p1"]
+	other := g.f.Member("p1")
 	if hot == other {
-		other = g.f.byID["p2"]
+		other = g.f.Member("p2")
 	}
 	entry := schemas.FleetEntry{State: schemas.FleetActive}
 	cases := []struct {
 		name        string
 		break_, fix func()
 	}{
-		{"quarantined", func() { hot.quarantinedUntil.Store(time.Now().Add(time.Hour).UnixNano()) }, func() { hot.quarantinedUntil.Store(0) }},
-		{"ejected", func() { hot.eligible.Store(false) }, func() { hot.eligible.Store(true) }},
+		{"quarantined", func() { hot.Quarantine(time.Now().Add(time.Hour)) }, func() { hot.Quarantine(time.Unix(0, 0)) }},
+		{"ejected", func() { hot.SetEligible(false) }, func() { hot.SetEligible(true) }},
 		{"draining", func() {
 			e := entry
 			e.State = schemas.FleetDraining
-			hot.setEntry(e)
-		}, func() { hot.setEntry(entry) }},
-		{"out of slots", func() { hot.limit[prefillPhase] = 1; hot.reserved[prefillPhase].Store(1) }, func() { hot.limit[prefillPhase] = 0; hot.reserved[prefillPhase].Store(0) }},
-		{"refusing credentials", func() { hot.refused.Store(true) }, func() { hot.refused.Store(false) }},
-		{"not serving the model", func() { ms := []string{"other"}; hot.models.Store(&ms) }, func() { ms := []string{"m"}; hot.models.Store(&ms) }},
+			hot.SetEntry(e)
+		}, func() { hot.SetEntry(entry) }},
+		{"out of slots", func() { fill(hot, prefillPhase) }, func() { setLoad(t, hot, prefillPhase, 0) }},
+		{"refusing credentials", func() { refreshWith(t, g, hot, 401) }, func() { refreshWith(t, g, hot, 200, "m") }},
+		{"not serving the model", func() { refreshWith(t, g, hot, 200, "other") }, func() { refreshWith(t, g, hot, 200, "m") }},
 	}
 	for _, tc := range cases {
 		tc.break_()
@@ -242,14 +346,14 @@ func TestPrefixPlacementNeverOverridesEligibilityRPLACE1(t *testing.T) {
 		}
 	}
 	// Every producer out: no engine, nothing reserved.
-	hot.eligible.Store(false)
-	other.eligible.Store(false)
+	hot.SetEligible(false)
+	other.SetEligible(false)
 	c2 := &call{rt: g.rt, req: req, attempts: 1}
 	if _, _, f := c2.placeLegs(&avoidSet{}); f == nil || f.Kind != engines.KindNoEngine {
 		t.Fatalf("no producer: %v", f)
 	}
 	c2.releasePlacement()
-	if g.f.byID["d1"].reserved[decodePhase].Load() != 0 {
+	if g.f.Member("d1").Reserved(decodePhase) != 0 {
 		t.Fatal("a decode slot was reserved without a producer")
 	}
 }
@@ -271,9 +375,9 @@ func TestPrefixPlacementRetryAvoidsFailedRRETRY3(t *testing.T) {
 			t.Fatal("the retry went back to the failed producer")
 		}
 	}
-	for _, m := range g.f.members {
+	for _, m := range g.f.Members() {
 		if m != hot && m.Role.CanPrefill() {
-			m.eligible.Store(false)
+			m.SetEligible(false)
 		}
 	}
 	if p, c := g.place(t, req, avoid); p != hot {
@@ -298,8 +402,8 @@ func TestPrefixPlacementSameWorkerRPLACE2(t *testing.T) {
 		}
 	}
 	hot, _ := g.place(t, req, nil)
-	hot.release(prefillPhase)
-	hot.release(decodePhase)
+	hot.Release(prefillPhase)
+	hot.Release(decodePhase)
 	avoid := &avoidSet{}
 	avoid[decodePhase] = []*member{hot}
 	if p, c := g.place(t, req, avoid); p != hot || c == hot {
@@ -307,8 +411,7 @@ func TestPrefixPlacementSameWorkerRPLACE2(t *testing.T) {
 	} else {
 		g.release(p, c)
 	}
-	hot.limit[decodePhase] = 1
-	hot.reserved[decodePhase].Store(1)
+	fill(hot, decodePhase)
 	if p, c := g.place(t, req, nil); p != hot || c == hot {
 		t.Fatalf("no decode slot on %s: prefill %s, decode %s", hot.ID, p.ID, c.ID)
 	} else {
@@ -333,8 +436,8 @@ func TestPrefixPlacementSameWorkerRPLACE2(t *testing.T) {
 // among the producers that may be chosen, never another.
 func TestRandomPlacementSpreadsRPLACE1(t *testing.T) {
 	g := newPlacementRig(t, config.PolicyRandom, "p1", "p2", "p3", "d1")
-	g.f.byID["p3"].eligible.Store(false)
-	g.f.byID["p1"].reserved[prefillPhase].Store(10)
+	g.f.Member("p3").SetEligible(false)
+	setLoad(t, g.f.Member("p1"), prefillPhase, 10)
 	counts := map[string]int{}
 	req := chatRequest(t, longSystem, "q")
 	for range 400 {
@@ -451,5 +554,41 @@ func TestPrefixPlacementShortPromptsSpreadRPLACE2(t *testing.T) {
 	}
 	if len(seen) != 3 {
 		t.Fatalf("a repeated short prompt went to %v, want every producer", seen)
+	}
+}
+
+// TestPolicyFromConfigRPLACE1: a placement policy is built once from
+// placement.policy — prefix weighs the prompt and keeps a same-worker
+// producer's decode, least_loaded and random do neither — and a name
+// that is none of them, the empty one included, makes New fail: the
+// default is config.Default's alone.
+func TestPolicyFromConfigRPLACE1(t *testing.T) {
+	for _, tc := range []struct {
+		name                     string
+		weighsPrefix, sameWorker bool
+	}{
+		{config.PolicyPrefix, true, true},
+		{config.PolicyLeastLoaded, false, false},
+		{config.PolicyRandom, false, false},
+	} {
+		cfg := config.Default().Placement
+		cfg.Policy = tc.name
+		pl, err := newPlacer(cfg)
+		if err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		if pl.policy.weighsPrefix() != tc.weighsPrefix || pl.policy.sameWorker() != tc.sameWorker {
+			t.Errorf("%s: weighsPrefix %v sameWorker %v, want %v %v", tc.name, pl.policy.weighsPrefix(), pl.policy.sameWorker(), tc.weighsPrefix, tc.sameWorker)
+		}
+	}
+	if got := config.Default().Placement.Policy; got != config.PolicyPrefix {
+		t.Fatalf("config.Default's policy is %q, want %q", got, config.PolicyPrefix)
+	}
+	for _, name := range []string{"", "round_robin"} {
+		cfg := config.Default()
+		cfg.Placement.Policy = name
+		if _, err := New(Options{Config: &cfg}); err == nil || !strings.Contains(err.Error(), "placement.policy") {
+			t.Errorf("policy %q: New returned %v, want an error naming placement.policy", name, err)
+		}
 	}
 }

@@ -41,7 +41,7 @@ func (c *call) checkRecompute() {
 	}
 	rt := c.rt
 	if !c.cachedKnown {
-		if c.consumer.noCacheDetails.CompareAndSwap(false, true) {
+		if c.consumer.MarkNoCacheDetails() {
 			rt.log.Warn("decode engine reports no usage.prompt_tokens_details.cached_tokens: whether it loaded the handed-off KV or recomputed the prompt cannot be verified on it (vLLM: --enable-prompt-tokens-details; SGLang: --enable-cache-report)",
 				"engine_id", c.consumer.ID)
 		}

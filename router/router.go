@@ -2,7 +2,10 @@
 // placement over the fleet, the attempts of each client request (prefill
 // leg, handoff checks, decode leg, retries, deadlines, reservations), the
 // relay of the decode stream to the client, Prometheus metrics and the
-// events it publishes on the bus.
+// events it publishes on the bus. Its view of the mesh — the fleet and
+// what the breakers, the other routers and the engines say of it, the
+// shared prefix index — is package router/meshview, which the request
+// path reads through meshView (view.go).
 package router
 
 import (
@@ -14,14 +17,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net"
 	"net/http"
-	"strings"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -33,6 +33,7 @@ import (
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
+	"github.com/narwhalmesh/narwhal/router/meshview"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -84,7 +85,6 @@ type Router struct {
 	pub     Publisher
 	log     *slog.Logger
 	client  *engines.Client
-	live    atomic.Pointer[fleet] // the fleet as of now; replaced whole on a change (membership.go)
 	reg     *prometheus.Registry
 	metrics *metrics
 	budget  *retryBudget
@@ -93,35 +93,26 @@ type Router struct {
 	watcher *disconnectWatcher
 	server  *fasthttp.Server
 	front   *frontDoor
-	placer  *placer // the placement policy and the prefix index (placement.go)
+	placer  *placer // the placement policy (placement.go)
 	ready   func() bool
 	tracer  trace.Tracer // nil: tracing off
+
+	// view is the router's view of the mesh (router/meshview): the fleet,
+	// its verdicts, models and load, the prefix index, and the watches
+	// that keep them true. mesh is the same view as the request path
+	// reads it (view.go).
+	view *meshview.View
+	mesh meshView
 
 	base       context.Context
 	baseCancel context.CancelCauseFunc
 	grace      time.Duration
-	refresh    time.Duration
 	wg         sync.WaitGroup // background loops
 	inflight   atomic.Int64
 	metricsH   fasthttp.RequestHandler
 
 	auth    auth         // client API keys (R-API-9)
 	tlsCert *certificate // the front end's TLS certificate; nil: plain HTTP
-
-	// fleetMu orders changes of the fleet's membership (the live fleet's
-	// watch) against verdicts for engines not (yet) in it (the placement
-	// watch); it guards knownEligible. Placement never takes it.
-	fleetMu sync.Mutex
-	// knownEligible is the latest valid placement verdict of every key of
-	// narwhal_placement, members or not, so that an engine that joins
-	// starts with its verdict.
-	knownEligible map[string]bool
-	// fleetIgnoredLogged holds the keys of narwhal_fleet whose ignored
-	// value was logged (membership.go), until a valid one arrives.
-	fleetIgnoredLogged map[string]bool
-
-	meshBus         atomic.Pointer[bus.Bus] // set by JoinMesh, read by /readyz
-	placementLoaded atomic.Bool
 
 	shutdownOnce sync.Once
 	shutdownErr  error
@@ -133,24 +124,17 @@ type Router struct {
 	stopping bool
 }
 
-// New builds a Router from opts. It returns an error when an engine's
-// connector is unknown or the disconnect watcher cannot start.
+// New builds a Router from opts. It returns an error when
+// placement.policy names no policy, an engine's connector is unknown or
+// the disconnect watcher cannot start.
 func New(opts Options) (*Router, error) {
 	if opts.Config == nil {
 		return nil, errors.New("router: no config")
 	}
 	cfg := opts.Config
-	f := &fleet{byID: map[string]*member{}}
-	configured, err := engines.FromConfig(cfg.Fleet)
+	placer, err := newPlacer(cfg.Placement)
 	if err != nil {
 		return nil, fmt.Errorf("router: %w", err)
-	}
-	for i, e := range configured {
-		spec := cfg.Fleet[i]
-		m := newMember(e, spec.FleetEntry(cfg.Router.ID, time.Now()), true)
-		m.fromConfig = true
-		f.members = append(f.members, m)
-		f.byID[spec.ID] = m
 	}
 	reg := opts.Registry
 	if reg == nil {
@@ -181,28 +165,40 @@ func New(opts Options) (*Router, error) {
 		budget:  newRetryBudget(cfg.Recovery.RetryBudgetRatio, 10*time.Second, 3),
 		limits:  schemas.Limits{MaxN: cfg.Request.MaxN, MaxTokens: cfg.Request.MaxTokensLimit},
 		watcher: w,
+		placer:  placer,
 		ready:   opts.Ready,
 		grace:   opts.ShutdownGrace,
-		refresh: opts.ModelRefresh,
 	}
+	rt.base, rt.baseCancel = context.WithCancelCause(context.Background())
+	rt.view, err = meshview.New(meshview.Options{
+		Config:       cfg,
+		Logger:       rt.log,
+		Registry:     reg,
+		HTTPClient:   rt.client.HTTPClient(),
+		Context:      rt.base,
+		Go:           rt.goOwned,
+		KeepsIndex:   placer.policy.weighsPrefix(),
+		ModelRefresh: opts.ModelRefresh,
+		Joined:       func(m *member) { rt.metrics.initEngine(m) },
+		Listed:       func(model string) { rt.metrics.series(model) },
+	})
+	if err != nil {
+		w.close()
+		return nil, fmt.Errorf("router: %w", err)
+	}
+	rt.mesh = rt.view
 	if opts.TracerProvider != nil {
 		rt.tracer = opts.TracerProvider.Tracer(TracerName)
 	}
-	rt.live.Store(f)
-	rt.knownEligible = map[string]bool{}
-	rt.fleetIgnoredLogged = map[string]bool{}
 	rt.retry = retryPolicy{retries: cfg.Recovery.RetryAttempts, minLeft: 10 * time.Millisecond, budget: rt.budget}
 	if rt.grace <= 0 {
 		rt.grace = 10 * time.Second
 	}
-	if rt.refresh <= 0 {
-		rt.refresh = 30 * time.Second
-	}
 	rt.metrics = newMetrics(reg, rt.fleet, cfg.Router.ID, cfg.Request.Timeout())
-	for _, m := range f.members {
+	for _, m := range rt.fleet().Members() {
 		rt.metrics.initEngine(m)
 	}
-	rt.placer = newPlacer(cfg.Placement, reg, rt.fleet)
+	reg.MustRegister(placer.decisions)
 	if cfg.Server.TLS() {
 		rt.tlsCert, err = newCertificate(cfg.Server.TLSCertFile, cfg.Server.TLSKeyFile, rt.log)
 		if err != nil {
@@ -212,7 +208,6 @@ func New(opts Options) (*Router, error) {
 	}
 	rt.SetAPIKeys(cfg.Auth.APIKeys)
 	rt.metricsH = fasthttpadaptor.NewFastHTTPHandler(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
-	rt.base, rt.baseCancel = context.WithCancelCause(context.Background())
 	rt.server = &fasthttp.Server{
 		Handler:                       rt.serve,
 		Name:                          "narwhal",
@@ -269,10 +264,7 @@ func (rt *Router) Serve(ln net.Listener) error {
 	rt.RefreshModels(rt.base)
 	// Shutdown may have begun meanwhile: it then closed ln, and nothing
 	// more starts.
-	if !rt.goOwned(rt.refreshLoop) || !rt.goOwned(func() { rt.front.bodies.sweepLoop(rt.base) }) {
-		return nil
-	}
-	if rt.placer.policy == config.PolicyPrefix && !rt.goOwned(func() { newEngineWatch(rt).run(rt.cfg.Placement.EngineMetricsInterval()) }) {
+	if !rt.view.Start() || !rt.goOwned(func() { rt.front.bodies.sweepLoop(rt.base) }) {
 		return nil
 	}
 	err := rt.server.Serve(ln)
@@ -281,10 +273,6 @@ func (rt *Router) Serve(ln net.Listener) error {
 	}
 	return err
 }
-
-// errShuttingDown is returned by what may not start once Shutdown has
-// begun.
-var errShuttingDown = errors.New("router: shutting down")
 
 // goOwned runs fn in a goroutine the router owns: Shutdown waits for it. It
 // starts nothing and returns false once Shutdown has begun, so that no
@@ -354,36 +342,54 @@ func (rt *Router) InFlight() int64 { return rt.inflight.Load() }
 // Reservations returns the total reserved prefill and decode slots over
 // the fleet (R-OWN-3); both are 0 when the router is idle.
 func (rt *Router) Reservations() (prefill, decode int64) {
-	for _, m := range rt.fleet().members {
-		prefill += m.reserved[prefillPhase].Load()
-		decode += m.reserved[decodePhase].Load()
+	for _, m := range rt.fleet().Members() {
+		prefill += m.Reserved(prefillPhase)
+		decode += m.Reserved(decodePhase)
 	}
 	return
 }
 
 // fleet returns the fleet as of now: a snapshot that the live fleet's
 // watch replaces whole on a change (R-FLEET-1).
-func (rt *Router) fleet() *fleet { return rt.live.Load() }
+func (rt *Router) fleet() *fleet { return rt.mesh.Fleet() }
 
 // SetEligible applies the breaker's verdict for an engine (R-BRK-8). It
 // returns false for an engine not in the fleet.
 func (rt *Router) SetEligible(engineID string, eligible bool) bool {
-	m, ok := rt.fleet().byID[engineID]
-	if ok {
-		m.eligible.Store(eligible)
-	}
-	return ok
+	return rt.view.SetEligible(engineID, eligible)
 }
 
 // Quarantine keeps an engine out of this router's placement until until
 // (R-QUAR-1). It returns false for an engine not in the fleet.
 func (rt *Router) Quarantine(engineID string, until time.Time) bool {
-	m, ok := rt.fleet().byID[engineID]
-	if ok {
-		m.quarantinedUntil.Store(until.UnixNano())
-	}
-	return ok
+	return rt.view.Quarantine(engineID, until)
 }
+
+// JoinMesh makes the router a member of the mesh on b (behaviour.md §9):
+// its view follows the breakers' placement (checked against the leader
+// lease), the other routers' quarantines, the live fleet and, under the
+// prefix policy, the mesh-wide prefix index, and the router writes its
+// in-flight report; meshview.View.Join says how, and what it ignores.
+// The goroutines it starts belong to the router and stop at Shutdown.
+// JoinMesh waits until the initial placement is loaded or wait passes
+// (the router then serves on "everyone eligible" until it is); it returns
+// an error when the quarantine subscription cannot be made, or
+// "router: shutting down" once Shutdown has begun (nothing is then
+// started).
+func (rt *Router) JoinMesh(b *bus.Bus, wait time.Duration) error { return rt.view.Join(b, wait) }
+
+// PlacementLoaded reports whether the router has read the placement bucket
+// at least once.
+func (rt *Router) PlacementLoaded() bool { return rt.view.PlacementLoaded() }
+
+// FleetIDs returns the ids of the engines in the router's fleet now, in
+// fleet order, with their fleet states (R-FLEET-1).
+func (rt *Router) FleetIDs() map[string]string { return rt.view.FleetIDs() }
+
+// RefreshModels reads every engine's /v1/models once, bounded by ctx and 2
+// seconds per engine. Engines that fail keep their last known list; each
+// call's outcome is recorded and logged (meshview.View.RefreshModels).
+func (rt *Router) RefreshModels(ctx context.Context) { rt.view.RefreshModels(ctx) }
 
 func nowNano() int64 { return time.Now().UnixNano() }
 
@@ -481,7 +487,7 @@ func (rt *Router) serveModels(ctx *fasthttp.RequestCtx, key *clientKey) {
 		Data   []model `json:"data"`
 	}{Object: "list", Data: []model{}}
 	now := time.Now().Unix()
-	for _, id := range modelsFor(key, rt.fleet().models()) {
+	for _, id := range modelsFor(key, rt.fleet().Models()) {
 		out.Data = append(out.Data, model{ID: id, Object: "model", Created: now, OwnedBy: "narwhal"})
 	}
 	b, _ := json.Marshal(out)
@@ -496,13 +502,13 @@ func (rt *Router) serveModels(ctx *fasthttp.RequestCtx, key *clientKey) {
 // cannot place on now, and why; absent when there is none)}.
 func (rt *Router) serveReady(ctx *fasthttp.RequestCtx) {
 	var problems []string
-	if (rt.ready != nil && !rt.ready()) || !rt.meshReady() {
+	if (rt.ready != nil && !rt.ready()) || !rt.view.Ready() {
 		problems = append(problems, "bus unreachable and no placement known")
 	}
-	if !rt.fleet().canServe(prefillPhase) {
+	if !rt.fleet().CanServe(prefillPhase) {
 		problems = append(problems, "no eligible engine for prefill")
 	}
-	if !rt.fleet().canServe(decodePhase) {
+	if !rt.fleet().CanServe(decodePhase) {
 		problems = append(problems, "no eligible engine for decode")
 	}
 	type engineProblem struct {
@@ -516,8 +522,8 @@ func (rt *Router) serveReady(ctx *fasthttp.RequestCtx) {
 		Engines  []engineProblem `json:"engines,omitempty"`
 	}
 	now := time.Now().UnixNano()
-	for _, m := range rt.fleet().members {
-		if why := m.unplaceable(now); why != "" {
+	for _, m := range rt.fleet().Members() {
+		if why := m.Unplaceable(now); why != "" {
 			out.Engines = append(out.Engines, engineProblem{ID: m.ID, Role: string(m.Role), Problem: why})
 		}
 	}
@@ -529,137 +535,6 @@ func (rt *Router) serveReady(ctx *fasthttp.RequestCtx) {
 	b, _ := json.Marshal(out)
 	ctx.SetContentType("application/json")
 	ctx.SetBody(b)
-}
-
-// RefreshModels reads every engine's /v1/models once, bounded by ctx and 2
-// seconds per engine. Engines that fail keep their last known list; what
-// each call found is recorded and logged by noteModels.
-func (rt *Router) RefreshModels(ctx context.Context) {
-	var wg sync.WaitGroup
-	for _, m := range rt.fleet().members {
-		wg.Add(1)
-		go func(m *member) {
-			defer wg.Done()
-			rt.refreshMember(ctx, m)
-		}(m)
-	}
-	wg.Wait()
-}
-
-// refreshMember reads m's /v1/models once and records what it found.
-func (rt *Router) refreshMember(ctx context.Context, m *member) {
-	models, err := rt.fetchModels(ctx, m)
-	if err != nil && ctx.Err() != nil {
-		return // the router is stopping: the engine is not to blame
-	}
-	rt.noteModels(m, models, err)
-}
-
-// noteModels records the outcome of one /v1/models call of m — its list
-// on success, its problem otherwise (see member.problem) — and logs each
-// change of the problem: a warning naming the engine, its URL and why it
-// cannot be placed on (at start, for every engine that is unreachable or
-// serves no model), and an info line when an engine is placeable (with
-// its models) the first time or again. A credential refusal is logged by
-// refuseCredentials and leaves problem unset.
-func (rt *Router) noteModels(m *member, models []string, err error) {
-	var problem *string
-	var refused *engines.StatusError
-	switch {
-	case err != nil && errors.As(err, &refused) && refusal(refused.Status):
-	case err != nil:
-		p := modelsProblem(err)
-		problem = &p
-	case len(models) == 0:
-		p := "serves no model (its GET /v1/models lists none)"
-		problem = &p
-	}
-	first := m.models.Load() == nil && m.problem.Load() == nil
-	if err == nil {
-		m.setModels(models)
-		for _, x := range models {
-			rt.metrics.series(x)
-		}
-	}
-	prev := m.problem.Swap(problem)
-	switch {
-	case problem != nil && (prev == nil || *prev != *problem):
-		attrs := []any{"engine_id", m.ID, "url", m.URL, "role", string(m.Role)}
-		if err != nil {
-			attrs = append(attrs, "err", err)
-		}
-		rt.log.Warn("engine not placeable: "+*problem, attrs...)
-	case problem == nil && err == nil && (first || prev != nil):
-		rt.log.Info("engine placeable", "engine_id", m.ID, "url", m.URL, "role", string(m.Role), "models", models)
-	}
-}
-
-// modelsProblem says in a few words, without the engine's address (it is
-// shown on /readyz and to clients), why a /v1/models call failed.
-func modelsProblem(err error) string {
-	var se *engines.StatusError
-	var dns *net.DNSError
-	var netErr net.Error
-	switch {
-	case errors.As(err, &se):
-		return fmt.Sprintf("unreachable: GET /v1/models answers HTTP %d", se.Status)
-	case errors.Is(err, engines.ErrNotModelList):
-		return "unreachable: GET /v1/models does not answer a model list"
-	case errors.Is(err, syscall.ECONNREFUSED):
-		return "unreachable: connection refused"
-	case errors.Is(err, syscall.ECONNRESET), errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
-		return "unreachable: connection closed without an answer"
-	case errors.As(err, &dns):
-		return "unreachable: host not found"
-	case errors.Is(err, context.DeadlineExceeded), errors.As(err, &netErr) && netErr.Timeout():
-		return "unreachable: no answer to GET /v1/models within 2 s"
-	case strings.Contains(err.Error(), "tls:"), strings.Contains(err.Error(), "x509:"):
-		return "unreachable: TLS handshake failed"
-	default:
-		return "unreachable: GET /v1/models failed"
-	}
-}
-
-func (rt *Router) fetchModels(ctx context.Context, m *member) ([]string, error) {
-	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-	defer cancel()
-	models, err := engines.ListModels(ctx, rt.client.HTTPClient(), m.URL, m.Credential)
-	var refused *engines.StatusError
-	if errors.As(err, &refused) && refusal(refused.Status) {
-		rt.refuseCredentials(m, refused.Status, "/v1/models")
-	}
-	if err == nil || errors.Is(err, engines.ErrNotModelList) {
-		rt.acceptCredentials(m) // the engine answered 200
-	}
-	if err != nil {
-		return nil, fmt.Errorf("GET /v1/models: %w", err)
-	}
-	return engines.ModelIDs(models), nil
-}
-
-func (rt *Router) refreshLoop() {
-	fast := time.NewTicker(time.Second)
-	defer fast.Stop()
-	last := time.Now()
-	for {
-		select {
-		case <-rt.base.Done():
-			return
-		case <-fast.C:
-		}
-		if time.Since(last) >= rt.refresh {
-			rt.RefreshModels(rt.base)
-			last = time.Now()
-			continue
-		}
-		// Engines the router cannot place on are asked every second, so
-		// that one that comes up is placeable within a second.
-		for _, m := range rt.fleet().members {
-			if m.models.Load() == nil || m.refused.Load() || m.problem.Load() != nil {
-				rt.refreshMember(rt.base, m)
-			}
-		}
-	}
 }
 
 // newID returns a random 16-byte hex id.

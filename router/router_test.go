@@ -18,6 +18,7 @@ import (
 	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
+	"github.com/narwhalmesh/narwhal/router/meshview"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -295,30 +296,25 @@ func TestTimingsRTIME1(t *testing.T) {
 func TestIdleEnginesShareTheLoadROWN3(t *testing.T) {
 	// Least outstanding with random ties: sequential requests (every engine
 	// idle each time) spread evenly, whatever the order of the fleet.
-	f := &fleet{byID: map[string]*member{}}
-	models := []string{"m"}
+	var ms []*member
 	for _, id := range []string{"p1", "p2", "d1", "d2", "d3"} {
 		role := connector.RoleDecode
 		if id[0] == 'p' {
 			role = connector.RolePrefill
 		}
-		m := &member{Engine: engines.Engine{ID: id, Role: role}}
-		m.eligible.Store(true)
-		m.active.Store(true)
-		m.models.Store(&models)
-		f.members = append(f.members, m)
-		f.byID[id] = m
+		ms = append(ms, testMember(id, role))
 	}
+	f := meshview.NewFleet(ms...)
 	counts := map[string]int{}
 	const n = 3000
 	for i := 0; i < n; i++ {
 		for _, p := range []phase{prefillPhase, decodePhase} {
-			m, err := f.place("m", p, nil)
+			m, err := placeLeast(f, "m", p, nil)
 			if err != nil {
 				t.Fatal(err)
 			}
 			counts[m.ID]++
-			m.release(p)
+			m.Release(p)
 		}
 	}
 	for id, want := range map[string]float64{"p1": n / 2, "p2": n / 2, "d1": n / 3, "d2": n / 3, "d3": n / 3} {
@@ -327,21 +323,25 @@ func TestIdleEnginesShareTheLoadROWN3(t *testing.T) {
 		}
 	}
 	// A busier engine is not chosen while an idle one exists.
-	f.byID["d1"].reserved[decodePhase].Store(1)
-	f.byID["d2"].reserved[decodePhase].Store(1)
+	setLoad(t, f.Member("d1"), decodePhase, 1)
+	setLoad(t, f.Member("d2"), decodePhase, 1)
 	for i := 0; i < 50; i++ {
-		m, _ := f.place("m", decodePhase, nil)
+		m, _ := placeLeast(f, "m", decodePhase, nil)
 		if m.ID != "d3" {
-			t.Fatalf("placed on %s with load %d", m.ID, m.reserved[decodePhase].Load())
+			t.Fatalf("placed on %s with load %d", m.ID, m.Reserved(decodePhase))
 		}
-		m.release(decodePhase)
+		m.Release(decodePhase)
 	}
-	// A slot limit is respected (R-OWN-3).
-	f.byID["d3"].limit[decodePhase] = 1
-	f.byID["d3"].reserved[decodePhase].Store(1)
-	f.byID["d1"].limit[decodePhase] = 1
-	f.byID["d2"].limit[decodePhase] = 1
-	if _, err := f.place("m", decodePhase, nil); err == nil {
+	// A slot limit is respected (R-OWN-3): every decode engine has one
+	// slot, taken.
+	var full []*member
+	for _, id := range []string{"d1", "d2", "d3"} {
+		m := meshview.NewMember(engines.Engine{ID: id, Role: connector.RoleDecode}, schemas.FleetEntry{State: schemas.FleetActive, DecodeSlots: 1}, true)
+		m.SetModels([]string{"m"})
+		setLoad(t, m, decodePhase, 1)
+		full = append(full, m)
+	}
+	if _, err := placeLeast(meshview.NewFleet(full...), "m", decodePhase, nil); err == nil {
 		t.Fatal("placed beyond every slot limit")
 	}
 }
@@ -431,7 +431,7 @@ func TestReservationsEndWithTheirPhaseROWN3(t *testing.T) {
 	if _, err := resp.Body.Read(first); err != nil { // decoding now
 		t.Fatal(err)
 	}
-	p, d := s.rt.fleet().byID["p1"].reserved[prefillPhase].Load(), s.rt.fleet().byID["d1"].reserved[decodePhase].Load()
+	p, d := s.rt.fleet().Member("p1").Reserved(prefillPhase), s.rt.fleet().Member("d1").Reserved(decodePhase)
 	if p != 0 || d != 1 {
 		t.Fatalf("while decoding: prefill slots %d (want 0), decode slots %d (want 1)", p, d)
 	}

@@ -154,8 +154,8 @@ func (s *stack) checkNobodyBlamed() {
 	}
 	s.events.mu.Unlock()
 	now := nowNano()
-	for _, m := range s.rt.fleet().members {
-		if !m.available(now) {
+	for _, m := range s.rt.fleet().Members() {
+		if !m.Available(now) {
 			s.t.Errorf("engine %s not available after slow clients", m.ID)
 		}
 	}

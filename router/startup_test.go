@@ -68,8 +68,8 @@ func TestStartupNamesUnplaceableEngines(t *testing.T) {
 			config.EngineSpec{ID: "d2", URL: dead, Role: connector.RoleDecode, Connector: "nixl"})
 	}, nil, &logs)
 	testkit.WaitFor(t, 3*time.Second, "the first /v1/models of every engine", func() bool {
-		return s.rt.fleet().byID["p2"].problem.Load() != nil && s.rt.fleet().byID["d2"].problem.Load() != nil &&
-			s.rt.fleet().byID["p1"].models.Load() != nil && s.rt.fleet().byID["d1"].models.Load() != nil
+		return s.rt.fleet().Member("p2").Problem() != "" && s.rt.fleet().Member("d2").Problem() != "" &&
+			s.rt.fleet().Member("p1").Models() != nil && s.rt.fleet().Member("d1").Models() != nil
 	})
 	out := logs.String()
 	for _, want := range []string{

@@ -79,8 +79,8 @@ func benchRequests(b *testing.B, options func(*Options), traceparent string) {
 		<-done
 	})
 	testkit.WaitFor(b, 5*time.Second, "the engines' models", func() bool {
-		for _, m := range rt.fleet().members {
-			if m.models.Load() == nil {
+		for _, m := range rt.fleet().Members() {
+			if m.Models() == nil {
 				return false
 			}
 		}

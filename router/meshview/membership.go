@@ -1,9 +1,8 @@
-package router
+package meshview
 
 import (
 	"context"
 	"encoding/json"
-	"slices"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -35,66 +34,66 @@ const fleetIgnoredInvalid = "invalid"
 // arrives — a push, well within the second R-FLEET-1 allows. A watch that
 // ends (the connection was lost and its consumer with it) is set up
 // again, with a new full read.
-func (rt *Router) watchFleet(b *bus.Bus, loaded func()) {
+func (v *View) watchFleet(b *bus.Bus, loaded func()) {
 	warned := false
-	for rt.base.Err() == nil {
-		err := rt.watchFleetOnce(b, loaded)
-		if rt.base.Err() != nil {
+	for v.base.Err() == nil {
+		err := v.watchFleetOnce(b, loaded)
+		if v.base.Err() != nil {
 			return
 		}
 		if err != nil && !warned {
-			rt.log.Warn("fleet watch could not be set up; retrying", "err", err)
+			v.log.Warn("fleet watch could not be set up; retrying", "err", err)
 			warned = true
 		} else if err == nil {
 			warned = false
-			rt.log.Warn("fleet watch ended; setting it up again and resynchronising")
+			v.log.Warn("fleet watch ended; setting it up again and resynchronising")
 		}
-		if !rt.sleep(fleetRetry) {
+		if !v.sleep(fleetRetry) {
 			return
 		}
 	}
 }
 
 // watchFleetOnce runs one watch of narwhal_fleet until it ends.
-func (rt *Router) watchFleetOnce(b *bus.Bus, loaded func()) error {
-	ctx, cancel := context.WithTimeout(rt.base, watchSetupTimeout)
+func (v *View) watchFleetOnce(b *bus.Bus, loaded func()) error {
+	ctx, cancel := context.WithTimeout(v.base, watchSetupTimeout)
 	kv, err := b.BindBucket(ctx, bus.FleetBucket)
 	cancel()
 	if err != nil {
 		return err
 	}
 	start := time.Now()
-	return bus.WatchSnapshot(rt.base, kv, func(snapshot map[string]jetstream.KeyValueEntry) {
-		rt.applyFleetSnapshot(snapshot)
-		rt.log.Info("fleet loaded", "keys", len(snapshot), "engines", len(rt.fleet().members), "took", time.Since(start))
+	return bus.WatchSnapshot(v.base, kv, func(snapshot map[string]jetstream.KeyValueEntry) {
+		v.applyFleetSnapshot(snapshot)
+		v.log.Info("fleet loaded", "keys", len(snapshot), "engines", len(v.Fleet().members), "took", time.Since(start))
 		loaded()
-	}, func(e jetstream.KeyValueEntry) { rt.applyFleetValue(e.Key(), e.Operation(), e.Value()) })
+	}, func(e jetstream.KeyValueEntry) { v.applyFleetValue(e.Key(), e.Operation(), e.Value()) })
 }
 
 // applyFleetSnapshot applies a full read of narwhal_fleet: every key's
 // value, then the removal of every engine without one — except the
 // engines of this router's config file that the bucket never held (they
 // are seeded there by whoever seeds it: kept, and logged).
-func (rt *Router) applyFleetSnapshot(snapshot map[string]jetstream.KeyValueEntry) {
+func (v *View) applyFleetSnapshot(snapshot map[string]jetstream.KeyValueEntry) {
 	for key, e := range snapshot {
-		rt.applyFleetValue(key, e.Operation(), e.Value())
+		v.applyFleetValue(key, e.Operation(), e.Value())
 	}
-	rt.fleetMu.Lock()
-	defer rt.fleetMu.Unlock()
-	cur := rt.fleet()
+	v.fleetMu.Lock()
+	defer v.fleetMu.Unlock()
+	cur := v.Fleet()
 	var gone []string
 	for _, m := range cur.members {
 		if _, ok := snapshot[m.ID]; ok {
 			continue
 		}
 		if m.fromConfig {
-			rt.log.Info("engine of the config file is not in the live fleet yet; kept until the bucket names it", "engine_id", m.ID)
+			v.log.Info("engine of the config file is not in the live fleet yet; kept until the bucket names it", "engine_id", m.ID)
 			continue
 		}
 		gone = append(gone, m.ID)
 	}
 	for _, id := range gone {
-		rt.removeMember(id, "not in the live fleet")
+		v.removeMember(id, "not in the live fleet")
 	}
 }
 
@@ -106,12 +105,12 @@ func (rt *Router) applyFleetSnapshot(snapshot map[string]jetstream.KeyValueEntry
 // builds it anew. A value that is not a valid entry for its key is
 // ignored: the engine keeps its state, the first per key is logged and
 // every one counted in narwhal_fleet_ignored_total (R-BUS-9).
-func (rt *Router) applyFleetValue(key string, op jetstream.KeyValueOp, value []byte) {
-	rt.fleetMu.Lock()
-	defer rt.fleetMu.Unlock()
+func (v *View) applyFleetValue(key string, op jetstream.KeyValueOp, value []byte) {
+	v.fleetMu.Lock()
+	defer v.fleetMu.Unlock()
 	if op != jetstream.KeyValuePut {
-		delete(rt.fleetIgnoredLogged, key)
-		rt.removeMember(key, "removed from the live fleet")
+		delete(v.fleetIgnoredLogged, key)
+		v.removeMember(key, "removed from the live fleet")
 		return
 	}
 	entry, err := bus.ParseFleetEntry(key, value)
@@ -120,27 +119,27 @@ func (rt *Router) applyFleetValue(key string, op jetstream.KeyValueOp, value []b
 		eng, err = engines.FromFleetEntry(entry)
 	}
 	if err != nil {
-		rt.metrics.fleetIgnored.WithLabelValues(fleetIgnoredInvalid).Inc()
-		if !rt.fleetIgnoredLogged[key] {
-			rt.fleetIgnoredLogged[key] = true
-			rt.log.Warn("fleet value ignored; the engine keeps its state", "engine_id", key, "reason", fleetIgnoredInvalid, "detail", err.Error())
+		v.metrics.fleetIgnored.WithLabelValues(fleetIgnoredInvalid).Inc()
+		if !v.fleetIgnoredLogged[key] {
+			v.fleetIgnoredLogged[key] = true
+			v.log.Warn("fleet value ignored; the engine keeps its state", "engine_id", key, "reason", fleetIgnoredInvalid, "detail", err.Error())
 		}
 		return
 	}
-	delete(rt.fleetIgnoredLogged, key)
-	cur := rt.fleet()
+	delete(v.fleetIgnoredLogged, key)
+	cur := v.Fleet()
 	if m := cur.byID[key]; m != nil && engines.SameSpec(*m.entry.Load(), entry) {
-		if prev := m.setEntry(entry); prev != entry.State {
-			rt.log.Info("fleet state changed", "engine_id", key, "state", entry.State, "previous", prev, "reason", entry.Reason)
+		if prev := m.SetEntry(entry); prev != entry.State {
+			v.log.Info("fleet state changed", "engine_id", key, "state", entry.State, "previous", prev, "reason", entry.Reason)
 		}
 		return
 	}
-	eligible, known := rt.knownEligible[key]
+	eligible, known := v.knownEligible[key]
 	if !known {
 		eligible = true // no placement entry: no verdict stands against it (R-BUS-2)
 	}
-	m := newMember(eng, entry, eligible)
-	next := &fleet{byID: make(map[string]*member, len(cur.members)+1)}
+	m := NewMember(eng, entry, eligible)
+	next := &Fleet{byID: make(map[string]*Member, len(cur.members)+1)}
 	replaced := false
 	for _, old := range cur.members {
 		if old.ID == key {
@@ -157,30 +156,33 @@ func (rt *Router) applyFleetValue(key string, op jetstream.KeyValueOp, value []b
 	for _, x := range next.members {
 		next.byID[x.ID] = x
 	}
-	rt.live.Store(next)
-	rt.metrics.initEngine(m)
-	rt.log.Info("engine joined the live fleet", "engine_id", key, "url", entry.URL, "role", entry.Role, "state", entry.State, "replaced", replaced)
-	rt.goOwned(func() { rt.refreshMember(rt.base, m) })
+	v.live.Store(next)
+	v.metrics.initEngine(m)
+	if v.joined != nil {
+		v.joined(m)
+	}
+	v.log.Info("engine joined the live fleet", "engine_id", key, "url", entry.URL, "role", entry.Role, "state", entry.State, "replaced", replaced)
+	v.goFn(func() { v.refreshMember(v.base, m) })
 }
 
 // removeMember takes engine id out of the fleet, if it is in it. Called
 // with fleetMu held.
-func (rt *Router) removeMember(id, why string) {
-	cur := rt.fleet()
+func (v *View) removeMember(id, why string) {
+	cur := v.Fleet()
 	old := cur.byID[id]
 	if old == nil {
 		return
 	}
 	old.active.Store(false)
-	next := &fleet{byID: make(map[string]*member, len(cur.members))}
+	next := &Fleet{byID: make(map[string]*Member, len(cur.members))}
 	for _, m := range cur.members {
 		if m.ID != id {
 			next.members = append(next.members, m)
 			next.byID[m.ID] = m
 		}
 	}
-	rt.live.Store(next)
-	rt.log.Info("engine left the live fleet; no new attempt goes there, running ones finish", "engine_id", id, "why", why, "legs_in_flight", old.legs())
+	v.live.Store(next)
+	v.log.Info("engine left the live fleet; no new attempt goes there, running ones finish", "engine_id", id, "why", why, "legs_in_flight", old.Legs())
 }
 
 // reportLoop writes the router's in-flight report to narwhal_routers
@@ -189,34 +191,34 @@ func (rt *Router) removeMember(id, why string) {
 // there, zeros included, so that the breaker knows when every router is
 // done with a draining engine. A report that cannot be written (bus
 // down) is skipped; the next one says the same and more.
-func (rt *Router) reportLoop(b *bus.Bus) {
+func (v *View) reportLoop(b *bus.Bus) {
 	var kv jetstream.KeyValue
 	t := time.NewTicker(reportEvery)
 	defer t.Stop()
 	warned := false
 	for {
 		if b.Connected() {
-			ctx, cancel := context.WithTimeout(rt.base, watchSetupTimeout)
+			ctx, cancel := context.WithTimeout(v.base, watchSetupTimeout)
 			var err error
 			if kv == nil {
 				kv, err = b.BindBucket(ctx, bus.RoutersBucket)
 			}
 			if err == nil {
-				value, _ := json.Marshal(rt.report())
-				_, err = kv.Put(ctx, rt.id, value)
+				value, _ := json.Marshal(v.report())
+				_, err = kv.Put(ctx, v.id, value)
 			}
 			cancel()
 			switch {
-			case err != nil && !warned && rt.base.Err() == nil:
-				rt.log.Warn("in-flight report not written; retrying every second", "err", err)
+			case err != nil && !warned && v.base.Err() == nil:
+				v.log.Warn("in-flight report not written; retrying every second", "err", err)
 				warned = true
 			case err == nil && warned:
-				rt.log.Info("in-flight report written again")
+				v.log.Info("in-flight report written again")
 				warned = false
 			}
 		}
 		select {
-		case <-rt.base.Done():
+		case <-v.base.Done():
 			return
 		case <-t.C:
 		}
@@ -224,12 +226,12 @@ func (rt *Router) reportLoop(b *bus.Bus) {
 }
 
 // report returns the router's in-flight report (schemas.RouterReport).
-func (rt *Router) report() schemas.RouterReport {
-	r := schemas.RouterReport{Schema: schemas.SchemaRouterReport, RouterID: rt.id, At: time.Now().UTC(),
+func (v *View) report() schemas.RouterReport {
+	r := schemas.RouterReport{Schema: schemas.SchemaRouterReport, RouterID: v.id, At: time.Now().UTC(),
 		Draining: map[string]int64{}, InFlight: map[string]int64{}}
-	for _, m := range rt.fleet().members {
-		legs := max(m.legs(), 0)
-		if s := m.state(); s == schemas.FleetDraining || s == schemas.FleetDrained {
+	for _, m := range v.Fleet().members {
+		legs := max(m.Legs(), 0)
+		if s := m.State(); s == schemas.FleetDraining || s == schemas.FleetDrained {
 			r.Draining[m.ID] = legs
 		}
 		if legs > 0 {
@@ -247,25 +249,11 @@ func (rt *Router) report() schemas.RouterReport {
 
 // FleetIDs returns the ids of the engines in the router's fleet now, in
 // fleet order, with their fleet states (R-FLEET-1).
-func (rt *Router) FleetIDs() map[string]string {
+func (v *View) FleetIDs() map[string]string {
 	out := map[string]string{}
-	for _, m := range rt.fleet().members {
-		out[m.ID] = m.state()
+	for _, m := range v.Fleet().members {
+		out[m.ID] = m.State()
 	}
-	return out
-}
-
-// placeableIDs returns the ids of the engines placement may choose now
-// for phase p, sorted (for tests and logs).
-func (rt *Router) placeableIDs(p phase) []string {
-	now := nowNano()
-	var out []string
-	for _, m := range rt.fleet().members {
-		if m.can(p) && m.available(now) {
-			out = append(out, m.ID)
-		}
-	}
-	slices.Sort(out)
 	return out
 }
 

@@ -1,4 +1,4 @@
-package router
+package meshview
 
 import (
 	"context"
@@ -39,15 +39,15 @@ type engineLife struct {
 // is draining or drained, or restarted (its cache is gone) are dropped;
 // and it reads each prefill engine's queue for the prefix scorer.
 type engineWatch struct {
-	rt    *Router
+	v     *View
 	drops *prometheus.CounterVec
 	mu    sync.Mutex
 	life  map[string]*engineLife // by engine id; fleet members only
 }
 
-func newEngineWatch(rt *Router) *engineWatch {
-	w := &engineWatch{rt: rt, life: map[string]*engineLife{},
-		drops: promreg.Register(rt.reg, prometheus.NewCounterVec(prometheus.CounterOpts{
+func newEngineWatch(v *View) *engineWatch {
+	w := &engineWatch{v: v, life: map[string]*engineLife{},
+		drops: promreg.Register(v.reg, prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "narwhal_prefix_index_drops_total",
 			Help: "Engines whose prefix index entries were dropped, by reason: removed (left the fleet), ejected, inactive (draining, drained, joining), restarted (its start time changed or its prompt-token counter went back).",
 		}, []string{"reason"}))}
@@ -59,18 +59,18 @@ func newEngineWatch(rt *Router) *engineWatch {
 
 // drop forgets what the index holds for engine id, for reason.
 func (w *engineWatch) drop(id, reason string) {
-	w.rt.PrefixIndex().Drop(id)
+	w.v.index.Drop(id)
 	w.drops.WithLabelValues(reason).Inc()
-	w.rt.log.Info("prefix index entries dropped", "engine_id", id, "reason", reason)
+	w.v.log.Info("prefix index entries dropped", "engine_id", id, "reason", reason)
 }
 
 // checkIndex drops the entries of every engine the index holds blocks
 // for that is not a placeable member of the fleet any more.
 func (w *engineWatch) checkIndex() {
-	fl := w.rt.fleet()
+	fl := w.v.Fleet()
 	type gone struct{ id, reason string }
 	var drop []gone
-	w.rt.PrefixIndex().Engines(func(id string, blocks int) {
+	w.v.index.Engines(func(id string, blocks int) {
 		if blocks == 0 {
 			return
 		}
@@ -93,7 +93,7 @@ func (w *engineWatch) checkIndex() {
 // the engine's queue for the scorer (0 when unknown) and drops its index
 // entries when it restarted.
 func (w *engineWatch) poll(wait time.Duration) {
-	fl := w.rt.fleet()
+	fl := w.v.Fleet()
 	var wg sync.WaitGroup
 	w.mu.Lock()
 	for id := range w.life {
@@ -102,7 +102,7 @@ func (w *engineWatch) poll(wait time.Duration) {
 		}
 	}
 	for _, m := range fl.members {
-		if !m.can(prefillPhase) {
+		if !m.Can(Prefill) {
 			continue
 		}
 		life := w.life[m.ID]
@@ -121,15 +121,15 @@ func (w *engineWatch) poll(wait time.Duration) {
 }
 
 // pollOne reads m's /metrics (bounded by wait) into life.
-func (w *engineWatch) pollOne(m *member, life *engineLife, wait time.Duration) {
-	ctx, cancel := context.WithTimeout(w.rt.base, wait)
+func (w *engineWatch) pollOne(m *Member, life *engineLife, wait time.Duration) {
+	ctx, cancel := context.WithTimeout(w.v.base, wait)
 	defer cancel()
-	l, err := engines.ReadLoad(ctx, w.rt.client.HTTPClient(), &m.Engine)
+	l, err := engines.ReadLoad(ctx, w.v.http, &m.Engine)
 	if err != nil {
-		w.rt.SetEngineWaiting(m.ID, 0)
+		w.v.SetEngineWaiting(m.ID, 0)
 		return
 	}
-	w.rt.SetEngineWaiting(m.ID, l.Waiting)
+	w.v.SetEngineWaiting(m.ID, l.Waiting)
 	restarted := false
 	if l.HasStartTime {
 		restarted = life.hasStart && l.StartTime != life.start
@@ -142,7 +142,7 @@ func (w *engineWatch) pollOne(m *member, life *engineLife, wait time.Duration) {
 	// An engine the index holds nothing for has nothing to drop: one
 	// whose start time flaps (lying, or restarting in a loop) is not
 	// counted and logged at every read.
-	if restarted && w.rt.PrefixIndex().Blocks(m.ID) > 0 {
+	if restarted && w.v.index.Blocks(m.ID) > 0 {
 		w.drop(m.ID, indexDropRestarted)
 	}
 }
@@ -162,7 +162,7 @@ func (w *engineWatch) run(interval time.Duration) {
 	}
 	for {
 		select {
-		case <-w.rt.base.Done():
+		case <-w.v.base.Done():
 			return
 		case <-check.C:
 			w.checkIndex()

@@ -1,4 +1,4 @@
-package router
+package meshview
 
 import (
 	"context"
@@ -54,7 +54,7 @@ const (
 // index, and warms the index from stream NARWHAL_PREFIX when the router
 // joins the mesh and whenever its connection comes back.
 type indexShare struct {
-	rt      *Router
+	v       *View
 	index   *prefix.Index
 	subject string // this router's
 
@@ -69,28 +69,28 @@ type indexShare struct {
 	lastLog            atomic.Int64 // UnixNano of the last refused-batch line
 }
 
-// newIndexShare makes the share of rt's prefix index and registers its
+// newIndexShare makes the share of v's prefix index and registers its
 // metrics: narwhal_prefix_batches_published_total,
 // narwhal_prefix_batches_applied_total,
 // narwhal_prefix_batches_dropped_total{reason} and
 // narwhal_prefix_placements_ignored_total.
-func newIndexShare(rt *Router) *indexShare {
+func newIndexShare(v *View) *indexShare {
 	s := &indexShare{
-		rt: rt, index: rt.PrefixIndex(), subject: bus.PrefixSubject(rt.id),
+		v: v, index: v.PrefixIndex(), subject: bus.PrefixSubject(v.id),
 		cur: new(bus.PrefixBatch), spare: new(bus.PrefixBatch), kick: make(chan struct{}, 1),
-		published: promreg.Register(rt.reg, prometheus.NewCounter(prometheus.CounterOpts{
+		published: promreg.Register(v.reg, prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "narwhal_prefix_batches_published_total",
 			Help: "Batches of this router's prefix placements published on the bus for the other routers.",
 		})),
-		applied: promreg.Register(rt.reg, prometheus.NewCounter(prometheus.CounterOpts{
+		applied: promreg.Register(v.reg, prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "narwhal_prefix_batches_applied_total",
 			Help: "Batches of other routers' prefix placements applied to this router's prefix index (live or read back from the stream).",
 		})),
-		dropped: promreg.Register(rt.reg, prometheus.NewCounterVec(prometheus.CounterOpts{
+		dropped: promreg.Register(v.reg, prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "narwhal_prefix_batches_dropped_total",
 			Help: "Prefix placements not shared, by reason: buffer_full (a placement that did not fit the batch), publish_failed (a batch NATS did not take), invalid (a malformed batch received).",
 		}, []string{"reason"})),
-		ignored: promreg.Register(rt.reg, prometheus.NewCounter(prometheus.CounterOpts{
+		ignored: promreg.Register(v.reg, prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "narwhal_prefix_placements_ignored_total",
 			Help: "Placements in other routers' batches not applied: the engine is not a prefill engine of this router's fleet, or not placeable (ejected, draining, drained).",
 		})),
@@ -98,8 +98,8 @@ func newIndexShare(rt *Router) *indexShare {
 	for _, r := range []string{dropBufferFull, dropPublishFailed, dropInvalid} {
 		s.dropped.WithLabelValues(r)
 	}
-	s.cur.Reset(rt.id)
-	s.spare.Reset(rt.id)
+	s.cur.Reset(v.id)
+	s.spare.Reset(v.id)
 	return s
 }
 
@@ -132,7 +132,7 @@ func (s *indexShare) flushLoop(nc *nats.Conn) {
 	defer t.Stop()
 	for {
 		select {
-		case <-s.rt.base.Done():
+		case <-s.v.base.Done():
 			s.flush(nc)
 			return
 		case <-t.C:
@@ -151,7 +151,7 @@ func (s *indexShare) flush(nc *nats.Conn) {
 		return
 	}
 	s.cur, s.spare = s.spare, s.cur
-	s.cur.Reset(s.rt.id)
+	s.cur.Reset(s.v.id)
 	s.mu.Unlock()
 	if err := nc.Publish(s.subject, s.spare.Bytes()); err != nil {
 		s.dropped.WithLabelValues(dropPublishFailed).Inc()
@@ -183,14 +183,14 @@ func (s *indexShare) apply(subject string, data []byte, own bool) {
 		s.dropped.WithLabelValues(dropInvalid).Inc()
 		if now := time.Now().UnixNano(); now-s.lastLog.Load() > int64(shareLogEvery) {
 			s.lastLog.Store(now)
-			s.rt.log.Warn("prefix placements ignored: invalid batch", "subject", subject, "bytes", len(data), "err", err)
+			s.v.log.Warn("prefix placements ignored: invalid batch", "subject", subject, "bytes", len(data), "err", err)
 		}
 		return
 	}
-	fl := s.rt.fleet()
+	fl := s.v.Fleet()
 	for _, p := range placements {
 		m := fl.byID[p.EngineID]
-		if m == nil || !m.can(prefillPhase) || !m.active.Load() || !m.eligible.Load() {
+		if m == nil || !m.Can(Prefill) || !m.active.Load() || !m.eligible.Load() {
 			s.ignored.Inc()
 			continue
 		}
@@ -206,12 +206,12 @@ func (s *indexShare) apply(subject string, data []byte, own bool) {
 // wait on the server is bounded, so a bus that does not answer cannot
 // hold the router. It reports whether it read the stream.
 func (s *indexShare) warm(b *bus.Bus, since time.Time, own bool) bool {
-	ctx, cancel := context.WithTimeout(s.rt.base, shareWarmTimeout)
+	ctx, cancel := context.WithTimeout(s.v.base, shareWarmTimeout)
 	defer cancel()
 	start := time.Now()
 	st, err := b.JetStream().Stream(ctx, bus.PrefixStream)
 	if err != nil {
-		s.rt.log.Warn("prefix index not warmed from the bus", "stream", bus.PrefixStream, "err", err)
+		s.v.log.Warn("prefix index not warmed from the bus", "stream", bus.PrefixStream, "err", err)
 		return false
 	}
 	last := st.CachedInfo().State.LastSeq
@@ -219,7 +219,7 @@ func (s *indexShare) warm(b *bus.Bus, since time.Time, own bool) bool {
 	if last > 0 {
 		n = s.readBack(ctx, b, since, last, own)
 	}
-	s.rt.log.Info("prefix index warmed from the bus", "batches", n, "since", since.UTC().Format(time.RFC3339), "took", time.Since(start).Round(time.Millisecond))
+	s.v.log.Info("prefix index warmed from the bus", "batches", n, "since", since.UTC().Format(time.RFC3339), "took", time.Since(start).Round(time.Millisecond))
 	return true
 }
 
@@ -234,7 +234,7 @@ func (s *indexShare) readBack(ctx context.Context, b *bus.Bus, since time.Time, 
 		InactiveThreshold: 5 * time.Second,
 	})
 	if err != nil {
-		s.rt.log.Warn("prefix index not warmed from the bus", "stream", bus.PrefixStream, "err", err)
+		s.v.log.Warn("prefix index not warmed from the bus", "stream", bus.PrefixStream, "err", err)
 		return 0
 	}
 	// Each fetch asks for no more than the consumer has pending (known from
@@ -244,7 +244,7 @@ func (s *indexShare) readBack(ctx context.Context, b *bus.Bus, since time.Time, 
 	for ctx.Err() == nil && want > 0 {
 		batch, err := cons.Fetch(want, jetstream.FetchMaxWait(time.Second))
 		if err != nil {
-			s.rt.log.Warn("prefix index warm-up cut short", "stream", bus.PrefixStream, "err", err)
+			s.v.log.Warn("prefix index warm-up cut short", "stream", bus.PrefixStream, "err", err)
 			return n
 		}
 		got, done := 0, false
@@ -278,7 +278,7 @@ func (s *indexShare) run(b *bus.Bus, sub *nats.Subscription) {
 	nc := b.Conn()
 	status := nc.StatusChanged(nats.DISCONNECTED, nats.CONNECTED)
 	defer nc.RemoveStatusListener(status)
-	s.rt.goOwned(func() { s.flushLoop(nc) })
+	s.v.goFn(func() { s.flushLoop(nc) })
 	// The first read-back also takes this router id's own batches: they
 	// are a previous process's. Later ones (after a reconnection) skip
 	// them, as this process recorded them when it made them.
@@ -286,7 +286,7 @@ func (s *indexShare) run(b *bus.Bus, sub *nats.Subscription) {
 	var downSince time.Time
 	for {
 		select {
-		case <-s.rt.base.Done():
+		case <-s.v.base.Done():
 			return
 		case st := <-status:
 			switch st {
@@ -310,23 +310,23 @@ func (s *indexShare) run(b *bus.Bus, sub *nats.Subscription) {
 // when placement.share_index is on: its placements are published on b
 // and the other routers' applied. A router id longer than a batch can
 // name (255 bytes) turns sharing off, with a warning.
-func (rt *Router) shareIndex(b *bus.Bus) error {
-	if !rt.cfg.Placement.ShareIndex {
+func (v *View) shareIndex(b *bus.Bus) error {
+	if !v.cfg.Placement.ShareIndex {
 		return nil
 	}
-	if len(rt.id) > bus.PrefixMaxID {
-		rt.log.Warn("prefix index not shared: the router id is longer than 255 bytes")
+	if len(v.id) > bus.PrefixMaxID {
+		v.log.Warn("prefix index not shared: the router id is longer than 255 bytes")
 		return nil
 	}
-	s := newIndexShare(rt)
+	s := newIndexShare(v)
 	sub, err := b.Conn().Subscribe(bus.PrefixSubjectPrefix+"*", s.receive)
 	if err != nil {
 		return err
 	}
-	if !rt.goOwned(func() { s.run(b, sub) }) {
+	if !v.goFn(func() { s.run(b, sub) }) {
 		_ = sub.Unsubscribe()
 		return errShuttingDown
 	}
-	rt.OnPlaced(s.placed)
+	v.OnPlaced(s.placed)
 	return nil
 }

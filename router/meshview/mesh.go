@@ -1,4 +1,4 @@
-package router
+package meshview
 
 import (
 	"context"
@@ -15,7 +15,6 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/narwhalmesh/narwhal/bus"
-	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -83,7 +82,7 @@ const (
 	ignoredDeleted = "deleted"
 )
 
-// mesh is the router's view of the bus: the leader lease it checks
+// mesh is the placement watch's state: the leader lease it checks
 // placement values against, and which keys' ignored values it has logged.
 // Used by the placement loop's goroutine only, except where noted.
 type mesh struct {
@@ -113,7 +112,7 @@ type mesh struct {
 	bridged map[string]uint64
 }
 
-// JoinMesh makes the router a member of the mesh on b (behaviour.md §9):
+// Join makes the view follow the mesh on b (behaviour.md §9):
 //
 //   - it reads the whole narwhal_placement bucket, then watches it, and
 //     applies each engine's eligibility as it changes — a push, well within
@@ -140,38 +139,39 @@ type mesh struct {
 //     each engine's arrival, state change and removal on arrival
 //     (R-FLEET-1…3; membership.go), and writes its in-flight report to
 //     narwhal_routers every second (R-FLEET-3);
-//   - under the prefix policy with placement.share_index, it shares its
+//   - when it keeps the prefix index (Options.KeepsIndex: the prefix
+//     policy) and placement.share_index is on, it shares the
 //     prefix index with the other routers: it publishes its placements
 //     and applies theirs, and warms the index from the recent past
 //     (R-PLACE-2; prefixshare.go).
 //
-// The goroutines it starts belong to the router and stop at Shutdown.
-// JoinMesh waits until the initial placement is loaded or wait passes
-// (the router then serves on "everyone eligible" until it is); it returns
-// an error when the quarantine subscription cannot be made, or
-// errShuttingDown once Shutdown has begun (nothing is then started).
-func (rt *Router) JoinMesh(b *bus.Bus, wait time.Duration) error {
-	rt.meshBus.Store(b)
+// The goroutines it starts are the owner's (Options.Go) and stop when its
+// context ends. Join waits until the initial placement is loaded or wait
+// passes (the router then serves on "everyone eligible" until it is); it
+// returns an error when the quarantine subscription cannot be made, or
+// errShuttingDown once the owner is ending (nothing is then started).
+func (v *View) Join(b *bus.Bus, wait time.Duration) error {
+	v.meshBus.Store(b)
 	m := &mesh{bus: b, logged: map[string]bool{}, pending: map[string]schemas.Eligibility{}, bridged: map[string]uint64{}}
-	sub, err := b.Conn().Subscribe(bus.SubjectPrefix+schemas.KindQuarantine+".>", rt.applyQuarantine)
+	sub, err := b.Conn().Subscribe(bus.SubjectPrefix+schemas.KindQuarantine+".>", v.applyQuarantine)
 	if err != nil {
 		return err
 	}
 	loaded := make(chan struct{})
 	fleetLoaded := make(chan struct{})
 	var once sync.Once
-	started := rt.goOwned(func() {
+	started := v.goFn(func() {
 		defer sub.Unsubscribe()
-		rt.placementLoop(m, loaded)
+		v.placementLoop(m, loaded)
 	})
 	if !started {
 		_ = sub.Unsubscribe()
 		return errShuttingDown
 	}
-	rt.goOwned(func() { rt.watchFleet(b, func() { once.Do(func() { close(fleetLoaded) }) }) })
-	rt.goOwned(func() { rt.reportLoop(b) })
-	if rt.placer.policy == config.PolicyPrefix {
-		if err := rt.shareIndex(b); err != nil {
+	v.goFn(func() { v.watchFleet(b, func() { once.Do(func() { close(fleetLoaded) }) }) })
+	v.goFn(func() { v.reportLoop(b) })
+	if v.keepsIndex {
+		if err := v.shareIndex(b); err != nil {
 			return err
 		}
 	}
@@ -180,35 +180,21 @@ func (rt *Router) JoinMesh(b *bus.Bus, wait time.Duration) error {
 	select {
 	case <-loaded:
 	case <-t.C:
-		rt.log.Warn("placement not loaded yet; serving with every engine eligible until it is")
+		v.log.Warn("placement not loaded yet; serving with every engine eligible until it is")
 		return nil
 	}
 	select {
 	case <-fleetLoaded:
 	case <-t.C:
-		rt.log.Warn("live fleet not loaded yet; serving the config file's engines until it is")
+		v.log.Warn("live fleet not loaded yet; serving the config file's engines until it is")
 	}
 	return nil
-}
-
-// PlacementLoaded reports whether the router has read the placement bucket
-// at least once.
-func (rt *Router) PlacementLoaded() bool { return rt.placementLoaded.Load() }
-
-// meshReady is the bus half of /readyz: the bus is reachable, or the
-// router runs on a placement it loaded before (R-API-2, R-BUS-6).
-func (rt *Router) meshReady() bool {
-	b := rt.meshBus.Load()
-	if b == nil {
-		return true
-	}
-	return b.Connected() || rt.placementLoaded.Load()
 }
 
 // placementLoop keeps a watch on the placement bucket, setting up a new
 // one (a full resync) whenever the last one died or the connection came
 // back, until the router shuts down.
-func (rt *Router) placementLoop(m *mesh, loaded chan struct{}) {
+func (v *View) placementLoop(m *mesh, loaded chan struct{}) {
 	signal := func() {
 		if loaded != nil {
 			close(loaded)
@@ -219,29 +205,29 @@ func (rt *Router) placementLoop(m *mesh, loaded chan struct{}) {
 	status := m.bus.Conn().StatusChanged(nats.CONNECTED)
 	defer m.bus.Conn().RemoveStatusListener(status)
 	first, failing := true, false
-	for rt.base.Err() == nil {
+	for v.base.Err() == nil {
 		if !m.bus.Connected() {
-			if !rt.sleep(watchRetry) {
+			if !v.sleep(watchRetry) {
 				return
 			}
 			continue
 		}
-		why, err := rt.watchPlacement(m, status, first, signal)
+		why, err := v.watchPlacement(m, status, first, signal)
 		switch {
-		case rt.base.Err() != nil:
+		case v.base.Err() != nil:
 			return
 		case err != nil:
 			if !failing {
-				rt.log.Warn("placement watch could not be set up; retrying", "err", err)
+				v.log.Warn("placement watch could not be set up; retrying", "err", err)
 			}
 			failing = true
-			if !rt.sleep(watchRetry) {
+			if !v.sleep(watchRetry) {
 				return
 			}
 			continue
 		}
 		failing, first = false, false
-		rt.log.Warn("placement watch lost; re-establishing it and resynchronising", "why", why)
+		v.log.Warn("placement watch lost; re-establishing it and resynchronising", "why", why)
 	}
 }
 
@@ -250,10 +236,10 @@ func (rt *Router) placementLoop(m *mesh, loaded chan struct{}) {
 // applies what it delivers, and returns why it ended (its heartbeats
 // stopped, its consumer vanished, the connection came back), or the
 // error that kept it from starting.
-func (rt *Router) watchPlacement(m *mesh, status <-chan nats.Status, first bool, loaded func()) (string, error) {
+func (v *View) watchPlacement(m *mesh, status <-chan nats.Status, first bool, loaded func()) (string, error) {
 	js := m.bus.JetStream()
 	stream := "KV_" + bus.PlacementBucket
-	cons, err := rt.createWatch(m, stream, !first)
+	cons, err := v.createWatch(m, stream, !first)
 	if err != nil {
 		return "", err
 	}
@@ -272,13 +258,13 @@ func (rt *Router) watchPlacement(m *mesh, status <-chan nats.Status, first bool,
 	inSnapshot := true
 	finish := func() {
 		inSnapshot = false
-		rt.endSnapshot(seen)
-		rt.placementLoaded.Store(true)
+		v.endSnapshot(seen)
+		v.placementLoaded.Store(true)
 		loaded()
 		if first {
-			rt.log.Info("placement loaded", "keys", len(seen), "took", time.Since(start))
+			v.log.Info("placement loaded", "keys", len(seen), "took", time.Since(start))
 		} else {
-			rt.log.Info("placement resynchronised", "keys", len(seen), "took", time.Since(start))
+			v.log.Info("placement resynchronised", "keys", len(seen), "took", time.Since(start))
 		}
 	}
 	if snapshot == 0 {
@@ -290,7 +276,7 @@ func (rt *Router) watchPlacement(m *mesh, status <-chan nats.Status, first bool,
 	cc, err := cons.Consume(func(msg jetstream.Msg) {
 		select {
 		case msgs <- msg:
-		case <-rt.base.Done():
+		case <-v.base.Done():
 		}
 	},
 		jetstream.PullHeartbeat(watchHeartbeat),
@@ -327,7 +313,7 @@ func (rt *Router) watchPlacement(m *mesh, status <-chan nats.Status, first bool,
 			recheckC = recheck.C
 		}
 		select {
-		case <-rt.base.Done():
+		case <-v.base.Done():
 			return "shutdown", nil
 		case err := <-dead:
 			return err.Error(), nil
@@ -337,18 +323,18 @@ func (rt *Router) watchPlacement(m *mesh, status <-chan nats.Status, first bool,
 			if checking.CompareAndSwap(false, true) {
 				go func() {
 					defer checking.Store(false)
-					rt.checkWatch(cons, dead)
+					v.checkWatch(cons, dead)
 				}()
 			}
 		case <-recheckC:
 			recheckC = nil
-			m.readLease(rt, true)
-			rt.applyPending(m)
+			m.readLease(v, true)
+			v.applyPending(m)
 			if len(m.pending) == 0 {
 				m.recheckDelay = 0
 			}
 		case msg := <-msgs:
-			key := rt.applyPlacement(m, msg)
+			key := v.applyPlacement(m, msg)
 			if !inSnapshot {
 				continue
 			}
@@ -385,8 +371,8 @@ func watchTampered(info *jetstream.ConsumerInfo) string {
 // reports on dead when it is gone or tampered with (watchTampered). Other
 // errors — the JetStream API is slow after a node loss — are left to the
 // heartbeats and the next check.
-func (rt *Router) checkWatch(cons jetstream.Consumer, dead chan<- error) {
-	ctx, cancel := context.WithTimeout(rt.base, watchCheck)
+func (v *View) checkWatch(cons jetstream.Consumer, dead chan<- error) {
+	ctx, cancel := context.WithTimeout(v.base, watchCheck)
 	defer cancel()
 	info, err := cons.Info(ctx)
 	var why error
@@ -413,17 +399,17 @@ func (rt *Router) checkWatch(cons jetstream.Consumer, dead chan<- error) {
 // set (the watch is being set up again, not the first time) it reads every
 // fleet engine's key directly meanwhile, every bridgePoll, and applies what
 // changed (mesh.bridge), keeping R-BRK-8's second across a node loss.
-func (rt *Router) createWatch(m *mesh, stream string, bridge bool) (jetstream.Consumer, error) {
+func (v *View) createWatch(m *mesh, stream string, bridge bool) (jetstream.Consumer, error) {
 	type created struct {
 		cons jetstream.Consumer
 		err  error
 	}
 	done := make(chan created, 1)
 	go func() {
-		ctx, cancel := context.WithTimeout(rt.base, watchSetupTimeout)
+		ctx, cancel := context.WithTimeout(v.base, watchSetupTimeout)
 		defer cancel()
 		cons, err := m.bus.JetStream().CreateConsumer(ctx, stream, jetstream.ConsumerConfig{
-			Description:       "placement watch of router " + rt.id,
+			Description:       "placement watch of router " + v.id,
 			DeliverPolicy:     jetstream.DeliverLastPerSubjectPolicy,
 			AckPolicy:         jetstream.AckNonePolicy,
 			FilterSubject:     watchFilter,
@@ -437,7 +423,7 @@ func (rt *Router) createWatch(m *mesh, stream string, bridge bool) (jetstream.Co
 		r := <-done
 		return r.cons, r.err
 	}
-	rt.bridge(m)
+	v.bridge(m)
 	poll := time.NewTicker(bridgePoll)
 	defer poll.Stop()
 	for {
@@ -445,7 +431,7 @@ func (rt *Router) createWatch(m *mesh, stream string, bridge bool) (jetstream.Co
 		case r := <-done:
 			return r.cons, r.err
 		case <-poll.C:
-			rt.bridge(m)
+			v.bridge(m)
 		}
 	}
 }
@@ -455,10 +441,10 @@ func (rt *Router) createWatch(m *mesh, stream string, bridge bool) (jetstream.Co
 // API's leader) and applies each value it has not judged before, with the
 // same checks as the watch's (R-BUS-9). A key that cannot be read keeps
 // its state.
-func (rt *Router) bridge(m *mesh) {
+func (v *View) bridge(m *mesh) {
 	kv := m.bus.Placement()
-	for _, mb := range rt.fleet().members {
-		ctx, cancel := context.WithTimeout(rt.base, bridgeGetTimeout)
+	for _, mb := range v.Fleet().members {
+		ctx, cancel := context.WithTimeout(v.base, bridgeGetTimeout)
 		e, err := kv.Get(ctx, mb.ID)
 		cancel()
 		if err != nil || e.Revision() == m.bridged[mb.ID] {
@@ -469,18 +455,18 @@ func (rt *Router) bridge(m *mesh) {
 		if e.Operation() != jetstream.KeyValuePut {
 			op = "DEL"
 		}
-		if rt.judgePlacement(m, mb.ID, op, e.Value()) {
-			rt.log.Info("placement read directly while the watch is set up again", "engine_id", mb.ID, "revision", e.Revision())
+		if v.judgePlacement(m, mb.ID, op, e.Value()) {
+			v.log.Info("placement read directly while the watch is set up again", "engine_id", mb.ID, "revision", e.Revision())
 		}
 	}
 }
 
 // endSnapshot makes every fleet engine without a key in a full read of
 // the bucket eligible: no verdict stands against it (R-BUS-2).
-func (rt *Router) endSnapshot(seen map[string]bool) {
-	for _, mb := range rt.fleet().members {
+func (v *View) endSnapshot(seen map[string]bool) {
+	for _, mb := range v.Fleet().members {
 		if !seen[mb.ID] {
-			rt.setEligibility(mb.ID, true, "no placement entry")
+			v.setEligibility(mb.ID, true, "no placement entry")
 		}
 	}
 }
@@ -491,7 +477,7 @@ func (rt *Router) endSnapshot(seen map[string]bool) {
 // written by the current lease holder in its term (R-BUS-9); otherwise,
 // and for a deleted key, the engine keeps its state and the value is
 // counted and logged once per key.
-func (rt *Router) applyPlacement(m *mesh, msg jetstream.Msg) string {
+func (v *View) applyPlacement(m *mesh, msg jetstream.Msg) string {
 	key, ok := cutKey(msg.Subject())
 	if !ok {
 		return ""
@@ -501,7 +487,7 @@ func (rt *Router) applyPlacement(m *mesh, msg jetstream.Msg) string {
 	if md, err := msg.Metadata(); err == nil {
 		m.bridged[key] = md.Sequence.Stream // judged; a bridge read skips it
 	}
-	rt.judgePlacement(m, key, msg.Headers().Get("KV-Operation"), msg.Data())
+	v.judgePlacement(m, key, msg.Headers().Get("KV-Operation"), msg.Data())
 	return key
 }
 
@@ -509,39 +495,39 @@ func (rt *Router) applyPlacement(m *mesh, msg jetstream.Msg) string {
 // bucket (op is its KV-Operation header, "" for a put), when it is valid
 // and written by the lease holder (see applyPlacement), and reports
 // whether it did.
-func (rt *Router) judgePlacement(m *mesh, key, op string, value []byte) bool {
+func (v *View) judgePlacement(m *mesh, key, op string, value []byte) bool {
 	delete(m.pending, key) // the latest value of a key decides
 	if op == "DEL" || op == "PURGE" {
-		rt.ignorePlacement(m, key, ignoredDeleted, "key "+op)
+		v.ignorePlacement(m, key, ignoredDeleted, "key "+op)
 		return false
 	}
 	if len(value) > maxPlacementValue {
-		rt.ignorePlacement(m, key, ignoredInvalid, "value larger than 4096 bytes")
+		v.ignorePlacement(m, key, ignoredInvalid, "value larger than 4096 bytes")
 		return false
 	}
 	if err := bus.ValidatePlacement(value); err != nil {
-		rt.ignorePlacement(m, key, ignoredInvalid, err.Error())
+		v.ignorePlacement(m, key, ignoredInvalid, err.Error())
 		return false
 	}
 	var ev schemas.Eligibility
 	if err := json.Unmarshal(value, &ev); err != nil || ev.EngineID != key {
-		rt.ignorePlacement(m, key, ignoredInvalid, "engine_id is not the key")
+		v.ignorePlacement(m, key, ignoredInvalid, "engine_id is not the key")
 		return false
 	}
-	if !m.leader(rt, ev.BreakerID, ev.LeaseTerm) {
+	if !m.leader(v, ev.BreakerID, ev.LeaseTerm) {
 		if ev.LeaseTerm > m.lease.Term {
 			// Perhaps a lease newer than the one read (a lagging replica):
 			// kept until the lease is read again.
 			m.pending[key] = ev
-			rt.ignorePlacement(m, key, ignoredNotLeader, "written by "+ev.BreakerID+" in lease term "+strconv.FormatUint(ev.LeaseTerm, 10)+
+			v.ignorePlacement(m, key, ignoredNotLeader, "written by "+ev.BreakerID+" in lease term "+strconv.FormatUint(ev.LeaseTerm, 10)+
 				", newer than the lease read ("+m.lease.BreakerID+", term "+strconv.FormatUint(m.lease.Term, 10)+"); kept until the lease confirms it")
 			return false
 		}
-		rt.ignorePlacement(m, key, ignoredNotLeader, "written by "+ev.BreakerID+", not by the lease holder "+m.lease.BreakerID)
+		v.ignorePlacement(m, key, ignoredNotLeader, "written by "+ev.BreakerID+", not by the lease holder "+m.lease.BreakerID)
 		return false
 	}
 	delete(m.logged, key)
-	rt.setEligibility(key, ev.Eligible, ev.Reason)
+	v.setEligibility(key, ev.Eligible, ev.Reason)
 	return true
 }
 
@@ -549,14 +535,14 @@ func (rt *Router) judgePlacement(m *mesh, key, op string, value []byte) bool {
 // lease as read now confirms — its writer holds the lease in its term —
 // and drops those the lease has gone beyond; the others stay pending
 // (R-BUS-9, R-BRK-8).
-func (rt *Router) applyPending(m *mesh) {
+func (v *View) applyPending(m *mesh) {
 	for key, ev := range m.pending {
 		switch {
 		case m.lease.Term != 0 && ev.LeaseTerm == m.lease.Term && ev.BreakerID == m.lease.BreakerID:
 			delete(m.pending, key)
 			delete(m.logged, key)
-			rt.log.Info("placement value applied once the lease confirmed its writer", "engine_id", key, "breaker_id", ev.BreakerID, "lease_term", ev.LeaseTerm)
-			rt.setEligibility(key, ev.Eligible, ev.Reason)
+			v.log.Info("placement value applied once the lease confirmed its writer", "engine_id", key, "breaker_id", ev.BreakerID, "lease_term", ev.LeaseTerm)
+			v.setEligibility(key, ev.Eligible, ev.Reason)
 		case ev.LeaseTerm <= m.lease.Term:
 			delete(m.pending, key) // a term that has passed or was never this writer's
 		}
@@ -565,27 +551,27 @@ func (rt *Router) applyPending(m *mesh) {
 
 // ignorePlacement counts an ignored placement value and logs it, once per
 // key until a valid value arrives for it (R-BUS-9).
-func (rt *Router) ignorePlacement(m *mesh, key, reason, detail string) {
-	rt.metrics.placementIgnored.WithLabelValues(reason).Inc()
+func (v *View) ignorePlacement(m *mesh, key, reason, detail string) {
+	v.metrics.placementIgnored.WithLabelValues(reason).Inc()
 	if m.logged[key] {
 		return
 	}
 	m.logged[key] = true
-	rt.log.Warn("placement value ignored; the engine keeps its state", "engine_id", key, "reason", reason, "detail", detail)
+	v.log.Warn("placement value ignored; the engine keeps its state", "engine_id", key, "reason", reason, "detail", detail)
 }
 
 // setEligibility applies a verdict and logs it only when it changes the
 // engine's eligibility on this router.
-func (rt *Router) setEligibility(id string, eligible bool, reason string) {
-	rt.fleetMu.Lock()
-	defer rt.fleetMu.Unlock()
-	rt.knownEligible[id] = eligible
-	mb, ok := rt.fleet().byID[id]
+func (v *View) setEligibility(id string, eligible bool, reason string) {
+	v.fleetMu.Lock()
+	defer v.fleetMu.Unlock()
+	v.knownEligible[id] = eligible
+	mb, ok := v.Fleet().byID[id]
 	if !ok {
 		return
 	}
 	if mb.eligible.Swap(eligible) != eligible {
-		rt.log.Info("placement changed", "engine_id", id, "eligible", eligible, "reason", reason)
+		v.log.Info("placement changed", "engine_id", id, "eligible", eligible, "reason", reason)
 	}
 }
 
@@ -594,12 +580,12 @@ func (rt *Router) setEligibility(id string, eligible bool, reason string) {
 // leader rewrites every entry right after taking the lease, and its values
 // may arrive before the router has read the new lease. A lease read that
 // changes the term also settles the pending values (applyPending).
-func (m *mesh) leader(rt *Router, breakerID string, term uint64) bool {
+func (m *mesh) leader(v *View, breakerID string, term uint64) bool {
 	if m.lease.Term == 0 || term > m.lease.Term {
 		known := m.lease.Term
-		m.readLease(rt, term > m.lease.Term)
+		m.readLease(v, term > m.lease.Term)
 		if m.lease.Term != known {
-			rt.applyPending(m)
+			v.applyPending(m)
 		}
 	}
 	return m.lease.Term != 0 && term == m.lease.Term && breakerID == m.lease.BreakerID
@@ -609,12 +595,12 @@ func (m *mesh) leader(rt *Router, breakerID string, term uint64) bool {
 // term than the one known), at most every leaseRefreshMin. A lease that
 // cannot be read (none is held right now, the bus is busy) leaves the last
 // one known in place.
-func (m *mesh) readLease(rt *Router, newer bool) {
+func (m *mesh) readLease(v *View, newer bool) {
 	if !newer && time.Since(m.leaseReadAt) < leaseRefreshMin {
 		return
 	}
 	m.leaseReadAt = time.Now()
-	ctx, cancel := context.WithTimeout(rt.base, watchSetupTimeout)
+	ctx, cancel := context.WithTimeout(v.base, watchSetupTimeout)
 	defer cancel()
 	if m.leaseKV == nil {
 		kv, err := m.bus.JetStream().KeyValue(ctx, bus.LeaseBucket)
@@ -645,19 +631,19 @@ func cutKey(subject string) (string, bool) {
 // until its "until", but never longer than its duration_s from arrival (a
 // skewed clock cannot stretch it) nor than recovery.max_quarantine_s (a
 // hostile one cannot either, R-BUS-9). Malformed events are ignored.
-func (rt *Router) applyQuarantine(msg *nats.Msg) {
+func (v *View) applyQuarantine(msg *nats.Msg) {
 	var q schemas.Quarantine
 	if err := json.Unmarshal(msg.Data, &q); err != nil || q.EngineID == "" {
 		return
 	}
-	if q.RouterID == rt.id {
+	if q.RouterID == v.id {
 		return // ours, applied when it was made
 	}
 	d := q.DurationSeconds
 	if math.IsNaN(d) || d <= 0 {
 		return
 	}
-	limit := rt.cfg.Recovery.MaxQuarantine() // validated > 0
+	limit := v.cfg.Recovery.MaxQuarantine() // validated > 0
 	now := time.Now()
 	until := q.Until
 	bound := now.Add(limit)
@@ -667,19 +653,7 @@ func (rt *Router) applyQuarantine(msg *nats.Msg) {
 	if until.After(bound) {
 		until = bound
 	}
-	if rt.Quarantine(q.EngineID, until) {
-		rt.log.Info("quarantine from another router", "engine_id", q.EngineID, "router", q.RouterID, "until", until)
-	}
-}
-
-// sleep waits d unless the router shuts down; it reports whether to go on.
-func (rt *Router) sleep(d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-rt.base.Done():
-		return false
+	if v.Quarantine(q.EngineID, until) {
+		v.log.Info("quarantine from another router", "engine_id", q.EngineID, "router", q.RouterID, "until", until)
 	}
 }

@@ -1,0 +1,423 @@
+package meshview
+
+import (
+	"slices"
+	"sync/atomic"
+	"time"
+
+	"github.com/narwhalmesh/narwhal/engines"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// Phase is a leg's phase; it indexes a member's per-phase state.
+type Phase int
+
+// The two phases of an attempt.
+const (
+	// Prefill is the producer's leg.
+	Prefill Phase = iota
+	// Decode is the consumer's leg.
+	Decode
+)
+
+// String returns the phase as events and metrics name it: "prefill" or
+// "decode".
+func (p Phase) String() string {
+	if p == Prefill {
+		return schemas.PhasePrefill
+	}
+	return schemas.PhaseDecode
+}
+
+// Member is one engine of the fleet with its live placement state as
+// this router sees it. All mutable state is atomic: placement reads it
+// without a lock (behaviour.md R-OWN-3: no global lock on the placement
+// path). The view's watches write the mesh's verdicts (SetEligible,
+// SetEntry, SetModels, a quarantine from another router); the request
+// path reads them and writes only its own: the slots it reserves and
+// releases, a back-off or quarantine after a fault.
+type Member struct {
+	engines.Engine
+	// limit is the slot limit per phase (0 = none, R-OWN-3).
+	limit [2]int64
+	// reserved is the number of reserved slots per phase.
+	reserved [2]atomic.Int64
+	// eligible is the breaker's verdict (R-BRK-8); true until told
+	// otherwise.
+	eligible atomic.Bool
+	// quarantinedUntil is a UnixNano deadline, 0 when not quarantined
+	// (R-QUAR-1).
+	quarantinedUntil atomic.Int64
+	// skipUntil is a UnixNano deadline before which this router places
+	// nothing on the engine because it answered overload with a
+	// Retry-After (R-FAIL-7); 0 when none. Local to the router, never
+	// published: it is backpressure, not a quarantine.
+	skipUntil atomic.Int64
+	// noCacheDetails is set once the engine, as a decode consumer, reported
+	// usage without prompt_tokens_details.cached_tokens: said once in the
+	// log (R-FAIL-8).
+	noCacheDetails atomic.Bool
+	// models is the list the engine's /v1/models returned; nil until known.
+	models atomic.Pointer[[]string]
+	// refused is set while the engine refuses the router's credentials
+	// (401/403): it is then not placeable (see View.RefuseCredentials).
+	refused atomic.Bool
+	// problem is why the engine's last /v1/models call gave the router
+	// nothing to place on — "unreachable: …" or "serves no model" — nil
+	// when it listed at least one model or before the first call ended
+	// (see noteModels). A credential refusal is
+	// refused's business, not problem's.
+	problem atomic.Pointer[string]
+	// served is every model the engine has listed since the router
+	// started (at most maxServedModels): a model in it is one the fleet
+	// serves even while the engine is unreachable, which makes a request
+	// for it a 503, not a 404.
+	served atomic.Pointer[[]string]
+	// active is whether the engine's fleet state is active: a joining,
+	// draining or drained engine takes no new attempt (R-FLEET-2,
+	// R-FLEET-3).
+	active atomic.Bool
+	// waiting is the engine's own queue (vLLM's num_requests_waiting) as
+	// last read, 0 when unknown; the prefix policy adds it to the load
+	// (R-PLACE-2; View.SetEngineWaiting).
+	waiting atomic.Int64
+	// entry is the engine's fleet entry as last applied.
+	entry atomic.Pointer[schemas.FleetEntry]
+	// fromConfig: the engine came from this router's config file; kept
+	// while narwhal_fleet has no key for it (it is seeded there).
+	fromConfig bool
+}
+
+// maxServedModels bounds Member.served: an engine that lists ever new
+// model names cannot grow the router's memory without bound.
+const maxServedModels = 256
+
+// NewMember returns the member for engine e with fleet entry entry (its
+// state and slot limits) and the placement verdict eligible.
+func NewMember(e engines.Engine, entry schemas.FleetEntry, eligible bool) *Member {
+	m := &Member{Engine: e}
+	m.limit[Prefill] = int64(entry.PrefillSlots)
+	m.limit[Decode] = int64(entry.DecodeSlots)
+	m.eligible.Store(eligible)
+	m.SetEntry(entry)
+	return m
+}
+
+// SetModels stores the model list of a successful /v1/models call and
+// adds its names to those the engine has ever served (the model
+// refresh's).
+func (m *Member) SetModels(models []string) {
+	m.models.Store(&models)
+	old := m.served.Load()
+	var union []string
+	if old != nil {
+		union = append(union, *old...)
+	}
+	for _, x := range models {
+		if len(union) < maxServedModels && !slices.Contains(union, x) {
+			union = append(union, x)
+		}
+	}
+	if old == nil || len(union) != len(*old) {
+		m.served.Store(&union)
+	}
+}
+
+// Models returns the engine's model list as its last successful
+// /v1/models call returned it — empty, not nil, when it listed none —
+// and nil until one succeeded. The slice is the member's own: callers
+// never change it.
+func (m *Member) Models() []string {
+	ms := m.models.Load()
+	switch {
+	case ms == nil:
+		return nil
+	case *ms == nil:
+		return []string{}
+	}
+	return *ms
+}
+
+// EverServed reports whether the engine lists model or has listed it
+// since the router started.
+func (m *Member) EverServed(model string) bool {
+	if m.Serves(model) {
+		return true
+	}
+	ms := m.served.Load()
+	return ms != nil && slices.Contains(*ms, model)
+}
+
+// Problem returns why the engine's last /v1/models call gave the router
+// nothing to place on ("unreachable: …", "serves no model …"), "" when
+// it listed a model or before the first call ended.
+func (m *Member) Problem() string {
+	if p := m.problem.Load(); p != nil {
+		return *p
+	}
+	return ""
+}
+
+// Refused reports whether the engine refuses the router's credentials
+// now (401 or 403): it is then not placeable.
+func (m *Member) Refused() bool { return m.refused.Load() }
+
+// Unplaceable says why the router cannot place on the engine now
+// (UnixNano), "" when it can (for /readyz and the 503 of a model no
+// reachable engine serves).
+func (m *Member) Unplaceable(nowNano int64) string {
+	switch p := m.problem.Load(); {
+	case p != nil:
+		return *p
+	case m.refused.Load():
+		return "refuses the router's credentials"
+	case m.models.Load() == nil:
+		return "has not answered GET /v1/models yet"
+	case !m.eligible.Load():
+		return "ejected by the breaker"
+	case !m.active.Load():
+		return "is " + m.State() + " in the live fleet"
+	}
+	if q := m.quarantinedUntil.Load(); q > nowNano {
+		return "quarantined"
+	}
+	if s := m.skipUntil.Load(); s > nowNano {
+		return "asked the router to back off (Retry-After)"
+	}
+	return ""
+}
+
+// reachableFor reports whether the engine's last /v1/models call
+// succeeded and listed model.
+func (m *Member) reachableFor(model string) bool {
+	return m.problem.Load() == nil && m.Serves(model)
+}
+
+// SetEntry applies a fleet entry of the same spec (a state change: the
+// slot limits stay those of NewMember) and returns the state before, ""
+// for the first.
+func (m *Member) SetEntry(e schemas.FleetEntry) string {
+	prev := m.entry.Swap(&e)
+	m.active.Store(e.State == schemas.FleetActive)
+	if prev == nil {
+		return ""
+	}
+	return prev.State
+}
+
+// State returns the member's fleet state (schemas.FleetActive, …).
+func (m *Member) State() string { return m.entry.Load().State }
+
+// Eligible reports the breaker's verdict as last applied (R-BRK-8).
+func (m *Member) Eligible() bool { return m.eligible.Load() }
+
+// SetEligible applies a breaker's verdict (R-BRK-8) and reports whether
+// it changed the member's eligibility.
+func (m *Member) SetEligible(eligible bool) bool { return m.eligible.Swap(eligible) != eligible }
+
+// Legs returns the member's legs in flight on this router: its reserved
+// prefill and decode slots.
+func (m *Member) Legs() int64 {
+	return m.reserved[Prefill].Load() + m.reserved[Decode].Load()
+}
+
+// Reserved returns the member's reserved slots of phase p: its legs of
+// that phase in flight on this router.
+func (m *Member) Reserved(p Phase) int64 { return m.reserved[p].Load() }
+
+// Waiting returns the engine's own queue as last read (0 when unknown).
+func (m *Member) Waiting() int64 { return m.waiting.Load() }
+
+// SetWaiting records the engine's own queue (vLLM's
+// num_requests_waiting) for the prefix policy's load; n < 0 is taken as
+// 0 (R-PLACE-2).
+func (m *Member) SetWaiting(n int64) { m.waiting.Store(max(n, 0)) }
+
+// Serves reports whether the engine's last known model list has model.
+func (m *Member) Serves(model string) bool {
+	ms := m.models.Load()
+	if ms == nil {
+		return false
+	}
+	for _, x := range *ms {
+		if x == model {
+			return true
+		}
+	}
+	return false
+}
+
+// Can reports whether the engine's role permits phase p.
+func (m *Member) Can(p Phase) bool {
+	if p == Prefill {
+		return m.Role.CanPrefill()
+	}
+	return m.Role.CanDecode()
+}
+
+// Available reports whether the member may be placed on at nowNano,
+// apart from its slot limit and the model: active in the live fleet,
+// eligible, its credentials accepted, neither quarantined nor backing
+// off (R-PLACE-1).
+func (m *Member) Available(nowNano int64) bool {
+	if !m.active.Load() || !m.eligible.Load() || m.refused.Load() {
+		return false
+	}
+	if s := m.skipUntil.Load(); s > nowNano {
+		return false
+	}
+	q := m.quarantinedUntil.Load()
+	return q == 0 || q <= nowNano
+}
+
+// Takes is the member's eligibility for one leg (R-PLACE-1, R-OWN-3):
+// whether it may take a leg of phase p for model at nowNano — its role
+// permits the phase, it is Available, it lists model and has a free slot
+// of p — and its load, the slots of p reserved on it.
+func (m *Member) Takes(p Phase, model string, nowNano int64) (load int64, ok bool) {
+	if !m.Can(p) || !m.Available(nowNano) || !m.Serves(model) {
+		return 0, false
+	}
+	load = m.reserved[p].Load()
+	if m.limit[p] > 0 && load >= m.limit[p] {
+		return load, false
+	}
+	return load, true
+}
+
+// BackOff makes the member unplaceable on this router until until
+// (UnixNano, R-FAIL-7); a later deadline already set is kept.
+func (m *Member) BackOff(until int64) {
+	for {
+		cur := m.skipUntil.Load()
+		if cur >= until || m.skipUntil.CompareAndSwap(cur, until) {
+			return
+		}
+	}
+}
+
+// BackedOffUntil returns the UnixNano deadline of the member's back-off
+// (R-FAIL-7), 0 when none was set.
+func (m *Member) BackedOffUntil() int64 { return m.skipUntil.Load() }
+
+// Quarantine keeps the member out of this router's placement until until
+// (R-QUAR-1), replacing any quarantine before.
+func (m *Member) Quarantine(until time.Time) { m.quarantinedUntil.Store(until.UnixNano()) }
+
+// QuarantinedUntil returns the UnixNano end of the member's quarantine,
+// 0 when it was never quarantined.
+func (m *Member) QuarantinedUntil() int64 { return m.quarantinedUntil.Load() }
+
+// MarkNoCacheDetails records that the engine, as a decode consumer,
+// reported usage without prompt_tokens_details.cached_tokens, and
+// reports whether that is the first time: it is said once in the log
+// (R-FAIL-8).
+func (m *Member) MarkNoCacheDetails() bool { return m.noCacheDetails.CompareAndSwap(false, true) }
+
+// TryReserve takes one slot of phase p if the limit allows (R-OWN-3).
+func (m *Member) TryReserve(p Phase) bool {
+	lim := m.limit[p]
+	for {
+		cur := m.reserved[p].Load()
+		if lim > 0 && cur >= lim {
+			return false
+		}
+		if m.reserved[p].CompareAndSwap(cur, cur+1) {
+			return true
+		}
+	}
+}
+
+// Release gives back one slot of phase p.
+func (m *Member) Release(p Phase) { m.reserved[p].Add(-1) }
+
+// Fleet is the set of engines a router places on. A Fleet value never
+// changes membership: the live fleet's watch replaces it whole; each
+// member's state changes atomically.
+type Fleet struct {
+	members []*Member
+	byID    map[string]*Member
+}
+
+// NewFleet returns the fleet of members, in that order (ids unique).
+func NewFleet(members ...*Member) *Fleet {
+	f := &Fleet{members: members, byID: make(map[string]*Member, len(members))}
+	for _, m := range members {
+		f.byID[m.ID] = m
+	}
+	return f
+}
+
+// Members returns the fleet's members in fleet order. The slice is the
+// fleet's own: callers read it and never change it.
+func (f *Fleet) Members() []*Member { return f.members }
+
+// Member returns the member of engine id, nil when the fleet has none.
+func (f *Fleet) Member(id string) *Member { return f.byID[id] }
+
+// EverServed reports whether any engine of the fleet has listed model
+// since the router started: a model none has is unknown (404).
+func (f *Fleet) EverServed(model string) bool {
+	for _, m := range f.members {
+		if m.EverServed(model) {
+			return true
+		}
+	}
+	return false
+}
+
+// UnreachableFor returns, for the first phase (prefill, then decode) in
+// which engines of the fleet have served model but none of them is
+// reachable and lists it now, those engines; nil when every phase whose
+// engines served model has a reachable one. A phase no engine ever served
+// model in is placement's business (no eligible engine).
+func (f *Fleet) UnreachableFor(model string) (Phase, []*Member) {
+	for _, p := range []Phase{Prefill, Decode} {
+		var should []*Member
+		reachable := false
+		for _, m := range f.members {
+			if !m.Can(p) || !m.EverServed(model) {
+				continue
+			}
+			if m.reachableFor(model) {
+				reachable = true
+				break
+			}
+			should = append(should, m)
+		}
+		if !reachable && len(should) > 0 {
+			return p, should
+		}
+	}
+	return 0, nil
+}
+
+// Models returns every model any engine serves, without duplicates, in
+// fleet order.
+func (f *Fleet) Models() []string {
+	seen := map[string]bool{}
+	var out []string
+	for _, m := range f.members {
+		if ms := m.models.Load(); ms != nil {
+			for _, x := range *ms {
+				if !seen[x] {
+					seen[x] = true
+					out = append(out, x)
+				}
+			}
+		}
+	}
+	return out
+}
+
+// CanServe reports whether at least one engine is available for phase p
+// with known models (for /readyz, R-API-2).
+func (f *Fleet) CanServe(p Phase) bool {
+	now := time.Now().UnixNano()
+	for _, m := range f.members {
+		if m.Can(p) && m.Available(now) && m.models.Load() != nil && m.problem.Load() == nil {
+			return true
+		}
+	}
+	return false
+}

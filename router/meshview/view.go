@@ -1,0 +1,288 @@
+// Package meshview is a router's view of the mesh (behaviour.md §9,
+// §9a): which engines are in the fleet (the config file's, then the live
+// fleet's bucket narwhal_fleet), what the breakers' leader says of each
+// (the placement bucket narwhal_placement, checked against the leader
+// lease), the other routers' quarantines, what each engine serves and
+// whether it accepts the router's credentials (its /v1/models), its load
+// (this router's reservations and the engine's own queue), and the
+// prefix index shared with the other routers.
+//
+// The request path reads the view — View.Fleet, each Member's
+// eligibility (Member.Takes), load and reservations, the prefix index's
+// matches — and writes only its own: the slots it reserves and releases,
+// the prompt blocks it placed (View.RecordPrefix), what a fault tells
+// (a back-off, a quarantine, a refusal of credentials). Everything else
+// is written here, by the watches of the bus and the engines. This
+// package never imports the router.
+package meshview
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/engines"
+	"github.com/narwhalmesh/narwhal/prefix"
+)
+
+// Options configures a View.
+type Options struct {
+	// Config is the router's validated configuration (required): its
+	// fleet is the view's first, and it gives the router id,
+	// recovery.max_quarantine_s and the placement section (the prefix
+	// index's size, share_index, engine_metrics_interval_s).
+	Config *config.Config
+	// Logger is the router's logger; nil means slog.Default().
+	Logger *slog.Logger
+	// Registry receives the view's metrics; nil means a new registry.
+	Registry prometheus.Registerer
+	// HTTPClient reads the engines' /v1/models and /metrics; nil means
+	// http.DefaultClient.
+	HTTPClient *http.Client
+	// Context is the owner's life: every loop of the view ends with it.
+	// Nil means one that never ends.
+	Context context.Context
+	// Go runs fn in a goroutine its owner waits for at its end, or runs
+	// nothing and returns false once the owner is ending (the router's
+	// own goroutines, which its Shutdown waits for). Nil runs every fn in
+	// a plain goroutine.
+	Go func(fn func()) bool
+	// KeepsIndex says the placement policy records prompts in the prefix
+	// index (R-PLACE-2): the view then shares the index with the other
+	// routers (placement.share_index) and keeps it true to the engines'
+	// caches (enginewatch.go).
+	KeepsIndex bool
+	// ModelRefresh is how often each engine's /v1/models is read again;
+	// 0 means 30 s. An engine the router cannot place on is asked every
+	// second.
+	ModelRefresh time.Duration
+	// Joined, when set, is called for each engine that joins the fleet
+	// after New (the owner's per-engine series).
+	Joined func(*Member)
+	// Listed, when set, is called with every model an engine lists (the
+	// owner's per-model series).
+	Listed func(model string)
+}
+
+// View is one router's view of the mesh. Create it with New, make it
+// follow the mesh with Join (the bus) and Start (the engines). Its
+// methods are safe for concurrent use.
+type View struct {
+	cfg        *config.Config
+	id         string
+	log        *slog.Logger
+	reg        prometheus.Registerer
+	http       *http.Client
+	base       context.Context
+	goFn       func(func()) bool
+	keepsIndex bool
+	refresh    time.Duration
+	joined     func(*Member)
+	listed     func(string)
+	metrics    *metrics
+
+	live   atomic.Pointer[Fleet] // the fleet as of now; replaced whole on a change (membership.go)
+	index  *prefix.Index
+	placed atomic.Pointer[PlacedFunc]
+
+	// fleetMu orders changes of the fleet's membership (the live fleet's
+	// watch) against verdicts for engines not (yet) in it (the placement
+	// watch); it guards knownEligible. Placement never takes it.
+	fleetMu sync.Mutex
+	// knownEligible is the latest valid placement verdict of every key of
+	// narwhal_placement, members or not, so that an engine that joins
+	// starts with its verdict.
+	knownEligible map[string]bool
+	// fleetIgnoredLogged holds the keys of narwhal_fleet whose ignored
+	// value was logged (membership.go), until a valid one arrives.
+	fleetIgnoredLogged map[string]bool
+
+	meshBus         atomic.Pointer[bus.Bus] // set by Join, read by Ready
+	placementLoaded atomic.Bool
+}
+
+// New builds the view of the fleet of opts.Config, every engine
+// eligible and active until the mesh says otherwise, and registers its
+// metrics. It returns an error when an engine's connector is unknown
+// (nothing is registered then).
+func New(opts Options) (*View, error) {
+	cfg := opts.Config
+	configured, err := engines.FromConfig(cfg.Fleet)
+	if err != nil {
+		return nil, err
+	}
+	v := &View{
+		cfg:                cfg,
+		id:                 cfg.Router.ID,
+		log:                opts.Logger,
+		reg:                opts.Registry,
+		http:               opts.HTTPClient,
+		base:               opts.Context,
+		goFn:               opts.Go,
+		keepsIndex:         opts.KeepsIndex,
+		refresh:            opts.ModelRefresh,
+		joined:             opts.Joined,
+		listed:             opts.Listed,
+		index:              prefix.NewIndex(cfg.Placement.PrefixIndexBlocks),
+		knownEligible:      map[string]bool{},
+		fleetIgnoredLogged: map[string]bool{},
+	}
+	if v.log == nil {
+		v.log = slog.Default()
+	}
+	if v.reg == nil {
+		v.reg = prometheus.NewRegistry()
+	}
+	if v.http == nil {
+		v.http = http.DefaultClient
+	}
+	if v.base == nil {
+		v.base = context.Background()
+	}
+	if v.goFn == nil {
+		v.goFn = func(fn func()) bool { go fn(); return true }
+	}
+	if v.refresh <= 0 {
+		v.refresh = 30 * time.Second
+	}
+	members := make([]*Member, len(configured))
+	for i, e := range configured {
+		m := NewMember(e, cfg.Fleet[i].FleetEntry(cfg.Router.ID, time.Now()), true)
+		m.fromConfig = true
+		members[i] = m
+	}
+	v.live.Store(NewFleet(members...))
+	v.metrics = newMetrics(v.reg, v.Fleet, v.index)
+	for _, m := range members {
+		v.metrics.initEngine(m)
+	}
+	return v, nil
+}
+
+// errShuttingDown is returned by what may not start once the owner is
+// ending (Options.Go refused).
+var errShuttingDown = errors.New("router: shutting down")
+
+// Fleet returns the fleet as of now: a snapshot that the live fleet's
+// watch replaces whole on a change (R-FLEET-1).
+func (v *View) Fleet() *Fleet { return v.live.Load() }
+
+// PlacedFunc receives, after each prefix placement, the producer's
+// engine id and the block hashes of the prompt the router's index did
+// not hold for that engine before: what the other routers need to Learn
+// (behaviour.md R-PLACE-2). It runs on the request path: it must not
+// block, and must copy fresh to keep it (the slice is reused).
+type PlacedFunc func(engineID string, fresh []uint64)
+
+// OnPlaced sets the function that receives each prefix placement's
+// fresh block hashes (for publishing them on the bus); nil removes it.
+func (v *View) OnPlaced(fn PlacedFunc) {
+	if fn == nil {
+		v.placed.Store(nil)
+		return
+	}
+	v.placed.Store(&fn)
+}
+
+// PrefixIndex returns the router's prefix index: what the mesh's other
+// routers placed is applied to it with Learn, and an engine whose cache
+// is gone (ejected, drained, restarted) is dropped from it with Drop.
+func (v *View) PrefixIndex() *prefix.Index { return v.index }
+
+// MatchPrefix returns how many leading blocks of hashes the prefix index
+// holds for engine engineID (prefix.Index.Match, R-PLACE-2).
+func (v *View) MatchPrefix(engineID string, hashes []uint64) int {
+	return v.index.Match(engineID, hashes)
+}
+
+// RecordPrefix records that the prompt of hashes was placed on engine
+// engineID (prefix.Index.Record) and hands the blocks the index did not
+// hold for it before to the OnPlaced function, if any (R-PLACE-2). It
+// returns them, appended to fresh[:0] (the caller's buffer, reused).
+func (v *View) RecordPrefix(engineID string, hashes, fresh []uint64) []uint64 {
+	fresh = v.index.Record(engineID, hashes, fresh[:0])
+	if fn := v.placed.Load(); fn != nil && len(fresh) > 0 {
+		(*fn)(engineID, fresh)
+	}
+	return fresh
+}
+
+// SetEligible applies the breaker's verdict for an engine (R-BRK-8). It
+// returns false for an engine not in the fleet.
+func (v *View) SetEligible(engineID string, eligible bool) bool {
+	m := v.Fleet().Member(engineID)
+	if m != nil {
+		m.SetEligible(eligible)
+	}
+	return m != nil
+}
+
+// Quarantine keeps an engine out of this router's placement until until
+// (R-QUAR-1). It returns false for an engine not in the fleet.
+func (v *View) Quarantine(engineID string, until time.Time) bool {
+	m := v.Fleet().Member(engineID)
+	if m != nil {
+		m.Quarantine(until)
+	}
+	return m != nil
+}
+
+// SetEngineWaiting records engineID's own queue (vLLM's
+// num_requests_waiting, as last read from the engine) for placement: the
+// prefix policy weighs it with the router's outstanding attempts. n < 0
+// is taken as 0. Unknown engines are ignored.
+func (v *View) SetEngineWaiting(engineID string, n int64) {
+	if m := v.Fleet().Member(engineID); m != nil {
+		m.SetWaiting(n)
+	}
+}
+
+// PlacementLoaded reports whether the view has read the placement bucket
+// at least once.
+func (v *View) PlacementLoaded() bool { return v.placementLoaded.Load() }
+
+// Ready is the bus half of /readyz: the view has not joined a mesh, the
+// bus is reachable, or the view holds a placement it loaded before
+// (R-API-2, R-BUS-6).
+func (v *View) Ready() bool {
+	b := v.meshBus.Load()
+	if b == nil {
+		return true
+	}
+	return b.Connected() || v.placementLoaded.Load()
+}
+
+// Start starts the view's watches of the engines, which run until the
+// owner's context ends: every engine's /v1/models read again every
+// ModelRefresh (every second while the router cannot place on it,
+// models.go), and, when the view keeps the prefix index, its check
+// against the fleet and the engines' /metrics read every
+// placement.engine_metrics_interval_s (enginewatch.go). It returns false
+// when the owner is ending (Options.Go refused).
+func (v *View) Start() bool {
+	if !v.goFn(v.refreshLoop) {
+		return false
+	}
+	return !v.keepsIndex || v.goFn(func() { newEngineWatch(v).run(v.cfg.Placement.EngineMetricsInterval()) })
+}
+
+// sleep waits d unless the owner's context ends; it reports whether to
+// go on.
+func (v *View) sleep(d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-v.base.Done():
+		return false
+	}
+}

@@ -1,0 +1,44 @@
+package router
+
+import (
+	"github.com/narwhalmesh/narwhal/router/meshview"
+)
+
+// The request path's names for what it reads of the mesh view
+// (router/meshview): a phase, one engine of the fleet, the fleet as of
+// now.
+type (
+	phase  = meshview.Phase
+	member = meshview.Member
+	fleet  = meshview.Fleet
+)
+
+const (
+	prefillPhase = meshview.Prefill
+	decodePhase  = meshview.Decode
+)
+
+// meshView is all the request path reads of the mesh (a
+// *meshview.View): the fleet as of now — its members, each one's
+// eligibility (meshview.Member.Takes), load and reservations — and the
+// prefix index's match of a prompt. What it writes is the request's
+// own: the slots it reserves and releases on a member, the back-off or
+// quarantine a fault calls for, the prompt it placed (RecordPrefix), an
+// engine that refused the router's credentials. The watches of the bus
+// and the engines that keep the view true are the view's own business
+// (Router.JoinMesh, meshview.View.Start), not the request path's.
+type meshView interface {
+	// Fleet returns the fleet as of now.
+	Fleet() *fleet
+	// MatchPrefix returns how many leading blocks of hashes the prefix
+	// index holds for engine engineID.
+	MatchPrefix(engineID string, hashes []uint64) int
+	// RecordPrefix records a prefix placement on engineID and returns the
+	// blocks the index did not hold for it before, appended to fresh[:0].
+	RecordPrefix(engineID string, hashes, fresh []uint64) []uint64
+	// RefuseCredentials keeps m out of placement until its /v1/models
+	// accepts the router's credentials again.
+	RefuseCredentials(m *member, status int, what string)
+}
+
+var _ meshView = (*meshview.View)(nil)
