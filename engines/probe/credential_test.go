@@ -1,4 +1,4 @@
-package breaker
+package probe
 
 import (
 	"context"
@@ -10,7 +10,6 @@ import (
 
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
-	kvprobe "github.com/narwhalmesh/narwhal/engines/probe"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
@@ -37,7 +36,7 @@ func TestProbeWithEngineKeys(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c := kvprobe.NewClient(cfg)
+	c := NewClient(cfg)
 	t.Cleanup(c.HTTPClient().CloseIdleConnections)
 	psrv, p := startEngine(t, sim.Config{Role: "prefill", EngineID: "p1", APIKey: key, TLS: serverTLS})
 	dsrv, d := startEngine(t, sim.Config{Role: "decode", EngineID: "d1", APIKey: key, TLS: serverTLS})
@@ -53,7 +52,7 @@ func TestProbeWithEngineKeys(t *testing.T) {
 	if err := engines.CheckContract(ctx, c.HTTPClient(), d, nil); err != nil {
 		t.Fatalf("model list with the key: %v", err)
 	}
-	if err := kvprobe.Transfer(ctx, c, p, d, testModel); err != nil {
+	if err := Transfer(ctx, c, p, d, testModel); err != nil {
 		t.Fatalf("probe with the key: %v", err)
 	}
 	if ps, ds := psrv.Stats(), dsrv.Stats(); ps.Prefills != 1 || ds.KVPulled != 1 || ps.Unauthorized+ds.Unauthorized != 0 {
@@ -65,7 +64,7 @@ func TestProbeWithEngineKeys(t *testing.T) {
 	// the producer's own (right) key.
 	wrong := *d
 	wrong.Credential = engines.NewCredential("not-the-key")
-	err = kvprobe.Transfer(ctx, c, p, &wrong, testModel)
+	err = Transfer(ctx, c, p, &wrong, testModel)
 	var f *engines.Fault
 	if !errors.As(err, &f) || f.Kind != engines.KindEngineUnauthorized || f.EngineID != "d1" || f.Phase != schemas.PhaseDecode || f.CountsTowardEjection() {
 		t.Fatalf("probe with a wrong decode key: %v, want a decode engine_unauthorized of d1 that does not count", err)
@@ -88,7 +87,7 @@ func TestProbeWithEngineKeys(t *testing.T) {
 	if err := engines.CheckContract(ctx, c.HTTPClient(), &bare, nil); err == nil || !strings.Contains(err.Error(), "HTTP 401") {
 		t.Errorf("model list without a key: %v, want HTTP 401", err)
 	}
-	err = kvprobe.Transfer(ctx, c, &bare, d, testModel)
+	err = Transfer(ctx, c, &bare, d, testModel)
 	if !errors.As(err, &f) || f.Kind != engines.KindEngineUnauthorized || f.Phase != schemas.PhasePrefill || f.UpstreamStatus != 401 {
 		t.Errorf("probe without the producer's key: %v", err)
 	}
