@@ -8,6 +8,7 @@ package bustest
 import (
 	"context"
 	"path/filepath"
+	"sync"
 	"testing"
 	"time"
 
@@ -84,3 +85,76 @@ func Credentials(t testing.TB) string {
 // bus.RoleViewer, …) in dir, a directory Credentials wrote, for
 // ConnectOptions.CredsFile.
 func CredsFile(dir, role string) string { return filepath.Join(dir, bus.CredsFile(role)) }
+
+// Event is one message of stream NARWHAL_EVENTS as a subscription
+// delivers it: its subject (narwhal.events.<kind>.<id>) and JSON payload.
+type Event struct {
+	Subject string
+	Payload []byte
+}
+
+// Events is what a subscription delivered so far, in stream order; it is
+// safe to read while the subscription adds to it. The zero value is empty
+// and ready to use, its Add the subscription's handler (Record does both).
+type Events struct {
+	mu  sync.Mutex
+	all []Event
+}
+
+// Record subscribes to b's events that filter selects (bus.Subscribe: ""
+// is every event; with deliverAll from the oldest stored, else from now)
+// and records them until the test ends. A subscription that cannot start
+// fails the test.
+func Record(t testing.TB, b *bus.Bus, filter string, deliverAll bool) *Events {
+	t.Helper()
+	e := &Events{}
+	stop, err := bus.Subscribe(context.Background(), b, filter, deliverAll, e.Add)
+	if err != nil {
+		t.Fatalf("subscribing to the events: %v", err)
+	}
+	t.Cleanup(stop)
+	return e
+}
+
+// Add records one delivered event; it keeps payload (bus.Subscribe lets
+// its handler keep it).
+func (e *Events) Add(subject string, payload []byte) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.all = append(e.all, Event{Subject: subject, Payload: payload})
+}
+
+// Len returns how many events were recorded.
+func (e *Events) Len() int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return len(e.all)
+}
+
+// At returns the i-th event recorded, from 0; i must be below Len.
+func (e *Events) At(i int) Event {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.all[i]
+}
+
+// All returns the events recorded so far, a copy.
+func (e *Events) All() []Event {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return append([]Event(nil), e.all...)
+}
+
+// On returns the payloads recorded on exactly subject, e.g.
+// bus.SubjectPrefix+"failure.d1", in stream order.
+func (e *Events) On(subject string) [][]byte {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	var out [][]byte
+	for _, ev := range e.all {
+		if ev.Subject == subject {
+			out = append(out, ev.Payload)
+		}
+	}
+	return out
+}
