@@ -1,8 +1,9 @@
 // Package bustest starts embedded NATS buses for tests, as
 // engines/sim/simtest starts simulators: set up, on a free port of
-// 127.0.0.1, shut down when the test ends. It lives beside the bus rather
-// than in internal/testkit so that testkit imports no package of the
-// module; only tests import it.
+// 127.0.0.1, shut down when the test ends; it connects to them, records
+// the events a subscription delivers and writes role credentials. It
+// lives beside the bus rather than in internal/testkit so that testkit
+// imports no package of the module; only tests import it.
 package bustest
 
 import (
@@ -145,9 +146,11 @@ func (e *Events) All() []Event {
 	return append([]Event(nil), e.all...)
 }
 
-// On returns the payloads recorded on exactly subject, e.g.
-// bus.SubjectPrefix+"failure.d1", in stream order.
-func (e *Events) On(subject string) [][]byte {
+// Of returns the payloads recorded on narwhal.events.<kind>.<id> (kind
+// one of schemas' Kind values, id the engine's or router's), in stream
+// order.
+func (e *Events) Of(kind, id string) [][]byte {
+	subject := bus.SubjectPrefix + kind + "." + id
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	var out [][]byte

@@ -2,7 +2,8 @@
 // shares: a bounded poll (WaitFor, and Poll, which fails nothing), the
 // goroutine-leak check (CheckLeaks) and the goroutines it ignores by
 // design (NATSLongLived, FasthttpLongLived), a buffer safe to read while
-// another goroutine writes it (LockedBuffer), readers of Prometheus
+// another goroutine writes it (LockedBuffer), a benchmark's CPU time per
+// operation (CPUTime, ReportCPUPerOp), readers of Prometheus
 // series, from a registry or from a /metrics page served over HTTP, and a
 // certificate authority made in the test (CA) for real TLS.
 //

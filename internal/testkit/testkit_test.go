@@ -133,6 +133,25 @@ func TestLockedBufferWhileWritten(t *testing.T) {
 	}
 }
 
+// TestCPUTimeGrowsWithWork proves CPUTime counts this process's work
+// where it is measured.
+func TestCPUTimeGrowsWithWork(t *testing.T) {
+	start := CPUTime()
+	if start == 0 {
+		t.Skip("CPU time is not measured on this platform")
+	}
+	x := uint64(1)
+	WaitFor(t, 10*time.Second, "10ms of CPU time", func() bool {
+		for i := range 100000 {
+			x = x*6364136223846793005 + uint64(i)
+		}
+		return CPUTime()-start >= 10*time.Millisecond
+	})
+	if x == 0 {
+		t.Log("the spin's result, kept so that it is not optimised away")
+	}
+}
+
 // TestCheckLeaksFindsALeftGoroutine proves the leak check can fail: a
 // goroutine started after CheckLeaks and still running at cleanup is
 // reported, and none is once it has ended.
