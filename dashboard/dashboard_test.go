@@ -7,7 +7,6 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
@@ -15,6 +14,7 @@ import (
 	"time"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
@@ -198,23 +198,10 @@ func TestEventsStream(t *testing.T) {
 // viewer connection, which the dashboard reads with.
 func viewerBus(t *testing.T) (admin, viewer *bus.Bus) {
 	t.Helper()
-	dir := t.TempDir()
-	if err := bus.WriteCredentials(dir); err != nil {
-		t.Fatal(err)
-	}
-	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1, AuthDir: dir})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(emb.Shutdown)
+	dir := bustest.Credentials(t)
+	emb := bustest.StartWith(t, bus.EmbeddedOptions{Port: -1, AuthDir: dir})
 	connect := func(role string) *bus.Bus {
-		b, err := bus.Connect(testContext(t), bus.ConnectOptions{URL: emb.ClientURL(), Name: "test-" + role,
-			CredsFile: filepath.Join(dir, bus.CredsFile(role))})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(b.Close)
-		return b
+		return bustest.Connect(t, emb, bus.ConnectOptions{Name: "test-" + role, CredsFile: bustest.CredsFile(dir, role)})
 	}
 	return connect(bus.RoleAdmin), connect(bus.RoleViewer)
 }
@@ -342,7 +329,7 @@ func TestFleetFromTheBus(t *testing.T) {
 		}
 		return snap.Routers[0].Requests == 3 && snap.Engines[0].Probe != nil && snap.Ignored >= 2
 	}
-	if !waitQuietly(testBound, ready) {
+	if !testkit.Poll(testBound, 10*time.Millisecond, ready) {
 		b, _ := json.MarshalIndent(snap, "", " ")
 		t.Fatalf("not everything published reached the snapshot:\n%s", b)
 	}
@@ -439,19 +426,6 @@ func TestBounds(t *testing.T) {
 	if got := clip("a\xffb", 10); got != "a\uFFFDb" {
 		t.Errorf("clip of invalid UTF-8 = %q", got)
 	}
-}
-
-// waitQuietly polls cond every 10 ms for up to d and reports whether it
-// became true.
-func waitQuietly(d time.Duration, cond func() bool) bool {
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			return false
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	return true
 }
 
 // TestEventsBeforeTheBuckets checks that events replayed at start, which
