@@ -12,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
@@ -21,23 +22,12 @@ import (
 // that publishes.
 func eventsBus(t *testing.T) *bus.Bus {
 	t.Helper()
-	e, err := bus.StartEmbedded(bus.EmbeddedOptions{Port: -1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(e.Shutdown)
+	e := bustest.Start(t)
 	t.Setenv("NARWHAL_NATS_URL", e.ClientURL())
 	for _, v := range []string{"NARWHAL_NATS_CREDS", "NARWHAL_NATS_TLS_CA", "NARWHAL_NATS_TLS_CERT", "NARWHAL_NATS_TLS_KEY"} {
 		t.Setenv(v, "")
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), cmdTestBound)
-	defer cancel()
-	b, err := bus.Connect(ctx, bus.ConnectOptions{URL: e.ClientURL(), Name: t.Name()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(b.Close)
-	return b
+	return bustest.Connect(t, e, bus.ConnectOptions{})
 }
 
 // publishEvent validates ev against its schema (R-BUS-3), publishes it
@@ -115,8 +105,8 @@ func startEvents(t *testing.T, args ...string) *runningCmd {
 // waitLines waits until c has written n lines to stdout and returns them.
 func waitLines(t *testing.T, c *runningCmd, n int) []string {
 	t.Helper()
-	testkit.WaitFor(t, cmdTestBound, "output lines", func() bool { return len(c.stdout.lines()) >= n })
-	return c.stdout.lines()
+	testkit.WaitFor(t, cmdTestBound, "output lines", func() bool { return len(c.stdout.Lines()) >= n })
+	return c.stdout.Lines()
 }
 
 // TestEventsJSONExactlyAsPublished proves R-BUS-5 for `narwhal events
@@ -223,7 +213,7 @@ func TestEventsKindAndEngineFilters(t *testing.T) {
 		want = append(want, string(sentinel))
 		got := waitLines(t, followers[i], len(want))
 		testkit.WaitFor(t, cmdTestBound, "the sentinel", func() bool {
-			got = followers[i].stdout.lines()
+			got = followers[i].stdout.Lines()
 			return strings.Contains(strings.Join(got, "\n"), string(sentinel))
 		})
 		if strings.Join(got, "\n") != strings.Join(want, "\n") {
@@ -260,7 +250,7 @@ func TestEventsSince(t *testing.T) {
 	} {
 		var got []string
 		testkit.WaitFor(t, cmdTestBound, c.name+": the live event", func() bool {
-			got = c.cmd.stdout.lines()
+			got = c.cmd.stdout.Lines()
 			return len(got) > 0 && got[len(got)-1] == string(live)
 		})
 		if strings.Join(got, "\n") != strings.Join(c.want, "\n") {
@@ -283,7 +273,7 @@ func TestEventsUnreachableBus(t *testing.T) {
 	t.Setenv("NARWHAL_NATS_URL", url)
 
 	start := time.Now()
-	err = runEvents(context.Background(), []string{"--connect-timeout", "300ms"}, &capturedOutput{}, &capturedOutput{})
+	err = runEvents(context.Background(), []string{"--connect-timeout", "300ms"}, &testkit.LockedBuffer{}, &testkit.LockedBuffer{})
 	elapsed := time.Since(start)
 	if err == nil || !strings.Contains(err.Error(), "bus "+url+" not reachable within 300ms") {
 		t.Errorf("err = %v, want not reachable", err)
@@ -306,7 +296,7 @@ func TestEventsStopsWhenOutputFails(t *testing.T) {
 	publishEvent(t, b, testFailure("d1", "f1"))
 	errc := make(chan error, 1)
 	go func() {
-		errc <- runEvents(context.Background(), []string{"--since", "all"}, failingWriter{}, &capturedOutput{})
+		errc <- runEvents(context.Background(), []string{"--since", "all"}, failingWriter{}, &testkit.LockedBuffer{})
 	}()
 	select {
 	case err := <-errc:
@@ -328,7 +318,7 @@ func TestEventsFlags(t *testing.T) {
 		{"--connect-timeout", "0s"},
 		{"extra"},
 	} {
-		if err := runEvents(context.Background(), args, &capturedOutput{}, &capturedOutput{}); err == nil {
+		if err := runEvents(context.Background(), args, &testkit.LockedBuffer{}, &testkit.LockedBuffer{}); err == nil {
 			t.Errorf("runEvents %q: no error", args)
 		}
 	}
