@@ -1,9 +1,10 @@
 // Package bustest starts embedded NATS buses for tests, as
 // engines/sim/simtest starts simulators: set up, on a free port of
-// 127.0.0.1, shut down when the test ends; it connects to them, records
-// the events a subscription delivers and writes role credentials. It
-// lives beside the bus rather than in internal/testkit so that testkit
-// imports no package of the module; only tests import it.
+// 127.0.0.1, shut down when the test ends. It connects to them, records
+// the events a subscription delivers, makes sample events to publish and
+// writes role credentials. It lives beside the bus rather than in
+// internal/testkit so that testkit imports no package of the module;
+// only tests import it.
 package bustest
 
 import (

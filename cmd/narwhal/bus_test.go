@@ -17,6 +17,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
@@ -240,13 +241,10 @@ func TestRedactNATSURL(t *testing.T) {
 	}
 }
 
-// testFailure is a decode first-token timeout of engine on router rt-1.
+// testFailure is bustest.SampleFailure (a decode first-token timeout of
+// engine on router rt-1) at the present time.
 func testFailure(engine, id string) *schemas.Failure {
-	return &schemas.Failure{
-		Envelope: schemas.Envelope{Schema: schemas.SchemaFailure, ID: id, At: time.Now().UTC(),
-			RouterID: "rt-1", EngineID: engine, RequestID: "req-" + id},
-		Phase: schemas.PhaseDecode, Kind: "first_token_timeout", Status: 504,
-		Message: "engine first token timeout", Timeout: true, Counts: true,
-		ProducerID: "p1", ConsumerID: engine, BackendRequestID: "req-" + id + "-1", Attempt: 1,
-	}
+	f := bustest.SampleFailure(engine, id)
+	f.At = time.Now().UTC()
+	return f
 }
