@@ -182,20 +182,8 @@ func (h *harness) publish(ev schemas.Event) uint64 {
 	h.t.Helper()
 	head := ev.Head()
 	head.ID, head.At = nuid.Next(), time.Now().UTC()
-	data, err := json.Marshal(ev)
-	if err != nil {
-		h.t.Fatal(err)
-	}
-	if err := bus.ValidateEvent(data); err != nil {
-		h.t.Fatalf("test event invalid: %v", err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	ack, err := h.bus.JetStream().Publish(ctx, ev.Subject(), data, jetstream.WithMsgID(head.ID))
-	if err != nil {
-		h.t.Fatal(err)
-	}
-	return ack.Sequence
+	_, seq := bustest.Publish(h.t, h.bus, ev)
+	return seq
 }
 
 // fail publishes a failure event of engine on phase; producer and consumer

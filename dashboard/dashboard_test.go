@@ -223,20 +223,6 @@ func put(t *testing.T, b *bus.Bus, bucket, key string, v any) {
 	}
 }
 
-func publish(t *testing.T, b *bus.Bus, ev schemas.Event) {
-	t.Helper()
-	payload, err := json.Marshal(ev)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := bus.ValidateEvent(payload); err != nil {
-		t.Fatalf("the test's own event: %v", err)
-	}
-	if _, err := b.JetStream().Publish(testContext(t), ev.Subject(), payload); err != nil {
-		t.Fatal(err)
-	}
-}
-
 func env(schema, id, router, breaker, engine string) schemas.Envelope {
 	return schemas.Envelope{Schema: schema, ID: id, At: time.Now().UTC(), RouterID: router, BreakerID: breaker, EngineID: engine}
 }
@@ -304,16 +290,16 @@ func TestFleetFromTheBus(t *testing.T) {
 		if status != 200 {
 			e.ErrorKind, e.FirstByteSeconds = "upstream_status", nil
 		}
-		publish(t, admin, e)
+		bustest.Publish(t, admin, e)
 	}
 	hostile := `<script>alert(1)</script>`
-	publish(t, admin, &schemas.Failure{Envelope: env(schemas.SchemaFailure, "f1", "rt-1", "", "d1"),
+	bustest.Publish(t, admin, &schemas.Failure{Envelope: env(schemas.SchemaFailure, "f1", "rt-1", "", "d1"),
 		Phase: schemas.PhaseDecode, Kind: "upstream_status", Status: 502, Message: hostile, Counts: true, Attempt: 1})
-	publish(t, admin, &schemas.Eligibility{Envelope: env(schemas.SchemaEligibility, "e1", "", "b1", "d1"),
+	bustest.Publish(t, admin, &schemas.Eligibility{Envelope: env(schemas.SchemaEligibility, "e1", "", "b1", "d1"),
 		State: schemas.StateEjected, Streak: 3, Reason: "ejected after 3 consecutive failures"})
-	publish(t, admin, &schemas.Quarantine{Envelope: env(schemas.SchemaQuarantine, "q1", "rt-1", "", "p1"),
+	bustest.Publish(t, admin, &schemas.Quarantine{Envelope: env(schemas.SchemaQuarantine, "q1", "rt-1", "", "p1"),
 		DurationSeconds: 60, Until: time.Now().Add(time.Minute).UTC(), Reason: "first_token_timeout"})
-	publish(t, admin, &schemas.Probe{Envelope: env(schemas.SchemaProbe, "pr1", "", "b1", "d1"),
+	bustest.Publish(t, admin, &schemas.Probe{Envelope: env(schemas.SchemaProbe, "pr1", "", "b1", "d1"),
 		Outcome: schemas.ProbeFailure, Phase: schemas.PhaseDecode, ProducerID: "p1", ConsumerID: "d1", Message: "health check: 503"})
 	if _, err := admin.JetStream().Publish(testContext(t), "narwhal.events.failure.d1", []byte(`{"schema":"narwhal.failure.v1"}`)); err != nil {
 		t.Fatal(err)
@@ -372,7 +358,7 @@ func TestFleetFromTheBus(t *testing.T) {
 	}
 
 	// Readmission and removal reach the snapshot too.
-	publish(t, admin, &schemas.Eligibility{Envelope: env(schemas.SchemaEligibility, "e2", "", "b1", "d1"),
+	bustest.Publish(t, admin, &schemas.Eligibility{Envelope: env(schemas.SchemaEligibility, "e2", "", "b1", "d1"),
 		Eligible: true, State: schemas.StateEligible, Reason: "readmitted after a successful inference probe"})
 	put(t, admin, bus.PlacementBucket, "d1", placement("d1", true, 0, "readmitted after a successful inference probe"))
 	kv, err := admin.BindBucket(testContext(t), bus.FleetBucket)

@@ -1,10 +1,10 @@
 // Package bustest starts embedded NATS buses for tests, as
 // engines/sim/simtest starts simulators: set up, on a free port of
 // 127.0.0.1, shut down when the test ends. It connects to them, records
-// the events a subscription delivers, makes sample events to publish and
-// writes role credentials. It lives beside the bus rather than in
-// internal/testkit so that testkit imports no package of the module;
-// only tests import it.
+// the events a subscription delivers, makes sample events and publishes
+// events as the services do, and writes role credentials. It lives
+// beside the bus rather than in internal/testkit so that testkit imports
+// no package of the module; only tests import it.
 package bustest
 
 import (
@@ -17,9 +17,9 @@ import (
 	"github.com/narwhalmesh/narwhal/bus"
 )
 
-// connectBound bounds Connect: generous next to the milliseconds a
-// connection to an embedded server takes.
-const connectBound = 10 * time.Second
+// callBound bounds each call to the bus (Connect, Publish): generous
+// next to the milliseconds an embedded server takes.
+const callBound = 10 * time.Second
 
 // Start starts an embedded NATS server with JetStream listening on a free
 // port of 127.0.0.1 (its ClientURL), set up in-process with the stream
@@ -60,7 +60,7 @@ func Connect(t testing.TB, e *bus.Embedded, opts bus.ConnectOptions) *bus.Bus {
 	if opts.Name == "" {
 		opts.Name = t.Name()
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), connectBound)
+	ctx, cancel := context.WithTimeout(context.Background(), callBound)
 	defer cancel()
 	b, err := bus.Connect(ctx, opts)
 	if err != nil {

@@ -1,8 +1,14 @@
 package bustest
 
 import (
+	"context"
+	"encoding/json"
+	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -62,4 +68,28 @@ func SampleEligibility(id, engine string, eligible bool) *schemas.Eligibility {
 func SampleProbe(id, engine string) *schemas.Probe {
 	return &schemas.Probe{Envelope: SampleEnvelope(schemas.SchemaProbe, id, "", "b1", engine, ""),
 		Outcome: "success", Phase: schemas.PhaseDecode, ProducerID: "p1", ConsumerID: engine}
+}
+
+// Publish validates ev against its JSON Schema and publishes it on its
+// subject with its id as the message id, as a router or a breaker does
+// (behaviour.md R-BUS-3: a second publish of the id is dropped); it
+// returns the JSON published and the stream sequence it was stored at.
+// An invalid event or a publish not acknowledged within 10 s fails the
+// test.
+func Publish(t testing.TB, b *bus.Bus, ev schemas.Event) (payload []byte, seq uint64) {
+	t.Helper()
+	payload, err := json.Marshal(ev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := bus.ValidateEvent(payload); err != nil {
+		t.Fatalf("the test's own event: %v\n%s", err, payload)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), callBound)
+	defer cancel()
+	ack, err := b.JetStream().Publish(ctx, ev.Subject(), payload, jetstream.WithMsgID(ev.Head().ID))
+	if err != nil {
+		t.Fatalf("publishing %s: %v", ev.Subject(), err)
+	}
+	return payload, ack.Sequence
 }

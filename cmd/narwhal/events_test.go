@@ -9,8 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go/jetstream"
-
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
@@ -35,24 +33,14 @@ func eventsBus(t *testing.T) *bus.Bus {
 // time the stream stored it.
 func publishEvent(t *testing.T, b *bus.Bus, ev schemas.Event) ([]byte, time.Time) {
 	t.Helper()
-	payload, err := json.Marshal(ev)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := bus.ValidateEvent(payload); err != nil {
-		t.Fatalf("%v\n%s", err, payload)
-	}
+	payload, seq := bustest.Publish(t, b, ev)
 	ctx, cancel := context.WithTimeout(context.Background(), cmdTestBound)
 	defer cancel()
-	ack, err := b.JetStream().Publish(ctx, ev.Subject(), payload, jetstream.WithMsgID(ev.Head().ID))
-	if err != nil {
-		t.Fatal(err)
-	}
 	stream, err := b.JetStream().Stream(ctx, bus.StreamName)
 	if err != nil {
 		t.Fatal(err)
 	}
-	msg, err := stream.GetMsg(ctx, ack.Sequence)
+	msg, err := stream.GetMsg(ctx, seq)
 	if err != nil {
 		t.Fatal(err)
 	}
