@@ -280,14 +280,12 @@ func TestReadmissionOnlyAfterSuccessfulProbe(t *testing.T) {
 	// readmission it caused.
 	probeSubject, eligibilitySubject := bus.SubjectPrefix+schemas.KindProbe+".d1", bus.SubjectPrefix+schemas.KindEligibility+".d1"
 	var order []string
-	h.events.mu.Lock()
-	for i, subject := range h.events.subjects {
-		if subject == probeSubject && strings.Contains(string(h.events.payloads[i]), `"outcome":"success"`) ||
-			subject == eligibilitySubject && strings.Contains(string(h.events.payloads[i]), "readmitted") {
-			order = append(order, subject)
+	for _, ev := range h.events.All() {
+		if ev.Subject == probeSubject && strings.Contains(string(ev.Payload), `"outcome":"success"`) ||
+			ev.Subject == eligibilitySubject && strings.Contains(string(ev.Payload), "readmitted") {
+			order = append(order, ev.Subject)
 		}
 	}
-	h.events.mu.Unlock()
 	if len(order) != 2 || order[0] != probeSubject || order[1] != eligibilitySubject {
 		t.Fatalf("events in stream order %v: want the successful probe, then the readmission", order)
 	}

@@ -95,7 +95,7 @@ func TestDrainWaitsForEveryRouterRFLEET3(t *testing.T) {
 	if e, _ := h.fleetEntry("d1"); !strings.Contains(e.Reason, "every router") || e.By != "breaker-1" {
 		t.Errorf("drained entry %+v", e)
 	}
-	testkit.WaitFor(t, waitBound, "one drained event", func() bool { return len(h.events.of(schemas.KindFleet, "d1")) >= 1 })
+	testkit.WaitFor(t, waitBound, "one drained event", func() bool { return len(h.events.Of(schemas.KindFleet, "d1")) >= 1 })
 
 	// d2: rt-1 keeps a leg forever: the drain timeout ends it.
 	h.putReport(schemas.RouterReport{RouterID: "rt-1", Draining: map[string]int64{"d1": 0, "d2": 5}})
@@ -109,7 +109,7 @@ func TestDrainWaitsForEveryRouterRFLEET3(t *testing.T) {
 		t.Errorf("d2 drained for %q, want the timeout", e.Reason)
 	}
 	var drained int
-	for _, raw := range h.events.of(schemas.KindFleet, "d1") {
+	for _, raw := range h.events.Of(schemas.KindFleet, "d1") {
 		var ev schemas.FleetChange
 		_ = json.Unmarshal(raw, &ev)
 		if ev.State == schemas.FleetDrained {

@@ -15,6 +15,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines/connector"
 	kvprobe "github.com/narwhalmesh/narwhal/engines/probe"
@@ -28,10 +29,7 @@ import (
 const waitBound = 20 * time.Second
 
 func TestMain(m *testing.M) {
-	// nats-server's setup of NARWHAL_HISTORY's source waits up to 30 s for
-	// an answer that a server shut down right after creating the stream
-	// never sends; the goroutine then ends on its own.
-	goleak.VerifyTestMain(m, goleak.IgnoreAnyFunction("github.com/nats-io/nats-server/v2/server.(*stream).trySetupSourceConsumer.func3"))
+	goleak.VerifyTestMain(m, testkit.NATSLongLived()...)
 }
 
 // simSpec is one simulated engine of a test fleet.
@@ -58,7 +56,7 @@ type harness struct {
 	bus    *bus.Bus
 	cfg    *config.Config
 	sims   map[string]*sim.Server
-	events *eventLog
+	events *bustest.Events
 }
 
 // testModel is the model every simulated engine serves.
@@ -72,11 +70,7 @@ func newHarness(t *testing.T, su setup) *harness {
 	}
 	// The bus's admin makes the lease bucket with the mesh's lease TTL
 	// (R-BUS-8); the breakers bind to it.
-	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1, LeaseTTL: config.Seconds(leaseTTLS)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(emb.Shutdown)
+	emb := bustest.StartWith(t, bus.EmbeddedOptions{Port: -1, LeaseTTL: config.Seconds(leaseTTLS)})
 	h := &harness{t: t, emb: emb, sims: map[string]*sim.Server{}}
 	h.bus = h.connect("test-router")
 
@@ -104,27 +98,15 @@ func newHarness(t *testing.T, su setup) *harness {
 	}
 	h.cfg = &cfg
 
-	h.events = &eventLog{}
-	stop, err := bus.Subscribe(context.Background(), h.bus, "", true, h.events.add)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(h.validateEvents) // runs before stop: the log is complete
-	t.Cleanup(stop)
+	t.Cleanup(h.validateEvents) // runs after the subscription stopped: the log is complete
+	h.events = bustest.Record(t, h.bus, "", true)
 	return h
 }
 
 // connect opens a bus connection over TCP, closed when the test ends.
 func (h *harness) connect(name string) *bus.Bus {
 	h.t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	b, err := bus.Connect(ctx, bus.ConnectOptions{URL: h.emb.ClientURL(), Name: name})
-	if err != nil {
-		h.t.Fatal(err)
-	}
-	h.t.Cleanup(b.Close)
-	return b
+	return bustest.Connect(h.t, h.emb, bus.ConnectOptions{Name: name})
 }
 
 // running is a Service started by the harness on a connection of its own.
@@ -201,20 +183,8 @@ func (h *harness) publish(ev schemas.Event) uint64 {
 	h.t.Helper()
 	head := ev.Head()
 	head.ID, head.At = nuid.Next(), time.Now().UTC()
-	data, err := json.Marshal(ev)
-	if err != nil {
-		h.t.Fatal(err)
-	}
-	if err := bus.ValidateEvent(data); err != nil {
-		h.t.Fatalf("test event invalid: %v", err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	ack, err := h.bus.JetStream().Publish(ctx, ev.Subject(), data, jetstream.WithMsgID(head.ID))
-	if err != nil {
-		h.t.Fatal(err)
-	}
-	return ack.Sequence
+	_, seq := bustest.Publish(h.t, h.bus, ev)
+	return seq
 }
 
 // fail publishes a failure event of engine on phase; producer and consumer
@@ -342,7 +312,7 @@ func (h *harness) waitState(engine, state string) schemas.Eligibility {
 // probes returns the probe events of engine seen so far.
 func (h *harness) probes(engine string) []schemas.Probe {
 	var out []schemas.Probe
-	for _, raw := range h.events.of(schemas.KindProbe, engine) {
+	for _, raw := range h.events.Of(schemas.KindProbe, engine) {
 		var p schemas.Probe
 		if err := json.Unmarshal(raw, &p); err != nil {
 			h.t.Fatal(err)
@@ -372,7 +342,7 @@ func (h *harness) waitProbes(engine, outcome string, n int) []schemas.Probe {
 // eligibilities returns the eligibility events of engine seen so far.
 func (h *harness) eligibilities(engine string) []schemas.Eligibility {
 	var out []schemas.Eligibility
-	for _, raw := range h.events.of(schemas.KindEligibility, engine) {
+	for _, raw := range h.events.Of(schemas.KindEligibility, engine) {
 		var e schemas.Eligibility
 		if err := json.Unmarshal(raw, &e); err != nil {
 			h.t.Fatal(err)
@@ -396,45 +366,11 @@ func probeRequests(srv *sim.Server) []sim.RecordedRequest {
 // validateEvents checks every event seen on the bus against its JSON
 // Schema (R-BUS-3).
 func (h *harness) validateEvents() {
-	for _, raw := range h.events.all() {
-		if err := bus.ValidateEvent(raw); err != nil {
-			h.t.Errorf("published event %s: %v", raw, err)
+	for _, ev := range h.events.All() {
+		if err := bus.ValidateEvent(ev.Payload); err != nil {
+			h.t.Errorf("published event %s: %v", ev.Payload, err)
 		}
 	}
-}
-
-// eventLog records every event payload with its subject.
-type eventLog struct {
-	mu       sync.Mutex
-	subjects []string
-	payloads [][]byte
-}
-
-func (l *eventLog) add(subject string, payload []byte) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.subjects = append(l.subjects, subject)
-	l.payloads = append(l.payloads, payload)
-}
-
-// of returns the payloads on narwhal.events.<kind>.<id>.
-func (l *eventLog) of(kind, id string) [][]byte {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	subject := bus.SubjectPrefix + kind + "." + id
-	var out [][]byte
-	for i, s := range l.subjects {
-		if s == subject {
-			out = append(out, l.payloads[i])
-		}
-	}
-	return out
-}
-
-func (l *eventLog) all() [][]byte {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return append([][]byte(nil), l.payloads...)
 }
 
 // backoffOf reads a Service's probe backoff of engine.

@@ -17,6 +17,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
@@ -33,20 +34,13 @@ func authServer(t *testing.T) (e *bus.Embedded, dir string) {
 	if err := bus.WriteCredentials(dir); err != nil {
 		t.Fatal(err)
 	}
-	return startServer(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1, AuthDir: dir}), dir
+	return bustest.StartWith(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1, AuthDir: dir}), dir
 }
 
 // connectAs connects to e over TCP with role's credential from dir.
 func connectAs(t *testing.T, e *bus.Embedded, dir, role string) *bus.Bus {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	b, err := bus.Connect(ctx, bus.ConnectOptions{URL: e.ClientURL(), Name: role, CredsFile: filepath.Join(dir, bus.CredsFile(role))})
-	if err != nil {
-		t.Fatalf("connect as %s: %v", role, err)
-	}
-	t.Cleanup(b.Close)
-	return b
+	return bustest.Connect(t, e, bus.ConnectOptions{Name: role, CredsFile: bustest.CredsFile(dir, role)})
 }
 
 // denied asserts that act failed and that the server reported a
@@ -135,11 +129,8 @@ func TestRolePermissions(t *testing.T) {
 		t.Errorf("Connect without a credential took %v to fail", d)
 	}
 	// A credential of another operator is refused too.
-	other := filepath.Join(t.TempDir(), "other")
-	if err := bus.WriteCredentials(other); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := bus.Connect(ctx, bus.ConnectOptions{URL: e.ClientURL(), CredsFile: filepath.Join(other, bus.CredsFile(bus.RoleAdmin))}); err == nil {
+	other := bustest.Credentials(t)
+	if _, err := bus.Connect(ctx, bus.ConnectOptions{URL: e.ClientURL(), CredsFile: bustest.CredsFile(other, bus.RoleAdmin)}); err == nil {
 		t.Error("Connect with another mesh's admin credential succeeded")
 	}
 
@@ -375,18 +366,15 @@ func TestRolePermissions(t *testing.T) {
 // not been set up gets the message naming the command, and that a
 // read-only Connect with any role changes nothing (R-BUS-8).
 func TestViewerSetupNeedsAdmin(t *testing.T) {
-	dir := filepath.Join(t.TempDir(), "creds")
-	if err := bus.WriteCredentials(dir); err != nil {
-		t.Fatal(err)
-	}
-	e := startServer(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1, AuthDir: dir, NoSetup: true})
+	dir := bustest.Credentials(t)
+	e := bustest.StartWith(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1, AuthDir: dir, NoSetup: true})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	_, err := bus.Connect(ctx, bus.ConnectOptions{URL: e.ClientURL(), CredsFile: filepath.Join(dir, bus.CredsFile(bus.RoleViewer))})
+	_, err := bus.Connect(ctx, bus.ConnectOptions{URL: e.ClientURL(), CredsFile: bustest.CredsFile(dir, bus.RoleViewer)})
 	if !errors.Is(err, bus.ErrNotSetUp) || !strings.Contains(err.Error(), "narwhal bus setup") {
 		t.Fatalf("viewer on a bus not set up: %v", err)
 	}
-	b, err := bus.Connect(ctx, bus.ConnectOptions{URL: e.ClientURL(), CredsFile: filepath.Join(dir, bus.CredsFile(bus.RoleAdmin)), Setup: &bus.SetupOptions{}})
+	b, err := bus.Connect(ctx, bus.ConnectOptions{URL: e.ClientURL(), CredsFile: bustest.CredsFile(dir, bus.RoleAdmin), Setup: &bus.SetupOptions{}})
 	if err != nil {
 		t.Fatalf("admin set-up: %v", err)
 	}
@@ -399,13 +387,7 @@ func TestViewerSetupNeedsAdmin(t *testing.T) {
 // set joins the cluster, one of another set (another route secret) does
 // not.
 func TestClusterRoutesNeedTheSecret(t *testing.T) {
-	dir := filepath.Join(t.TempDir(), "creds")
-	other := filepath.Join(t.TempDir(), "other")
-	for _, d := range []string{dir, other} {
-		if err := bus.WriteCredentials(d); err != nil {
-			t.Fatal(err)
-		}
-	}
+	dir, other := bustest.Credentials(t), bustest.Credentials(t)
 	ports := make([]int, 3)
 	for i := range ports {
 		l, err := net.Listen("tcp", "127.0.0.1:0")
@@ -417,7 +399,7 @@ func TestClusterRoutesNeedTheSecret(t *testing.T) {
 	}
 	route := func(i int) string { return "nats://127.0.0.1:" + strconv.Itoa(ports[i]) }
 	node := func(name, auth string, i int, routes ...string) *bus.Embedded {
-		return startServer(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1, AuthDir: auth, NoSetup: true,
+		return bustest.StartWith(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1, AuthDir: auth, NoSetup: true,
 			ServerName: name, Cluster: "127.0.0.1:" + strconv.Itoa(ports[i]), Routes: routes})
 	}
 	a := node("a", dir, 0)

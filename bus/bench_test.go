@@ -1,11 +1,12 @@
 package bus_test
 
 import (
-	"context"
 	"testing"
 	"time"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -14,18 +15,7 @@ import (
 // marshalling and the JetStream publish happen on the publisher's own
 // goroutine (also measured here, since the benchmark waits for them).
 func BenchmarkPublish(b *testing.B) {
-	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: b.TempDir(), Port: 0})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer emb.Shutdown()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	bs, err := bus.Connect(ctx, bus.ConnectOptions{Embedded: emb})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer bs.Close()
+	bs := bustest.Connect(b, bustest.StartWith(b, bus.EmbeddedOptions{Dir: b.TempDir(), Port: 0}), bus.ConnectOptions{})
 	p := bus.NewPublisher(bs, 1<<16, nil)
 	ttft, fb := 0.0012, 0.0015
 	prompt, completion := 32, 16
@@ -53,18 +43,7 @@ func BenchmarkPublish(b *testing.B) {
 // the publisher goroutine's (encoding, async publish, batched acks) and
 // the in-process server's together.
 func BenchmarkPublishAcked(b *testing.B) {
-	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: b.TempDir(), Port: 0})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer emb.Shutdown()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	bs, err := bus.Connect(ctx, bus.ConnectOptions{Embedded: emb})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer bs.Close()
+	bs := bustest.Connect(b, bustest.StartWith(b, bus.EmbeddedOptions{Dir: b.TempDir(), Port: 0}), bus.ConnectOptions{})
 	const buffer, pace = 1 << 14, 1 << 12
 	p := bus.NewPublisher(bs, buffer, nil)
 	defer p.Close()
@@ -82,12 +61,8 @@ func BenchmarkPublishAcked(b *testing.B) {
 			Attempts: 1, TTFTSeconds: &ttft, FirstByteSeconds: &fb, DurationSeconds: 0.002, PromptTokens: &prompt, CompletionTokens: &completion,
 		})
 	}
-	deadline := time.Now().Add(time.Minute)
-	for p.Published()+p.Dropped() < uint64(b.N) {
-		if time.Now().After(deadline) {
-			b.Fatalf("%d of %d acknowledged after a minute", p.Published(), b.N)
-		}
-		time.Sleep(100 * time.Microsecond)
+	if !testkit.Poll(time.Minute, 100*time.Microsecond, func() bool { return p.Published()+p.Dropped() >= uint64(b.N) }) {
+		b.Fatalf("%d of %d acknowledged after a minute", p.Published(), b.N)
 	}
 	b.StopTimer()
 	if d := p.Dropped(); d > 0 {

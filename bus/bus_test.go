@@ -8,7 +8,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -17,6 +16,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
@@ -25,77 +25,14 @@ import (
 const waitBound = 10 * time.Second
 
 func TestMain(m *testing.M) {
-	// nats-server's setup of NARWHAL_HISTORY's source waits up to 30 s for
-	// an answer that a server shut down right after creating the stream
-	// never sends; the goroutine then ends on its own.
-	goleak.VerifyTestMain(m, goleak.IgnoreAnyFunction("github.com/nats-io/nats-server/v2/server.(*stream).trySetupSourceConsumer.func3"))
-}
-
-// startServer starts an embedded server and shuts it down when the test
-// ends.
-func startServer(t *testing.T, opts bus.EmbeddedOptions) *bus.Embedded {
-	t.Helper()
-	e, err := bus.StartEmbedded(opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(e.Shutdown)
-	return e
+	goleak.VerifyTestMain(m, testkit.NATSLongLived()...)
 }
 
 // connect connects to e over TCP (or in-process when e has no listener)
 // and closes the Bus when the test ends.
 func connect(t *testing.T, e *bus.Embedded) *bus.Bus {
 	t.Helper()
-	opts := bus.ConnectOptions{URL: e.ClientURL(), Name: t.Name()}
-	if opts.URL == "" {
-		opts.Embedded = e
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	b, err := bus.Connect(ctx, opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(b.Close)
-	return b
-}
-
-// received collects what a subscription delivers.
-type received struct {
-	mu       sync.Mutex
-	subjects []string
-	payloads [][]byte
-}
-
-func (r *received) add(subject string, payload []byte) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.subjects = append(r.subjects, subject)
-	r.payloads = append(r.payloads, payload)
-}
-
-func (r *received) count() int {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return len(r.subjects)
-}
-
-func (r *received) get(i int) (string, []byte) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.subjects[i], r.payloads[i]
-}
-
-func subscribe(t *testing.T, b *bus.Bus, filter string, deliverAll bool) *received {
-	t.Helper()
-	r := &received{}
-	stop, err := bus.Subscribe(context.Background(), b, filter, deliverAll, r.add)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(stop)
-	return r
+	return bustest.Connect(t, e, bus.ConnectOptions{})
 }
 
 func failure(engine string) *schemas.Failure {
@@ -111,7 +48,7 @@ func failure(engine string) *schemas.Failure {
 // embedded server with no TCP listener serves in-process connections with
 // the stream and the bucket.
 func TestEmbeddedInProcessOnly(t *testing.T) {
-	e := startServer(t, bus.EmbeddedOptions{Port: 0})
+	e := bustest.StartWith(t, bus.EmbeddedOptions{Port: 0})
 	if got := e.ClientURL(); got != "" {
 		t.Errorf("ClientURL() = %q, want none for an in-process server", got)
 	}
@@ -147,7 +84,7 @@ func TestEmbeddedInProcessOnly(t *testing.T) {
 // after their configuration was changed — keeps the same stream (same
 // creation time) with its stored messages and the bucket with its keys.
 func TestConnectNeverRecreates(t *testing.T) {
-	e := startServer(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1})
+	e := bustest.StartWith(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1})
 	if !strings.HasPrefix(e.ClientURL(), "nats://127.0.0.1:") {
 		t.Fatalf("ClientURL() = %q", e.ClientURL())
 	}
@@ -216,9 +153,9 @@ func TestConnectNeverRecreates(t *testing.T) {
 // event of every kind arrives on narwhal.events.<kind>.<id> as JSON with id
 // and at filled in, and validates against its schema.
 func TestPublishSubscribe(t *testing.T) {
-	e := startServer(t, bus.EmbeddedOptions{Port: -1})
+	e := bustest.StartWith(t, bus.EmbeddedOptions{Port: -1})
 	b := connect(t, e)
-	got := subscribe(t, b, "", false)
+	got := bustest.Record(t, b, "", false)
 	reg := prometheus.NewRegistry()
 	p := bus.NewPublisher(b, 16, reg)
 	defer p.Close()
@@ -241,11 +178,11 @@ func TestPublishSubscribe(t *testing.T) {
 	for _, ev := range events {
 		p.Publish(ev)
 	}
-	testkit.WaitFor(t, waitBound, "every event delivered", func() bool { return got.count() == len(events) })
+	testkit.WaitFor(t, waitBound, "every event delivered", func() bool { return got.Len() == len(events) })
 	testkit.WaitFor(t, waitBound, "every event acknowledged", func() bool { return p.Published() == uint64(len(events)) })
 
 	for i, ev := range events {
-		subject, payload := got.get(i)
+		subject, payload := got.At(i).Subject, got.At(i).Payload
 		if subject != ev.Subject() || !strings.HasPrefix(subject, bus.SubjectPrefix) {
 			t.Errorf("event %d: subject %q, want %q", i, subject, ev.Subject())
 		}
@@ -263,7 +200,7 @@ func TestPublishSubscribe(t *testing.T) {
 			t.Errorf("event %d: at %v, want UTC, after %v", i, head.At, before)
 		}
 	}
-	_, payload := got.get(0)
+	payload := got.At(0).Payload
 	var f schemas.Failure
 	if err := json.Unmarshal(payload, &f); err != nil {
 		t.Fatal(err)
@@ -285,8 +222,8 @@ func TestPublishSubscribe(t *testing.T) {
 	ev := failure("d2")
 	ev.ID, ev.At = "my-id", at
 	p.Publish(ev)
-	testkit.WaitFor(t, waitBound, "the event with an id", func() bool { return got.count() == len(events)+1 })
-	_, payload = got.get(len(events))
+	testkit.WaitFor(t, waitBound, "the event with an id", func() bool { return got.Len() == len(events)+1 })
+	payload = got.At(len(events)).Payload
 	if err := json.Unmarshal(payload, &f); err != nil || f.ID != "my-id" || !f.At.Equal(at) {
 		t.Errorf("given id and at: %+v %v", f.Envelope, err)
 	}
@@ -295,9 +232,9 @@ func TestPublishSubscribe(t *testing.T) {
 // TestDuplicateIDDropped proves R-BUS-3: an event re-published with the
 // same id is stored once.
 func TestDuplicateIDDropped(t *testing.T) {
-	e := startServer(t, bus.EmbeddedOptions{Port: 0})
+	e := bustest.StartWith(t, bus.EmbeddedOptions{Port: 0})
 	b := connect(t, e)
-	got := subscribe(t, b, "narwhal.events.failure.>", false)
+	got := bustest.Record(t, b, "narwhal.events.failure.>", false)
 	p := bus.NewPublisher(b, 16, nil)
 	defer p.Close()
 
@@ -312,13 +249,13 @@ func TestDuplicateIDDropped(t *testing.T) {
 	p.Publish(sentinel)
 	testkit.WaitFor(t, waitBound, "three acks", func() bool { return p.Published() == 3 })
 	testkit.WaitFor(t, waitBound, "the sentinel", func() bool {
-		if got.count() == 0 {
+		if got.Len() == 0 {
 			return false
 		}
-		_, payload := got.get(got.count() - 1)
+		payload := got.At(got.Len() - 1).Payload
 		return strings.Contains(string(payload), `"id":"sentinel"`)
 	})
-	if n := got.count(); n != 2 {
+	if n := got.Len(); n != 2 {
 		t.Errorf("subscriber saw %d events, want 2 (the duplicate dropped)", n)
 	}
 	st, err := b.JetStream().Stream(context.Background(), bus.StreamName)
@@ -337,7 +274,7 @@ func TestDuplicateIDDropped(t *testing.T) {
 // events reach the stream.
 func TestOutageBuffersThenDropsWithoutBlocking(t *testing.T) {
 	dir := t.TempDir()
-	e := startServer(t, bus.EmbeddedOptions{Dir: dir, Port: -1})
+	e := bustest.StartWith(t, bus.EmbeddedOptions{Dir: dir, Port: -1})
 	url := e.ClientURL()
 	_, portStr, _ := net.SplitHostPort(strings.TrimPrefix(url, "nats://"))
 	port, _ := strconv.Atoi(portStr)
@@ -375,12 +312,12 @@ func TestOutageBuffersThenDropsWithoutBlocking(t *testing.T) {
 		t.Errorf("narwhal_events_dropped_total{reason=buffer_full} = %v, want %d", v, dropped)
 	}
 
-	e2 := startServer(t, bus.EmbeddedOptions{Dir: dir, Port: port})
+	e2 := bustest.StartWith(t, bus.EmbeddedOptions{Dir: dir, Port: port})
 	testkit.WaitFor(t, waitBound, "the reconnect", b.Connected)
 	kept := uint64(sent) - dropped
 	testkit.WaitFor(t, waitBound, "the buffered events", func() bool { return p.Published() == kept })
-	got := subscribe(t, b, "narwhal.events.failure.d1", true)
-	testkit.WaitFor(t, waitBound, "the stored events", func() bool { return got.count() == int(kept) })
+	got := bustest.Record(t, b, "narwhal.events.failure.d1", true)
+	testkit.WaitFor(t, waitBound, "the stored events", func() bool { return got.Len() == int(kept) })
 	if p.Dropped() != dropped {
 		t.Errorf("dropped grew to %d after the reconnect", p.Dropped())
 	}
@@ -397,7 +334,7 @@ func TestOutageBuffersThenDropsWithoutBlocking(t *testing.T) {
 // the order of Publish, and none is dropped.
 func TestRestartRepublishesInFlightEvents(t *testing.T) {
 	dir := t.TempDir()
-	e := startServer(t, bus.EmbeddedOptions{Dir: dir, Port: -1})
+	e := bustest.StartWith(t, bus.EmbeddedOptions{Dir: dir, Port: -1})
 	_, portStr, _ := net.SplitHostPort(strings.TrimPrefix(e.ClientURL(), "nats://"))
 	port, _ := strconv.Atoi(portStr)
 	b := connect(t, e)
@@ -429,7 +366,7 @@ func TestRestartRepublishesInFlightEvents(t *testing.T) {
 	for time.Since(down) < 1500*time.Millisecond {
 		time.Sleep(50 * time.Millisecond) // the outage itself: nothing to poll for
 	}
-	startServer(t, bus.EmbeddedOptions{Dir: dir, Port: port})
+	bustest.StartWith(t, bus.EmbeddedOptions{Dir: dir, Port: port})
 	// About 5,500 events are still pending here; under -race they take
 	// 4–5 s to be acknowledged on a quiet two-core machine (the reconnect,
 	// then one window after another) and more than waitBound when the
@@ -445,11 +382,11 @@ func TestRestartRepublishesInFlightEvents(t *testing.T) {
 	if v := testkit.GatheredSum(t, reg, "narwhal_bus_connected"); v != 1 {
 		t.Errorf("narwhal_bus_connected = %v after the reconnect", v)
 	}
-	got := subscribe(t, b, "narwhal.events.failure.d1", true)
-	testkit.WaitFor(t, waitBound, "the stored events", func() bool { return got.count() >= sent })
+	got := bustest.Record(t, b, "narwhal.events.failure.d1", true)
+	testkit.WaitFor(t, waitBound, "the stored events", func() bool { return got.Len() >= sent })
 	seen := map[string]bool{}
-	for i := range got.count() {
-		_, payload := got.get(i)
+	for i := range got.Len() {
+		payload := got.At(i).Payload
 		var ev schemas.Failure
 		if err := json.Unmarshal(payload, &ev); err != nil {
 			t.Fatal(err)
@@ -471,7 +408,7 @@ func TestRestartRepublishesInFlightEvents(t *testing.T) {
 // Close returns although the bus is down, dropping and counting what it
 // could not publish; Publish after Close drops too; Close is idempotent.
 func TestCloseWhileDownIsBounded(t *testing.T) {
-	e := startServer(t, bus.EmbeddedOptions{Port: -1})
+	e := bustest.StartWith(t, bus.EmbeddedOptions{Port: -1})
 	b := connect(t, e)
 	reg := prometheus.NewRegistry()
 	p := bus.NewPublisher(b, 8, reg)
@@ -503,7 +440,7 @@ func TestCloseWhileDownIsBounded(t *testing.T) {
 // TestCloseDrainsBufferedEvents proves Close publishes what is buffered
 // when the bus is up.
 func TestCloseDrainsBufferedEvents(t *testing.T) {
-	e := startServer(t, bus.EmbeddedOptions{Port: 0})
+	e := bustest.StartWith(t, bus.EmbeddedOptions{Port: 0})
 	b := connect(t, e)
 	p := bus.NewPublisher(b, 64, nil)
 	for range 50 {
@@ -525,7 +462,7 @@ func TestCloseDrainsBufferedEvents(t *testing.T) {
 // TestInvalidEventDropped proves an event whose subject would be invalid
 // (no engine id) is dropped and counted, not sent.
 func TestInvalidEventDropped(t *testing.T) {
-	e := startServer(t, bus.EmbeddedOptions{Port: 0})
+	e := bustest.StartWith(t, bus.EmbeddedOptions{Port: 0})
 	b := connect(t, e)
 	reg := prometheus.NewRegistry()
 	p := bus.NewPublisher(b, 4, reg)
@@ -540,7 +477,7 @@ func TestInvalidEventDropped(t *testing.T) {
 // TestPublishersShareRegistry proves two publishers on one registry share
 // the counters instead of failing to register.
 func TestPublishersShareRegistry(t *testing.T) {
-	e := startServer(t, bus.EmbeddedOptions{Port: 0})
+	e := bustest.StartWith(t, bus.EmbeddedOptions{Port: 0})
 	b := connect(t, e)
 	reg := prometheus.NewRegistry()
 	p1 := bus.NewPublisher(b, 4, reg)
@@ -558,7 +495,7 @@ func TestPublishersShareRegistry(t *testing.T) {
 // kind, stop ends delivery, ctx ends the subscription, and a filter outside
 // narwhal.events.> is refused.
 func TestSubscribeFilterAndStop(t *testing.T) {
-	e := startServer(t, bus.EmbeddedOptions{Port: 0})
+	e := bustest.StartWith(t, bus.EmbeddedOptions{Port: 0})
 	b := connect(t, e)
 	ctx := context.Background()
 	js := b.JetStream()
@@ -567,10 +504,10 @@ func TestSubscribeFilterAndStop(t *testing.T) {
 		t.Error("filter outside narwhal.events.> accepted")
 	}
 
-	failures := subscribe(t, b, "narwhal.events.failure.*", false)
-	r := &received{}
+	failures := bustest.Record(t, b, "narwhal.events.failure.*", false)
+	r := &bustest.Events{}
 	subCtx, cancel := context.WithCancel(ctx)
-	stopAll, err := bus.Subscribe(subCtx, b, "", false, r.add)
+	stopAll, err := bus.Subscribe(subCtx, b, "", false, r.Add)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -580,9 +517,9 @@ func TestSubscribeFilterAndStop(t *testing.T) {
 	if _, err := js.Publish(ctx, "narwhal.events.failure.d1", []byte(`{"n":2}`)); err != nil {
 		t.Fatal(err)
 	}
-	testkit.WaitFor(t, waitBound, "both events", func() bool { return r.count() == 2 })
-	testkit.WaitFor(t, waitBound, "the failure", func() bool { return failures.count() == 1 })
-	if s, _ := failures.get(0); s != "narwhal.events.failure.d1" {
+	testkit.WaitFor(t, waitBound, "both events", func() bool { return r.Len() == 2 })
+	testkit.WaitFor(t, waitBound, "the failure", func() bool { return failures.Len() == 1 })
+	if s := failures.At(0).Subject; s != "narwhal.events.failure.d1" {
 		t.Errorf("filtered subscription got %q", s)
 	}
 	cancel()
@@ -591,8 +528,8 @@ func TestSubscribeFilterAndStop(t *testing.T) {
 	if _, err := js.Publish(ctx, "narwhal.events.failure.d2", []byte(`{"n":3}`)); err != nil {
 		t.Fatal(err)
 	}
-	testkit.WaitFor(t, waitBound, "the second failure", func() bool { return failures.count() == 2 })
-	if n := r.count(); n != 2 {
+	testkit.WaitFor(t, waitBound, "the second failure", func() bool { return failures.Len() == 2 })
+	if n := r.Len(); n != 2 {
 		t.Errorf("stopped subscription got %d events, want 2", n)
 	}
 }
@@ -625,7 +562,7 @@ func TestConnectRetriesUntilServerStarts(t *testing.T) {
 	}
 	conn.Close()
 	l.Close()
-	e := startServer(t, bus.EmbeddedOptions{Port: port})
+	e := bustest.StartWith(t, bus.EmbeddedOptions{Port: port})
 	r := <-res
 	if r.err != nil {
 		t.Fatal(r.err)
@@ -696,7 +633,7 @@ func TestValidateEvent(t *testing.T) {
 // retention per kind): NARWHAL_HISTORY receives every event kind but
 // request events from NARWHAL_EVENTS, so request events cannot evict it.
 func TestHistoryKeepsAllButRequests(t *testing.T) {
-	e := startServer(t, bus.EmbeddedOptions{Port: 0})
+	e := bustest.StartWith(t, bus.EmbeddedOptions{Port: 0})
 	b := connect(t, e)
 	p := bus.NewPublisher(b, 64, nil)
 	p.Publish(failure("d1"))
@@ -737,7 +674,7 @@ func TestHistoryKeepsAllButRequests(t *testing.T) {
 // connection to a listening embedded server (`narwhal bus`'s own set-up)
 // name that server's address, not nats.go's default nats://127.0.0.1:4222.
 func TestInProcessURLIsTheServers(t *testing.T) {
-	e := startServer(t, bus.EmbeddedOptions{Host: "127.0.0.1", Port: -1})
+	e := bustest.StartWith(t, bus.EmbeddedOptions{Host: "127.0.0.1", Port: -1})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	b, err := bus.Connect(ctx, bus.ConnectOptions{Embedded: e, Name: t.Name()})

@@ -9,6 +9,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -91,7 +92,7 @@ func TestHistoryFollowsTheEventKinds(t *testing.T) {
 	if !slices.Equal(bus.HistoryKinds, want) {
 		t.Errorf("HistoryKinds %v, want %v", bus.HistoryKinds, want)
 	}
-	e := startServer(t, bus.EmbeddedOptions{Port: 0})
+	e := bustest.StartWith(t, bus.EmbeddedOptions{Port: 0})
 	b := connect(t, e)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -123,7 +124,7 @@ func TestHistoryFollowsTheEventKinds(t *testing.T) {
 // with a zero series for every kind of schemas.EventKinds and every reason
 // (R-BUS-10), so a new kind needs no change to the publisher.
 func TestDropCounterHasEveryKind(t *testing.T) {
-	e := startServer(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1})
+	e := bustest.StartWith(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1})
 	b := connect(t, e)
 	reg := prometheus.NewRegistry()
 	p := bus.NewPublisher(b, 4, reg)

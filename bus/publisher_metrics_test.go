@@ -7,6 +7,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -14,7 +15,7 @@ import (
 // has a zero series for every reason and event kind from the start, so an
 // alert on its rate sees the series before the first drop (R-BUS-10).
 func TestDroppedEventsStartAtZeroRBUS10(t *testing.T) {
-	e := startServer(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1})
+	e := bustest.StartWith(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1})
 	b := connect(t, e)
 	reg := prometheus.NewRegistry()
 	p := bus.NewPublisher(b, 4, reg)

@@ -1,37 +1,19 @@
 package bus_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
-
-// lockedLog is a slog text handler's output, safe to read while written.
-type lockedLog struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (l *lockedLog) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.Write(p)
-}
-
-func (l *lockedLog) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.String()
-}
 
 // streamNames lists the streams on e's JetStream.
 func streamNames(t *testing.T, js jetstream.JetStream) []string {
@@ -56,7 +38,7 @@ func streamNames(t *testing.T, js jetstream.JetStream) []string {
 // Setup creates the stream and every bucket; after that a plain Connect
 // changes nothing, not even settings that differ from Narwhal's.
 func TestConnectOnlyBinds(t *testing.T) {
-	e := startServer(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1, NoSetup: true})
+	e := bustest.StartWith(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1, NoSetup: true})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 
@@ -73,7 +55,7 @@ func TestConnectOnlyBinds(t *testing.T) {
 		t.Errorf("Connect took %v to say the stream is missing", d)
 	}
 
-	admin := &lockedLog{}
+	admin := &testkit.LockedBuffer{}
 	b, err := bus.Connect(ctx, bus.ConnectOptions{URL: e.ClientURL(), Name: "admin",
 		Setup: &bus.SetupOptions{LeaseTTL: 2 * time.Second, Log: slog.New(slog.NewTextHandler(admin, nil))}})
 	if err != nil {
@@ -137,7 +119,7 @@ func TestConnectOnlyBinds(t *testing.T) {
 // logs what it found against what it wanted, and still restores the other
 // settings.
 func TestSetupKeepsReplicas(t *testing.T) {
-	e := startServer(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1})
+	e := bustest.StartWith(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1})
 	b := connect(t, e)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -150,7 +132,7 @@ func TestSetupKeepsReplicas(t *testing.T) {
 	if _, err := b.JetStream().UpdateStream(ctx, edited); err != nil {
 		t.Fatal(err)
 	}
-	log := &lockedLog{}
+	log := &testkit.LockedBuffer{}
 	if err := bus.Setup(ctx, b, bus.SetupOptions{Replicas: 3, Log: slog.New(slog.NewTextHandler(log, nil))}); err != nil {
 		t.Fatalf("Setup wanting 3 replicas of R1 streams on one server: %v", err)
 	}

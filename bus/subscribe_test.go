@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
@@ -16,7 +17,7 @@ import (
 // filter still applies, DeliverAll starts at the oldest event, and
 // DeliverAll with Since is refused.
 func TestSubscribeWithSince(t *testing.T) {
-	e := startServer(t, bus.EmbeddedOptions{Port: 0})
+	e := bustest.StartWith(t, bus.EmbeddedOptions{Port: 0})
 	b := connect(t, e)
 	ctx := context.Background()
 	js := b.JetStream()
@@ -49,27 +50,27 @@ func TestSubscribeWithSince(t *testing.T) {
 		t.Fatalf("stored times %v and %v are not increasing", old.Time, cut.Time)
 	}
 
-	since := &received{}
-	stop, err := bus.SubscribeWith(ctx, b, bus.SubscribeOptions{Filter: "narwhal.events.failure.*", Since: cut.Time}, since.add)
+	since := &bustest.Events{}
+	stop, err := bus.SubscribeWith(ctx, b, bus.SubscribeOptions{Filter: "narwhal.events.failure.*", Since: cut.Time}, since.Add)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(stop)
-	testkit.WaitFor(t, waitBound, "the events since the cut", func() bool { return since.count() >= 2 })
+	testkit.WaitFor(t, waitBound, "the events since the cut", func() bool { return since.Len() >= 2 })
 	for i, want := range []string{`{"n":"cut"}`, `{"n":"later"}`} {
-		if _, payload := since.get(i); string(payload) != want {
+		if payload := since.At(i).Payload; string(payload) != want {
 			t.Errorf("since: event %d = %s, want %s", i, payload, want)
 		}
 	}
 
-	all := &received{}
-	stopAll, err := bus.SubscribeWith(ctx, b, bus.SubscribeOptions{DeliverAll: true}, all.add)
+	all := &bustest.Events{}
+	stopAll, err := bus.SubscribeWith(ctx, b, bus.SubscribeOptions{DeliverAll: true}, all.Add)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(stopAll)
-	testkit.WaitFor(t, waitBound, "every stored event", func() bool { return all.count() >= 4 })
-	if _, payload := all.get(0); string(payload) != `{"n":"old"}` {
+	testkit.WaitFor(t, waitBound, "every stored event", func() bool { return all.Len() >= 4 })
+	if payload := all.At(0).Payload; string(payload) != `{"n":"old"}` {
 		t.Errorf("deliver all: first event %s, want the oldest", payload)
 	}
 
@@ -78,16 +79,16 @@ func TestSubscribeWithSince(t *testing.T) {
 	if _, err := js.Publish(ctx, "narwhal.events.failure.d3", []byte(`{"n":"sentinel"}`)); err != nil {
 		t.Fatal(err)
 	}
-	testkit.WaitFor(t, waitBound, "the sentinel", func() bool { return since.count() >= 3 })
-	if _, payload := since.get(2); string(payload) != `{"n":"sentinel"}` || since.count() != 3 {
-		t.Errorf("since: third event %s of %d, want the sentinel of 3", payload, since.count())
+	testkit.WaitFor(t, waitBound, "the sentinel", func() bool { return since.Len() >= 3 })
+	if payload := since.At(2).Payload; string(payload) != `{"n":"sentinel"}` || since.Len() != 3 {
+		t.Errorf("since: third event %s of %d, want the sentinel of 3", payload, since.Len())
 	}
 
-	_, err = bus.SubscribeWith(ctx, b, bus.SubscribeOptions{DeliverAll: true, Since: time.Now()}, all.add)
+	_, err = bus.SubscribeWith(ctx, b, bus.SubscribeOptions{DeliverAll: true, Since: time.Now()}, all.Add)
 	if err == nil || !strings.Contains(err.Error(), "exclude") {
 		t.Errorf("DeliverAll with Since: err %v, want refused", err)
 	}
-	_, err = bus.SubscribeWith(ctx, b, bus.SubscribeOptions{Filter: "other.>"}, all.add)
+	_, err = bus.SubscribeWith(ctx, b, bus.SubscribeOptions{Filter: "other.>"}, all.Add)
 	if err == nil {
 		t.Error("filter outside narwhal.events.> accepted")
 	}

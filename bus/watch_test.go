@@ -12,6 +12,8 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 // TestWatchSnapshotForgetsTheSnapshot: once the snapshot is handed over,
@@ -19,7 +21,7 @@ import (
 // process's lifetime: holding the bucket as it was at their start would
 // keep every value ever snapshotted, e.g. a flooded bucket's).
 func TestWatchSnapshotForgetsTheSnapshot(t *testing.T) {
-	e := startServer(t, bus.EmbeddedOptions{Dir: t.TempDir()})
+	e := bustest.StartWith(t, bus.EmbeddedOptions{Dir: t.TempDir()})
 	b := connect(t, e)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
@@ -58,21 +60,18 @@ func TestWatchSnapshotForgetsTheSnapshot(t *testing.T) {
 	if len(ptrs) != 4 {
 		t.Fatalf("snapshot of %d entries, want 4", len(ptrs))
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	for {
+	alive := 0
+	collected := func() bool {
 		runtime.GC()
-		alive := 0
+		alive = 0
 		for _, p := range ptrs {
 			if p.Value() != nil {
 				alive++
 			}
 		}
-		if alive == 0 {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d of the snapshot's values still held by the running watch", alive)
-		}
-		time.Sleep(20 * time.Millisecond)
+		return alive == 0
+	}
+	if !testkit.Poll(5*time.Second, 20*time.Millisecond, collected) {
+		t.Fatalf("%d of the snapshot's values still held by the running watch", alive)
 	}
 }

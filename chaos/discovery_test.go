@@ -2,12 +2,12 @@ package chaos
 
 import (
 	"context"
-	"path/filepath"
 	"slices"
 	"testing"
 	"time"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 )
 
 // answerWait is how long these tests gather the proxies' answers.
@@ -19,22 +19,11 @@ const answerWait = 300 * time.Millisecond
 // chaos.creds answer Store.Proxies from a third chaos.creds connection,
 // each naming its engine, and a proxy that closed no longer answers.
 func TestProxiesAnswerWithChaosCredentials(t *testing.T) {
-	dir := t.TempDir()
-	if err := bus.WriteCredentials(dir); err != nil {
-		t.Fatal(err)
-	}
-	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1, AuthDir: dir})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(emb.Shutdown)
+	dir := bustest.Credentials(t)
+	emb := bustest.StartWith(t, bus.EmbeddedOptions{Port: -1, AuthDir: dir})
 	store := func(name string) *Store {
 		t.Helper()
-		b, err := bus.Connect(testContext(t), bus.ConnectOptions{URL: emb.ClientURL(), Name: name, CredsFile: filepath.Join(dir, bus.CredsFile(bus.RoleChaos))})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(b.Close)
+		b := bustest.Connect(t, emb, bus.ConnectOptions{Name: name, CredsFile: bustest.CredsFile(dir, bus.RoleChaos)})
 		st, err := OpenStore(testContext(t), b, nil)
 		if err != nil {
 			t.Fatal(err)

@@ -18,6 +18,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/engines/sim/simtest"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
@@ -25,10 +26,7 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	// nats-server's setup of NARWHAL_HISTORY's source waits up to 30 s for
-	// an answer that a server shut down right after creating the stream
-	// never sends; the goroutine then ends on its own.
-	goleak.VerifyTestMain(m, goleak.IgnoreAnyFunction("github.com/nats-io/nats-server/v2/server.(*stream).trySetupSourceConsumer.func3"))
+	goleak.VerifyTestMain(m, testkit.NATSLongLived()...)
 }
 
 // testBound bounds every wait of these tests: generous next to what the
@@ -59,12 +57,7 @@ type testBus struct {
 // it stops when the test ends.
 func startBus(t *testing.T) *testBus {
 	t.Helper()
-	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Port: 0})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(emb.Shutdown)
-	tb := &testBus{emb: emb}
+	tb := &testBus{emb: bustest.StartWith(t, bus.EmbeddedOptions{Port: 0})}
 	tb.b, tb.store = tb.connect(t, "test")
 	tb.events = &eventLog{}
 	sub, err := tb.b.Conn().Subscribe("narwhal.events.chaos.>", tb.events.add)
@@ -82,11 +75,7 @@ func startBus(t *testing.T) *testBus {
 // and Store, closed when the test ends.
 func (tb *testBus) connect(t *testing.T, name string) (*bus.Bus, *Store) {
 	t.Helper()
-	b, err := bus.Connect(testContext(t), bus.ConnectOptions{Embedded: tb.emb, Name: name})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(b.Close)
+	b := bustest.Connect(t, tb.emb, bus.ConnectOptions{Name: name})
 	pub := bus.NewPublisher(b, 1024, nil)
 	t.Cleanup(pub.Close)
 	st, err := OpenStore(testContext(t), b, pub)

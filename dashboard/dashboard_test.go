@@ -7,7 +7,6 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
@@ -15,6 +14,7 @@ import (
 	"time"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
@@ -198,23 +198,10 @@ func TestEventsStream(t *testing.T) {
 // viewer connection, which the dashboard reads with.
 func viewerBus(t *testing.T) (admin, viewer *bus.Bus) {
 	t.Helper()
-	dir := t.TempDir()
-	if err := bus.WriteCredentials(dir); err != nil {
-		t.Fatal(err)
-	}
-	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1, AuthDir: dir})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(emb.Shutdown)
+	dir := bustest.Credentials(t)
+	emb := bustest.StartWith(t, bus.EmbeddedOptions{Port: -1, AuthDir: dir})
 	connect := func(role string) *bus.Bus {
-		b, err := bus.Connect(testContext(t), bus.ConnectOptions{URL: emb.ClientURL(), Name: "test-" + role,
-			CredsFile: filepath.Join(dir, bus.CredsFile(role))})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(b.Close)
-		return b
+		return bustest.Connect(t, emb, bus.ConnectOptions{Name: "test-" + role, CredsFile: bustest.CredsFile(dir, role)})
 	}
 	return connect(bus.RoleAdmin), connect(bus.RoleViewer)
 }
@@ -232,20 +219,6 @@ func put(t *testing.T, b *bus.Bus, bucket, key string, v any) {
 		}
 	}
 	if _, err := kv.Put(testContext(t), key, raw); err != nil {
-		t.Fatal(err)
-	}
-}
-
-func publish(t *testing.T, b *bus.Bus, ev schemas.Event) {
-	t.Helper()
-	payload, err := json.Marshal(ev)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := bus.ValidateEvent(payload); err != nil {
-		t.Fatalf("the test's own event: %v", err)
-	}
-	if _, err := b.JetStream().Publish(testContext(t), ev.Subject(), payload); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -317,16 +290,16 @@ func TestFleetFromTheBus(t *testing.T) {
 		if status != 200 {
 			e.ErrorKind, e.FirstByteSeconds = "upstream_status", nil
 		}
-		publish(t, admin, e)
+		bustest.Publish(t, admin, e)
 	}
 	hostile := `<script>alert(1)</script>`
-	publish(t, admin, &schemas.Failure{Envelope: env(schemas.SchemaFailure, "f1", "rt-1", "", "d1"),
+	bustest.Publish(t, admin, &schemas.Failure{Envelope: env(schemas.SchemaFailure, "f1", "rt-1", "", "d1"),
 		Phase: schemas.PhaseDecode, Kind: "upstream_status", Status: 502, Message: hostile, Counts: true, Attempt: 1})
-	publish(t, admin, &schemas.Eligibility{Envelope: env(schemas.SchemaEligibility, "e1", "", "b1", "d1"),
+	bustest.Publish(t, admin, &schemas.Eligibility{Envelope: env(schemas.SchemaEligibility, "e1", "", "b1", "d1"),
 		State: schemas.StateEjected, Streak: 3, Reason: "ejected after 3 consecutive failures"})
-	publish(t, admin, &schemas.Quarantine{Envelope: env(schemas.SchemaQuarantine, "q1", "rt-1", "", "p1"),
+	bustest.Publish(t, admin, &schemas.Quarantine{Envelope: env(schemas.SchemaQuarantine, "q1", "rt-1", "", "p1"),
 		DurationSeconds: 60, Until: time.Now().Add(time.Minute).UTC(), Reason: "first_token_timeout"})
-	publish(t, admin, &schemas.Probe{Envelope: env(schemas.SchemaProbe, "pr1", "", "b1", "d1"),
+	bustest.Publish(t, admin, &schemas.Probe{Envelope: env(schemas.SchemaProbe, "pr1", "", "b1", "d1"),
 		Outcome: schemas.ProbeFailure, Phase: schemas.PhaseDecode, ProducerID: "p1", ConsumerID: "d1", Message: "health check: 503"})
 	if _, err := admin.JetStream().Publish(testContext(t), "narwhal.events.failure.d1", []byte(`{"schema":"narwhal.failure.v1"}`)); err != nil {
 		t.Fatal(err)
@@ -342,7 +315,7 @@ func TestFleetFromTheBus(t *testing.T) {
 		}
 		return snap.Routers[0].Requests == 3 && snap.Engines[0].Probe != nil && snap.Ignored >= 2
 	}
-	if !waitQuietly(testBound, ready) {
+	if !testkit.Poll(testBound, 10*time.Millisecond, ready) {
 		b, _ := json.MarshalIndent(snap, "", " ")
 		t.Fatalf("not everything published reached the snapshot:\n%s", b)
 	}
@@ -385,7 +358,7 @@ func TestFleetFromTheBus(t *testing.T) {
 	}
 
 	// Readmission and removal reach the snapshot too.
-	publish(t, admin, &schemas.Eligibility{Envelope: env(schemas.SchemaEligibility, "e2", "", "b1", "d1"),
+	bustest.Publish(t, admin, &schemas.Eligibility{Envelope: env(schemas.SchemaEligibility, "e2", "", "b1", "d1"),
 		Eligible: true, State: schemas.StateEligible, Reason: "readmitted after a successful inference probe"})
 	put(t, admin, bus.PlacementBucket, "d1", placement("d1", true, 0, "readmitted after a successful inference probe"))
 	kv, err := admin.BindBucket(testContext(t), bus.FleetBucket)
@@ -439,19 +412,6 @@ func TestBounds(t *testing.T) {
 	if got := clip("a\xffb", 10); got != "a\uFFFDb" {
 		t.Errorf("clip of invalid UTF-8 = %q", got)
 	}
-}
-
-// waitQuietly polls cond every 10 ms for up to d and reports whether it
-// became true.
-func waitQuietly(d time.Duration, cond func() bool) bool {
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			return false
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	return true
 }
 
 // TestEventsBeforeTheBuckets checks that events replayed at start, which

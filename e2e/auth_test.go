@@ -24,6 +24,7 @@ import (
 	"github.com/openai/openai-go/v3/option"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	kvprobe "github.com/narwhalmesh/narwhal/engines/probe"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
@@ -67,7 +68,7 @@ type authStack struct {
 	router    *process
 	sims      []*simProc
 	bus       *bus.Bus
-	events    *eventLog
+	events    *bustest.Events
 	ca        *testkit.CA // with tls
 	certPath  string
 	keyPath   string
@@ -81,22 +82,8 @@ const engineKeyEnv = "E2E_ENGINE_API_KEY"
 
 func startAuthStack(t *testing.T, o authStackOptions) *authStack {
 	t.Helper()
-	s := &authStack{dir: t.TempDir(), events: &eventLog{}}
-	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Host: "127.0.0.1", Port: -1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(emb.Shutdown)
-	s.bus, err = bus.Connect(testContext(t, readyBound), bus.ConnectOptions{URL: emb.ClientURL(), Name: "narwhal-e2e-auth"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(s.bus.Close)
-	stopSub, err := bus.Subscribe(context.Background(), s.bus, bus.SubjectPrefix+">", true, s.events.add)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(stopSub)
+	s := &authStack{dir: t.TempDir()}
+	s.natsURL, s.bus, s.events = eventBus(t, "narwhal-e2e-auth")
 
 	scheme := "http://"
 	var simTLS []string
@@ -111,14 +98,13 @@ func startAuthStack(t *testing.T, o authStackOptions) *authStack {
 	}
 	ports := freePorts(t, 4)
 	for i, d := range []struct{ id, role string }{{"p1", sim.RolePrefill}, {"d1", sim.RoleDecode}} {
-		sp := &simProc{id: d.id, role: d.role, url: scheme + hostPort(ports[i])}
-		args := []string{"sim", "--role", d.role, "--listen", hostPort(ports[i]), "--engine-id", d.id,
-			"--model", meshModel, "--kv-listen", "127.0.0.1:0"}
+		var args []string
 		if o.engineKey != "" {
 			args = append(args, "--api-key", o.engineKey)
 		}
 		args = append(append(args, simTLS...), o.simArgs...)
-		sp.p = startProcess(t, "sim "+d.id, nil, args...)
+		sp := startSim(t, d.id, d.role, hostPort(ports[i]), args...)
+		sp.url = scheme + hostPort(ports[i])
 		s.sims = append(s.sims, sp)
 	}
 	for _, sp := range s.sims {
@@ -149,8 +135,8 @@ func startAuthStack(t *testing.T, o authStackOptions) *authStack {
 	if err := os.WriteFile(path, []byte(cfg.String()), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	s.natsURL, s.cfgPath = emb.ClientURL(), path
-	env := []string{"NARWHAL_NATS_URL=" + emb.ClientURL(), "NARWHAL_ROUTER_ID=" + meshRouterID, "NARWHAL_ROUTER_LOG_LEVEL=debug"}
+	s.cfgPath = path
+	env := []string{"NARWHAL_NATS_URL=" + s.natsURL, "NARWHAL_ROUTER_ID=" + meshRouterID, "NARWHAL_ROUTER_LOG_LEVEL=debug"}
 	if o.keysFile != "" {
 		s.keysPath = filepath.Join(s.dir, "keys.yaml")
 		if err := os.WriteFile(s.keysPath, []byte(o.keysFile), 0o600); err != nil {
@@ -460,14 +446,14 @@ func TestAuthAPIKeys(t *testing.T) {
 	events := s.allEvents(t)
 	byKey := map[string]int{}
 	for _, ev := range events {
-		if !strings.HasPrefix(ev.subject, "narwhal.events.request.") {
+		if !strings.HasPrefix(ev.Subject, "narwhal.events.request.") {
 			continue
 		}
-		if err := bus.ValidateEvent(ev.payload); err != nil {
-			t.Errorf("request event does not match its schema: %v: %s", err, ev.payload)
+		if err := bus.ValidateEvent(ev.Payload); err != nil {
+			t.Errorf("request event does not match its schema: %v: %s", err, ev.Payload)
 		}
 		var rc schemas.RequestCompleted
-		if err := json.Unmarshal(ev.payload, &rc); err != nil {
+		if err := json.Unmarshal(ev.Payload, &rc); err != nil {
 			t.Fatal(err)
 		}
 		byKey[rc.KeyName+" "+fmt.Sprint(rc.Status)]++
@@ -485,7 +471,7 @@ func TestAuthAPIKeys(t *testing.T) {
 	var everything strings.Builder
 	everything.WriteString(s.router.stdout.String() + s.router.stderr.String() + metrics)
 	for _, ev := range events {
-		everything.Write(ev.payload)
+		everything.Write(ev.Payload)
 	}
 	all := everything.String()
 	if !strings.Contains(all, "team-a") {
@@ -517,22 +503,9 @@ func (s *authStack) get(t *testing.T, url string) string {
 
 // allEvents returns every event stream NARWHAL_EVENTS holds once the
 // subscription delivered them (the router must have stopped).
-func (s *authStack) allEvents(t *testing.T) []busEvent {
+func (s *authStack) allEvents(t *testing.T) []bustest.Event {
 	t.Helper()
-	ctx := testContext(t, readyBound)
-	stream, err := s.bus.JetStream().Stream(ctx, bus.StreamName)
-	if err != nil {
-		t.Fatal(err)
-	}
-	info, err := stream.Info(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	want := int(info.State.Msgs)
-	testkit.WaitEvery(t, readyBound, pollInterval, fmt.Sprintf("%d events from the subscription", want), func() bool {
-		return len(s.events.snapshot()) >= want
-	})
-	return s.events.snapshot()
+	return allDelivered(t, s.bus, s.events)
 }
 
 // TestTLSFrontEnd proves server.tls_cert_file / tls_key_file with the
@@ -757,8 +730,8 @@ func TestEngineWrongKey(t *testing.T) {
 		t.Errorf("router did not exit cleanly: %v", err)
 	}
 	for _, ev := range s.allEvents(t) {
-		if strings.HasPrefix(ev.subject, "narwhal.events.failure.") && strings.Contains(string(ev.payload), `"counts":true`) {
-			t.Errorf("a refused key published a counted failure: %s", ev.payload)
+		if strings.HasPrefix(ev.Subject, "narwhal.events.failure.") && strings.Contains(string(ev.Payload), `"counts":true`) {
+			t.Errorf("a refused key published a counted failure: %s", ev.Payload)
 		}
 	}
 	if strings.Contains(s.router.stderr.String(), wrong) || strings.Contains(s.router.stderr.String(), engineKey) {

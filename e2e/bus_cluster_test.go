@@ -119,21 +119,22 @@ func (bc *busCluster) env(role string) []string {
 	return []string{"NARWHAL_NATS_URL=" + bc.natsURL, "NARWHAL_NATS_CREDS=" + bc.creds(role)}
 }
 
-// replicas returns the replicas of the stream and of each bucket (R-BUS-8).
-func (bc *busCluster) replicas(t *testing.T) map[string]int {
+// replicasOn returns the replicas of Narwhal's stream and of each of its
+// buckets on b's bus, keyed by name (R-BUS-8). Read only.
+func replicasOn(t *testing.T, b *bus.Bus) map[string]int {
 	t.Helper()
-	r, err := bc.conn.Replicas(testContext(t, readyBound))
+	r, err := b.Replicas(testContext(t, readyBound))
 	if err != nil {
 		t.Fatal(err)
 	}
 	return r
 }
 
-// checkReplicas fails the test unless the stream and every bucket have
-// want replicas (R-BUS-8: nothing lowers them).
-func (bc *busCluster) checkReplicas(t *testing.T, want int) {
+// checkReplicas fails the test unless the stream and every bucket on b's
+// bus exist with want replicas each (R-BUS-8: nothing lowers them).
+func checkReplicas(t *testing.T, b *bus.Bus, want int) {
 	t.Helper()
-	got := bc.replicas(t)
+	got := replicasOn(t, b)
 	for _, name := range []string{bus.StreamName, bus.HistoryStream, bus.PlacementBucket, bus.LeaseBucket, bus.ChaosBucket} {
 		if got[name] != want {
 			t.Errorf("%s has %d replicas, want %d (all: %v)", name, got[name], want, got)
@@ -151,7 +152,7 @@ func (bc *busCluster) checkReplicas(t *testing.T, want int) {
 // rejoins.
 func TestBusCluster(t *testing.T) {
 	bc := startBusCluster(t)
-	bc.checkReplicas(t, 3)
+	checkReplicas(t, bc.conn, 3)
 	ctx := testContext(t, readyBound)
 	st, err := bc.conn.JetStream().Stream(ctx, bus.StreamName)
 	if err != nil {
@@ -176,7 +177,7 @@ func TestBusCluster(t *testing.T) {
 		return strings.Contains(events.stdout.String(), `{"n":1}`)
 	})
 	events.halt(t)
-	bc.checkReplicas(t, 3)
+	checkReplicas(t, bc.conn, 3)
 
 	// An admin that wants one replica keeps three and says so.
 	out, code := runNarwhalEnv(t, bc.env(bus.RoleAdmin), "bus", "setup")
@@ -186,7 +187,7 @@ func TestBusCluster(t *testing.T) {
 	if !strings.Contains(out, "found=3 wanted=1") {
 		t.Errorf("narwhal bus setup does not say it kept 3 replicas against 1 wanted:\n%s", out)
 	}
-	bc.checkReplicas(t, 3)
+	checkReplicas(t, bc.conn, 3)
 
 	// One node down: the others keep a quorum and store events.
 	down := bc.nodes[2]
@@ -200,7 +201,7 @@ func TestBusCluster(t *testing.T) {
 	}
 	bc.start(t, down)
 	bc.waitListening(t, down)
-	bc.checkReplicas(t, 3)
+	checkReplicas(t, bc.conn, 3)
 	testkit.WaitEvery(t, 2*readyBound, pollInterval, "the stream with every replica current", func() bool {
 		st, err := bc.conn.JetStream().Stream(pctx, bus.StreamName)
 		if err != nil {

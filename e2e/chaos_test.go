@@ -554,7 +554,7 @@ func TestChaosCatalogue(t *testing.T) {
 // served one, each through its chaos proxy with nothing armed: every one
 // succeeds with the predicted output, and no proxy injects anything.
 func checkTransparent(t *testing.T, c *cluster, seed int64, want []string) {
-	mark := len(c.events.snapshot())
+	mark := c.events.Len()
 	used := map[string]bool{}
 	for i := 0; len(used) < len(chaosEngines); i++ {
 		if i == maxCaseRequests {
@@ -587,7 +587,7 @@ type struckRequest struct {
 // a counted fault) checks the readmission.
 func runChaosCase(t *testing.T, c *cluster, tc chaosCase, seed int64, want []string) {
 	c.waitEveryEngineAvailable(t)
-	mark := len(c.events.snapshot())
+	mark := c.events.Len()
 	args := []string{"arm", "--engine", tc.engine, "--fault", tc.fault, "--phase", tc.phase, "--id", tc.name, "--for", "2m"}
 	for _, p := range tc.params {
 		args = append(args, "--param", p)
@@ -678,15 +678,11 @@ func driveStrikes(t *testing.T, c *cluster, tc chaosCase, n int, seed int64, wan
 		// that does not fail may also be a request the proxy did not strike
 		// yet (quick, or no injection at all).
 		var inj []event
-		deadline := time.Now().Add(eventBound)
-		for {
+		testkit.Poll(eventBound, pollInterval, func() bool {
 			inj = c.list(t, isInjection(t, tc.engine, "", prefix))
 			quick := !tc.fails() && out.class == outcomeOK && rep.elapsed < tc.minLatency
-			if len(inj) > 0 || quick || time.Now().After(deadline) {
-				break
-			}
-			time.Sleep(pollInterval)
-		}
+			return len(inj) > 0 || quick
+		})
 		if len(inj) == 0 {
 			if tc.fails() || out.class != outcomeOK {
 				t.Fatalf("request %s placed on %s failed without an injection of %s: %s %s (HTTP %d %s)", rep.id, tc.engine, tc.name, out.class, out.detail, rep.status, rep.body)

@@ -12,29 +12,6 @@ import (
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
-// replicasOf returns the replicas of Narwhal's stream and of each of its
-// buckets on c's bus, keyed by name (R-BUS-8). Read only.
-func (c *cluster) replicasOf(t *testing.T) map[string]int {
-	t.Helper()
-	r, err := c.conn.Replicas(testContext(t, readyBound))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return r
-}
-
-// checkReplicas fails the test unless the stream and every bucket exist
-// with want replicas each (R-BUS-8: nothing lowers them).
-func (c *cluster) checkReplicas(t *testing.T, want int) {
-	t.Helper()
-	got := c.replicasOf(t)
-	for _, name := range []string{bus.StreamName, bus.HistoryStream, bus.PlacementBucket, bus.LeaseBucket, bus.ChaosBucket} {
-		if got[name] != want {
-			t.Errorf("%s has %d replicas, want %d (all: %v)", name, got[name], want, got)
-		}
-	}
-}
-
 // TestClusterLeastPrivilege proves R-BUS-8 with the real binary: `narwhal
 // bus creds` writes the credentials and `narwhal bus --auth` enforces them;
 // routers, a breaker and a chaos proxy each with its role's credential run
@@ -64,7 +41,7 @@ func TestClusterLeastPrivilege(t *testing.T) {
 		return armed
 	})
 
-	before := c.replicasOf(t)
+	before := replicasOn(t, c.conn)
 	streamBefore := c.streamConfig(t)
 
 	// A viewer: `narwhal events` prints the history, `narwhal chaos list`
@@ -102,13 +79,13 @@ func TestClusterLeastPrivilege(t *testing.T) {
 	}
 	t.Logf("R-BUS-8: a router without a credential exited %d after %v", code, time.Since(start).Round(time.Millisecond))
 
-	if after := c.replicasOf(t); !maps.Equal(before, after) {
+	if after := replicasOn(t, c.conn); !maps.Equal(before, after) {
 		t.Errorf("replicas changed from %v to %v", before, after)
 	}
 	if got := c.streamConfig(t); got != streamBefore {
 		t.Errorf("the stream's settings changed:\n%s\n%s", streamBefore, got)
 	}
-	c.checkReplicas(t, 1)
+	checkReplicas(t, c.conn, 1)
 
 	// Every role's permissions suffice for its work: the only violations
 	// the server logged are the refused arm's.

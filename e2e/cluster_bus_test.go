@@ -82,13 +82,8 @@ func TestClusterBusRestart(t *testing.T) {
 		t.Fatal("the test's bus connection is still up: the bus did not stop")
 	}
 	for _, r := range c.routers {
-		resp, err := probeClient.Get(r.url + "/readyz")
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp.Body.Close()
-		if resp.StatusCode != http.StatusOK {
-			t.Fatalf("router %s /readyz: HTTP %d with the bus down, want 200 on its last known placement", r.id, resp.StatusCode)
+		if code := r.readyzStatus(t); code != http.StatusOK {
+			t.Fatalf("router %s /readyz: HTTP %d with the bus down, want 200 on its last known placement", r.id, code)
 		}
 	}
 	if got := len(routed(t, d1)); got != d1Before {
@@ -118,10 +113,10 @@ func TestClusterBusRestart(t *testing.T) {
 		stored := map[string]int{}
 		duringOutage = 0
 		for _, be := range c.storedEvents(t) {
-			if !strings.HasPrefix(be.subject, bus.SubjectPrefix+schemas.KindRequest+".") {
+			if !strings.HasPrefix(be.Subject, bus.SubjectPrefix+schemas.KindRequest+".") {
 				continue
 			}
-			e := parseEvent(t, 0, be.subject, be.payload)
+			e := parseEvent(t, 0, be.Subject, be.Payload)
 			stored[e.RequestID]++
 			if e.At.After(down) && e.At.Before(up) {
 				duringOutage++

@@ -88,7 +88,7 @@ func startR3Mesh(t *testing.T) *r3Mesh {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c.stopSub, err = bus.Subscribe(context.Background(), c.conn, bus.SubjectPrefix+">", true, c.events.add)
+	c.stopSub, err = bus.Subscribe(context.Background(), c.conn, bus.SubjectPrefix+">", true, c.events.Add)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -103,21 +103,7 @@ func startR3Mesh(t *testing.T) *r3Mesh {
 		c.routers = append(c.routers, r)
 		c.spawnRouter(t, r)
 	}
-	for _, r := range c.routers {
-		waitHTTP(t, r.p, r.url+"/readyz")
-	}
-	c.startBreaker(t)
-	testkit.WaitEvery(t, readyBound, pollInterval, "a leading breaker and a placement entry for every engine", func() bool {
-		if c.leader(t) == "" {
-			return false
-		}
-		for _, s := range c.simOrder {
-			if _, ok := c.placement(t, s.id); !ok {
-				return false
-			}
-		}
-		return true
-	})
+	c.awaitRouters(t, 1)
 	return m
 }
 
@@ -496,13 +482,8 @@ func TestClusterR3(t *testing.T) {
 	before := load.total.Load()
 	testkit.WaitEvery(t, r3Outage+readyBound, pollInterval, "the outage's end", func() bool { return time.Since(downAt) >= r3Outage })
 	for _, r := range c.routers {
-		resp, err := probeClient.Get(r.url + "/readyz")
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp.Body.Close()
-		if resp.StatusCode != http.StatusOK {
-			t.Errorf("(b) router %s /readyz: HTTP %d without quorum, want 200 on its last placement (R-BUS-6)", r.id, resp.StatusCode)
+		if code := r.readyzStatus(t); code != http.StatusOK {
+			t.Errorf("(b) router %s /readyz: HTTP %d without quorum, want 200 on its last placement (R-BUS-6)", r.id, code)
 		}
 	}
 	if e, _ := c.placement(t, "d1"); e.State == schemas.StateEjected {

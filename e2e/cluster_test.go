@@ -20,6 +20,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/breaker"
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	kvprobe "github.com/narwhalmesh/narwhal/engines/probe"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
@@ -125,6 +126,18 @@ type routerProc struct {
 	p    *process
 }
 
+// readyzStatus returns the HTTP status of r's /readyz; a request that
+// fails fails the test.
+func (r *routerProc) readyzStatus(t *testing.T) int {
+	t.Helper()
+	resp, err := probeClient.Get(r.url + "/readyz")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
 // cluster is the running deployment; startCluster builds it.
 type cluster struct {
 	dir        string
@@ -143,8 +156,8 @@ type cluster struct {
 	fronts     map[string]*chaosFront // chaos proxies by engine id
 	extra      []*process             // other processes of a test, stopped with the mesh
 
-	conn    *bus.Bus  // the test's own connection
-	events  *eventLog // every event on the bus since the cluster started
+	conn    *bus.Bus        // the test's own connection
+	events  *bustest.Events // every event on the bus since the cluster started
 	stopSub func()
 
 	transport *http.Transport
@@ -164,7 +177,7 @@ var busLine = regexp.MustCompile(`bus listening on (nats://\S+)`)
 // and the bus.
 func startCluster(t *testing.T, opts clusterOptions) *cluster {
 	t.Helper()
-	c := &cluster{dir: t.TempDir(), sims: map[string]*simProc{}, events: &eventLog{}, breakerEnv: opts.breakerEnv,
+	c := &cluster{dir: t.TempDir(), sims: map[string]*simProc{}, events: &bustest.Events{}, breakerEnv: opts.breakerEnv,
 		simArgs: opts.simArgs, fronts: map[string]*chaosFront{}}
 	nRouters, nBreakers := opts.routers, opts.breakers
 	if nRouters == 0 {
@@ -241,7 +254,7 @@ request:
 	if err != nil {
 		t.Fatal(err)
 	}
-	c.stopSub, err = bus.Subscribe(context.Background(), c.conn, bus.SubjectPrefix+">", true, c.events.add)
+	c.stopSub, err = bus.Subscribe(context.Background(), c.conn, bus.SubjectPrefix+">", true, c.events.Add)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -254,10 +267,19 @@ request:
 		c.routers = append(c.routers, r)
 		c.spawnRouter(t, r)
 	}
+	c.awaitRouters(t, nBreakers)
+	return c
+}
+
+// awaitRouters waits for every router's /readyz, then starts breakers
+// breakers and waits for a leading one that has written every engine's
+// placement entry.
+func (c *cluster) awaitRouters(t *testing.T, breakers int) {
+	t.Helper()
 	for _, r := range c.routers {
 		waitHTTP(t, r.p, r.url+"/readyz")
 	}
-	for range nBreakers {
+	for range breakers {
 		c.startBreaker(t)
 	}
 	testkit.WaitEvery(t, readyBound, pollInterval, "a leading breaker and a placement entry for every engine", func() bool {
@@ -271,7 +293,6 @@ request:
 		}
 		return true
 	})
-	return c
 }
 
 // startBus starts `narwhal bus` on the cluster's address and data dir and
@@ -311,9 +332,7 @@ func (c *cluster) spawnSim(t *testing.T, s *simProc, args ...string) {
 // waitSim waits for s's /health and its listening line.
 func (c *cluster) waitSim(t *testing.T, s *simProc) {
 	t.Helper()
-	waitHTTP(t, s.p, s.url+"/health")
-	testkit.WaitEvery(t, readyBound, pollInterval, s.id+"'s listening line", func() bool { return kvLine.MatchString(s.p.stdout.String()) })
-	s.kvAddr = kvLine.FindStringSubmatch(s.p.stdout.String())[2]
+	s.await(t)
 }
 
 // restartSim stops s (SIGTERM) and starts it again on the same port with
@@ -429,8 +448,8 @@ func (c *cluster) teardown(t *testing.T) {
 	haltAll(t, c.extra...)
 	if c.conn != nil && c.busProc != nil && !c.busProc.exited() && !t.Failed() {
 		for _, e := range c.storedEvents(t) {
-			if err := bus.ValidateEvent(e.payload); err != nil {
-				t.Errorf("event on %s does not validate (R-BUS-3): %v\n%s", e.subject, err, e.payload)
+			if err := bus.ValidateEvent(e.Payload); err != nil {
+				t.Errorf("event on %s does not validate (R-BUS-3): %v\n%s", e.Subject, err, e.Payload)
 			}
 		}
 	}
@@ -449,26 +468,17 @@ func haltAll(t *testing.T, ps ...*process) {
 
 // storedEvents returns every event stream NARWHAL_EVENTS holds now, read
 // with a subscription of its own, in stream order.
-func (c *cluster) storedEvents(t *testing.T) []busEvent {
+func (c *cluster) storedEvents(t *testing.T) []bustest.Event {
 	t.Helper()
-	ctx := testContext(t, readyBound)
-	stream, err := c.conn.JetStream().Stream(ctx, bus.StreamName)
-	if err != nil {
-		t.Fatal(err)
-	}
-	info, err := stream.Info(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	log := &eventLog{}
-	stop, err := bus.Subscribe(ctx, c.conn, bus.SubjectPrefix+">", true, log.add)
+	want := storedCount(t, c.conn)
+	log := &bustest.Events{}
+	stop, err := bus.Subscribe(testContext(t, readyBound), c.conn, bus.SubjectPrefix+">", true, log.Add)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer stop()
-	want := int(info.State.Msgs)
-	testkit.WaitEvery(t, readyBound, pollInterval, fmt.Sprintf("%d stored events", want), func() bool { return len(log.snapshot()) >= want })
-	return log.snapshot()
+	testkit.WaitEvery(t, readyBound, pollInterval, fmt.Sprintf("%d stored events", want), func() bool { return log.Len() >= want })
+	return log.All()
 }
 
 // ---- engines
@@ -635,21 +645,19 @@ type availabilityWatch struct {
 // polling every pollInterval for at most bound.
 func (c *cluster) watchAvailability(id string, want bool, bound time.Duration) *availabilityWatch {
 	w := &availabilityWatch{seen: make([]time.Time, len(c.routers)), errs: make([]error, len(c.routers))}
-	deadline := time.Now().Add(bound)
 	for i, r := range c.routers {
 		w.wg.Go(func() {
-			for {
-				got, err := available(r, id)
-				now := time.Now()
-				if err == nil && got == want {
-					w.seen[i] = now
-					return
+			var err error
+			if !testkit.Poll(bound, pollInterval, func() bool {
+				var got bool
+				got, err = available(r, id)
+				if err != nil || got != want {
+					return false
 				}
-				if now.After(deadline) {
-					w.errs[i] = fmt.Errorf("router %s: %s's availability not %v within %v (last error: %v)", r.id, id, want, bound, err)
-					return
-				}
-				time.Sleep(pollInterval)
+				w.seen[i] = time.Now()
+				return true
+			}) {
+				w.errs[i] = fmt.Errorf("router %s: %s's availability not %v within %v (last error: %v)", r.id, id, want, bound, err)
 			}
 		})
 	}
@@ -803,17 +811,24 @@ func parseEvent(t *testing.T, seq int, subject string, payload []byte) event {
 	return e
 }
 
-// list returns the events of the cluster's subscription so far that
-// match, in stream order.
-func (c *cluster) list(t *testing.T, match func(event) bool) []event {
+// matching returns the events recorded so far that match, in stream
+// order.
+func matching(t *testing.T, events *bustest.Events, match func(event) bool) []event {
 	t.Helper()
 	var out []event
-	for i, be := range c.events.snapshot() {
-		if e := parseEvent(t, i, be.subject, be.payload); match(e) {
+	for i, be := range events.All() {
+		if e := parseEvent(t, i, be.Subject, be.Payload); match(e) {
 			out = append(out, e)
 		}
 	}
 	return out
+}
+
+// list returns the events of the cluster's subscription so far that
+// match, in stream order.
+func (c *cluster) list(t *testing.T, match func(event) bool) []event {
+	t.Helper()
+	return matching(t, c.events, match)
 }
 
 // waitEvents waits until at least n events match and returns them all.

@@ -15,6 +15,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 // meshScriptBound bounds the example mesh's start (the script waits for
@@ -48,14 +50,14 @@ func TestExampleMesh(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var stderr syncBuffer
+	var stderr testkit.LockedBuffer
 	cmd.Stderr = &stderr
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
 	pgid := cmd.Process.Pid
 	done := make(chan error, 1)
-	var out syncBuffer
+	var out testkit.LockedBuffer
 	lines := make(chan string, 64)
 	go func() {
 		sc := bufio.NewScanner(stdout)
@@ -172,13 +174,10 @@ func TestExampleMesh(t *testing.T) {
 	// Every process of the group is gone (a zombie-free group answers
 	// ESRCH); allow a moment for the last exits to be reaped.
 	var alive error
-	for range 100 {
-		if alive = syscall.Kill(-pgid, 0); errors.Is(alive, syscall.ESRCH) {
-			break
-		}
-		time.Sleep(pollInterval)
-	}
-	if !errors.Is(alive, syscall.ESRCH) {
+	if !testkit.Poll(100*pollInterval, pollInterval, func() bool {
+		alive = syscall.Kill(-pgid, 0)
+		return errors.Is(alive, syscall.ESRCH)
+	}) {
 		t.Errorf("processes of the mesh's group still alive after it stopped (kill -0: %v)", alive)
 	}
 }

@@ -130,7 +130,7 @@ func TestFleetAtRunTime(t *testing.T) {
 	wrong := c.addSim(t, "d4", sim.RoleDecode, "--model", "another-model")
 	broken := c.addSim(t, "d5", sim.RoleDecode)
 	c.arm(t, broken, `{"kind":"status","status":500,"phase":"decode","message":"d5 cannot decode"}`)
-	mark := len(c.events.snapshot())
+	mark := c.events.Len()
 	watch := c.watchAvailability("d3", true, 4*readyBound)
 	c.fleetCmd(t, "add", "--id", "d3", "--url", d3.url, "--role", "decode")
 	c.fleetCmd(t, "add", "--id", "d4", "--url", wrong.url, "--role", "decode")
@@ -196,7 +196,7 @@ func TestFleetAtRunTime(t *testing.T) {
 	}
 
 	// (b) Drain d1 under the streaming load.
-	drainMark := len(c.events.snapshot())
+	drainMark := c.events.Len()
 	drainAt := time.Now()
 	out := c.fleetCmd(t, "drain", "d1")
 	t.Logf("%s", strings.TrimSpace(out))

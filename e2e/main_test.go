@@ -1,7 +1,6 @@
 package e2e
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -20,6 +19,8 @@ import (
 	"time"
 
 	"go.uber.org/goleak"
+
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 // narwhalBin is the narwhal binary TestMain builds for the whole package.
@@ -61,7 +62,7 @@ func runMain(m *testing.M) int {
 	}
 	code := m.Run()
 	if code == 0 {
-		if err := goleak.Find(); err != nil {
+		if err := goleak.Find(testkit.NATSLongLived()...); err != nil {
 			fmt.Fprintln(os.Stderr, "e2e: goroutines left behind:", err)
 			return 1
 		}
@@ -69,31 +70,12 @@ func runMain(m *testing.M) int {
 	return code
 }
 
-// syncBuffer is a bytes.Buffer safe for the concurrent writes of a child
-// process's output copier and the test's reads.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
 // process is one running narwhal child process with its output captured.
 type process struct {
 	name   string
 	cmd    *exec.Cmd
-	stdout syncBuffer
-	stderr syncBuffer
+	stdout testkit.LockedBuffer
+	stderr testkit.LockedBuffer
 
 	done    chan struct{} // closed when the process has exited
 	waitErr error         // cmd.Wait's result, valid once done is closed
@@ -213,15 +195,14 @@ var probeClient = &http.Client{Transport: &http.Transport{DisableKeepAlives: tru
 // cases.
 func waitHTTP(t *testing.T, p *process, url string) {
 	t.Helper()
-	deadline := time.Now().Add(readyBound)
 	var last string
-	for {
+	answered := func() bool {
 		resp, err := probeClient.Get(url)
 		if err == nil {
 			body, _ := io.ReadAll(resp.Body)
 			resp.Body.Close()
 			if resp.StatusCode == http.StatusOK {
-				return
+				return true
 			}
 			last = fmt.Sprintf("HTTP %d %s", resp.StatusCode, body)
 		} else {
@@ -231,11 +212,11 @@ func waitHTTP(t *testing.T, p *process, url string) {
 			p.dump(t)
 			t.Fatalf("%s exited (%v) before %s answered", p.name, p.waitErr, url)
 		}
-		if time.Now().After(deadline) {
-			p.dump(t)
-			t.Fatalf("%s: %s did not answer 200 within %v (last: %s)", p.name, url, readyBound, last)
-		}
-		time.Sleep(pollInterval)
+		return false
+	}
+	if !testkit.Poll(readyBound, pollInterval, answered) {
+		p.dump(t)
+		t.Fatalf("%s: %s did not answer 200 within %v (last: %s)", p.name, url, readyBound, last)
 	}
 }
 

@@ -1,20 +1,17 @@
 package e2e
 
 import (
-	"context"
 	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
-	"os"
-	"path/filepath"
 	"regexp"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
@@ -74,28 +71,84 @@ func (s *simProc) stats(t *testing.T) sim.Stats {
 	return st
 }
 
-// busEvent is one message read from stream NARWHAL_EVENTS.
-type busEvent struct {
-	subject string
-	payload []byte
+// eventBus starts an embedded bus in the test process on a free port of
+// 127.0.0.1 and connects to it as name, recording every event from the
+// first; all of it stops when the test ends. It returns the bus's URL for
+// the processes.
+func eventBus(t *testing.T, name string) (natsURL string, b *bus.Bus, events *bustest.Events) {
+	t.Helper()
+	emb := bustest.Start(t)
+	b = bustest.Connect(t, emb, bus.ConnectOptions{Name: name})
+	return emb.ClientURL(), b, bustest.Record(t, b, "", true)
 }
 
-// eventLog collects the events of a bus subscription.
-type eventLog struct {
-	mu  sync.Mutex
-	all []busEvent
+// storedCount returns how many events stream NARWHAL_EVENTS holds now.
+func storedCount(t *testing.T, b *bus.Bus) int {
+	t.Helper()
+	ctx := testContext(t, readyBound)
+	stream, err := b.JetStream().Stream(ctx, bus.StreamName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := stream.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return int(info.State.Msgs)
 }
 
-func (l *eventLog) add(subject string, payload []byte) {
-	l.mu.Lock()
-	l.all = append(l.all, busEvent{subject, append([]byte(nil), payload...)})
-	l.mu.Unlock()
+// allDelivered returns every event stream NARWHAL_EVENTS holds, once
+// events, a subscription of every event from the first, has them all.
+func allDelivered(t *testing.T, b *bus.Bus, events *bustest.Events) []bustest.Event {
+	t.Helper()
+	want := storedCount(t, b)
+	testkit.WaitEvery(t, readyBound, pollInterval, fmt.Sprintf("%d events from the subscription", want), func() bool {
+		return events.Len() >= want
+	})
+	return events.All()
 }
 
-func (l *eventLog) snapshot() []busEvent {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return append([]busEvent(nil), l.all...)
+// startSim starts `narwhal sim` on addr (HOST:PORT) as engine id of role
+// serving meshModel, its KV side channel on a free port, with args
+// added; it is stopped when the test ends.
+func startSim(t *testing.T, id, role, addr string, args ...string) *simProc {
+	t.Helper()
+	s := &simProc{id: id, role: role, url: "http://" + addr}
+	s.p = startProcess(t, "sim "+id, nil, append([]string{"sim", "--role", role, "--listen", addr, "--engine-id", id,
+		"--model", meshModel, "--kv-listen", "127.0.0.1:0"}, args...)...)
+	return s
+}
+
+// meshConfig writes the router config of the mesh tests — 5 s engine
+// bounds, a 20 s request bound, sims as a nixl fleet — and returns its
+// path.
+func meshConfig(t *testing.T, sims []*simProc) string {
+	t.Helper()
+	var cfg strings.Builder
+	cfg.WriteString(`engine:
+  first_token_timeout_s: 5
+  decode_read_timeout_s: 5
+  prefill_timeout_s: 5
+request:
+  timeout_s: 20
+fleet:
+`)
+	for _, s := range sims {
+		fmt.Fprintf(&cfg, "  - id: %s\n    url: %s\n    role: %s\n    connector: nixl\n", s.id, s.url, s.role)
+	}
+	return writeConfig(t, cfg.String())
+}
+
+// await waits until s answers /health and has printed its listening
+// line, takes its KV address from the line and returns the URL the line
+// names.
+func (s *simProc) await(t *testing.T) string {
+	t.Helper()
+	waitHTTP(t, s.p, s.url+"/health")
+	testkit.WaitEvery(t, readyBound, pollInterval, s.id+"'s listening line", func() bool { return kvLine.MatchString(s.p.stdout.String()) })
+	match := kvLine.FindStringSubmatch(s.p.stdout.String())
+	s.kvAddr = match[2]
+	return match[1]
 }
 
 // mesh is the multi-process deployment of the end-to-end tests: an
@@ -107,7 +160,7 @@ type mesh struct {
 	sims      []*simProc // p1, p2, d1, d2
 	byID      map[string]*simProc
 	bus       *bus.Bus
-	events    *eventLog
+	events    *bustest.Events
 }
 
 // startMesh starts the mesh and waits until every process answers: the
@@ -115,62 +168,24 @@ type mesh struct {
 // when the test ends, the router first.
 func startMesh(t *testing.T) *mesh {
 	t.Helper()
-	m := &mesh{byID: map[string]*simProc{}, events: &eventLog{}}
-
-	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Host: "127.0.0.1", Port: -1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(emb.Shutdown)
-	natsURL := emb.ClientURL()
-	m.bus, err = bus.Connect(testContext(t, readyBound), bus.ConnectOptions{URL: natsURL, Name: "narwhal-e2e"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(m.bus.Close)
-	stopSub, err := bus.Subscribe(context.Background(), m.bus, bus.SubjectPrefix+">", true, m.events.add)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(stopSub)
+	m := &mesh{byID: map[string]*simProc{}}
+	var natsURL string
+	natsURL, m.bus, m.events = eventBus(t, "narwhal-e2e")
 
 	ports := freePorts(t, 5)
 	for i, d := range []struct{ id, role string }{
 		{"p1", sim.RolePrefill}, {"p2", sim.RolePrefill}, {"d1", sim.RoleDecode}, {"d2", sim.RoleDecode},
 	} {
-		s := &simProc{id: d.id, role: d.role, url: "http://" + hostPort(ports[i])}
-		s.p = startProcess(t, "sim "+d.id, nil, "sim",
-			"--role", d.role, "--listen", hostPort(ports[i]), "--engine-id", d.id,
-			"--model", meshModel, "--kv-listen", "127.0.0.1:0")
+		s := startSim(t, d.id, d.role, hostPort(ports[i]))
 		m.sims = append(m.sims, s)
 		m.byID[d.id] = s
 	}
 	for _, s := range m.sims {
-		waitHTTP(t, s.p, s.url+"/health")
-		testkit.WaitEvery(t, readyBound, pollInterval, s.id+"'s listening line", func() bool { return kvLine.MatchString(s.p.stdout.String()) })
-		match := kvLine.FindStringSubmatch(s.p.stdout.String())
-		if match[1] != s.url {
-			t.Fatalf("sim %s says it listens on %s, want %s", s.id, match[1], s.url)
+		if url := s.await(t); url != s.url {
+			t.Fatalf("sim %s says it listens on %s, want %s", s.id, url, s.url)
 		}
-		s.kvAddr = match[2]
 	}
-
-	var cfg strings.Builder
-	cfg.WriteString(`engine:
-  first_token_timeout_s: 5
-  decode_read_timeout_s: 5
-  prefill_timeout_s: 5
-request:
-  timeout_s: 20
-fleet:
-`)
-	for _, s := range m.sims {
-		fmt.Fprintf(&cfg, "  - id: %s\n    url: %s\n    role: %s\n    connector: nixl\n", s.id, s.url, s.role)
-	}
-	path := filepath.Join(t.TempDir(), "narwhal.yaml")
-	if err := os.WriteFile(path, []byte(cfg.String()), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	path := meshConfig(t, m.sims)
 	m.routerURL = "http://" + hostPort(ports[4])
 	m.router = startProcess(t, "router",
 		[]string{"NARWHAL_NATS_URL=" + natsURL, "NARWHAL_ROUTER_ID=" + meshRouterID},
@@ -182,23 +197,10 @@ fleet:
 // allEvents stops the router — which flushes its publisher — and returns
 // every event stream NARWHAL_EVENTS holds, once the subscription has
 // delivered them all.
-func (m *mesh) allEvents(t *testing.T) []busEvent {
+func (m *mesh) allEvents(t *testing.T) []bustest.Event {
 	t.Helper()
 	if err := m.router.stop(syscall.SIGTERM); err != nil {
 		t.Errorf("router did not exit cleanly: %v", err)
 	}
-	ctx := testContext(t, readyBound)
-	stream, err := m.bus.JetStream().Stream(ctx, bus.StreamName)
-	if err != nil {
-		t.Fatal(err)
-	}
-	info, err := stream.Info(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	want := int(info.State.Msgs)
-	testkit.WaitEvery(t, readyBound, pollInterval, fmt.Sprintf("%d events from the subscription", want), func() bool {
-		return len(m.events.snapshot()) >= want
-	})
-	return m.events.snapshot()
+	return allDelivered(t, m.bus, m.events)
 }

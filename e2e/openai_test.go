@@ -20,6 +20,7 @@ import (
 	"github.com/openai/openai-go/v3/option"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
@@ -798,27 +799,27 @@ func hostPortString(host string, port int) string { return fmt.Sprintf("%s:%d", 
 // request-completed event on narwhal.events.request.e2e-router, exactly
 // one per client request (R-BUS-1), with the request's outcome, engines,
 // usage and both R-TIME-1 durations.
-func checkRequestEvents(t *testing.T, events []busEvent, served []servedRequest, requests int) {
+func checkRequestEvents(t *testing.T, events []bustest.Event, served []servedRequest, requests int) {
 	t.Helper()
 	byID := map[string][]*schemas.RequestCompleted{}
 	payloads := map[*schemas.RequestCompleted][]byte{}
 	var total int
 	for _, ev := range events {
-		if err := bus.ValidateEvent(ev.payload); err != nil {
-			t.Errorf("R-BUS-3: event on %s does not validate: %v: %s", ev.subject, err, ev.payload)
+		if err := bus.ValidateEvent(ev.Payload); err != nil {
+			t.Errorf("R-BUS-3: event on %s does not validate: %v: %s", ev.Subject, err, ev.Payload)
 		}
-		if ev.subject != "narwhal.events.request."+meshRouterID {
-			t.Errorf("unexpected event on %s in a fault-free run: %s", ev.subject, ev.payload)
+		if ev.Subject != "narwhal.events.request."+meshRouterID {
+			t.Errorf("unexpected event on %s in a fault-free run: %s", ev.Subject, ev.Payload)
 			continue
 		}
 		var rc schemas.RequestCompleted
-		if err := json.Unmarshal(ev.payload, &rc); err != nil {
-			t.Errorf("request event: %v: %s", err, ev.payload)
+		if err := json.Unmarshal(ev.Payload, &rc); err != nil {
+			t.Errorf("request event: %v: %s", err, ev.Payload)
 			continue
 		}
 		total++
 		byID[rc.RequestID] = append(byID[rc.RequestID], &rc)
-		payloads[&rc] = ev.payload
+		payloads[&rc] = ev.Payload
 	}
 	if total != requests {
 		t.Errorf("%d request events for %d requests", total, requests)

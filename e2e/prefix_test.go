@@ -3,13 +3,11 @@ package e2e
 import (
 	"fmt"
 	"net/http"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
@@ -21,33 +19,19 @@ import (
 // follow-up arrives through router B. With four producers, chance would
 // do that for all four prefixes once in 256 runs.
 func TestSharedPrefixIndexAcrossRoutersRPLACE2(t *testing.T) {
-	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Host: "127.0.0.1", Port: -1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(emb.Shutdown)
-	natsURL := emb.ClientURL()
+	natsURL := bustest.Start(t).ClientURL()
 
 	ports := freePorts(t, 7)
 	var sims []*simProc
 	for i, d := range []struct{ id, role string }{
 		{"p1", sim.RolePrefill}, {"p2", sim.RolePrefill}, {"p3", sim.RolePrefill}, {"p4", sim.RolePrefill}, {"d1", sim.RoleDecode},
 	} {
-		s := &simProc{id: d.id, role: d.role, url: "http://" + hostPort(ports[i])}
-		s.p = startProcess(t, "sim "+d.id, nil, "sim", "--role", d.role, "--listen", hostPort(ports[i]),
-			"--engine-id", d.id, "--model", meshModel, "--kv-listen", "127.0.0.1:0")
-		sims = append(sims, s)
+		sims = append(sims, startSim(t, d.id, d.role, hostPort(ports[i])))
 	}
-	var cfg strings.Builder
-	cfg.WriteString("engine:\n  first_token_timeout_s: 5\n  decode_read_timeout_s: 5\n  prefill_timeout_s: 5\nrequest:\n  timeout_s: 20\nfleet:\n")
 	for _, s := range sims {
 		waitHTTP(t, s.p, s.url+"/health")
-		fmt.Fprintf(&cfg, "  - id: %s\n    url: %s\n    role: %s\n    connector: nixl\n", s.id, s.url, s.role)
 	}
-	path := filepath.Join(t.TempDir(), "narwhal.yaml")
-	if err := os.WriteFile(path, []byte(cfg.String()), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	path := meshConfig(t, sims)
 	type router struct{ id, url string }
 	var routers []router
 	for i, id := range []string{"ra", "rb"} {

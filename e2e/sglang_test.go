@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	kvprobe "github.com/narwhalmesh/narwhal/engines/probe"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
@@ -42,7 +43,7 @@ type sglangStack struct {
 	routerURL string
 	router    *process
 	bus       *bus.Bus
-	events    *eventLog
+	events    *bustest.Events
 	client    *http.Client
 }
 
@@ -50,25 +51,11 @@ type sglangStack struct {
 // routerEnv added) and the breaker, and waits until they are ready.
 func startSGLang(t *testing.T, prefills, decodes int, routerEnv ...string) *sglangStack {
 	t.Helper()
-	s := &sglangStack{sims: map[string]*simProc{}, boot: map[string]int{}, events: &eventLog{},
+	s := &sglangStack{sims: map[string]*simProc{}, boot: map[string]int{},
 		client: &http.Client{Transport: &http.Transport{}, Timeout: requestBound}}
 	t.Cleanup(s.client.CloseIdleConnections)
-	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Host: "127.0.0.1", Port: -1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(emb.Shutdown)
-	natsURL := emb.ClientURL()
-	s.bus, err = bus.Connect(testContext(t, readyBound), bus.ConnectOptions{URL: natsURL, Name: "narwhal-e2e-sglang"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(s.bus.Close)
-	stopSub, err := bus.Subscribe(context.Background(), s.bus, bus.SubjectPrefix+">", true, s.events.add)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(stopSub)
+	var natsURL string
+	natsURL, s.bus, s.events = eventBus(t, "narwhal-e2e-sglang")
 
 	ports := freePorts(t, 2*prefills+decodes+1)
 	next := 0
@@ -90,9 +77,7 @@ func startSGLang(t *testing.T, prefills, decodes int, routerEnv ...string) *sgla
 		s.order = append(s.order, sp)
 	}
 	for _, sp := range s.order {
-		waitHTTP(t, sp.p, sp.url+"/health")
-		testkit.WaitEvery(t, readyBound, pollInterval, sp.id+"'s listening line", func() bool { return kvLine.MatchString(sp.p.stdout.String()) })
-		sp.kvAddr = kvLine.FindStringSubmatch(sp.p.stdout.String())[2]
+		sp.await(t)
 		if port, ok := s.boot[sp.id]; ok && sp.kvAddr != hostPort(port) {
 			t.Fatalf("%s's bootstrap server is on %s, not port %d", sp.id, sp.kvAddr, port)
 		}
@@ -190,16 +175,10 @@ func (s *sglangStack) legsOf(t *testing.T, engine, id string) []json.RawMessage 
 	return out
 }
 
-// events returns the events so far that match.
+// list returns the events so far that match.
 func (s *sglangStack) list(t *testing.T, match func(event) bool) []event {
 	t.Helper()
-	var out []event
-	for i, be := range s.events.snapshot() {
-		if e := parseEvent(t, i, be.subject, be.payload); match(e) {
-			out = append(out, e)
-		}
-	}
-	return out
+	return matching(t, s.events, match)
 }
 
 // idle waits until the router reports no leg in flight on any engine in

@@ -89,7 +89,7 @@ func TestClusterStalledClientsEjectNothingRTMO6(t *testing.T) {
 	c := startCluster(t, clusterOptions{routers: 1, breakers: 1, routerEnv: env, breakerEnv: env,
 		simArgs: []string{"--max-model-len", "1048576"}})
 	r := c.routers[0]
-	mark := len(c.events.snapshot())
+	mark := c.events.Len()
 
 	type opened struct {
 		conn net.Conn

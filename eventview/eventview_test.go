@@ -10,51 +10,9 @@ import (
 	"time"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
-
-// eventsAt is the "at" of the events of these tests.
-var eventsAt = time.Date(2026, 11, 30, 5, 59, 14, 123456789, time.UTC)
-
-func envelope(schema, id, router, breaker, engine, request string) schemas.Envelope {
-	return schemas.Envelope{Schema: schema, ID: id, At: eventsAt, RouterID: router, BreakerID: breaker, EngineID: engine, RequestID: request}
-}
-
-// testFailure is a decode first-token timeout of engine on router rt-1.
-func testFailure(engine, id string) *schemas.Failure {
-	return &schemas.Failure{
-		Envelope: envelope(schemas.SchemaFailure, id, "rt-1", "", engine, "req-"+id),
-		Phase:    schemas.PhaseDecode, Kind: "first_token_timeout", Status: 504,
-		Message: "engine first token timeout", Timeout: true, Counts: true,
-		ProducerID: "p1", ConsumerID: engine, BackendRequestID: "req-" + id + "-1", Attempt: 1,
-	}
-}
-
-func testRequest(id, router, producer, consumer string) *schemas.RequestCompleted {
-	ttft, firstByte := 0.12, 0.34
-	prompt, completion := 12, 34
-	return &schemas.RequestCompleted{
-		Envelope: envelope(schemas.SchemaRequest, id, router, "", "", "req-"+id),
-		Endpoint: schemas.EndpointChat, Model: "m", Stream: true, Status: 200,
-		ProducerID: producer, ConsumerID: consumer, Attempts: 1,
-		TTFTSeconds: &ttft, FirstByteSeconds: &firstByte, DurationSeconds: 1.25,
-		PromptTokens: &prompt, CompletionTokens: &completion,
-	}
-}
-
-func testEligibility(id, engine string, eligible bool) *schemas.Eligibility {
-	e := &schemas.Eligibility{Envelope: envelope(schemas.SchemaEligibility, id, "", "b1", engine, ""),
-		Eligible: eligible, State: "eligible", Streak: 0}
-	if !eligible {
-		e.State, e.Reason, e.Streak = "ejected", "ejected after 3 failures", 3
-	}
-	return e
-}
-
-func testProbe(id, engine string) *schemas.Probe {
-	return &schemas.Probe{Envelope: envelope(schemas.SchemaProbe, id, "", "b1", engine, ""),
-		Outcome: "success", Phase: schemas.PhaseDecode, ProducerID: "p1", ConsumerID: engine}
-}
 
 // TestSelection checks the consumer filter of a selection (R-BUS-1
 // subjects) and what Keep adds to it for request events.
@@ -78,13 +36,13 @@ func TestSelection(t *testing.T) {
 		ev   schemas.Event
 		keep bool
 	}{
-		{testFailure("d1", "f1"), true},
-		{testFailure("d10", "f2"), false},
-		{testRequest("r1", "rt-1", "p1", "d1"), true},
-		{testRequest("r2", "rt-1", "d1", "d2"), true},
-		{testRequest("r3", "d1", "p2", "d2"), true},
-		{testRequest("r4", "rt-1", "p2", "d2"), false},
-		{testEligibility("e1", "rt-1", true), false},
+		{bustest.SampleFailure("d1", "f1"), true},
+		{bustest.SampleFailure("d10", "f2"), false},
+		{bustest.SampleRequest("r1", "rt-1", "p1", "d1"), true},
+		{bustest.SampleRequest("r2", "rt-1", "d1", "d2"), true},
+		{bustest.SampleRequest("r3", "d1", "p2", "d2"), true},
+		{bustest.SampleRequest("r4", "rt-1", "p2", "d2"), false},
+		{bustest.SampleEligibility("e1", "rt-1", true), false},
 	} {
 		payload, _ := json.Marshal(c.ev)
 		if got := sel.Keep(c.ev.Subject(), payload); got != c.keep {
@@ -168,27 +126,27 @@ func TestPrinterReadableLines(t *testing.T) {
 	var out bytes.Buffer
 	p := NewPrinter(&out, false)
 
-	f := testFailure("d1", "f1")
-	f.At, f.RequestID = eventsAt, "abc"
-	retry := testFailure("d2", "f2")
-	retry.At, retry.Phase, retry.Kind, retry.Status, retry.UpstreamStatus = eventsAt, schemas.PhasePrefill, "upstream_status", 502, 503
+	f := bustest.SampleFailure("d1", "f1")
+	f.At, f.RequestID = bustest.SampleAt, "abc"
+	retry := bustest.SampleFailure("d2", "f2")
+	retry.At, retry.Phase, retry.Kind, retry.Status, retry.UpstreamStatus = bustest.SampleAt, schemas.PhasePrefill, "upstream_status", 502, 503
 	retry.Message, retry.Timeout, retry.Counts, retry.ProducerID, retry.ConsumerID, retry.Attempt = "engine returned HTTP 503", false, true, "d2", "d3", 2
-	client := testFailure("d1", "f3")
-	client.At, client.Counts, client.RequestID = eventsAt, false, "abc"
-	failedReq := testRequest("r2", "rt-1", "p1", "d1")
+	client := bustest.SampleFailure("d1", "f3")
+	client.At, client.Counts, client.RequestID = bustest.SampleAt, false, "abc"
+	failedReq := bustest.SampleRequest("r2", "rt-1", "p1", "d1")
 	failedReq.Status, failedReq.ErrorKind, failedReq.FirstByteSeconds = 504, "first_token_timeout", nil
 	events := []schemas.Event{
 		f,
-		testRequest("r1", "rt-1", "p1", "d1"),
+		bustest.SampleRequest("r1", "rt-1", "p1", "d1"),
 		failedReq,
-		testEligibility("e1", "d1", false),
-		testEligibility("e2", "d1", true),
-		testProbe("pr1", "d1"),
-		&schemas.Probe{Envelope: envelope(schemas.SchemaProbe, "pr2", "", "b1", "d1", ""),
+		bustest.SampleEligibility("e1", "d1", false),
+		bustest.SampleEligibility("e2", "d1", true),
+		bustest.SampleProbe("pr1", "d1"),
+		&schemas.Probe{Envelope: bustest.SampleEnvelope(schemas.SchemaProbe, "pr2", "", "b1", "d1", ""),
 			Outcome: "inconclusive", Phase: schemas.PhaseDecode, ProducerID: "p1", ConsumerID: "d1", Message: "producer p1 failed"},
-		&schemas.Quarantine{Envelope: envelope(schemas.SchemaQuarantine, "q1", "rt-1", "", "d1", ""),
-			DurationSeconds: 5, Until: eventsAt.Add(5 * time.Second), Reason: "first_token_timeout"},
-		&schemas.Handoff{Envelope: envelope(schemas.SchemaHandoff, "h1", "rt-1", "", "p1", "abc"),
+		&schemas.Quarantine{Envelope: bustest.SampleEnvelope(schemas.SchemaQuarantine, "q1", "rt-1", "", "d1", ""),
+			DurationSeconds: 5, Until: bustest.SampleAt.Add(5 * time.Second), Reason: "first_token_timeout"},
+		&schemas.Handoff{Envelope: bustest.SampleEnvelope(schemas.SchemaHandoff, "h1", "rt-1", "", "p1", "abc"),
 			Outcome: schemas.HandoffAbandoned, Reason: "decode_failed", ConsumerID: "d1", Connector: "nixl", AgeSeconds: 0.1, Released: true},
 		retry,
 		client,
@@ -241,7 +199,7 @@ func TestEveryKindHasALine(t *testing.T) {
 	}
 	for _, k := range schemas.EventKinds() {
 		ev := k.New()
-		*ev.Head() = envelope(k.Schema, "k-"+k.Name, "rt-1", "", "d1", "")
+		*ev.Head() = bustest.SampleEnvelope(k.Schema, "k-"+k.Name, "rt-1", "", "d1", "")
 		payload, err := json.Marshal(ev)
 		if err != nil {
 			t.Fatal(err)
@@ -280,9 +238,9 @@ func TestPrinterFleetLine(t *testing.T) {
 	var out bytes.Buffer
 	p := NewPrinter(&out, false)
 	for _, ev := range []*schemas.FleetChange{
-		{Envelope: envelope(schemas.SchemaFleet, "fl1", "", "b1", "d1", ""),
+		{Envelope: bustest.SampleEnvelope(schemas.SchemaFleet, "fl1", "", "b1", "d1", ""),
 			State: schemas.FleetActive, Previous: schemas.FleetJoining, Reason: "inference probe passed"},
-		{Envelope: envelope(schemas.SchemaFleet, "fl2", "", "b1", "d1", ""), State: schemas.FleetJoining},
+		{Envelope: bustest.SampleEnvelope(schemas.SchemaFleet, "fl2", "", "b1", "d1", ""), State: schemas.FleetJoining},
 	} {
 		payload, err := json.Marshal(ev)
 		if err != nil {

@@ -12,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
@@ -22,18 +23,9 @@ var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
 // testBus starts an embedded, set-up bus and connects to it.
 func testBus(t *testing.T) (*bus.Bus, jetstream.KeyValue) {
 	t.Helper()
-	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(emb.Shutdown)
+	b := bustest.Connect(t, bustest.Start(t), bus.ConnectOptions{})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	b, err := bus.Connect(ctx, bus.ConnectOptions{URL: emb.ClientURL(), Name: t.Name()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(b.Close)
 	kv, err := b.BindBucket(ctx, bus.FleetBucket)
 	if err != nil {
 		t.Fatal(err)

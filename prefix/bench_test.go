@@ -3,6 +3,8 @@ package prefix
 import (
 	"fmt"
 	"testing"
+
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 // BenchmarkPrefixScore2000Tokens measures one placement's prefix work
@@ -27,7 +29,7 @@ func BenchmarkPrefixScore2000Tokens(b *testing.B) {
 	b.ReportAllocs()
 	b.ResetTimer()
 	chosen := -1
-	cpu := cpuTime()
+	cpu := testkit.CPUTime()
 	for b.Loop() {
 		hashes = AppendHashes(hashes[:0], p)
 		for i, id := range ids {
@@ -35,7 +37,7 @@ func BenchmarkPrefixScore2000Tokens(b *testing.B) {
 		}
 		chosen, _ = Choose(cands, len(hashes), bal)
 	}
-	b.ReportMetric(float64(cpuTime()-cpu)/float64(b.N), "cpu-ns/op")
+	testkit.ReportCPUPerOp(b, cpu)
 	if chosen != 2 {
 		b.Fatal(fmt.Sprint("chose ", chosen, ", want the engine holding the prefix"))
 	}
@@ -64,9 +66,9 @@ func BenchmarkRecord2000Tokens(b *testing.B) {
 	fresh := make([]uint64, 0, len(hashes))
 	ix.Record("e", hashes, nil)
 	b.ReportAllocs()
-	cpu := cpuTime()
+	cpu := testkit.CPUTime()
 	for b.Loop() {
 		fresh = ix.Record("e", hashes, fresh[:0])
 	}
-	b.ReportMetric(float64(cpuTime()-cpu)/float64(b.N), "cpu-ns/op")
+	testkit.ReportCPUPerOp(b, cpu)
 }

@@ -43,10 +43,10 @@ func BenchmarkBodyBytesInflight(b *testing.B) {
 func benchBodies(b *testing.B, bound int) {
 	const clients = 20
 	const size = 8 << 20
-	url := benchRouter(b, func(c *config.Config) {
+	url := benchRouter(b, 300*time.Millisecond, func(c *config.Config) {
 		c.Request.MaxBodyBytes = 16 << 20
 		c.Server.MaxBodyBytesInflight = bound
-	})
+	}, nil)
 	pad := bytes.Repeat([]byte("k"), size)
 	body := append(append([]byte(`{"model":"sim-model","messages":[{"role":"user","content":"x"}],"max_tokens":2,"kv_transfer_params":{"pad":"`), pad...), `"}}`...)
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: clients}}
@@ -112,10 +112,12 @@ func benchBodies(b *testing.B, bound int) {
 	b.ReportMetric(float64(refused.Load())/float64(b.N), "refused/op")
 }
 
-// benchRouter starts a prefill and a decode simulator (first token after
-// 300 ms) and a router over them, configured by mutate; it returns the
-// router's base URL and stops everything when b ends.
-func benchRouter(b *testing.B, mutate func(*config.Config)) string {
+// benchRouter starts a prefill and a decode simulator (the decode's first
+// token after ttft, its sim.Config.TTFT) and a router over them, its
+// config changed by mutate and its Options by options (either may be
+// nil); it waits until the router knows both engines' models, returns its
+// base URL and stops everything when b ends.
+func benchRouter(b *testing.B, ttft time.Duration, mutate func(*config.Config), options func(*Options)) string {
 	b.Helper()
 	cfg := config.Default()
 	cfg.Router.ID = "rt-bench"
@@ -125,16 +127,22 @@ func benchRouter(b *testing.B, mutate func(*config.Config)) string {
 	}{{"p1", connector.RolePrefill}, {"d1", connector.RoleDecode}} {
 		sc := sim.Config{Role: string(d.role), EngineID: d.id, Model: testModel}
 		if d.role == connector.RoleDecode {
-			sc.TTFT = 300 * time.Millisecond
+			sc.TTFT = ttft
 		}
 		srv := simtest.Start(b, sc)
 		cfg.Fleet = append(cfg.Fleet, config.EngineSpec{ID: d.id, URL: srv.URL(), Role: d.role, Connector: "nixl"})
 	}
-	mutate(&cfg)
+	if mutate != nil {
+		mutate(&cfg)
+	}
 	if err := cfg.Validate(); err != nil {
 		b.Fatal(err)
 	}
-	rt, err := New(Options{Config: &cfg, Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), ShutdownGrace: time.Second})
+	opts := Options{Config: &cfg, Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), ShutdownGrace: time.Second}
+	if options != nil {
+		options(&opts)
+	}
+	rt, err := New(opts)
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -3,21 +3,13 @@ package router
 import (
 	"context"
 	"io"
-	"log/slog"
-	"net"
 	"net/http"
 	"strings"
 	"testing"
-	"time"
 
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
-	"github.com/narwhalmesh/narwhal/config"
-	"github.com/narwhalmesh/narwhal/engines/connector"
-	"github.com/narwhalmesh/narwhal/engines/sim"
-	"github.com/narwhalmesh/narwhal/engines/sim/simtest"
-	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -46,47 +38,7 @@ func BenchmarkRequest(b *testing.B) {
 }
 
 func benchRequests(b *testing.B, options func(*Options), traceparent string) {
-	cfg := config.Default()
-	cfg.Router.ID = "rt-bench"
-	for _, d := range []struct {
-		id   string
-		role connector.Role
-	}{{"p1", connector.RolePrefill}, {"d1", connector.RoleDecode}} {
-		srv := simtest.Start(b, sim.Config{Role: string(d.role), EngineID: d.id, Model: testModel})
-		cfg.Fleet = append(cfg.Fleet, config.EngineSpec{ID: d.id, URL: srv.URL(), Role: d.role, Connector: "nixl"})
-	}
-	if err := cfg.Validate(); err != nil {
-		b.Fatal(err)
-	}
-	opts := Options{Config: &cfg, Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), ShutdownGrace: time.Second}
-	if options != nil {
-		options(&opts)
-	}
-	rt, err := New(opts)
-	if err != nil {
-		b.Fatal(err)
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		b.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- rt.Serve(ln) }()
-	b.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = rt.Shutdown(ctx)
-		<-done
-	})
-	testkit.WaitFor(b, 5*time.Second, "the engines' models", func() bool {
-		for _, m := range rt.fleet().Members() {
-			if m.Models() == nil {
-				return false
-			}
-		}
-		return true
-	})
-	url := "http://" + ln.Addr().String() + schemas.EndpointChat
+	url := benchRouter(b, 0, nil, options) + schemas.EndpointChat
 	body := chatBody("benchmark the request path", `"stream":true,"max_tokens":4`)
 	client := &http.Client{Transport: &http.Transport{}}
 	defer client.CloseIdleConnections()

@@ -14,6 +14,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/engines/sim/simtest"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
@@ -50,20 +51,12 @@ func TestAgentBadInput(t *testing.T) {
 // stopped writes state draining, waits for the routers' reports to show
 // no leg on the engine (R-FLEET-3), removes the key and returns nil.
 func TestAgentLifecycleRFLEET4(t *testing.T) {
-	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(emb.Shutdown)
+	emb := bustest.Start(t)
 	t.Setenv("NARWHAL_NATS_URL", emb.ClientURL())
 	t.Setenv("NARWHAL_MEMBERSHIP_REGISTRATION_TTL_S", "1")
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	b, err := bus.Connect(ctx, bus.ConnectOptions{URL: emb.ClientURL(), Name: t.Name()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer b.Close()
+	b := bustest.Connect(t, emb, bus.ConnectOptions{})
 	fleetKV, err := b.BindBucket(ctx, bus.FleetBucket)
 	if err != nil {
 		t.Fatal(err)
@@ -92,7 +85,7 @@ func TestAgentLifecycleRFLEET4(t *testing.T) {
 	url := "http://" + ln
 	agentCtx, stopAgent := context.WithCancel(context.Background())
 	defer stopAgent()
-	var out, errOut lockedBuffer
+	var out, errOut testkit.LockedBuffer
 	done := make(chan error, 1)
 	drainedFile := filepath.Join(t.TempDir(), "drained")
 	go func() {

@@ -9,6 +9,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/breaker"
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
@@ -29,11 +30,7 @@ func TestBreakerNeedsNATSURL(t *testing.T) {
 // context ends (SIGINT/SIGTERM), releasing the lease.
 func TestBreakerCommandLeads(t *testing.T) {
 	testkit.CheckLeaks(t)
-	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(emb.Shutdown)
+	emb := bustest.Start(t)
 	t.Setenv("NARWHAL_NATS_URL", emb.ClientURL())
 	t.Setenv("NARWHAL_ROUTER_LOG_LEVEL", "warn")
 	path, _ := preflightFleet(t, [][2]string{{"p1", "prefill"}, {"d1", "decode"}})
@@ -44,11 +41,7 @@ func TestBreakerCommandLeads(t *testing.T) {
 
 	cctx, ccancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer ccancel()
-	b, err := bus.Connect(cctx, bus.ConnectOptions{URL: emb.ClientURL(), Name: t.Name()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer b.Close()
+	b := bustest.Connect(t, emb, bus.ConnectOptions{})
 	leaseHolder := func() string {
 		kv, err := b.JetStream().KeyValue(cctx, breaker.LeaseBucket)
 		if err != nil {
@@ -95,24 +88,17 @@ func TestBreakerCommandLeads(t *testing.T) {
 // once with an error naming the bucket and the command that creates it.
 func TestBreakerCommandNamesMissingBucket(t *testing.T) {
 	testkit.CheckLeaks(t)
-	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer emb.Shutdown()
+	emb := bustest.Start(t)
 	ctx, cancel := context.WithTimeout(context.Background(), cmdTestBound)
 	defer cancel()
-	admin, err := bus.Connect(ctx, bus.ConnectOptions{URL: emb.ClientURL()})
-	if err != nil {
-		t.Fatal(err)
-	}
+	admin := bustest.Connect(t, emb, bus.ConnectOptions{})
 	if err := admin.JetStream().DeleteKeyValue(ctx, bus.LeaseBucket); err != nil {
 		t.Fatal(err)
 	}
 	t.Setenv("NARWHAL_NATS_URL", emb.ClientURL())
 	t.Setenv("NARWHAL_ROUTER_LOG_LEVEL", "error")
 	path, _ := preflightFleet(t, [][2]string{{"p1", "prefill"}, {"d1", "decode"}})
-	err = runBreakerCmd(ctx, []string{"--config", path})
+	err := runBreakerCmd(ctx, []string{"--config", path})
 	if err == nil || !strings.Contains(err.Error(), "bucket narwhal_breaker does not exist") || !strings.Contains(err.Error(), "narwhal bus setup") {
 		t.Errorf("breaker on a bus without its lease bucket: %v", err)
 	}

@@ -17,6 +17,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
@@ -25,37 +26,9 @@ import (
 // commands need (milliseconds), short enough that a hang fails quickly.
 const cmdTestBound = 10 * time.Second
 
-// capturedOutput is an io.Writer a command writes to while the test reads
-// it.
-type capturedOutput struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (o *capturedOutput) Write(p []byte) (int, error) {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	return o.buf.Write(p)
-}
-
-func (o *capturedOutput) String() string {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	return o.buf.String()
-}
-
-// lines returns the complete lines written so far.
-func (o *capturedOutput) lines() []string {
-	s := o.String()
-	if i := strings.LastIndexByte(s, '\n'); i >= 0 {
-		return strings.Split(s[:i], "\n")
-	}
-	return nil
-}
-
 // runningCmd is a command run in-process by a test.
 type runningCmd struct {
-	stdout, stderr *capturedOutput
+	stdout, stderr *testkit.LockedBuffer
 	cancel         context.CancelFunc
 	errc           chan error
 	once           sync.Once
@@ -66,7 +39,7 @@ type runningCmd struct {
 func startCmd(t *testing.T, run func(context.Context, []string, io.Writer, io.Writer) error, args ...string) *runningCmd {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	c := &runningCmd{stdout: &capturedOutput{}, stderr: &capturedOutput{}, cancel: cancel, errc: make(chan error, 1)}
+	c := &runningCmd{stdout: &testkit.LockedBuffer{}, stderr: &testkit.LockedBuffer{}, cancel: cancel, errc: make(chan error, 1)}
 	go func() { c.errc <- run(ctx, args, c.stdout, c.stderr) }()
 	t.Cleanup(func() { c.stop(t) })
 	return c
@@ -118,7 +91,7 @@ func startBusCmd(t *testing.T, data string) (*runningCmd, string) {
 			t.Fatalf("narwhal bus ended early: %v\nstderr: %s", err, c.stderr)
 		default:
 		}
-		if lines := c.stdout.lines(); len(lines) > 0 {
+		if lines := c.stdout.Lines(); len(lines) > 0 {
 			if m = busLine.FindStringSubmatch(lines[0]); m == nil {
 				t.Fatalf("narwhal bus printed %q", lines[0])
 			}
@@ -268,13 +241,10 @@ func TestRedactNATSURL(t *testing.T) {
 	}
 }
 
-// testFailure is a decode first-token timeout of engine on router rt-1.
+// testFailure is bustest.SampleFailure (a decode first-token timeout of
+// engine on router rt-1) at the present time.
 func testFailure(engine, id string) *schemas.Failure {
-	return &schemas.Failure{
-		Envelope: schemas.Envelope{Schema: schemas.SchemaFailure, ID: id, At: time.Now().UTC(),
-			RouterID: "rt-1", EngineID: engine, RequestID: "req-" + id},
-		Phase: schemas.PhaseDecode, Kind: "first_token_timeout", Status: 504,
-		Message: "engine first token timeout", Timeout: true, Counts: true,
-		ProducerID: "p1", ConsumerID: engine, BackendRequestID: "req-" + id + "-1", Attempt: 1,
-	}
+	f := bustest.SampleFailure(engine, id)
+	f.At = time.Now().UTC()
+	return f
 }

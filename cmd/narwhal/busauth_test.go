@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
@@ -44,26 +45,19 @@ func TestBusCredsCommand(t *testing.T) {
 // message names the permission.
 func TestBusSetupCommand(t *testing.T) {
 	testkit.CheckLeaks(t)
-	dir := filepath.Join(t.TempDir(), "creds")
-	if err := bus.WriteCredentials(dir); err != nil {
-		t.Fatal(err)
-	}
-	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1, AuthDir: dir, NoSetup: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer emb.Shutdown()
+	dir := bustest.Credentials(t)
+	emb := bustest.StartWith(t, bus.EmbeddedOptions{Port: -1, AuthDir: dir, NoSetup: true})
 	t.Setenv("NARWHAL_NATS_URL", emb.ClientURL())
 
-	t.Setenv("NARWHAL_NATS_CREDS", filepath.Join(dir, bus.CredsFile(bus.RoleRouter)))
-	out, errOut := &capturedOutput{}, &capturedOutput{}
-	err = runBus(context.Background(), []string{"setup", "--connect-timeout", "3s"}, out, errOut)
+	t.Setenv("NARWHAL_NATS_CREDS", bustest.CredsFile(dir, bus.RoleRouter))
+	out, errOut := &testkit.LockedBuffer{}, &testkit.LockedBuffer{}
+	err := runBus(context.Background(), []string{"setup", "--connect-timeout", "3s"}, out, errOut)
 	if err == nil || !strings.Contains(err.Error(), "ermissions") {
 		t.Errorf("bus setup with the router's credential: %v, want a permissions violation", err)
 	}
 
-	t.Setenv("NARWHAL_NATS_CREDS", filepath.Join(dir, bus.CredsFile(bus.RoleAdmin)))
-	out = &capturedOutput{}
+	t.Setenv("NARWHAL_NATS_CREDS", bustest.CredsFile(dir, bus.RoleAdmin))
+	out = &testkit.LockedBuffer{}
 	if err := runBus(context.Background(), []string{"setup"}, out, errOut); err != nil {
 		t.Fatalf("bus setup with the admin's credential: %v\n%s", err, errOut.String())
 	}

@@ -20,6 +20,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/engines/sim"
@@ -33,11 +34,7 @@ import (
 // published on it (each validated against its schema).
 func chaosTestBus(t *testing.T) *chaosEvents {
 	t.Helper()
-	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(emb.Shutdown)
+	emb := bustest.Start(t)
 	t.Setenv("NARWHAL_NATS_URL", emb.ClientURL())
 	nc, err := nats.Connect(emb.ClientURL())
 	if err != nil {
@@ -237,7 +234,7 @@ func TestChaosProxyCommand(t *testing.T) {
 
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
-	stdout := &lockedBuffer{}
+	stdout := &testkit.LockedBuffer{}
 	done := make(chan error, 1)
 	go func() {
 		done <- runChaos(ctx, []string{"proxy", "--target", simURL, "--engine-id", "decode-1", "--listen", "127.0.0.1:0"}, stdout, io.Discard)
@@ -442,25 +439,6 @@ func TestSpellSelf(t *testing.T) {
 	}
 }
 
-// lockedBuffer is a bytes.Buffer safe for a command writing while the test
-// reads.
-type lockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *lockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *lockedBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
 // TestChaosArmWarnsWhenNoProxyServes proves that `narwhal chaos arm` for an
 // engine no chaos proxy serves still arms the fault (a proxy started later
 // loads it) but warns on stderr, naming the engines the proxies on the bus
@@ -488,7 +466,7 @@ func TestChaosArmWarnsWhenNoProxyServes(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 2)
 	for _, id := range []string{"decode-2", "decode-1"} {
-		stdout := &lockedBuffer{}
+		stdout := &testkit.LockedBuffer{}
 		go func() {
 			done <- runChaos(ctx, []string{"proxy", "--target", "http://127.0.0.1:1", "--engine-id", id, "--listen", "127.0.0.1:0"}, stdout, io.Discard)
 		}()

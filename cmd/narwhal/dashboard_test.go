@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"net/http"
-	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
@@ -12,6 +11,7 @@ import (
 	"time"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
@@ -21,27 +21,20 @@ import (
 // snapshot of a connected bus, and SIGINT (ctx) stops it with nil. Bad
 // flags fail before anything starts.
 func TestDashboardCommand(t *testing.T) {
-	dir := t.TempDir()
-	if err := bus.WriteCredentials(dir); err != nil {
-		t.Fatal(err)
-	}
-	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1, AuthDir: dir})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(emb.Shutdown)
+	dir := bustest.Credentials(t)
+	emb := bustest.StartWith(t, bus.EmbeddedOptions{Port: -1, AuthDir: dir})
 	t.Setenv("NARWHAL_NATS_URL", emb.ClientURL())
-	t.Setenv("NARWHAL_NATS_CREDS", filepath.Join(dir, bus.CredsFile(bus.RoleViewer)))
+	t.Setenv("NARWHAL_NATS_CREDS", bustest.CredsFile(dir, bus.RoleViewer))
 
 	for _, args := range [][]string{{"--bogus"}, {"extra"}, {"--connect-timeout", "-1s"}, {"--listen", "127.0.0.1:bad"}} {
-		var stdout, stderr capturedOutput
+		var stdout, stderr testkit.LockedBuffer
 		if err := runDashboard(context.Background(), args, &stdout, &stderr); err == nil {
 			t.Errorf("narwhal dashboard %q: no error", args)
 		}
 	}
 
 	listen := "127.0.0.1:" + strconv.Itoa(freeTCPPort(t))
-	var stdout, stderr capturedOutput
+	var stdout, stderr testkit.LockedBuffer
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- runDashboard(ctx, []string{"--listen", listen}, &stdout, &stderr) }()
@@ -87,7 +80,7 @@ func TestDashboardCommand(t *testing.T) {
 	ctx, cancel = context.WithCancel(context.Background())
 	defer cancel()
 	done = make(chan error, 1)
-	var out2, err2 capturedOutput
+	var out2, err2 testkit.LockedBuffer
 	go func() { done <- runDashboard(ctx, []string{"--listen", listen, "--config", path}, &out2, &err2) }()
 	var engines struct {
 		Engines []struct {

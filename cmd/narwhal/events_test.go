@@ -9,9 +9,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go/jetstream"
-
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
@@ -21,23 +20,12 @@ import (
 // that publishes.
 func eventsBus(t *testing.T) *bus.Bus {
 	t.Helper()
-	e, err := bus.StartEmbedded(bus.EmbeddedOptions{Port: -1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(e.Shutdown)
+	e := bustest.Start(t)
 	t.Setenv("NARWHAL_NATS_URL", e.ClientURL())
 	for _, v := range []string{"NARWHAL_NATS_CREDS", "NARWHAL_NATS_TLS_CA", "NARWHAL_NATS_TLS_CERT", "NARWHAL_NATS_TLS_KEY"} {
 		t.Setenv(v, "")
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), cmdTestBound)
-	defer cancel()
-	b, err := bus.Connect(ctx, bus.ConnectOptions{URL: e.ClientURL(), Name: t.Name()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(b.Close)
-	return b
+	return bustest.Connect(t, e, bus.ConnectOptions{})
 }
 
 // publishEvent validates ev against its schema (R-BUS-3), publishes it
@@ -45,61 +33,18 @@ func eventsBus(t *testing.T) *bus.Bus {
 // time the stream stored it.
 func publishEvent(t *testing.T, b *bus.Bus, ev schemas.Event) ([]byte, time.Time) {
 	t.Helper()
-	payload, err := json.Marshal(ev)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := bus.ValidateEvent(payload); err != nil {
-		t.Fatalf("%v\n%s", err, payload)
-	}
+	payload, seq := bustest.Publish(t, b, ev)
 	ctx, cancel := context.WithTimeout(context.Background(), cmdTestBound)
 	defer cancel()
-	ack, err := b.JetStream().Publish(ctx, ev.Subject(), payload, jetstream.WithMsgID(ev.Head().ID))
-	if err != nil {
-		t.Fatal(err)
-	}
 	stream, err := b.JetStream().Stream(ctx, bus.StreamName)
 	if err != nil {
 		t.Fatal(err)
 	}
-	msg, err := stream.GetMsg(ctx, ack.Sequence)
+	msg, err := stream.GetMsg(ctx, seq)
 	if err != nil {
 		t.Fatal(err)
 	}
 	return payload, msg.Time
-}
-
-// eventsAt is the "at" of the events of these tests.
-var eventsAt = time.Date(2026, 11, 30, 5, 59, 14, 123456789, time.UTC)
-
-func envelope(schema, id, router, breaker, engine, request string) schemas.Envelope {
-	return schemas.Envelope{Schema: schema, ID: id, At: eventsAt, RouterID: router, BreakerID: breaker, EngineID: engine, RequestID: request}
-}
-
-func testRequest(id, router, producer, consumer string) *schemas.RequestCompleted {
-	ttft, firstByte := 0.12, 0.34
-	prompt, completion := 12, 34
-	return &schemas.RequestCompleted{
-		Envelope: envelope(schemas.SchemaRequest, id, router, "", "", "req-"+id),
-		Endpoint: schemas.EndpointChat, Model: "m", Stream: true, Status: 200,
-		ProducerID: producer, ConsumerID: consumer, Attempts: 1,
-		TTFTSeconds: &ttft, FirstByteSeconds: &firstByte, DurationSeconds: 1.25,
-		PromptTokens: &prompt, CompletionTokens: &completion,
-	}
-}
-
-func testEligibility(id, engine string, eligible bool) *schemas.Eligibility {
-	e := &schemas.Eligibility{Envelope: envelope(schemas.SchemaEligibility, id, "", "b1", engine, ""),
-		Eligible: eligible, State: "eligible", Streak: 0}
-	if !eligible {
-		e.State, e.Reason, e.Streak = "ejected", "ejected after 3 failures", 3
-	}
-	return e
-}
-
-func testProbe(id, engine string) *schemas.Probe {
-	return &schemas.Probe{Envelope: envelope(schemas.SchemaProbe, id, "", "b1", engine, ""),
-		Outcome: "success", Phase: schemas.PhaseDecode, ProducerID: "p1", ConsumerID: engine}
 }
 
 // startEvents runs `narwhal events args…` and waits until it follows the
@@ -115,8 +60,8 @@ func startEvents(t *testing.T, args ...string) *runningCmd {
 // waitLines waits until c has written n lines to stdout and returns them.
 func waitLines(t *testing.T, c *runningCmd, n int) []string {
 	t.Helper()
-	testkit.WaitFor(t, cmdTestBound, "output lines", func() bool { return len(c.stdout.lines()) >= n })
-	return c.stdout.lines()
+	testkit.WaitFor(t, cmdTestBound, "output lines", func() bool { return len(c.stdout.Lines()) >= n })
+	return c.stdout.Lines()
 }
 
 // TestEventsJSONExactlyAsPublished proves R-BUS-5 for `narwhal events
@@ -127,9 +72,9 @@ func TestEventsJSONExactlyAsPublished(t *testing.T) {
 	testkit.CheckLeaks(t)
 	b := eventsBus(t)
 	f := testFailure("d1", "f1")
-	f.At = eventsAt
+	f.At = bustest.SampleAt
 	var want []string
-	for _, ev := range []schemas.Event{f, testRequest("r1", "rt-1", "p1", "d1"), testEligibility("e1", "d1", false)} {
+	for _, ev := range []schemas.Event{f, bustest.SampleRequest("r1", "rt-1", "p1", "d1"), bustest.SampleEligibility("e1", "d1", false)} {
 		payload, _ := publishEvent(t, b, ev)
 		want = append(want, string(payload))
 	}
@@ -137,7 +82,7 @@ func TestEventsJSONExactlyAsPublished(t *testing.T) {
 	if !strings.Contains(c.stderr.String(), "following narwhal.events.*.* on nats://127.0.0.1:") {
 		t.Errorf("stderr %q", c.stderr)
 	}
-	live, _ := publishEvent(t, b, testProbe("pr1", "d1"))
+	live, _ := publishEvent(t, b, bustest.SampleProbe("pr1", "d1"))
 	want = append(want, string(live))
 
 	got := waitLines(t, c, len(want))
@@ -159,30 +104,30 @@ func TestEventsKindAndEngineFilters(t *testing.T) {
 	testkit.CheckLeaks(t)
 	b := eventsBus(t)
 	stored := []schemas.Event{
-		testFailure("d1", "f-d1"),                   // 0
-		testFailure("d2", "f-d2"),                   // 1
-		testRequest("r-1", "rt-1", "p1", "d1"),      // 2: d1 decoded
-		testRequest("r-2", "rt-2", "p2", "d2"),      // 3
-		testEligibility("e-d1", "d1", false),        // 4
-		testProbe("pr-d2", "d2"),                    // 5
-		testRequest("r-3", "rt-3", "d1", "d1"),      // 6: d1 as both
-		testEligibility("e-rt", "rt-1", true),       // 7: an engine named like a router
-		testRequest("r-4", "rt-1", "p2", "d2"),      // 8: router rt-1, not d1's
-		testRequest("r-5", "d1", "p2", "d2"),        // 9: a router whose id is d1
-		testFailure("d10", "f-d10"),                 // 10: d1 is only a prefix
-		testEligibility("e-d2", "d2", true),         // 11
-		testRequest("r-6", "rt-2", "p1", "d10"),     // 12
-		testProbe("pr-d1", "d1"),                    // 13
-		testFailure("d1", "f-d1-2"),                 // 14
-		testEligibility("e-d1-2", "d1", true),       // 15
-		testRequest("r-7", "rt-1", "d2", "d1"),      // 16: d1 as consumer
-		testRequest("r-8", "rt-9", "d1", "d2"),      // 17: d1 as producer
-		testEligibility("e-d10", "d10", false),      // 18
-		testFailure("d2", "f-d2-2"),                 // 19
-		testRequest("r-9", "rt-2", "", ""),          // 20: rejected before placement
-		testProbe("pr-d10", "d10"),                  // 21
-		testEligibility("e-d1-3", "d1", false),      // 22
-		testRequest("r-10", "rt-10", "p10", "d100"), // 23
+		testFailure("d1", "f-d1"),                             // 0
+		testFailure("d2", "f-d2"),                             // 1
+		bustest.SampleRequest("r-1", "rt-1", "p1", "d1"),      // 2: d1 decoded
+		bustest.SampleRequest("r-2", "rt-2", "p2", "d2"),      // 3
+		bustest.SampleEligibility("e-d1", "d1", false),        // 4
+		bustest.SampleProbe("pr-d2", "d2"),                    // 5
+		bustest.SampleRequest("r-3", "rt-3", "d1", "d1"),      // 6: d1 as both
+		bustest.SampleEligibility("e-rt", "rt-1", true),       // 7: an engine named like a router
+		bustest.SampleRequest("r-4", "rt-1", "p2", "d2"),      // 8: router rt-1, not d1's
+		bustest.SampleRequest("r-5", "d1", "p2", "d2"),        // 9: a router whose id is d1
+		testFailure("d10", "f-d10"),                           // 10: d1 is only a prefix
+		bustest.SampleEligibility("e-d2", "d2", true),         // 11
+		bustest.SampleRequest("r-6", "rt-2", "p1", "d10"),     // 12
+		bustest.SampleProbe("pr-d1", "d1"),                    // 13
+		testFailure("d1", "f-d1-2"),                           // 14
+		bustest.SampleEligibility("e-d1-2", "d1", true),       // 15
+		bustest.SampleRequest("r-7", "rt-1", "d2", "d1"),      // 16: d1 as consumer
+		bustest.SampleRequest("r-8", "rt-9", "d1", "d2"),      // 17: d1 as producer
+		bustest.SampleEligibility("e-d10", "d10", false),      // 18
+		testFailure("d2", "f-d2-2"),                           // 19
+		bustest.SampleRequest("r-9", "rt-2", "", ""),          // 20: rejected before placement
+		bustest.SampleProbe("pr-d10", "d10"),                  // 21
+		bustest.SampleEligibility("e-d1-3", "d1", false),      // 22
+		bustest.SampleRequest("r-10", "rt-10", "p10", "d100"), // 23
 	}
 	payloads := make([]string, len(stored))
 	for i, ev := range stored {
@@ -197,12 +142,12 @@ func TestEventsKindAndEngineFilters(t *testing.T) {
 	}{
 		{[]string{"--kind", "failure"}, []int{0, 1, 10, 14, 19}, testFailure("d7", "s-failure")},
 		{[]string{"--engine", "d1"}, []int{0, 2, 4, 6, 9, 13, 14, 15, 16, 17, 22},
-			&schemas.Quarantine{Envelope: envelope(schemas.SchemaQuarantine, "s-d1", "rt-1", "", "d1", ""),
-				DurationSeconds: 1, Until: eventsAt.Add(time.Second), Reason: "first_token_timeout"}},
-		{[]string{"--kind", "request", "--engine", "d2"}, []int{3, 8, 9, 16, 17}, testRequest("s-req-d2", "rt-5", "p5", "d2")},
-		{[]string{"--kind", "eligibility", "--engine", "d2"}, []int{11}, testEligibility("s-el-d2", "d2", true)},
-		{[]string{"--engine", "rt-1"}, []int{2, 7, 8, 16}, testRequest("s-rt-1", "rt-1", "p9", "d9")},
-		{[]string{"--kind", "probe"}, []int{5, 13, 21}, testProbe("s-probe", "d9")},
+			&schemas.Quarantine{Envelope: bustest.SampleEnvelope(schemas.SchemaQuarantine, "s-d1", "rt-1", "", "d1", ""),
+				DurationSeconds: 1, Until: bustest.SampleAt.Add(time.Second), Reason: "first_token_timeout"}},
+		{[]string{"--kind", "request", "--engine", "d2"}, []int{3, 8, 9, 16, 17}, bustest.SampleRequest("s-req-d2", "rt-5", "p5", "d2")},
+		{[]string{"--kind", "eligibility", "--engine", "d2"}, []int{11}, bustest.SampleEligibility("s-el-d2", "d2", true)},
+		{[]string{"--engine", "rt-1"}, []int{2, 7, 8, 16}, bustest.SampleRequest("s-rt-1", "rt-1", "p9", "d9")},
+		{[]string{"--kind", "probe"}, []int{5, 13, 21}, bustest.SampleProbe("s-probe", "d9")},
 	}
 	followers := make([]*runningCmd, len(cases))
 	for i, c := range cases {
@@ -223,7 +168,7 @@ func TestEventsKindAndEngineFilters(t *testing.T) {
 		want = append(want, string(sentinel))
 		got := waitLines(t, followers[i], len(want))
 		testkit.WaitFor(t, cmdTestBound, "the sentinel", func() bool {
-			got = followers[i].stdout.lines()
+			got = followers[i].stdout.Lines()
 			return strings.Contains(strings.Join(got, "\n"), string(sentinel))
 		})
 		if strings.Join(got, "\n") != strings.Join(want, "\n") {
@@ -260,7 +205,7 @@ func TestEventsSince(t *testing.T) {
 	} {
 		var got []string
 		testkit.WaitFor(t, cmdTestBound, c.name+": the live event", func() bool {
-			got = c.cmd.stdout.lines()
+			got = c.cmd.stdout.Lines()
 			return len(got) > 0 && got[len(got)-1] == string(live)
 		})
 		if strings.Join(got, "\n") != strings.Join(c.want, "\n") {
@@ -283,7 +228,7 @@ func TestEventsUnreachableBus(t *testing.T) {
 	t.Setenv("NARWHAL_NATS_URL", url)
 
 	start := time.Now()
-	err = runEvents(context.Background(), []string{"--connect-timeout", "300ms"}, &capturedOutput{}, &capturedOutput{})
+	err = runEvents(context.Background(), []string{"--connect-timeout", "300ms"}, &testkit.LockedBuffer{}, &testkit.LockedBuffer{})
 	elapsed := time.Since(start)
 	if err == nil || !strings.Contains(err.Error(), "bus "+url+" not reachable within 300ms") {
 		t.Errorf("err = %v, want not reachable", err)
@@ -306,7 +251,7 @@ func TestEventsStopsWhenOutputFails(t *testing.T) {
 	publishEvent(t, b, testFailure("d1", "f1"))
 	errc := make(chan error, 1)
 	go func() {
-		errc <- runEvents(context.Background(), []string{"--since", "all"}, failingWriter{}, &capturedOutput{})
+		errc <- runEvents(context.Background(), []string{"--since", "all"}, failingWriter{}, &testkit.LockedBuffer{})
 	}()
 	select {
 	case err := <-errc:
@@ -328,7 +273,7 @@ func TestEventsFlags(t *testing.T) {
 		{"--connect-timeout", "0s"},
 		{"extra"},
 	} {
-		if err := runEvents(context.Background(), args, &capturedOutput{}, &capturedOutput{}); err == nil {
+		if err := runEvents(context.Background(), args, &testkit.LockedBuffer{}, &testkit.LockedBuffer{}); err == nil {
 			t.Errorf("runEvents %q: no error", args)
 		}
 	}

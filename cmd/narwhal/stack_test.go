@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
@@ -54,7 +55,7 @@ func TestRouterSaysWhatItWaitsFor(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	logs := &capturedOutput{}
+	logs := &testkit.LockedBuffer{}
 	log := slog.New(slog.NewTextHandler(logs, nil))
 	listen := "127.0.0.1:" + strconv.Itoa(freeTCPPort(t))
 	ctx, cancel := context.WithCancel(context.Background())
@@ -87,11 +88,8 @@ func TestRouterSaysWhatItWaitsFor(t *testing.T) {
 		t.Errorf("/v1/models while the bus is missing: %d %s", s, b)
 	}
 
-	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Port: busPort})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer emb.Shutdown()
+	// Deferred: the bus stops as the test returns, before the router does.
+	defer bustest.StartWith(t, bus.EmbeddedOptions{Port: busPort}).Shutdown()
 	testkit.WaitFor(t, cmdTestBound, "a ready router", func() bool {
 		s, _ := getBody(client, "http://"+listen+"/readyz")
 		return s == http.StatusOK

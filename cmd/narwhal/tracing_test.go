@@ -117,7 +117,7 @@ func TestRouterExportsTraces(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	logs := &capturedOutput{}
+	logs := &testkit.LockedBuffer{}
 	listen := "127.0.0.1:" + strconv.Itoa(freeTCPPort(t))
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)

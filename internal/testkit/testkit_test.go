@@ -89,6 +89,69 @@ func TestWaitForFailsAfterItsBound(t *testing.T) {
 	}
 }
 
+// TestPollReportsWithoutFailing proves Poll returns true once cond
+// holds and false, failing nothing, once its bound has passed.
+func TestPollReportsWithoutFailing(t *testing.T) {
+	n := 0
+	if !Poll(time.Second, time.Millisecond, func() bool { n++; return n == 3 }) || n != 3 {
+		t.Fatalf("Poll after %d checks, want true after 3", n)
+	}
+	start := time.Now()
+	if Poll(30*time.Millisecond, time.Millisecond, func() bool { return false }) {
+		t.Fatal("Poll of a condition that never holds returned true")
+	}
+	if took := time.Since(start); took < 30*time.Millisecond || took > 5*time.Second {
+		t.Errorf("Poll gave up after %v, want just past 30ms", took)
+	}
+}
+
+// TestLockedBufferWhileWritten proves LockedBuffer's zero value takes
+// writes from several goroutines while read, and that Lines leaves out a
+// line not ended yet.
+func TestLockedBufferWhileWritten(t *testing.T) {
+	var b LockedBuffer
+	if b.String() != "" || b.Lines() != nil {
+		t.Fatalf("empty buffer: %q, %q", b.String(), b.Lines())
+	}
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Go(func() {
+			for range 100 {
+				_, _ = b.Write([]byte("line\n"))
+				_ = b.Lines()
+			}
+		})
+	}
+	wg.Wait()
+	_, _ = b.Write([]byte("partial"))
+	lines := b.Lines()
+	if len(lines) != 400 || lines[0] != "line" || lines[399] != "line" {
+		t.Fatalf("%d lines (first %q), want 400 complete ones", len(lines), lines[0])
+	}
+	if !strings.HasSuffix(b.String(), "line\npartial") {
+		t.Errorf("String() ends %q", b.String()[len(b.String())-12:])
+	}
+}
+
+// TestCPUTimeGrowsWithWork proves CPUTime counts this process's work
+// where it is measured.
+func TestCPUTimeGrowsWithWork(t *testing.T) {
+	start := CPUTime()
+	if start == 0 {
+		t.Skip("CPU time is not measured on this platform")
+	}
+	x := uint64(1)
+	WaitFor(t, 10*time.Second, "10ms of CPU time", func() bool {
+		for i := range 100000 {
+			x = x*6364136223846793005 + uint64(i)
+		}
+		return CPUTime()-start >= 10*time.Millisecond
+	})
+	if x == 0 {
+		t.Log("the spin's result, kept so that it is not optimised away")
+	}
+}
+
 // TestCheckLeaksFindsALeftGoroutine proves the leak check can fail: a
 // goroutine started after CheckLeaks and still running at cleanup is
 // reported, and none is once it has ended.

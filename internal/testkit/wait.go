@@ -23,11 +23,23 @@ func WaitFor(t testing.TB, within time.Duration, what string, cond func() bool) 
 // /metrics).
 func WaitEvery(t testing.TB, within, every time.Duration, what string, cond func() bool) {
 	t.Helper()
+	if !Poll(within, every, cond) {
+		t.Fatalf("timed out after %v waiting for %s", within, what)
+	}
+}
+
+// Poll checks cond every `every` until it returns true, and reports
+// whether it did before within (a time.Duration) passed; the check that
+// finds within passed is the last. It fails nothing, so that the caller
+// can say what it saw instead, or go on, and it may run on any
+// goroutine (then cond must not fail the test).
+func Poll(within, every time.Duration, cond func() bool) bool {
 	deadline := time.Now().Add(within)
 	for !cond() {
 		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", within, what)
+			return false
 		}
 		time.Sleep(every)
 	}
+	return true
 }
