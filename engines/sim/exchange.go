@@ -567,8 +567,8 @@ func (x *exchange) generate() {
 // producer (every prompt token then counts as cached), a shared-storage
 // engine uses its prefix cache and the shared store (prepareShared),
 // anything else looks it up in the prefix cache and computes the rest
-// (PrefillPerToken per uncached prompt token). It returns false when the request ended (error
-// already answered, or the client went away).
+// (PrefillPerToken per uncached prompt token). It returns false when the
+// request ended (error already answered, or the client went away).
 func (x *exchange) prepare() bool {
 	s := x.s
 	x.hashes = appendBlockHashes(x.hashes[:0], x.kind, x.prompt, s.cfg.BlockSize)
