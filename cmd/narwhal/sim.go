@@ -32,7 +32,8 @@ func init() {
 //	            [--kv-listen HOST:PORT] [--kv-host HOST] [--kv-timeout DUR]
 //	            [--engine-version V] [--engine-kind K] [--max-model-len N]
 //	            [--api-key KEY] [--tls-cert-file F --tls-key-file F]
-//	            [--connector nixl|sglang] [--bootstrap-port P] [--no-prompt-tokens-details]
+//	            [--connector nixl|sglang|shared-storage] [--bootstrap-port P]
+//	            [--kv-store DIR [--kv-store-blocks N]] [--no-prompt-tokens-details]
 //	            [--fault JSON]… [--register [--advertise-url URL]]
 //
 // With --register it announces itself in the live fleet on the bus of
@@ -71,8 +72,10 @@ func runSim(ctx context.Context, args []string) error {
 	keyFile := fs.String("tls-key-file", "", "PEM private key `FILE` of --tls-cert-file")
 	register := fs.Bool("register", false, "register in the live fleet on the bus of NARWHAL_NATS_URL, heartbeat, and leave it when stopped (docs/fleet.md)")
 	advertise := fs.String("advertise-url", "", "with --register: the base `URL` routers reach the simulator at (default: the URL it listens on)")
-	fs.StringVar(&cfg.Connector, "connector", sim.ConnectorNixl, "the KV connector the engine speaks: nixl, or sglang (SGLang's bootstrap protocol; role prefill or decode)")
+	fs.StringVar(&cfg.Connector, "connector", sim.ConnectorNixl, "the KV connector the engine speaks: nixl, sglang (SGLang's bootstrap protocol; role prefill or decode) or shared-storage (vLLM's SharedStorageConnector; needs --kv-store)")
 	fs.IntVar(&cfg.BootstrapPort, "bootstrap-port", 0, "with --connector sglang: the bootstrap server's `PORT` on the --kv-listen host (default: --kv-listen's port)")
+	fs.StringVar(&cfg.KVStore, "kv-store", "", "with --connector shared-storage: the `DIR`ectory of the KV store the producer writes and the consumer reads, the same for both (created when missing)")
+	fs.IntVar(&cfg.KVStoreBlocks, "kv-store-blocks", sim.DefaultKVStoreBlocks, "with --connector shared-storage: the most KV blocks this producer keeps in the KV store, least recently used removed first")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -103,7 +106,11 @@ func runSim(ctx context.Context, args []string) error {
 		return err
 	}
 	c := srv.Config()
-	fmt.Fprintf(os.Stdout, "sim %s (%s) listening on %s kv=%s\n", c.EngineID, c.Role, url, srv.KVAddr())
+	if c.KVStore != "" {
+		fmt.Fprintf(os.Stdout, "sim %s (%s) listening on %s kv=%s store=%s\n", c.EngineID, c.Role, url, srv.KVAddr(), c.KVStore)
+	} else {
+		fmt.Fprintf(os.Stdout, "sim %s (%s) listening on %s kv=%s\n", c.EngineID, c.Role, url, srv.KVAddr())
+	}
 	if *register {
 		spec := config.EngineSpec{ID: c.EngineID, URL: url, Role: connector.Role(c.Role), Connector: c.Connector}
 		if c.Connector == sim.ConnectorSGLang && c.Role == sim.RolePrefill {

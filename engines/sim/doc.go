@@ -17,6 +17,14 @@
 // garbled, already pulled, expired and released handoffs fail the decode
 // the way a real engine fails it (behaviour.md §2, §3, R-OWN-6).
 //
+// With Config.Connector "sglang" it speaks SGLang's bootstrap protocol
+// instead (bootstrap.go), and with "shared-storage" vLLM's
+// SharedStorageConnector (sharedstore.go): producer and consumer share a
+// KV store, a directory (Config.KVStore) where the producer writes one
+// file per KV block of every prompt it computes and where the consumer
+// finds them by the prompt's block hashes; no request carries anything
+// for the transfer.
+//
 // Each Server keeps a prefix cache of KV blocks like vLLM's automatic
 // prefix caching (Config.BlockSize, Config.KVCacheBlocks): prefill
 // compute is spent on uncached tokens only, responses report

@@ -261,6 +261,12 @@ func (x *exchange) parse(r *http.Request) (int, string) {
 		x.decodeLeg = x.kvp.DoRemotePrefill
 	}
 	s := x.s
+	if s.cfg.Connector == ConnectorSharedStorage {
+		// vLLM's SharedStorageConnector reads no transfer parameters (a
+		// valid kv_transfer_params object is accepted and ignored): the
+		// leg is the engine's role, as for sglang.
+		x.prefillLeg, x.decodeLeg = s.cfg.Role == RolePrefill, false
+	}
 	if req.Model != "" && req.Model != s.cfg.Model {
 		return http.StatusNotFound, fmt.Sprintf("The model `%s` does not exist.", req.Model)
 	}
@@ -558,15 +564,19 @@ func (x *exchange) generate() {
 }
 
 // prepare gets the prompt's KV cache: a decode leg pulls it from the
-// producer (every prompt token then counts as cached), anything else looks
-// it up in the prefix cache and computes the rest (PrefillPerToken per
-// uncached prompt token). It returns false when the request ended (error
-// already answered, or the client went away).
+// producer (every prompt token then counts as cached), a shared-storage
+// engine uses its prefix cache and the shared store (prepareShared),
+// anything else looks it up in the prefix cache and computes the rest
+// (PrefillPerToken per uncached prompt token). It returns false when the
+// request ended (error already answered, or the client went away).
 func (x *exchange) prepare() bool {
 	s := x.s
 	x.hashes = appendBlockHashes(x.hashes[:0], x.kind, x.prompt, s.cfg.BlockSize)
 	if x.sglang {
 		return x.prepareSGLang()
+	}
+	if s.store != nil {
+		return x.prepareShared()
 	}
 	if x.decodeLeg {
 		if done, ok := x.pullFault(); done {
@@ -1212,9 +1222,11 @@ func (x *exchange) buildUnary() {
 
 // appendDescriptor appends the handoff descriptor of a length-capped,
 // non-streaming prefill leg — and holds its KV blocks — or null
-// (vLLM's "Prefill response"). Descriptor faults alter it here.
+// (vLLM's "Prefill response"; always null for sglang and shared-storage,
+// whose KV does not travel by descriptor). Descriptor faults alter it
+// here.
 func (x *exchange) appendDescriptor(b []byte) []byte {
-	if !x.prefillLeg || x.sglang || x.choices[0].finish != FinishLength {
+	if !x.prefillLeg || x.sglang || x.s.store != nil || x.choices[0].finish != FinishLength {
 		return append(b, "null"...)
 	}
 	if _, ok := x.faults.get(fkNoDescriptor); ok {

@@ -79,19 +79,24 @@ const (
 	// or bootstrap room): it pulls no KV, computes the whole prompt itself
 	// (PrefillPerToken per prompt token) and reports
 	// usage.prompt_tokens_details.cached_tokens 0 — the silent recompute
-	// the router detects (R-FAIL-8).
+	// the router detects (R-FAIL-8). A shared-storage consumer ignores the
+	// shared store instead (a forced store miss): only its own prefix
+	// cache counts, and it computes the rest.
 	FaultKVRecompute = "kv-recompute"
 	// FaultKVPullError makes a decode leg's KV pull fail: the decode
 	// answers an error, as vLLM's kv_load_failure_policy=fail does (HTTP
 	// Status, default 500, when not streaming; a 200 stream with one error
-	// frame of code Status and [DONE] when streaming).
+	// frame of code Status and [DONE] when streaming). On a shared-storage
+	// consumer it is its load from the shared store that fails.
 	FaultKVPullError = "kv-pull-error"
 )
 
 // Fault phases (Fault.Phase). A request is a prefill leg when its
 // kv_transfer_params.do_remote_decode is true, else it is a decode. With
 // the sglang connector both engines of a pair receive the same body, so
-// the phase is the engine's role.
+// the phase is the engine's role. With the shared-storage connector no
+// request says what it is either: every request of a prefill engine is a
+// prefill, every request of a decode or both engine a decode.
 //
 // On an sglang prefill, a silence, close, abort or error-object fault with
 // after_tokens 0 strikes during the prefill's forward pass, before its

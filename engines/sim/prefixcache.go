@@ -72,7 +72,7 @@ type prefixCache struct {
 	free  int32 // first unused slot of nodes (slots are never returned)
 
 	queries, hits         int64 // local lookups (vllm:prefix_cache_*)
-	extQueries, extHits   int64 // KV pulled from a producer (vllm:external_prefix_cache_*)
+	extQueries, extHits   int64 // KV pulled from a producer or loaded from the shared store (vllm:external_prefix_cache_*)
 	evicted, maxOccupancy int64
 }
 
@@ -161,6 +161,46 @@ func (c *prefixCache) lookup(hashes []uint64, promptTokens, blockSize int, local
 	c.hits += int64(cached)
 	c.insert(hashes)
 	return cached
+}
+
+// lookupShared serves one request of a shared-storage engine
+// (sharedstore.go) whose full blocks hash to hashes: it counts the leading
+// blocks its own cache holds, as a local lookup does (queries and hits);
+// a consumer (load non-nil) then goes on with the blocks load finds in
+// the shared store, for the tokens its cache did not hold (external
+// queries, and the tokens loaded as external hits, as vLLM's scheduler
+// asks its connector beyond the local hits). Both runs stop before the
+// prompt's last token, which is always computed. Then every block is
+// cached. It returns the cached tokens of each run. load is called
+// without c.mu held.
+func (c *prefixCache) lookupShared(hashes []uint64, promptTokens, blockSize int, load func(uint64) bool) (local, external int) {
+	limit := min(len(hashes), max(promptTokens-1, 0)/blockSize)
+	c.mu.Lock()
+	matched := 0
+	for matched < limit {
+		if _, ok := c.index[hashes[matched]]; !ok {
+			break
+		}
+		matched++
+	}
+	c.mu.Unlock()
+	loaded := 0
+	if load != nil {
+		for matched+loaded < limit && load(hashes[matched+loaded]) {
+			loaded++
+		}
+	}
+	local, external = matched*blockSize, loaded*blockSize
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.queries += int64(promptTokens)
+	c.hits += int64(local)
+	if load != nil {
+		c.extQueries += int64(promptTokens - local)
+		c.extHits += int64(external)
+	}
+	c.insert(hashes)
+	return local, external
 }
 
 // insert caches hashes, last first; the caller holds c.mu.

@@ -51,6 +51,12 @@ const (
 	// the decode meets the prefill's bootstrap server in the room (see
 	// bootstrap.go).
 	ConnectorSGLang = "sglang"
+	// ConnectorSharedStorage is vLLM's SharedStorageConnector and
+	// LMCache-style prefill/decode over a KV store both engines share
+	// (Config.KVStore, see sharedstore.go): a producer writes the prompt's
+	// KV blocks there, a consumer finds them by the prompt's prefix. No
+	// request carries anything for it.
+	ConnectorSharedStorage = "shared-storage"
 )
 
 // maxBodyBytes bounds an inference request body; larger ones get 413.
@@ -113,11 +119,23 @@ type Config struct {
 	// EngineKind is reported by GET /version as "engine" and by
 	// /v1/models as owned_by (default "vllm").
 	EngineKind string
-	// Connector is the KV connector: "nixl" (default) or "sglang". An
-	// sglang engine's role is prefill or decode, and it serves only
-	// requests that carry bootstrap_room (a router's pairing), as SGLang in
-	// disaggregation mode does.
+	// Connector is the KV connector: "nixl" (default), "sglang" or
+	// "shared-storage". An sglang engine's role is prefill or decode, and
+	// it serves only requests that carry bootstrap_room (a router's
+	// pairing), as SGLang in disaggregation mode does. A shared-storage
+	// engine needs KVStore; its role says what it does with the store (a
+	// prefill writes, a decode reads, both does both), and it reads
+	// nothing a request carries for a KV transfer (kv_transfer_params,
+	// bootstrap fields), as vLLM with SharedStorageConnector does.
 	Connector string
+	// KVStore is, with the shared-storage connector (and only with it),
+	// the directory of the KV store the engines of a pair share: a path
+	// every one of them reaches, created when missing. Required then.
+	KVStore string
+	// KVStoreBlocks bounds the blocks one shared-storage producer keeps in
+	// KVStore (default DefaultKVStoreBlocks): beyond it the file of the
+	// block it used least recently is removed.
+	KVStoreBlocks int
 	// BootstrapPort is, with the sglang connector, the port of the
 	// bootstrap server (SGLang's --disaggregation-bootstrap-port) on
 	// KVListen's host; 0 keeps KVListen's port. The bootstrap server is the
@@ -172,6 +190,7 @@ type Server struct {
 	bootClient    *http.Client
 
 	kv       kvStore
+	store    *sharedStore // shared-storage connector only
 	cache    prefixCache
 	seqs     chan struct{} // running sequences, nil when unbounded
 	born     time.Time     // process_start_time_seconds
@@ -184,7 +203,11 @@ type Server struct {
 
 // New validates cfg, fills its defaults and returns a Server that is not
 // yet listening. It fails on a missing EngineID or Model, an unknown Role,
-// a Connector other than "nixl", negative durations, or an invalid Fault.
+// an unknown Connector or settings it does not take (a bootstrap port
+// without sglang, an sglang engine of role both, a KVStore without
+// shared-storage or a shared-storage engine without one, a KVStore that
+// cannot be created as a directory), negative durations, sizes or counts,
+// or an invalid Fault.
 func New(cfg Config) (*Server, error) {
 	if cfg.EngineID == "" {
 		return nil, errors.New("sim: engine id is required")
@@ -202,10 +225,16 @@ func New(cfg Config) (*Server, error) {
 	if cfg.Connector == "" {
 		cfg.Connector = ConnectorNixl
 	}
+	if cfg.KVStore != "" && cfg.Connector != ConnectorSharedStorage {
+		return nil, errors.New("sim: a KV store needs the shared-storage connector")
+	}
 	switch cfg.Connector {
-	case ConnectorNixl:
+	case ConnectorNixl, ConnectorSharedStorage:
 		if cfg.BootstrapPort != 0 {
 			return nil, errors.New("sim: a bootstrap port needs the sglang connector")
+		}
+		if cfg.Connector == ConnectorSharedStorage && cfg.KVStore == "" {
+			return nil, errors.New("sim: the shared-storage connector needs a KV store directory both engines reach")
 		}
 	case ConnectorSGLang:
 		if cfg.Role == RoleBoth {
@@ -215,19 +244,22 @@ func New(cfg Config) (*Server, error) {
 			return nil, fmt.Errorf("sim: bootstrap port %d is not a port number", cfg.BootstrapPort)
 		}
 	default:
-		return nil, fmt.Errorf("sim: unsupported connector %q (the simulator speaks nixl and sglang)", cfg.Connector)
+		return nil, fmt.Errorf("sim: unsupported connector %q (the simulator speaks nixl, sglang and shared-storage)", cfg.Connector)
 	}
 	if cfg.TTFT < 0 || cfg.ITL < 0 || cfg.PrefillPerToken < 0 || cfg.KVTimeout < 0 {
 		return nil, errors.New("sim: durations must not be negative")
 	}
-	if cfg.BlockSize < 0 || cfg.KVCacheBlocks < 0 || cfg.MaxNumSeqs < 0 {
-		return nil, errors.New("sim: block size, KV cache blocks and max num seqs must not be negative")
+	if cfg.BlockSize < 0 || cfg.KVCacheBlocks < 0 || cfg.MaxNumSeqs < 0 || cfg.KVStoreBlocks < 0 {
+		return nil, errors.New("sim: block size, KV cache blocks, KV store blocks and max num seqs must not be negative")
 	}
 	if cfg.BlockSize == 0 {
 		cfg.BlockSize = BlockSize
 	}
 	if cfg.KVCacheBlocks == 0 {
 		cfg.KVCacheBlocks = DefaultKVCacheBlocks
+	}
+	if cfg.KVStoreBlocks == 0 {
+		cfg.KVStoreBlocks = DefaultKVStoreBlocks
 	}
 	if cfg.KVListen == "" {
 		cfg.KVListen = "127.0.0.1:0"
@@ -259,6 +291,13 @@ func New(cfg Config) (*Server, error) {
 	cfg.Faults = append([]Fault(nil), cfg.Faults...)
 
 	s := &Server{cfg: cfg, born: startTime()}
+	if cfg.Connector == ConnectorSharedStorage {
+		store, err := openSharedStore(cfg.KVStore, cfg.Model, cfg.BlockSize, cfg.KVStoreBlocks)
+		if err != nil {
+			return nil, fmt.Errorf("sim: %w", err)
+		}
+		s.store = store
+	}
 	s.baseCtx, s.cancel = context.WithCancel(context.Background())
 	s.kv.init()
 	s.cache.init(cfg.KVCacheBlocks)
@@ -530,6 +569,9 @@ func (s *Server) Stats() Stats {
 	st.PrefixCacheQueries, st.PrefixCacheHits = cs.queries, cs.hits
 	st.ExternalPrefixCacheQueries, st.ExternalPrefixCacheHits = cs.extQueries, cs.extHits
 	st.PrefixCacheBlocks, st.PrefixCacheEvicted = cs.blocks, cs.evicted
+	if s.store != nil {
+		st.KVStoreWritten, st.KVStoreLoaded, st.KVStoreEvicted, st.KVStoreErrors = s.store.stats()
+	}
 	s.kv.mu.Lock()
 	st.KVHeld = int64(len(s.kv.holds) + s.kv.roomsHeld)
 	st.KVServed = s.kv.served

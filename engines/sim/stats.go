@@ -23,7 +23,9 @@ type Stats struct {
 	// KVServed counts pulls this producer answered successfully.
 	KVServed int64 `json:"kv_served"`
 	// KVPulled counts successful pulls this engine made as a consumer (the
-	// blocks arrived and matched its prompt).
+	// blocks arrived and matched its prompt); with the shared-storage
+	// connector, the requests that loaded at least one block from the
+	// shared store.
 	KVPulled int64 `json:"kv_pulled"`
 	// KVPullFailures counts decode legs of this engine that failed their
 	// KV transfer: pull refused, producer unreachable, invalid descriptor,
@@ -60,7 +62,10 @@ type Stats struct {
 	PrefixCacheHits int64 `json:"prefix_cache_hits"`
 	// ExternalPrefixCacheQueries and ExternalPrefixCacheHits count the prompt
 	// tokens of decode legs whose KV was pulled from a producer; every
-	// pulled token is a hit (vllm:external_prefix_cache_*_total).
+	// pulled token is a hit (vllm:external_prefix_cache_*_total). With the
+	// shared-storage connector a consumer's queries are the prompt tokens
+	// its own prefix cache did not hold, its hits the tokens it loaded from
+	// the shared store.
 	ExternalPrefixCacheQueries int64 `json:"external_prefix_cache_queries"`
 	ExternalPrefixCacheHits    int64 `json:"external_prefix_cache_hits"`
 	// PrefixCacheBlocks is the number of KV blocks cached now, at most
@@ -68,6 +73,19 @@ type Stats struct {
 	PrefixCacheBlocks int64 `json:"prefix_cache_blocks"`
 	// PrefixCacheEvicted counts blocks evicted to make room.
 	PrefixCacheEvicted int64 `json:"prefix_cache_evicted"`
+	// KVStoreWritten counts the KV blocks this shared-storage producer
+	// wrote to the shared store (Config.KVStore), one file each; blocks it
+	// found there already are not written again.
+	KVStoreWritten int64 `json:"kv_store_written"`
+	// KVStoreLoaded counts the KV blocks this shared-storage consumer
+	// loaded from the shared store (their tokens are its external prefix
+	// cache hits).
+	KVStoreLoaded int64 `json:"kv_store_loaded"`
+	// KVStoreEvicted counts the block files this producer removed from the
+	// shared store to stay within Config.KVStoreBlocks.
+	KVStoreEvicted int64 `json:"kv_store_evicted"`
+	// KVStoreErrors counts block writes to the shared store that failed.
+	KVStoreErrors int64 `json:"kv_store_errors"`
 }
 
 // counters are the lock-free part of Stats.
