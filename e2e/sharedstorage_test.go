@@ -34,25 +34,11 @@ type sharedStack struct {
 // recovery.eject_after is ejectAfter.
 func startShared(t *testing.T, routerEnv ...string) *sharedStack {
 	t.Helper()
-	s := &sharedStack{sglangStack: &sglangStack{sims: map[string]*simProc{}, events: &eventLog{},
+	s := &sharedStack{sglangStack: &sglangStack{sims: map[string]*simProc{},
 		client: &http.Client{Transport: &http.Transport{}, Timeout: requestBound}}, store: t.TempDir()}
 	t.Cleanup(s.client.CloseIdleConnections)
-	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Host: "127.0.0.1", Port: -1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(emb.Shutdown)
-	natsURL := emb.ClientURL()
-	s.bus, err = bus.Connect(testContext(t, readyBound), bus.ConnectOptions{URL: natsURL, Name: "narwhal-e2e-shared-storage"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(s.bus.Close)
-	stopSub, err := bus.Subscribe(t.Context(), s.bus, bus.SubjectPrefix+">", true, s.events.add)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(stopSub)
+	var natsURL string
+	natsURL, s.bus, s.events = eventBus(t, "narwhal-e2e-shared-storage")
 
 	ports := freePorts(t, 3)
 	for i, d := range []struct{ id, role string }{{"p1", sim.RolePrefill}, {"d1", sim.RoleDecode}} {
