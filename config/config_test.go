@@ -473,6 +473,12 @@ func TestBadEnvValueNamesVariableAndKey(t *testing.T) {
 // the key) for every rule of Validate, and R-TMO-4 (decode_read_timeout_s
 // = 0 is valid) and R-QUAR-1 (failure_quarantine_s = 0 is valid).
 func TestValidateNamesEveryKey(t *testing.T) {
+	// The registered connectors, as the messages list them: nixl, sglang,
+	// shared-storage, and any connector added to engines/connector/all.
+	known := strings.Join(connector.Names(), ", ")
+	if !strings.HasPrefix(known, "nixl, sglang") {
+		t.Fatalf("registered connectors %q", known)
+	}
 	valid := func() Config {
 		c := Default()
 		c.Fleet = []EngineSpec{
@@ -544,7 +550,7 @@ func TestValidateNamesEveryKey(t *testing.T) {
 		{func(c *Config) { c.Bus.TLSCert = "cert.pem" }, "config: bus.tls_cert: bus.tls_cert and bus.tls_key go together (a client certificate and its key), got only one"},
 		{func(c *Config) { c.EngineContract.Version = "~0.10" }, `config: engine_contract.version: bad version constraint "~0.10": clause "~0.10": want a dotted numeric version such as 0.10`},
 		{func(c *Config) { c.EngineContract.Version = ">=0.10,," }, `config: engine_contract.version: bad version constraint ">=0.10,,": clause "": want a dotted numeric version such as 0.10`},
-		{func(c *Config) { c.EngineContract.Connector = "lmcache" }, `config: engine_contract.connector: must be one of nixl, sglang, got "lmcache"`},
+		{func(c *Config) { c.EngineContract.Connector = "lmcache" }, `config: engine_contract.connector: must be one of ` + known + `, got "lmcache"`},
 		{func(c *Config) { c.Fleet[1].ID = "" }, `config: fleet[1].id: must be non-empty and hold only letters, digits, '-' and '_', got ""`},
 		{func(c *Config) { c.Fleet[1].ID = "d.1" }, `config: fleet[1].id: must be non-empty and hold only letters, digits, '-' and '_', got "d.1"`},
 		{func(c *Config) { c.Fleet[1].ID = "p1" }, `config: fleet[1].id: duplicate id "p1" (also fleet[0])`},
@@ -552,8 +558,8 @@ func TestValidateNamesEveryKey(t *testing.T) {
 		{func(c *Config) { c.Fleet[0].URL = "grpc://10.0.0.11:8000" }, `config: fleet[0].url: must be an absolute http or https URL, got "grpc://10.0.0.11:8000"`},
 		{func(c *Config) { c.Fleet[0].URL = "http:///v1" }, `config: fleet[0].url: must be an absolute http or https URL, got "http:///v1"`},
 		{func(c *Config) { c.Fleet[0].Role = "producer" }, `config: fleet[0].role: must be "prefill", "decode" or "both", got "producer"`},
-		{func(c *Config) { c.Fleet[0].Connector = "" }, `config: fleet[0].connector: must be one of nixl, sglang, got ""`},
-		{func(c *Config) { c.Fleet[0].Connector = "mooncake" }, `config: fleet[0].connector: must be one of nixl, sglang, got "mooncake"`},
+		{func(c *Config) { c.Fleet[0].Connector = "" }, `config: fleet[0].connector: must be one of ` + known + `, got ""`},
+		{func(c *Config) { c.Fleet[0].Connector = "mooncake" }, `config: fleet[0].connector: must be one of ` + known + `, got "mooncake"`},
 		{func(c *Config) { c.Fleet[0].PrefillSlots = -1 }, "config: fleet[0].prefill_slots: must be >= 0, got -1"},
 		{func(c *Config) { c.Fleet[1].DecodeSlots = -2 }, "config: fleet[1].decode_slots: must be >= 0, got -2"},
 		// The sglang connector (R-DESC-7): a prefill names its bootstrap
