@@ -9,6 +9,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/engines"
+	livefleet "github.com/narwhalmesh/narwhal/fleet"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -26,64 +27,43 @@ const (
 // narwhal_fleet_ignored_total (R-BUS-9).
 const fleetIgnoredInvalid = "invalid"
 
-// watchFleet keeps a watch on KV bucket narwhal_fleet until the router
-// shuts down (R-FLEET-1): the first values of a watch are a full read of
-// the bucket (applied as a snapshot: an engine without a key leaves,
-// except one of this router's config file, which is seeded there, and
-// one with a deleted key leaves), then every change is applied as it
-// arrives — a push, well within the second R-FLEET-1 allows. A watch that
-// ends (the connection was lost and its consumer with it) is set up
-// again, with a new full read.
+// watchFleet keeps the fleet watch (fleet.Watch) on KV bucket
+// narwhal_fleet until the router shuts down (R-FLEET-1): each watch's
+// first, full read of the bucket is applied as a snapshot (an engine
+// without a key leaves, except one of this router's config file, which
+// is seeded there, and one with a deleted key leaves), then every change
+// is applied as it arrives — a push, well within the second R-FLEET-1
+// allows. A watch that ends (the connection was lost and its consumer
+// with it) is set up again, with a new full read; loaded is called after
+// each full read.
 func (v *View) watchFleet(b *bus.Bus, loaded func()) {
-	warned := false
-	for v.base.Err() == nil {
-		err := v.watchFleetOnce(b, loaded)
-		if v.base.Err() != nil {
-			return
-		}
-		if err != nil && !warned {
-			v.log.Warn("fleet watch could not be set up; retrying", "err", err)
-			warned = true
-		} else if err == nil {
-			warned = false
-			v.log.Warn("fleet watch ended; setting it up again and resynchronising")
-		}
-		if !v.sleep(fleetRetry) {
-			return
-		}
-	}
-}
-
-// watchFleetOnce runs one watch of narwhal_fleet until it ends.
-func (v *View) watchFleetOnce(b *bus.Bus, loaded func()) error {
-	ctx, cancel := context.WithTimeout(v.base, watchSetupTimeout)
-	kv, err := b.BindBucket(ctx, bus.FleetBucket)
-	cancel()
-	if err != nil {
-		return err
-	}
-	start := time.Now()
-	return bus.WatchSnapshot(v.base, kv, func(snapshot map[string]jetstream.KeyValueEntry) {
-		v.applyFleetSnapshot(snapshot)
-		v.log.Info("fleet loaded", "keys", len(snapshot), "engines", len(v.Fleet().members), "took", time.Since(start))
-		loaded()
-	}, func(e jetstream.KeyValueEntry) { v.applyFleetValue(e.Key(), e.Operation(), e.Value()) })
+	livefleet.Watch(v.base, b, livefleet.Watcher{
+		OnSnapshot: func(s livefleet.Snapshot) {
+			v.applyFleetSnapshot(s.Values)
+			v.log.Info("fleet loaded", "keys", len(s.Values), "engines", len(v.Fleet().members), "took", s.Took)
+			loaded()
+		},
+		OnChange:     v.applyFleetValue,
+		Retry:        fleetRetry,
+		SetupTimeout: watchSetupTimeout,
+		Log:          v.log,
+	})
 }
 
 // applyFleetSnapshot applies a full read of narwhal_fleet: every key's
 // value, then the removal of every engine without one — except the
 // engines of this router's config file that the bucket never held (they
 // are seeded there by whoever seeds it: kept, and logged).
-func (v *View) applyFleetSnapshot(snapshot map[string]jetstream.KeyValueEntry) {
-	for key, e := range snapshot {
-		v.applyFleetValue(key, e.Operation(), e.Value())
+func (v *View) applyFleetSnapshot(values map[string]livefleet.Change) {
+	for _, c := range values {
+		v.applyFleetValue(c)
 	}
 	v.fleetMu.Lock()
 	defer v.fleetMu.Unlock()
 	cur := v.Fleet()
 	var gone []string
 	for _, m := range cur.members {
-		if _, ok := snapshot[m.ID]; ok {
+		if _, ok := values[m.ID]; ok {
 			continue
 		}
 		if m.fromConfig {
@@ -97,35 +77,32 @@ func (v *View) applyFleetSnapshot(snapshot map[string]jetstream.KeyValueEntry) {
 	}
 }
 
-// applyFleetValue applies one value of narwhal_fleet for key (op is the
-// entry's operation): a deleted or purged key removes the engine — it
-// receives no new attempt; attempts running on it finish by their own
-// rules, since the request holds its member (R-FLEET-1) — and a valid
-// entry adds the engine, changes its state, or, when its spec changed,
-// builds it anew. A value that is not a valid entry for its key is
-// ignored: the engine keeps its state, the first per key is logged and
-// every one counted in narwhal_fleet_ignored_total (R-BUS-9).
-func (v *View) applyFleetValue(key string, op jetstream.KeyValueOp, value []byte) {
+// applyFleetValue applies one value of narwhal_fleet, as fleet.Watch
+// judged it: a deleted or purged key removes the engine — it receives no
+// new attempt; attempts running on it finish by their own rules, since
+// the request holds its member (R-FLEET-1) — and a valid entry adds the
+// engine, changes its state, or, when its spec changed, builds it anew.
+// A value that is not a valid entry for its key (c.Invalid) is ignored:
+// the engine keeps its state, the first per key is logged and every one
+// counted in narwhal_fleet_ignored_total (R-BUS-9).
+func (v *View) applyFleetValue(c livefleet.Change) {
+	key := c.ID
 	v.fleetMu.Lock()
 	defer v.fleetMu.Unlock()
-	if op != jetstream.KeyValuePut {
+	if c.Deleted {
 		delete(v.fleetIgnoredLogged, key)
 		v.removeMember(key, "removed from the live fleet")
 		return
 	}
-	entry, err := bus.ParseFleetEntry(key, value)
-	var eng engines.Engine
-	if err == nil {
-		eng, err = engines.FromFleetEntry(entry)
-	}
-	if err != nil {
+	if c.Invalid != nil {
 		v.metrics.fleetIgnored.WithLabelValues(fleetIgnoredInvalid).Inc()
 		if !v.fleetIgnoredLogged[key] {
 			v.fleetIgnoredLogged[key] = true
-			v.log.Warn("fleet value ignored; the engine keeps its state", "engine_id", key, "reason", fleetIgnoredInvalid, "detail", err.Error())
+			v.log.Warn("fleet value ignored; the engine keeps its state", "engine_id", key, "reason", fleetIgnoredInvalid, "detail", c.Invalid.Error())
 		}
 		return
 	}
+	entry, eng := c.Entry, c.Engine
 	delete(v.fleetIgnoredLogged, key)
 	cur := v.Fleet()
 	if m := cur.byID[key]; m != nil && engines.SameSpec(*m.entry.Load(), entry) {
