@@ -13,7 +13,7 @@
 // leader continues where the old one stopped.
 //
 // ProbeTransfer is also what `narwhal preflight` runs (R-PRE-1), after
-// engines.CheckHealth and engines.CheckContract.
+// engines.CheckHealth and probe.CheckContract.
 package breaker
 
 import (
@@ -230,7 +230,7 @@ func New(opts Options) (*Service, error) {
 	// Health, contract and the two legs, each bounded by the first-token
 	// timeout (R-BRK-3), plus the decode's tail after its first token.
 	s.probeBudget = 4*cfg.Engine.FirstTokenTimeout() + cfg.Engine.DecodeReadTimeout()
-	configured, err := engines.FromConfig(cfg.Fleet)
+	configured, err := fleet.Engines(cfg.Fleet)
 	if err != nil {
 		return nil, fmt.Errorf("breaker: %w", err)
 	}

@@ -148,8 +148,8 @@ func (s *Service) probePhase(e *engine) string {
 
 // check runs the engine's own checks: the bus must be up (a decision that
 // cannot be recorded is no decision), GET /health must answer 200 and,
-// with an engine contract, engines.CheckContract must pass (R-BRK-6), as
-// engines.CheckLifecycle runs them; it also picks the model the transfer
+// with an engine contract, kvprobe.CheckContract must pass (R-BRK-6), as
+// kvprobe.CheckLifecycle runs them; it also picks the model the transfer
 // will use. ctx is the lease's context (its
 // end means shutdown or a lost lease), pctx the round's.
 func (s *Service) check(ctx, pctx context.Context, p *probe) {
@@ -166,7 +166,7 @@ func (s *Service) check(ctx, pctx context.Context, p *probe) {
 		}
 		p.outcome, p.message = schemas.ProbeFailure, err.Error()
 	}
-	model, err := engines.CheckLifecycle(pctx, httpc, &p.e.Engine, s.cfg.EngineContract, ftt)
+	model, err := kvprobe.CheckLifecycle(pctx, httpc, &p.e.Engine, s.cfg.EngineContract, ftt)
 	if err != nil {
 		own(err)
 		return

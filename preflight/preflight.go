@@ -15,6 +15,7 @@ import (
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/engines/probe"
+	"github.com/narwhalmesh/narwhal/fleet"
 )
 
 // DefaultParallel is how many checks and transfers Run runs at once when
@@ -82,7 +83,7 @@ func (r *Report) Failed() []string {
 
 // Run checks every engine of cfg.Fleet, each step bounded by
 // engine.first_token_timeout_s: GET /health 200, then the served models
-// (GET /v1/models) and, with engine_contract, engines.CheckContract (served
+// (GET /v1/models) and, with engine_contract, probe.CheckContract (served
 // model, engine kind and version, connector). Then it probes every
 // role-permitted KV transfer with breaker.ProbeTransfer — each
 // prefill-capable engine to each decode-capable engine, same-worker for
@@ -104,13 +105,13 @@ func Run(ctx context.Context, cfg *config.Config, opts Options) (*Report, error)
 	if len(cfg.Fleet) == 0 {
 		return nil, errors.New("config: fleet: at least one engine is required")
 	}
-	configured, err := engines.FromConfig(cfg.Fleet)
+	configured, err := fleet.Engines(cfg.Fleet)
 	if err != nil {
 		return nil, err
 	}
-	fleet := make([]*engines.Engine, len(configured))
+	members := make([]*engines.Engine, len(configured))
 	for i := range configured {
-		fleet[i] = &configured[i]
+		members[i] = &configured[i]
 	}
 	client := probe.NewClient(cfg)
 	defer client.CloseIdleConnections()
@@ -120,14 +121,14 @@ func Run(ctx context.Context, cfg *config.Config, opts Options) (*Report, error)
 	if cfg.EngineContract != nil {
 		r.CheckKind = "health, engine_contract"
 	}
-	r.Checks = make([]Check, len(fleet))
-	for i, e := range fleet {
+	r.Checks = make([]Check, len(members))
+	for i, e := range members {
 		r.Checks[i].Engine = e
 	}
 	bounded(par, len(r.Checks), func(i int) {
 		c := &r.Checks[i]
 		start := time.Now()
-		c.Model, c.Err = engines.CheckLifecycle(ctx, client.HTTPClient(), c.Engine, cfg.EngineContract, ftt)
+		c.Model, c.Err = probe.CheckLifecycle(ctx, client.HTTPClient(), c.Engine, cfg.EngineContract, ftt)
 		c.Took = time.Since(start)
 	})
 	model := make(map[string]string, len(r.Checks))
@@ -135,8 +136,8 @@ func Run(ctx context.Context, cfg *config.Config, opts Options) (*Report, error)
 		model[c.Engine.ID] = c.Model
 	}
 
-	for _, p := range fleet {
-		for _, c := range fleet {
+	for _, p := range members {
+		for _, c := range members {
 			// Engines of different connectors cannot hand off KV: no
 			// transfer between them is permitted (config validation
 			// refuses a fleet where that leaves an engine unpaired).

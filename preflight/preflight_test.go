@@ -13,9 +13,9 @@ import (
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
-// fleet starts simulators (id → role) serving model "m" and returns a
+// simFleet starts simulators (id → role) serving model "m" and returns a
 // config for them with an engine contract, and the simulators.
-func fleet(t *testing.T, specs [][2]string) (*config.Config, map[string]*sim.Server) {
+func simFleet(t *testing.T, specs [][2]string) (*config.Config, map[string]*sim.Server) {
 	t.Helper()
 	sims := map[string]*sim.Server{}
 	var yaml strings.Builder
@@ -52,7 +52,7 @@ func pairs(r *Report) []string {
 // passes, in fleet order.
 func TestRunProbesEveryPermittedTransfer(t *testing.T) {
 	testkit.CheckLeaks(t)
-	cfg, sims := fleet(t, [][2]string{{"p1", "prefill"}, {"d1", "decode"}, {"b1", "both"}})
+	cfg, sims := simFleet(t, [][2]string{{"p1", "prefill"}, {"d1", "decode"}, {"b1", "both"}})
 
 	r, err := Run(context.Background(), cfg, Options{})
 	if err != nil {
@@ -88,7 +88,7 @@ func TestRunProbesEveryPermittedTransfer(t *testing.T) {
 // check.
 func TestRunReportsFailures(t *testing.T) {
 	testkit.CheckLeaks(t)
-	cfg, sims := fleet(t, [][2]string{{"p1", "prefill"}, {"p2", "prefill"}, {"d1", "decode"}, {"d2", "decode"}})
+	cfg, sims := simFleet(t, [][2]string{{"p1", "prefill"}, {"p2", "prefill"}, {"d1", "decode"}, {"d2", "decode"}})
 	sims["d2"].Arm(sim.Fault{Kind: sim.FaultStatus, Phase: sim.PhaseDecode, Status: 500, Message: "decode broken"})
 
 	r, err := Run(context.Background(), cfg, Options{Parallel: 2})

@@ -49,7 +49,7 @@ func TestProbeWithEngineKeys(t *testing.T) {
 	if err := engines.CheckHealth(ctx, c.HTTPClient(), p); err != nil {
 		t.Fatal(err)
 	}
-	if err := engines.CheckContract(ctx, c.HTTPClient(), d, nil); err != nil {
+	if err := CheckContract(ctx, c.HTTPClient(), d, nil); err != nil {
 		t.Fatalf("model list with the key: %v", err)
 	}
 	if err := Transfer(ctx, c, p, d, testModel); err != nil {
@@ -84,7 +84,7 @@ func TestProbeWithEngineKeys(t *testing.T) {
 	if err := engines.CheckHealth(ctx, c.HTTPClient(), &bare); err != nil {
 		t.Errorf("health without a key: %v", err)
 	}
-	if err := engines.CheckContract(ctx, c.HTTPClient(), &bare, nil); err == nil || !strings.Contains(err.Error(), "HTTP 401") {
+	if err := CheckContract(ctx, c.HTTPClient(), &bare, nil); err == nil || !strings.Contains(err.Error(), "HTTP 401") {
 		t.Errorf("model list without a key: %v, want HTTP 401", err)
 	}
 	err = Transfer(ctx, c, &bare, d, testModel)

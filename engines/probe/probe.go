@@ -1,7 +1,9 @@
 // Package probe is the inference probe (behaviour.md R-BRK-3, R-BRK-4,
 // R-PRE-1): one real KV transfer between a producer and a consumer, run
 // through their connector exactly as a router's attempt is. The breaker
-// readmits with it and preflight checks every pair with it.
+// readmits with it and preflight checks every pair with it. Before it, both
+// run an engine's own checks from here: CheckLifecycle (health, models and
+// the pinned engine contract, R-BRK-6) and CheckContract.
 package probe
 
 import (

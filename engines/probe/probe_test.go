@@ -164,7 +164,7 @@ func TestProbeTransferSGLang(t *testing.T) {
 
 // TestCheckContract proves R-BRK-6 and R-PRE-1: the served model, the
 // engine kind, the version constraint and the connector are each checked,
-// every mismatch is reported as a *engines.ContractError naming the key, and a nil
+// every mismatch is reported as a *ContractError naming the key, and a nil
 // contract only needs a model list.
 func TestCheckContract(t *testing.T) {
 	ctx := context.Background()
@@ -172,10 +172,10 @@ func TestCheckContract(t *testing.T) {
 	t.Cleanup(httpc.CloseIdleConnections)
 	srv, e := startEngine(t, sim.Config{Role: "decode", EngineID: "d1", EngineVersion: "0.10.2"})
 	contract := &config.Contract{Model: testModel, Engine: "VLLM", Version: ">=0.10,<0.11", Connector: "nixl"}
-	if err := engines.CheckContract(ctx, httpc, e, contract); err != nil {
+	if err := CheckContract(ctx, httpc, e, contract); err != nil {
 		t.Fatalf("matching engine: %v", err)
 	}
-	if err := engines.CheckContract(ctx, httpc, e, nil); err != nil {
+	if err := CheckContract(ctx, httpc, e, nil); err != nil {
 		t.Fatalf("no contract: %v", err)
 	}
 	if err := engines.CheckHealth(ctx, httpc, e); err != nil {
@@ -185,7 +185,7 @@ func TestCheckContract(t *testing.T) {
 	fields := func(err error) []string {
 		var out []string
 		for _, x := range err.(interface{ Unwrap() []error }).Unwrap() {
-			var ce *engines.ContractError
+			var ce *ContractError
 			if !errors.As(x, &ce) || ce.EngineID != "d1" {
 				t.Fatalf("not a contract error of d1: %v", x)
 			}
@@ -194,7 +194,7 @@ func TestCheckContract(t *testing.T) {
 		return out
 	}
 	bad := &config.Contract{Model: "other", Engine: "sglang", Version: ">=0.11", Connector: "nixl"}
-	err := engines.CheckContract(ctx, httpc, &engines.Engine{ID: e.ID, URL: e.URL, Role: e.Role, Connector: otherConnector{}}, bad)
+	err := CheckContract(ctx, httpc, &engines.Engine{ID: e.ID, URL: e.URL, Role: e.Role, Connector: otherConnector{}}, bad)
 	if got := strings.Join(fields(err), ","); got != "model,engine,version,connector" {
 		t.Fatalf("mismatches %q: %v", got, err)
 	}
@@ -207,7 +207,7 @@ func TestCheckContract(t *testing.T) {
 		t.Fatalf("unhealthy engine: %v", err)
 	}
 	srv.Close()
-	if err := engines.CheckContract(ctx, httpc, e, contract); err == nil || !strings.Contains(err.Error(), "engine d1: /v1/models") {
+	if err := CheckContract(ctx, httpc, e, contract); err == nil || !strings.Contains(err.Error(), "engine d1: /v1/models") {
 		t.Fatalf("engine down: %v", err)
 	}
 }

@@ -29,7 +29,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/config"
-	"github.com/narwhalmesh/narwhal/engines"
+	"github.com/narwhalmesh/narwhal/fleet"
 	"github.com/narwhalmesh/narwhal/prefix"
 )
 
@@ -115,7 +115,7 @@ type View struct {
 // (nothing is registered then).
 func New(opts Options) (*View, error) {
 	cfg := opts.Config
-	configured, err := engines.FromConfig(cfg.Fleet)
+	configured, err := fleet.Engines(cfg.Fleet)
 	if err != nil {
 		return nil, err
 	}
