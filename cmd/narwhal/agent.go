@@ -8,9 +8,9 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
-	"net/url"
 	"os"
 	"regexp"
+	"slices"
 	"strings"
 	"time"
 
@@ -93,30 +93,87 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 
 // checkSpec returns a clear error, naming the flag, for an engine spec of
 // `narwhal agent` or `narwhal sim --register` that no fleet entry can
-// hold.
+// hold: the first problem specFlagProblems finds (config.EngineSpec.Validate
+// is the rule), after a missing --engine-url, --id or --role.
 func checkSpec(s config.EngineSpec) error {
 	if s.ID == "" || s.URL == "" || s.Role == "" {
 		return errors.New("--engine-url, --id and --role are required")
 	}
-	if !engineIDPattern.MatchString(s.ID) {
-		return fmt.Errorf("--id %q: 1 to 128 of A-Z a-z 0-9 _ -", s.ID)
+	ps := specFlagProblems(s, agentFlags)
+	if len(ps) == 0 {
+		return nil
 	}
-	if u, err := url.Parse(s.URL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return fmt.Errorf("--engine-url %q: an absolute http or https URL", s.URL)
-	}
-	if !s.Role.Valid() {
-		return fmt.Errorf("--role %q: prefill, decode or both", s.Role)
-	}
-	if !connectorPattern.MatchString(s.Connector) {
-		return fmt.Errorf("--connector %q: 1 to 64 of a-z 0-9 _ -", s.Connector)
-	}
-	if field, problem := connector.CheckEngine(s.Connector, s.Role, s.BootstrapPort); field != "" && field != "connector" {
-		return fmt.Errorf("--%s: %s", strings.ReplaceAll(field, "_", "-"), problem)
-	}
-	if s.PrefillSlots < 0 || s.DecodeSlots < 0 {
+	// The wording is the agent's own, kept from before config's rule was
+	// the one the agent applies: config words each problem for a key of
+	// a configuration file, the agent for the flag its user typed.
+	p := ps[0]
+	switch {
+	case p.field == "id":
+		return fmt.Errorf("%s %q: 1 to 128 of A-Z a-z 0-9 _ -", p.flag, s.ID)
+	case p.field == "url":
+		return fmt.Errorf("%s %q: an absolute http or https URL", p.flag, s.URL)
+	case p.field == "role" && !s.Role.Valid():
+		return fmt.Errorf("%s %q: prefill, decode or both", p.flag, s.Role)
+	case p.field == "connector" && !connectorPattern.MatchString(s.Connector):
+		return fmt.Errorf("%s %q: 1 to 64 of a-z 0-9 _ -", p.flag, s.Connector)
+	case p.field == "connector" && !slices.Contains(connector.Names(), s.Connector):
+		// A name of the schema's pattern that no connector is registered
+		// under: config's rule refuses it, in fleet add's words.
+		return fmt.Errorf("%s %q: want one of %s", p.flag, s.Connector, strings.Join(connector.Names(), ", "))
+	case p.field == "prefill_slots" || p.field == "decode_slots":
 		return errors.New("--prefill-slots and --decode-slots must be >= 0")
 	}
-	return nil
+	// The connector's own rule (connector.CheckEngine): config's problem.
+	return fmt.Errorf("%s: %s", p.flag, p.problem)
+}
+
+// agentFlags names the flag of `narwhal agent` that sets each field of
+// an engine spec config.EngineSpec.Validate reports (its YAML key).
+var agentFlags = map[string]string{
+	"id": "--id", "url": "--engine-url", "role": "--role", "connector": "--connector",
+	"bootstrap_port": "--bootstrap-port", "prefill_slots": "--prefill-slots", "decode_slots": "--decode-slots",
+}
+
+// flagProblem is one field of an engine spec that a command refuses:
+// field is its YAML key (config.KeyError.Key), flag the command's flag
+// that sets it, problem config's words for it.
+type flagProblem struct {
+	field, flag, problem string
+}
+
+// maxEngineIDLen is the longest engine_id a fleet entry holds
+// (schemas/narwhal.engine.v1.json).
+const maxEngineIDLen = 128
+
+// specFlagProblems returns the problems of s that config.EngineSpec.Validate
+// finds — the one check of an engine's settings: id, URL, role, a
+// registered connector, the connector's own rule (behaviour.md R-DESC-7)
+// and slots >= 0 (R-OWN-3) — in its order, each named by the flag flags
+// gives its field ("--" and the key with '-' for '_' when flags has
+// none). An id longer than maxEngineIDLen, which a fleet entry cannot
+// hold though a configuration file's fleet may, is a problem of field id
+// too: both commands write fleet entries.
+func specFlagProblems(s config.EngineSpec, flags map[string]string) []flagProblem {
+	flag := func(field string) string {
+		if f, ok := flags[field]; ok {
+			return f
+		}
+		return "--" + strings.ReplaceAll(field, "_", "-")
+	}
+	var out []flagProblem
+	for _, ke := range config.KeyErrors(s.Validate()) {
+		out = append(out, flagProblem{field: ke.Key, flag: flag(ke.Key), problem: ke.Problem})
+	}
+	if len(s.ID) > maxEngineIDLen && !hasFlagProblem(out, "id") {
+		// Validate reports the id first, so its problem goes first.
+		out = slices.Insert(out, 0, flagProblem{field: "id", flag: flag("id"), problem: fmt.Sprintf("longer than %d characters", maxEngineIDLen)})
+	}
+	return out
+}
+
+// hasFlagProblem reports whether ps holds a problem of field.
+func hasFlagProblem(ps []flagProblem, field string) bool {
+	return slices.ContainsFunc(ps, func(p flagProblem) bool { return p.field == field })
 }
 
 // waitEngine asks the engine every engineWaitEvery until it answers GET
@@ -209,9 +266,7 @@ func registered(ctx context.Context, spec config.EngineSpec, by string, drainBou
 	return nil
 }
 
-// engineIDPattern and connectorPattern are the fleet entry schema's
-// (schemas/narwhal.engine.v1.json) patterns of engine_id and connector.
-var (
-	engineIDPattern  = regexp.MustCompile(`^[A-Za-z0-9_-]{1,128}$`)
-	connectorPattern = regexp.MustCompile(`^[a-z0-9_-]{1,64}$`)
-)
+// connectorPattern is the fleet entry schema's
+// (schemas/narwhal.engine.v1.json) pattern of connector: checkSpec words
+// a connector outside it as it always has.
+var connectorPattern = regexp.MustCompile(`^[a-z0-9_-]{1,64}$`)

@@ -186,31 +186,49 @@ func checkOneID(args []string) (string, error) {
 }
 
 // checkFleetSpec returns what is wrong with an engine `narwhal fleet add`
-// is given, naming the flag: its id, URL, role, connector and slots.
+// is given, naming the flag: every problem specFlagProblems finds
+// (config.EngineSpec.Validate is the rule) and a URL with a query or a
+// fragment, which a base URL does not have, joined (errors.Join).
 func checkFleetSpec(e config.EngineSpec) error {
+	ps := specFlagProblems(e, fleetAddFlags)
+	if u, err := url.Parse(e.URL); err == nil && (u.RawQuery != "" || u.Fragment != "") && !hasFlagProblem(ps, "url") {
+		i := 0 // after the id's problem, as Validate orders them
+		if hasFlagProblem(ps, "id") {
+			i = 1
+		}
+		ps = slices.Insert(ps, i, flagProblem{field: "url", flag: fleetAddFlags["url"], problem: "has a query or a fragment"})
+	}
 	var errs []error
-	if !config.ValidID(e.ID) || len(e.ID) > 128 {
-		errs = append(errs, fmt.Errorf("--id %q: want 1 to 128 letters, digits, '-' and '_'", e.ID))
-	}
-	if u, err := url.Parse(e.URL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || u.RawQuery != "" || u.Fragment != "" {
-		errs = append(errs, fmt.Errorf("--url %q: want an absolute http or https base URL such as http://10.1.2.3:8000", e.URL))
-	}
-	if !e.Role.Valid() {
-		errs = append(errs, fmt.Errorf("--role %q: want %s, %s or %s", e.Role, connector.RolePrefill, connector.RoleDecode, connector.RoleBoth))
-	}
-	if !slices.Contains(connector.Names(), e.Connector) {
-		errs = append(errs, fmt.Errorf("--connector %q: want one of %s", e.Connector, strings.Join(connector.Names(), ", ")))
-	}
-	if field, problem := connector.CheckEngine(e.Connector, e.Role, e.BootstrapPort); field != "" && field != "connector" && e.Role.Valid() {
-		errs = append(errs, fmt.Errorf("--%s: %s", strings.ReplaceAll(field, "_", "-"), problem))
-	}
-	if e.PrefillSlots < 0 {
-		errs = append(errs, fmt.Errorf("--prefill-slots %d: want >= 0", e.PrefillSlots))
-	}
-	if e.DecodeSlots < 0 {
-		errs = append(errs, fmt.Errorf("--decode-slots %d: want >= 0", e.DecodeSlots))
+	for _, p := range ps {
+		// The wording is fleet add's own, kept from before config's rule
+		// was the one it applies: config words each problem for a key of
+		// a configuration file, fleet add for the flag its user typed.
+		switch {
+		case p.field == "id":
+			errs = append(errs, fmt.Errorf("%s %q: want 1 to 128 letters, digits, '-' and '_'", p.flag, e.ID))
+		case p.field == "url":
+			errs = append(errs, fmt.Errorf("%s %q: want an absolute http or https base URL such as http://10.1.2.3:8000", p.flag, e.URL))
+		case p.field == "role" && !e.Role.Valid():
+			errs = append(errs, fmt.Errorf("%s %q: want %s, %s or %s", p.flag, e.Role, connector.RolePrefill, connector.RoleDecode, connector.RoleBoth))
+		case p.field == "connector" && !slices.Contains(connector.Names(), e.Connector):
+			errs = append(errs, fmt.Errorf("%s %q: want one of %s", p.flag, e.Connector, strings.Join(connector.Names(), ", ")))
+		case p.field == "prefill_slots":
+			errs = append(errs, fmt.Errorf("%s %d: want >= 0", p.flag, e.PrefillSlots))
+		case p.field == "decode_slots":
+			errs = append(errs, fmt.Errorf("%s %d: want >= 0", p.flag, e.DecodeSlots))
+		default: // the connector's own rule (connector.CheckEngine): config's problem
+			errs = append(errs, fmt.Errorf("%s: %s", p.flag, p.problem))
+		}
 	}
 	return errors.Join(errs...)
+}
+
+// fleetAddFlags names the flag of `narwhal fleet add` that sets each
+// field of an engine spec config.EngineSpec.Validate reports (its YAML
+// key).
+var fleetAddFlags = map[string]string{
+	"id": "--id", "url": "--url", "role": "--role", "connector": "--connector",
+	"bootstrap_port": "--bootstrap-port", "prefill_slots": "--prefill-slots", "decode_slots": "--decode-slots",
 }
 
 // fleetAdd adds engine spec to the fleet in state joining (behaviour.md
