@@ -17,6 +17,7 @@ import (
 	"github.com/narwhalmesh/narwhal/engines/connector/sglang"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/engines/sim/simtest"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -142,6 +143,9 @@ func TestProbeTransferSGLang(t *testing.T) {
 	if len(pr) != 1 || len(dr) != 1 || string(pr[0].Body) != string(dr[0].Body) || !strings.Contains(string(pr[0].Body), `"bootstrap_room":`) {
 		t.Fatalf("probe legs: prefill %+v decode %+v", pr, dr)
 	}
+	// The simulator counts a completion once its handler returns, which
+	// may be just after the probe read [DONE].
+	testkit.Poll(2*time.Second, 10*time.Millisecond, func() bool { return dsrv.Stats().Completed == 1 })
 	if ds := dsrv.Stats(); ds.KVPulled != 1 || ds.Completed != 1 {
 		t.Fatalf("decode %+v", ds)
 	}
