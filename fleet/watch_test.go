@@ -135,7 +135,7 @@ func TestWatchSnapshotThenChanges(t *testing.T) {
 	if err := kv.Delete(ctx, "d1"); err != nil {
 		t.Fatal(err)
 	}
-	testkit.WaitFor(t, 5*time.Second, "three changes of d1", func() bool {
+	testkit.WaitFor(t, 15*time.Second, "three changes of d1", func() bool {
 		_, cs, _ := rec.state()
 		n := 0
 		for _, c := range cs {
