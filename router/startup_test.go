@@ -71,13 +71,24 @@ func TestStartupNamesUnplaceableEngines(t *testing.T) {
 		return s.rt.fleet().Member("p2").Problem() != "" && s.rt.fleet().Member("d2").Problem() != "" &&
 			s.rt.fleet().Member("p1").Models() != nil && s.rt.fleet().Member("d1").Models() != nil
 	})
-	out := logs.String()
-	for _, want := range []string{
+	wants := []string{
 		`msg="engine not placeable: unreachable: connection refused" router_id=rt-test engine_id=d2 url=` + dead + ` role=decode err="GET /v1/models: `,
 		`msg="engine not placeable: serves no model (its GET /v1/models lists none)" router_id=rt-test engine_id=p2 url=` + empty.URL + ` role=prefill` + "\n",
 		`msg="engine placeable" router_id=rt-test engine_id=p1`,
 		`msg="engine placeable" router_id=rt-test engine_id=d1`,
-	} {
+	}
+	// An engine's state is stored a moment before its line is logged.
+	testkit.Poll(3*time.Second, 10*time.Millisecond, func() bool {
+		out := logs.String()
+		for _, want := range wants {
+			if !strings.Contains(out, want) {
+				return false
+			}
+		}
+		return true
+	})
+	out := logs.String()
+	for _, want := range wants {
 		if !strings.Contains(out, want) {
 			t.Errorf("log lacks %q:\n%s", want, out)
 		}
