@@ -190,6 +190,8 @@ func TestSeedAndWaitDrained(t *testing.T) {
 		}
 		done <- e
 	}()
+	// Give WaitDrained time to be watching (nothing can signal that); if
+	// it is not yet, it reads the drained value first and passes anyway.
 	time.Sleep(100 * time.Millisecond)
 	e, rev, _ := st.Get(ctx, "d1")
 	drained, _ := Apply(e, EndDrain, "breaker-1", "every router (0) reports no leg in flight", time.Now())

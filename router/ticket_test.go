@@ -163,8 +163,8 @@ func TestTicketSweep(t *testing.T) {
 		t.Fatalf("claim %d, want 100", n)
 	}
 	later := issued.Add(hold + time.Millisecond).UnixNano()
-	time.Sleep(5 * time.Millisecond)
-	tk.issue(&fresh, 400) // expires after later
+	tk.hold = 2 * hold
+	tk.issue(&fresh, 400) // held twice as long: expires after later
 	if n := tk.sweep(later); n != 200 {
 		t.Errorf("sweep returned %d bytes, want the abandoned ticket's 200", n)
 	}
@@ -179,14 +179,14 @@ func TestTicketSweep(t *testing.T) {
 	}
 
 	// The budget: full of one abandoned reservation whose hold is over.
-	tickets := &doorTickets{hold: 0}
+	// A negative hold: the ticket has expired the moment it is issued.
+	tickets := &doorTickets{hold: -time.Second}
 	b := &bodyBudget{limit: 1000, tickets: tickets}
 	var dead fasthttp.RequestHeader
 	if !b.reserve(1000) {
 		t.Fatal("an empty budget refused 1000 bytes")
 	}
 	tickets.issue(&dead, 1000)
-	time.Sleep(time.Millisecond)
 	if !b.reserve(600) {
 		t.Fatal("a budget full of an expired ticket refused 600 bytes")
 	}
@@ -217,6 +217,8 @@ func TestTicketsConcurrent(t *testing.T) {
 			default:
 			}
 			returned.Add(tk.sweep(time.Now().UnixNano()))
+			// Pacing, not a wait: sweeps interleave with issues and
+			// claims without spinning a core.
 			time.Sleep(100 * time.Microsecond)
 		}
 	}()
@@ -232,7 +234,9 @@ func TestTicketsConcurrent(t *testing.T) {
 				tk.issue(&h, n)
 				issued.Add(n)
 				if i%3 == 0 {
-					time.Sleep(2 * time.Millisecond) // left for the sweep, mostly
+					// Pacing, not a wait: past the 1 ms hold, so that
+					// the sweep races this claim for some tickets.
+					time.Sleep(2 * time.Millisecond)
 				}
 				c, _ := tk.claim(&h)
 				returned.Add(c)
