@@ -40,7 +40,7 @@ func TestReadyzWhileJoiningMesh(t *testing.T) {
 		}
 	}()
 	testkit.WaitFor(t, 2*time.Second, "a /readyz before the join", func() bool { return served.Load() >= 3 })
-	if err := s.rt.JoinMesh(m.b, 5*time.Second); err != nil {
+	if err := s.rt.JoinMesh(m.B, 5*time.Second); err != nil {
 		t.Fatal(err)
 	}
 	after := served.Load()
@@ -65,11 +65,11 @@ func TestJoinMeshAfterShutdown(t *testing.T) {
 	if err := s.rt.Shutdown(ctx); err != nil {
 		t.Fatal(err)
 	}
-	subs := m.b.Conn().NumSubscriptions()
-	if err := s.rt.JoinMesh(m.b, 100*time.Millisecond); err == nil {
+	subs := m.B.Conn().NumSubscriptions()
+	if err := s.rt.JoinMesh(m.B, 100*time.Millisecond); err == nil {
 		t.Fatal("JoinMesh after Shutdown returned nil: it started a goroutine Shutdown no longer waits for")
 	}
-	if n := m.b.Conn().NumSubscriptions(); n != subs {
+	if n := m.B.Conn().NumSubscriptions(); n != subs {
 		t.Fatalf("%d subscriptions on the bus after a refused join, %d before", n, subs)
 	}
 }
@@ -83,7 +83,7 @@ func TestJoinMeshDuringShutdown(t *testing.T) {
 		s := newStack(t, pd(), nil)
 		m := newMeshBus(t)
 		joined := make(chan error, 1)
-		go func() { joined <- s.rt.JoinMesh(m.b, 200*time.Millisecond) }()
+		go func() { joined <- s.rt.JoinMesh(m.B, 200*time.Millisecond) }()
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		if err := s.rt.Shutdown(ctx); err != nil {
 			t.Fatal(err)

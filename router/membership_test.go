@@ -14,31 +14,6 @@ import (
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
-// putFleet writes e as engine key's value of narwhal_fleet.
-func (m *meshBus) putFleet(key string, e schemas.FleetEntry) {
-	m.t.Helper()
-	e.Schema, e.At, e.Since = schemas.SchemaFleetEntry, nowUTC(), nowUTC()
-	if e.Connector == "" {
-		e.Connector = "nixl"
-	}
-	if e.Source == "" {
-		e.Source, e.By = schemas.SourceCommand, "test"
-	}
-	b, _ := json.Marshal(e)
-	m.putFleetRaw(key, b)
-}
-
-func (m *meshBus) putFleetRaw(key string, value []byte) {
-	m.t.Helper()
-	kv, err := m.peer.BindBucket(context.Background(), bus.FleetBucket)
-	if err != nil {
-		m.t.Fatal(err)
-	}
-	if _, err := kv.Put(context.Background(), key, value); err != nil {
-		m.t.Fatal(err)
-	}
-}
-
 // placeableIDs returns the ids of the engines placement may choose now
 // for phase p, sorted.
 func (rt *Router) placeableIDs(p phase) []string {
@@ -64,7 +39,7 @@ func TestLiveFleetRFLEET1(t *testing.T) {
 	s := newStack(t, pd(), nil)
 	s.waitModels()
 	m := newMeshBus(t)
-	if err := s.rt.JoinMesh(m.b, 5*time.Second); err != nil {
+	if err := s.rt.JoinMesh(m.B, 5*time.Second); err != nil {
 		t.Fatal(err)
 	}
 	// The config's engines are kept while the bucket has no key for them.
@@ -72,7 +47,7 @@ func TestLiveFleetRFLEET1(t *testing.T) {
 		t.Fatalf("fleet after join: %v", s.rt.FleetIDs())
 	}
 	d3 := simtest.Start(t, sim.Config{Role: "decode", EngineID: "d3", Model: testModel})
-	m.putFleet("d3", schemas.FleetEntry{EngineID: "d3", URL: d3.URL(), Role: "decode", State: schemas.FleetJoining})
+	m.PutFleet("d3", schemas.FleetEntry{EngineID: "d3", URL: d3.URL(), Role: "decode", State: schemas.FleetJoining})
 	testkit.WaitFor(t, time.Second, "d3 in the fleet, joining", func() bool { return s.rt.FleetIDs()["d3"] == schemas.FleetJoining })
 	testkit.WaitFor(t, 3*time.Second, "d3's models known", func() bool {
 		mb := s.rt.fleet().Member("d3")
@@ -83,7 +58,7 @@ func TestLiveFleetRFLEET1(t *testing.T) {
 			t.Fatal("a joining engine served a request")
 		}
 	}
-	m.putFleet("d3", schemas.FleetEntry{EngineID: "d3", URL: d3.URL(), Role: "decode", State: schemas.FleetActive})
+	m.PutFleet("d3", schemas.FleetEntry{EngineID: "d3", URL: d3.URL(), Role: "decode", State: schemas.FleetActive})
 	testkit.WaitFor(t, time.Second, "d3 placeable", func() bool {
 		for _, id := range s.rt.placeableIDs(decodePhase) {
 			if id == "d3" {
@@ -105,7 +80,7 @@ func TestLiveFleetRFLEET1(t *testing.T) {
 
 	// Drain d1: out of placement within a second, reported with 0 legs.
 	spec := s.cfg.Fleet[2]
-	m.putFleet("d1", schemas.FleetEntry{EngineID: "d1", URL: spec.URL, Role: "decode", State: schemas.FleetDraining})
+	m.PutFleet("d1", schemas.FleetEntry{EngineID: "d1", URL: spec.URL, Role: "decode", State: schemas.FleetDraining})
 	testkit.WaitFor(t, time.Second, "d1 out of placement", func() bool {
 		for _, id := range s.rt.placeableIDs(decodePhase) {
 			if id == "d1" {
@@ -119,7 +94,7 @@ func TestLiveFleetRFLEET1(t *testing.T) {
 			t.Fatal("a draining engine served a request")
 		}
 	}
-	routers, err := m.peer.BindBucket(context.Background(), bus.RoutersBucket)
+	routers, err := m.Peer.BindBucket(context.Background(), bus.RoutersBucket)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -141,18 +116,18 @@ func TestLiveFleetRFLEET1(t *testing.T) {
 	// The bucket keeps one value per key, so each value is judged before
 	// the next replaces it (a watch that lags would see only the last).
 	before := ignored()
-	m.putFleetRaw("d2", []byte(`{"not":"an entry"}`))
+	m.PutFleetRaw("d2", []byte(`{"not":"an entry"}`))
 	testkit.WaitFor(t, 3*time.Second, "the first ignored value counted", func() bool { return ignored() >= before+1 })
-	m.putFleet("d2", schemas.FleetEntry{EngineID: "d9", URL: spec.URL, Role: "decode", State: schemas.FleetDraining})
+	m.PutFleet("d2", schemas.FleetEntry{EngineID: "d9", URL: spec.URL, Role: "decode", State: schemas.FleetDraining})
 	testkit.WaitFor(t, 3*time.Second, "the second ignored value counted", func() bool { return ignored() >= before+2 })
-	m.putFleetRaw("d2", []byte(`garbage`))
+	m.PutFleetRaw("d2", []byte(`garbage`))
 	testkit.WaitFor(t, 3*time.Second, "three ignored values counted", func() bool { return ignored() >= before+3 })
 	if st := s.rt.FleetIDs()["d2"]; st != schemas.FleetActive {
 		t.Errorf("d2 after forged values: %q, want active", st)
 	}
 
 	// Removal: d3 leaves.
-	kv, _ := m.peer.BindBucket(context.Background(), bus.FleetBucket)
+	kv, _ := m.Peer.BindBucket(context.Background(), bus.FleetBucket)
 	if err := kv.Delete(context.Background(), "d3"); err != nil {
 		t.Fatal(err)
 	}
@@ -166,9 +141,9 @@ func TestEmptyConfigFleetServesTheBucketRFLEET1(t *testing.T) {
 	m := newMeshBus(t)
 	for _, d := range pd() {
 		srv := simtest.Start(t, sim.Config{Role: d.role, EngineID: d.id, Model: testModel})
-		m.putFleet(d.id, schemas.FleetEntry{EngineID: d.id, URL: srv.URL(), Role: d.role, State: schemas.FleetActive, Source: schemas.SourceConfig, By: "test"})
+		m.PutFleet(d.id, schemas.FleetEntry{EngineID: d.id, URL: srv.URL(), Role: d.role, State: schemas.FleetActive, Source: schemas.SourceConfig, By: "test"})
 	}
-	if err := s.rt.JoinMesh(m.b, 5*time.Second); err != nil {
+	if err := s.rt.JoinMesh(m.B, 5*time.Second); err != nil {
 		t.Fatal(err)
 	}
 	testkit.WaitFor(t, 3*time.Second, "four engines with models", func() bool {

@@ -1,103 +1,20 @@
 package router
 
 import (
-	"context"
-	"encoding/json"
-	"net"
-	"strconv"
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go/jetstream"
-
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
-// meshBus starts an embedded NATS server on a fixed free port (so it can be
-// restarted at the same address) and connects the stack's router to it.
-type meshBus struct {
-	t    *testing.T
-	dir  string
-	port int
-	emb  *bus.Embedded
-	b    *bus.Bus // the router's connection
-	peer *bus.Bus // another process's view, to write the bucket and publish
-	term uint64   // the lease term of "test-breaker", which writes placement
-}
+// meshBus is a bus the test can stop and start again at the same
+// address, with the stack's connection (B) and a peer's (bustest.Mesh).
+type meshBus = bustest.Mesh
 
-func freePort(t *testing.T) int {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
-}
-
-func (m *meshBus) start() {
-	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: m.dir, Host: "127.0.0.1", Port: m.port})
-	if err != nil {
-		m.t.Fatal(err)
-	}
-	m.emb = emb
-}
-
-func (m *meshBus) url() string { return "nats://127.0.0.1:" + strconv.Itoa(m.port) }
-
-func newMeshBus(t *testing.T) *meshBus {
-	m := &meshBus{t: t, dir: t.TempDir(), port: freePort(t)}
-	m.start()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	var err error
-	if m.b, err = bus.Connect(ctx, bus.ConnectOptions{URL: m.url(), Name: "router"}); err != nil {
-		t.Fatal(err)
-	}
-	if m.peer, err = bus.Connect(ctx, bus.ConnectOptions{URL: m.url(), Name: "peer"}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		m.b.Close()
-		m.peer.Close()
-		m.emb.Shutdown()
-	})
-	m.term = m.takeLease("test-breaker")
-	return m
-}
-
-// takeLease makes breaker id the holder of the leader lease (R-BUS-9) and
-// returns its term.
-func (m *meshBus) takeLease(id string) uint64 {
-	m.t.Helper()
-	ctx := context.Background()
-	kv, err := m.peer.JetStream().CreateOrUpdateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: bus.LeaseBucket, History: 1})
-	if err != nil {
-		m.t.Fatal(err)
-	}
-	_ = kv.Delete(ctx, bus.LeaseKey)
-	v, _ := json.Marshal(bus.Lease{BreakerID: id, Since: time.Now().UTC()})
-	rev, err := kv.Create(ctx, bus.LeaseKey, v)
-	if err != nil {
-		m.t.Fatal(err)
-	}
-	return rev
-}
-
-func (m *meshBus) setEligible(engine string, eligible bool) {
-	m.t.Helper()
-	state := "eligible"
-	if !eligible {
-		state = "ejected"
-	}
-	ev := schemas.Eligibility{Envelope: schemas.Envelope{Schema: schemas.SchemaEligibility, ID: newID(), At: nowUTC(), BreakerID: "test-breaker", EngineID: engine},
-		Eligible: eligible, State: state, LeaseTerm: m.term}
-	b, _ := json.Marshal(ev)
-	if _, err := m.peer.Placement().Put(context.Background(), engine, b); err != nil {
-		m.t.Fatal(err)
-	}
-}
+func newMeshBus(t *testing.T) *meshBus { return bustest.NewMesh(t, "router") }
 
 // decodeEngineOf sends one request and returns the decode engine that
 // served it (0 if it failed).
@@ -110,8 +27,8 @@ func TestPlacementFromTheBucketRBRK8(t *testing.T) {
 	s := newStack(t, pd(), nil)
 	s.waitModels()
 	m := newMeshBus(t)
-	m.setEligible("d1", false) // known before the router starts: read cold (R-BUS-2)
-	if err := s.rt.JoinMesh(m.b, 5*time.Second); err != nil {
+	m.SetEligible("d1", false) // known before the router starts: read cold (R-BUS-2)
+	if err := s.rt.JoinMesh(m.B, 5*time.Second); err != nil {
 		t.Fatal(err)
 	}
 	if !s.rt.PlacementLoaded() {
@@ -123,8 +40,8 @@ func TestPlacementFromTheBucketRBRK8(t *testing.T) {
 		}
 	}
 	// A change applies within a second (R-BRK-8).
-	m.setEligible("d1", true)
-	m.setEligible("d2", false)
+	m.SetEligible("d1", true)
+	m.SetEligible("d2", false)
 	start := time.Now()
 	testkit.WaitFor(t, time.Second, "d2 ejected on the router", func() bool {
 		return !s.rt.fleet().Member("d2").Eligible() && s.rt.fleet().Member("d1").Eligible()
@@ -136,7 +53,7 @@ func TestPlacementFromTheBucketRBRK8(t *testing.T) {
 		}
 	}
 	// Every decode engine ejected: 503 with Retry-After (R-BRK-7).
-	m.setEligible("d1", false)
+	m.SetEligible("d1", false)
 	testkit.WaitFor(t, time.Second, "d1 ejected", func() bool { return !s.rt.fleet().Member("d1").Eligible() })
 	resp, body := s.post(schemas.EndpointChat, chatBody("nobody", ""))
 	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") == "" {
@@ -155,10 +72,10 @@ func TestQuarantineFromAnotherRouterRQUAR1(t *testing.T) {
 	s := newStack(t, pd(), nil)
 	s.waitModels()
 	m := newMeshBus(t)
-	if err := s.rt.JoinMesh(m.b, 5*time.Second); err != nil {
+	if err := s.rt.JoinMesh(m.B, 5*time.Second); err != nil {
 		t.Fatal(err)
 	}
-	pub := bus.NewPublisher(m.peer, 16, nil)
+	pub := bus.NewPublisher(m.Peer, 16, nil)
 	defer pub.Close()
 	pub.Publish(&schemas.Quarantine{Envelope: schemas.Envelope{Schema: schemas.SchemaQuarantine, RouterID: "other-router", EngineID: "d1"},
 		DurationSeconds: 30, Until: time.Now().Add(30 * time.Second).UTC(), Reason: "first_token_timeout"})
@@ -182,12 +99,12 @@ func TestBusOutageKeepsServingRBUS6(t *testing.T) {
 	s := newStack(t, pd(), nil)
 	s.waitModels()
 	m := newMeshBus(t)
-	m.setEligible("d1", false)
-	if err := s.rt.JoinMesh(m.b, 5*time.Second); err != nil {
+	m.SetEligible("d1", false)
+	if err := s.rt.JoinMesh(m.B, 5*time.Second); err != nil {
 		t.Fatal(err)
 	}
-	m.emb.Shutdown()
-	testkit.WaitFor(t, 3*time.Second, "bus down", func() bool { return !m.b.Connected() })
+	m.Emb.Shutdown()
+	testkit.WaitFor(t, 3*time.Second, "bus down", func() bool { return !m.B.Connected() })
 	// Serving on the last known placement; still ready.
 	for i := 0; i < 5; i++ {
 		if e, code := s.decodeEngineOf("outage"); e != "d2" || code != 200 {
@@ -198,8 +115,8 @@ func TestBusOutageKeepsServingRBUS6(t *testing.T) {
 		t.Fatalf("readyz %d during an outage with a known placement", r.StatusCode)
 	}
 	// The bus comes back; a change made meanwhile is picked up (resync).
-	m.start()
-	testkit.WaitFor(t, 10*time.Second, "reconnected", func() bool { return m.b.Connected() && m.peer.Connected() })
-	m.setEligible("d1", true)
+	m.Start()
+	testkit.WaitFor(t, 10*time.Second, "reconnected", func() bool { return m.B.Connected() && m.Peer.Connected() })
+	m.SetEligible("d1", true)
 	testkit.WaitFor(t, 3*time.Second, "d1 readmitted after resync", func() bool { return s.rt.fleet().Member("d1").Eligible() })
 }

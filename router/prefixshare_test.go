@@ -48,7 +48,7 @@ func peerRouter(t *testing.T, a *stack, m *meshBus, id string, mutate func(*conf
 	s.waitModels()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	b, err := bus.Connect(ctx, bus.ConnectOptions{URL: m.url(), Name: id})
+	b, err := bus.Connect(ctx, bus.ConnectOptions{URL: m.URL(), Name: id})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -66,7 +66,7 @@ func TestSharedIndexAppliesWithin250msRPLACE2(t *testing.T) {
 	a := newStack(t, prefixFleet(), func(c *config.Config) { c.Router.ID = "rt-a" })
 	a.waitModels()
 	m := newMeshBus(t)
-	if err := a.rt.JoinMesh(m.b, 5*time.Second); err != nil {
+	if err := a.rt.JoinMesh(m.B, 5*time.Second); err != nil {
 		t.Fatal(err)
 	}
 	b := peerRouter(t, a, m, "rt-b", nil)
@@ -108,7 +108,7 @@ func TestSharedIndexWarmsFromTheStreamRPLACE2(t *testing.T) {
 	a := newStack(t, prefixFleet(), func(c *config.Config) { c.Router.ID = "rt-a" })
 	a.waitModels()
 	m := newMeshBus(t)
-	if err := a.rt.JoinMesh(m.b, 5*time.Second); err != nil {
+	if err := a.rt.JoinMesh(m.B, 5*time.Second); err != nil {
 		t.Fatal(err)
 	}
 	engine := a.prefillEngineOf(sharedPrompt("warm") + "q")
@@ -127,7 +127,7 @@ func TestSharedIndexWarmsFromItsOwnPastRPLACE2(t *testing.T) {
 	a := newStack(t, prefixFleet(), func(c *config.Config) { c.Router.ID = "rt-a" })
 	a.waitModels()
 	m := newMeshBus(t)
-	if err := a.rt.JoinMesh(m.b, 5*time.Second); err != nil {
+	if err := a.rt.JoinMesh(m.B, 5*time.Second); err != nil {
 		t.Fatal(err)
 	}
 	engine := a.prefillEngineOf(sharedPrompt("own") + "q")
@@ -149,7 +149,7 @@ func TestShareIndexOffRPLACE2(t *testing.T) {
 	a := newStack(t, prefixFleet(), func(c *config.Config) { c.Router.ID = "rt-a"; c.Placement.ShareIndex = false })
 	a.waitModels()
 	m := newMeshBus(t)
-	if err := a.rt.JoinMesh(m.b, 5*time.Second); err != nil {
+	if err := a.rt.JoinMesh(m.B, 5*time.Second); err != nil {
 		t.Fatal(err)
 	}
 	b := peerRouter(t, a, m, "rt-b", nil)

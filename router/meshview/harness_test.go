@@ -4,25 +4,20 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"encoding/json"
 	"io"
 	"log/slog"
-	"net"
-	"strconv"
 	"sync"
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/engines/sim/simtest"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
-	"github.com/narwhalmesh/narwhal/schemas"
 )
 
 const testModel = "sim-model"
@@ -131,86 +126,8 @@ func newID() string {
 	return hex.EncodeToString(b[:])
 }
 
-// meshBus starts an embedded NATS server on a fixed free port (so it can be
-// restarted at the same address) and connects the stack's view to it.
-type meshBus struct {
-	t    *testing.T
-	dir  string
-	port int
-	emb  *bus.Embedded
-	b    *bus.Bus // the view's connection
-	peer *bus.Bus // another process's view, to write the bucket and publish
-	term uint64   // the lease term of "test-breaker", which writes placement
-}
+// meshBus is a bus the test can stop and start again at the same
+// address, with the stack's connection (B) and a peer's (bustest.Mesh).
+type meshBus = bustest.Mesh
 
-func freePort(t *testing.T) int {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
-}
-
-func (m *meshBus) start() {
-	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: m.dir, Host: "127.0.0.1", Port: m.port})
-	if err != nil {
-		m.t.Fatal(err)
-	}
-	m.emb = emb
-}
-
-func (m *meshBus) url() string { return "nats://127.0.0.1:" + strconv.Itoa(m.port) }
-
-func newMeshBus(t *testing.T) *meshBus {
-	m := &meshBus{t: t, dir: t.TempDir(), port: freePort(t)}
-	m.start()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	var err error
-	if m.b, err = bus.Connect(ctx, bus.ConnectOptions{URL: m.url(), Name: "router"}); err != nil {
-		t.Fatal(err)
-	}
-	if m.peer, err = bus.Connect(ctx, bus.ConnectOptions{URL: m.url(), Name: "peer"}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		m.b.Close()
-		m.peer.Close()
-		m.emb.Shutdown()
-	})
-	m.term = m.takeLease("test-breaker")
-	return m
-}
-
-// takeLease makes breaker id the holder of the leader lease (R-BUS-9) and
-// returns its term.
-func (m *meshBus) takeLease(id string) uint64 {
-	m.t.Helper()
-	ctx := context.Background()
-	kv, err := m.peer.JetStream().CreateOrUpdateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: bus.LeaseBucket, History: 1})
-	if err != nil {
-		m.t.Fatal(err)
-	}
-	_ = kv.Delete(ctx, bus.LeaseKey)
-	v, _ := json.Marshal(bus.Lease{BreakerID: id, Since: time.Now().UTC()})
-	rev, err := kv.Create(ctx, bus.LeaseKey, v)
-	if err != nil {
-		m.t.Fatal(err)
-	}
-	return rev
-}
-
-func (m *meshBus) setEligible(engine string, eligible bool) {
-	m.t.Helper()
-	state := "eligible"
-	if !eligible {
-		state = "ejected"
-	}
-	ev := schemas.Eligibility{Envelope: schemas.Envelope{Schema: schemas.SchemaEligibility, ID: newID(), At: nowUTC(), BreakerID: "test-breaker", EngineID: engine},
-		Eligible: eligible, State: state, LeaseTerm: m.term}
-	b, _ := json.Marshal(ev)
-	if _, err := m.peer.Placement().Put(context.Background(), engine, b); err != nil {
-		m.t.Fatal(err)
-	}
-}
+func newMeshBus(t *testing.T) *meshBus { return bustest.NewMesh(t, "router") }

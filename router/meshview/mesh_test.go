@@ -28,8 +28,8 @@ func TestRoutersTrustNothingTheyReadRBUS9(t *testing.T) {
 	s := newStack(t, pd(), func(c *config.Config) { c.Recovery.MaxQuarantineS = 2 })
 	s.waitModels()
 	m := newMeshBus(t)
-	m.setEligible("d1", false)
-	if err := s.v.Join(m.b, 5*time.Second); err != nil {
+	m.SetEligible("d1", false)
+	if err := s.v.Join(m.B, 5*time.Second); err != nil {
 		t.Fatal(err)
 	}
 	d1 := s.v.Fleet().Member("d1")
@@ -39,7 +39,7 @@ func TestRoutersTrustNothingTheyReadRBUS9(t *testing.T) {
 	ignored := func() float64 { return testkit.GatheredSum(t, s.reg, "narwhal_placement_ignored_total") }
 	put := func(key, value string) {
 		t.Helper()
-		if _, err := m.peer.Placement().Put(context.Background(), key, []byte(value)); err != nil {
+		if _, err := m.Peer.Placement().Put(context.Background(), key, []byte(value)); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -56,10 +56,10 @@ func TestRoutersTrustNothingTheyReadRBUS9(t *testing.T) {
 		`not json`,
 		`{}`,
 		`{"eligible":true}`,
-		value("test-breaker", m.term, "d2", true),                                                                // for another key
-		value("standby-breaker", m.term, "d1", true),                                                             // not the lease holder
-		value("test-breaker", m.term+1000, "d1", true),                                                           // a term nobody holds
-		strings.Replace(value("test-breaker", m.term, "d1", true), `"state":"eligible"`, `"state":"ejected"`, 1), // eligible but ejected
+		value("test-breaker", m.Term, "d2", true),                                                                // for another key
+		value("standby-breaker", m.Term, "d1", true),                                                             // not the lease holder
+		value("test-breaker", m.Term+1000, "d1", true),                                                           // a term nobody holds
+		strings.Replace(value("test-breaker", m.Term, "d1", true), `"state":"eligible"`, `"state":"ejected"`, 1), // eligible but ejected
 	}
 	for i, v := range forged {
 		before := ignored()
@@ -70,7 +70,7 @@ func TestRoutersTrustNothingTheyReadRBUS9(t *testing.T) {
 		}
 	}
 	before := ignored()
-	if err := m.peer.Placement().Delete(context.Background(), "d1"); err != nil {
+	if err := m.Peer.Placement().Delete(context.Background(), "d1"); err != nil {
 		t.Fatal(err)
 	}
 	testkit.WaitFor(t, time.Second, "the deletion counted", func() bool { return ignored() > before })
@@ -82,9 +82,9 @@ func TestRoutersTrustNothingTheyReadRBUS9(t *testing.T) {
 	}
 
 	// A new leader: its values apply, the old one's are stale.
-	old := m.term
-	m.term = m.takeLease("new-breaker")
-	put("d1", value("new-breaker", m.term, "d1", true))
+	old := m.Term
+	m.Term = m.TakeLease("new-breaker")
+	put("d1", value("new-breaker", m.Term, "d1", true))
 	testkit.WaitFor(t, time.Second, "the new leader's readmission", d1.eligible.Load)
 	before = ignored()
 	put("d1", value("test-breaker", old, "d1", false))
@@ -94,7 +94,7 @@ func TestRoutersTrustNothingTheyReadRBUS9(t *testing.T) {
 	}
 
 	// A huge quarantine is capped (R-BUS-9).
-	pub := bus.NewPublisher(m.peer, 16, nil)
+	pub := bus.NewPublisher(m.Peer, 16, nil)
 	defer pub.Close()
 	pub.Publish(&schemas.Quarantine{Envelope: schemas.Envelope{Schema: schemas.SchemaQuarantine, RouterID: "hostile", EngineID: "d2"},
 		DurationSeconds: 1e9, Until: time.Now().Add(1e6 * time.Hour).UTC(), Reason: "x"})
@@ -118,8 +118,8 @@ func TestNewLeaderValueKeptUntilTheLeaseConfirmsItRBUS9(t *testing.T) {
 	s := newStack(t, pd(), nil)
 	s.waitModels()
 	m := newMeshBus(t)
-	m.setEligible("d1", false)
-	if err := s.v.Join(m.b, 5*time.Second); err != nil {
+	m.SetEligible("d1", false)
+	if err := s.v.Join(m.B, 5*time.Second); err != nil {
 		t.Fatal(err)
 	}
 	d1, d2 := s.v.Fleet().Member("d1"), s.v.Fleet().Member("d2")
@@ -129,7 +129,7 @@ func TestNewLeaderValueKeptUntilTheLeaseConfirmsItRBUS9(t *testing.T) {
 	ignored := func() float64 { return testkit.GatheredSum(t, s.reg, "narwhal_placement_ignored_total") }
 	put := func(key string, value []byte) {
 		t.Helper()
-		if _, err := m.peer.Placement().Put(context.Background(), key, value); err != nil {
+		if _, err := m.Peer.Placement().Put(context.Background(), key, value); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -146,7 +146,7 @@ func TestNewLeaderValueKeptUntilTheLeaseConfirmsItRBUS9(t *testing.T) {
 	// takeLease deletes the lease and creates it: two writes of the lease
 	// bucket, so the new leader's term is the current one plus two. Its
 	// values arrive before the router can read its lease.
-	newTerm := m.term + 2
+	newTerm := m.Term + 2
 	before := ignored()
 	put("d1", value("new-breaker", newTerm, "d1", true))
 	put("d2", value("new-breaker", newTerm, "d2", false))
@@ -160,7 +160,7 @@ func TestNewLeaderValueKeptUntilTheLeaseConfirmsItRBUS9(t *testing.T) {
 		t.Fatalf("before the lease names new-breaker: d1 eligible=%v d2 eligible=%v, want the previous state (false, true)", d1.Eligible(), d2.Eligible())
 	}
 
-	if got := m.takeLease("new-breaker"); got != newTerm {
+	if got := m.TakeLease("new-breaker"); got != newTerm {
 		t.Fatalf("the new lease has term %d, want %d", got, newTerm)
 	}
 	start := time.Now()
@@ -187,16 +187,16 @@ func TestPlacementReadDirectlyRBRK8(t *testing.T) {
 	s := newStack(t, pd(), nil)
 	s.waitModels()
 	mb := newMeshBus(t)
-	m := &mesh{bus: mb.b, logged: map[string]bool{}, pending: map[string]schemas.Eligibility{}, bridged: map[string]uint64{}}
+	m := &mesh{bus: mb.B, logged: map[string]bool{}, pending: map[string]schemas.Eligibility{}, bridged: map[string]uint64{}}
 	d1, d2 := s.v.Fleet().Member("d1"), s.v.Fleet().Member("d2")
 	ignored := func() float64 { return testkit.GatheredSum(t, s.reg, "narwhal_placement_ignored_total") }
 
-	mb.setEligible("d1", false)
+	mb.SetEligible("d1", false)
 	s.v.bridge(m)
 	if d1.Eligible() {
 		t.Fatal("d1 eligible after a direct read of its ejection")
 	}
-	if _, err := mb.peer.Placement().Put(context.Background(), "d2", []byte(`{}`)); err != nil {
+	if _, err := mb.Peer.Placement().Put(context.Background(), "d2", []byte(`{}`)); err != nil {
 		t.Fatal(err)
 	}
 	before := ignored()
@@ -209,7 +209,7 @@ func TestPlacementReadDirectlyRBRK8(t *testing.T) {
 	if !d2.Eligible() {
 		t.Fatal("d2 ejected by a malformed value read directly")
 	}
-	mb.setEligible("d1", true)
+	mb.SetEligible("d1", true)
 	s.v.bridge(m)
 	if !d1.Eligible() {
 		t.Fatal("d1 not readmitted by a direct read of its readmission")
@@ -226,11 +226,11 @@ func TestTamperedWatchIsReplacedRBUS9(t *testing.T) {
 	s := newStack(t, pd(), nil)
 	s.waitModels()
 	m := newMeshBus(t)
-	if err := s.v.Join(m.b, 5*time.Second); err != nil {
+	if err := s.v.Join(m.B, 5*time.Second); err != nil {
 		t.Fatal(err)
 	}
 	d1 := s.v.Fleet().Member("d1")
-	js := m.peer.JetStream()
+	js := m.Peer.JetStream()
 	stream := "KV_" + bus.PlacementBucket
 	watch := func() jetstream.Consumer {
 		t.Helper()
@@ -283,7 +283,7 @@ func TestTamperedWatchIsReplacedRBUS9(t *testing.T) {
 		}
 		cancel()
 		eligible = !eligible
-		m.setEligible("d1", eligible)
+		m.SetEligible("d1", eligible)
 		testkit.WaitFor(t, 1500*time.Millisecond, "d1's placement after "+tc.what+" of the watch", func() bool {
 			return d1.Eligible() == eligible
 		})

@@ -16,13 +16,13 @@ func TestSharedIndexRefusesHostileBatchesRBUS9(t *testing.T) {
 	s := newStack(t, prefixFleet(), nil)
 	s.waitModels()
 	m := newMeshBus(t)
-	if err := s.v.Join(m.b, 5*time.Second); err != nil {
+	if err := s.v.Join(m.B, 5*time.Second); err != nil {
 		t.Fatal(err)
 	}
-	if err := m.b.Conn().Flush(); err != nil { // the router's subscription is in place
+	if err := m.B.Conn().Flush(); err != nil { // the router's subscription is in place
 		t.Fatal(err)
 	}
-	nc := m.peer.Conn()
+	nc := m.Peer.Conn()
 	var batch bus.PrefixBatch
 	batch.Reset("evil")
 	batch.Add("nope", []uint64{1, 2})
