@@ -528,7 +528,7 @@ func BenchmarkPrefixPlacement2000Tokens(b *testing.B) {
 	call := &call{rt: g.rt, req: req, attempts: 1}
 	b.ReportAllocs()
 	b.ResetTimer()
-	cpu := cpuTime()
+	cpu := testkit.CPUTime()
 	for b.Loop() {
 		p, c, f := call.placeLegs(&avoid)
 		if f != nil || p != hot {
@@ -537,7 +537,7 @@ func BenchmarkPrefixPlacement2000Tokens(b *testing.B) {
 		call.releasePlacement()
 		g.release(p, c)
 	}
-	b.ReportMetric(float64(cpuTime()-cpu)/float64(b.N), "cpu-ns/op")
+	testkit.ReportCPUPerOp(b, cpu)
 }
 
 // TestPrefixPlacementShortPromptsSpreadRPLACE2: a prompt shorter than
