@@ -212,6 +212,8 @@ func TestRouterOutOfDescriptorsRFAIL9(t *testing.T) {
 	if el := readyAt.Sub(lastFailure); el < 5*time.Second {
 		t.Errorf("rl ready %v after its last router_resources fault, want at least 5 s", el)
 	}
+	t.Logf("rl: limit lowered to %d descriptors, %d of %d completions answered 503, ready again %v after the last",
+		limit, tries, tries, readyAt.Sub(lastFailure).Round(time.Millisecond))
 	for i := range 3 {
 		if rep := c.mustSend(t, r); rep.status != 200 {
 			t.Fatalf("completion %d after recovery on a new connection: %d %s", i+1, rep.status, rep.body)
