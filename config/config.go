@@ -417,7 +417,11 @@ type Server struct {
 	// MaxHeaderBytes.
 	MaxHeaderBytes int `yaml:"max_header_bytes" env:"MAX_HEADER_BYTES"`
 	// MaxConnections is how many client connections are served at once;
-	// more are answered 503 and closed at once (R-API-7). >= 1.
+	// more are answered 503 and closed at once (R-API-7). 0 (the default)
+	// derives it from the process's descriptor limit at start
+	// (Server.ConnectionLimit, behaviour.md R-FAIL-9); a value set must be
+	// >= 1 and leave descriptors for the engine legs, or the router
+	// refuses to start.
 	MaxConnections int `yaml:"max_connections" env:"MAX_CONNECTIONS"`
 	// MaxInflight is how many completion requests may run at once; beyond
 	// it a request gets 503 with Retry-After without touching an engine
@@ -459,12 +463,12 @@ const (
 // defaultServer returns the server section of Default.
 func defaultServer() Server {
 	return Server{StallTimeoutS: 30, HeaderTimeoutS: 10, IdleTimeoutS: 90, MaxHeaderBytes: 64 << 10,
-		MaxConnections: 10000, MaxInflight: 0, MaxBodyBytesInflight: 1 << 30}
+		MaxConnections: 0, MaxInflight: 0, MaxBodyBytesInflight: 1 << 30}
 }
 
 // validateLimits checks the front door's deadlines and caps: finite
 // timeouts > 0, max_header_bytes in [MinHeaderBytes, MaxHeaderBytes],
-// max_connections >= 1, max_inflight >= 0 and max_body_bytes_inflight at
+// max_connections >= 0 (0: derived at start), max_inflight >= 0 and max_body_bytes_inflight at
 // least maxBodyBytes (request.max_body_bytes), or the largest body allowed
 // could never be read.
 func (s Server) validateLimits(p problems, maxBodyBytes int) {
@@ -472,13 +476,71 @@ func (s Server) validateLimits(p problems, maxBodyBytes int) {
 	p.positive("header_timeout_s", s.HeaderTimeoutS)
 	p.positive("idle_timeout_s", s.IdleTimeoutS)
 	p.betweenInt("max_header_bytes", s.MaxHeaderBytes, MinHeaderBytes, MaxHeaderBytes)
-	p.atLeastInt("max_connections", s.MaxConnections, 1)
+	if s.MaxConnections < 0 {
+		p.bad("max_connections", "must be >= 1, or 0 to derive it from the descriptor limit, got %d", s.MaxConnections)
+	}
 	if s.MaxInflight < 0 {
 		p.bad("max_inflight", "must be >= 0 (0 = no limit), got %d", s.MaxInflight)
 	}
 	if v := s.MaxBodyBytesInflight; v < maxBodyBytes {
 		p.bad("max_body_bytes_inflight", "must be >= request.max_body_bytes (%d), or the largest body allowed could never be read, got %d", maxBodyBytes, v)
 	}
+}
+
+// The descriptor arithmetic of server.max_connections (behaviour.md
+// R-API-7, R-FAIL-9; docs/configuration.md): every client connection may
+// hold, besides its own descriptor, one prefill and one decode connection
+// to an engine while its request runs (sequential legs keep the prefill
+// connection pooled, the sglang connector runs both at once), and the
+// router keeps a fixed room for everything else.
+const (
+	// DescriptorRoom is the descriptors kept for what is not a client
+	// connection or an engine leg: standard streams, the Go runtime's
+	// poller, the client and admin listeners, the bus connection, the
+	// files the router reads (keys, TLS pairs, watches) and the engines'
+	// model listings, load scrapes and handoff releases.
+	DescriptorRoom = 64
+	// DescriptorsPerConnection is what one client connection may hold:
+	// itself, its prefill leg and its decode leg. Reserving per
+	// connection rather than per engine keeps the room right when engines
+	// join at run time.
+	DescriptorsPerConnection = 3
+	// DefaultMaxConnections caps the derived server.max_connections.
+	DefaultMaxConnections = 10000
+)
+
+// ConnectionLimit returns the number of client connections served at once
+// under a descriptor limit of nofile (the soft RLIMIT_NOFILE read at
+// start; 0 means unknown): MaxConnections when it is set and at most
+// (nofile − DescriptorRoom) / DescriptorsPerConnection; when it is 0,
+// that quotient capped at DefaultMaxConnections (DefaultMaxConnections
+// when the limit is unknown), and derived reports which. The error, for a set value that leaves no descriptors for the
+// engine legs or a limit that leaves room for no client connection at
+// all, gives the arithmetic (behaviour.md R-FAIL-9).
+func (s Server) ConnectionLimit(nofile uint64) (n int, derived bool, err error) {
+	fit := DefaultMaxConnections
+	if nofile > 0 {
+		left := uint64(0)
+		if nofile > DescriptorRoom {
+			left = nofile - DescriptorRoom
+		}
+		room := left / DescriptorsPerConnection
+		if uint64(max(s.MaxConnections, 0)) > room || room < 1 {
+			what := fmt.Sprintf("server.max_connections %d leaves no descriptors for engine legs", s.MaxConnections)
+			if s.MaxConnections == 0 {
+				what = fmt.Sprintf("the descriptor limit %d leaves room for no client connection", nofile)
+			}
+			return 0, false, fmt.Errorf("config: %s: limit %d − room %d (listeners, bus, files, engine control connections) = %d, "+
+				"%d per client connection (itself, its prefill leg, its decode leg): at most %d; "+
+				"raise the limit (ulimit -n, LimitNOFILE=) or lower server.max_connections",
+				what, nofile, DescriptorRoom, left, DescriptorsPerConnection, room)
+		}
+		fit = int(min(room, uint64(DefaultMaxConnections)))
+	}
+	if s.MaxConnections > 0 {
+		return s.MaxConnections, false, nil
+	}
+	return fit, true, nil
 }
 
 // validateTLS checks that tls_cert_file and tls_key_file are both set or

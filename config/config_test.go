@@ -92,7 +92,7 @@ func TestDefaults(t *testing.T) {
 		"server.header_timeout_s":         10,
 		"server.idle_timeout_s":           90,
 		"server.max_header_bytes":         65536,
-		"server.max_connections":          10000,
+		"server.max_connections":          0,
 		"server.max_inflight":             0,
 		"server.max_body_bytes_inflight":  1 << 30,
 		"placement.balance_abs_threshold": 32,
@@ -523,7 +523,7 @@ func TestValidateNamesEveryKey(t *testing.T) {
 		{func(c *Config) { c.Server.HeaderTimeoutS = math.NaN() }, "config: server.header_timeout_s: must be a finite number, got NaN"},
 		{func(c *Config) { c.Server.IdleTimeoutS = -1 }, "config: server.idle_timeout_s: must be > 0, got -1"},
 		{func(c *Config) { c.Server.MaxHeaderBytes = 100 }, "config: server.max_header_bytes: must be between 4096 and 16777216, got 100"},
-		{func(c *Config) { c.Server.MaxConnections = 0 }, "config: server.max_connections: must be >= 1, got 0"},
+		{func(c *Config) { c.Server.MaxConnections = -1 }, "config: server.max_connections: must be >= 1, or 0 to derive it from the descriptor limit, got -1"},
 		{func(c *Config) { c.Server.MaxInflight = -1 }, "config: server.max_inflight: must be >= 0 (0 = no limit), got -1"},
 		{func(c *Config) { c.Server.MaxBodyBytesInflight = 1 << 20 }, "config: server.max_body_bytes_inflight: must be >= request.max_body_bytes (33554432), or the largest body allowed could never be read, got 1048576"},
 		{func(c *Config) { c.Handoff.MaxAgeS = 0 }, "config: handoff.max_age_s: must be > 0, got 0"},
@@ -734,5 +734,48 @@ func TestSanitizeID(t *testing.T) {
 		if got := SanitizeID(in); got != want {
 			t.Errorf("SanitizeID(%q) = %q, want %q", in, got, want)
 		}
+	}
+}
+
+// TestConnectionLimitRFAIL9 proves the arithmetic of server.max_connections
+// (behaviour.md R-API-7, R-FAIL-9): unset, it is derived from the
+// descriptor limit, leaving DescriptorRoom and two engine legs per client
+// connection, at most 10,000; a value set that leaves no such room is
+// refused with the arithmetic; so is a limit that leaves room for no
+// connection at all.
+func TestConnectionLimitRFAIL9(t *testing.T) {
+	for _, c := range []struct {
+		set     int
+		nofile  uint64
+		want    int
+		derived bool
+		err     string
+	}{
+		{0, 1024, 320, true, ""},      // (1024 − 64) / 3
+		{0, 256, 64, true, ""},        // (256 − 64) / 3
+		{0, 1 << 20, 10000, true, ""}, // capped
+		{0, 0, 10000, true, ""},       // limit unknown
+		{0, ^uint64(0), 10000, true, ""},
+		{320, 1024, 320, false, ""},
+		{20000, 1 << 20, 20000, false, ""},
+		{10000, 1024, 0, false, "config: server.max_connections 10000 leaves no descriptors for engine legs: limit 1024 − room 64 (listeners, bus, files, engine control connections) = 960, 3 per client connection (itself, its prefill leg, its decode leg): at most 320; raise the limit (ulimit -n, LimitNOFILE=) or lower server.max_connections"},
+		{321, 1024, 0, false, "config: server.max_connections 321 leaves no descriptors for engine legs: limit 1024 − room 64"},
+		{0, 64, 0, false, "config: the descriptor limit 64 leaves room for no client connection: limit 64 − room 64 (listeners, bus, files, engine control connections) = 0, 3 per client connection (itself, its prefill leg, its decode leg): at most 0"},
+	} {
+		s := Default().Server
+		s.MaxConnections = c.set
+		n, derived, err := s.ConnectionLimit(c.nofile)
+		if c.err != "" {
+			if err == nil || !strings.HasPrefix(err.Error(), c.err) {
+				t.Errorf("set %d, limit %d: error %v, want %q…", c.set, c.nofile, err, c.err)
+			}
+			continue
+		}
+		if err != nil || n != c.want || derived != c.derived {
+			t.Errorf("set %d, limit %d: %d derived %v (%v), want %d derived %v", c.set, c.nofile, n, derived, err, c.want, c.derived)
+		}
+	}
+	if d := Default().Server.MaxConnections; d != 0 {
+		t.Errorf("default server.max_connections %d, want 0 (derived)", d)
 	}
 }

@@ -378,7 +378,10 @@ func (c *Client) statusFault(resp *http.Response, phase, engineID string) *Fault
 }
 
 // classifyTransport turns a transport or context error into a Fault. parent
-// is the request's context, leg the leg's own.
+// is the request's context, leg the leg's own. Before the response headers,
+// an error that says the router ran out of something of its own is
+// KindRouterResources (RouterResource, behaviour.md R-FAIL-9), never the
+// engine's connect_error.
 func classifyTransport(parent, leg context.Context, err error, phase, engineID string, beforeHeaders bool) *Fault {
 	var f *Fault
 	if pe := parent.Err(); pe != nil {
@@ -392,6 +395,10 @@ func classifyTransport(parent, leg context.Context, err error, phase, engineID s
 		}
 		f.Cause = err
 		return f
+	}
+	if r := RouterResource(err); r != "" && beforeHeaders {
+		// The router's own fault, whatever timer ran (R-FAIL-9).
+		return resourceFault(phase, engineID, r, err)
 	}
 	switch context.Cause(leg) {
 	case errPrefillTimeout:

@@ -189,6 +189,7 @@ func TestFaultClassificationTable(t *testing.T) {
 		{KindClientGone, 0, 499, false, false, false, false},
 		{KindNoEngine, 0, 503, false, false, false, false},
 		{KindShutdown, 0, 503, false, false, false, false},
+		{KindRouterResources, 0, 503, false, false, false, false},
 	}
 	for _, c := range cases {
 		f := NewFault(c.kind, "decode", "e", c.upstream, "m")

@@ -87,6 +87,14 @@ const (
 	// KindShutdown: the router is shutting down and its grace period ran
 	// out. 503, not counted.
 	KindShutdown FaultKind = "router_shutdown"
+	// KindRouterResources: the leg could not start because the router
+	// itself ran out of something — file descriptors (EMFILE, ENFILE),
+	// buffers or memory (ENOBUFS, ENOMEM), local ports (EADDRNOTAVAIL),
+	// or room in its own connection pool (Fault.Resource names which).
+	// The router's fault, nobody else's (behaviour.md R-FAIL-9): 503 with
+	// Retry-After, not transient, not published, never towards ejection,
+	// no engine blamed.
+	KindRouterResources FaultKind = "router_resources"
 )
 
 // Exact client messages from docs/behaviour.md.
@@ -140,6 +148,10 @@ type Fault struct {
 	RetryAfter time.Duration
 	// Cause is the underlying error, if any (for logs).
 	Cause error
+	// Resource is, for KindRouterResources, what the router ran out of:
+	// one of the Resource* constants (resources.go); empty for every
+	// other kind.
+	Resource string
 }
 
 // NewFault returns the classified fault of kind on phase of engineID.
@@ -173,6 +185,8 @@ func NewFault(kind FaultKind, phase, engineID string, upstream int, message stri
 		f.Status = 503
 	case KindClientGone:
 		f.Status = 499
+	case KindRouterResources:
+		f.Status = 503
 	default:
 		f.Status = 502
 	}
@@ -233,6 +247,8 @@ func (f *Fault) EngineFault() bool {
 	switch f.Kind {
 	case KindClientFault, KindClientGone, KindRequestTimeout, KindNoEngine, KindShutdown:
 		return false
+	case KindRouterResources:
+		return false
 	}
 	return true
 }
@@ -262,6 +278,8 @@ func (f *Fault) CountsTowardEjection() bool {
 	switch f.Kind {
 	case KindClientFault, KindOverload, KindClientGone, KindRequestTimeout, KindNoEngine, KindShutdown, KindHandoffExpired,
 		KindEngineUnauthorized:
+		return false
+	case KindRouterResources:
 		return false
 	case KindErrorObject:
 		switch f.Status {

@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"fmt"
 	"net"
 	"net/url"
 	"slices"
@@ -122,7 +123,7 @@ func (p *connPool) get(ctx context.Context, fresh bool) (*engineConn, error) {
 			if i := slices.Index(p.waiters, w); i >= 0 {
 				p.waiters = slices.Delete(p.waiters, i, i+1)
 				p.mu.Unlock()
-				return nil, context.Cause(ctx)
+				return nil, poolWaitError(ctx)
 			}
 			p.mu.Unlock()
 			// Handed something just now: give it back.
@@ -131,7 +132,7 @@ func (p *connPool) get(ctx context.Context, fresh bool) (*engineConn, error) {
 			} else {
 				p.release()
 			}
-			return nil, context.Cause(ctx)
+			return nil, poolWaitError(ctx)
 		}
 		if c == nil {
 			return p.connectSlot(ctx)
@@ -140,6 +141,14 @@ func (p *connPool) get(ctx context.Context, fresh bool) (*engineConn, error) {
 			return c, nil
 		}
 	}
+}
+
+// poolWaitError is the error of a leg whose ctx ended while it waited at
+// the pool's bound: the context's cause, marked as errPoolFull (the
+// router's own limit, behaviour.md R-FAIL-9). The request's own end (the
+// client gone, its deadline) still wins in classifyTransport.
+func poolWaitError(ctx context.Context) error {
+	return fmt.Errorf("%w: %w", errPoolFull, context.Cause(ctx))
 }
 
 // check returns c when it is fit for reuse; otherwise it closes it.

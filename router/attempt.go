@@ -52,6 +52,9 @@ func (a *avoidSet) blame(f *fleet, fault *engines.Fault) {
 	if fault.Kind == engines.KindHandoffExpired {
 		return
 	}
+	if fault.Kind == engines.KindRouterResources {
+		return // the router's own fault blames no engine (R-FAIL-9)
+	}
 	m := f.Member(fault.EngineID)
 	if m == nil {
 		return

@@ -291,6 +291,10 @@ func (c *call) fail(fctx *fasthttp.RequestCtx, f *engines.Fault) {
 		}
 		fctx.Response.Header.Set("Retry-After", strconv.Itoa(retry))
 	}
+	if f.Kind == engines.KindRouterResources {
+		// The router's own fault: ask again in a second (R-FAIL-9).
+		fctx.Response.Header.Set("Retry-After", "1")
+	}
 	if d := c.rt.backpressure(f); d > 0 {
 		// The engine's backpressure, passed through (R-FAIL-7).
 		fctx.Response.Header.Set("Retry-After", strconv.Itoa(int(d/time.Second)))

@@ -13,9 +13,15 @@ import (
 
 // recordFault records an engine fault: metrics, the failure event, and the
 // local quarantine with its event (R-QUAR-1). Faults that are not the
-// engine's (client, deadline, placement, shutdown) are not recorded.
+// engine's (client, deadline, placement, shutdown) are not recorded; the
+// router's own (router_resources) are recorded as its own only
+// (resourceFault, R-FAIL-9).
 func (c *call) recordFault(f *engines.Fault) {
 	rt := c.rt
+	if f.Kind == engines.KindRouterResources {
+		c.resourceFault(f) // the router's own, nobody else's (R-FAIL-9)
+		return
+	}
 	if !f.EngineFault() {
 		return
 	}

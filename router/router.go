@@ -111,6 +111,13 @@ type Router struct {
 	inflight   atomic.Int64
 	metricsH   fasthttp.RequestHandler
 
+	// resources are the router's own resource faults (R-FAIL-9): their
+	// counter and the /readyz window after the last one.
+	resources *resourceFaults
+	// maxConns is the server.max_connections in force, derived from the
+	// descriptor limit when unset (R-API-7, R-FAIL-9).
+	maxConns int
+
 	auth    auth         // client API keys (R-API-9)
 	tlsCert *certificate // the front end's TLS certificate; nil: plain HTTP
 
@@ -132,6 +139,13 @@ func New(opts Options) (*Router, error) {
 		return nil, errors.New("router: no config")
 	}
 	cfg := opts.Config
+	// The descriptors of engine legs are reserved before anything starts
+	// (R-FAIL-9): a max_connections that leaves none is refused.
+	nofile := descriptorLimit()
+	maxConns, derivedConns, err := cfg.Server.ConnectionLimit(nofile)
+	if err != nil {
+		return nil, fmt.Errorf("router: %w", err)
+	}
 	placer, err := newPlacer(cfg.Placement)
 	if err != nil {
 		return nil, fmt.Errorf("router: %w", err)
@@ -195,6 +209,7 @@ func New(opts Options) (*Router, error) {
 		rt.grace = 10 * time.Second
 	}
 	rt.metrics = newMetrics(reg, rt.fleet, cfg.Router.ID, cfg.Request.Timeout())
+	rt.resources = newResourceFaults(reg)
 	for _, m := range rt.fleet().Members() {
 		rt.metrics.initEngine(m)
 	}
@@ -224,6 +239,9 @@ func New(opts Options) (*Router, error) {
 	rt.front = newFrontDoor(cfg, rt.log, reg, rt.server)
 	rt.front.unauthenticated = rt.auth.refuses
 	rt.server.ExpectHandler = rt.expectContinue
+	rt.server.Concurrency = maxConns
+	rt.maxConns = maxConns
+	rt.log.Info("client connections bounded", "max_connections", maxConns, "derived", derivedConns, "nofile", nofile)
 	return rt, nil
 }
 
@@ -238,6 +256,11 @@ func (l fasthttpLogger) Printf(format string, args ...any) {
 		l.log.Debug(fmt.Sprintf(format, args...), "source", "fasthttp")
 	}
 }
+
+// MaxConnections returns the server.max_connections in force: the value
+// configured, or the one derived from the descriptor limit at New when it
+// is unset (config.Server.ConnectionLimit, behaviour.md R-FAIL-9).
+func (rt *Router) MaxConnections() int { return rt.maxConns }
 
 // ID returns the router's id (router_id in events).
 func (rt *Router) ID() string { return rt.id }
@@ -495,8 +518,9 @@ func (rt *Router) serveModels(ctx *fasthttp.RequestCtx, key *clientKey) {
 	ctx.SetBody(b)
 }
 
-// serveReady is 200 when the extra readiness check passes and each phase
-// has at least one available engine with known models (R-API-2). Its
+// serveReady is 200 when the extra readiness check passes, each phase
+// has at least one available engine with known models (R-API-2) and the
+// router ran out of none of its own resources in the last 5 s (R-FAIL-9). Its
 // JSON body is {"status":"ready"|"not ready", "problems":[…] (when not
 // ready), "engines":[{"id","role","problem"}…] (each engine the router
 // cannot place on now, and why; absent when there is none)}.
@@ -504,6 +528,9 @@ func (rt *Router) serveReady(ctx *fasthttp.RequestCtx) {
 	var problems []string
 	if (rt.ready != nil && !rt.ready()) || !rt.view.Ready() {
 		problems = append(problems, "bus unreachable and no placement known")
+	}
+	if why := rt.resources.problem(time.Now()); why != "" {
+		problems = append(problems, why) // R-FAIL-9
 	}
 	if !rt.fleet().CanServe(prefillPhase) {
 		problems = append(problems, "no eligible engine for prefill")

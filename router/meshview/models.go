@@ -33,11 +33,19 @@ func (v *View) RefreshModels(ctx context.Context) {
 	wg.Wait()
 }
 
-// refreshMember reads m's /v1/models once and records what it found.
+// refreshMember reads m's /v1/models once and records what it found; a
+// call the router could not make for lack of its own resources records
+// nothing (behaviour.md R-FAIL-9).
 func (v *View) refreshMember(ctx context.Context, m *Member) {
 	models, err := v.fetchModels(ctx, m)
 	if err != nil && ctx.Err() != nil {
 		return // the router is stopping: the engine is not to blame
+	}
+	if r := engines.RouterResource(err); r != "" {
+		// The router ran out of something of its own (R-FAIL-9): the
+		// engine keeps what was known of it; the next refresh asks again.
+		v.log.Debug("GET /v1/models not sent: router out of local resources", "engine_id", m.ID, "kind", r, "err", err)
+		return
 	}
 	v.noteModels(m, models, err)
 }
