@@ -107,8 +107,21 @@ func (a *auth) lookupHeader(rh *fasthttp.RequestHeader) *clientKey {
 // take the body budget from those with one. The handler checks again on
 // the normalised path.
 func (a *auth) refuses(h *fasthttp.RequestHeader) bool {
-	return !a.open() && bytes.HasPrefix(h.RequestURI(), apiPrefix) && a.lookupHeader(h) == nil
+	return !a.open() && bytes.HasPrefix(h.RequestURI(), apiPrefix) && (a.lookupHeader(h) == nil || duplicateAuthorization(h))
 }
+
+// duplicateAuthorization reports whether the request carries more than
+// one Authorization header. fasthttp keeps every copy and Peek returns the
+// first, so two headers would let whichever came first decide; with keys
+// configured such a request gets 400 instead (behaviour.md R-API-9). It
+// allocates nothing once the header's scratch slice has grown.
+func duplicateAuthorization(h *fasthttp.RequestHeader) bool {
+	return len(h.PeekAll(fasthttp.HeaderAuthorization)) > 1
+}
+
+// duplicateAuthorizationMessage is the 400's message for a request with
+// more than one Authorization header.
+const duplicateAuthorizationMessage = "the request carries more than one Authorization header: send exactly one, Authorization: Bearer <key>"
 
 // set installs keys as the new generation and returns the names that left
 // (whose metric series the caller removes).
@@ -185,11 +198,27 @@ func (rt *Router) SetAPIKeys(keys []config.APIKey) {
 
 // authenticate admits a /v1/* request: on an open router it returns (nil,
 // true); otherwise the request's key, or (nil, false) after answering 401
-// (behaviour.md R-API-9). A 401 is counted with the key label "none" and publishes
-// no event, so a flood of them costs the bus nothing.
+// (behaviour.md R-API-9) — or 400 naming the header when the request
+// carries more than one Authorization header, whatever they hold. Both
+// are counted with the key label "none" and publish no event, so a flood
+// of them costs the bus nothing.
 func (rt *Router) authenticate(fctx *fasthttp.RequestCtx) (*clientKey, bool) {
 	if rt.auth.open() {
 		return nil, true
+	}
+	if duplicateAuthorization(&fctx.Request.Header) {
+		// Two credentials that may disagree: neither is believed, and the
+		// answer says which header is wrong. Counted, no event, as a 401.
+		if len(fctx.Response.Header.Peek("X-Request-Id")) == 0 {
+			requestID(fctx)
+		}
+		fctx.SetConnectionClose() // the body may be on the wire, unread
+		writeError(fctx, 400, duplicateAuthorizationMessage)
+		rt.metrics.requests.inc(completionEndpoint(fctx), "400", "client_error", config.NoKeyName, otherModel)
+		if rt.log.Enabled(context.Background(), slog.LevelDebug) {
+			rt.log.Debug("request refused: "+duplicateAuthorizationMessage, "remote", fctx.RemoteAddr().String())
+		}
+		return nil, false
 	}
 	if k := rt.auth.lookup(fctx); k != nil {
 		return k, true
@@ -203,15 +232,20 @@ func (rt *Router) authenticate(fctx *fasthttp.RequestCtx) (*clientKey, bool) {
 	}
 	fctx.Response.Header.Set(fasthttp.HeaderWWWAuthenticate, `Bearer realm="narwhal"`)
 	writeError(fctx, 401, msg)
-	endpoint := string(fctx.Path())
-	if !isCompletion(endpoint) {
-		endpoint = ""
-	}
-	rt.metrics.requests.inc(endpoint, "401", "unauthenticated", config.NoKeyName, otherModel)
+	rt.metrics.requests.inc(completionEndpoint(fctx), "401", "unauthenticated", config.NoKeyName, otherModel)
 	if rt.log.Enabled(context.Background(), slog.LevelDebug) {
 		rt.log.Debug("request refused: "+msg, "remote", fctx.RemoteAddr().String())
 	}
 	return nil, false
+}
+
+// completionEndpoint is the endpoint label of a request answered before
+// its handler ran: its path when that is a completion endpoint, else "".
+func completionEndpoint(fctx *fasthttp.RequestCtx) string {
+	if endpoint := string(fctx.Path()); isCompletion(endpoint) {
+		return endpoint
+	}
+	return ""
 }
 
 // isCompletion reports whether path is one of the two completion endpoints

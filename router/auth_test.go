@@ -187,3 +187,64 @@ func BenchmarkAuthLookup(b *testing.B) {
 		})
 	}
 }
+
+// TestDuplicateAuthorizationRAPI9 proves that a request with two
+// Authorization headers gets 400 naming the header (behaviour.md
+// R-API-9), whichever of them holds a valid key and in whichever order,
+// before its body is read, counted with the key "none" and with no event.
+// The requests are written byte for byte on a raw socket, so what fasthttp
+// does with a repeated header is what is tested.
+func TestDuplicateAuthorizationRAPI9(t *testing.T) {
+	s := newStack(t, pd(), func(c *config.Config) {
+		c.Auth.APIKeys = []config.APIKey{{Name: "team-a", KeySHA256: keyDigest("sk-a")}, {Name: "team-b", KeySHA256: keyDigest("sk-b")}}
+		c.Server.HeaderTimeoutS = 30
+	})
+	s.waitModels()
+	body := `{"model":"` + testModel + `","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`
+	cases := []struct{ name, head string }{
+		{"valid then invalid", "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-a\r\nAuthorization: Bearer sk-wrong\r\nContent-Type: application/json\r\nContent-Length: " + strconv.Itoa(len(body)) + "\r\n\r\n" + body},
+		{"invalid then valid", "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-wrong\r\nContent-Type: application/json\r\nauthorization: Bearer sk-a\r\nContent-Length: " + strconv.Itoa(len(body)) + "\r\n\r\n" + body},
+		{"two valid keys", "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-a\r\nAuthorization: Bearer sk-b\r\nContent-Length: " + strconv.Itoa(len(body)) + "\r\n\r\n" + body},
+		// A body announced and never sent: reading it would end in a 408
+		// at server.header_timeout_s, not a 400 at once.
+		{"body never sent", "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-a\r\nAuthorization: Bearer sk-a\r\nContent-Length: 20000000\r\n\r\n{\"model\":"},
+		{"models", "GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-a\r\nAuthorization: Bearer sk-a\r\n\r\n"},
+	}
+	for _, tc := range cases {
+		conn, err := net.Dial("tcp", strings.TrimPrefix(s.url, "http://"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = conn.SetDeadline(time.Now().Add(10 * time.Second))
+		if _, err := conn.Write([]byte(tc.head)); err != nil {
+			t.Fatal(err)
+		}
+		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		if err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		conn.Close()
+		e := errorObject(t, b)
+		if resp.StatusCode != 400 || e.Code != 400 || e.Type != "BadRequestError" || !strings.Contains(e.Message, "more than one Authorization header") ||
+			resp.Header.Get("X-Request-Id") == "" {
+			t.Errorf("%s: HTTP %d %s (X-Request-Id %q), want 400 naming the Authorization header", tc.name, resp.StatusCode, b, resp.Header.Get("X-Request-Id"))
+		}
+	}
+	if got := s.metricSum("narwhal_requests_total", "code", "400", "key", "none", "outcome", "client_error"); got != float64(len(cases)) {
+		t.Errorf("400s counted %v, want %d", got, len(cases))
+	}
+	if got := s.metricSum("narwhal_requests_total", "key", "team-a"); got != 0 {
+		t.Errorf("requests counted for team-a: %v, want none", got)
+	}
+	if got := s.metricSum("narwhal_body_bytes_inflight"); got != 0 {
+		t.Errorf("%v body bytes held after the refusals", got)
+	}
+	if n := len(s.events.requests()); n != 0 {
+		t.Errorf("%d request events, want none", n)
+	}
+	// One header is served as before.
+	if resp, b := s.post("/v1/chat/completions", body, "Authorization", "Bearer sk-a"); resp.StatusCode != 200 {
+		t.Errorf("one Authorization header: HTTP %d %s", resp.StatusCode, b)
+	}
+}
