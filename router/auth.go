@@ -39,6 +39,12 @@ type clientKey struct {
 	models   map[string]struct{} // nil: every model
 	limit    int64               // max_inflight; 0: none
 	inflight *atomic.Int64
+	// removed is shared, like inflight, by every generation's key of
+	// this name: set when a reload drops the name, cleared when one
+	// brings it back. A request of a removed key that ends after the
+	// reload counts nothing on the key's series, which the reload
+	// deleted.
+	removed *atomic.Bool
 }
 
 // allows reports whether the key may call model.
@@ -62,6 +68,7 @@ type auth struct {
 
 	mu       sync.Mutex               // serialises reloads
 	counters map[string]*atomic.Int64 // in-flight count per key name, kept across reloads
+	removals map[string]*atomic.Bool  // clientKey.removed per key name, kept as counters are
 	names    map[string]bool          // names of the current generation, for metric cleanup
 }
 
@@ -130,6 +137,7 @@ func (a *auth) set(keys []config.APIKey) (removed []string) {
 	defer a.mu.Unlock()
 	if a.counters == nil {
 		a.counters = map[string]*atomic.Int64{}
+		a.removals = map[string]*atomic.Bool{}
 	}
 	ring := &keyring{byDigest: make(map[[sha256.Size]byte]*clientKey, len(keys))}
 	names := make(map[string]bool, len(keys))
@@ -143,7 +151,13 @@ func (a *auth) set(keys []config.APIKey) (removed []string) {
 			ctr = new(atomic.Int64)
 			a.counters[ck.Name] = ctr
 		}
-		k := &clientKey{name: ck.Name, digest: digest, limit: int64(ck.MaxInflight), inflight: ctr}
+		gone := a.removals[ck.Name]
+		if gone == nil {
+			gone = new(atomic.Bool)
+			a.removals[ck.Name] = gone
+		}
+		gone.Store(false)
+		k := &clientKey{name: ck.Name, digest: digest, limit: int64(ck.MaxInflight), inflight: ctr, removed: gone}
 		if len(ck.Models) > 0 {
 			k.models = make(map[string]struct{}, len(ck.Models))
 			for _, m := range ck.Models {
@@ -156,6 +170,9 @@ func (a *auth) set(keys []config.APIKey) (removed []string) {
 	for n := range a.names {
 		if !names[n] {
 			removed = append(removed, n)
+			if gone := a.removals[n]; gone != nil {
+				gone.Store(true) // before the caller deletes the series
+			}
 		}
 	}
 	// Counters of keys gone for good are dropped once idle; a key that
@@ -163,6 +180,7 @@ func (a *auth) set(keys []config.APIKey) (removed []string) {
 	for n, ctr := range a.counters {
 		if !names[n] && ctr.Load() == 0 {
 			delete(a.counters, n)
+			delete(a.removals, n)
 		}
 	}
 	a.names = names
@@ -252,6 +270,23 @@ func completionEndpoint(fctx *fasthttp.RequestCtx) string {
 // (a bounded endpoint label).
 func isCompletion(path string) bool {
 	return path == "/v1/chat/completions" || path == "/v1/completions"
+}
+
+// countRequest counts one ended request in narwhal_requests_total under
+// its key's name — or under config.NoKeyName when a reload removed the key
+// while the request ran, so that the series the reload deleted stay
+// deleted (behaviour.md R-API-9: the key label's values are the configured
+// names). The flag is checked again after the count: a reload that
+// deleted the series between the check and the count is undone here.
+func (rt *Router) countRequest(endpoint, code, outcome string, k *clientKey, model string) {
+	if k == nil || k.removed.Load() {
+		rt.metrics.requests.inc(endpoint, code, outcome, config.NoKeyName, model)
+		return
+	}
+	rt.metrics.requests.inc(endpoint, code, outcome, k.name, model)
+	if k.removed.Load() {
+		rt.metrics.requests.vec.DeletePartialMatch(prometheus.Labels{"key": k.name})
+	}
 }
 
 // keyName returns the name of k, or config.NoKeyName for nil.

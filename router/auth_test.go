@@ -15,6 +15,7 @@ import (
 	"github.com/valyala/fasthttp"
 
 	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
@@ -247,4 +248,87 @@ func TestDuplicateAuthorizationRAPI9(t *testing.T) {
 	if resp, b := s.post("/v1/chat/completions", body, "Authorization", "Bearer sk-a"); resp.StatusCode != 200 {
 		t.Errorf("one Authorization header: HTTP %d %s", resp.StatusCode, b)
 	}
+}
+
+// TestRemovedKeySeriesStayRemovedRAPI9 proves that the series of a key a
+// reload removed stay deleted when a stream of that key, running across
+// the reload, ends afterwards (behaviour.md R-API-9): the stream is served
+// to its end and counted under the key "none", and the key's name
+// reappears on no series.
+func TestRemovedKeySeriesStayRemovedRAPI9(t *testing.T) {
+	s := newStack(t, []engineDef{{id: "p1", role: "prefill"}, {id: "d1", role: "decode", cfg: sim.Config{ITL: 20 * time.Millisecond}}}, func(c *config.Config) {
+		c.Auth.APIKeys = []config.APIKey{{Name: "team-a", KeySHA256: keyDigest("sk-a")}, {Name: "team-b", KeySHA256: keyDigest("sk-b")}}
+	})
+	s.waitModels()
+	body := `{"model":"` + testModel + `","messages":[{"role":"user","content":"hi"}],"max_tokens":30,"ignore_eos":true,"stream":true}`
+	req, _ := http.NewRequest("POST", s.url+"/v1/chat/completions", strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Authorization", "Bearer sk-b")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	r := bufio.NewReader(resp.Body)
+	if line, err := r.ReadString('\n'); err != nil || !strings.HasPrefix(line, "data: ") {
+		t.Fatalf("first line of team-b's stream %q: %v", line, err)
+	}
+	if got := s.metricSum("narwhal_requests_total", "key", "team-b"); got != 0 {
+		t.Fatalf("team-b counted %v before its stream ended", got)
+	}
+	s.rt.SetAPIKeys([]config.APIKey{{Name: "team-a", KeySHA256: keyDigest("sk-a")}})
+	rest, err := io.ReadAll(r)
+	if err != nil || !strings.HasSuffix(string(rest), "data: [DONE]\n\n") {
+		t.Fatalf("team-b's stream after the reload: %v\n%s", err, rest)
+	}
+	s.idle()
+	if n := seriesWith(t, s, "narwhal_requests_total", "key", "team-b"); n != 0 {
+		t.Errorf("%d series of the removed team-b after its stream ended, want none", n)
+	}
+	if got := s.metricSum("narwhal_requests_total", "key", "none", "code", "200"); got != 1 {
+		t.Errorf("the stream counted %v times under key none, want 1", got)
+	}
+	if n := seriesWith(t, s, "narwhal_requests_total", "key", "team-a"); n == 0 {
+		t.Error("the staying team-a lost its series")
+	}
+	// The key comes back: its series are created again and count.
+	s.rt.SetAPIKeys([]config.APIKey{{Name: "team-a", KeySHA256: keyDigest("sk-a")}, {Name: "team-b", KeySHA256: keyDigest("sk-b")}})
+	if resp, b := s.post("/v1/chat/completions", `{"model":"`+testModel+`","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`, "Authorization", "Bearer sk-b"); resp.StatusCode != 200 {
+		t.Fatalf("team-b back: HTTP %d %s", resp.StatusCode, b)
+	}
+	if got := s.metricSum("narwhal_requests_total", "key", "team-b", "code", "200"); got != 1 {
+		t.Errorf("team-b back: counted %v, want 1", got)
+	}
+}
+
+// seriesWith counts the series of the metric name whose labels match the
+// label=value pairs of match.
+func seriesWith(t *testing.T, s *stack, name string, match ...string) int {
+	t.Helper()
+	mfs, err := s.rt.Registry().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	metrics:
+		for _, m := range mf.GetMetric() {
+			for i := 0; i+1 < len(match); i += 2 {
+				found := false
+				for _, lp := range m.GetLabel() {
+					if lp.GetName() == match[i] && lp.GetValue() == match[i+1] {
+						found = true
+					}
+				}
+				if !found {
+					continue metrics
+				}
+			}
+			n++
+		}
+	}
+	return n
 }

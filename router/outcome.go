@@ -112,7 +112,7 @@ func (c *call) record(now time.Time) {
 	rt.inflight.Add(-1)
 	rt.metrics.inflight.Dec()
 	ms := c.modelSeries()
-	rt.metrics.requests.inc(c.req.Endpoint, strconv.Itoa(c.status), c.outcome, keyName(c.key), ms.label)
+	rt.countRequest(c.req.Endpoint, strconv.Itoa(c.status), c.outcome, c.key, ms.label)
 	rt.metrics.duration.WithLabelValues(c.req.Endpoint, ms.label).Observe(dur.Seconds())
 	if c.usage { // an engine's counts: a negative one would make Add panic
 		if c.promptTokens > 0 {
