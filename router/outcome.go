@@ -159,7 +159,9 @@ func (c *call) record(now time.Time) {
 	if c.decodeStart != (time.Time{}) {
 		rt.metrics.leg.WithLabelValues(schemas.PhaseDecode, ms.label).Observe(now.Sub(c.decodeStart).Seconds())
 	}
-	rt.publish(ev)
+	if !c.unpublished {
+		rt.publish(ev)
+	}
 	if c.outcome != "ok" {
 		rt.log.Info("request ended", "request_id", c.id, "key", keyName(c.key), "status", c.status, "outcome", c.outcome, "attempts", c.attempts, "duration_s", dur.Seconds())
 	} else {
