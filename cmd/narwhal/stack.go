@@ -116,7 +116,10 @@ func runRouterWith(ctx context.Context, r routerRun) error {
 		return fmt.Errorf("listen %s: %w", listen, err)
 	}
 	defer ln.Close()
-	stopWaiting := router.ServeUnready(ln, cfg.Server, "bus unreachable", log)
+	// Its 503s are counted and logged as the router's own answers are,
+	// and reach its narwhal_requests_total once it runs.
+	waited := &router.UnreadyAnswers{}
+	stopWaiting := router.ServeUnreadyCounted(ln, cfg.Server, "bus unreachable", log, waited)
 	b, stopBus, err := joinBus(ctx, cfg, "narwhal-router-"+cfg.Router.ID, log)
 	stopWaiting()
 	if err != nil {
@@ -157,6 +160,7 @@ func runRouterWith(ctx context.Context, r routerRun) error {
 		Registry:       reg,
 		Logger:         log,
 		TracerProvider: tp,
+		UnreadyAnswers: waited,
 	})
 	if err != nil {
 		return err
