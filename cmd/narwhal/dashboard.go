@@ -88,7 +88,7 @@ func runDashboard(ctx context.Context, args []string, stdout, stderr io.Writer) 
 	if *bound > 0 {
 		connectCtx, cancel = context.WithTimeout(ctx, *bound)
 	}
-	b, err := bus.Connect(connectCtx, busOptions(busCfg, "narwhal-dashboard", log))
+	b, err := bus.Connect(connectCtx, busOptions(busCfg, "narwhal-dashboard", bus.RoleViewer, log))
 	cancel()
 	if err != nil {
 		if ctx.Err() != nil {

@@ -245,7 +245,7 @@ func startDevBus(ctx context.Context, cfg *config.Config, log *slog.Logger, port
 	}
 	cctx, cancel := context.WithTimeout(ctx, devBusConnectBound)
 	defer cancel()
-	b, err := bus.Connect(cctx, busOptions(cfg.Bus, "narwhal-dev", log))
+	b, err := bus.Connect(cctx, busOptions(cfg.Bus, "narwhal-dev", "", log))
 	if err != nil {
 		d.close()
 		return nil, fmt.Errorf("dev bus %s: %w", redactNATSURL(d.natsURL), err)
