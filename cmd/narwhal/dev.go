@@ -47,12 +47,8 @@ const devBusConnectBound = 10 * time.Second
 // ready-to-paste curl and the page's URL. With --chaos a chaos proxy
 // stands in front of each simulator. Ctrl-C stops everything.
 func runDev(ctx context.Context, args []string) error {
-	fs := flag.NewFlagSet("narwhal dev", flag.ContinueOnError)
-	listen := fs.String("listen", "127.0.0.1:8080", "HOST:PORT for the router")
-	ttft := fs.Duration("ttft", 0, "simulated time to first token of each decode")
-	itl := fs.Duration("itl", 0, "simulated inter-token latency")
-	chaosMode := fs.Bool("chaos", false, "put a chaos proxy in front of every simulator, armed with narwhal chaos arm (docs/chaos.md)")
-	page := fs.String("dashboard", defaultDashboardListen, "`HOST:PORT` for the live fleet page (a free port when taken; empty: none)")
+	fs, f := newDevFlags()
+	listen, ttft, itl, chaosMode, page := f.listen, f.ttft, f.itl, f.chaos, f.page
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -129,6 +125,26 @@ func runDev(ctx context.Context, args []string) error {
 // from when client authentication is on: the one the OpenAI SDKs read, so
 // that a client started from the same shell is authenticated too.
 const devKeyVar = "OPENAI_API_KEY"
+
+// devFlags are the flags of `narwhal dev`.
+type devFlags struct {
+	listen, page *string
+	ttft, itl    *time.Duration
+	chaos        *bool
+}
+
+// newDevFlags defines the flags of `narwhal dev` on a new flag set (README
+// names them; a test checks that each one it names exists).
+func newDevFlags() (*flag.FlagSet, *devFlags) {
+	fs := flag.NewFlagSet("narwhal dev", flag.ContinueOnError)
+	return fs, &devFlags{
+		listen: fs.String("listen", "127.0.0.1:8080", "HOST:PORT for the router"),
+		ttft:   fs.Duration("ttft", 0, "simulated time to first token of each decode"),
+		itl:    fs.Duration("itl", 0, "simulated inter-token latency"),
+		chaos:  fs.Bool("chaos", false, "put a chaos proxy in front of every simulator, armed with narwhal chaos arm (docs/chaos.md)"),
+		page:   fs.String("dashboard", defaultDashboardListen, "`HOST:PORT` for the live fleet page (a free port when taken; empty: none)"),
+	}
+}
 
 // writeDevBanner writes the ready message of `narwhal dev` for the router
 // at base: the curl to paste, where to look, and — with --chaos — the

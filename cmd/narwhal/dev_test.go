@@ -2,6 +2,9 @@ package main
 
 import (
 	"bytes"
+	"os"
+	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -42,5 +45,41 @@ func TestDevBannerSaysAuthIsOnRAPI9(t *testing.T) {
 	if open := b.String(); strings.Contains(open, "authentication") || strings.Contains(open, "Authorization") ||
 		!strings.Contains(open, "\ncurl -N http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' -d '{") {
 		t.Errorf("the banner of an open router:\n%s", open)
+	}
+}
+
+// devMention is a mention of `narwhal dev` in the documentation, up to
+// the end of its code span or line: the flags it names follow.
+var devMention = regexp.MustCompile("narwhal dev([^`\n]*)")
+
+// TestDocumentedDevFlagsExist proves that every flag README.md and
+// docs/*.md give `narwhal dev` (behaviour.md §14: the one command a
+// newcomer runs) is a flag it has, so that what a newcomer copies from the
+// documentation runs.
+func TestDocumentedDevFlagsExist(t *testing.T) {
+	fs, _ := newDevFlags()
+	docs, err := filepath.Glob("../../docs/*.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := map[string]bool{}
+	for _, path := range append([]string{"../../README.md"}, docs...) {
+		text, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range devMention.FindAllStringSubmatch(string(text), -1) {
+			for _, f := range regexp.MustCompile(`--([a-z][a-z-]*)`).FindAllStringSubmatch(m[1], -1) {
+				seen[f[1]] = true
+				if fs.Lookup(f[1]) == nil {
+					t.Errorf("%s: `narwhal dev%s` names --%s, which narwhal dev does not have", filepath.Base(path), m[1], f[1])
+				}
+			}
+		}
+	}
+	for _, f := range []string{"ttft", "itl", "chaos", "dashboard", "listen"} {
+		if !seen[f] {
+			t.Errorf("no documentation names narwhal dev's --%s", f)
+		}
 	}
 }
