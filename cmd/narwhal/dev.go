@@ -43,7 +43,7 @@ const devBusConnectBound = 10 * time.Second
 // runDev is `narwhal dev [--listen HOST:PORT] [--chaos] [--dashboard
 // HOST:PORT]` (behaviour.md §14): embedded NATS on TCP (see startDevBus) with the
 // breaker on it, a router, two prefill and two decode simulators on free
-// ports, the live fleet page (default 127.0.0.1:8081), and a banner with a
+// ports, the live fleet page (default 127.0.0.1:8090), and a banner with a
 // ready-to-paste curl and the page's URL. With --chaos a chaos proxy
 // stands in front of each simulator. Ctrl-C stops everything.
 func runDev(ctx context.Context, args []string) error {

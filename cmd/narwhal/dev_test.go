@@ -83,3 +83,37 @@ func TestDocumentedDevFlagsExist(t *testing.T) {
 		}
 	}
 }
+
+// TestFleetPagePortDocumented proves that README.md, docs/observability.md
+// and behaviour.md §14 give the fleet page's real default address, and
+// that it is none of examples/mesh.sh's default router ports: `narwhal
+// dev` and the mesh example run side by side.
+func TestFleetPagePortDocumented(t *testing.T) {
+	for path, want := range map[string]string{
+		"../../README.md":             "<http://" + defaultDashboardListen + "/>",
+		"../../docs/observability.md": "`narwhal dev` serves it on `" + defaultDashboardListen + "`",
+		"../../docs/behaviour.md":     "the live fleet page (on `" + defaultDashboardListen + "`)",
+	} {
+		text, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !strings.Contains(string(text), want) {
+			t.Errorf("%s does not say %q", filepath.Base(path), want)
+		}
+	}
+	script, err := os.ReadFile("../../examples/mesh.sh")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := regexp.MustCompile(`MESH_ROUTER_PORTS:-([0-9 ]+)\}`).FindSubmatch(script)
+	if m == nil {
+		t.Fatal("examples/mesh.sh has no default MESH_ROUTER_PORTS")
+	}
+	_, port, _ := strings.Cut(defaultDashboardListen, ":")
+	for _, p := range strings.Fields(string(m[1])) {
+		if p == port {
+			t.Errorf("the fleet page's default port %s is a router port of examples/mesh.sh", port)
+		}
+	}
+}
