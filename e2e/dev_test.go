@@ -134,7 +134,7 @@ var authCurlLine = regexp.MustCompile(`(?m)^curl -N (\S+) -H "Authorization: Bea
 // prints a curl that sends the key from $OPENAI_API_KEY; that request,
 // with the key exported, streams to [DONE], and without the header it is
 // a 401 — the newcomer's curl no longer meets a silent 401.
-func TestDevStackAuthBanner(t *testing.T) {
+func TestDevStackAuthBannerRAPI9(t *testing.T) {
 	const token = "sk-dev-banner"
 	keys := filepath.Join(t.TempDir(), "keys.yaml")
 	if err := os.WriteFile(keys, []byte("- name: newcomer\n  key_sha256: "+sha256Hex(token)+"\n"), 0o600); err != nil {

@@ -153,7 +153,7 @@ func TestServeUnreadyOtherListener(t *testing.T) {
 // behaviour.md R-API-2): by endpoint label, none for /readyz or /healthz,
 // moved into narwhal_requests_total by the Router that takes them over,
 // and counted there directly after that.
-func TestUnreadyAnswersCounted(t *testing.T) {
+func TestUnreadyAnswersCountedRAPI2(t *testing.T) {
 	testkit.CheckLeaks(t)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
