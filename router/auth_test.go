@@ -248,6 +248,14 @@ func TestDuplicateAuthorizationRAPI9(t *testing.T) {
 	if resp, b := s.post("/v1/chat/completions", body, "Authorization", "Bearer sk-a"); resp.StatusCode != 200 {
 		t.Errorf("one Authorization header: HTTP %d %s", resp.StatusCode, b)
 	}
+	// The check costs a request no allocation.
+	var h fasthttp.RequestHeader
+	if err := h.Read(bufio.NewReader(strings.NewReader("GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-a\r\n\r\n"))); err != nil {
+		t.Fatal(err)
+	}
+	if n := testkit.LeastAllocs(100, func() { duplicateAuthorization(&h) }); n != 0 || duplicateAuthorization(&h) {
+		t.Errorf("duplicateAuthorization on one header: %v allocations, true %v; want 0, false", n, duplicateAuthorization(&h))
+	}
 }
 
 // TestRemovedKeySeriesStayRemovedRAPI9 proves that the series of a key a
