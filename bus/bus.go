@@ -125,6 +125,12 @@ type ConnectOptions struct {
 	// Log, when set, receives what a waiting Connect waits for (at once,
 	// then every 5 s), and disconnect, reconnect and async error notices.
 	Log *slog.Logger
+	// Role is the role whose credential this connection needs (RoleRouter,
+	// RoleViewer, …; R-BUS-8), or "" when the caller does not say. When the
+	// server refuses the connection's credential (nats: Authorization
+	// Violation), Connect's error names NARWHAL_NATS_CREDS and this role's
+	// file of `narwhal bus creds` (router.creds, …).
+	Role string
 	// Setup, when set, makes this connection the admin's: Connect runs
 	// Setup with it (creating or updating the stream and every bucket)
 	// before binding. Nil for every other role, which only binds.
@@ -258,7 +264,7 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 	b.nc, b.js = nc, js
 	if err := b.waitConnected(ctx, url, log); err != nil {
 		nc.Close()
-		return nil, err
+		return nil, credentialHint(err, opts)
 	}
 	if opts.Setup != nil {
 		if err := Setup(ctx, b, *opts.Setup); err != nil {
@@ -289,6 +295,25 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 			return nil, fmt.Errorf("%w (gave up: %v)", err, context.Cause(ctx))
 		}
 	}
+}
+
+// credentialHint wraps err, when the server refused the connection's
+// credential (an authorization violation: none was sent, or one of
+// another mesh), with what to set: NARWHAL_NATS_CREDS and the file of
+// opts.Role among those `narwhal bus creds` writes (docs/mesh.md,
+// R-BUS-8). Any other err is returned as it is.
+func credentialHint(err error, opts ConnectOptions) error {
+	if !errors.Is(err, nats.ErrAuthorization) && !strings.Contains(strings.ToLower(err.Error()), "authorization violation") {
+		return err
+	}
+	file := "the file of this process's role"
+	if opts.Role != "" {
+		file = opts.Role + ".creds"
+	}
+	if opts.CredsFile == "" {
+		return fmt.Errorf("%w: the bus requires a credential and none was given: set NARWHAL_NATS_CREDS to %s (written by `narwhal bus creds --out DIR`, docs/mesh.md)", err, file)
+	}
+	return fmt.Errorf("%w: the bus refused the credential NARWHAL_NATS_CREDS=%s: set it to %s of this mesh (written by `narwhal bus creds --out DIR` for the bus's --auth DIR, docs/mesh.md)", err, opts.CredsFile, file)
 }
 
 // ErrUnreachable is wrapped by Connect's error when no server of the URL

@@ -5,6 +5,7 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
@@ -119,6 +120,70 @@ func TestDevStackCurl(t *testing.T) {
 	}
 
 	// Ctrl-C stops everything; the process exits 0 within stopBound.
+	if err := dev.stop(os.Interrupt); err != nil {
+		t.Fatalf("narwhal dev after SIGINT: %v (exit status %d)", err, exitCode(err))
+	}
+}
+
+// authCurlLine is the curl `narwhal dev` prints when client API keys are
+// configured: the key read from $OPENAI_API_KEY.
+var authCurlLine = regexp.MustCompile(`(?m)^curl -N (\S+) -H "Authorization: Bearer \$OPENAI_API_KEY" -H '([^']*)' -d '([^']*)'$`)
+
+// TestDevStackAuthBanner runs `narwhal dev` with NARWHAL_AUTH_API_KEYS_FILE
+// (behaviour.md R-API-9, §14): its banner says authentication is on and
+// prints a curl that sends the key from $OPENAI_API_KEY; that request,
+// with the key exported, streams to [DONE], and without the header it is
+// a 401 — the newcomer's curl no longer meets a silent 401.
+func TestDevStackAuthBannerRAPI9(t *testing.T) {
+	const token = "sk-dev-banner"
+	keys := filepath.Join(t.TempDir(), "keys.yaml")
+	if err := os.WriteFile(keys, []byte("- name: newcomer\n  key_sha256: "+sha256Hex(token)+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	port := freePorts(t, 1)[0]
+	dev := startProcess(t, "dev", []string{"NARWHAL_AUTH_API_KEYS_FILE=" + keys}, "dev", "--listen", hostPort(port), "--dashboard", "")
+	testkit.WaitEvery(t, readyBound, pollInterval, "the curl line on stdout", func() bool {
+		if dev.exited() {
+			t.Fatalf("narwhal dev exited: %v\n%s", dev.waitErr, dev.stderr.String())
+		}
+		return authCurlLine.MatchString(dev.stdout.String()) || curlLine.MatchString(dev.stdout.String())
+	})
+	banner := dev.stdout.String()
+	if !strings.Contains(banner, "Client authentication is on: 1 API key(s) from "+keys+" (newcomer)") ||
+		!strings.Contains(banner, "export OPENAI_API_KEY='<the key of newcomer>'") {
+		t.Errorf("the banner does not say that authentication is on:\n%s", banner)
+	}
+	m := authCurlLine.FindStringSubmatch(banner)
+	if m == nil {
+		t.Fatalf("the banner's curl sends no Authorization header:\n%s", banner)
+	}
+	url, header, body := m[1], m[2], m[3]
+	name, value, _ := strings.Cut(header, ": ")
+	transport := &http.Transport{}
+	defer transport.CloseIdleConnections()
+	client := &http.Client{Transport: transport}
+	for _, bearer := range []string{"Bearer " + token, ""} {
+		hreq, err := http.NewRequestWithContext(testContext(t, requestBound), http.MethodPost, url, strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		hreq.Header.Set(name, value)
+		if bearer != "" {
+			hreq.Header.Set("Authorization", bearer) // as the shell expands $OPENAI_API_KEY
+		}
+		resp, err := client.Do(hreq)
+		if err != nil {
+			t.Fatal(err)
+		}
+		raw, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		switch {
+		case bearer != "" && (resp.StatusCode != http.StatusOK || !strings.HasSuffix(string(raw), "data: [DONE]\n\n")):
+			t.Errorf("the banner's curl with the key: HTTP %d %s", resp.StatusCode, raw)
+		case bearer == "" && resp.StatusCode != http.StatusUnauthorized:
+			t.Errorf("the banner's curl without the key: HTTP %d, want 401", resp.StatusCode)
+		}
+	}
 	if err := dev.stop(os.Interrupt); err != nil {
 		t.Fatalf("narwhal dev after SIGINT: %v (exit status %d)", err, exitCode(err))
 	}

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"os"
@@ -31,58 +32,16 @@ const meshScriptBound = 60 * time.Second
 // themselves and are active, R-FLEET-4), and streams a chat completion through each router with
 // Go's client — both must answer 200 with a prefill and a decode engine
 // named and end with [DONE] — then presses Ctrl-C (SIGINT to the whole
-// group, as a terminal does) and checks that the script exits 0 and that
-// no process of the group is left; the group is killed in any case.
+// group, as a terminal does) and checks that the script stops quietly:
+// one line per process, routers first and the bus last, no log on the
+// terminal, exit status 0, and no process left. The script runs each
+// process in a process group of its own (job control), so the Ctrl-C
+// reaches the script alone; the test finds them as the script's children
+// and kills them in any case.
 func TestExampleMesh(t *testing.T) {
-	ports := freePorts(t, 7)
-	dir := t.TempDir()
-	cmd := exec.Command("bash", filepath.Join("..", "examples", "mesh.sh"))
-	cmd.Env = childEnv(
-		"MESH_BIN="+narwhalBin,
-		"MESH_DIR="+dir,
-		"MESH_BUS_PORT="+strconv.Itoa(ports[0]),
-		"MESH_ROUTER_PORTS="+portList(ports[1:3]),
-		"MESH_SIM_PORTS="+portList(ports[3:7]),
-		"MESH_READY_S=20",
-	)
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var stderr testkit.LockedBuffer
-	cmd.Stderr = &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	pgid := cmd.Process.Pid
-	done := make(chan error, 1)
-	var out testkit.LockedBuffer
-	lines := make(chan string, 64)
-	go func() {
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			out.Write([]byte(sc.Text() + "\n"))
-			select {
-			case lines <- sc.Text():
-			default:
-			}
-		}
-		_, _ = io.Copy(io.Discard, stdout)
-		close(lines)
-		done <- cmd.Wait()
-	}()
-	t.Cleanup(func() {
-		_ = syscall.Kill(-pgid, syscall.SIGKILL) // whatever is left of the group
-		if t.Failed() {
-			t.Logf("---- mesh.sh stdout:\n%s\n---- stderr:\n%s", out.String(), stderr.String())
-			for _, name := range []string{"bus", "breaker", "r1", "r2", "p1", "d1"} {
-				if b, err := os.ReadFile(filepath.Join(dir, name+".log")); err == nil {
-					t.Logf("---- %s.log:\n%s", name, b)
-				}
-			}
-		}
-	})
+	m := startMeshScript(t)
+	ports, pgid, lines, done := m.ports, m.pgid, m.lines, m.done
+	out, stderr := &m.out, &m.stderr
 
 	// The banner, and the curl and fleet list lines in it.
 	var curls []string
@@ -156,6 +115,19 @@ func TestExampleMesh(t *testing.T) {
 		}
 	}
 
+	// The eight processes, each in a group of its own.
+	children := childPIDs(t, pgid)
+	m.children = children
+	if len(children) != 8 {
+		t.Errorf("mesh.sh has %d processes running, want 8 (bus, 4 simulators, breaker, 2 routers)", len(children))
+	}
+	for _, pid := range children {
+		if g, err := syscall.Getpgid(pid); err != nil || g == pgid {
+			t.Errorf("process %d is in the script's process group %d (%v): a terminal's Ctrl-C would reach it", pid, g, err)
+		}
+	}
+	stdoutBefore := len(out.String())
+
 	// Ctrl-C.
 	if err := syscall.Kill(-pgid, syscall.SIGINT); err != nil {
 		t.Fatal(err)
@@ -168,11 +140,25 @@ func TestExampleMesh(t *testing.T) {
 	case <-time.After(meshScriptBound):
 		t.Fatalf("mesh.sh still running %v after Ctrl-C", meshScriptBound)
 	}
-	if !strings.Contains(out.String(), "stopped\n") {
-		t.Errorf("mesh.sh did not say it stopped:\n%s", out.String())
+	// Quietly: one line per process in the order it stops them, nothing
+	// on stderr.
+	want := "\nstopping the mesh ...\n"
+	for _, name := range []string{"r2", "r1", "breaker", "d2", "d1", "p2", "p1", "bus"} {
+		want += fmt.Sprintf("  %-8s stopped\n", name)
 	}
-	// Every process of the group is gone (a zombie-free group answers
-	// ESRCH); allow a moment for the last exits to be reaped.
+	want += "stopped\n"
+	if got := out.String()[stdoutBefore:]; got != want {
+		t.Errorf("mesh.sh after Ctrl-C printed:\n%s\nwant:\n%s", got, want)
+	}
+	if stderr.String() != "" {
+		t.Errorf("mesh.sh wrote to stderr:\n%s", stderr.String())
+	}
+	// Every process is gone: the script waited for each.
+	for _, pid := range children {
+		if err := syscall.Kill(pid, 0); !errors.Is(err, syscall.ESRCH) {
+			t.Errorf("process %d still there after mesh.sh stopped (kill -0: %v)", pid, err)
+		}
+	}
 	var alive error
 	if !testkit.Poll(100*pollInterval, pollInterval, func() bool {
 		alive = syscall.Kill(-pgid, 0)
@@ -180,6 +166,178 @@ func TestExampleMesh(t *testing.T) {
 	}) {
 		t.Errorf("processes of the mesh's group still alive after it stopped (kill -0: %v)", alive)
 	}
+}
+
+// meshScript is examples/mesh.sh running in a process group of its own.
+type meshScript struct {
+	ports       []int // bus, r1, r2, p1, p2, d1, d2
+	dir         string
+	pgid        int
+	out, stderr testkit.LockedBuffer
+	lines       chan string // stdout, line by line (dropped when full)
+	done        chan error  // the script's exit
+	children    []int       // the processes it started, once known
+}
+
+// startMeshScript starts examples/mesh.sh on free ports with its
+// environment overrides; the script's group and its children are killed
+// when the test ends, and their output logged when it failed.
+func startMeshScript(t *testing.T) *meshScript {
+	t.Helper()
+	m := &meshScript{ports: freePorts(t, 7), dir: t.TempDir(), lines: make(chan string, 64), done: make(chan error, 1)}
+	ports, dir := m.ports, m.dir
+	cmd := exec.Command("bash", filepath.Join("..", "examples", "mesh.sh"))
+	cmd.Env = childEnv(
+		"MESH_BIN="+narwhalBin,
+		"MESH_DIR="+dir,
+		"MESH_BUS_PORT="+strconv.Itoa(ports[0]),
+		"MESH_ROUTER_PORTS="+portList(ports[1:3]),
+		"MESH_SIM_PORTS="+portList(ports[3:7]),
+		"MESH_READY_S=20",
+	)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Stderr = &m.stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	m.pgid = cmd.Process.Pid
+	go func() {
+		sc := bufio.NewScanner(stdout)
+		for sc.Scan() {
+			m.out.Write([]byte(sc.Text() + "\n"))
+			select {
+			case m.lines <- sc.Text():
+			default:
+			}
+		}
+		_, _ = io.Copy(io.Discard, stdout)
+		close(m.lines)
+		m.done <- cmd.Wait()
+	}()
+	t.Cleanup(func() {
+		_ = syscall.Kill(-m.pgid, syscall.SIGKILL) // whatever is left of the group
+		for _, pid := range m.children {
+			_ = syscall.Kill(pid, syscall.SIGKILL) // and of the processes it started
+		}
+		if t.Failed() {
+			t.Logf("---- mesh.sh stdout:\n%s\n---- stderr:\n%s", m.out.String(), m.stderr.String())
+			for _, name := range []string{"bus", "breaker", "r1", "r2", "p1", "d1"} {
+				if b, err := os.ReadFile(filepath.Join(dir, name+".log")); err == nil {
+					t.Logf("---- %s.log:\n%s", name, b)
+				}
+			}
+		}
+	})
+	return m
+}
+
+// waitBanner waits for the script's banner, until its last line.
+func (m *meshScript) waitBanner(t *testing.T) {
+	t.Helper()
+	deadline := time.After(meshScriptBound)
+	for {
+		select {
+		case l, ok := <-m.lines:
+			if !ok {
+				t.Fatalf("mesh.sh ended before its banner")
+			}
+			if strings.HasPrefix(l, "Press Ctrl-C") {
+				return
+			}
+		case <-deadline:
+			t.Fatalf("no banner within %v", meshScriptBound)
+		}
+	}
+}
+
+// TestExampleMeshShowsOnlyTheFailedLog proves how examples/mesh.sh ends
+// when one of its processes fails on its own (here router r1, killed):
+// it stops the others as on Ctrl-C, with one line each, and shows the
+// end of the failed one's log only, exiting 1.
+func TestExampleMeshShowsOnlyTheFailedLog(t *testing.T) {
+	m := startMeshScript(t)
+	m.waitBanner(t)
+	m.children = childPIDs(t, m.pgid)
+	r1 := -1
+	for _, pid := range m.children {
+		if b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline"); err == nil && strings.Contains(string(b), hostPort(m.ports[1])) {
+			r1 = pid
+		}
+	}
+	if r1 < 0 {
+		t.Fatalf("no process of mesh.sh listens on r1's %s", hostPort(m.ports[1]))
+	}
+	before := len(m.out.String())
+	if err := syscall.Kill(r1, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-m.done:
+		if exitCode(err) != 1 {
+			t.Errorf("mesh.sh after r1 failed: %v, want exit status 1", err)
+		}
+	case <-time.After(meshScriptBound):
+		t.Fatalf("mesh.sh still running %v after r1 failed", meshScriptBound)
+	}
+	got := m.out.String()[before:]
+	log := filepath.Join(m.dir, "r1.log")
+	for _, name := range []string{"r2", "breaker", "d2", "d1", "p2", "p1", "bus"} {
+		if !strings.Contains(got, fmt.Sprintf("\n  %-8s stopped\n", name)) {
+			t.Errorf("no line says %s stopped:\n%s", name, got)
+		}
+	}
+	if !strings.Contains(got, "\n  r1       exited with status 137; the end of "+log+":\n    ") {
+		t.Errorf("no line says r1 failed, followed by its log:\n%s", got)
+	}
+	if n := strings.Count(got, "the end of "); n != 1 {
+		t.Errorf("%d logs shown, want only r1's:\n%s", n, got)
+	}
+	if tail, _ := os.ReadFile(log); !strings.Contains(got, "    "+lastLine(string(tail))+"\n") {
+		t.Errorf("r1's log's last line %q is not shown:\n%s", lastLine(string(tail)), got)
+	}
+	if !strings.Contains(m.stderr.String(), "mesh: a process exited on its own") {
+		t.Errorf("stderr does not say a process exited on its own:\n%s", m.stderr.String())
+	}
+}
+
+// lastLine is the last non-empty line of s.
+func lastLine(s string) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	return lines[len(lines)-1]
+}
+
+// childPIDs returns the processes whose parent is ppid, read from /proc.
+func childPIDs(t *testing.T, ppid int) []int {
+	t.Helper()
+	stats, err := filepath.Glob("/proc/[0-9]*/stat")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []int
+	for _, path := range stats {
+		b, err := os.ReadFile(path)
+		if err != nil {
+			continue // gone meanwhile
+		}
+		// pid (comm) state ppid …: comm may hold spaces and parentheses.
+		i := strings.LastIndexByte(string(b), ')')
+		if i < 0 {
+			continue
+		}
+		f := strings.Fields(string(b[i+1:]))
+		if len(f) < 2 || f[1] != strconv.Itoa(ppid) {
+			continue
+		}
+		pid, err := strconv.Atoi(filepath.Base(filepath.Dir(path)))
+		if err == nil {
+			out = append(out, pid)
+		}
+	}
+	return out
 }
 
 // portList is ports joined by spaces, as the script's overrides take them.

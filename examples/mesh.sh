@@ -3,7 +3,8 @@
 # credential per role, a breaker, two routers and four simulators (two
 # prefill, two decode) that register themselves in the live fleet; the
 # routers' and the breaker's settings are examples/mesh-fleet.yaml. It
-# prints what to curl and what to watch; Ctrl-C stops everything.
+# prints what to curl and what to watch; Ctrl-C stops everything, one
+# line per process (the end of its log only for one that failed).
 #
 #   examples/mesh.sh            (or: just mesh)
 #
@@ -16,6 +17,9 @@
 #   MESH_SIM_PORTS     the four simulators' ports, p1 p2 d1 d2 (default "8101 8102 8103 8104")
 #   MESH_READY_S       how long to wait for each process to be ready (default 30)
 set -euo pipefail
+# Job control: each process runs in a process group of its own, so a
+# terminal's Ctrl-C reaches this script alone, which stops them in order.
+set -m
 cd "$(dirname "$0")/.."
 
 bin=${MESH_BIN:-bin/narwhal}
@@ -51,18 +55,29 @@ names=()
 stopping=
 # stop ends every process, the last started first (routers and the
 # breaker before the simulators, the bus last, so that the routers' last
-# events reach it), and waits for each.
+# events reach it), waits for each and says in one line how it ended; the
+# end of the log of one that failed (a status other than 0, or 143 when
+# SIGTERM came before its handler) follows its line, and the directory is
+# then kept.
 stop() {
   trap - INT TERM EXIT
   stopping=1
   echo
   echo "stopping the mesh ..."
-  local i
+  local i status failed=
   for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
     kill -TERM "${pids[i]}" 2>/dev/null || true
-    wait "${pids[i]}" 2>/dev/null || true
+    status=0
+    wait "${pids[i]}" 2>/dev/null || status=$?
+    if [ "$status" -eq 0 ] || [ "$status" -eq 143 ]; then
+      printf '  %-8s stopped\n' "${names[i]}"
+    else
+      printf '  %-8s exited with status %d; the end of %s:\n' "${names[i]}" "$status" "$dir/${names[i]}.log"
+      tail -n 20 "$dir/${names[i]}.log" | sed 's/^/    /'
+      failed=1
+    fi
   done
-  if [ -n "$own_dir" ]; then
+  if [ -n "$own_dir" ] && [ -z "$failed" ]; then
     rm -rf "$dir"
   fi
   echo "stopped"
@@ -178,16 +193,10 @@ Press Ctrl-C to stop everything.
 BANNER
 
 # Wait until Ctrl-C (the trap stops everything) or until a process exits
-# on its own, which stops the rest.
+# on its own, which stops the rest (stop then shows how each ended).
 set +e
 wait -n "${pids[@]}"
-code=$?
 if [ -z "$stopping" ]; then
-  for i in "${!pids[@]}"; do
-    if ! kill -0 "${pids[i]}" 2>/dev/null; then
-      echo "mesh: ${names[i]} exited (status $code); its log:" >&2
-      tail -n 20 "$dir/${names[i]}.log" >&2
-    fi
-  done
+  echo "mesh: a process exited on its own" >&2
   exit 1
 fi

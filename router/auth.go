@@ -39,6 +39,12 @@ type clientKey struct {
 	models   map[string]struct{} // nil: every model
 	limit    int64               // max_inflight; 0: none
 	inflight *atomic.Int64
+	// removed is shared, like inflight, by every generation's key of
+	// this name: set when a reload drops the name, cleared when one
+	// brings it back. A request of a removed key that ends after the
+	// reload counts nothing on the key's series, which the reload
+	// deleted.
+	removed *atomic.Bool
 }
 
 // allows reports whether the key may call model.
@@ -62,6 +68,7 @@ type auth struct {
 
 	mu       sync.Mutex               // serialises reloads
 	counters map[string]*atomic.Int64 // in-flight count per key name, kept across reloads
+	removals map[string]*atomic.Bool  // clientKey.removed per key name, kept as counters are
 	names    map[string]bool          // names of the current generation, for metric cleanup
 }
 
@@ -107,8 +114,21 @@ func (a *auth) lookupHeader(rh *fasthttp.RequestHeader) *clientKey {
 // take the body budget from those with one. The handler checks again on
 // the normalised path.
 func (a *auth) refuses(h *fasthttp.RequestHeader) bool {
-	return !a.open() && bytes.HasPrefix(h.RequestURI(), apiPrefix) && a.lookupHeader(h) == nil
+	return !a.open() && bytes.HasPrefix(h.RequestURI(), apiPrefix) && (a.lookupHeader(h) == nil || duplicateAuthorization(h))
 }
+
+// duplicateAuthorization reports whether the request carries more than
+// one Authorization header. fasthttp keeps every copy and Peek returns the
+// first, so two headers would let whichever came first decide; with keys
+// configured such a request gets 400 instead (behaviour.md R-API-9). It
+// allocates nothing once the header's scratch slice has grown.
+func duplicateAuthorization(h *fasthttp.RequestHeader) bool {
+	return len(h.PeekAll(fasthttp.HeaderAuthorization)) > 1
+}
+
+// duplicateAuthorizationMessage is the 400's message for a request with
+// more than one Authorization header.
+const duplicateAuthorizationMessage = "the request carries more than one Authorization header: send exactly one, Authorization: Bearer <key>"
 
 // set installs keys as the new generation and returns the names that left
 // (whose metric series the caller removes).
@@ -117,6 +137,7 @@ func (a *auth) set(keys []config.APIKey) (removed []string) {
 	defer a.mu.Unlock()
 	if a.counters == nil {
 		a.counters = map[string]*atomic.Int64{}
+		a.removals = map[string]*atomic.Bool{}
 	}
 	ring := &keyring{byDigest: make(map[[sha256.Size]byte]*clientKey, len(keys))}
 	names := make(map[string]bool, len(keys))
@@ -130,7 +151,13 @@ func (a *auth) set(keys []config.APIKey) (removed []string) {
 			ctr = new(atomic.Int64)
 			a.counters[ck.Name] = ctr
 		}
-		k := &clientKey{name: ck.Name, digest: digest, limit: int64(ck.MaxInflight), inflight: ctr}
+		gone := a.removals[ck.Name]
+		if gone == nil {
+			gone = new(atomic.Bool)
+			a.removals[ck.Name] = gone
+		}
+		gone.Store(false)
+		k := &clientKey{name: ck.Name, digest: digest, limit: int64(ck.MaxInflight), inflight: ctr, removed: gone}
 		if len(ck.Models) > 0 {
 			k.models = make(map[string]struct{}, len(ck.Models))
 			for _, m := range ck.Models {
@@ -143,6 +170,9 @@ func (a *auth) set(keys []config.APIKey) (removed []string) {
 	for n := range a.names {
 		if !names[n] {
 			removed = append(removed, n)
+			if gone := a.removals[n]; gone != nil {
+				gone.Store(true) // before the caller deletes the series
+			}
 		}
 	}
 	// Counters of keys gone for good are dropped once idle; a key that
@@ -150,6 +180,7 @@ func (a *auth) set(keys []config.APIKey) (removed []string) {
 	for n, ctr := range a.counters {
 		if !names[n] && ctr.Load() == 0 {
 			delete(a.counters, n)
+			delete(a.removals, n)
 		}
 	}
 	a.names = names
@@ -185,11 +216,27 @@ func (rt *Router) SetAPIKeys(keys []config.APIKey) {
 
 // authenticate admits a /v1/* request: on an open router it returns (nil,
 // true); otherwise the request's key, or (nil, false) after answering 401
-// (behaviour.md R-API-9). A 401 is counted with the key label "none" and publishes
-// no event, so a flood of them costs the bus nothing.
+// (behaviour.md R-API-9) — or 400 naming the header when the request
+// carries more than one Authorization header, whatever they hold. Both
+// are counted with the key label "none" and publish no event, so a flood
+// of them costs the bus nothing.
 func (rt *Router) authenticate(fctx *fasthttp.RequestCtx) (*clientKey, bool) {
 	if rt.auth.open() {
 		return nil, true
+	}
+	if duplicateAuthorization(&fctx.Request.Header) {
+		// Two credentials that may disagree: neither is believed, and the
+		// answer says which header is wrong. Counted, no event, as a 401.
+		if len(fctx.Response.Header.Peek("X-Request-Id")) == 0 {
+			requestID(fctx)
+		}
+		fctx.SetConnectionClose() // the body may be on the wire, unread
+		writeError(fctx, 400, duplicateAuthorizationMessage)
+		rt.metrics.requests.inc(completionEndpoint(fctx), "400", "client_error", config.NoKeyName, otherModel)
+		if rt.log.Enabled(context.Background(), slog.LevelDebug) {
+			rt.log.Debug("request refused: "+duplicateAuthorizationMessage, "remote", fctx.RemoteAddr().String())
+		}
+		return nil, false
 	}
 	if k := rt.auth.lookup(fctx); k != nil {
 		return k, true
@@ -203,21 +250,43 @@ func (rt *Router) authenticate(fctx *fasthttp.RequestCtx) (*clientKey, bool) {
 	}
 	fctx.Response.Header.Set(fasthttp.HeaderWWWAuthenticate, `Bearer realm="narwhal"`)
 	writeError(fctx, 401, msg)
-	endpoint := string(fctx.Path())
-	if !isCompletion(endpoint) {
-		endpoint = ""
-	}
-	rt.metrics.requests.inc(endpoint, "401", "unauthenticated", config.NoKeyName, otherModel)
+	rt.metrics.requests.inc(completionEndpoint(fctx), "401", "unauthenticated", config.NoKeyName, otherModel)
 	if rt.log.Enabled(context.Background(), slog.LevelDebug) {
 		rt.log.Debug("request refused: "+msg, "remote", fctx.RemoteAddr().String())
 	}
 	return nil, false
 }
 
+// completionEndpoint is the endpoint label of a request answered before
+// its handler ran: its path when that is a completion endpoint, else "".
+func completionEndpoint(fctx *fasthttp.RequestCtx) string {
+	if endpoint := string(fctx.Path()); isCompletion(endpoint) {
+		return endpoint
+	}
+	return ""
+}
+
 // isCompletion reports whether path is one of the two completion endpoints
 // (a bounded endpoint label).
 func isCompletion(path string) bool {
 	return path == "/v1/chat/completions" || path == "/v1/completions"
+}
+
+// countRequest counts one ended request in narwhal_requests_total under
+// its key's name — or under config.NoKeyName when a reload removed the key
+// while the request ran, so that the series the reload deleted stay
+// deleted (behaviour.md R-API-9: the key label's values are the configured
+// names). The flag is checked again after the count: a reload that
+// deleted the series between the check and the count is undone here.
+func (rt *Router) countRequest(endpoint, code, outcome string, k *clientKey, model string) {
+	if k == nil || k.removed.Load() {
+		rt.metrics.requests.inc(endpoint, code, outcome, config.NoKeyName, model)
+		return
+	}
+	rt.metrics.requests.inc(endpoint, code, outcome, k.name, model)
+	if k.removed.Load() {
+		rt.metrics.requests.vec.DeletePartialMatch(prometheus.Labels{"key": k.name})
+	}
 }
 
 // keyName returns the name of k, or config.NoKeyName for nil.

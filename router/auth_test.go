@@ -15,6 +15,7 @@ import (
 	"github.com/valyala/fasthttp"
 
 	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
@@ -186,4 +187,156 @@ func BenchmarkAuthLookup(b *testing.B) {
 			}
 		})
 	}
+}
+
+// TestDuplicateAuthorizationRAPI9 proves that a request with two
+// Authorization headers gets 400 naming the header (behaviour.md
+// R-API-9), whichever of them holds a valid key and in whichever order,
+// before its body is read, counted with the key "none" and with no event.
+// The requests are written byte for byte on a raw socket, so what fasthttp
+// does with a repeated header is what is tested.
+func TestDuplicateAuthorizationRAPI9(t *testing.T) {
+	s := newStack(t, pd(), func(c *config.Config) {
+		c.Auth.APIKeys = []config.APIKey{{Name: "team-a", KeySHA256: keyDigest("sk-a")}, {Name: "team-b", KeySHA256: keyDigest("sk-b")}}
+		c.Server.HeaderTimeoutS = 30
+	})
+	s.waitModels()
+	body := `{"model":"` + testModel + `","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`
+	cases := []struct{ name, head string }{
+		{"valid then invalid", "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-a\r\nAuthorization: Bearer sk-wrong\r\nContent-Type: application/json\r\nContent-Length: " + strconv.Itoa(len(body)) + "\r\n\r\n" + body},
+		{"invalid then valid", "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-wrong\r\nContent-Type: application/json\r\nauthorization: Bearer sk-a\r\nContent-Length: " + strconv.Itoa(len(body)) + "\r\n\r\n" + body},
+		{"two valid keys", "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-a\r\nAuthorization: Bearer sk-b\r\nContent-Length: " + strconv.Itoa(len(body)) + "\r\n\r\n" + body},
+		// A body announced and never sent: reading it would end in a 408
+		// at server.header_timeout_s, not a 400 at once.
+		{"body never sent", "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-a\r\nAuthorization: Bearer sk-a\r\nContent-Length: 20000000\r\n\r\n{\"model\":"},
+		{"models", "GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-a\r\nAuthorization: Bearer sk-a\r\n\r\n"},
+	}
+	for _, tc := range cases {
+		conn, err := net.Dial("tcp", strings.TrimPrefix(s.url, "http://"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = conn.SetDeadline(time.Now().Add(10 * time.Second))
+		if _, err := conn.Write([]byte(tc.head)); err != nil {
+			t.Fatal(err)
+		}
+		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		if err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		conn.Close()
+		e := errorObject(t, b)
+		if resp.StatusCode != 400 || e.Code != 400 || e.Type != "BadRequestError" || !strings.Contains(e.Message, "more than one Authorization header") ||
+			resp.Header.Get("X-Request-Id") == "" {
+			t.Errorf("%s: HTTP %d %s (X-Request-Id %q), want 400 naming the Authorization header", tc.name, resp.StatusCode, b, resp.Header.Get("X-Request-Id"))
+		}
+	}
+	if got := s.metricSum("narwhal_requests_total", "code", "400", "key", "none", "outcome", "client_error"); got != float64(len(cases)) {
+		t.Errorf("400s counted %v, want %d", got, len(cases))
+	}
+	if got := s.metricSum("narwhal_requests_total", "key", "team-a"); got != 0 {
+		t.Errorf("requests counted for team-a: %v, want none", got)
+	}
+	if got := s.metricSum("narwhal_body_bytes_inflight"); got != 0 {
+		t.Errorf("%v body bytes held after the refusals", got)
+	}
+	if n := len(s.events.requests()); n != 0 {
+		t.Errorf("%d request events, want none", n)
+	}
+	// One header is served as before.
+	if resp, b := s.post("/v1/chat/completions", body, "Authorization", "Bearer sk-a"); resp.StatusCode != 200 {
+		t.Errorf("one Authorization header: HTTP %d %s", resp.StatusCode, b)
+	}
+	// The check costs a request no allocation.
+	var h fasthttp.RequestHeader
+	if err := h.Read(bufio.NewReader(strings.NewReader("GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-a\r\n\r\n"))); err != nil {
+		t.Fatal(err)
+	}
+	if n := testkit.LeastAllocs(100, func() { duplicateAuthorization(&h) }); n != 0 || duplicateAuthorization(&h) {
+		t.Errorf("duplicateAuthorization on one header: %v allocations, true %v; want 0, false", n, duplicateAuthorization(&h))
+	}
+}
+
+// TestRemovedKeySeriesStayRemovedRAPI9 proves that the series of a key a
+// reload removed stay deleted when a stream of that key, running across
+// the reload, ends afterwards (behaviour.md R-API-9): the stream is served
+// to its end and counted under the key "none", and the key's name
+// reappears on no series.
+func TestRemovedKeySeriesStayRemovedRAPI9(t *testing.T) {
+	s := newStack(t, []engineDef{{id: "p1", role: "prefill"}, {id: "d1", role: "decode", cfg: sim.Config{ITL: 20 * time.Millisecond}}}, func(c *config.Config) {
+		c.Auth.APIKeys = []config.APIKey{{Name: "team-a", KeySHA256: keyDigest("sk-a")}, {Name: "team-b", KeySHA256: keyDigest("sk-b")}}
+	})
+	s.waitModels()
+	body := `{"model":"` + testModel + `","messages":[{"role":"user","content":"hi"}],"max_tokens":30,"ignore_eos":true,"stream":true}`
+	req, _ := http.NewRequest("POST", s.url+"/v1/chat/completions", strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Authorization", "Bearer sk-b")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	r := bufio.NewReader(resp.Body)
+	if line, err := r.ReadString('\n'); err != nil || !strings.HasPrefix(line, "data: ") {
+		t.Fatalf("first line of team-b's stream %q: %v", line, err)
+	}
+	if got := s.metricSum("narwhal_requests_total", "key", "team-b"); got != 0 {
+		t.Fatalf("team-b counted %v before its stream ended", got)
+	}
+	s.rt.SetAPIKeys([]config.APIKey{{Name: "team-a", KeySHA256: keyDigest("sk-a")}})
+	rest, err := io.ReadAll(r)
+	if err != nil || !strings.HasSuffix(string(rest), "data: [DONE]\n\n") {
+		t.Fatalf("team-b's stream after the reload: %v\n%s", err, rest)
+	}
+	s.idle()
+	if n := seriesWith(t, s, "narwhal_requests_total", "key", "team-b"); n != 0 {
+		t.Errorf("%d series of the removed team-b after its stream ended, want none", n)
+	}
+	if got := s.metricSum("narwhal_requests_total", "key", "none", "code", "200"); got != 1 {
+		t.Errorf("the stream counted %v times under key none, want 1", got)
+	}
+	if n := seriesWith(t, s, "narwhal_requests_total", "key", "team-a"); n == 0 {
+		t.Error("the staying team-a lost its series")
+	}
+	// The key comes back: its series are created again and count.
+	s.rt.SetAPIKeys([]config.APIKey{{Name: "team-a", KeySHA256: keyDigest("sk-a")}, {Name: "team-b", KeySHA256: keyDigest("sk-b")}})
+	if resp, b := s.post("/v1/chat/completions", `{"model":"`+testModel+`","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`, "Authorization", "Bearer sk-b"); resp.StatusCode != 200 {
+		t.Fatalf("team-b back: HTTP %d %s", resp.StatusCode, b)
+	}
+	if got := s.metricSum("narwhal_requests_total", "key", "team-b", "code", "200"); got != 1 {
+		t.Errorf("team-b back: counted %v, want 1", got)
+	}
+}
+
+// seriesWith counts the series of the metric name whose labels match the
+// label=value pairs of match.
+func seriesWith(t *testing.T, s *stack, name string, match ...string) int {
+	t.Helper()
+	mfs, err := s.rt.Registry().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	metrics:
+		for _, m := range mf.GetMetric() {
+			for i := 0; i+1 < len(match); i += 2 {
+				found := false
+				for _, lp := range m.GetLabel() {
+					if lp.GetName() == match[i] && lp.GetValue() == match[i+1] {
+						found = true
+					}
+				}
+				if !found {
+					continue metrics
+				}
+			}
+			n++
+		}
+	}
+	return n
 }

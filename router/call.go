@@ -41,6 +41,11 @@ type call struct {
 	watch    *watch
 	attempts int
 	scratch  *placeScratch // placement's pooled buffers (placement.go)
+	// unpublished is set for a request refused on its body (it does not
+	// parse or breaks a request limit, R-API-4): counted and logged, but
+	// no request event, like the front door's other refusals
+	// (docs/security.md).
+	unpublished bool
 
 	producer, consumer *member
 	holdPrefill        atomic.Bool      // producer's prefill slot is reserved (released from the prefill's goroutine too)
@@ -134,6 +139,7 @@ func (c *call) prepare(fctx *fasthttp.RequestCtx, endpoint string) bool {
 	fctx.Request.ResetBody()
 	if err != nil {
 		c.req = &schemas.Request{Endpoint: endpoint}
+		c.unpublished = true
 		var re *schemas.RequestError
 		if errors.As(err, &re) {
 			c.reject(fctx, re.Status, re.Message, "client_error")

@@ -667,3 +667,46 @@ func TestExpectContinueRefusedBeforeTheBodyRAPI7(t *testing.T) {
 		t.Fatalf("continued request: %d %s", resp.StatusCode, b)
 	}
 }
+
+// TestBodyRefusalsPublishNoEventRAPI4 proves that a request refused on
+// its body (behaviour.md R-API-4, R-API-8: JSON that does not parse, a
+// missing field, a value over a request limit) gets its 400 with no
+// request event, as every refusal at the door (docs/security.md), while it
+// is still counted in narwhal_requests_total and logged; a 404 for an
+// unknown model, decided after the body parsed, still publishes one.
+func TestBodyRefusalsPublishNoEventRAPI4(t *testing.T) {
+	logs := &syncBuffer{}
+	s := newStackLogged(t, pd(), nil, nil, logs)
+	s.waitModels()
+	bodies := []string{
+		`{"model":`,
+		`{"messages":[{"role":"user","content":"x"}]}`,
+		`{"model":"sim-model"}`,
+		`{"model":"sim-model","messages":[{"role":"user","content":"x"}],"max_tokens":1e30}`,
+		`{"model":"sim-model","messages":[{"role":"user","content":"x"}],"n":17}`,
+		`{"model":"sim-model","messages":[{"role":"user","content":"x"}],"max_tokens":2.5}`,
+	}
+	for _, b := range bodies {
+		resp, got := s.post(schemas.EndpointChat, b)
+		if resp.StatusCode != 400 || errorObject(t, got).Code != 400 {
+			t.Errorf("%s: HTTP %d %s, want 400", b, resp.StatusCode, got)
+		}
+	}
+	if got := s.metricSum("narwhal_requests_total", "code", "400", "outcome", "client_error", "endpoint", schemas.EndpointChat); got != float64(len(bodies)) {
+		t.Errorf("400s counted %v, want %d", got, len(bodies))
+	}
+	if got := strings.Count(logs.String(), "request ended"); got != len(bodies) {
+		t.Errorf("%d 'request ended' log lines for %d refusals:\n%s", got, len(bodies), logs.String())
+	}
+	// An unknown model is published: its event is the one request event.
+	if resp, b := s.post(schemas.EndpointChat, `{"model":"no-such-model","messages":[{"role":"user","content":"x"}]}`); resp.StatusCode != 404 {
+		t.Fatalf("unknown model: HTTP %d %s", resp.StatusCode, b)
+	}
+	testkit.WaitFor(t, 2*time.Second, "the 404's request event", func() bool { return len(s.events.requests()) > 0 })
+	if evs := s.events.requests(); len(evs) != 1 || evs[0].Status != 404 {
+		for _, ev := range evs {
+			t.Errorf("request event %d %s", ev.Status, ev.ErrorKind)
+		}
+		t.Fatalf("%d request events, want only the 404's", len(evs))
+	}
+}

@@ -118,7 +118,7 @@ func (c *call) record(now time.Time) {
 	rt.inflight.Add(-1)
 	rt.metrics.inflight.Dec()
 	ms := c.modelSeries()
-	rt.metrics.requests.inc(c.req.Endpoint, strconv.Itoa(c.status), c.outcome, keyName(c.key), ms.label)
+	rt.countRequest(c.req.Endpoint, strconv.Itoa(c.status), c.outcome, c.key, ms.label)
 	rt.metrics.duration.WithLabelValues(c.req.Endpoint, ms.label).Observe(dur.Seconds())
 	if c.usage { // an engine's counts: a negative one would make Add panic
 		if c.promptTokens > 0 {
@@ -165,7 +165,9 @@ func (c *call) record(now time.Time) {
 	if c.decodeStart != (time.Time{}) {
 		rt.metrics.leg.WithLabelValues(schemas.PhaseDecode, ms.label).Observe(now.Sub(c.decodeStart).Seconds())
 	}
-	rt.publish(ev)
+	if !c.unpublished {
+		rt.publish(ev)
+	}
 	if c.outcome != "ok" {
 		rt.log.Info("request ended", "request_id", c.id, "key", keyName(c.key), "status", c.status, "outcome", c.outcome, "attempts", c.attempts, "duration_s", dur.Seconds())
 	} else {

@@ -75,6 +75,11 @@ type Options struct {
 	// (docs/observability.md). Nil turns tracing off: no span is made and
 	// the legs carry only a traceparent the client sent.
 	TracerProvider trace.TracerProvider
+	// UnreadyAnswers, when set, holds the 503s ServeUnreadyCounted
+	// answered on this router's address before it existed; New adds them
+	// to narwhal_requests_total, where that stand-in's later answers go
+	// too.
+	UnreadyAnswers *UnreadyAnswers
 }
 
 // Router serves the OpenAI-compatible front end over a fleet of engines.
@@ -210,6 +215,7 @@ func New(opts Options) (*Router, error) {
 	}
 	rt.metrics = newMetrics(reg, rt.fleet, cfg.Router.ID, cfg.Request.Timeout())
 	rt.resources = newResourceFaults(reg)
+	opts.UnreadyAnswers.moveInto(rt.metrics.requests.vec)
 	for _, m := range rt.fleet().Members() {
 		rt.metrics.initEngine(m)
 	}

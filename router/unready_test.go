@@ -12,6 +12,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
@@ -143,4 +146,40 @@ func TestServeUnreadyOtherListener(t *testing.T) {
 		t.Fatalf("the listener after stop: %v", err)
 	}
 	c.Close()
+}
+
+// TestUnreadyAnswersCounted proves that the stand-in's 503s under /v1/
+// are counted as the Router counts its answers (docs/observability.md,
+// behaviour.md R-API-2): by endpoint label, none for /readyz or /healthz,
+// moved into narwhal_requests_total by the Router that takes them over,
+// and counted there directly after that.
+func TestUnreadyAnswersCountedRAPI2(t *testing.T) {
+	testkit.CheckLeaks(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	base := "http://" + ln.Addr().String()
+	client := &http.Client{Timeout: 5 * time.Second}
+	defer client.CloseIdleConnections()
+	answers := &UnreadyAnswers{}
+	stop := ServeUnreadyCounted(ln, config.Server{}, "bus unreachable", slog.New(slog.DiscardHandler), answers)
+	defer stop()
+	checkUnready(t, client, base, "bus unreachable") // /readyz, /healthz, /v1/models, a chat completion, /nowhere
+	if got := answers.Count("/v1/chat/completions"); got != 1 {
+		t.Errorf("chat completions counted %v, want 1", got)
+	}
+	if got := answers.Count(""); got != 1 {
+		t.Errorf("other /v1/ paths counted %v, want 1 (/v1/models; /readyz, /healthz, /nowhere are not)", got)
+	}
+	vec := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "narwhal_requests_total"}, []string{"endpoint", "code", "outcome", "key", "model"})
+	answers.moveInto(vec)
+	unreadyGet(t, client, "POST", base+"/v1/chat/completions")
+	if got := testutil.ToFloat64(vec.WithLabelValues("/v1/chat/completions", "503", OutcomeNotReady, config.NoKeyName, otherModel)); got != 2 {
+		t.Errorf("narwhal_requests_total of the chat 503s %v, want 2 (one moved, one after)", got)
+	}
+	if got := answers.Count("/v1/chat/completions"); got != 0 {
+		t.Errorf("%v left uncounted after the move", got)
+	}
 }

@@ -230,7 +230,7 @@ func registered(ctx context.Context, spec config.EngineSpec, by string, drainBou
 	if cfg.Bus.URL == "" {
 		cfg.Bus.URL = defaultNATSURL
 	}
-	b, err := bus.Connect(ctx, busOptions(cfg.Bus, by, log))
+	b, err := bus.Connect(ctx, busOptions(cfg.Bus, by, bus.RoleEngine, log))
 	if err != nil {
 		return fmt.Errorf("bus %s: %w", redactNATSURL(cfg.Bus.URL), err)
 	}

@@ -53,7 +53,7 @@ func runBreakerCmd(ctx context.Context, args []string) error {
 	}
 	log := newLogger(cfg, os.Stderr)
 	id := breakerID()
-	b, stopBus, err := joinBus(ctx, cfg, "narwhal-"+id, log)
+	b, stopBus, err := joinBus(ctx, cfg, "narwhal-"+id, bus.RoleBreaker, log)
 	if err != nil {
 		return err
 	}

@@ -244,7 +244,7 @@ func runBusSetup(ctx context.Context, args []string, stdout, stderr io.Writer) e
 		cfg.Bus.URL = defaultNATSURL
 	}
 	log := slog.New(slog.NewTextHandler(stderr, nil))
-	opts := busOptions(cfg.Bus, "narwhal-bus-setup", log)
+	opts := busOptions(cfg.Bus, "narwhal-bus-setup", bus.RoleAdmin, log)
 	opts.Setup = &bus.SetupOptions{Replicas: cfg.Bus.Replicas, LeaseTTL: cfg.Breaker.LeaseTTL(), Log: log}
 	cctx, cancel := context.WithTimeout(ctx, *bound)
 	defer cancel()
@@ -292,11 +292,14 @@ func parseListen(listen string) (host string, port int, err error) {
 
 // busOptions returns the options to connect to the NATS of c (URL,
 // credential, TLS; behaviour.md R-BUS-4, R-BUS-8) under client name name, logging
-// to log. Every process that joins a mesh uses it.
-func busOptions(c config.Bus, name string, log *slog.Logger) bus.ConnectOptions {
+// to log; role is the bus role whose credential the process needs
+// (bus.RoleRouter, …, "" when it acts as several), which a refused
+// credential's error names. Every process that joins a mesh uses it.
+func busOptions(c config.Bus, name, role string, log *slog.Logger) bus.ConnectOptions {
 	return bus.ConnectOptions{
 		URL:       c.URL,
 		Name:      name,
+		Role:      role,
 		CredsFile: c.Creds,
 		TLSCA:     c.TLSCA,
 		TLSCert:   c.TLSCert,

@@ -3,6 +3,8 @@ package main
 import (
 	"bytes"
 	"context"
+	"io"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -11,6 +13,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/bus/bustest"
+	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
@@ -68,5 +71,63 @@ func TestBusSetupCommand(t *testing.T) {
 	}
 	if !strings.Contains(errOut.String(), "stream created") {
 		t.Errorf("bus setup's log does not say what it created:\n%s", errOut.String())
+	}
+}
+
+// TestMissingCredentialNamesTheRoleRBUS8 proves that a process refused by
+// a bus that enforces credentials (R-BUS-8: nats: Authorization
+// Violation) says what to set: NARWHAL_NATS_CREDS, and the file of its
+// own role among those `narwhal bus creds` writes — without a credential
+// and with one of another mesh. It runs against a real --auth server.
+func TestMissingCredentialNamesTheRoleRBUS8(t *testing.T) {
+	testkit.CheckLeaks(t)
+	dir := bustest.Credentials(t)
+	emb := bustest.StartWith(t, bus.EmbeddedOptions{Port: -1, AuthDir: dir})
+	t.Setenv("NARWHAL_NATS_URL", emb.ClientURL())
+	other := bustest.CredsFile(bustest.Credentials(t), bus.RoleRouter)
+	cfg := config.Default()
+	cfg.Bus.URL = emb.ClientURL()
+	cfg.Bus.ConnectTimeoutS = 5
+	log := slog.New(slog.DiscardHandler)
+	for _, creds := range []string{"", other} {
+		t.Setenv("NARWHAL_NATS_CREDS", creds)
+		cfg.Bus.Creds = creds
+		checks := []struct {
+			who, file string
+			run       func() error
+		}{
+			{"router", "router.creds", func() error {
+				_, _, err := joinBus(context.Background(), &cfg, "narwhal-router-t", bus.RoleRouter, log)
+				return err
+			}},
+			{"breaker", "breaker.creds", func() error {
+				_, _, err := joinBus(context.Background(), &cfg, "narwhal-breaker-t", bus.RoleBreaker, log)
+				return err
+			}},
+			{"events", "viewer.creds", func() error {
+				return runEvents(context.Background(), []string{"--connect-timeout", "5s"}, io.Discard, io.Discard)
+			}},
+			{"chaos list", "chaos.creds", func() error {
+				return runChaos(context.Background(), []string{"list", "--connect-timeout", "5s"}, io.Discard, io.Discard)
+			}},
+			{"fleet list", "admin.creds", func() error {
+				return runFleet(context.Background(), []string{"list"}, io.Discard, io.Discard)
+			}},
+		}
+		for _, c := range checks {
+			err := c.run()
+			if err == nil {
+				t.Errorf("%s with credential %q: no error against a bus that requires one", c.who, creds)
+				continue
+			}
+			msg := err.Error()
+			if !strings.Contains(strings.ToLower(msg), "authorization violation") || !strings.Contains(msg, "NARWHAL_NATS_CREDS") ||
+				!strings.Contains(msg, c.file) || !strings.Contains(msg, "narwhal bus creds") {
+				t.Errorf("%s with credential %q: %v\nwant the violation, NARWHAL_NATS_CREDS, %s and `narwhal bus creds`", c.who, creds, err, c.file)
+			}
+			if creds != "" && !strings.Contains(msg, creds) {
+				t.Errorf("%s: the error does not name the refused file %s: %v", c.who, creds, err)
+			}
+		}
 	}
 }

@@ -110,7 +110,7 @@ func connectChaos(ctx context.Context, c config.Bus, name string, bound time.Dur
 		cctx, cancel = context.WithTimeout(ctx, bound)
 		defer cancel()
 	}
-	b, err := bus.Connect(cctx, busOptions(c, name, log))
+	b, err := bus.Connect(cctx, busOptions(c, name, bus.RoleChaos, log))
 	if err != nil {
 		return nil, fmt.Errorf("bus %s: %w", redactNATSURL(c.URL), err)
 	}

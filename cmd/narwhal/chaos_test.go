@@ -380,7 +380,7 @@ func TestDevBus(t *testing.T) {
 		}
 	}
 	var banner bytes.Buffer
-	writeDevBanner(&banner, "http://127.0.0.1:8080", "narwhal", db)
+	writeDevBanner(&banner, "http://127.0.0.1:8080", "narwhal", db, config.Auth{})
 	if strings.Contains(banner.String(), "chaos") || !strings.Contains(banner.String(), "\nNARWHAL_NATS_URL="+url+" narwhal events\n") {
 		t.Errorf("banner without --chaos:\n%s", banner.String())
 	}
@@ -394,7 +394,7 @@ func TestDevBus(t *testing.T) {
 		t.Fatal(err)
 	}
 	banner.Reset()
-	writeDevBanner(&banner, "http://127.0.0.1:8080", "go run ./cmd/narwhal", db)
+	writeDevBanner(&banner, "http://127.0.0.1:8080", "go run ./cmd/narwhal", db, config.Auth{})
 	for _, want := range []string{"export NARWHAL_NATS_URL=" + url, "\ngo run ./cmd/narwhal chaos arm --engine decode-1 --fault http-status --param code=503\n",
 		"\nNARWHAL_NATS_URL=" + url + " go run ./cmd/narwhal events\n", proxyURL + " -> " + simURL} {
 		if !strings.Contains(banner.String(), want) {

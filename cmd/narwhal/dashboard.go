@@ -23,15 +23,17 @@ func init() {
 }
 
 // defaultDashboardListen is where `narwhal dashboard` and the dev stack
-// serve the fleet page: next to the dev router's 8080.
-const defaultDashboardListen = "127.0.0.1:8081"
+// serve the fleet page: 8090, clear of the routers' 8080, 8081 and 8082 of
+// the documentation and examples/mesh.sh, so that `narwhal dev` and the
+// mesh example run side by side.
+const defaultDashboardListen = "127.0.0.1:8090"
 
 // runDashboard is `narwhal dashboard [--listen HOST:PORT] [--config FILE]
 // [--connect-timeout DUR]` (behaviour.md §14, R-BUS-5): it follows the bus at
 // NARWHAL_NATS_URL (default nats://127.0.0.1:4222, with the credential and
 // TLS variables of the bus section; the viewer credential suffices and it
 // changes nothing on the bus, R-BUS-8) and serves the live fleet page on
-// --listen (default 127.0.0.1:8081). With --config, the file's bus
+// --listen (default 127.0.0.1:8090). With --config, the file's bus
 // section is used instead, and its fleet is listed even before the live
 // fleet's bucket names it. It prints the page's URL on stdout once it
 // serves.
@@ -88,7 +90,7 @@ func runDashboard(ctx context.Context, args []string, stdout, stderr io.Writer) 
 	if *bound > 0 {
 		connectCtx, cancel = context.WithTimeout(ctx, *bound)
 	}
-	b, err := bus.Connect(connectCtx, busOptions(busCfg, "narwhal-dashboard", log))
+	b, err := bus.Connect(connectCtx, busOptions(busCfg, "narwhal-dashboard", bus.RoleViewer, log))
 	cancel()
 	if err != nil {
 		if ctx.Err() != nil {

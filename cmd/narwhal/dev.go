@@ -43,16 +43,12 @@ const devBusConnectBound = 10 * time.Second
 // runDev is `narwhal dev [--listen HOST:PORT] [--chaos] [--dashboard
 // HOST:PORT]` (behaviour.md §14): embedded NATS on TCP (see startDevBus) with the
 // breaker on it, a router, two prefill and two decode simulators on free
-// ports, the live fleet page (default 127.0.0.1:8081), and a banner with a
+// ports, the live fleet page (default 127.0.0.1:8090), and a banner with a
 // ready-to-paste curl and the page's URL. With --chaos a chaos proxy
 // stands in front of each simulator. Ctrl-C stops everything.
 func runDev(ctx context.Context, args []string) error {
-	fs := flag.NewFlagSet("narwhal dev", flag.ContinueOnError)
-	listen := fs.String("listen", "127.0.0.1:8080", "HOST:PORT for the router")
-	ttft := fs.Duration("ttft", 0, "simulated time to first token of each decode")
-	itl := fs.Duration("itl", 0, "simulated inter-token latency")
-	chaosMode := fs.Bool("chaos", false, "put a chaos proxy in front of every simulator, armed with narwhal chaos arm (docs/chaos.md)")
-	page := fs.String("dashboard", defaultDashboardListen, "`HOST:PORT` for the live fleet page (a free port when taken; empty: none)")
+	fs, f := newDevFlags()
+	listen, ttft, itl, chaosMode, page := f.listen, f.ttft, f.itl, f.chaos, f.page
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -121,27 +117,73 @@ func runDev(ctx context.Context, args []string) error {
 	}
 	self := selfCommand(os.Args[0])
 	return runRouterWith(ctx, routerRun{cfg: cfg, listen: *listen, log: log, reg: db.reg, onReady: func(base string) {
-		writeDevBanner(os.Stdout, base, self, db)
+		writeDevBanner(os.Stdout, base, self, db, cfg.Auth)
 	}})
+}
+
+// devKeyVar is the variable the dev banner's curl reads a client API key
+// from when client authentication is on: the one the OpenAI SDKs read, so
+// that a client started from the same shell is authenticated too.
+const devKeyVar = "OPENAI_API_KEY"
+
+// devFlags are the flags of `narwhal dev`.
+type devFlags struct {
+	listen, page *string
+	ttft, itl    *time.Duration
+	chaos        *bool
+}
+
+// newDevFlags defines the flags of `narwhal dev` on a new flag set (README
+// names them; a test checks that each one it names exists).
+func newDevFlags() (*flag.FlagSet, *devFlags) {
+	fs := flag.NewFlagSet("narwhal dev", flag.ContinueOnError)
+	return fs, &devFlags{
+		listen: fs.String("listen", "127.0.0.1:8080", "HOST:PORT for the router"),
+		ttft:   fs.Duration("ttft", 0, "simulated time to first token of each decode"),
+		itl:    fs.Duration("itl", 0, "simulated inter-token latency"),
+		chaos:  fs.Bool("chaos", false, "put a chaos proxy in front of every simulator, armed with narwhal chaos arm (docs/chaos.md)"),
+		page:   fs.String("dashboard", defaultDashboardListen, "`HOST:PORT` for the live fleet page (a free port when taken; empty: none)"),
+	}
 }
 
 // writeDevBanner writes the ready message of `narwhal dev` for the router
 // at base: the curl to paste, where to look, and — with --chaos — the
 // proxies and how to arm them. Every command line spells the binary as
-// self.
-func writeDevBanner(w io.Writer, base, self string, db *devBus) {
+// self. With API keys in auth (NARWHAL_AUTH_API_KEYS_FILE, behaviour.md
+// R-API-9) it says that authentication is on, names the keys and prints
+// the curl with "Authorization: Bearer $OPENAI_API_KEY": the router holds
+// only the keys' SHA-256, never a key, so the banner cannot print one and
+// prints no digest either; the user exports the key they hold.
+func writeDevBanner(w io.Writer, base, self string, db *devBus, auth config.Auth) {
 	natsURL := redactNATSURL(db.natsURL)
-	fmt.Fprintf(w, `
-Narwhal dev stack is up: router %[1]s, 2 prefill + 2 decode simulators.
-Try a streamed chat completion (prefill on one sim, KV pulled by a decode sim):
+	fmt.Fprintf(w, "\nNarwhal dev stack is up: router %s, 2 prefill + 2 decode simulators.\n", base)
+	bearer := ""
+	if len(auth.APIKeys) > 0 {
+		names := make([]string, len(auth.APIKeys))
+		for i, k := range auth.APIKeys {
+			names[i] = k.Name
+		}
+		from := ""
+		if auth.APIKeysFile != "" {
+			from = " from " + auth.APIKeysFile
+		}
+		fmt.Fprintf(w, `Client authentication is on: %[1]d API key(s)%[2]s (%[3]s); every /v1/ request needs one.
+Narwhal keeps only their SHA-256, so export the key you hold for %[4]s (the curl below and the OpenAI SDKs read it):
 
-curl -N %[1]s/v1/chat/completions -H 'Content-Type: application/json' -d '{"model":"%[2]s","messages":[{"role":"user","content":"Hello, narwhal!"}],"stream":true,"max_tokens":16}'
+export %[5]s='<the key of %[4]s>'
+
+`, len(names), from, strings.Join(names, ", "), names[0], devKeyVar)
+		bearer = ` -H "Authorization: Bearer $` + devKeyVar + `"`
+	}
+	fmt.Fprintf(w, `Try a streamed chat completion (prefill on one sim, KV pulled by a decode sim):
+
+curl -N %[1]s/v1/chat/completions%[5]s -H 'Content-Type: application/json' -d '{"model":"%[2]s","messages":[{"role":"user","content":"Hello, narwhal!"}],"stream":true,"max_tokens":16}'
 
 Metrics: %[1]s/metrics   Ready: %[1]s/readyz   Press Ctrl-C to stop.
 Follow the events from another terminal:
 
 NARWHAL_NATS_URL=%[3]s %[4]s events
-`, base, devModel, natsURL, self)
+`, base, devModel, natsURL, self, bearer)
 	if db.page != "" {
 		fmt.Fprintf(w, "\nWatch the fleet live in a browser: %s\n", db.page)
 	}
@@ -245,7 +287,7 @@ func startDevBus(ctx context.Context, cfg *config.Config, log *slog.Logger, port
 	}
 	cctx, cancel := context.WithTimeout(ctx, devBusConnectBound)
 	defer cancel()
-	b, err := bus.Connect(cctx, busOptions(cfg.Bus, "narwhal-dev", log))
+	b, err := bus.Connect(cctx, busOptions(cfg.Bus, "narwhal-dev", "", log))
 	if err != nil {
 		d.close()
 		return nil, fmt.Errorf("dev bus %s: %w", redactNATSURL(d.natsURL), err)

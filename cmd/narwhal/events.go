@@ -92,7 +92,7 @@ func runEvents(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	}
 	natsURL := busCfg.URL
 	var closing atomic.Bool // set at exit: closing the connection is no news
-	opts := busOptions(busCfg, "narwhal-events", slog.New(quietAfter{slog.NewTextHandler(stderr, nil), &closing}))
+	opts := busOptions(busCfg, "narwhal-events", bus.RoleViewer, slog.New(quietAfter{slog.NewTextHandler(stderr, nil), &closing}))
 	connectCtx, cancel := context.WithTimeout(ctx, *bound)
 	b, err := bus.Connect(connectCtx, opts)
 	cancel()

@@ -154,7 +154,7 @@ func runFleet(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 	cctx, cancel := context.WithTimeout(ctx, defaultEventsConnectBound)
-	b, err := bus.Connect(cctx, busOptions(busCfg, "narwhal-fleet", slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))))
+	b, err := bus.Connect(cctx, busOptions(busCfg, "narwhal-fleet", bus.RoleAdmin, slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))))
 	cancel()
 	if err != nil {
 		return fmt.Errorf("bus %s: %w", redactNATSURL(busCfg.URL), err)

@@ -34,16 +34,17 @@ func newLogger(cfg *config.Config, w io.Writer) *slog.Logger {
 // bus.connect_timeout_s, or for ever when that is 0 (R-BUS-8) — or else
 // starts an embedded NATS server with JetStream whose store is
 // NARWHAL_DATA_DIR (a fresh temporary folder, removed at exit, when that is
-// unset) and which sets itself up (behaviour.md R-BUS-4). The returned stop
-// function closes everything it started.
-func joinBus(ctx context.Context, cfg *config.Config, name string, log *slog.Logger) (*bus.Bus, func(), error) {
+// unset) and which sets itself up (behaviour.md R-BUS-4). role is the bus
+// role of the process (busOptions). The returned stop function closes
+// everything it started.
+func joinBus(ctx context.Context, cfg *config.Config, name, role string, log *slog.Logger) (*bus.Bus, func(), error) {
 	if url := cfg.Bus.URL; url != "" {
 		if d := cfg.Bus.ConnectTimeout(); d > 0 {
 			var cancel context.CancelFunc
 			ctx, cancel = context.WithTimeout(ctx, d)
 			defer cancel()
 		}
-		b, err := bus.Connect(ctx, busOptions(cfg.Bus, name, log))
+		b, err := bus.Connect(ctx, busOptions(cfg.Bus, name, role, log))
 		if err != nil {
 			return nil, nil, fmt.Errorf("bus %s: %w", redactNATSURL(url), err)
 		}
@@ -116,8 +117,11 @@ func runRouterWith(ctx context.Context, r routerRun) error {
 		return fmt.Errorf("listen %s: %w", listen, err)
 	}
 	defer ln.Close()
-	stopWaiting := router.ServeUnready(ln, cfg.Server, "bus unreachable", log)
-	b, stopBus, err := joinBus(ctx, cfg, "narwhal-router-"+cfg.Router.ID, log)
+	// Its 503s are counted and logged as the router's own answers are,
+	// and reach its narwhal_requests_total once it runs.
+	waited := &router.UnreadyAnswers{}
+	stopWaiting := router.ServeUnreadyCounted(ln, cfg.Server, "bus unreachable", log, waited)
+	b, stopBus, err := joinBus(ctx, cfg, "narwhal-router-"+cfg.Router.ID, bus.RoleRouter, log)
 	stopWaiting()
 	if err != nil {
 		return err
@@ -157,6 +161,7 @@ func runRouterWith(ctx context.Context, r routerRun) error {
 		Registry:       reg,
 		Logger:         log,
 		TracerProvider: tp,
+		UnreadyAnswers: waited,
 	})
 	if err != nil {
 		return err

@@ -87,6 +87,24 @@ func TestRouterSaysWhatItWaitsFor(t *testing.T) {
 	if s, b := getBody(client, "http://"+listen+"/v1/models"); s != http.StatusServiceUnavailable || !strings.Contains(b, "bus unreachable") {
 		t.Errorf("/v1/models while the bus is missing: %d %s", s, b)
 	}
+	// Its 503s are answers like any other: logged as each ends, and in
+	// narwhal_requests_total once the router runs.
+	for range 2 {
+		resp, err := client.Post("http://"+listen+"/v1/chat/completions", "application/json", strings.NewReader(`{}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("X-Request-Id") == "" {
+			t.Errorf("a completion while the bus is missing: %d X-Request-Id %q, want 503 with one", resp.StatusCode, resp.Header.Get("X-Request-Id"))
+		}
+	}
+	if n := strings.Count(logs.String(), "msg=\"request ended\""); n != 3 {
+		t.Errorf("%d request-ended lines for the 3 answers under /v1/:\n%s", n, logs.String())
+	}
+	if !strings.Contains(logs.String(), "status=503 outcome=not_ready") {
+		t.Errorf("no log line gives the 503's outcome:\n%s", logs.String())
+	}
 
 	// Deferred: the bus stops as the test returns, before the router does.
 	defer bustest.StartWith(t, bus.EmbeddedOptions{Port: busPort}).Shutdown()
@@ -96,6 +114,15 @@ func TestRouterSaysWhatItWaitsFor(t *testing.T) {
 	})
 	if !strings.Contains(logs.String(), "bus reachable") {
 		t.Errorf("no line says the bus was reached:\n%s", logs.String())
+	}
+	_, metrics := getBody(client, "http://"+listen+"/metrics")
+	for _, want := range []string{
+		`narwhal_requests_total{code="503",endpoint="/v1/chat/completions",key="none",model="other",outcome="not_ready"} 2`,
+		`narwhal_requests_total{code="503",endpoint="",key="none",model="other",outcome="not_ready"} 1`,
+	} {
+		if !strings.Contains(metrics, want) {
+			t.Errorf("/metrics of the ready router lacks %s", want)
+		}
 	}
 }
 
