@@ -231,4 +231,3 @@ func TestDefaultReleaseBound(t *testing.T) {
 		t.Errorf("released after %v, before the write bound %v: a reader on a slow link would be cut off too", took, b.writeBound)
 	}
 }
-
