@@ -233,6 +233,10 @@ func (b streamBounds) releaseBound(held int) time.Duration {
 //	/events      Server-Sent Events: "state" events, each a Snapshot as JSON
 //	/state       the Snapshot now, as JSON
 //	/healthz     200 "ok"
+//
+// Under another server than Serve's an event stream cannot reach its
+// connection and keeps the kernel's send buffer: a browser that does not
+// read then holds its place longer than the documented 14 s.
 func (d *Dashboard) Handler() http.Handler {
 	files := http.FileServerFS(d.static)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {

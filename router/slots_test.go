@@ -118,12 +118,12 @@ func TestStalledStreamsReleasedWithinBoundRAPI7RTMO6(t *testing.T) {
 	})
 }
 
-// TestStreamSendBufferIsRestored proves that a connection's small send
+// TestStreamSendBufferIsRestoredRTMO6 proves that a connection's small send
 // buffer lasts only while it carries a stream: a kept-alive connection
 // whose stream ended gets a large one back for its next responses (a
 // whole non-streamed response must be accepted within
 // server.stall_timeout_s).
-func TestStreamSendBufferIsRestored(t *testing.T) {
+func TestStreamSendBufferIsRestoredRTMO6(t *testing.T) {
 	var mu sync.Mutex
 	var conns []*net.TCPConn
 	s := newStackOn(t, pd(), nil, func(ln net.Listener) net.Listener { return recordingListener{ln, &mu, &conns} })
