@@ -45,8 +45,29 @@ const (
 	// alive.
 	maxQuiet = time.Second
 	// writeBound bounds each write to a browser; a browser that does not
-	// read loses its stream.
-	writeBound = 10 * time.Second
+	// read loses its stream once a write blocks this long.
+	writeBound = 5 * time.Second
+	// keepAliveEvery is the interval of the keep-alive comments of an
+	// event stream: the stream writes even when the fleet is silent, so a
+	// browser that does not read fills its buffers and its next write
+	// blocks.
+	keepAliveEvery = 2 * time.Second
+	// keepAliveBytes is the size of one keep-alive comment (an SSE line
+	// starting with ':', which the browser ignores).
+	keepAliveBytes = 8 << 10
+	// eventsSendBuffer is the kernel send buffer asked for an event
+	// stream's connection (SO_SNDBUF; Linux reserves twice it): what the
+	// kernel takes for a browser that does not read stays small, instead
+	// of growing to megabytes. A browser then gets at most 16 KiB a round
+	// trip: 80 KB/s at 200 ms, a snapshot of 1024 engines well within
+	// writeBound.
+	eventsSendBuffer = 8 << 10
+	// heldBytes is what the stream's writes may still hand the kernel
+	// once its browser stops reading, for the bound of a browser whose
+	// receive buffer holds at most 8 KiB (SO_RCVBUF 4096 on Linux): Linux's
+	// 16 KiB of send buffer for eventsSendBuffer and that receive buffer,
+	// rounded up.
+	heldBytes = 32 << 10
 	// shutdownBound bounds the graceful stop of the HTTP server.
 	shutdownBound = 5 * time.Second
 )
@@ -62,6 +83,7 @@ const ContentSecurityPolicy = "default-src 'none'; script-src 'self'; style-src 
 // concurrent use.
 type Dashboard struct {
 	st      *state
+	bounds  streamBounds
 	b       *bus.Bus
 	log     *slog.Logger
 	streams atomic.Int64
@@ -98,7 +120,7 @@ func New(opts Options) *Dashboard {
 	if err != nil {
 		panic(err) // the embedded folder exists: not reached
 	}
-	d := &Dashboard{st: newState(time.Now), b: b, log: log, static: static, start: time.Now()}
+	d := &Dashboard{st: newState(time.Now), b: b, log: log, static: static, start: time.Now(), bounds: defaultBounds()}
 	d.st.configure(opts.Fleet)
 	return d
 }
@@ -124,15 +146,7 @@ func (d *Dashboard) Serve(ctx context.Context, ln net.Listener) error {
 		defer wg.Done()
 		d.Run(ctx)
 	}()
-	srv := &http.Server{
-		Handler:           d.Handler(),
-		ReadHeaderTimeout: 10 * time.Second,
-		ReadTimeout:       10 * time.Second,
-		IdleTimeout:       90 * time.Second,
-		MaxHeaderBytes:    16 << 10,
-		BaseContext:       func(net.Listener) context.Context { return ctx },
-		ErrorLog:          slog.NewLogLogger(d.log.Handler(), slog.LevelDebug),
-	}
+	srv := d.server(ctx)
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
 	var err error
@@ -152,6 +166,65 @@ func (d *Dashboard) Serve(ctx context.Context, ln net.Listener) error {
 	return err
 }
 
+// server returns the HTTP server of Serve, whose requests' contexts
+// derive from ctx and carry their connection (connKey), so that an event
+// stream can make its send buffer small.
+func (d *Dashboard) server(ctx context.Context) *http.Server {
+	return &http.Server{
+		Handler:           d.Handler(),
+		ReadHeaderTimeout: 10 * time.Second,
+		ReadTimeout:       10 * time.Second,
+		IdleTimeout:       90 * time.Second,
+		MaxHeaderBytes:    16 << 10,
+		BaseContext:       func(net.Listener) context.Context { return ctx },
+		ConnContext: func(ctx context.Context, c net.Conn) context.Context {
+			return context.WithValue(ctx, connKey{}, c)
+		},
+		ErrorLog: slog.NewLogLogger(d.log.Handler(), slog.LevelDebug),
+	}
+}
+
+// connKey is the context key of a request's connection (a net.Conn).
+type connKey struct{}
+
+// streamBounds are the parts of the bound on how long a browser that does
+// not read holds one of the MaxStreams slots (releaseBound).
+type streamBounds struct {
+	writeBound     time.Duration // each write of the stream
+	keepAliveEvery time.Duration // between two keep-alive comments
+	keepAlive      []byte        // one keep-alive comment
+	sendBuffer     int           // SO_SNDBUF of the stream's connection; 0 leaves it
+}
+
+// defaultBounds are the bounds of New.
+func defaultBounds() streamBounds {
+	return streamBounds{writeBound: writeBound, keepAliveEvery: keepAliveEvery,
+		keepAlive: keepAliveComment(keepAliveBytes), sendBuffer: eventsSendBuffer}
+}
+
+// keepAliveComment returns an SSE comment of n bytes (at least 3): a
+// colon, spaces, and the blank line that ends it.
+func keepAliveComment(n int) []byte {
+	b := make([]byte, max(n, 3))
+	for i := range b {
+		b[i] = ' '
+	}
+	b[0], b[len(b)-2], b[len(b)-1] = ':', '\n', '\n'
+	return b
+}
+
+// releaseBound is how long after it connected a browser that reads
+// nothing keeps its slot, when held bytes of the stream fit in the
+// kernel's buffers before a write blocks: the keep-alive comments (the
+// snapshots only add to them) fill those buffers within
+// ceil(held/len(keepAlive)) intervals, the next write (a comment, or a
+// snapshot, which comes at least every maxQuiet) starts at most an
+// interval later, and it fails after writeBound.
+func (b streamBounds) releaseBound(held int) time.Duration {
+	fills := time.Duration((held + len(b.keepAlive) - 1) / len(b.keepAlive))
+	return fills*b.keepAliveEvery + min(b.keepAliveEvery, maxQuiet) + b.writeBound
+}
+
 // Handler returns the page's HTTP handler (GET and HEAD only; anything
 // else gets 405):
 //
@@ -160,6 +233,10 @@ func (d *Dashboard) Serve(ctx context.Context, ln net.Listener) error {
 //	/events      Server-Sent Events: "state" events, each a Snapshot as JSON
 //	/state       the Snapshot now, as JSON
 //	/healthz     200 "ok"
+//
+// Under another server than Serve's an event stream cannot reach its
+// connection and keeps the kernel's send buffer: a browser that does not
+// read then holds its place longer than the documented 14 s.
 func (d *Dashboard) Handler() http.Handler {
 	files := http.FileServerFS(d.static)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -196,7 +273,11 @@ func (d *Dashboard) Handler() http.Handler {
 
 // serveEvents streams snapshots to one browser: one at once, then one
 // after each change (at most every minPush) and at least every maxQuiet,
-// until the browser leaves or the server stops.
+// with a keep-alive comment every keepAliveEvery, until the browser
+// leaves, a write is not accepted within writeBound, or the server stops.
+// With the connection's small send buffer, a browser that reads nothing
+// gives its slot back within releaseBound (docs/observability.md, the
+// fleet page).
 func (d *Dashboard) serveEvents(w http.ResponseWriter, r *http.Request) {
 	if d.streams.Add(1) > MaxStreams {
 		d.streams.Add(-1)
@@ -205,6 +286,10 @@ func (d *Dashboard) serveEvents(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer d.streams.Add(-1)
+	bounds := d.bounds
+	if c, ok := r.Context().Value(connKey{}).(interface{ SetWriteBuffer(int) error }); ok && bounds.sendBuffer > 0 {
+		_ = c.SetWriteBuffer(bounds.sendBuffer)
+	}
 	rc := http.NewResponseController(w)
 	_ = rc.SetReadDeadline(time.Time{}) // a stream outlives the server's ReadTimeout
 	h := w.Header()
@@ -215,8 +300,15 @@ func (d *Dashboard) serveEvents(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	send := func(b []byte) bool {
-		_ = rc.SetWriteDeadline(time.Now().Add(writeBound))
+		_ = rc.SetWriteDeadline(time.Now().Add(bounds.writeBound))
 		if _, err := fmt.Fprintf(w, "event: state\ndata: %s\n\n", b); err != nil {
+			return false
+		}
+		return rc.Flush() == nil
+	}
+	keepAlive := func() bool {
+		_ = rc.SetWriteDeadline(time.Now().Add(bounds.writeBound))
+		if _, err := w.Write(bounds.keepAlive); err != nil {
 			return false
 		}
 		return rc.Flush() == nil
@@ -227,6 +319,8 @@ func (d *Dashboard) serveEvents(w http.ResponseWriter, r *http.Request) {
 	ctx := r.Context()
 	quiet := time.NewTimer(maxQuiet)
 	defer quiet.Stop()
+	keep := time.NewTicker(bounds.keepAliveEvery)
+	defer keep.Stop()
 	for {
 		changed := d.st.wait()
 		b, _ := d.st.snapshotJSON()
@@ -235,16 +329,32 @@ func (d *Dashboard) serveEvents(w http.ResponseWriter, r *http.Request) {
 		}
 		sent := time.Now()
 		quiet.Reset(maxQuiet)
-		select {
-		case <-ctx.Done():
+		if !awaitNext(ctx, changed, quiet.C, keep.C, keepAlive) {
 			return
-		case <-quiet.C:
-			continue
-		case <-changed:
 		}
 		// Gather the changes of the next moments into one snapshot.
 		if !pause.For(ctx, time.Until(sent.Add(minPush))) {
 			return
+		}
+	}
+}
+
+// awaitNext waits for the next snapshot's time — a change, or quiet —
+// sending a keep-alive comment at each tick of keep. It reports false
+// when ctx ended or a comment was not accepted.
+func awaitNext(ctx context.Context, changed <-chan struct{}, quiet, keep <-chan time.Time, keepAlive func() bool) bool {
+	for {
+		select {
+		case <-ctx.Done():
+			return false
+		case <-keep:
+			if !keepAlive() {
+				return false
+			}
+		case <-quiet:
+			return true
+		case <-changed:
+			return true
 		}
 	}
 }

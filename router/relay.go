@@ -43,10 +43,46 @@ type relayBody struct {
 	deadline time.Time     // the write deadline set last
 	unblock  func() bool   // stops the context's hold on the write deadline
 	ended    atomic.Bool   // the request's context ended: no more extensions
+	tcp      *net.TCPConn  // conn's TCP connection, whose send buffer is small while it streams
+}
+
+// Send buffers of a client connection that carries a stream (R-TMO-6,
+// docs/security.md#slow-readers).
+const (
+	// streamSendBuffer is the kernel send buffer (SO_SNDBUF; Linux
+	// reserves twice it, 32 KiB) asked for while the connection carries a
+	// stream: once its client stops reading, the router can hand the
+	// kernel only that much more (beyond what the client's receive window
+	// takes) before a write blocks and server.stall_timeout_s starts,
+	// where the kernel's own tuning would first take megabytes. A reading
+	// client still gets 32 KiB a round trip (320 KB/s at 100 ms), far
+	// beyond a decode engine's output.
+	streamSendBuffer = 16 << 10
+	// afterStreamSendBuffer is the send buffer the connection gets back
+	// once its stream ended, for the next responses on it (the kernel
+	// clamps it to net.core.wmem_max): a whole non-streamed response must
+	// be accepted within server.stall_timeout_s.
+	afterStreamSendBuffer = 4 << 20
+)
+
+// tcpConn returns the TCP connection under conn (through TLS), or nil.
+func tcpConn(conn net.Conn) *net.TCPConn {
+	for range 4 {
+		switch c := conn.(type) {
+		case *net.TCPConn:
+			return c
+		case interface{ NetConn() net.Conn }:
+			conn = c.NetConn()
+		default:
+			return nil
+		}
+	}
+	return nil
 }
 
 // newRelayBody returns the body of c's committed stream to the client on
-// conn, each write bounded by stall. Once the request's context ends (its
+// conn, each write bounded by stall, with conn's send buffer at
+// streamSendBuffer until Close. Once the request's context ends (its
 // deadline, R-TMO-5; the router's shutdown; the client's disconnect), the
 // client gets at most endGrace more to take what is left, the terminal
 // error event included: a stalled client never holds a request or a
@@ -54,6 +90,9 @@ type relayBody struct {
 func newRelayBody(c *call, conn net.Conn, stall time.Duration) *relayBody {
 	bp := relayBufPool.Get().(*[]byte)
 	r := &relayBody{c: c, bp: bp, buf: (*bp)[:0], conn: conn, stall: stall}
+	if r.tcp = tcpConn(conn); r.tcp != nil && r.tcp.SetWriteBuffer(streamSendBuffer) != nil {
+		r.tcp = nil
+	}
 	if conn != nil {
 		r.unblock = context.AfterFunc(c.ctx, func() {
 			r.ended.Store(true)
@@ -229,6 +268,10 @@ func (r *relayBody) Close() error {
 	if r.unblock != nil {
 		r.unblock()
 		r.unblock = nil
+	}
+	if r.tcp != nil {
+		_ = r.tcp.SetWriteBuffer(afterStreamSendBuffer)
+		r.tcp = nil
 	}
 	r.c.finish()
 	if r.bp != nil && cap(r.buf) <= 1<<20 {
