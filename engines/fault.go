@@ -87,6 +87,12 @@ const (
 	// KindShutdown: the router is shutting down and its grace period ran
 	// out. 503, not counted.
 	KindShutdown FaultKind = "router_shutdown"
+	// KindHandoffRefused: the consumer answered a 4xx whose error names a
+	// field the router wrote for the handoff (behaviour.md R-FAIL-10,
+	// HandoffRefusal): the pair's fault, not the client's. 502 naming the
+	// consumer, transient (a retry may take another consumer), counts
+	// towards the consumer's ejection.
+	KindHandoffRefused FaultKind = "handoff_refused"
 )
 
 // Exact client messages from docs/behaviour.md.
@@ -140,6 +146,13 @@ type Fault struct {
 	RetryAfter time.Duration
 	// Cause is the underlying error, if any (for logs).
 	Cause error
+	// Detail is what was wrong, for the log, the failure event and
+	// preflight, never for the client (behaviour.md R-FAIL-10): for
+	// descriptor_rejected the field, the shape expected and a bounded,
+	// escaped excerpt of what was found (connector.RejectError.Report);
+	// for handoff_refused the engine's status and a bounded, escaped
+	// excerpt of its error. Empty for other faults. It is one line.
+	Detail string
 }
 
 // NewFault returns the classified fault of kind on phase of engineID.
@@ -211,7 +224,8 @@ func (f *Fault) MissingDescriptor() bool {
 	return f.Kind == KindDescriptorRejected && f.Rejection == connector.ReasonMissingDescriptor
 }
 
-// Error returns "<phase> <kind> on <engine>: <message>".
+// Error returns "<phase> <kind> on <engine>: <message>", followed by
+// " [<detail>]" when the fault has a Detail.
 func (f *Fault) Error() string {
 	s := f.Phase + " " + string(f.Kind)
 	if f.EngineID != "" {
@@ -220,7 +234,11 @@ func (f *Fault) Error() string {
 	if f.UpstreamStatus != 0 {
 		s += " (upstream " + strconv.Itoa(f.UpstreamStatus) + ")"
 	}
-	return s + ": " + f.Message
+	s += ": " + f.Message
+	if f.Detail != "" {
+		s += " [" + f.Detail + "]"
+	}
+	return s
 }
 
 // Unwrap returns the underlying cause.
@@ -244,7 +262,7 @@ func (f *Fault) Transient() bool {
 	switch f.Kind {
 	case KindConnectError, KindPrefillTimeout, KindPrefillResponse, KindDescriptorRejected, KindHandoffExpired,
 		KindFirstTokenTimeout, KindMidStreamSilence, KindClosedBeforeDone, KindDoneBeforeToken, KindInvalidStream,
-		KindEngineUnauthorized:
+		KindEngineUnauthorized, KindHandoffRefused:
 		return true
 	case KindPrefillStatus, KindUpstreamStatus, KindErrorObject:
 		return f.Status >= 500
