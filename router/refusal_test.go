@@ -136,3 +136,38 @@ func TestDecodeClientFaultsStayTheClientsRFAIL10(t *testing.T) {
 		})
 	}
 }
+
+// TestRejectedDescriptorSaysWhatWasWrongRFAIL10: a rejected descriptor's
+// failure event and log carry the field, the shape expected and an
+// excerpt of what was found; the client's message names the field only.
+func TestRejectedDescriptorSaysWhatWasWrongRFAIL10(t *testing.T) {
+	logw := &syncBuffer{}
+	s := refusalStack(t, "nixl", logw)
+	s.sims["p1"].Arm(sim.Fault{Kind: sim.FaultGarbleBlockIDs, Count: 1})
+	resp, body := s.post(schemas.EndpointChat, chatBody("garbled", `"stream":true,"max_tokens":4`))
+	if resp.StatusCode != 502 {
+		t.Fatalf("status %d: %s", resp.StatusCode, body)
+	}
+	e := errorBody(t, 502, body)
+	if e.Message != "handoff descriptor rejected: malformed block ids (kv_transfer_params.remote_block_ids)" {
+		t.Fatalf("client message %q", e.Message)
+	}
+	s.idle()
+	var f *schemas.Failure
+	for _, x := range s.events.failures() {
+		if x.Kind == "descriptor_rejected" {
+			f = x
+		}
+	}
+	if f == nil || f.EngineID != "p1" || !f.Counts {
+		t.Fatalf("failure events %+v", s.events.failures())
+	}
+	want := `kv_transfer_params.remote_block_ids: expected a non-empty JSON array of non-negative integers, or a non-empty array of such arrays, found an array holding a string: "[\"`
+	if !strings.HasPrefix(f.Detail, want) {
+		t.Fatalf("detail %q, want prefix %q", f.Detail, want)
+	}
+	if log := logw.String(); !strings.Contains(log, "kind=descriptor_rejected") || !strings.Contains(log, "found an array holding a string") {
+		t.Fatalf("the log does not say what was wrong:\n%s", log)
+	}
+	s.validEvents()
+}

@@ -394,6 +394,8 @@ func blockIDType(raw []byte) string {
 	switch t := connector.JSONType(raw); t {
 	case "number":
 		switch {
+		case isBlockID(raw):
+			return "a number"
 		case raw[0] == '-':
 			return "a negative number"
 		case bytes.ContainsAny(raw, ".eE"):
