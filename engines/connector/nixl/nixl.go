@@ -191,7 +191,8 @@ func (Nixl) CheckHandoff(legs connector.Legs, result *connector.PrefillResult, n
 		}
 		if result.Connector != d.Connector {
 			return &connector.RejectError{Reason: connector.ReasonConnectorMismatch,
-				Detail: "producer " + result.Connector + ", consumer " + d.Connector}
+				Detail: "producer " + result.Connector + ", consumer " + d.Connector, Field: "fleet[].connector",
+				Expected: "the producer's connector " + result.Connector, Found: "consumer " + d.ID + " of connector " + d.Connector}
 		}
 	}
 	if ep := legs.Request().Endpoint; result.Endpoint != ep {
