@@ -84,6 +84,48 @@ func TestDecodeRefusesHandoffRFAIL10(t *testing.T) {
 	}
 }
 
+// TestDecodeErrorObjectRefusesHandoffRFAIL10: SGLang answers a streamed
+// request's validation error as an error object inside its 200 stream; one
+// of a client-fault code naming a handoff field before the first output
+// refuses the handoff too, while one naming none keeps R-FAIL-4's status.
+func TestDecodeErrorObjectRefusesHandoffRFAIL10(t *testing.T) {
+	for _, c := range []struct {
+		name, message string
+		status        int
+		kind          string
+	}{
+		{"naming bootstrap_room", "bootstrap_room: Input should be a valid string", 502, "handoff_refused"},
+		{"naming nothing of the router's", "max_tokens must be at least 1", 400, ""},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			s := refusalStack(t, "sglang", &syncBuffer{})
+			s.sims["d1"].Arm(sim.Fault{Kind: sim.FaultErrorObject, Phase: sim.PhaseDecode, Status: 400, Message: c.message, Count: 1})
+			resp, body := s.post(schemas.EndpointChat, chatBody("error object", `"stream":true,"max_tokens":4`))
+			if resp.StatusCode != c.status {
+				t.Fatalf("status %d, want %d: %s", resp.StatusCode, c.status, body)
+			}
+			s.idle()
+			fs := s.events.failures()
+			if c.kind == "" {
+				for _, f := range fs {
+					if f.Counts {
+						t.Fatalf("a client's error object was counted: %+v", f)
+					}
+				}
+				return
+			}
+			e := errorBody(t, 502, body)
+			if want := "decode engine d1 refused the handoff from prefill engine p1 (error object code 400): its error names bootstrap_room"; !strings.HasPrefix(e.Message, want) {
+				t.Fatalf("message %q, want prefix %q", e.Message, want)
+			}
+			f := s.oneFailure("d1", schemas.PhaseDecode, c.kind, true)
+			if f.Detail != `decode engine d1 answered error object code 400: "`+c.message+`"` {
+				t.Fatalf("detail %q", f.Detail)
+			}
+		})
+	}
+}
+
 // TestDecodeClientFaultsStayTheClientsRFAIL10 proves the other side of
 // R-FAIL-10: a decode 4xx that does not name a handoff field the router
 // wrote — vLLM's context-length error, a bad sampling parameter, a word
