@@ -324,6 +324,7 @@ func TestNixlRejectionsSayWhatWasWrongRFAIL10(t *testing.T) {
 		{"string block ids", `{"remote_engine_id":"e","remote_block_ids":["17","x"]}`, "kv_transfer_params.remote_block_ids", "an array holding a string", `17`},
 		{"huge block ids", `{"remote_engine_id":"e","remote_block_ids":` + huge + `}`, "kv_transfer_params.remote_block_ids", "string", "AAAA"},
 		{"binary block ids", `{"remote_engine_id":"e","remote_block_ids":["\u0000\u001b[31m\ufffd"]}`, "kv_transfer_params.remote_block_ids", "an array holding a string", `\u001b`},
+		{"invalid utf8", "{\"remote_engine_id\":\"e\",\"remote_block_ids\":[\"\xff\xfe\xc3\"]}", "kv_transfer_params.remote_block_ids", "an array holding a string", `\xff\xfe`},
 		{"negative", `{"remote_engine_id":"e","remote_block_ids":[1,-2]}`, "kv_transfer_params.remote_block_ids", "an array holding a negative number", "-2"},
 		{"fraction", `{"remote_engine_id":"e","remote_block_ids":[1.5]}`, "kv_transfer_params.remote_block_ids", "an array holding a fraction or exponent", "1.5"},
 		{"mixed nesting", `{"remote_engine_id":"e","remote_block_ids":[[1],2]}`, "kv_transfer_params.remote_block_ids", "an array mixing arrays and a number", "[[1],2]"},
