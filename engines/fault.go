@@ -262,7 +262,9 @@ func (f *Fault) Transient() bool {
 	switch f.Kind {
 	case KindConnectError, KindPrefillTimeout, KindPrefillResponse, KindDescriptorRejected, KindHandoffExpired,
 		KindFirstTokenTimeout, KindMidStreamSilence, KindClosedBeforeDone, KindDoneBeforeToken, KindInvalidStream,
-		KindEngineUnauthorized, KindHandoffRefused:
+		KindEngineUnauthorized:
+		return true
+	case KindHandoffRefused:
 		return true
 	case KindPrefillStatus, KindUpstreamStatus, KindErrorObject:
 		return f.Status >= 500

@@ -92,6 +92,12 @@ func TestHandoffRefusalRFAIL10(t *testing.T) {
 			}
 		})
 	}
+	// A client that sent the handoff fields itself had them removed
+	// (R-API-5): the consumer still refused the router's.
+	stripped := refusalRequest(t, nixl.Nixl{}, `{"model":"m","messages":[{"role":"user","content":"hi"}],"kv_transfer_params":{"remote_block_ids":[1]},"bootstrap_room":1}`)
+	if f := HandoffRefusal(stripped, decodeClientFault(400, `{"error":{"message":"bad kv_transfer_params.remote_block_ids","code":400}}`)); f.Kind != KindHandoffRefused {
+		t.Fatalf("a refusal of the router's fields was the client's because the client had sent its own: %+v", f)
+	}
 	// Not a refusal: a producer's 4xx, a same-worker decode (no handoff
 	// field was written), a decode 5xx.
 	req := refusalRequest(t, nixl.Nixl{}, client)
