@@ -83,13 +83,17 @@ func (c *Client) newAttempt(ctx context.Context, req *Request, obs Observer) *At
 func (a *Attempt) Stream() *Stream { return a.stream }
 
 // Blame returns the fault that ends the attempt when its decode stream
-// failed with err before the first generated output: the decode's own, or
-// the other leg's that caused it (an SGLang prefill that failed first).
+// failed with err before the first generated output: the decode's own
+// (an error object naming a handoff field is handoff_refused, R-FAIL-10),
+// or the other leg's that caused it (an SGLang prefill that failed
+// first).
 func (a *Attempt) Blame(err error) *Fault {
 	if a.run != nil {
 		err = a.run.Blame(err)
 	}
-	return a.fault(err, schemas.PhaseDecode)
+	// An error object naming a handoff field before the first output
+	// refuses the handoff (behaviour.md R-FAIL-10).
+	return HandoffRefusal(a.req, a.fault(err, schemas.PhaseDecode))
 }
 
 // Commit tells the connector that the decode produced its first generated

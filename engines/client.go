@@ -305,6 +305,7 @@ func rejectFault(producerID string, err *connector.RejectError) *Fault {
 	f := NewFault(KindDescriptorRejected, schemas.PhasePrefill, producerID, 0, err.Error())
 	f.Rejection = err.Reason
 	f.Cause = err
+	f.Detail = err.Report()
 	return f
 }
 

@@ -95,6 +95,12 @@ const (
 	// Retry-After, not transient, not published, never towards ejection,
 	// no engine blamed.
 	KindRouterResources FaultKind = "router_resources"
+	// KindHandoffRefused: the consumer answered a 4xx whose error names a
+	// field the router wrote for the handoff (behaviour.md R-FAIL-10,
+	// HandoffRefusal): the pair's fault, not the client's. 502 naming the
+	// consumer, transient (a retry may take another consumer), counts
+	// towards the consumer's ejection.
+	KindHandoffRefused FaultKind = "handoff_refused"
 )
 
 // Exact client messages from docs/behaviour.md.
@@ -152,6 +158,13 @@ type Fault struct {
 	// one of the Resource* constants (resources.go); empty for every
 	// other kind.
 	Resource string
+	// Detail is what was wrong, for the log, the failure event and
+	// preflight, never for the client (behaviour.md R-FAIL-10): for
+	// descriptor_rejected the field, the shape expected and a bounded,
+	// escaped excerpt of what was found (connector.RejectError.Report);
+	// for handoff_refused the engine's status and a bounded, escaped
+	// excerpt of its error. Empty for other faults. It is one line.
+	Detail string
 }
 
 // NewFault returns the classified fault of kind on phase of engineID.
@@ -225,7 +238,8 @@ func (f *Fault) MissingDescriptor() bool {
 	return f.Kind == KindDescriptorRejected && f.Rejection == connector.ReasonMissingDescriptor
 }
 
-// Error returns "<phase> <kind> on <engine>: <message>".
+// Error returns "<phase> <kind> on <engine>: <message>", followed by
+// " [<detail>]" when the fault has a Detail.
 func (f *Fault) Error() string {
 	s := f.Phase + " " + string(f.Kind)
 	if f.EngineID != "" {
@@ -234,7 +248,11 @@ func (f *Fault) Error() string {
 	if f.UpstreamStatus != 0 {
 		s += " (upstream " + strconv.Itoa(f.UpstreamStatus) + ")"
 	}
-	return s + ": " + f.Message
+	s += ": " + f.Message
+	if f.Detail != "" {
+		s += " [" + f.Detail + "]"
+	}
+	return s
 }
 
 // Unwrap returns the underlying cause.
@@ -261,6 +279,8 @@ func (f *Fault) Transient() bool {
 	case KindConnectError, KindPrefillTimeout, KindPrefillResponse, KindDescriptorRejected, KindHandoffExpired,
 		KindFirstTokenTimeout, KindMidStreamSilence, KindClosedBeforeDone, KindDoneBeforeToken, KindInvalidStream,
 		KindEngineUnauthorized:
+		return true
+	case KindHandoffRefused:
 		return true
 	case KindPrefillStatus, KindUpstreamStatus, KindErrorObject:
 		return f.Status >= 500

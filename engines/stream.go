@@ -112,7 +112,7 @@ func (c *Client) openStream(ctx context.Context, req *Request, body []byte) (*St
 		return nil, f
 	}
 	if l.status()/100 != 2 {
-		f := c.statusFault(l.httpResponse(), schemas.PhaseDecode, consumer.ID)
+		f := HandoffRefusal(req, c.statusFault(l.httpResponse(), schemas.PhaseDecode, consumer.ID))
 		l.finish(false)
 		if cf := s.timerFault(); cf != nil {
 			f = cf

@@ -162,6 +162,10 @@ func appendDetails(b []byte, kind string, payload []byte) (_ []byte, ok bool) {
 		b = appendEnds(b, e.ProducerID, e.ConsumerID)
 		b = append(b, ' ')
 		b = strconv.AppendQuote(b, e.Message)
+		if e.Detail != "" {
+			b = append(b, " detail="...)
+			b = strconv.AppendQuote(b, e.Detail)
+		}
 		b = appendSource(b, e.Envelope, e.Attempt)
 	case *schemas.RequestCompleted:
 		b = strconv.AppendInt(b, int64(e.Status), 10)

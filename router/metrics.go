@@ -104,6 +104,7 @@ var engineFaultKinds = []engines.FaultKind{
 	engines.KindMidStreamSilence, engines.KindClosedBeforeDone, engines.KindDoneBeforeToken,
 	engines.KindErrorObject, engines.KindInvalidStream, engines.KindUpstreamStatus,
 	engines.KindEngineUnauthorized, engines.KindOverload,
+	engines.KindHandoffRefused,
 }
 
 // retryDenials are the values of narwhal_retries_denied_total's reason.

@@ -35,7 +35,15 @@ func (c *call) recordFault(f *engines.Fault) {
 	// An engine's message is as untrusted as a client's string: bounded in
 	// the log and the event (the client still gets it whole).
 	msg := schemas.BoundField(f.Message)
-	rt.log.Warn("engine fault", "request_id", c.id, "engine_id", f.EngineID, "phase", f.Phase, "kind", string(f.Kind), "status", f.Status, "msg", msg, "attempt", c.attempts)
+	// The detail (R-FAIL-10) is bounded and escaped where it is made
+	// (engines.Fault.Detail): one printable line.
+	detail := f.Detail
+	if detail == "" {
+		rt.log.Warn("engine fault", "request_id", c.id, "engine_id", f.EngineID, "phase", f.Phase, "kind", string(f.Kind), "status", f.Status, "msg", msg, "attempt", c.attempts)
+	} else {
+		rt.log.Warn("engine fault", "request_id", c.id, "engine_id", f.EngineID, "phase", f.Phase, "kind", string(f.Kind), "status", f.Status, "msg", msg, "attempt", c.attempts,
+			"upstream_status", f.UpstreamStatus, "detail", detail)
+	}
 	ev := &schemas.Failure{
 		Envelope:         schemas.Envelope{Schema: schemas.SchemaFailure, RouterID: rt.id, EngineID: f.EngineID, RequestID: c.id},
 		Phase:            f.Phase,
@@ -47,6 +55,7 @@ func (c *call) recordFault(f *engines.Fault) {
 		Counts:           f.CountsTowardEjection(),
 		BackendRequestID: c.backendID,
 		Attempt:          c.attempts,
+		Detail:           detail,
 	}
 	if c.producer != nil {
 		ev.ProducerID = c.producer.ID

@@ -190,6 +190,12 @@ type Failure struct {
 	BackendRequestID string `json:"backend_request_id,omitempty"`
 	// Attempt is the 1-based attempt number within the client request.
 	Attempt int `json:"attempt"`
+	// Detail is what was wrong, never shown to the client (behaviour.md
+	// R-FAIL-10): for descriptor_rejected the field, the shape expected
+	// and a bounded, escaped excerpt of what was found; for
+	// handoff_refused the engine's status and a bounded, escaped excerpt
+	// of its error. Absent for other kinds.
+	Detail string `json:"detail,omitempty"`
 }
 
 // Subject returns narwhal.events.failure.<engine_id>.

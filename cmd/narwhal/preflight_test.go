@@ -104,3 +104,34 @@ func TestPreflightNeedsConfig(t *testing.T) {
 		t.Fatalf("no --config: %v", err)
 	}
 }
+
+// TestPreflightSaysWhatWasWrongRFAIL10: a transfer whose descriptor is
+// rejected says the field, the shape expected and what was found, and
+// one whose consumer refuses the handoff names handoff_refused and what
+// the consumer said — each on its row, on one line.
+func TestPreflightSaysWhatWasWrongRFAIL10(t *testing.T) {
+	testkit.CheckLeaks(t)
+	path, sims := preflightFleet(t, [][2]string{{"p1", "prefill"}, {"d1", "decode"}})
+	sims["p1"].Arm(sim.Fault{Kind: sim.FaultGarbleBlockIDs})
+	var out bytes.Buffer
+	if err := runPreflight(context.Background(), []string{"--config", path}, &out); err == nil {
+		t.Fatalf("preflight passed a garbled descriptor\n%s", out.String())
+	}
+	row := `p1\s+d1\s+FAIL\s+\S+\s+prefill descriptor_rejected on p1: handoff descriptor rejected: malformed block ids \(kv_transfer_params.remote_block_ids\) ` +
+		`\[kv_transfer_params.remote_block_ids: expected .*, found an array holding a string: "\[\\"`
+	if !regexp.MustCompile(`(?m)^` + row).MatchString(out.String()) {
+		t.Fatalf("no row %q in\n%s", row, out.String())
+	}
+
+	sims["p1"].Disarm()
+	sims["d1"].Arm(sim.Fault{Kind: sim.FaultDecodeRefusesHandoff})
+	out.Reset()
+	if err := runPreflight(context.Background(), []string{"--config", path}, &out); err == nil {
+		t.Fatalf("preflight passed a consumer that refuses the handoff\n%s", out.String())
+	}
+	row = `p1\s+d1\s+FAIL\s+\S+\s+decode handoff_refused on d1 \(upstream 400\): decode engine d1 refused the handoff from prefill engine p1 \(HTTP 400\): ` +
+		`its error names kv_transfer_params.remote_block_ids, .* \[decode engine d1 answered HTTP 400: "json: cannot unmarshal number`
+	if !regexp.MustCompile(`(?m)^` + row).MatchString(out.String()) {
+		t.Fatalf("no row %q in\n%s", row, out.String())
+	}
+}

@@ -17,6 +17,7 @@ import (
 	"fmt"
 	"net/http"
 	"sort"
+	"strconv"
 	"sync"
 	"time"
 
@@ -240,23 +241,68 @@ const (
 )
 
 // RejectError is a rejected handoff descriptor or pairing (behaviour.md
-// R-DESC-6). Its Error text is the client-facing message "handoff
-// descriptor rejected: <reason>" followed, where useful, by a detail
-// after " (".
+// R-DESC-6, R-FAIL-10). Its Error text is the client-facing message
+// "handoff descriptor rejected: <reason>" followed, where useful, by the
+// field and a detail after " (" — never the value that was found (the
+// client must not see the producer's values); Report is the operator's
+// text with the expected shape, the JSON type found and a bounded,
+// escaped excerpt of the value.
 type RejectError struct {
 	// Reason is one of the Reason* constants.
 	Reason string
-	// Detail says what exactly was wrong; it may be empty.
+	// Detail says what exactly was wrong; it may be empty. It holds
+	// nothing of the producer's values.
 	Detail string
+	// Field is the JSON path of the member at fault, e.g.
+	// "kv_transfer_params.remote_block_ids"; empty when the rejection is
+	// about no one member (a pairing).
+	Field string
+	// Expected is the shape Field should have, e.g. "a non-empty JSON
+	// array of non-negative integers".
+	Expected string
+	// Found is what Field held: its JSON type (JSONType: "absent",
+	// "string", …), or more exactly what broke the shape (e.g. "an array
+	// holding a string").
+	Found string
+	// Excerpt is Excerpt(value, ValueExcerptBytes) of the value found;
+	// empty when there was none. It appears in Report, never in Error.
+	Excerpt string
 }
 
-// Error returns "handoff descriptor rejected: <reason>" with the detail in
-// parentheses when there is one.
+// Error returns "handoff descriptor rejected: <reason>", with the field
+// and the detail in parentheses when there are any.
 func (e *RejectError) Error() string {
-	if e.Detail == "" {
-		return "handoff descriptor rejected: " + e.Reason
+	s := "handoff descriptor rejected: " + e.Reason
+	switch {
+	case e.Field != "" && e.Detail != "":
+		s += " (" + e.Field + ": " + e.Detail + ")"
+	case e.Field != "":
+		s += " (" + e.Field + ")"
+	case e.Detail != "":
+		s += " (" + e.Detail + ")"
 	}
-	return "handoff descriptor rejected: " + e.Reason + " (" + e.Detail + ")"
+	return s
+}
+
+// Report returns what the log, the failure event and preflight show of
+// the rejection (behaviour.md R-FAIL-10): "<field>: expected <shape>,
+// found <type>: <excerpt>", as much of it as is known; "" when the
+// rejection names no field.
+func (e *RejectError) Report() string {
+	if e.Field == "" {
+		return ""
+	}
+	s := e.Field
+	if e.Expected != "" {
+		s += ": expected " + e.Expected
+	}
+	if e.Found != "" {
+		s += ", found " + e.Found
+	}
+	if e.Excerpt != "" {
+		s += ": " + e.Excerpt
+	}
+	return s
 }
 
 // Reject returns a *RejectError with reason and a detail formatted from
@@ -269,6 +315,21 @@ func Reject(reason, format string, args ...any) *RejectError {
 	return &RejectError{Reason: reason, Detail: d}
 }
 
+// RejectField returns a *RejectError with reason about the member at
+// path field: the shape expected, and what raw (the member's raw JSON,
+// nil when absent) held — its JSON type, or found when not empty — with
+// a bounded, escaped excerpt of raw (Excerpt, ValueExcerptBytes).
+func RejectField(reason, field, expected, found string, raw []byte) *RejectError {
+	if found == "" {
+		found = JSONType(raw)
+	}
+	e := &RejectError{Reason: reason, Field: field, Expected: expected, Found: found}
+	if raw != nil {
+		e.Excerpt = Excerpt(raw, ValueExcerptBytes)
+	}
+	return e
+}
+
 // Mismatch is the rejection of a pairing of producer and consumer of
 // different connectors (behaviour.md R-DESC-3, R-DESC-7, R-DESC-8), or
 // nil when they match.
@@ -276,7 +337,9 @@ func Mismatch(producer, consumer Engine) *RejectError {
 	if producer.Connector == consumer.Connector {
 		return nil
 	}
-	return &RejectError{Reason: ReasonConnectorMismatch, Detail: "producer " + producer.Connector + ", consumer " + consumer.Connector}
+	return &RejectError{Reason: ReasonConnectorMismatch, Detail: "producer " + producer.Connector + ", consumer " + consumer.Connector,
+		Field: "fleet[].connector", Expected: "the producer's connector " + strconv.Quote(producer.Connector),
+		Found: "consumer " + consumer.ID + " of connector " + strconv.Quote(consumer.Connector)}
 }
 
 var (

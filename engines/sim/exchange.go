@@ -175,7 +175,7 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request, kind end
 		s.count.decodes.Add(1)
 	}
 	s.count.promptTokens.Add(int64(x.promptTokens))
-	s.faults.take(&x.faults, targetInference, phase, x.prefillLeg, x.stream)
+	s.faults.take(&x.faults, targetInference, phase, x.prefillLeg, x.stream, x.decodeLeg)
 	s.count.active.Add(1)
 	defer s.count.active.Add(-1)
 	if !s.admit(ctx) {
@@ -523,6 +523,14 @@ func (x *exchange) send() bool {
 func (x *exchange) run() {
 	if f, ok := x.faults.get(fkHeaderDelay); ok && !x.sleep(ms(f.DelayMS)) {
 		x.abort()
+		return
+	}
+	if f, ok := x.faults.get(fkDecodeRefusesHandoff); ok {
+		msg := RefusalMessageNixl
+		if x.sglang {
+			msg = RefusalMessageSGLang
+		}
+		writeError(x.w, f.statusOr(http.StatusBadRequest), f.messageOr(msg))
 		return
 	}
 	if f, ok := x.faults.get(fkStatus); ok {

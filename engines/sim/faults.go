@@ -89,6 +89,27 @@ const (
 	// frame of code Status and [DONE] when streaming). On a shared-storage
 	// consumer it is its load from the shared store that fails.
 	FaultKVPullError = "kv-pull-error"
+	// FaultDecodeRefusesHandoff makes a decode leg that carries a handoff
+	// (a nixl descriptor in kv_transfer_params, or sglang bootstrap
+	// fields) refuse it before any work: HTTP Status (default 400) in
+	// vLLM's error shape, with Message or, by default, a message naming
+	// the handoff field as llm-d's vLLM simulator's does — nixl:
+	// "json: cannot unmarshal number into Go struct field
+	// .kv_transfer_params.remote_block_ids of type string"; sglang: a
+	// validation error of bootstrap_room (behaviour.md R-FAIL-10). A
+	// request without a handoff (same-worker, shared-storage) is not hit.
+	FaultDecodeRefusesHandoff = "decode-refuses-handoff"
+)
+
+// Default messages of FaultDecodeRefusesHandoff.
+const (
+	// RefusalMessageNixl is what llm-d's vLLM simulator answered a
+	// router's descriptor with (block ids decoded as strings).
+	RefusalMessageNixl = "json: cannot unmarshal number into Go struct field .kv_transfer_params.remote_block_ids of type string"
+	// RefusalMessageSGLang is a pydantic validation error of the
+	// bootstrap room, as a decode server that wants another type of it
+	// would answer.
+	RefusalMessageSGLang = "1 validation error for ChatCompletionRequest\nbootstrap_room\n  Input should be a valid string [type=string_type, input_type=int]"
 )
 
 // Fault phases (Fault.Phase). A request is a prefill leg when its
@@ -170,6 +191,7 @@ const (
 	fkRoomUnserved
 	fkKVRecompute
 	fkKVPullError
+	fkDecodeRefusesHandoff
 	numFaultKinds
 )
 
@@ -213,6 +235,8 @@ func faultKindOf(kind string) (faultKind, bool) {
 		return fkKVRecompute, true
 	case FaultKVPullError:
 		return fkKVPullError, true
+	case FaultDecodeRefusesHandoff:
+		return fkDecodeRefusesHandoff, true
 	}
 	return 0, false
 }
@@ -287,8 +311,9 @@ const (
 	targetModels
 )
 
-// appliesTo reports whether a fault of kind k can act on a request.
-func (k faultKind) appliesTo(t faultTarget, prefillLeg, stream bool) bool {
+// appliesTo reports whether a fault of kind k can act on a request;
+// handoff is whether it is a decode leg that carries a handoff.
+func (k faultKind) appliesTo(t faultTarget, prefillLeg, stream, handoff bool) bool {
 	switch k {
 	case fkHealthStatus:
 		return t == targetHealth
@@ -307,6 +332,8 @@ func (k faultKind) appliesTo(t faultTarget, prefillLeg, stream bool) bool {
 		return prefillLeg
 	case fkKVRecompute, fkKVPullError:
 		return !prefillLeg
+	case fkDecodeRefusesHandoff:
+		return handoff
 	}
 	return true
 }
@@ -386,8 +413,9 @@ func (fs *faultSet) snapshot() []Fault {
 }
 
 // take selects the faults that strike a request into dst (reset first),
-// spending one hit of each counted fault it selects.
-func (fs *faultSet) take(dst *activeFaults, t faultTarget, phase string, prefillLeg, stream bool) {
+// spending one hit of each counted fault it selects; handoff is whether
+// the request is a decode leg carrying a handoff.
+func (fs *faultSet) take(dst *activeFaults, t faultTarget, phase string, prefillLeg, stream, handoff bool) {
 	dst.has = 0
 	if fs.armed.Load() == 0 {
 		return
@@ -397,7 +425,7 @@ func (fs *faultSet) take(dst *activeFaults, t faultTarget, phase string, prefill
 	kept := fs.list[:0]
 	for _, a := range fs.list {
 		hit := dst.has&(1<<a.kind) == 0 &&
-			a.kind.appliesTo(t, prefillLeg, stream) &&
+			a.kind.appliesTo(t, prefillLeg, stream, handoff) &&
 			(t != targetInference || a.fault.Phase == "" || a.fault.Phase == PhaseAny || a.fault.Phase == phase)
 		if hit {
 			dst.has |= 1 << a.kind

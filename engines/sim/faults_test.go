@@ -440,3 +440,34 @@ func TestParseFaults(t *testing.T) {
 		}
 	}
 }
+
+// TestFaultDecodeRefusesHandoff: a decode leg carrying a descriptor is
+// refused with 400 in vLLM's shape, naming kv_transfer_params as llm-d's
+// simulator did (behaviour.md R-FAIL-10); prefill legs and decodes
+// without a handoff are not hit and do not spend the count.
+func TestFaultDecodeRefusesHandoff(t *testing.T) {
+	s, url := startEngine(t, Config{})
+	c := newClient(t)
+	s.Arm(Fault{Kind: FaultDecodeRefusesHandoff, Count: 1})
+	for _, body := range []map[string]any{chatBody("x"), chatBody("x", "kv_transfer_params", handoffRequest())} {
+		resp := post(t, c, url+"/v1/chat/completions", body)
+		if readBody(t, resp); resp.StatusCode != 200 {
+			t.Fatalf("a request without a handoff to consume was hit: %d", resp.StatusCode)
+		}
+	}
+	if f := s.Faults(); len(f) != 1 || f[0].Count != 1 {
+		t.Fatalf("armed %+v", f)
+	}
+	descriptor := map[string]any{"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": "p1",
+		"remote_block_ids": []int{1, 2}, "remote_host": "127.0.0.1", "remote_port": 1}
+	resp := post(t, c, url+"/v1/chat/completions", chatBody("x", "stream", true, "kv_transfer_params", descriptor))
+	if e := errorOf(t, resp.StatusCode, readBody(t, resp), 400); e.Message != RefusalMessageNixl || e.Type != "BadRequestError" {
+		t.Fatalf("refusal %+v", e)
+	}
+	if f := s.Faults(); len(f) != 0 {
+		t.Fatalf("spent fault still armed: %+v", f)
+	}
+	if _, err := ParseFaults([]byte(`{"kind":"decode-refuses-handoff","phase":"decode","status":422,"message":"bootstrap_room"}`)); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -641,7 +641,7 @@ func writeJSON(w http.ResponseWriter, v any) {
 // health-status fault's Status (default 503).
 func (s *Server) serveHealth(w http.ResponseWriter, r *http.Request) {
 	var af activeFaults
-	s.faults.take(&af, targetHealth, "", false, false)
+	s.faults.take(&af, targetHealth, "", false, false, false)
 	if f, ok := af.get(fkHealthStatus); ok {
 		status := f.statusOr(http.StatusServiceUnavailable)
 		if status == http.StatusOK {
@@ -671,7 +671,7 @@ func (s *Server) serveVersion(w http.ResponseWriter, r *http.Request) {
 // fault lists another model.
 func (s *Server) serveModels(w http.ResponseWriter, r *http.Request) {
 	var af activeFaults
-	s.faults.take(&af, targetModels, "", false, false)
+	s.faults.take(&af, targetModels, "", false, false, false)
 	model := s.cfg.Model
 	if f, ok := af.get(fkWrongModel); ok {
 		model = f.Message

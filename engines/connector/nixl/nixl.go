@@ -43,13 +43,33 @@ const Name = "nixl"
 
 func init() { connector.Register(Nixl{}) }
 
+// fieldDescriptor is the JSON path of the descriptor in a body.
+const fieldDescriptor = "kv_transfer_params"
+
 var handoffRequest = []byte(`{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)
 
 // Name returns "nixl".
 func (Nixl) Name() string { return Name }
 
 // Fields returns kv_transfer_params, the one member nixl writes.
-func (Nixl) Fields() []string { return []string{"kv_transfer_params"} }
+func (Nixl) Fields() []string { return []string{fieldDescriptor} }
+
+// HandoffMembers returns the paths of the members of kv_transfer_params
+// the router writes on the prefill leg (R-LEG-1) and forwards from the
+// descriptor on the decode leg (R-LEG-3): a decode engine's 4xx naming
+// one of them refuses the handoff (behaviour.md R-FAIL-10).
+func (Nixl) HandoffMembers() []string {
+	return []string{
+		fieldDescriptor + ".do_remote_decode",
+		fieldDescriptor + ".do_remote_prefill",
+		fieldDescriptor + ".remote_engine_id",
+		fieldDescriptor + ".remote_request_id",
+		fieldDescriptor + ".remote_block_ids",
+		fieldDescriptor + ".remote_host",
+		fieldDescriptor + ".remote_port",
+		fieldDescriptor + ".tp_size",
+	}
+}
 
 // CheckEngine accepts every role; a nixl engine has no bootstrap port.
 func (Nixl) CheckEngine(_ connector.Role, bootstrapPort int) (field, problem string) {
@@ -171,7 +191,8 @@ func (Nixl) CheckHandoff(legs connector.Legs, result *connector.PrefillResult, n
 		}
 		if result.Connector != d.Connector {
 			return &connector.RejectError{Reason: connector.ReasonConnectorMismatch,
-				Detail: "producer " + result.Connector + ", consumer " + d.Connector}
+				Detail: "producer " + result.Connector + ", consumer " + d.Connector, Field: "fleet[].connector",
+				Expected: "the producer's connector " + result.Connector, Found: "consumer " + d.ID + " of connector " + d.Connector}
 		}
 	}
 	if ep := legs.Request().Endpoint; result.Endpoint != ep {
@@ -249,7 +270,7 @@ func (Nixl) Validate(descriptor []byte) (connector.Handoff, error) {
 		return connector.Handoff{}, connector.Reject(connector.ReasonMissingDescriptor, "")
 	}
 	if d[0] != '{' {
-		return connector.Handoff{}, connector.Reject(connector.ReasonConnectorMismatch, "descriptor is not a JSON object")
+		return connector.Handoff{}, connector.RejectField(connector.ReasonConnectorMismatch, fieldDescriptor, "a JSON object", "", d)
 	}
 	var (
 		members                         int
@@ -276,24 +297,32 @@ func (Nixl) Validate(descriptor []byte) (connector.Handoff, error) {
 	})
 	switch {
 	case !valid:
-		return connector.Handoff{}, connector.Reject(connector.ReasonConnectorMismatch, "descriptor is not valid JSON")
+		return connector.Handoff{}, connector.RejectField(connector.ReasonConnectorMismatch, fieldDescriptor,
+			"a JSON object", "invalid JSON", d)
 	case members == 0:
 		return connector.Handoff{}, connector.Reject(connector.ReasonMissingDescriptor, "empty object")
 	case !nixlShaped:
-		return connector.Handoff{}, connector.Reject(connector.ReasonConnectorMismatch, "not a nixl descriptor")
+		return connector.Handoff{}, connector.RejectField(connector.ReasonConnectorMismatch, fieldDescriptor,
+			"a nixl descriptor (do_remote_prefill, remote_engine_id, remote_block_ids)", "an object with none of them", d)
 	case hasDoRemotePrefill && string(doRemotePrefill) != "true":
-		return connector.Handoff{}, connector.Reject(connector.ReasonConnectorMismatch, "do_remote_prefill is not true")
+		return connector.Handoff{}, connector.RejectField(connector.ReasonConnectorMismatch, fieldDescriptor+".do_remote_prefill",
+			"true", "", doRemotePrefill)
 	}
 	var h connector.Handoff
-	if !hasEngine || len(engine) < 3 || engine[0] != '"' {
-		return connector.Handoff{}, connector.Reject(connector.ReasonMissingIdentity, "")
+	const engineShape = "a non-empty JSON string"
+	switch {
+	case !hasEngine:
+		return connector.Handoff{}, connector.RejectField(connector.ReasonMissingIdentity, fieldDescriptor+".remote_engine_id", engineShape, "", nil)
+	case len(engine) < 3 || engine[0] != '"':
+		return connector.Handoff{}, connector.RejectField(connector.ReasonMissingIdentity, fieldDescriptor+".remote_engine_id", engineShape, "", engine)
 	}
 	if err := json.Unmarshal(engine, &h.EngineID); err != nil || h.EngineID == "" {
-		return connector.Handoff{}, connector.Reject(connector.ReasonMissingIdentity, "")
+		return connector.Handoff{}, connector.RejectField(connector.ReasonMissingIdentity, fieldDescriptor+".remote_engine_id", engineShape, "an invalid or empty string", engine)
 	}
-	n, ok := countBlockIDs(blocks)
-	if !ok {
-		return connector.Handoff{}, connector.Reject(connector.ReasonMalformedBlocks, "")
+	n, found := countBlockIDs(blocks)
+	if found != "" {
+		return connector.Handoff{}, connector.RejectField(connector.ReasonMalformedBlocks, fieldDescriptor+".remote_block_ids",
+			"a non-empty JSON array of non-negative integers, or a non-empty array of such arrays", found, blocks)
 	}
 	h.Blocks = n
 	if len(requestID) > 0 && requestID[0] == '"' {
@@ -304,14 +333,16 @@ func (Nixl) Validate(descriptor []byte) (connector.Handoff, error) {
 
 // countBlockIDs checks R-DESC-2 and returns the number of block ids: a
 // non-empty array of non-negative integers, or a non-empty array of such
-// arrays (KV-cache groups); nothing else.
-func countBlockIDs(raw []byte) (int, bool) {
+// arrays (KV-cache groups); nothing else. found is "" when raw fits, else
+// what broke the shape (e.g. "an array holding a string").
+func countBlockIDs(raw []byte) (n int, found string) {
 	raw = bytes.TrimSpace(raw)
-	if len(raw) < 3 || raw[0] != '[' {
-		return 0, false
+	if len(raw) == 0 || raw[0] != '[' {
+		return 0, connector.JSONType(raw)
 	}
-	total, elems, bad := 0, 0, false
+	total, elems := 0, 0
 	nested := false
+	found = ""
 	valid := schemas.Elements(raw, func(e []byte) bool {
 		elems++
 		if elems == 1 {
@@ -323,26 +354,62 @@ func countBlockIDs(raw []byte) (int, bool) {
 			ok := schemas.Elements(e, func(id []byte) bool {
 				inner++
 				if !isBlockID(id) {
-					bad = true
+					found = "an array of arrays holding " + blockIDType(id)
 					return false
 				}
 				return true
 			})
-			if !ok || inner == 0 {
-				bad = true
+			switch {
+			case found != "":
+			case !ok:
+				found = "an array holding invalid JSON"
+			case inner == 0:
+				found = "an array holding an empty array"
 			}
 			total += inner
 		case !nested && isBlockID(e):
 			total++
+		case nested:
+			found = "an array mixing arrays and " + blockIDType(e)
+		case e[0] == '[':
+			found = "an array mixing block ids and arrays"
 		default:
-			bad = true
+			found = "an array holding " + blockIDType(e)
 		}
-		return !bad
+		return found == ""
 	})
-	if !valid || bad || elems == 0 {
-		return 0, false
+	switch {
+	case found != "":
+		return 0, found
+	case !valid:
+		return 0, "invalid JSON"
+	case elems == 0:
+		return 0, "an empty array"
 	}
-	return total, true
+	return total, ""
+}
+
+// blockIDType says what a block id that is not one is: "a string", "a
+// negative number", "a fraction", "an out-of-range number", "null", ….
+func blockIDType(raw []byte) string {
+	switch t := connector.JSONType(raw); t {
+	case "number":
+		switch {
+		case isBlockID(raw):
+			return "a number"
+		case raw[0] == '-':
+			return "a negative number"
+		case bytes.ContainsAny(raw, ".eE"):
+			return "a fraction or exponent"
+		}
+		return "an out-of-range number"
+	case "null":
+		return "null"
+	case "array", "object":
+		return "an " + t
+	default:
+		return "a " + t
+	}
 }
 
 // isBlockID reports whether raw is a JSON integer literal ≥ 0 that fits

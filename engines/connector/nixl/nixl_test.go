@@ -311,3 +311,58 @@ func BenchmarkValidateDescriptor(b *testing.B) {
 		}
 	}
 }
+
+// TestNixlRejectionsSayWhatWasWrongRFAIL10: every rejection names the
+// field, the shape expected and what was found with a bounded, escaped
+// excerpt (Report), while the client's text names the field only — never
+// the producer's value.
+func TestNixlRejectionsSayWhatWasWrongRFAIL10(t *testing.T) {
+	huge := `"` + strings.Repeat("A", 1<<20) + `"`
+	cases := []struct {
+		name, descriptor, field, found, secret string
+	}{
+		{"string block ids", `{"remote_engine_id":"e","remote_block_ids":["17","x"]}`, "kv_transfer_params.remote_block_ids", "an array holding a string", `17`},
+		{"huge block ids", `{"remote_engine_id":"e","remote_block_ids":` + huge + `}`, "kv_transfer_params.remote_block_ids", "string", "AAAA"},
+		{"binary block ids", `{"remote_engine_id":"e","remote_block_ids":["\u0000\u001b[31m\ufffd"]}`, "kv_transfer_params.remote_block_ids", "an array holding a string", `\u001b`},
+		{"invalid utf8", "{\"remote_engine_id\":\"e\",\"remote_block_ids\":[\"\xff\xfe\xc3\"]}", "kv_transfer_params.remote_block_ids", "an array holding a string", `\xff\xfe`},
+		{"negative", `{"remote_engine_id":"e","remote_block_ids":[1,-2]}`, "kv_transfer_params.remote_block_ids", "an array holding a negative number", "-2"},
+		{"fraction", `{"remote_engine_id":"e","remote_block_ids":[1.5]}`, "kv_transfer_params.remote_block_ids", "an array holding a fraction or exponent", "1.5"},
+		{"mixed nesting", `{"remote_engine_id":"e","remote_block_ids":[[1],2]}`, "kv_transfer_params.remote_block_ids", "an array mixing arrays and a number", "[[1],2]"},
+		{"empty", `{"remote_engine_id":"e","remote_block_ids":[]}`, "kv_transfer_params.remote_block_ids", "an empty array", "[]"},
+		{"absent block ids", `{"remote_engine_id":"e"}`, "kv_transfer_params.remote_block_ids", "absent", ""},
+		{"engine id with quotes and newlines", `{"remote_engine_id":7,"remote_block_ids":[1]}`, "kv_transfer_params.remote_engine_id", "number", "7"},
+		{"empty engine id", `{"remote_engine_id":"","remote_block_ids":[1]}`, "kv_transfer_params.remote_engine_id", "string", ""},
+		{"hostile engine id", `{"remote_engine_id":{"\n\"x":"\ud800"},"remote_block_ids":[1]}`, "kv_transfer_params.remote_engine_id", "object", `\n`},
+		{"do_remote_prefill", `{"do_remote_prefill":"yes","remote_engine_id":"e","remote_block_ids":[1]}`, "kv_transfer_params.do_remote_prefill", "string", "yes"},
+		{"not an object", `["x"]`, "kv_transfer_params", "array", `x`},
+		{"other connector", `{"lmcache_key":"k\n"}`, "kv_transfer_params", "an object with none of them", "lmcache_key"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := Nixl{}.Validate([]byte(c.descriptor))
+			var re *connector.RejectError
+			if !errors.As(err, &re) {
+				t.Fatalf("error %v", err)
+			}
+			if re.Field != c.field || !strings.HasPrefix(re.Found, c.found) || re.Expected == "" {
+				t.Fatalf("rejection %+v, want field %s, found %q", re, c.field, c.found)
+			}
+			if !strings.Contains(re.Error(), "("+c.field) {
+				t.Fatalf("client text %q does not name the field", re.Error())
+			}
+			if c.secret != "" && strings.Contains(re.Error(), c.secret) {
+				t.Fatalf("client text %q shows the producer's value", re.Error())
+			}
+			rep := re.Report()
+			if !strings.HasPrefix(rep, c.field+": expected ") || !strings.Contains(rep, ", found "+re.Found) {
+				t.Fatalf("report %q", rep)
+			}
+			if c.secret != "" && !strings.Contains(rep, c.secret) {
+				t.Fatalf("report %q has no excerpt of the value (%q)", rep, c.secret)
+			}
+			if len(rep) > 600 || strings.ContainsAny(rep, "\n\r\x00\x1b") || !utf8.ValidString(rep) {
+				t.Fatalf("report is not one bounded, safe line (%d bytes): %q", len(rep), rep)
+			}
+		})
+	}
+}

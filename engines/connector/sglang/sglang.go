@@ -41,7 +41,9 @@ func init() { connector.Register(SGLang{}) }
 // Name returns "sglang".
 func (SGLang) Name() string { return Name }
 
-// Fields returns the bootstrap members the connector writes.
+// Fields returns the bootstrap members the connector writes. A decode
+// engine's 4xx naming one of them refuses the handoff (behaviour.md
+// R-FAIL-10).
 func (SGLang) Fields() []string {
 	return []string{"bootstrap_host", "bootstrap_port", "bootstrap_room"}
 }
@@ -168,7 +170,8 @@ func (SGLang) Start(ctx context.Context, legs connector.Legs) (connector.Run, er
 	}
 	if p.ID == d.ID {
 		return nil, &connector.RejectError{Reason: connector.ReasonConnectorMismatch,
-			Detail: "an " + Name + " engine cannot prefill for itself"}
+			Detail: "an " + Name + " engine cannot prefill for itself", Field: "bootstrap_host",
+			Expected: "a producer other than the consumer", Found: "producer and consumer are both " + p.ID}
 	}
 	req := legs.Request()
 	b, err := NewBootstrap(p, req.Prompts(), req.N)

@@ -1,0 +1,142 @@
+package connector
+
+import (
+	"bytes"
+	"strconv"
+	"strings"
+	"unicode/utf8"
+)
+
+// ValueExcerptBytes bounds the excerpt of a descriptor value a rejection
+// reports (RejectError.Excerpt): at most this many bytes of the value,
+// before escaping (behaviour.md R-FAIL-10).
+const ValueExcerptBytes = 64
+
+// Members is implemented by a connector whose handoff fields have members
+// of their own that travel with them (nixl: the members of
+// kv_transfer_params, written by the router on the prefill leg and
+// forwarded from the producer's descriptor on the decode leg).
+type Members interface {
+	// HandoffMembers returns the JSON paths of those members below the
+	// connector's Fields, e.g. "kv_transfer_params.remote_block_ids".
+	HandoffMembers() []string
+}
+
+// HandoffPaths returns the JSON paths of every body member c writes for a
+// handoff: its Fields and, when it implements Members, their members. A
+// consumer's error naming one of them refuses the handoff itself
+// (behaviour.md R-FAIL-10, NamedField).
+func HandoffPaths(c Connector) []string {
+	paths := append([]string(nil), c.Fields()...)
+	if m, ok := c.(Members); ok {
+		paths = append(paths, m.HandoffMembers()...)
+	}
+	return paths
+}
+
+// NamedField reports which handoff field an engine's error names
+// (behaviour.md R-FAIL-10): the deepest of paths (JSON paths such as
+// "kv_transfer_params" or "kv_transfer_params.remote_block_ids") whose
+// last element occurs in message as a whole word — not preceded or
+// followed by a letter, digit or underscore, so that "remote_port"
+// matches in ".kv_transfer_params.remote_port" or "'remote_port'" but
+// not in "my_remote_port" — and nowhere in request, not even inside a
+// longer word. request is what the client itself sent (the body without
+// the handoff fields, raw JSON): a name the client wrote too (a field of
+// its own, a logit_bias key, a stop string, its prompt) may be the
+// client's, so it never blames the pair. message is the engine's error
+// as text (not JSON-escaped: a "\n" before a name would hide it). It
+// returns "" when message names none of paths.
+func NamedField(paths []string, message, request []byte) string {
+	best, depth := "", 0
+	for _, p := range paths {
+		word := p[strings.LastIndexByte(p, '.')+1:]
+		if word == "" || !HasWord(message, word) || bytes.Contains(request, []byte(word)) {
+			continue
+		}
+		if d := strings.Count(p, ".") + 1; d > depth {
+			best, depth = p, d
+		}
+	}
+	return best
+}
+
+// HasWord reports whether word occurs in s as a whole word: neither
+// preceded nor followed by an ASCII letter, digit or underscore.
+func HasWord(s []byte, word string) bool {
+	if word == "" {
+		return false
+	}
+	for i := 0; i+len(word) <= len(s); {
+		j := bytes.Index(s[i:], []byte(word))
+		if j < 0 {
+			return false
+		}
+		at := i + j
+		end := at + len(word)
+		if (at == 0 || !wordByte(s[at-1])) && (end == len(s) || !wordByte(s[end])) {
+			return true
+		}
+		i = at + 1
+	}
+	return false
+}
+
+func wordByte(c byte) bool {
+	return c == '_' || c >= '0' && c <= '9' || c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z'
+}
+
+// Excerpt returns at most limit bytes of raw (cut back to a rune
+// boundary where raw is UTF-8 there), quoted as a Go string literal
+// (strconv.Quote): quotes, backslashes, newlines, control and
+// non-printable characters and invalid UTF-8 are escapes, so the result is
+// one printable, valid UTF-8 line whatever raw holds. A cut value is
+// followed by "…(+N bytes)". An empty raw gives `""`.
+func Excerpt(raw []byte, limit int) string {
+	if limit < 0 {
+		limit = 0
+	}
+	cut := raw
+	if len(raw) > limit {
+		n := limit
+		for n > limit-utf8.UTFMax && n > 0 && !utf8.RuneStart(raw[n]) {
+			n--
+		}
+		if !utf8.RuneStart(raw[n]) {
+			n = limit // not UTF-8 here: cut at the byte limit
+		}
+		cut = raw[:n]
+	}
+	s := strconv.Quote(string(cut))
+	if len(cut) < len(raw) {
+		s += "…(+" + strconv.Itoa(len(raw)-len(cut)) + " bytes)"
+	}
+	return s
+}
+
+// JSONType names the JSON type of raw, a JSON value (white space
+// around it allowed): "absent" for none, then "null", "boolean",
+// "number", "string", "array", "object", or "not JSON" for anything
+// else. Only the first byte is looked at (the value's validity is the
+// caller's).
+func JSONType(raw []byte) string {
+	raw = bytes.TrimSpace(raw)
+	if len(raw) == 0 {
+		return "absent"
+	}
+	switch c := raw[0]; {
+	case c == 'n':
+		return "null"
+	case c == 't', c == 'f':
+		return "boolean"
+	case c == '-', c >= '0' && c <= '9':
+		return "number"
+	case c == '"':
+		return "string"
+	case c == '[':
+		return "array"
+	case c == '{':
+		return "object"
+	}
+	return "not JSON"
+}

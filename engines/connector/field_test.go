@@ -1,0 +1,88 @@
+package connector
+
+import (
+	"strconv"
+	"strings"
+	"testing"
+	"unicode/utf8"
+)
+
+// TestExcerptHostileValuesRFAIL10: whatever a producer puts in a
+// descriptor, its excerpt is bounded, one line, valid UTF-8, and quoted
+// so that it cannot end the log field or the event string it is put in.
+func TestExcerptHostileValuesRFAIL10(t *testing.T) {
+	huge := []byte(`"` + strings.Repeat("x", 1<<20) + `"`)
+	cases := map[string][]byte{
+		"huge":         huge,
+		"binary":       {0, 1, 2, 0xff, 0xfe, '\a', '\b', 0x7f, 0x1b, '[', '3', '1', 'm'},
+		"quotes":       []byte(`"a\"b" "c" \" '`),
+		"newlines":     []byte("line1\nlevel=ERROR msg=forged\r\nline3"),
+		"invalid utf8": {'"', 0xc3, 0x28, 0xa0, 0xa1, 0xe2, 0x28, 0xa1, 0xf0, 0x28, 0x8c, 0xbc, '"'},
+		"cut rune":     []byte(strings.Repeat("a", ValueExcerptBytes-1) + "€€€"),
+		"bidi":         []byte("abc\u202edcba"),
+	}
+	for name, raw := range cases {
+		t.Run(name, func(t *testing.T) {
+			e := Excerpt(raw, ValueExcerptBytes)
+			if !utf8.ValidString(e) || strings.ContainsAny(e, "\n\r\x00\x1b\u202e") {
+				t.Fatalf("excerpt %q is not one safe line", e)
+			}
+			body, rest, _ := strings.Cut(e, "…(+")
+			s, err := strconv.Unquote(body)
+			if err != nil {
+				t.Fatalf("excerpt %q does not start with a quoted string: %v", e, err)
+			}
+			if len(s) > ValueExcerptBytes || !strings.HasPrefix(string(raw), s) {
+				t.Fatalf("excerpt %q is not a prefix of at most %d bytes", e, ValueExcerptBytes)
+			}
+			if len(raw) > ValueExcerptBytes {
+				if want := strconv.Itoa(len(raw)-len(s)) + " bytes)"; rest != want {
+					t.Fatalf("excerpt %q of a cut value does not say how much was cut (%q)", e, want)
+				}
+			} else if rest != "" || s != string(raw) {
+				t.Fatalf("excerpt %q of a short value is not the value", e)
+			}
+			if len(e) > 4*ValueExcerptBytes+32 {
+				t.Fatalf("excerpt of %d bytes", len(e))
+			}
+		})
+	}
+	if e := Excerpt([]byte(strings.Repeat("a", ValueExcerptBytes-1)+"€"), ValueExcerptBytes); strings.Contains(e, `\x`) {
+		t.Fatalf("a rune cut in half: %q", e)
+	}
+}
+
+func TestNamedFieldWholeWordsRFAIL10(t *testing.T) {
+	paths := []string{"kv_transfer_params", "kv_transfer_params.remote_block_ids", "kv_transfer_params.remote_host", "bootstrap_room"}
+	cases := []struct{ message, request, want string }{
+		{"json: cannot unmarshal number into Go struct field .kv_transfer_params.remote_block_ids of type string", `{}`, "kv_transfer_params.remote_block_ids"},
+		{"invalid kv_transfer_params", `{}`, "kv_transfer_params"},
+		{"remote_block_ids must be a list", `{}`, "kv_transfer_params.remote_block_ids"},
+		{`{"detail":[{"loc":["body","bootstrap_room"],"msg":"bad"}]}`, `{}`, "bootstrap_room"},
+		{"1 validation error\nbootstrap_room\n  Input should be", `{}`, "bootstrap_room"},
+		{"my_kv_transfer_params is unknown", `{}`, ""},
+		{"kv_transfer_params2 is unknown", `{}`, ""},
+		{"This model's maximum context length is 32768 tokens", `{}`, ""},
+		{"logit_bias.remote_host: not a token", `{"logit_bias":{"remote_host":1}}`, ""},
+		{"bad bootstrap_room", `{"messages":[{"content":"what is a bootstrap_room_x"}]}`, ""},
+		{"", `{}`, ""},
+	}
+	for _, c := range cases {
+		if got := NamedField(paths, []byte(c.message), []byte(c.request)); got != c.want {
+			t.Errorf("NamedField(%q, %s) = %q, want %q", c.message, c.request, got, c.want)
+		}
+	}
+}
+
+func TestRejectFieldReportRFAIL10(t *testing.T) {
+	e := RejectField(ReasonMalformedBlocks, "kv_transfer_params.remote_block_ids", "an array", "", []byte(`"17\n"`))
+	if got, want := e.Error(), "handoff descriptor rejected: malformed block ids (kv_transfer_params.remote_block_ids)"; got != want {
+		t.Fatalf("client text %q, want %q", got, want)
+	}
+	if got, want := e.Report(), `kv_transfer_params.remote_block_ids: expected an array, found string: "\"17\\n\""`; got != want {
+		t.Fatalf("report %q, want %q", got, want)
+	}
+	if JSONType(nil) != "absent" || JSONType([]byte(" -1")) != "number" || JSONType([]byte("tru")) != "boolean" || JSONType([]byte("x")) != "not JSON" {
+		t.Fatal("JSONType")
+	}
+}
