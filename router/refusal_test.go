@@ -145,6 +145,11 @@ func TestDecodeClientFaultsStayTheClientsRFAIL10(t *testing.T) {
 		{"a longer word", "nixl", sim.PhaseDecode, 400, "my_kv_transfer_params_x is not a known option; remote_block_ids2 either", ""},
 		{"the client's own word", "nixl", sim.PhaseDecode, 400, "logit_bias: remote_host is not a token id", `"logit_bias":{"remote_host":1}`},
 		{"the client's prompt", "sglang", sim.PhaseDecode, 422, "bootstrap_room: the prompt is not allowed", ""},
+		// vLLM answers a model validator's error (top_logprobs without
+		// logprobs, which the prefill leg never carries) with the body it
+		// got, the router's kv_transfer_params in it as keys.
+		{"vllm echoes the decode body", "nixl", sim.PhaseDecode, 400, "1 validation error:\n  {'type': 'value_error', 'loc': ('body',), 'msg': 'Value error, when using `top_logprobs`, `logprobs` must be set to true.', " +
+			"'input': {'model': 'm', 'top_logprobs': 2, 'stream': True, 'kv_transfer_params': {'do_remote_decode': False, 'do_remote_prefill': True, 'remote_engine_id': 'p1', 'remote_block_ids': [0], 'remote_host': '127.0.0.1', 'remote_port': 5555}}}", ""},
 		{"producer's own 400", "nixl", sim.PhasePrefill, 400, sim.RefusalMessageNixl, ""},
 		{"sglang producer's own 400", "sglang", sim.PhasePrefill, 400, sim.RefusalMessageSGLang, ""},
 	}

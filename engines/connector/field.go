@@ -44,14 +44,20 @@ func HandoffPaths(c Connector) []string {
 // longer word. request is what the client itself sent (the body without
 // the handoff fields, raw JSON): a name the client wrote too (a field of
 // its own, a logit_bias key, a stop string, its prompt) may be the
-// client's, so it never blames the pair. message is the engine's error
-// as text (not JSON-escaped: a "\n" before a name would hide it). It
-// returns "" when message names none of paths.
+// client's, so it never blames the pair. A name as the key of an object
+// — followed by a closing quote and a colon, as in "'remote_host': " or
+// `"bootstrap_room":` — does not count: that is the engine echoing the
+// body it got (vLLM's and SGLang's validation errors repeat the whole
+// request as pydantic's input when a check of the request as a whole
+// fails, e.g. top_logprobs without logprobs), the router's fields
+// among the client's, not naming what it refused. message is the
+// engine's error as text (not JSON-escaped: a "\n" before a name would
+// hide it). It returns "" when message names none of paths.
 func NamedField(paths []string, message, request []byte) string {
 	best, depth := "", 0
 	for _, p := range paths {
 		word := p[strings.LastIndexByte(p, '.')+1:]
-		if word == "" || !HasWord(message, word) || bytes.Contains(request, []byte(word)) {
+		if word == "" || !namesWord(message, word) || bytes.Contains(request, []byte(word)) {
 			continue
 		}
 		if d := strings.Count(p, ".") + 1; d > depth {
@@ -80,6 +86,39 @@ func HasWord(s []byte, word string) bool {
 		i = at + 1
 	}
 	return false
+}
+
+// namesWord reports whether word occurs in s as a whole word (HasWord)
+// somewhere other than as the key of an echoed object: not followed by a
+// closing quote (' or ", escaped or not) and, after spaces, a colon.
+func namesWord(s []byte, word string) bool {
+	for i := 0; i+len(word) <= len(s); {
+		j := bytes.Index(s[i:], []byte(word))
+		if j < 0 {
+			return false
+		}
+		at := i + j
+		end := at + len(word)
+		if (at == 0 || !wordByte(s[at-1])) && (end == len(s) || !wordByte(s[end])) && !keyAt(s[end:]) {
+			return true
+		}
+		i = at + 1
+	}
+	return false
+}
+
+// keyAt reports whether rest, what follows a name, closes it as an
+// object's key: a quote (' or ", or \" inside a JSON string), spaces,
+// then a colon.
+func keyAt(rest []byte) bool {
+	if len(rest) > 0 && rest[0] == '\\' {
+		rest = rest[1:]
+	}
+	if len(rest) == 0 || rest[0] != '\'' && rest[0] != '"' {
+		return false
+	}
+	rest = bytes.TrimLeft(rest[1:], " \t\r\n")
+	return len(rest) > 0 && rest[0] == ':'
 }
 
 func wordByte(c byte) bool {
