@@ -150,6 +150,7 @@ func TestDecodeClientFaultsStayTheClientsRFAIL10(t *testing.T) {
 		// got, the router's kv_transfer_params in it as keys.
 		{"vllm echoes the decode body", "nixl", sim.PhaseDecode, 400, "1 validation error:\n  {'type': 'value_error', 'loc': ('body',), 'msg': 'Value error, when using `top_logprobs`, `logprobs` must be set to true.', " +
 			"'input': {'model': 'm', 'top_logprobs': 2, 'stream': True, 'kv_transfer_params': {'do_remote_decode': False, 'do_remote_prefill': True, 'remote_engine_id': 'p1', 'remote_block_ids': [0], 'remote_host': '127.0.0.1', 'remote_port': 5555}}}", ""},
+		{"the client's own word, escaped", "nixl", sim.PhaseDecode, 400, "[{'type': 'string_type', 'loc': ('body', 'user'), 'input': ['remote_host']}]", `"user":["\u0072emote_host"]`},
 		{"producer's own 400", "nixl", sim.PhasePrefill, 400, sim.RefusalMessageNixl, ""},
 		{"sglang producer's own 400", "sglang", sim.PhasePrefill, 400, sim.RefusalMessageSGLang, ""},
 	}

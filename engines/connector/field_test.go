@@ -74,6 +74,12 @@ func TestNamedFieldWholeWordsRFAIL10(t *testing.T) {
 		{"logit_bias.remote_host: not a token", `{"logit_bias":{"remote_host":1}}`, ""},
 		{"bad bootstrap_room", `{"messages":[{"content":"what is a bootstrap_room_x"}]}`, ""},
 		{"", `{}`, ""},
+		// The client's strings as the engine read them: a JSON escape
+		// does not hide a name the client wrote.
+		{"[{'type': 'int_parsing', 'loc': ('body', 'top_logprobs'), 'input': 'remote_host'}]", `{"top_logprobs":"\u0072emote_host"}`, ""},
+		{"logit_bias: remote_host is not a token", `{"logit_bias":{"\u0072emote_\u0048ost":1,"remote\u005fhost":2}}`, ""},
+		{"bad remote_host", `{"stop":["a\\u0072emote_host"]}`, "kv_transfer_params.remote_host"},
+		{"bad remote_host", `{"stop":["\u0041"]}`, "kv_transfer_params.remote_host"},
 		// vLLM's and SGLang's validation handler answers a model
 		// validator's error (the client's top_logprobs without logprobs)
 		// with pydantic's errors, whose input is the whole body the engine
