@@ -218,4 +218,24 @@ func TestRejectedDescriptorSaysWhatWasWrongRFAIL10(t *testing.T) {
 		t.Fatalf("the log does not say what was wrong:\n%s", log)
 	}
 	s.validEvents()
+
+	// R-DESC-0: a prefill answer whose descriptor is null says so too.
+	s.sims["p1"].Arm(sim.Fault{Kind: sim.FaultNoDescriptor, Count: 1})
+	resp, body = s.post(schemas.EndpointChat, chatBody("no descriptor", `"stream":true,"max_tokens":4`))
+	if e := errorBody(t, 502, body); resp.StatusCode != 502 || e.Message != "handoff descriptor rejected: missing descriptor (kv_transfer_params)" {
+		t.Fatalf("status %d, client message %q", resp.StatusCode, e.Message)
+	}
+	s.idle()
+	var missing *schemas.Failure
+	for _, x := range s.events.failures() {
+		if x.Kind == "descriptor_rejected" && x != f {
+			missing = x
+		}
+	}
+	if missing == nil || missing.Detail != `kv_transfer_params: expected the producer's descriptor, a non-empty JSON object, found null: "null"` {
+		t.Fatalf("failure event of a missing descriptor %+v", missing)
+	}
+	if log := logw.String(); !strings.Contains(log, `detail="kv_transfer_params: expected the producer's descriptor, a non-empty JSON object, found null: \"null\""`) {
+		t.Fatalf("the log does not say the descriptor was null:\n%s", log)
+	}
 }
