@@ -147,8 +147,11 @@ func namesWord(s []byte, word string) bool {
 }
 
 // keyAt reports whether rest, what follows a name, closes it as an
-// object's key: a quote (' or ", or \" inside a JSON string), spaces,
-// then a colon.
+// object's key with its value: a quote (' or ", or \" inside a JSON
+// string), spaces, a colon, spaces, then the start of a JSON or Python
+// value of the kind the router writes (a string, a number, an array or
+// object, true/false/null, True/False/None) — so that "'remote_host':
+// required", a message about the name, still counts.
 func keyAt(rest []byte) bool {
 	if len(rest) > 0 && rest[0] == '\\' {
 		rest = rest[1:]
@@ -157,7 +160,23 @@ func keyAt(rest []byte) bool {
 		return false
 	}
 	rest = bytes.TrimLeft(rest[1:], " \t\r\n")
-	return len(rest) > 0 && rest[0] == ':'
+	if len(rest) == 0 || rest[0] != ':' {
+		return false
+	}
+	rest = bytes.TrimLeft(rest[1:], " \t\r\n")
+	if len(rest) == 0 {
+		return false
+	}
+	switch c := rest[0]; {
+	case c == '\'' || c == '"' || c == '\\' || c == '[' || c == '{' || c == '-' || c >= '0' && c <= '9':
+		return true
+	}
+	for _, v := range []string{"true", "false", "null", "True", "False", "None"} {
+		if bytes.HasPrefix(rest, []byte(v)) {
+			return true
+		}
+	}
+	return false
 }
 
 func wordByte(c byte) bool {

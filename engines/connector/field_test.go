@@ -91,6 +91,8 @@ func TestNamedFieldWholeWordsRFAIL10(t *testing.T) {
 		// echoed body.
 		{"Value error, kv_transfer_params needs remote_host, 'input': {'kv_transfer_params': {'remote_host': None}}", `{}`, "kv_transfer_params.remote_host"},
 		{`{"detail":[{"loc":["body","bootstrap_room"],"input":{"bootstrap_room":"x"}}]}`, `{}`, "bootstrap_room"},
+		{"missing 'remote_host': required by the nixl handshake", `{}`, "kv_transfer_params.remote_host"},
+		{`bad "bootstrap_room": must be set`, `{}`, "bootstrap_room"},
 	}
 	for _, c := range cases {
 		if got := NamedField(paths, []byte(c.message), []byte(c.request)); got != c.want {
