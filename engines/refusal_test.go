@@ -1,6 +1,7 @@
 package engines
 
 import (
+	"encoding/json"
 	"strconv"
 	"strings"
 	"testing"
@@ -28,6 +29,31 @@ func decodeClientFault(status int, body string) *Fault {
 	return f
 }
 
+// vllmTopLogprobs is vLLM's 400 message for a chat request with
+// top_logprobs but no logprobs (a model validator of its request; the
+// prefill leg never carries either): pydantic's errors, whose input is
+// the whole decode body — the router's kv_transfer_params too.
+const vllmTopLogprobs = "1 validation error:\n  {'type': 'value_error', 'loc': ('body',), 'msg': 'Value error, when using `top_logprobs`, `logprobs` must be set to true.', " +
+	"'input': {'model': 'm', 'messages': [{'role': 'user', 'content': 'hi'}], 'top_logprobs': 2, 'stream': True, 'stream_options': {'include_usage': True}, " +
+	"'kv_transfer_params': {'do_remote_decode': False, 'do_remote_prefill': True, 'remote_engine_id': 'p1', 'remote_block_ids': [0, 1], 'remote_host': '10.0.0.1', 'remote_port': 5555}}, " +
+	"'ctx': {'error': ValueError('when using `top_logprobs`, `logprobs` must be set to true.')}}"
+
+// sglangEchoedBody is SGLang's 400 for a client's mistake a model
+// validator finds: the body echoed, the router's bootstrap fields too.
+const sglangEchoedBody = "1 validation error for ChatCompletionRequest\n  Value error, bad tool_choice [type=value_error, input_value={'model': 'm', 'messages': [...], " +
+	"'bootstrap_host': '10.0.0.1', 'bootstrap_port': 8998, 'bootstrap_room': 7}, input_type=dict] [{'type': 'value_error', 'loc': ('body',), 'msg': 'Value error, bad tool_choice', " +
+	"'input': {'model': 'm', 'bootstrap_host': '10.0.0.1', 'bootstrap_port': 8998, 'bootstrap_room': 7}}]"
+
+// vllmError is vLLM's error body with message.
+func vllmError(t *testing.T, message string) string {
+	t.Helper()
+	b, err := json.Marshal(map[string]any{"error": map[string]any{"message": message, "type": "Bad Request", "param": nil, "code": 400}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
 // TestHandoffRefusalRFAIL10 classifies decode 4xx answers: naming a
 // handoff field of the attempt's connector is handoff_refused (502,
 // counted, transient, the consumer's), and its Detail is a bounded,
@@ -51,6 +77,8 @@ func TestHandoffRefusalRFAIL10(t *testing.T) {
 		{"404 naming an engine id", nixl.Nixl{}, 404, `{"error":{"message":"remote_engine_id abc not registered","type":"NotFoundError","code":404}}`, true, "kv_transfer_params.remote_engine_id", "remote_engine_id abc not registered"},
 		{"huge", nixl.Nixl{}, 400, `{"error":{"message":"` + huge + `","type":"BadRequestError","code":400}}`, true, "kv_transfer_params", huge},
 		{"hostile", nixl.Nixl{}, 400, "plain text " + hostile, true, "kv_transfer_params", "plain text " + hostile},
+		{"vllm echoes the body it got", nixl.Nixl{}, 400, vllmError(t, vllmTopLogprobs), false, "", ""},
+		{"sglang echoes the body it got", sglang.SGLang{}, 400, vllmError(t, sglangEchoedBody), false, "", ""},
 		{"context length", nixl.Nixl{}, 400, `{"error":{"message":"This model's maximum context length is 32768 tokens. However, you requested 40000 tokens.","type":"BadRequestError","code":400}}`, false, "", ""},
 		{"sglang field on nixl", nixl.Nixl{}, 400, `{"error":{"message":"bootstrap_room is required","code":400}}`, false, "", ""},
 		{"shared-storage writes nothing", sharedstorage.SharedStorage{}, 400, `{"error":{"message":"invalid kv_transfer_params","code":400}}`, false, "", ""},

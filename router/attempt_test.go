@@ -173,7 +173,7 @@ func TestEmptyDescriptorIsNoHandoffRDESC0(t *testing.T) {
 	s.waitModels()
 	resp, body := s.post(schemas.EndpointChat, chatBody("no descriptor", `"max_tokens":3`), "X-Request-Id", "empty-descriptor")
 	e := errorBody(t, 502, body)
-	if resp.StatusCode != 502 || e.Message != "handoff descriptor rejected: missing descriptor (empty object)" {
+	if resp.StatusCode != 502 || e.Message != "handoff descriptor rejected: missing descriptor (kv_transfer_params)" {
 		t.Fatalf("got %d %q", resp.StatusCode, e.Message)
 	}
 	s.idle()

@@ -145,6 +145,12 @@ func TestDecodeClientFaultsStayTheClientsRFAIL10(t *testing.T) {
 		{"a longer word", "nixl", sim.PhaseDecode, 400, "my_kv_transfer_params_x is not a known option; remote_block_ids2 either", ""},
 		{"the client's own word", "nixl", sim.PhaseDecode, 400, "logit_bias: remote_host is not a token id", `"logit_bias":{"remote_host":1}`},
 		{"the client's prompt", "sglang", sim.PhaseDecode, 422, "bootstrap_room: the prompt is not allowed", ""},
+		// vLLM answers a model validator's error (top_logprobs without
+		// logprobs, which the prefill leg never carries) with the body it
+		// got, the router's kv_transfer_params in it as keys.
+		{"vllm echoes the decode body", "nixl", sim.PhaseDecode, 400, "1 validation error:\n  {'type': 'value_error', 'loc': ('body',), 'msg': 'Value error, when using `top_logprobs`, `logprobs` must be set to true.', " +
+			"'input': {'model': 'm', 'top_logprobs': 2, 'stream': True, 'kv_transfer_params': {'do_remote_decode': False, 'do_remote_prefill': True, 'remote_engine_id': 'p1', 'remote_block_ids': [0], 'remote_host': '127.0.0.1', 'remote_port': 5555}}}", ""},
+		{"the client's own word, escaped", "nixl", sim.PhaseDecode, 400, "[{'type': 'string_type', 'loc': ('body', 'user'), 'input': ['remote_host']}]", `"user":["\u0072emote_host"]`},
 		{"producer's own 400", "nixl", sim.PhasePrefill, 400, sim.RefusalMessageNixl, ""},
 		{"sglang producer's own 400", "sglang", sim.PhasePrefill, 400, sim.RefusalMessageSGLang, ""},
 	}
@@ -212,4 +218,24 @@ func TestRejectedDescriptorSaysWhatWasWrongRFAIL10(t *testing.T) {
 		t.Fatalf("the log does not say what was wrong:\n%s", log)
 	}
 	s.validEvents()
+
+	// R-DESC-0: a prefill answer whose descriptor is null says so too.
+	s.sims["p1"].Arm(sim.Fault{Kind: sim.FaultNoDescriptor, Count: 1})
+	resp, body = s.post(schemas.EndpointChat, chatBody("no descriptor", `"stream":true,"max_tokens":4`))
+	if e := errorBody(t, 502, body); resp.StatusCode != 502 || e.Message != "handoff descriptor rejected: missing descriptor (kv_transfer_params)" {
+		t.Fatalf("status %d, client message %q", resp.StatusCode, e.Message)
+	}
+	s.idle()
+	var missing *schemas.Failure
+	for _, x := range s.events.failures() {
+		if x.Kind == "descriptor_rejected" && x != f {
+			missing = x
+		}
+	}
+	if missing == nil || missing.Detail != `kv_transfer_params: expected the producer's descriptor, a non-empty JSON object, found null: "null"` {
+		t.Fatalf("failure event of a missing descriptor %+v", missing)
+	}
+	if log := logw.String(); !strings.Contains(log, `detail="kv_transfer_params: expected the producer's descriptor, a non-empty JSON object, found null: \"null\""`) {
+		t.Fatalf("the log does not say the descriptor was null:\n%s", log)
+	}
 }

@@ -2,6 +2,7 @@ package connector
 
 import (
 	"bytes"
+	"encoding/json"
 	"strconv"
 	"strings"
 	"unicode/utf8"
@@ -42,16 +43,25 @@ func HandoffPaths(c Connector) []string {
 // matches in ".kv_transfer_params.remote_port" or "'remote_port'" but
 // not in "my_remote_port" — and nowhere in request, not even inside a
 // longer word. request is what the client itself sent (the body without
-// the handoff fields, raw JSON): a name the client wrote too (a field of
-// its own, a logit_bias key, a stop string, its prompt) may be the
-// client's, so it never blames the pair. message is the engine's error
-// as text (not JSON-escaped: a "\n" before a name would hide it). It
-// returns "" when message names none of paths.
+// the handoff fields, raw JSON), searched as it came and with its keys and
+// strings decoded as the engine reads them (a "\u0072emote_host" is
+// remote_host): a name the client wrote too (a field of its own, a
+// logit_bias key, a stop string, its prompt) may be the client's, so it
+// never blames the pair. A name as the key of an object
+// — followed by a closing quote and a colon, as in "'remote_host': " or
+// `"bootstrap_room":` — does not count: that is the engine echoing the
+// body it got (vLLM's and SGLang's validation errors repeat the whole
+// request as pydantic's input when a check of the request as a whole
+// fails, e.g. top_logprobs without logprobs), the router's fields
+// among the client's, not naming what it refused. message is the
+// engine's error as text (not JSON-escaped: a "\n" before a name would
+// hide it). It returns "" when message names none of paths.
 func NamedField(paths []string, message, request []byte) string {
 	best, depth := "", 0
+	var decoded []byte
 	for _, p := range paths {
 		word := p[strings.LastIndexByte(p, '.')+1:]
-		if word == "" || !HasWord(message, word) || bytes.Contains(request, []byte(word)) {
+		if word == "" || !namesWord(message, word) || clientWrote(request, word, &decoded) {
 			continue
 		}
 		if d := strings.Count(p, ".") + 1; d > depth {
@@ -78,6 +88,93 @@ func HasWord(s []byte, word string) bool {
 			return true
 		}
 		i = at + 1
+	}
+	return false
+}
+
+// clientWrote reports whether request, the client's JSON, holds word
+// (inside a longer word too): as the client wrote it, or in one of its
+// keys or strings once decoded (JSON escapes are the engine's to undo,
+// not a way to hide a name). *decoded caches the decoded strings.
+func clientWrote(request []byte, word string, decoded *[]byte) bool {
+	if bytes.Contains(request, []byte(word)) {
+		return true
+	}
+	if bytes.IndexByte(request, '\\') < 0 {
+		return false
+	}
+	if *decoded == nil {
+		*decoded = decodedStrings(request)
+	}
+	return bytes.Contains(*decoded, []byte(word))
+}
+
+// decodedStrings returns every key and string of the JSON text raw,
+// unescaped, each after a newline (so that two never join into one
+// word); up to where raw stops being JSON.
+func decodedStrings(raw []byte) []byte {
+	out := []byte{'\n'}
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	dec.UseNumber()
+	for {
+		tok, err := dec.Token()
+		if err != nil {
+			return out
+		}
+		if s, ok := tok.(string); ok {
+			out = append(append(out, s...), '\n')
+		}
+	}
+}
+
+// namesWord reports whether word occurs in s as a whole word (HasWord)
+// somewhere other than as the key of an echoed object: not followed by a
+// closing quote (' or ", escaped or not) and, after spaces, a colon.
+func namesWord(s []byte, word string) bool {
+	for i := 0; i+len(word) <= len(s); {
+		j := bytes.Index(s[i:], []byte(word))
+		if j < 0 {
+			return false
+		}
+		at := i + j
+		end := at + len(word)
+		if (at == 0 || !wordByte(s[at-1])) && (end == len(s) || !wordByte(s[end])) && !keyAt(s[end:]) {
+			return true
+		}
+		i = at + 1
+	}
+	return false
+}
+
+// keyAt reports whether rest, what follows a name, closes it as an
+// object's key with its value: a quote (' or ", or \" inside a JSON
+// string), spaces, a colon, spaces, then the start of a JSON or Python
+// value of the kind the router writes (a string, a number, an array or
+// object, true/false/null, True/False/None) — so that "'remote_host':
+// required", a message about the name, still counts.
+func keyAt(rest []byte) bool {
+	if len(rest) > 0 && rest[0] == '\\' {
+		rest = rest[1:]
+	}
+	if len(rest) == 0 || rest[0] != '\'' && rest[0] != '"' {
+		return false
+	}
+	rest = bytes.TrimLeft(rest[1:], " \t\r\n")
+	if len(rest) == 0 || rest[0] != ':' {
+		return false
+	}
+	rest = bytes.TrimLeft(rest[1:], " \t\r\n")
+	if len(rest) == 0 {
+		return false
+	}
+	switch c := rest[0]; {
+	case c == '\'' || c == '"' || c == '\\' || c == '[' || c == '{' || c == '-' || c >= '0' && c <= '9':
+		return true
+	}
+	for _, v := range []string{"true", "false", "null", "True", "False", "None"} {
+		if bytes.HasPrefix(rest, []byte(v)) {
+			return true
+		}
 	}
 	return false
 }

@@ -52,6 +52,14 @@ func TestExcerptHostileValuesRFAIL10(t *testing.T) {
 	}
 }
 
+// vllmEchoedBody is what vLLM answers (400) a chat request with
+// top_logprobs but no logprobs: str(exc) and str(exc.errors()) of
+// pydantic, whose input is the decode body, handoff fields and all.
+const vllmEchoedBody = "1 validation error:\n  {'type': 'value_error', 'loc': ('body',), 'msg': 'Value error, when using `top_logprobs`, `logprobs` must be set to true.', " +
+	"'input': {'model': 'm', 'messages': [{'role': 'user', 'content': 'hi'}], 'top_logprobs': 2, 'stream': True, 'stream_options': {'include_usage': True}, " +
+	"'kv_transfer_params': {'do_remote_decode': False, 'do_remote_prefill': True, 'remote_engine_id': 'p1', 'remote_block_ids': [0, 1], 'remote_host': '10.0.0.1', 'remote_port': 5555}}, " +
+	"'ctx': {'error': ValueError('when using `top_logprobs`, `logprobs` must be set to true.')}}"
+
 func TestNamedFieldWholeWordsRFAIL10(t *testing.T) {
 	paths := []string{"kv_transfer_params", "kv_transfer_params.remote_block_ids", "kv_transfer_params.remote_host", "bootstrap_room"}
 	cases := []struct{ message, request, want string }{
@@ -66,6 +74,25 @@ func TestNamedFieldWholeWordsRFAIL10(t *testing.T) {
 		{"logit_bias.remote_host: not a token", `{"logit_bias":{"remote_host":1}}`, ""},
 		{"bad bootstrap_room", `{"messages":[{"content":"what is a bootstrap_room_x"}]}`, ""},
 		{"", `{}`, ""},
+		// The client's strings as the engine read them: a JSON escape
+		// does not hide a name the client wrote.
+		{"[{'type': 'int_parsing', 'loc': ('body', 'top_logprobs'), 'input': 'remote_host'}]", `{"top_logprobs":"\u0072emote_host"}`, ""},
+		{"logit_bias: remote_host is not a token", `{"logit_bias":{"\u0072emote_\u0048ost":1,"remote\u005fhost":2}}`, ""},
+		{"bad remote_host", `{"stop":["a\\u0072emote_host"]}`, "kv_transfer_params.remote_host"},
+		{"bad remote_host", `{"stop":["\u0041"]}`, "kv_transfer_params.remote_host"},
+		// vLLM's and SGLang's validation handler answers a model
+		// validator's error (the client's top_logprobs without logprobs)
+		// with pydantic's errors, whose input is the whole body the engine
+		// got — the router's kv_transfer_params included, as keys.
+		{vllmEchoedBody, `{"model":"m","top_logprobs":2}`, ""},
+		{`{"detail":[{"type":"value_error","loc":["body"],"msg":"bad","input":{"model":"m","kv_transfer_params":{"remote_block_ids":[1],"remote_host":"10.0.0.1"},"bootstrap_room":7}}]}`, `{}`, ""},
+		{`{"detail":"{\"kv_transfer_params\": {\"remote_host\" : 1}}"}`, `{}`, ""},
+		// A name in the message or the location still counts beside an
+		// echoed body.
+		{"Value error, kv_transfer_params needs remote_host, 'input': {'kv_transfer_params': {'remote_host': None}}", `{}`, "kv_transfer_params.remote_host"},
+		{`{"detail":[{"loc":["body","bootstrap_room"],"input":{"bootstrap_room":"x"}}]}`, `{}`, "bootstrap_room"},
+		{"missing 'remote_host': required by the nixl handshake", `{}`, "kv_transfer_params.remote_host"},
+		{`bad "bootstrap_room": must be set`, `{}`, "bootstrap_room"},
 	}
 	for _, c := range cases {
 		if got := NamedField(paths, []byte(c.message), []byte(c.request)); got != c.want {

@@ -46,6 +46,16 @@ func init() { connector.Register(Nixl{}) }
 // fieldDescriptor is the JSON path of the descriptor in a body.
 const fieldDescriptor = "kv_transfer_params"
 
+// descriptorShape is what R-DESC-0 expects of the prefill's answer.
+const descriptorShape = "the producer's descriptor, a non-empty JSON object"
+
+// missingDescriptor is the R-DESC-0 rejection of raw, the descriptor the
+// prefill answered (nil: none), found being what it was when not its JSON
+// type.
+func missingDescriptor(found string, raw []byte) *connector.RejectError {
+	return connector.RejectField(connector.ReasonMissingDescriptor, fieldDescriptor, descriptorShape, found, raw)
+}
+
 var handoffRequest = []byte(`{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)
 
 // Name returns "nixl".
@@ -182,12 +192,12 @@ func (n Nixl) Decode(ctx context.Context, legs connector.Legs, result *connector
 // handoff may be consumed.
 func (Nixl) CheckHandoff(legs connector.Legs, result *connector.PrefillResult, now time.Time) error {
 	if result == nil {
-		return &connector.RejectError{Reason: connector.ReasonMissingDescriptor}
+		return missingDescriptor("", nil)
 	}
 	p, d := legs.Producer(), legs.Consumer()
 	if p.ID != d.ID {
 		if !result.HasDescriptor() {
-			return &connector.RejectError{Reason: connector.ReasonMissingDescriptor}
+			return missingDescriptor("", nil)
 		}
 		if result.Connector != d.Connector {
 			return &connector.RejectError{Reason: connector.ReasonConnectorMismatch,
@@ -267,7 +277,7 @@ func (r *run) Finish(time.Duration) (time.Time, error) {
 func (Nixl) Validate(descriptor []byte) (connector.Handoff, error) {
 	d := bytes.TrimSpace(descriptor)
 	if len(d) == 0 || string(d) == "null" {
-		return connector.Handoff{}, connector.Reject(connector.ReasonMissingDescriptor, "")
+		return connector.Handoff{}, missingDescriptor("", d)
 	}
 	if d[0] != '{' {
 		return connector.Handoff{}, connector.RejectField(connector.ReasonConnectorMismatch, fieldDescriptor, "a JSON object", "", d)
@@ -300,7 +310,7 @@ func (Nixl) Validate(descriptor []byte) (connector.Handoff, error) {
 		return connector.Handoff{}, connector.RejectField(connector.ReasonConnectorMismatch, fieldDescriptor,
 			"a JSON object", "invalid JSON", d)
 	case members == 0:
-		return connector.Handoff{}, connector.Reject(connector.ReasonMissingDescriptor, "empty object")
+		return connector.Handoff{}, missingDescriptor("an empty object", d)
 	case !nixlShaped:
 		return connector.Handoff{}, connector.RejectField(connector.ReasonConnectorMismatch, fieldDescriptor,
 			"a nixl descriptor (do_remote_prefill, remote_engine_id, remote_block_ids)", "an object with none of them", d)

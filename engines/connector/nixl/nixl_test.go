@@ -336,6 +336,9 @@ func TestNixlRejectionsSayWhatWasWrongRFAIL10(t *testing.T) {
 		{"do_remote_prefill", `{"do_remote_prefill":"yes","remote_engine_id":"e","remote_block_ids":[1]}`, "kv_transfer_params.do_remote_prefill", "string", "yes"},
 		{"not an object", `["x"]`, "kv_transfer_params", "array", `x`},
 		{"other connector", `{"lmcache_key":"k\n"}`, "kv_transfer_params", "an object with none of them", "lmcache_key"},
+		{"no descriptor", ``, "kv_transfer_params", "absent", ""},
+		{"null descriptor", ` null `, "kv_transfer_params", "null", "null"},
+		{"empty descriptor", `{ }`, "kv_transfer_params", "an empty object", "{ }"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
