@@ -110,7 +110,7 @@ func runEvents(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		b.Close()
 	}()
 
-	return eventview.Follow(ctx, b, start, sel, stdout, *asJSON, func(filter string) {
+	return eventview.Follow(ctx, b, start, sel, stdout, stderr, *asJSON, func(filter string) {
 		fmt.Fprintf(stderr, "following %s on %s, %s\n", filter, b.Conn().ConnectedUrlRedacted(), startDesc)
 	})
 }
