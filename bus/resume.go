@@ -112,7 +112,7 @@ func SubscribeResuming(ctx context.Context, b *Bus, opts SubscribeOptions, fn fu
 		return nil, errors.New("bus: subscribe: DeliverAll and Since exclude each other")
 	}
 	ctx, cancel := context.WithCancel(ctx)
-	f := &resumingFollower{b: b, opts: opts, filter: filter, fn: fn, resumed: resumed, kick: make(chan struct{}, 1)}
+	f := &resumingFollower{b: b, opts: opts, filter: filter, fn: fn, resumed: resumed, kick: make(chan int, 1)}
 	// Listen before the first consumer exists, so that no change of the
 	// connection is missed.
 	statuses := b.nc.StatusChanged(nats.CONNECTED, nats.DISCONNECTED, nats.RECONNECTING, nats.CLOSED)
@@ -152,7 +152,7 @@ type resumingFollower struct {
 	filter  string
 	fn      func(subject string, payload []byte)
 	resumed func(Resumption)
-	kick    chan struct{} // the consumer was lost: make it again
+	kick    chan int // consumer number gen was lost: make it again
 
 	mu   sync.Mutex // guards gen and mark; held while fn runs
 	gen  int        // the current consumer's number; events of others are dropped
@@ -194,7 +194,7 @@ func (f *resumingFollower) start(ctx context.Context, r *Resumption) error {
 		jetstream.ConsumeErrHandler(func(_ jetstream.ConsumeContext, err error) {
 			if errors.Is(err, jetstream.ErrConsumerDeleted) || errors.Is(err, jetstream.ErrNoHeartbeat) {
 				select {
-				case f.kick <- struct{}{}:
+				case f.kick <- gen:
 				default:
 				}
 			}
@@ -256,7 +256,13 @@ func (f *resumingFollower) run(ctx context.Context, statuses chan nats.Status) {
 				f.drop()
 				return
 			}
-		case <-f.kick:
+		case gen := <-f.kick:
+			f.mu.Lock()
+			stale := gen != f.gen // a consumer dropped already
+			f.mu.Unlock()
+			if stale {
+				continue
+			}
 		}
 		f.drop()
 		f.resume(ctx)

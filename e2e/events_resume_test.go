@@ -112,7 +112,8 @@ func printedIDs(t *testing.T, p *process) []string {
 
 // TestEventsResumesAcrossBusRestartsRBUS5 proves that `narwhal events`
 // (R-BUS-5) never skips: a real `narwhal events --json` follows a real
-// `narwhal bus` that is restarted four times while events are stored, and
+// `narwhal bus` that is restarted four times while events are stored (and
+// whose stream is deleted and made again once), and
 // prints every event exactly once, in stream order:
 //
 //  1. restarted on the same store before it printed anything (it was
@@ -127,7 +128,9 @@ func printedIDs(t *testing.T, p *process) []string {
 //  4. restarted on that store, with the first five of ten events purged
 //     before it could read them: the line `5 events lost: removed by the
 //     stream's retention before they could be read (sequences …)`, then
-//     the five left.
+//     the five left;
+//  5. the stream deleted under it and made again: the new stream's
+//     events, within resumeBound of being stored.
 func TestEventsResumesAcrossBusRestartsRBUS5(t *testing.T) {
 	rig := &eventsBusRig{addr: hostPort(freePorts(t, 1)[0])}
 	store, fresh := filepath.Join(t.TempDir(), "bus"), filepath.Join(t.TempDir(), "fresh")
@@ -238,6 +241,28 @@ func TestEventsResumesAcrossBusRestartsRBUS5(t *testing.T) {
 	if !strings.Contains(events.stderr.String(), lost) {
 		t.Errorf("stderr lacks %q:\n%s", lost, events.stderr.String())
 	}
+
+	// 5. The stream deleted under it and made again 1.5 s later (as an
+	// operator's `nats stream rm` and `narwhal bus setup` would): its
+	// consumer is gone; the new stream's events come out at once.
+	ctx, cancel := context.WithTimeout(context.Background(), readyBound)
+	defer cancel()
+	if err := rig.conn.JetStream().DeleteStream(ctx, bus.StreamName); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(1500 * time.Millisecond) // an outage longer than an ordered consumer's first backoff (1 s)
+	if err := bus.Setup(ctx, rig.conn, bus.SetupOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	fifth := requests("recreated", 3)
+	rig.publish(t, fifth...)
+	want = append(want, ids(fifth)...)
+	took = waitPrinted("stream deleted and made again", resumeBound)
+	if n := strings.Count(events.stderr.String(), "was made anew"); n != 2 {
+		t.Errorf("stderr says %d times that the stream was made anew, want 2:\n%s", n, events.stderr.String())
+	}
+	t.Logf("R-BUS-5: a stream deleted and made again: its events printed %v after they were stored", took.Round(time.Millisecond))
+
 	if err := events.stop(syscall.SIGINT); err != nil {
 		t.Errorf("narwhal events after SIGINT: %v", err)
 	}
