@@ -81,9 +81,9 @@ func ResumeFrom(mark StreamMark, created time.Time, first, last uint64) Resumpti
 }
 
 // SubscribeResuming is SubscribeWith for a follower that must not skip
-// (behaviour.md R-BUS-5: a viewer such as `narwhal events`): it calls fn with each event's
-// subject and JSON payload, one at a time, in stream order, each event
-// once, across reconnects and the loss of its consumer.
+// (behaviour.md R-BUS-5: a viewer such as `narwhal events`): it calls fn
+// with each event's subject and JSON payload, one at a time, in stream
+// order, each event once, across reconnects and the loss of its consumer.
 //
 // It follows with an ordered, ephemeral consumer and remembers the stream
 // sequence of the last event it delivered. When the connection drops it
@@ -116,17 +116,15 @@ func SubscribeResuming(ctx context.Context, b *Bus, opts SubscribeOptions, fn fu
 	// Listen before the first consumer exists, so that no change of the
 	// connection is missed.
 	statuses := b.nc.StatusChanged(nats.CONNECTED, nats.DISCONNECTED, nats.RECONNECTING, nats.CLOSED)
-	reqCtx, reqCancel := context.WithTimeout(ctx, resumeRequestBound)
-	info, err := b.js.Stream(reqCtx, StreamName)
+	info, err := b.js.Stream(ctx, StreamName)
 	if err == nil {
 		st := info.CachedInfo()
 		f.mark.Created = st.Created
 		if !opts.DeliverAll && opts.Since.IsZero() {
 			f.mark.Next = st.State.LastSeq + 1 // new events only
 		}
-		err = f.start(reqCtx, nil)
+		err = f.start(ctx, nil)
 	}
-	reqCancel()
 	if err != nil {
 		b.nc.RemoveStatusListener(statuses)
 		cancel()
