@@ -93,7 +93,12 @@ func ResumeFrom(mark StreamMark, created time.Time, first, last uint64) Resumpti
 // consumer at the sequence ResumeFrom decides: the next one on the same
 // stream, 1 on a stream made anew. It calls resumed, when set, with that
 // decision before any event of the new consumer (Lost says how many events
-// the stream's retention removed before they could be read).
+// the stream's retention removed before they could be read). When the
+// filter takes every event (narwhal.events.> or narwhal.events.*.*), a
+// jump in stream sequences while it follows is such a loss too (a
+// consumer that fell behind the retention, a deleted message): resumed
+// is then called with Start the first sequence missed and Lost their
+// number, before the event after them.
 //
 // stop ends it and waits until fn and resumed are no longer running; it
 // is safe to call more than once, and ctx ending stops it too. It returns
@@ -112,7 +117,8 @@ func SubscribeResuming(ctx context.Context, b *Bus, opts SubscribeOptions, fn fu
 		return nil, errors.New("bus: subscribe: DeliverAll and Since exclude each other")
 	}
 	ctx, cancel := context.WithCancel(ctx)
-	f := &resumingFollower{b: b, opts: opts, filter: filter, fn: fn, resumed: resumed, kick: make(chan int, 1)}
+	f := &resumingFollower{b: b, opts: opts, filter: filter, fn: fn, resumed: resumed, kick: make(chan int, 1),
+		whole: filter == SubjectPrefix+">" || filter == SubjectPrefix+"*.*"}
 	// Listen before the first consumer exists, so that no change of the
 	// connection is missed.
 	statuses := b.nc.StatusChanged(nats.CONNECTED, nats.DISCONNECTED, nats.RECONNECTING, nats.CLOSED)
@@ -148,6 +154,7 @@ type resumingFollower struct {
 	b       *Bus
 	opts    SubscribeOptions
 	filter  string
+	whole   bool // filter takes every event: a gap in sequences is a loss
 	fn      func(subject string, payload []byte)
 	resumed func(Resumption)
 	kick    chan int // consumer number gen was lost: make it again
@@ -219,6 +226,11 @@ func (f *resumingFollower) deliver(gen int, m jetstream.Msg) {
 	seq := meta.Sequence.Stream
 	if gen != f.gen || seq < f.mark.Next {
 		return
+	}
+	if f.whole && f.mark.Next > 0 && seq > f.mark.Next && f.resumed != nil {
+		// Every event passes the filter, so a jump in sequence is events
+		// removed (retention, a deletion) before the consumer reached them.
+		f.resumed(Resumption{Start: f.mark.Next, Lost: seq - f.mark.Next})
 	}
 	f.mark.Next = seq + 1
 	f.fn(m.Subject(), m.Data())
@@ -297,7 +309,8 @@ func (f *resumingFollower) resumeOnce(ctx context.Context) error {
 	f.mu.Lock()
 	r := ResumeFrom(f.mark, st.Created, st.State.FirstSeq, st.State.LastSeq)
 	prev := f.mark
-	f.mark = StreamMark{Created: st.Created, Next: r.Start}
+	// At the first event still held: the lost ones are reported once.
+	f.mark = StreamMark{Created: st.Created, Next: r.Start + r.Lost}
 	f.mu.Unlock()
 	if err := f.start(ctx, &r); err != nil {
 		f.mu.Lock()

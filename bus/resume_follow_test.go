@@ -115,3 +115,54 @@ func TestSubscribeResumingRBUS5(t *testing.T) {
 	stop()
 	stop() // twice is fine
 }
+
+// TestSubscribeResumingCountsGapsRBUS5 proves that a follower of every
+// event reports events removed before it reached them while it follows
+// (R-BUS-5: a loss is said, never silent): two stored events deleted from
+// the middle of the stream come out as one loss of 2 between the events
+// around them.
+func TestSubscribeResumingCountsGapsRBUS5(t *testing.T) {
+	testkit.CheckLeaks(t)
+	e := bustest.Start(t)
+	b := connect(t, e)
+	var seqs []uint64
+	for _, id := range []string{"g1", "g2", "g3", "g4"} {
+		ev := failure("d1")
+		ev.ID = id
+		_, seq := bustest.Publish(t, b, ev)
+		seqs = append(seqs, seq)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), waitBound)
+	defer cancel()
+	stream, err := b.JetStream().Stream(ctx, bus.StreamName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, seq := range seqs[1:3] {
+		if err := stream.DeleteMsg(ctx, seq); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var log resumeLog
+	stop, err := bus.SubscribeResuming(context.Background(), b, bus.SubscribeOptions{DeliverAll: true}, func(subject string, payload []byte) {
+		log.event(subject, payload)
+	}, func(r bus.Resumption) {
+		log.mu.Lock()
+		log.ids = append(log.ids, "lost "+strconv.FormatUint(r.Lost, 10)+" from "+strconv.FormatUint(r.Start, 10))
+		log.resumed = append(log.resumed, r)
+		log.mu.Unlock()
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stop()
+	want := []string{"g1", "lost 2 from " + strconv.FormatUint(seqs[1], 10), "g4"}
+	var got []string
+	ok := testkit.Poll(waitBound, 10*time.Millisecond, func() bool {
+		got, _ = log.snapshot()
+		return len(got) >= len(want)
+	})
+	if !ok || !slices.Equal(got, want) {
+		t.Fatalf("delivered %q, want %q", got, want)
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"strings"
 	"sync"
 
 	"github.com/narwhalmesh/narwhal/bus"
@@ -42,7 +43,7 @@ func Follow(ctx context.Context, b *bus.Bus, start bus.SubscribeOptions, sel Sel
 		}
 		mu.Lock()
 		defer mu.Unlock()
-		fmt.Fprintln(notices, ResumeNotice(r, start.Filter))
+		fmt.Fprintln(notices, ResumeNotice(r, sel))
 	})
 	if err != nil {
 		return err
@@ -61,15 +62,15 @@ func Follow(ctx context.Context, b *bus.Bus, start bus.SubscribeOptions, sel Sel
 
 // ResumeNotice is the stderr line of `narwhal events` when it resumes
 // after a reconnect or the loss of its consumer (behaviour.md R-BUS-5),
-// following filter:
+// showing sel:
 //
 //	resumed at stream sequence 42
 //	stream NARWHAL_EVENTS was made anew; following it from its start
 //	12 events lost: removed by the stream's retention before they could be read (sequences 30–41); resumed at stream sequence 42
 //
-// A loss is counted over every subject; with a filter narrower than
-// narwhal.events.> the line adds that fewer of them may have matched it.
-func ResumeNotice(r bus.Resumption, filter string) string {
+// A loss is counted over every event; with a --kind or --engine the line
+// adds that fewer of them may have matched it.
+func ResumeNotice(r bus.Resumption, sel Selection) string {
 	var line string
 	if r.NewStream {
 		line = "stream " + bus.StreamName + " was made anew; following it from its start"
@@ -85,8 +86,8 @@ func ResumeNotice(r bus.Resumption, filter string) string {
 			span = fmt.Sprintf("sequences %d–%d", first, last)
 		}
 		loss := fmt.Sprintf("%d %s lost: removed by the stream's retention before they could be read (%s", r.Lost, events, span)
-		if filter != "" && filter != bus.SubjectPrefix+">" && filter != bus.SubjectPrefix+"*.*" {
-			loss += ", of every kind and engine: fewer may have matched " + filter
+		if narrow := sel.flags(); narrow != "" {
+			loss += ", of every kind and engine: fewer may have matched " + narrow
 		}
 		loss += ")"
 		if line != "" {
@@ -107,4 +108,17 @@ func ResumeNotice(r bus.Resumption, filter string) string {
 		}
 	}
 	return line
+}
+
+// flags returns the selection as `narwhal events` flags ("--kind failure
+// --engine d1"), "" for every event.
+func (s Selection) flags() string {
+	var f []string
+	if s.Kind != "" {
+		f = append(f, "--kind "+s.Kind)
+	}
+	if s.Engine != "" {
+		f = append(f, "--engine "+s.Engine)
+	}
+	return strings.Join(f, " ")
 }
