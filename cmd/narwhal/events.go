@@ -40,7 +40,9 @@ const (
 // suffices, and it changes nothing on the bus, R-BUS-8) and writes each event to
 // stdout, one line per event: readable (see eventview.Printer) or, with --json,
 // the JSON object exactly as published. A line naming the filter and start
-// goes to stderr once the consumer exists, and so do connection notices.
+// goes to stderr once the consumer exists, and so do connection notices
+// and, after a reconnect, where it resumed (eventview.ResumeNotice: it
+// never skips an event, and counts those the retention removed).
 //
 // --kind keeps one kind. --engine ID keeps the events whose subject ends in
 // ID — the engine id for failure, quarantine, handoff, probe and
@@ -110,7 +112,7 @@ func runEvents(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		b.Close()
 	}()
 
-	return eventview.Follow(ctx, b, start, sel, stdout, *asJSON, func(filter string) {
+	return eventview.Follow(ctx, b, start, sel, stdout, stderr, *asJSON, func(filter string) {
 		fmt.Fprintf(stderr, "following %s on %s, %s\n", filter, b.Conn().ConnectedUrlRedacted(), startDesc)
 	})
 }
