@@ -146,10 +146,9 @@ func New(opts Options) (*Router, error) {
 	cfg := opts.Config
 	// The descriptors of engine legs are reserved before anything starts
 	// (R-FAIL-9): a max_connections that leaves none is refused.
-	nofile := descriptorLimit()
-	maxConns, derivedConns, err := cfg.Server.ConnectionLimit(nofile)
+	maxConns, derivedConns, nofile, err := ConnectionLimit(cfg)
 	if err != nil {
-		return nil, fmt.Errorf("router: %w", err)
+		return nil, err
 	}
 	placer, err := newPlacer(cfg.Placement)
 	if err != nil {
@@ -249,6 +248,22 @@ func New(opts Options) (*Router, error) {
 	rt.maxConns = maxConns
 	rt.log.Info("client connections bounded", "max_connections", maxConns, "derived", derivedConns, "nofile", nofile)
 	return rt, nil
+}
+
+// ConnectionLimit is the server.max_connections a Router made from cfg
+// uses under the process's descriptor limit now (nofile, the soft
+// RLIMIT_NOFILE; 0 when unknown), and whether it was derived; or New's
+// error, with the arithmetic, when cfg's value leaves no descriptors for
+// engine legs (behaviour.md R-API-7, R-FAIL-9). A process can check it
+// before it waits for anything (the bus), so that the refusal comes at
+// once.
+func ConnectionLimit(cfg *config.Config) (n int, derived bool, nofile uint64, err error) {
+	nofile = descriptorLimit()
+	n, derived, err = cfg.Server.ConnectionLimit(nofile)
+	if err != nil {
+		return 0, false, nofile, fmt.Errorf("router: %w", err)
+	}
+	return n, derived, nofile, nil
 }
 
 // fasthttpLogger sends fasthttp's own messages (malformed requests,
