@@ -3,7 +3,11 @@ package breaker
 import (
 	"context"
 	"encoding/json"
+	"net"
+	"net/http"
+	"os"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -11,6 +15,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
@@ -650,5 +655,33 @@ func TestTakeoverProbesEnginesWithForgedEntriesRBUS9(t *testing.T) {
 	})
 	if e, _ := rewritten("d1"); e.State != schemas.StateEjected {
 		t.Fatalf("d1 readmitted although its probes fail: %+v", e)
+	}
+}
+
+// TestBreakerOutOfDescriptorsProbesInconclusiveRFAIL9 proves that a probe
+// the breaker could not run because it ran out of something of its own
+// (its dial fails with EMFILE: every descriptor of the process in use)
+// blames no engine (behaviour.md R-FAIL-9, R-BRK-5): it is inconclusive,
+// names the breaker's resources, and the engine's backoff does not grow,
+// so that it is probed again at the normal cadence once descriptors free.
+func TestBreakerOutOfDescriptorsProbesInconclusiveRFAIL9(t *testing.T) {
+	h := newHarness(t, setup{fleet: prefillAndDecode})
+	emfile := &net.OpError{Op: "dial", Net: "tcp", Err: os.NewSyscallError("socket", syscall.EMFILE)}
+	client := engines.NewClient(engines.Options{
+		PrefillTimeout: time.Second, FirstTokenTimeout: time.Second, HandoffMaxAge: time.Minute,
+		Transport: &http.Transport{DialContext: func(context.Context, string, string) (net.Conn, error) { return nil, emfile }},
+	})
+	s := h.startLeaderWith("breaker-a", func(o *Options) { o.Client = client })
+	h.ejectPrefill("p1")
+	for _, p := range h.waitProbes("p1", schemas.ProbeInconclusive, 2) {
+		if !strings.Contains(p.Message, "breaker out of local resources (emfile") {
+			t.Fatalf("probe %+v, want the breaker's resources named", p)
+		}
+	}
+	if n := len(h.waitProbes("p1", schemas.ProbeFailure, 0)); n != 0 {
+		t.Fatalf("%d probes of p1 failed: the breaker's own fault was blamed on the engine", n)
+	}
+	if got := backoffOf(s.Service, "p1"); got != 1 {
+		t.Fatalf("backoff after probes the breaker could not run: %d, want 1", got)
 	}
 }

@@ -164,6 +164,10 @@ func (s *Service) check(ctx, pctx context.Context, p *probe) {
 			p.outcome, p.message = schemas.ProbeInconclusive, "probe cut short: "+context.Cause(ctx).Error()
 			return
 		}
+		if r := ownResources(err); r != "" {
+			p.outcome, p.message = schemas.ProbeInconclusive, r
+			return
+		}
 		p.outcome, p.message = schemas.ProbeFailure, err.Error()
 	}
 	model, err := kvprobe.CheckLifecycle(pctx, httpc, &p.e.Engine, s.cfg.EngineContract, ftt)
@@ -173,6 +177,23 @@ func (s *Service) check(ctx, pctx context.Context, p *probe) {
 	}
 	p.model = model
 	p.checked = true
+}
+
+// ownResources is the message of an inconclusive probe when err says the
+// breaker itself ran out of something (file descriptors, local ports,
+// memory: engines.RouterResource, or a leg's router_resources fault), so
+// that it blames neither engine (behaviour.md R-FAIL-9, R-BRK-5); "" for
+// any other err.
+func ownResources(err error) string {
+	var f *engines.Fault
+	r := engines.RouterResource(err)
+	if r == "" && errors.As(err, &f) && f.Kind == engines.KindRouterResources {
+		r = f.Resource
+	}
+	if r == "" {
+		return ""
+	}
+	return "breaker out of local resources (" + r + "): " + err.Error()
 }
 
 // pair chooses the probe's producer and consumer (R-BRK-3, R-BRK-4): a
@@ -256,6 +277,10 @@ func (s *Service) transfer(ctx, pctx context.Context, p *probe) {
 		return
 	case ctx.Err() != nil:
 		p.outcome, p.message = schemas.ProbeInconclusive, "probe cut short: "+context.Cause(ctx).Error()
+		return
+	}
+	if r := ownResources(err); r != "" {
+		p.outcome, p.message = schemas.ProbeInconclusive, r
 		return
 	}
 	var f *engines.Fault

@@ -470,3 +470,25 @@ func TestEngineRole(t *testing.T) {
 		return err
 	})
 }
+
+// TestMissingCredentialFileNamesTheRoleRBUS8: a NARWHAL_NATS_CREDS that
+// names no file is refused before any server is asked, and the error says
+// which setting is wrong, the path it names and the file of the
+// process's role that `narwhal bus creds` writes (R-BUS-8), not only
+// nats's "open …: no such file or directory".
+func TestMissingCredentialFileNamesTheRoleRBUS8(t *testing.T) {
+	missing := filepath.Join(t.TempDir(), "creds", "router.creds")
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	b, err := bus.Connect(ctx, bus.ConnectOptions{URL: "nats://127.0.0.1:1", CredsFile: missing, Role: bus.RoleBreaker})
+	if err == nil {
+		b.Close()
+		t.Fatal("Connect with a credential file that does not exist: no error")
+	}
+	msg := err.Error()
+	for _, want := range []string{"NARWHAL_NATS_CREDS=" + missing, "breaker.creds", "narwhal bus creds", "no such file"} {
+		if !strings.Contains(msg, want) {
+			t.Errorf("error %q does not say %q", msg, want)
+		}
+	}
+}

@@ -20,6 +20,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/url"
+	"os"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -221,6 +222,9 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 		nopts = append(nopts, nats.Name(opts.Name))
 	}
 	if opts.CredsFile != "" {
+		if _, err := os.Stat(opts.CredsFile); err != nil {
+			return nil, fmt.Errorf("bus: the credential NARWHAL_NATS_CREDS=%s cannot be read (%w): set it to %s (written by `narwhal bus creds --out DIR`, docs/mesh.md)", opts.CredsFile, err, roleFile(opts))
+		}
 		nopts = append(nopts, nats.UserCredentials(opts.CredsFile))
 	}
 	if opts.TLSCA != "" {
@@ -306,14 +310,20 @@ func credentialHint(err error, opts ConnectOptions) error {
 	if !errors.Is(err, nats.ErrAuthorization) && !strings.Contains(strings.ToLower(err.Error()), "authorization violation") {
 		return err
 	}
-	file := "the file of this process's role"
-	if opts.Role != "" {
-		file = opts.Role + ".creds"
-	}
+	file := roleFile(opts)
 	if opts.CredsFile == "" {
 		return fmt.Errorf("%w: the bus requires a credential and none was given: set NARWHAL_NATS_CREDS to %s (written by `narwhal bus creds --out DIR`, docs/mesh.md)", err, file)
 	}
 	return fmt.Errorf("%w: the bus refused the credential NARWHAL_NATS_CREDS=%s: set it to %s of this mesh (written by `narwhal bus creds --out DIR` for the bus's --auth DIR, docs/mesh.md)", err, opts.CredsFile, file)
+}
+
+// roleFile is the file of opts.Role among those `narwhal bus creds`
+// writes (router.creds, …), or words for it when the role is not known.
+func roleFile(opts ConnectOptions) string {
+	if opts.Role == "" {
+		return "the file of this process's role"
+	}
+	return opts.Role + ".creds"
 }
 
 // ErrUnreachable is wrapped by Connect's error when no server of the URL

@@ -68,6 +68,11 @@ const (
 	// 16 KiB of send buffer for eventsSendBuffer and that receive buffer,
 	// rounded up.
 	heldBytes = 32 << 10
+	// responseBound bounds the whole answer to every request but an event
+	// stream (the server's WriteTimeout; an event stream bounds each of
+	// its writes by writeBound instead): a client that asks for the page
+	// and reads nothing gives its connection back.
+	responseBound = 10 * time.Second
 	// shutdownBound bounds the graceful stop of the HTTP server.
 	shutdownBound = 5 * time.Second
 )
@@ -174,6 +179,7 @@ func (d *Dashboard) server(ctx context.Context) *http.Server {
 		Handler:           d.Handler(),
 		ReadHeaderTimeout: 10 * time.Second,
 		ReadTimeout:       10 * time.Second,
+		WriteTimeout:      d.bounds.response,
 		IdleTimeout:       90 * time.Second,
 		MaxHeaderBytes:    16 << 10,
 		BaseContext:       func(net.Listener) context.Context { return ctx },
@@ -194,12 +200,13 @@ type streamBounds struct {
 	keepAliveEvery time.Duration // between two keep-alive comments
 	keepAlive      []byte        // one keep-alive comment
 	sendBuffer     int           // SO_SNDBUF of the stream's connection; 0 leaves it
+	response       time.Duration // the whole answer to any other request (WriteTimeout)
 }
 
 // defaultBounds are the bounds of New.
 func defaultBounds() streamBounds {
 	return streamBounds{writeBound: writeBound, keepAliveEvery: keepAliveEvery,
-		keepAlive: keepAliveComment(keepAliveBytes), sendBuffer: eventsSendBuffer}
+		keepAlive: keepAliveComment(keepAliveBytes), sendBuffer: eventsSendBuffer, response: responseBound}
 }
 
 // keepAliveComment returns an SSE comment of n bytes (at least 3): a

@@ -231,3 +231,79 @@ func TestDefaultReleaseBound(t *testing.T) {
 		t.Errorf("released after %v, before the write bound %v: a reader on a slow link would be cut off too", took, b.writeBound)
 	}
 }
+
+// closeCounter is a listener whose accepted connections count their
+// closes.
+type closeCounter struct {
+	net.Listener
+	closed chan struct{}
+}
+
+func (l *closeCounter) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	return &countedConn{Conn: c, closed: l.closed}, nil
+}
+
+type countedConn struct {
+	net.Conn
+	once   sync.Once
+	closed chan struct{}
+}
+
+func (c *countedConn) Close() error {
+	c.once.Do(func() { c.closed <- struct{}{} })
+	return c.Conn.Close()
+}
+
+// TestNonReadingClientOfThePageIsReleased: a client that asks for the
+// page's files again and again on one connection (pipelined) and reads
+// none of the answers fills its buffers; the server's write then blocks.
+// It must give the connection (and its goroutine) back within the
+// response bound, as an event stream's does within its write bound —
+// otherwise enough such clients hold every descriptor of the dashboard
+// and lock the fleet page out.
+func TestNonReadingClientOfThePageIsReleased(t *testing.T) {
+	d := New(Options{})
+	d.bounds.response = time.Second
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cl := &closeCounter{Listener: ln, closed: make(chan struct{}, 8)}
+	ctx, cancel := context.WithCancel(context.Background())
+	srv := d.server(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_ = srv.Serve(cl)
+	}()
+	defer func() {
+		cancel()
+		_ = srv.Close()
+		<-done
+	}()
+	dl := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
+		return rc.Control(func(fd uintptr) {
+			_ = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096)
+		})
+	}}
+	c, err := dl.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	// 300 answers of app.js are about 3 MB: far more than the buffers take.
+	if _, err := c.Write([]byte(strings.Repeat("GET /app.js HTTP/1.1\r\nHost: x\r\n\r\n", 300))); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	select {
+	case <-cl.closed:
+		t.Logf("released %v after the requests were sent", time.Since(start))
+	case <-time.After(d.bounds.response + 5*time.Second):
+		t.Fatalf("a client that reads none of its answers still holds its connection %v later", time.Since(start))
+	}
+}

@@ -2,6 +2,9 @@ package engines
 
 import (
 	"errors"
+	"net"
+	"os"
+	"strings"
 	"syscall"
 )
 
@@ -53,13 +56,44 @@ var localErrnos = []struct {
 // a leg before anything was sent: a Resource* value, or "" when err is not
 // the router's own (behaviour.md R-FAIL-9). It looks through the whole
 // error chain (errors.Is), so a dial's *net.OpError wrapping an
-// *os.SyscallError wrapping EMFILE is ResourceEMFILE.
+// *os.SyscallError wrapping EMFILE is ResourceEMFILE. A failed name
+// lookup (*net.DNSError) keeps only the text of its cause: its resolver's
+// socket failing with one of these errnos is found in that text, and a
+// lookup that failed for no reason it says ("no such host" while the
+// resolver could not even read its files) is the router's when the router
+// cannot open a descriptor right now.
 func RouterResource(err error) string {
 	if err == nil {
 		return ""
 	}
 	if errors.Is(err, errPoolFull) {
 		return ResourcePool
+	}
+	for _, e := range localErrnos {
+		if errors.Is(err, e.errno) {
+			return e.resource
+		}
+	}
+	var dns *net.DNSError
+	if errors.As(err, &dns) {
+		for _, e := range localErrnos {
+			if strings.HasSuffix(dns.Err, e.errno.Error()) {
+				return e.resource
+			}
+		}
+		return descriptorShortage()
+	}
+	return ""
+}
+
+// descriptorShortage opens and closes os.DevNull to tell whether the
+// process can open a descriptor now: the Resource* value of the errno
+// that refused it, or "" when it could.
+func descriptorShortage() string {
+	f, err := os.Open(os.DevNull)
+	if err == nil {
+		f.Close()
+		return ""
 	}
 	for _, e := range localErrnos {
 		if errors.Is(err, e.errno) {

@@ -1,6 +1,8 @@
 package router
 
 import (
+	"net/http"
+	"strings"
 	"testing"
 	"time"
 
@@ -119,4 +121,41 @@ func TestBusOutageKeepsServingRBUS6(t *testing.T) {
 	testkit.WaitFor(t, 10*time.Second, "reconnected", func() bool { return m.B.Connected() && m.Peer.Connected() })
 	m.SetEligible("d1", true)
 	testkit.WaitFor(t, 3*time.Second, "d1 readmitted after resync", func() bool { return s.rt.fleet().Member("d1").Eligible() })
+}
+
+// TestWrongRoleCredentialIsUnreadyRBUS8 proves that a router connected to
+// a bus that enforces credentials (R-BUS-8) with another role's file —
+// the viewer's, which may read but not write — says so on /readyz (503,
+// naming the violation and router.creds) instead of reporting ready while
+// the bus drops everything it writes: its request and failure events, so
+// that no breaker ever ejects on its word. With the router's own file it
+// is ready.
+func TestWrongRoleCredentialIsUnreadyRBUS8(t *testing.T) {
+	dir := bustest.Credentials(t)
+	emb := bustest.StartWith(t, bus.EmbeddedOptions{Port: -1, AuthDir: dir})
+	for _, c := range []struct {
+		role  string
+		ready bool
+	}{{bus.RoleRouter, true}, {bus.RoleViewer, false}} {
+		b := bustest.Connect(t, emb, bus.ConnectOptions{CredsFile: bustest.CredsFile(dir, c.role), Role: c.role})
+		s := newStack(t, pd(), nil)
+		s.waitModels()
+		if err := s.rt.JoinMesh(b, 5*time.Second); err != nil {
+			t.Fatalf("%s: %v", c.role, err)
+		}
+		if c.ready {
+			// A few in-flight reports (one a second) have been written.
+			time.Sleep(2500 * time.Millisecond)
+			if resp, body := s.get("/readyz"); resp.StatusCode != 200 {
+				t.Errorf("with %s.creds: /readyz %d %s, want 200", c.role, resp.StatusCode, body)
+			}
+			continue
+		}
+		var body []byte
+		testkit.WaitFor(t, 5*time.Second, "/readyz 503 naming the refused writes", func() bool {
+			var resp *http.Response
+			resp, body = s.get("/readyz")
+			return resp.StatusCode == 503 && strings.Contains(string(body), "Permissions Violation") && strings.Contains(string(body), "router.creds")
+		})
+	}
 }

@@ -119,6 +119,9 @@ type Router struct {
 	// resources are the router's own resource faults (R-FAIL-9): their
 	// counter and the /readyz window after the last one.
 	resources *resourceFaults
+	// joined is the bus of JoinMesh, whose permission violations make the
+	// router unready (serveReady); nil before.
+	joined atomic.Pointer[bus.Bus]
 	// maxConns is the server.max_connections in force, derived from the
 	// descriptor limit when unset (R-API-7, R-FAIL-9).
 	maxConns int
@@ -146,10 +149,9 @@ func New(opts Options) (*Router, error) {
 	cfg := opts.Config
 	// The descriptors of engine legs are reserved before anything starts
 	// (R-FAIL-9): a max_connections that leaves none is refused.
-	nofile := descriptorLimit()
-	maxConns, derivedConns, err := cfg.Server.ConnectionLimit(nofile)
+	maxConns, derivedConns, nofile, err := ConnectionLimit(cfg)
 	if err != nil {
-		return nil, fmt.Errorf("router: %w", err)
+		return nil, err
 	}
 	placer, err := newPlacer(cfg.Placement)
 	if err != nil {
@@ -249,6 +251,22 @@ func New(opts Options) (*Router, error) {
 	rt.maxConns = maxConns
 	rt.log.Info("client connections bounded", "max_connections", maxConns, "derived", derivedConns, "nofile", nofile)
 	return rt, nil
+}
+
+// ConnectionLimit is the server.max_connections a Router made from cfg
+// uses under the process's descriptor limit now (nofile, the soft
+// RLIMIT_NOFILE; 0 when unknown), and whether it was derived; or New's
+// error, with the arithmetic, when cfg's value leaves no descriptors for
+// engine legs (behaviour.md R-API-7, R-FAIL-9). A process can check it
+// before it waits for anything (the bus), so that the refusal comes at
+// once.
+func ConnectionLimit(cfg *config.Config) (n int, derived bool, nofile uint64, err error) {
+	nofile = descriptorLimit()
+	n, derived, err = cfg.Server.ConnectionLimit(nofile)
+	if err != nil {
+		return 0, false, nofile, fmt.Errorf("router: %w", err)
+	}
+	return n, derived, nofile, nil
 }
 
 // fasthttpLogger sends fasthttp's own messages (malformed requests,
@@ -404,8 +422,13 @@ func (rt *Router) Quarantine(engineID string, until time.Time) bool {
 // (the router then serves on "everyone eligible" until it is); it returns
 // an error when the quarantine subscription cannot be made, or
 // "router: shutting down" once Shutdown has begun (nothing is then
-// started).
-func (rt *Router) JoinMesh(b *bus.Bus, wait time.Duration) error { return rt.view.Join(b, wait) }
+// started). From then on a permissions violation the bus reports on b
+// (another role's credential: R-BUS-8) makes /readyz answer 503 naming
+// it, since the bus drops what the router writes.
+func (rt *Router) JoinMesh(b *bus.Bus, wait time.Duration) error {
+	rt.joined.Store(b)
+	return rt.view.Join(b, wait)
+}
 
 // PlacementLoaded reports whether the router has read the placement bucket
 // at least once.
@@ -537,6 +560,13 @@ func (rt *Router) serveReady(ctx *fasthttp.RequestCtx) {
 	}
 	if why := rt.resources.problem(time.Now()); why != "" {
 		problems = append(problems, why) // R-FAIL-9
+	}
+	if b := rt.joined.Load(); b != nil {
+		if err := b.PermissionError(); err != nil {
+			// Another role's credential: the bus drops what the router
+			// writes — its events, its reports (R-BUS-8).
+			problems = append(problems, "the bus refuses what this router writes ("+err.Error()+"): NARWHAL_NATS_CREDS must be its role's file, router.creds")
+		}
 	}
 	if !rt.fleet().CanServe(prefillPhase) {
 		problems = append(problems, "no eligible engine for prefill")

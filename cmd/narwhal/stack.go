@@ -110,6 +110,11 @@ type routerRun struct {
 // runRouterWith is runRouter with an admin listener and reloads on SIGHUP.
 func runRouterWith(ctx context.Context, r routerRun) error {
 	cfg, listen, log, onReady := r.cfg, r.listen, r.log, r.onReady
+	// A max_connections the descriptor limit cannot hold is refused now,
+	// not once the bus is reached (R-FAIL-9).
+	if _, _, _, err := router.ConnectionLimit(cfg); err != nil {
+		return err
+	}
 	// The router's address answers at once: until the bus is reached,
 	// /readyz says 503 "bus unreachable" and requests get 503 (R-BUS-8).
 	ln, err := net.Listen("tcp", listen)
