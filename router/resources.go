@@ -44,13 +44,19 @@ func newResourceFaults(reg prometheus.Registerer) *resourceFaults {
 }
 
 // note counts f, a router_resources fault, and starts (or extends) the
-// unready window at now. It reports whether a warning should be logged:
-// at most one a second.
+// unready window at now — except for a wait at a full connection pool
+// (engines.ResourcePool): the pool is one engine's, filled by legs that
+// engine has not answered yet, so the router is no less able to serve the
+// rest of the fleet, and leaving its load balancer would only move the
+// same requests to another router's full pool. It reports whether a
+// warning should be logged: at most one a second.
 func (r *resourceFaults) note(f *engines.Fault, now time.Time) (logIt bool) {
 	r.errors.WithLabelValues(f.Resource).Inc()
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.last, r.resource, r.message = now, f.Resource, f.Message
+	if f.Resource != engines.ResourcePool {
+		r.last, r.resource, r.message = now, f.Resource, f.Message
+	}
 	if now.Sub(r.logged) >= time.Second {
 		r.logged = now
 		return true

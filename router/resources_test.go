@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/schemas"
@@ -38,11 +39,20 @@ func TestResourceWindowRFAIL9(t *testing.T) {
 	if p := r.problem(t0.Add(5 * time.Second)); p != "" {
 		t.Fatalf("5 s after: still unready: %q", p)
 	}
-	r.note(resourceFaultOf("pool"), t0.Add(6*time.Second))
-	if p := r.problem(t0.Add(10 * time.Second)); !strings.Contains(p, "(pool)") {
+	r.note(resourceFaultOf("enobufs"), t0.Add(6*time.Second))
+	if p := r.problem(t0.Add(10 * time.Second)); !strings.Contains(p, "(enobufs)") {
 		t.Fatalf("4 s after a second fault: %q", p)
 	}
 	if p := r.problem(t0.Add(11 * time.Second)); p != "" {
 		t.Fatalf("5 s after the second fault: %q", p)
+	}
+	// A wait at one engine's full pool is counted but leaves the router
+	// ready: the pool is filled by that engine's unanswered legs.
+	r.note(resourceFaultOf("pool"), t0.Add(12*time.Second))
+	if p := r.problem(t0.Add(12 * time.Second)); p != "" {
+		t.Fatalf("after a pool wait: unready: %q", p)
+	}
+	if n := testutil.ToFloat64(r.errors.WithLabelValues("pool")); n != 1 {
+		t.Fatalf("pool waits counted %v, want 1", n)
 	}
 }
