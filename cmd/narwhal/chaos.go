@@ -19,6 +19,7 @@ import (
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/chaos"
 	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/internal/pause"
 )
 
 func init() {
@@ -38,6 +39,12 @@ const (
 	chaosShutdownBound = 5 * time.Second
 	// chaosEventBuffer is the event buffer of a chaos command's publisher.
 	chaosEventBuffer = 1024
+	// defaultChaosArmTimeout is how long `narwhal chaos arm` waits for
+	// the bus's set-up and a leader of the chaos bucket (--timeout).
+	defaultChaosArmTimeout = 10 * time.Second
+	// chaosArmRetry is how soon arm writes again after a write the chaos
+	// bucket did not take.
+	chaosArmRetry = 250 * time.Millisecond
 	// proxyAnswerWait is how long `narwhal chaos arm` gathers the chaos
 	// proxies' answers to learn which engines they serve.
 	proxyAnswerWait = 300 * time.Millisecond
@@ -102,15 +109,21 @@ type chaosBus struct {
 
 // connectChaos connects to the bus of c (URL, credential, TLS) within
 // bound (0: no limit, logging to log what it waits for) and binds to
-// bucket narwhal_chaos.
-func connectChaos(ctx context.Context, c config.Bus, name string, bound time.Duration, log *slog.Logger) (*chaosBus, error) {
+// bucket narwhal_chaos. A bus not set up yet is waited for within bound
+// too (bus.ConnectOptions.WaitSetUp); reach, when > 0, bounds only the
+// wait for a server to answer (bus.ConnectOptions.ReachTimeout).
+func connectChaos(ctx context.Context, c config.Bus, name string, bound, reach time.Duration, log *slog.Logger) (*chaosBus, error) {
 	cctx := ctx
 	if bound > 0 {
 		var cancel context.CancelFunc
 		cctx, cancel = context.WithTimeout(ctx, bound)
 		defer cancel()
 	}
-	b, err := bus.Connect(cctx, busOptions(c, name, bus.RoleChaos, log))
+	opts := busOptions(c, name, bus.RoleChaos, log)
+	opts.Buckets = roleBuckets(bus.RoleChaos)
+	opts.WaitSetUp = &bus.SetUpWait{}
+	opts.ReachTimeout = reach
+	b, err := bus.Connect(cctx, opts)
 	if err != nil {
 		return nil, fmt.Errorf("bus %s: %w", redactNATSURL(c.URL), err)
 	}
@@ -143,7 +156,7 @@ func connectChaosTool(ctx context.Context, name string, bound time.Duration, log
 	if err != nil {
 		return nil, err
 	}
-	return connectChaos(ctx, c, name, bound, log)
+	return connectChaos(ctx, c, name, bound, 0, log)
 }
 
 // explain adds to err the permission the credential lacked, when the
@@ -190,6 +203,7 @@ func parseChaosFlags(fs *flag.FlagSet, args []string, positional bool) error {
 // "armed <fault>" and publishes an arm event.
 func runChaosArm(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs, bound := chaosFlags("arm", stderr)
+	timeout := fs.Duration("timeout", defaultChaosArmTimeout, "give up when the fault is not stored within `DUR`: the bus set up and the chaos bucket with a leader")
 	engine := fs.String("engine", "", "the engine `ID` whose chaos proxies inject the fault (required)")
 	name := fs.String("fault", "", "the fault `NAME`: "+strings.Join(chaos.Names(), ", ")+" (required)")
 	id := fs.String("id", "", "the fault's `ID` on the engine (default: its name); arming an id again replaces the fault")
@@ -219,20 +233,57 @@ func runChaosArm(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	if len(params) == 0 {
 		f.Params = nil
 	}
-	cb, err := connectChaosTool(ctx, "narwhal-chaos-arm", *bound, nil)
+	if *timeout <= 0 {
+		return errors.New("--timeout must be > 0")
+	}
+	c, err := toolBus()
 	if err != nil {
 		return err
 	}
-	defer cb.close()
-	armed, err := cb.store.Arm(ctx, f, *lifetime)
+	cb, err := connectChaos(ctx, c, "narwhal-chaos-arm", *timeout, *bound, nil)
 	if err != nil {
-		return cb.explain(err)
+		if errors.Is(err, bus.ErrNotSetUp) {
+			return fmt.Errorf("no fault armed within --timeout %v: %w", *timeout, err)
+		}
+		return err
+	}
+	defer cb.close()
+	armed, err := armUntil(ctx, cb, f, *lifetime, *timeout)
+	if err != nil {
+		return err
 	}
 	if _, err := fmt.Fprintf(stdout, "armed %s\n", armed.String()); err != nil {
 		return err
 	}
 	warnUnserved(ctx, cb.store, stderr, []string{armed.EngineID})
 	return nil
+}
+
+// armUntil arms f on cb's store, trying again while the chaos bucket
+// cannot take the write for a while (no leader yet: a cluster electing
+// one, or without a quorum) until timeout has passed since the command
+// began. It returns the fault as stored, or an error that says what was
+// missing; a permission the credential lacks is an error at once.
+func armUntil(ctx context.Context, cb *chaosBus, f chaos.Fault, lifetime, timeout time.Duration) (chaos.Fault, error) {
+	actx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	for {
+		armed, err := cb.store.Arm(actx, f, lifetime)
+		if err == nil {
+			return armed, nil
+		}
+		if cb.b.PermissionError() != nil || !bus.Temporary(err) {
+			return chaos.Fault{}, cb.explain(err)
+		}
+		if !pause.For(actx, chaosArmRetry) {
+			if ctx.Err() != nil {
+				return chaos.Fault{}, err
+			}
+			return chaos.Fault{}, fmt.Errorf("no fault armed within --timeout %v: bucket %s took no write "+
+				"(no leader: a bus cluster still electing one, or without a quorum; `narwhal bus setup` creates the bucket): %w",
+				timeout, bus.ChaosBucket, err)
+		}
+	}
 }
 
 // warnUnserved asks the chaos proxies on the bus which engines they serve
@@ -421,7 +472,7 @@ func runChaosProxy(ctx context.Context, args []string, stdout, stderr io.Writer)
 	if *bound == 0 {
 		*bound = c.ConnectTimeout()
 	}
-	cb, err := connectChaos(ctx, c, "narwhal-chaos-proxy-"+*engine, *bound, log)
+	cb, err := connectChaos(ctx, c, "narwhal-chaos-proxy-"+*engine, *bound, 0, log)
 	if err != nil {
 		return err
 	}

@@ -90,7 +90,9 @@ func runDashboard(ctx context.Context, args []string, stdout, stderr io.Writer) 
 	if *bound > 0 {
 		connectCtx, cancel = context.WithTimeout(ctx, *bound)
 	}
-	b, err := bus.Connect(connectCtx, busOptions(busCfg, "narwhal-dashboard", bus.RoleViewer, log))
+	opts := busOptions(busCfg, "narwhal-dashboard", bus.RoleViewer, log)
+	opts.WaitSetUp = &bus.SetUpWait{} // a bus not set up yet: wait, saying so
+	b, err := bus.Connect(connectCtx, opts)
 	cancel()
 	if err != nil {
 		if ctx.Err() != nil {

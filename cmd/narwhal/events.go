@@ -93,9 +93,11 @@ func runEvents(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	natsURL := busCfg.URL
 	var closing atomic.Bool // set at exit: closing the connection is no news
 	opts := busOptions(busCfg, "narwhal-events", bus.RoleViewer, slog.New(quietAfter{slog.NewTextHandler(stderr, nil), &closing}))
-	connectCtx, cancel := context.WithTimeout(ctx, *bound)
-	b, err := bus.Connect(connectCtx, opts)
-	cancel()
+	// --connect-timeout bounds reaching the bus; one not set up yet is
+	// waited for (logged once, then every 30 s) until ctx ends.
+	opts.ReachTimeout = *bound
+	opts.WaitSetUp = &bus.SetUpWait{}
+	b, err := bus.Connect(ctx, opts)
 	if err != nil {
 		if ctx.Err() != nil {
 			return nil // interrupted while connecting

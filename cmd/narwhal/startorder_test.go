@@ -160,3 +160,78 @@ func TestBreakerWaitsForSetupRBUS8(t *testing.T) {
 	})
 	t.Logf("leading %v after the set-up", time.Since(start))
 }
+
+// TestChaosArmWaitsForTheBucketRBUS8 proves that `narwhal chaos arm` on a
+// bus without the chaos bucket (no `narwhal bus setup` has made it, R-BUS-8)
+// waits for it up to --timeout and then fails naming the bucket and the
+// command that creates it; once the bucket exists the same command arms.
+func TestChaosArmWaitsForTheBucketRBUS8(t *testing.T) {
+	testkit.CheckLeaks(t)
+	e := bustest.Start(t)
+	t.Setenv("NARWHAL_NATS_URL", e.ClientURL())
+	admin := bustest.Connect(t, e, bus.ConnectOptions{})
+	defer admin.Close()
+	if err := admin.JetStream().DeleteKeyValue(context.Background(), bus.ChaosBucket); err != nil {
+		t.Fatal(err)
+	}
+	arm := []string{"arm", "--engine", "d1", "--fault", "http-status", "--param", "code=503", "--timeout", "1s"}
+	start := time.Now()
+	_, err := chaosCmd(t, arm...)
+	d := time.Since(start)
+	if err == nil {
+		t.Fatal("arm without the chaos bucket succeeded")
+	}
+	for _, want := range []string{"within --timeout 1s", "bucket narwhal_chaos does not exist", "narwhal bus setup"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not say %q", err, want)
+		}
+	}
+	if d < 900*time.Millisecond || d > 5*time.Second {
+		t.Errorf("arm gave up after %v, want about --timeout 1s", d)
+	}
+	t.Logf("arm gave up after %v: %v", d, err)
+
+	setUp(t, e)
+	if out := mustChaos(t, arm...); !strings.HasPrefix(out, "armed d1/http-status ") {
+		t.Errorf("arm after the set-up printed %q", out)
+	}
+}
+
+// TestEventsAndDashboardWaitForSetupRBUS8 proves that `narwhal events`
+// and `narwhal dashboard` started on a bus not set up yet keep running
+// (past --connect-timeout, which bounds only reaching the bus), say on
+// stderr what is missing and which command creates it, and follow the
+// bus by themselves once the set-up has run (R-BUS-8, R-BUS-5).
+func TestEventsAndDashboardWaitForSetupRBUS8(t *testing.T) {
+	testkit.CheckLeaks(t)
+	e := bustest.StartWith(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1, NoSetup: true})
+	t.Setenv("NARWHAL_NATS_URL", e.ClientURL())
+	ctx, cancel := context.WithCancel(context.Background())
+	evOut, evErr := &testkit.LockedBuffer{}, &testkit.LockedBuffer{}
+	dashOut, dashErr := &testkit.LockedBuffer{}, &testkit.LockedBuffer{}
+	evDone, dashDone := make(chan error, 1), make(chan error, 1)
+	go func() { evDone <- runEvents(ctx, []string{"--connect-timeout", "300ms"}, evOut, evErr) }()
+	go func() { dashDone <- runDashboard(ctx, []string{"--listen", "127.0.0.1:0"}, dashOut, dashErr) }()
+	defer func() {
+		cancel()
+		if err := <-evDone; err != nil {
+			t.Errorf("narwhal events: %v", err)
+		}
+		if err := <-dashDone; err != nil {
+			t.Errorf("narwhal dashboard: %v", err)
+		}
+	}()
+	for name, stderr := range map[string]*testkit.LockedBuffer{"events": evErr, "dashboard": dashErr} {
+		testkit.WaitFor(t, cmdTestBound, name+"'s waiting line", func() bool {
+			return strings.Contains(stderr.String(), "waiting for the bus to be set up") && strings.Contains(stderr.String(), missingStream)
+		})
+	}
+	// Past --connect-timeout: still waiting, not gone.
+	if testkit.Poll(600*time.Millisecond, 50*time.Millisecond, func() bool { return len(evDone) > 0 || len(dashDone) > 0 }) {
+		t.Fatalf("a command ended on a bus not set up:\nevents: %s\ndashboard: %s", evErr.String(), dashErr.String())
+	}
+
+	setUp(t, e)
+	testkit.WaitFor(t, setUpBound, "narwhal events following the bus", func() bool { return strings.Contains(evErr.String(), "following ") })
+	testkit.WaitFor(t, setUpBound, "the fleet page served", func() bool { return strings.Contains(dashOut.String(), "Fleet page: ") })
+}
