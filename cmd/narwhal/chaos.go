@@ -19,7 +19,6 @@ import (
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/chaos"
 	"github.com/narwhalmesh/narwhal/config"
-	"github.com/narwhalmesh/narwhal/internal/pause"
 )
 
 func init() {
@@ -240,15 +239,17 @@ func runChaosArm(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	if err != nil {
 		return err
 	}
-	cb, err := connectChaos(ctx, c, "narwhal-chaos-arm", *timeout, *bound, nil)
+	actx, cancel := context.WithTimeout(ctx, *timeout)
+	defer cancel()
+	cb, err := connectChaos(actx, c, "narwhal-chaos-arm", 0, *bound, nil)
 	if err != nil {
-		if errors.Is(err, bus.ErrNotSetUp) {
+		if errors.Is(err, bus.ErrNotSetUp) || (actx.Err() != nil && ctx.Err() == nil && !errors.Is(err, bus.ErrUnreachable)) {
 			return fmt.Errorf("no fault armed within --timeout %v: %w", *timeout, err)
 		}
 		return err
 	}
 	defer cb.close()
-	armed, err := armUntil(ctx, cb, f, *lifetime, *timeout)
+	armed, err := armUntil(ctx, actx, cb, f, *lifetime, *timeout)
 	if err != nil {
 		return err
 	}
@@ -261,12 +262,11 @@ func runChaosArm(ctx context.Context, args []string, stdout, stderr io.Writer) e
 
 // armUntil arms f on cb's store, trying again while the chaos bucket
 // cannot take the write for a while (no leader yet: a cluster electing
-// one, or without a quorum) until timeout has passed since the command
-// began. It returns the fault as stored, or an error that says what was
-// missing; a permission the credential lacks is an error at once.
-func armUntil(ctx context.Context, cb *chaosBus, f chaos.Fault, lifetime, timeout time.Duration) (chaos.Fault, error) {
-	actx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
+// one, or without a quorum) until actx ends — the command's --timeout,
+// which began before it connected. It returns the fault as stored, or an
+// error that says what was missing; a permission the credential lacks is
+// an error at once. ctx is the command's own context (an interrupt).
+func armUntil(ctx, actx context.Context, cb *chaosBus, f chaos.Fault, lifetime, timeout time.Duration) (chaos.Fault, error) {
 	for {
 		armed, err := cb.store.Arm(actx, f, lifetime)
 		if err == nil {
@@ -275,14 +275,19 @@ func armUntil(ctx context.Context, cb *chaosBus, f chaos.Fault, lifetime, timeou
 		if cb.b.PermissionError() != nil || !bus.Temporary(err) {
 			return chaos.Fault{}, cb.explain(err)
 		}
-		if !pause.For(actx, chaosArmRetry) {
-			if ctx.Err() != nil {
-				return chaos.Fault{}, err
-			}
-			return chaos.Fault{}, fmt.Errorf("no fault armed within --timeout %v: bucket %s took no write "+
-				"(no leader: a bus cluster still electing one, or without a quorum; `narwhal bus setup` creates the bucket): %w",
-				timeout, bus.ChaosBucket, err)
+		retry := time.NewTimer(chaosArmRetry)
+		select {
+		case <-retry.C:
+			continue
+		case <-actx.Done():
+			retry.Stop()
 		}
+		if ctx.Err() != nil {
+			return chaos.Fault{}, err
+		}
+		return chaos.Fault{}, fmt.Errorf("no fault armed within --timeout %v: bucket %s took no write "+
+			"(no leader: a bus cluster still electing one, or without a quorum; `narwhal bus setup` creates the bucket): %w",
+			timeout, bus.ChaosBucket, err)
 	}
 }
 
