@@ -394,9 +394,13 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 			return nil, err
 		}
 		if !pause.For(ctx, setupRetryDelay) {
+			connected := nc.IsConnected()
 			nc.Close()
 			if lastMissing != nil && ctx.Err() != nil {
 				err = lastMissing // the last attempt was cut by ctx: say what was missing
+			} else if connected {
+				return nil, fmt.Errorf("%w (JetStream did not answer in time: no leader — a cluster without a quorum, "+
+					"or still electing one; gave up: %v)", err, context.Cause(ctx))
 			}
 			return nil, fmt.Errorf("%w (gave up: %v)", err, context.Cause(ctx))
 		}

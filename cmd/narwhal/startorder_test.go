@@ -235,3 +235,49 @@ func TestEventsAndDashboardWaitForSetupRBUS8(t *testing.T) {
 	testkit.WaitFor(t, setUpBound, "narwhal events following the bus", func() bool { return strings.Contains(evErr.String(), "following ") })
 	testkit.WaitFor(t, setUpBound, "the fleet page served", func() bool { return strings.Contains(dashOut.String(), "Fleet page: ") })
 }
+
+// TestChaosArmWithoutBucketLeader proves that `narwhal chaos arm` on a bus
+// cluster that lost its quorum — the chaos bucket exists but nothing leads
+// it — waits up to --timeout and then says that the bus did not answer
+// for want of a leader, instead of a bare timeout.
+func TestChaosArmWithoutBucketLeader(t *testing.T) {
+	testkit.CheckLeaks(t)
+	ports := []int{freeTCPPort(t), freeTCPPort(t), freeTCPPort(t)}
+	route := func(i int) string { return "nats://127.0.0.1:" + strconv.Itoa(ports[i]) }
+	var nodes []*bus.Embedded
+	for i, name := range []string{"a", "b", "c"} {
+		var routes []string
+		for j := range ports {
+			if j != i {
+				routes = append(routes, route(j))
+			}
+		}
+		nodes = append(nodes, bustest.StartWith(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1, NoSetup: true,
+			ServerName: name, Cluster: "127.0.0.1:" + strconv.Itoa(ports[i]), Routes: routes}))
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*cmdTestBound)
+	defer cancel()
+	admin, err := bus.Connect(ctx, bus.ConnectOptions{URL: nodes[0].ClientURL(), Name: "narwhal-bus-setup", Setup: &bus.SetupOptions{Replicas: 3}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	admin.Close()
+	nodes[1].Shutdown()
+	nodes[2].Shutdown()
+	t.Setenv("NARWHAL_NATS_URL", nodes[0].ClientURL())
+	start := time.Now()
+	_, err = chaosCmd(t, "arm", "--engine", "d1", "--fault", "http-status", "--timeout", "2s")
+	d := time.Since(start)
+	if err == nil {
+		t.Fatal("arm on a cluster without a quorum succeeded")
+	}
+	t.Logf("arm gave up after %v: %v", d, err)
+	for _, want := range []string{"within --timeout 2s", "leader"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not say %q", err, want)
+		}
+	}
+	if d < 1900*time.Millisecond || d > 8*time.Second {
+		t.Errorf("arm gave up after %v, want about --timeout 2s", d)
+	}
+}
