@@ -237,7 +237,7 @@ func (b *Bus) URL() string {
 }
 
 // Connect connects to NATS and binds to stream NARWHAL_EVENTS and KV
-// bucket narwhal_placement as they exist: it creates and changes nothing
+// bucket narwhal_placement (and checks opts.Buckets) as they exist: it creates and changes nothing
 // unless opts.Setup is set (the admin, R-BUS-8). A stream or bucket that
 // does not exist is a *NotSetUpError naming it and the command that
 // creates it.
@@ -248,8 +248,10 @@ func (b *Bus) URL() string {
 // and every 5 s when opts.Log is set); it returns an error at once for bad
 // options (missing URL, unreadable credentials or TLS files), when the
 // server refuses the credential (authorization violation) or a permission
-// the role lacks, or when the stream or bucket is missing. The caller owns
-// the Bus and must Close it.
+// the role lacks, or when the stream or a bucket is missing — unless
+// opts.WaitSetUp is set: then it waits for the set-up too, and when ctx
+// ends first its error is the *NotSetUpError of what was still missing.
+// The caller owns the Bus and must Close it.
 func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 	b := &Bus{log: opts.Log}
 	log := opts.Log

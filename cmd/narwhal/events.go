@@ -51,7 +51,9 @@ const (
 //
 // It runs until ctx ends (SIGINT) and then returns nil. It returns an error
 // for bad flags, when the bus is not reachable within --connect-timeout
-// (default 5 s), or when stdout cannot be written.
+// (default 5 s), or when stdout cannot be written. A bus that answers but
+// is not set up yet is waited for, saying so on stderr once and then every
+// 30 s (docs/mesh.md, "Start-up: what a process waits for").
 func runEvents(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("narwhal events", flag.ContinueOnError)
 	fs.SetOutput(stderr)
