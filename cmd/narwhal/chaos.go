@@ -199,7 +199,10 @@ func parseChaosFlags(fs *flag.FlagSet, args []string, positional bool) error {
 }
 
 // runChaosArm is `narwhal chaos arm`: it arms one fault, prints
-// "armed <fault>" and publishes an arm event.
+// "armed <fault>" and publishes an arm event. It waits up to --timeout
+// (default 10 s) for the bus's set-up and a leader of bucket narwhal_chaos
+// that takes the write, then fails saying what was missing and which
+// command creates it (docs/chaos.md).
 func runChaosArm(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs, bound := chaosFlags("arm", stderr)
 	timeout := fs.Duration("timeout", defaultChaosArmTimeout, "give up when the fault is not stored within `DUR`: the bus set up and the chaos bucket with a leader")
