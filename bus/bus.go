@@ -136,6 +136,73 @@ type ConnectOptions struct {
 	// Setup with it (creating or updating the stream and every bucket)
 	// before binding. Nil for every other role, which only binds.
 	Setup *SetupOptions
+	// Buckets are the buckets besides narwhal_placement that the process
+	// binds to (e.g. LeaseBucket, FleetBucket): Connect returns only once
+	// each exists, so that a process does not start on half a set-up.
+	Buckets []string
+	// WaitSetUp, when set, makes Connect wait while the stream or a bucket
+	// it binds to does not exist — a bus whose `narwhal bus setup` has not
+	// run yet — instead of returning a *NotSetUpError at once: the process
+	// starts in any order and goes on by itself once the set-up has run
+	// (docs/mesh.md, "Start-up: what a process waits for"). Nil: a missing
+	// stream or bucket is an error at once.
+	WaitSetUp *SetUpWait
+	// ReachTimeout, when > 0, bounds the wait for a server to answer: past
+	// it Connect gives up with ErrUnreachable even though ctx has not
+	// ended. The wait for the set-up that follows is bounded by ctx alone.
+	// 0: ctx bounds both.
+	ReachTimeout time.Duration
+}
+
+// NotSetUpLogEvery is how often a Connect waiting for the set-up
+// (ConnectOptions.WaitSetUp) repeats its log line while what is missing
+// stays the same: once at first, then at this interval, not per retry.
+const NotSetUpLogEvery = 30 * time.Second
+
+// SetUpWait says how a Connect waits for a bus that is not set up yet
+// (ConnectOptions.WaitSetUp).
+type SetUpWait struct {
+	// LogEvery is how often the log line "waiting for the bus to be set
+	// up" is repeated while the same stream or bucket is missing; 0 means
+	// NotSetUpLogEvery. A different missing one is logged at once.
+	LogEvery time.Duration
+	// Now is the clock of LogEvery; nil: time.Now.
+	Now func() time.Time
+	// Missing, when set, is called with the stream or bucket found missing
+	// each time that changes, and once with nil when everything exists
+	// (e.g. to update what a router's /readyz says, NotSetUpError.Problem).
+	Missing func(*NotSetUpError)
+}
+
+// setUpLog decides when a Connect waiting for the set-up logs: the first
+// time, whenever what is missing changes, and then every interval.
+type setUpLog struct {
+	every time.Duration
+	now   func() time.Time
+	last  time.Time
+	said  string // the problem last logged; "" before the first
+}
+
+// newSetUpLog is the setUpLog of w.
+func newSetUpLog(w SetUpWait) *setUpLog {
+	l := &setUpLog{every: w.LogEvery, now: w.Now}
+	if l.every <= 0 {
+		l.every = NotSetUpLogEvery
+	}
+	if l.now == nil {
+		l.now = time.Now
+	}
+	return l
+}
+
+// due reports whether problem is to be logged now, and if so notes it.
+func (l *setUpLog) due(problem string) bool {
+	t := l.now()
+	if problem == l.said && t.Sub(l.last) < l.every {
+		return false
+	}
+	l.said, l.last = problem, t
+	return true
 }
 
 // Bus is one connection to NATS bound to the events stream and the
@@ -171,7 +238,7 @@ func (b *Bus) URL() string {
 }
 
 // Connect connects to NATS and binds to stream NARWHAL_EVENTS and KV
-// bucket narwhal_placement as they exist: it creates and changes nothing
+// bucket narwhal_placement (and checks opts.Buckets) as they exist: it creates and changes nothing
 // unless opts.Setup is set (the admin, R-BUS-8). A stream or bucket that
 // does not exist is a *NotSetUpError naming it and the command that
 // creates it.
@@ -182,8 +249,10 @@ func (b *Bus) URL() string {
 // and every 5 s when opts.Log is set); it returns an error at once for bad
 // options (missing URL, unreadable credentials or TLS files), when the
 // server refuses the credential (authorization violation) or a permission
-// the role lacks, or when the stream or bucket is missing. The caller owns
-// the Bus and must Close it.
+// the role lacks, or when the stream or a bucket is missing — unless
+// opts.WaitSetUp is set: then it waits for the set-up too, and when ctx
+// ends first its error is the *NotSetUpError of what was still missing.
+// The caller owns the Bus and must Close it.
 func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 	b := &Bus{log: opts.Log}
 	log := opts.Log
@@ -266,7 +335,13 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 		return nil, fmt.Errorf("bus: jetstream: %w", err)
 	}
 	b.nc, b.js = nc, js
-	if err := b.waitConnected(ctx, url, log); err != nil {
+	reachCtx := ctx
+	if opts.ReachTimeout > 0 {
+		var cancel context.CancelFunc
+		reachCtx, cancel = context.WithTimeout(ctx, opts.ReachTimeout)
+		defer cancel()
+	}
+	if err := b.waitConnected(reachCtx, url, log); err != nil {
 		nc.Close()
 		return nil, credentialHint(err, opts)
 	}
@@ -277,10 +352,40 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 		}
 	}
 	var lastLog time.Time
+	var setUp *setUpLog // set once a Connect with WaitSetUp found something missing
+	var lastMissing *NotSetUpError
 	for {
-		err := b.bind(ctx)
+		err := b.bind(ctx, opts.Buckets)
 		if err == nil {
+			if setUp != nil {
+				if log != nil {
+					log.Info("bus set up", "url", b.URL())
+				}
+				if opts.WaitSetUp.Missing != nil {
+					opts.WaitSetUp.Missing(nil)
+				}
+			}
 			return b, nil
+		}
+		var missing *NotSetUpError
+		if opts.WaitSetUp != nil && errors.As(err, &missing) {
+			if setUp == nil {
+				setUp = newSetUpLog(*opts.WaitSetUp)
+			}
+			lastMissing = missing
+			if changed := missing.Problem() != setUp.said; setUp.due(missing.Problem()) {
+				if log != nil {
+					log.Warn("waiting for the bus to be set up", "url", b.URL(), "problem", missing.Problem())
+				}
+				if changed && opts.WaitSetUp.Missing != nil {
+					opts.WaitSetUp.Missing(missing)
+				}
+			}
+			if !pause.For(ctx, setupRetryDelay) {
+				nc.Close()
+				return nil, fmt.Errorf("%w (gave up: %v)", err, context.Cause(ctx))
+			}
+			continue
 		}
 		if log != nil && retryable(nc, err) && time.Since(lastLog) >= waitLogEvery {
 			log.Warn("waiting for the bus's JetStream", "url", b.URL(), "err", err)
@@ -295,7 +400,14 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 			return nil, err
 		}
 		if !pause.For(ctx, setupRetryDelay) {
+			connected := nc.IsConnected()
 			nc.Close()
+			if lastMissing != nil && ctx.Err() != nil {
+				err = lastMissing // the last attempt was cut by ctx: say what was missing
+			} else if connected {
+				return nil, fmt.Errorf("%w (JetStream did not answer in time: no leader — a cluster without a quorum, "+
+					"or still electing one; gave up: %v)", err, context.Cause(ctx))
+			}
 			return nil, fmt.Errorf("%w (gave up: %v)", err, context.Cause(ctx))
 		}
 	}
@@ -382,8 +494,9 @@ func (b *Bus) PermissionError() error {
 	return nil
 }
 
-// bind binds to the stream and the placement bucket.
-func (b *Bus) bind(ctx context.Context) error {
+// bind binds to the stream and the placement bucket, and checks that each
+// of buckets exists.
+func (b *Bus) bind(ctx context.Context, buckets []string) error {
 	ctx, cancel := context.WithTimeout(ctx, bindTimeout)
 	defer cancel()
 	if _, err := b.js.Stream(ctx, StreamName); err != nil {
@@ -395,6 +508,11 @@ func (b *Bus) bind(ctx context.Context) error {
 	kv, err := b.BindBucket(ctx, PlacementBucket)
 	if err != nil {
 		return err
+	}
+	for _, name := range buckets {
+		if _, err := b.BindBucket(ctx, name); err != nil {
+			return err
+		}
 	}
 	b.placement = kv
 	return nil

@@ -107,6 +107,14 @@ func (e *NotSetUpError) Error() string {
 		"against this NATS, or run the bus with `narwhal bus`", e.What, e.Name)
 }
 
+// Problem is what is missing and the command that creates it, in the
+// words a router's /readyz uses: "stream NARWHAL_EVENTS does not exist:
+// run narwhal bus setup" (docs/mesh.md, "Start-up: what a process waits
+// for").
+func (e *NotSetUpError) Problem() string {
+	return fmt.Sprintf("%s %s does not exist: run narwhal bus setup", e.What, e.Name)
+}
+
 // Is makes errors.Is(err, ErrNotSetUp) true for every NotSetUpError.
 func (e *NotSetUpError) Is(target error) bool { return target == ErrNotSetUp }
 

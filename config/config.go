@@ -601,7 +601,8 @@ type Bus struct {
 	// (R-BUS-8). 1…MaxReplicas.
 	Replicas int `yaml:"replicas" env:"REPLICAS"`
 	// ConnectTimeoutS is how long a router, breaker or chaos proxy waits
-	// at start for the bus before it exits with an error, in seconds; 0
+	// at start for the bus — reachable, and set up by `narwhal bus setup`
+	// — before it exits with an error, in seconds; 0
 	// keeps trying for ever, logging what it waits for every
 	// few seconds.
 	ConnectTimeoutS float64 `yaml:"connect_timeout_s" env:"CONNECT_TIMEOUT_S"`

@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -46,12 +47,37 @@ func ServeUnready(ln net.Listener, front config.Server, why string, log *slog.Lo
 // other paths are answered but not counted, as the Router does not count
 // them.
 func ServeUnreadyCounted(ln net.Listener, front config.Server, why string, log *slog.Logger, answers *UnreadyAnswers) (stop func()) {
+	return ServeUnreadyWhy(ln, front, NewUnreadyWhy(why), log, answers)
+}
+
+// UnreadyWhy is what the stand-in of ServeUnreadyWhy says the process
+// waits for, which may change while it waits: "bus unreachable", then
+// "stream NARWHAL_EVENTS does not exist: run narwhal bus setup" once the
+// bus answers but is not set up (docs/mesh.md, "Start-up: what a process
+// waits for"). It is safe for concurrent use; make one with NewUnreadyWhy.
+type UnreadyWhy struct{ why atomic.Pointer[string] }
+
+// NewUnreadyWhy returns an UnreadyWhy saying why.
+func NewUnreadyWhy(why string) *UnreadyWhy {
+	w := &UnreadyWhy{}
+	w.Set(why)
+	return w
+}
+
+// Set makes the stand-in's next answers say why.
+func (w *UnreadyWhy) Set(why string) { w.why.Store(&why) }
+
+// String returns what the stand-in says now.
+func (w *UnreadyWhy) String() string { return *w.why.Load() }
+
+// ServeUnreadyWhy is ServeUnreadyCounted whose answers say what why says
+// at the time of each request: /readyz {"status":"not ready","problems":
+// [why]}, any other request "not ready: " + why.
+func ServeUnreadyWhy(ln net.Listener, front config.Server, whyNow *UnreadyWhy, log *slog.Logger, answers *UnreadyAnswers) (stop func()) {
 	tl, ok := ln.(*net.TCPListener)
 	if !ok {
 		return func() {}
 	}
-	ready, _ := json.Marshal(map[string]any{"status": "not ready", "problems": []string{why}})
-	other := schemas.AppendErrorJSON(nil, http.StatusServiceUnavailable, "not ready: "+why)
 	srv := &http.Server{
 		ReadHeaderTimeout: 5 * time.Second,
 		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelDebug),
@@ -66,11 +92,13 @@ func ServeUnreadyCounted(ln net.Listener, front config.Server, why string, log *
 			w.Header().Set("Retry-After", "1")
 			w.Header().Set("Connection", "close")
 			w.WriteHeader(http.StatusServiceUnavailable)
+			why := whyNow.String()
 			if r.URL.Path == "/readyz" {
+				ready, _ := json.Marshal(map[string]any{"status": "not ready", "problems": []string{why}})
 				_, _ = w.Write(ready)
 				return
 			}
-			_, _ = w.Write(other)
+			_, _ = w.Write(schemas.AppendErrorJSON(nil, http.StatusServiceUnavailable, "not ready: "+why))
 			if !strings.HasPrefix(r.URL.Path, string(apiPrefix)) {
 				return
 			}

@@ -35,7 +35,8 @@ var errNoNATSURL = errors.New("NARWHAL_NATS_URL (bus.url) is not set: a standalo
 // runBreakerCmd is `narwhal breaker --config FILE [--metrics HOST:PORT]`
 // (behaviour.md §8, §14): it connects to the NATS at NARWHAL_NATS_URL (credentials
 // and TLS from NARWHAL_NATS_CREDS, NARWHAL_NATS_TLS_CA, _CERT, _KEY) and
-// runs a breaker.Service — leader or standby — until SIGINT/SIGTERM. With
+// runs a breaker.Service — leader or standby — until SIGINT/SIGTERM; a bus
+// not set up yet is waited for, logged (joinBus). With
 // --metrics it serves Prometheus text at http://HOST:PORT/metrics.
 func runBreakerCmd(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("narwhal breaker", flag.ContinueOnError)

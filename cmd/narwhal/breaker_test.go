@@ -84,8 +84,9 @@ func TestBreakerCommandLeads(t *testing.T) {
 }
 
 // TestBreakerCommandNamesMissingBucket proves R-BUS-8 for the breaker: it
-// creates no bucket; on a bus whose lease bucket is missing it exits at
-// once with an error naming the bucket and the command that creates it.
+// creates no bucket; on a bus whose lease bucket is missing it waits for
+// the set-up, and with bus.connect_timeout_s gives up after it with an
+// error naming the bucket and the command that creates it.
 func TestBreakerCommandNamesMissingBucket(t *testing.T) {
 	testkit.CheckLeaks(t)
 	emb := bustest.Start(t)
@@ -96,6 +97,7 @@ func TestBreakerCommandNamesMissingBucket(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Setenv("NARWHAL_NATS_URL", emb.ClientURL())
+	t.Setenv("NARWHAL_NATS_CONNECT_TIMEOUT_S", "1")
 	t.Setenv("NARWHAL_ROUTER_LOG_LEVEL", "error")
 	path, _ := preflightFleet(t, [][2]string{{"p1", "prefill"}, {"d1", "decode"}})
 	err := runBreakerCmd(ctx, []string{"--config", path})

@@ -38,6 +38,12 @@ const (
 	chaosShutdownBound = 5 * time.Second
 	// chaosEventBuffer is the event buffer of a chaos command's publisher.
 	chaosEventBuffer = 1024
+	// defaultChaosArmTimeout is how long `narwhal chaos arm` waits for
+	// the bus's set-up and a leader of the chaos bucket (--timeout).
+	defaultChaosArmTimeout = 10 * time.Second
+	// chaosArmRetry is how soon arm writes again after a write the chaos
+	// bucket did not take.
+	chaosArmRetry = 250 * time.Millisecond
 	// proxyAnswerWait is how long `narwhal chaos arm` gathers the chaos
 	// proxies' answers to learn which engines they serve.
 	proxyAnswerWait = 300 * time.Millisecond
@@ -102,15 +108,21 @@ type chaosBus struct {
 
 // connectChaos connects to the bus of c (URL, credential, TLS) within
 // bound (0: no limit, logging to log what it waits for) and binds to
-// bucket narwhal_chaos.
-func connectChaos(ctx context.Context, c config.Bus, name string, bound time.Duration, log *slog.Logger) (*chaosBus, error) {
+// bucket narwhal_chaos. A bus not set up yet is waited for within bound
+// too (bus.ConnectOptions.WaitSetUp); reach, when > 0, bounds only the
+// wait for a server to answer (bus.ConnectOptions.ReachTimeout).
+func connectChaos(ctx context.Context, c config.Bus, name string, bound, reach time.Duration, log *slog.Logger) (*chaosBus, error) {
 	cctx := ctx
 	if bound > 0 {
 		var cancel context.CancelFunc
 		cctx, cancel = context.WithTimeout(ctx, bound)
 		defer cancel()
 	}
-	b, err := bus.Connect(cctx, busOptions(c, name, bus.RoleChaos, log))
+	opts := busOptions(c, name, bus.RoleChaos, log)
+	opts.Buckets = roleBuckets(bus.RoleChaos)
+	opts.WaitSetUp = &bus.SetUpWait{}
+	opts.ReachTimeout = reach
+	b, err := bus.Connect(cctx, opts)
 	if err != nil {
 		return nil, fmt.Errorf("bus %s: %w", redactNATSURL(c.URL), err)
 	}
@@ -143,7 +155,7 @@ func connectChaosTool(ctx context.Context, name string, bound time.Duration, log
 	if err != nil {
 		return nil, err
 	}
-	return connectChaos(ctx, c, name, bound, log)
+	return connectChaos(ctx, c, name, bound, 0, log)
 }
 
 // explain adds to err the permission the credential lacked, when the
@@ -187,9 +199,13 @@ func parseChaosFlags(fs *flag.FlagSet, args []string, positional bool) error {
 }
 
 // runChaosArm is `narwhal chaos arm`: it arms one fault, prints
-// "armed <fault>" and publishes an arm event.
+// "armed <fault>" and publishes an arm event. It waits up to --timeout
+// (default 10 s) for the bus's set-up and a leader of bucket narwhal_chaos
+// that takes the write, then fails saying what was missing and which
+// command creates it (docs/chaos.md).
 func runChaosArm(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs, bound := chaosFlags("arm", stderr)
+	timeout := fs.Duration("timeout", defaultChaosArmTimeout, "give up when the fault is not stored within `DUR`: the bus set up and the chaos bucket with a leader")
 	engine := fs.String("engine", "", "the engine `ID` whose chaos proxies inject the fault (required)")
 	name := fs.String("fault", "", "the fault `NAME`: "+strings.Join(chaos.Names(), ", ")+" (required)")
 	id := fs.String("id", "", "the fault's `ID` on the engine (default: its name); arming an id again replaces the fault")
@@ -219,20 +235,63 @@ func runChaosArm(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	if len(params) == 0 {
 		f.Params = nil
 	}
-	cb, err := connectChaosTool(ctx, "narwhal-chaos-arm", *bound, nil)
+	if *timeout <= 0 {
+		return errors.New("--timeout must be > 0")
+	}
+	c, err := toolBus()
 	if err != nil {
 		return err
 	}
-	defer cb.close()
-	armed, err := cb.store.Arm(ctx, f, *lifetime)
+	actx, cancel := context.WithTimeout(ctx, *timeout)
+	defer cancel()
+	cb, err := connectChaos(actx, c, "narwhal-chaos-arm", 0, *bound, nil)
 	if err != nil {
-		return cb.explain(err)
+		if errors.Is(err, bus.ErrNotSetUp) || (actx.Err() != nil && ctx.Err() == nil && !errors.Is(err, bus.ErrUnreachable)) {
+			return fmt.Errorf("no fault armed within --timeout %v: %w", *timeout, err)
+		}
+		return err
+	}
+	defer cb.close()
+	armed, err := armUntil(ctx, actx, cb, f, *lifetime, *timeout)
+	if err != nil {
+		return err
 	}
 	if _, err := fmt.Fprintf(stdout, "armed %s\n", armed.String()); err != nil {
 		return err
 	}
 	warnUnserved(ctx, cb.store, stderr, []string{armed.EngineID})
 	return nil
+}
+
+// armUntil arms f on cb's store, trying again while the chaos bucket
+// cannot take the write for a while (no leader yet: a cluster electing
+// one, or without a quorum) until actx ends — the command's --timeout,
+// which began before it connected. It returns the fault as stored, or an
+// error that says what was missing; a permission the credential lacks is
+// an error at once. ctx is the command's own context (an interrupt).
+func armUntil(ctx, actx context.Context, cb *chaosBus, f chaos.Fault, lifetime, timeout time.Duration) (chaos.Fault, error) {
+	for {
+		armed, err := cb.store.Arm(actx, f, lifetime)
+		if err == nil {
+			return armed, nil
+		}
+		if cb.b.PermissionError() != nil || !bus.Temporary(err) {
+			return chaos.Fault{}, cb.explain(err)
+		}
+		retry := time.NewTimer(chaosArmRetry)
+		select {
+		case <-retry.C:
+			continue
+		case <-actx.Done():
+			retry.Stop()
+		}
+		if ctx.Err() != nil {
+			return chaos.Fault{}, err
+		}
+		return chaos.Fault{}, fmt.Errorf("no fault armed within --timeout %v: bucket %s took no write "+
+			"(no leader: a bus cluster still electing one, or without a quorum; `narwhal bus setup` creates the bucket): %w",
+			timeout, bus.ChaosBucket, err)
+	}
 }
 
 // warnUnserved asks the chaos proxies on the bus which engines they serve
@@ -421,7 +480,7 @@ func runChaosProxy(ctx context.Context, args []string, stdout, stderr io.Writer)
 	if *bound == 0 {
 		*bound = c.ConnectTimeout()
 	}
-	cb, err := connectChaos(ctx, c, "narwhal-chaos-proxy-"+*engine, *bound, log)
+	cb, err := connectChaos(ctx, c, "narwhal-chaos-proxy-"+*engine, *bound, 0, log)
 	if err != nil {
 		return err
 	}

@@ -38,8 +38,9 @@ const defaultDashboardListen = "127.0.0.1:8090"
 // fleet's bucket names it. It prints the page's URL on stdout once it
 // serves.
 //
-// It waits for the bus (saying so on stderr) for --connect-timeout, or
-// for ever when that is 0 (the default), and runs until ctx ends (SIGINT,
+// It waits for the bus — reachable, and set up by `narwhal bus setup` —
+// (saying so on stderr) for --connect-timeout, or for ever when that is 0
+// (the default), and runs until ctx ends (SIGINT,
 // SIGTERM); then it returns nil. It returns an error for bad flags, an
 // address it cannot listen on, or a bus not reached in time.
 func runDashboard(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -90,7 +91,9 @@ func runDashboard(ctx context.Context, args []string, stdout, stderr io.Writer) 
 	if *bound > 0 {
 		connectCtx, cancel = context.WithTimeout(ctx, *bound)
 	}
-	b, err := bus.Connect(connectCtx, busOptions(busCfg, "narwhal-dashboard", bus.RoleViewer, log))
+	opts := busOptions(busCfg, "narwhal-dashboard", bus.RoleViewer, log)
+	opts.WaitSetUp = &bus.SetUpWait{} // a bus not set up yet: wait, saying so
+	b, err := bus.Connect(connectCtx, opts)
 	cancel()
 	if err != nil {
 		if ctx.Err() != nil {

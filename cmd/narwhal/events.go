@@ -53,7 +53,9 @@ const (
 //
 // It runs until ctx ends (SIGINT) and then returns nil. It returns an error
 // for bad flags, when the bus is not reachable within --connect-timeout
-// (default 5 s), or when stdout cannot be written.
+// (default 5 s), or when stdout cannot be written. A bus that answers but
+// is not set up yet is waited for, saying so on stderr once and then every
+// 30 s (docs/mesh.md, "Start-up: what a process waits for").
 func runEvents(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("narwhal events", flag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -95,9 +97,11 @@ func runEvents(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	natsURL := busCfg.URL
 	var closing atomic.Bool // set at exit: closing the connection is no news
 	opts := busOptions(busCfg, "narwhal-events", bus.RoleViewer, slog.New(quietAfter{slog.NewTextHandler(stderr, nil), &closing}))
-	connectCtx, cancel := context.WithTimeout(ctx, *bound)
-	b, err := bus.Connect(connectCtx, opts)
-	cancel()
+	// --connect-timeout bounds reaching the bus; one not set up yet is
+	// waited for (logged once, then every 30 s) until ctx ends.
+	opts.ReachTimeout = *bound
+	opts.WaitSetUp = &bus.SetUpWait{}
+	b, err := bus.Connect(ctx, opts)
 	if err != nil {
 		if ctx.Err() != nil {
 			return nil // interrupted while connecting

@@ -37,14 +37,29 @@ func newLogger(cfg *config.Config, w io.Writer) *slog.Logger {
 // unset) and which sets itself up (behaviour.md R-BUS-4). role is the bus
 // role of the process (busOptions). The returned stop function closes
 // everything it started.
+//
+// A bus that answers but is not set up yet (no `narwhal bus setup` has
+// run) is waited for too, within the same bound: the process logs what is
+// missing once and then every 30 s, and goes on by itself once the set-up
+// has run (docs/mesh.md, "Start-up: what a process waits for").
 func joinBus(ctx context.Context, cfg *config.Config, name, role string, log *slog.Logger) (*bus.Bus, func(), error) {
+	return joinBusTelling(ctx, cfg, name, role, log, nil)
+}
+
+// joinBusTelling is joinBus that also tells missing (when not nil) what a
+// bus that is not set up lacks each time that changes, and nil once it
+// has everything (bus.SetUpWait.Missing).
+func joinBusTelling(ctx context.Context, cfg *config.Config, name, role string, log *slog.Logger, missing func(*bus.NotSetUpError)) (*bus.Bus, func(), error) {
 	if url := cfg.Bus.URL; url != "" {
 		if d := cfg.Bus.ConnectTimeout(); d > 0 {
 			var cancel context.CancelFunc
 			ctx, cancel = context.WithTimeout(ctx, d)
 			defer cancel()
 		}
-		b, err := bus.Connect(ctx, busOptions(cfg.Bus, name, role, log))
+		opts := busOptions(cfg.Bus, name, role, log)
+		opts.Buckets = roleBuckets(role)
+		opts.WaitSetUp = &bus.SetUpWait{Missing: missing}
+		b, err := bus.Connect(ctx, opts)
 		if err != nil {
 			return nil, nil, fmt.Errorf("bus %s: %w", redactNATSURL(url), err)
 		}
@@ -78,6 +93,22 @@ func joinBus(ctx context.Context, cfg *config.Config, name, role string, log *sl
 		emb.Shutdown()
 		cleanup()
 	}, nil
+}
+
+// unreadyUnreachable is what a router's /readyz says until its bus answers.
+const unreadyUnreachable = "bus unreachable"
+
+// roleBuckets are the buckets besides narwhal_placement that a process of
+// role binds to as it starts (bus.ConnectOptions.Buckets), so that it
+// waits for the whole set-up rather than start on part of it.
+func roleBuckets(role string) []string {
+	switch role {
+	case bus.RoleRouter, bus.RoleBreaker:
+		return []string{bus.LeaseBucket, bus.FleetBucket, bus.RoutersBucket}
+	case bus.RoleChaos:
+		return []string{bus.ChaosBucket}
+	}
+	return nil
 }
 
 // runRouter serves a router for cfg on listen until ctx ends, then shuts it
@@ -124,9 +155,16 @@ func runRouterWith(ctx context.Context, r routerRun) error {
 	defer ln.Close()
 	// Its 503s are counted and logged as the router's own answers are,
 	// and reach its narwhal_requests_total once it runs.
+	// Until the bus is set up they name what is missing and the command
+	// that creates it.
 	waited := &router.UnreadyAnswers{}
-	stopWaiting := router.ServeUnreadyCounted(ln, cfg.Server, "bus unreachable", log, waited)
-	b, stopBus, err := joinBus(ctx, cfg, "narwhal-router-"+cfg.Router.ID, bus.RoleRouter, log)
+	why := router.NewUnreadyWhy(unreadyUnreachable)
+	stopWaiting := router.ServeUnreadyWhy(ln, cfg.Server, why, log, waited)
+	b, stopBus, err := joinBusTelling(ctx, cfg, "narwhal-router-"+cfg.Router.ID, bus.RoleRouter, log, func(m *bus.NotSetUpError) {
+		if m != nil {
+			why.Set(m.Problem())
+		}
+	})
 	stopWaiting()
 	if err != nil {
 		return err
