@@ -210,18 +210,23 @@ func (s *state) faultValue(key string, value []byte) {
 }
 
 // follow applies every event of kind from start until ctx ends, setting
-// its consumer up again (from the time it stopped) when it cannot be
-// made.
+// its consumer up again when it cannot be made; across a reconnect it
+// resumes after the last event it applied (bus.SubscribeResuming), so the
+// page misses nothing the stream still holds.
 func follow(ctx context.Context, b *bus.Bus, kind schemas.EventKind, start bus.SubscribeOptions, st *state, log *slog.Logger) {
 	start.Filter = kind.Filter()
 	warned := false
 	for ctx.Err() == nil {
-		stop, err := bus.SubscribeWith(ctx, b, start, func(subject string, payload []byte) {
+		stop, err := bus.SubscribeResuming(ctx, b, start, func(subject string, payload []byte) {
 			if bus.ValidateEvent(payload) != nil {
 				st.refuse()
 				return
 			}
 			st.applyEvent(kind.Name, payload)
+		}, func(r bus.Resumption) {
+			if r.Lost > 0 {
+				log.Warn("dashboard: events lost across a reconnect (removed by the stream's retention)", "kind", kind.Name, "lost", r.Lost)
+			}
 		})
 		if err == nil {
 			<-ctx.Done()
