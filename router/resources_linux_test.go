@@ -214,9 +214,13 @@ func TestRouterResourcesRFAIL9(t *testing.T) {
 		c.Close()
 	}
 	testkit.WaitFor(t, 10*time.Second, "a completion served again", func() bool {
+		// The router notes the fault after the request is sent: take the
+		// time before, so that the window is measured from no later
+		// than the router's own clock started it.
+		sent := time.Now()
 		resp, _ := roundTrip(t, kept, "POST", schemas.EndpointChat, doorChat)
 		if resp.StatusCode == 503 {
-			lastFailure = time.Now()
+			lastFailure = sent
 		}
 		return resp.StatusCode == 200
 	})

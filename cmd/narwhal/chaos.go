@@ -44,6 +44,11 @@ const (
 	// chaosArmRetry is how soon arm writes again after a write the chaos
 	// bucket did not take.
 	chaosArmRetry = 250 * time.Millisecond
+	// chaosArmAttempt bounds one write of arm: a write the credential may
+	// not make is dropped by the server, which says so only on the side
+	// (bus.PermissionError), so each attempt must end soon enough for arm
+	// to see that and stop, rather than wait out --timeout.
+	chaosArmAttempt = 2 * time.Second
 	// proxyAnswerWait is how long `narwhal chaos arm` gathers the chaos
 	// proxies' answers to learn which engines they serve.
 	proxyAnswerWait = 300 * time.Millisecond
@@ -271,7 +276,9 @@ func runChaosArm(ctx context.Context, args []string, stdout, stderr io.Writer) e
 // an error at once. ctx is the command's own context (an interrupt).
 func armUntil(ctx, actx context.Context, cb *chaosBus, f chaos.Fault, lifetime, timeout time.Duration) (chaos.Fault, error) {
 	for {
-		armed, err := cb.store.Arm(actx, f, lifetime)
+		tctx, cancel := context.WithTimeout(actx, chaosArmAttempt)
+		armed, err := cb.store.Arm(tctx, f, lifetime)
+		cancel()
 		if err == nil {
 			return armed, nil
 		}
