@@ -32,14 +32,16 @@ const meshScriptBound = 60 * time.Second
 // themselves and are active, R-FLEET-4), and streams a chat completion through each router with
 // Go's client — both must answer 200 with a prefill and a decode engine
 // named and end with [DONE] — then presses Ctrl-C (SIGINT to the whole
-// group, as a terminal does) and checks that the script stops quietly:
-// one line per process, routers first and the bus last, no log on the
-// terminal, exit status 0, and no process left. The script runs each
+// group, as a terminal does), and again once the stop has begun, and
+// checks that the script stops quietly all the same: one line per
+// process, routers first and the bus last, no log on the terminal, exit
+// status 0, no process left, and the directory it made (with the
+// credentials) removed. The script runs each
 // process in a process group of its own (job control), so the Ctrl-C
 // reaches the script alone; the test finds them as the script's children
 // and kills them in any case.
 func TestExampleMesh(t *testing.T) {
-	m := startMeshScript(t)
+	m := startMeshScript(t, true)
 	ports, pgid, lines, done := m.ports, m.pgid, m.lines, m.done
 	out, stderr := &m.out, &m.stderr
 
@@ -65,6 +67,15 @@ func TestExampleMesh(t *testing.T) {
 		}
 	}
 	banner := out.String()
+	// The directory it made, which holds the credentials and the logs.
+	if d := regexp.MustCompile(`Logs: (\S+)/\*\.log`).FindStringSubmatch(banner); d == nil {
+		t.Fatalf("the banner names no log directory:\n%s", banner)
+	} else {
+		m.dir = d[1]
+	}
+	if _, err := os.Stat(filepath.Join(m.dir, "creds", "admin.creds")); err != nil {
+		t.Errorf("the mesh's directory holds no admin credential: %v", err)
+	}
 	for _, want := range []string{"Narwhal mesh is up", "NARWHAL_NATS_URL=nats://127.0.0.1:" + strconv.Itoa(ports[0]), " events\n", "/readyz"} {
 		if !strings.Contains(banner, want) {
 			t.Errorf("banner lacks %q:\n%s", want, banner)
@@ -128,9 +139,17 @@ func TestExampleMesh(t *testing.T) {
 	}
 	stdoutBefore := len(out.String())
 
-	// Ctrl-C.
+	// Ctrl-C, and a second one once the stop has begun: it is ignored,
+	// the stop completes.
 	if err := syscall.Kill(-pgid, syscall.SIGINT); err != nil {
 		t.Fatal(err)
+	}
+	if testkit.Poll(meshScriptBound, time.Millisecond, func() bool {
+		return strings.Contains(out.String()[stdoutBefore:], "stopping the mesh ...\n")
+	}) {
+		if err := syscall.Kill(-pgid, syscall.SIGINT); err != nil && !errors.Is(err, syscall.ESRCH) {
+			t.Fatal(err)
+		}
 	}
 	select {
 	case err := <-done:
@@ -152,6 +171,10 @@ func TestExampleMesh(t *testing.T) {
 	}
 	if stderr.String() != "" {
 		t.Errorf("mesh.sh wrote to stderr:\n%s", stderr.String())
+	}
+	// Its directory, with the credentials, is gone.
+	if _, err := os.Stat(m.dir); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the mesh's directory %s is still there after the stop (%v)", m.dir, err)
 	}
 	// Every process is gone: the script waited for each.
 	for _, pid := range children {
@@ -180,16 +203,23 @@ type meshScript struct {
 }
 
 // startMeshScript starts examples/mesh.sh on free ports with its
-// environment overrides; the script's group and its children are killed
-// when the test ends, and their output logged when it failed.
-func startMeshScript(t *testing.T) *meshScript {
+// environment overrides, in MESH_DIR a directory of the test's — or, with
+// ownDir, in the temporary directory the script makes itself (under a
+// TMPDIR of the test's; m.dir is then empty until the banner names it).
+// The script's group and its children are killed when the test ends, and
+// their output logged when it failed.
+func startMeshScript(t *testing.T, ownDir bool) *meshScript {
 	t.Helper()
 	m := &meshScript{ports: freePorts(t, 7), dir: t.TempDir(), lines: make(chan string, 64), done: make(chan error, 1)}
-	ports, dir := m.ports, m.dir
+	ports := m.ports
+	where := "MESH_DIR=" + m.dir
+	if ownDir {
+		where, m.dir = "TMPDIR="+m.dir, ""
+	}
 	cmd := exec.Command("bash", filepath.Join("..", "examples", "mesh.sh"))
 	cmd.Env = childEnv(
 		"MESH_BIN="+narwhalBin,
-		"MESH_DIR="+dir,
+		where,
 		"MESH_BUS_PORT="+strconv.Itoa(ports[0]),
 		"MESH_ROUTER_PORTS="+portList(ports[1:3]),
 		"MESH_SIM_PORTS="+portList(ports[3:7]),
@@ -226,7 +256,7 @@ func startMeshScript(t *testing.T) *meshScript {
 		if t.Failed() {
 			t.Logf("---- mesh.sh stdout:\n%s\n---- stderr:\n%s", m.out.String(), m.stderr.String())
 			for _, name := range []string{"bus", "breaker", "r1", "r2", "p1", "d1"} {
-				if b, err := os.ReadFile(filepath.Join(dir, name+".log")); err == nil {
+				if b, err := os.ReadFile(filepath.Join(m.dir, name+".log")); err == nil {
 					t.Logf("---- %s.log:\n%s", name, b)
 				}
 			}
@@ -259,7 +289,7 @@ func (m *meshScript) waitBanner(t *testing.T) {
 // it stops the others as on Ctrl-C, with one line each, and shows the
 // end of the failed one's log only, exiting 1.
 func TestExampleMeshShowsOnlyTheFailedLog(t *testing.T) {
-	m := startMeshScript(t)
+	m := startMeshScript(t, false)
 	m.waitBanner(t)
 	m.children = childPIDs(t, m.pgid)
 	r1 := -1

@@ -58,9 +58,11 @@ stopping=
 # events reach it), waits for each and says in one line how it ended; the
 # end of the log of one that failed (a status other than 0, or 143 when
 # SIGTERM came before its handler) follows its line, and the directory is
-# then kept.
+# then kept. A second Ctrl-C meanwhile is ignored, so that the stop
+# completes and the directory, which holds the credentials, goes.
 stop() {
-  trap - INT TERM EXIT
+  trap '' INT TERM
+  trap - EXIT
   stopping=1
   echo
   echo "stopping the mesh ..."
