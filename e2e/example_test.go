@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -41,7 +42,7 @@ const meshScriptBound = 60 * time.Second
 // reaches the script alone; the test finds them as the script's children
 // and kills them in any case.
 func TestExampleMesh(t *testing.T) {
-	m := startMeshScript(t, true)
+	m := startMeshScript(t, meshOptions{ownDir: true})
 	ports, pgid, lines, done := m.ports, m.pgid, m.lines, m.done
 	out, stderr := &m.out, &m.stderr
 
@@ -202,19 +203,33 @@ type meshScript struct {
 	children    []int       // the processes it started, once known
 }
 
+// meshOptions are how startMeshScript runs the script.
+type meshOptions struct {
+	// ownDir: in the temporary directory the script makes itself (under a
+	// TMPDIR of the test's; m.dir is then empty until the banner names
+	// it), not in MESH_DIR, a directory of the test's.
+	ownDir bool
+	// busyBus: another process listens on the bus's port.
+	busyBus bool
+}
+
 // startMeshScript starts examples/mesh.sh on free ports with its
-// environment overrides, in MESH_DIR a directory of the test's — or, with
-// ownDir, in the temporary directory the script makes itself (under a
-// TMPDIR of the test's; m.dir is then empty until the banner names it).
-// The script's group and its children are killed when the test ends, and
-// their output logged when it failed.
-func startMeshScript(t *testing.T, ownDir bool) *meshScript {
+// environment overrides, as o says. The script's group and its children
+// are killed when the test ends, and their output logged when it failed.
+func startMeshScript(t *testing.T, o meshOptions) *meshScript {
 	t.Helper()
 	m := &meshScript{ports: freePorts(t, 7), dir: t.TempDir(), lines: make(chan string, 64), done: make(chan error, 1)}
 	ports := m.ports
 	where := "MESH_DIR=" + m.dir
-	if ownDir {
+	if o.ownDir {
 		where, m.dir = "TMPDIR="+m.dir, ""
+	}
+	if o.busyBus {
+		ln, err := net.Listen("tcp", hostPort(ports[0]))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { ln.Close() })
 	}
 	cmd := exec.Command("bash", filepath.Join("..", "examples", "mesh.sh"))
 	cmd.Env = childEnv(
@@ -289,7 +304,7 @@ func (m *meshScript) waitBanner(t *testing.T) {
 // it stops the others as on Ctrl-C, with one line each, and shows the
 // end of the failed one's log only, exiting 1.
 func TestExampleMeshShowsOnlyTheFailedLog(t *testing.T) {
-	m := startMeshScript(t, false)
+	m := startMeshScript(t, meshOptions{})
 	m.waitBanner(t)
 	m.children = childPIDs(t, m.pgid)
 	r1 := -1
@@ -323,6 +338,9 @@ func TestExampleMeshShowsOnlyTheFailedLog(t *testing.T) {
 	if !strings.Contains(got, "\n  r1       exited with status 137; the end of "+log+":\n    ") {
 		t.Errorf("no line says r1 failed, followed by its log:\n%s", got)
 	}
+	if !strings.HasSuffix(got, "\nstopped\nlogs kept in "+m.dir+"\n") {
+		t.Errorf("the stop does not end by naming the kept directory %s:\n%s", m.dir, got)
+	}
 	if n := strings.Count(got, "the end of "); n != 1 {
 		t.Errorf("%d logs shown, want only r1's:\n%s", n, got)
 	}
@@ -331,6 +349,33 @@ func TestExampleMeshShowsOnlyTheFailedLog(t *testing.T) {
 	}
 	if !strings.Contains(m.stderr.String(), "mesh: a process exited on its own") {
 		t.Errorf("stderr does not say a process exited on its own:\n%s", m.stderr.String())
+	}
+}
+
+// TestExampleMeshBusyBusPort proves how examples/mesh.sh ends when its
+// bus's port is taken: at once (the bus fails at once), exit status 1,
+// the end of the bus's log shown once, naming the address in use, the
+// variables that change the ports named, and the kept directory named.
+func TestExampleMeshBusyBusPort(t *testing.T) {
+	m := startMeshScript(t, meshOptions{busyBus: true})
+	select {
+	case err := <-m.done:
+		if exitCode(err) != 1 {
+			t.Errorf("mesh.sh with its bus port taken: %v, want exit status 1", err)
+		}
+	case <-time.After(15 * time.Second):
+		t.Fatalf("mesh.sh still running 15s after it started with its bus port taken")
+	}
+	out, stderr := m.out.String(), m.stderr.String()
+	inUse := hostPort(m.ports[0]) + ": the address is already in use"
+	if n := strings.Count(out+stderr, inUse); n != 1 {
+		t.Errorf("%q shown %d times, want once (the end of the bus's log):\n%s\n---- stderr:\n%s", inUse, n, out, stderr)
+	}
+	if !strings.Contains(out, "  bus      exited with status 1; the end of ") || !strings.HasSuffix(out, "\nstopped\nlogs kept in "+m.dir+"\n") {
+		t.Errorf("stdout does not show the bus's failure and the kept directory %s:\n%s", m.dir, out)
+	}
+	if want := "mesh: bus exited before the bus was ready\nmesh: its port is taken: choose others with MESH_BUS_PORT"; !strings.HasPrefix(stderr, want) {
+		t.Errorf("stderr %q, want it to start with %q", stderr, want)
 	}
 }
 
