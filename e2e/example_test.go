@@ -103,6 +103,9 @@ func TestExampleMesh(t *testing.T) {
 	if fleetList == "" {
 		t.Fatalf("no fleet list line in the banner:\n%s", banner)
 	}
+	if !strings.Contains(fleetList, "/viewer.creds ") {
+		t.Errorf("the banner's fleet list line %q does not use the viewer's credential, which suffices (docs/fleet.md)", fleetList)
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), requestBound)
 	b, err := exec.CommandContext(ctx, "bash", "-c", fleetList).CombinedOutput()
 	cancel()

@@ -191,9 +191,10 @@ Watch every event of the mesh from another terminal (the viewer credential):
 
 NARWHAL_NATS_URL=$nats NARWHAL_NATS_CREDS=$creds/viewer.creds $bin events
 
-The live fleet (the admin credential):
+The live fleet (a viewer's credential suffices; drain, undrain, add and
+remove take $creds/admin.creds):
 
-NARWHAL_NATS_URL=$nats NARWHAL_NATS_CREDS=$creds/admin.creds $bin fleet list
+NARWHAL_NATS_URL=$nats NARWHAL_NATS_CREDS=$creds/viewer.creds $bin fleet list
 
 Readiness: $r1/readyz   Metrics: $r1/metrics   Logs: $dir/*.log
 Press Ctrl-C to stop everything.
