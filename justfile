@@ -6,7 +6,12 @@ run *ARGS:
 
 # A mesh on this machine: a bus with one credential per role, a breaker, two
 # routers (127.0.0.1:8081, :8082) and four simulators (examples/mesh.sh).
+# The script runs as a job of its own (set -m), which the terminal's
+# Ctrl-C reaches alone: it stops every process and exits 0, and just,
+# which would report the interrupt and exit 130, never sees it.
 mesh: build
+    #!/usr/bin/env bash
+    set -m
     examples/mesh.sh
 
 # Every test, with the race detector (the command README.md gives).

@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
@@ -153,14 +154,19 @@ func StartEmbedded(opts EmbeddedOptions) (*Embedded, error) {
 		e.removeTemp()
 		return nil, fmt.Errorf("bus: embedded server: %w", err)
 	}
-	if opts.Log != nil {
-		srv.SetLogger(slogServerLogger{opts.Log}, false, false)
+	// The server's fatal errors (a port it cannot listen on) end the wait
+	// for it at once, instead of after embeddedReadyTimeout.
+	fatal := make(chan string, 1)
+	logger := slogServerLogger{l: opts.Log, fatal: fatal}
+	if logger.l == nil {
+		logger.l = slog.New(slog.DiscardHandler)
 	}
+	srv.SetLogger(logger, false, false)
 	e.srv = srv
 	srv.Start()
-	if !srv.ReadyForConnections(embeddedReadyTimeout) {
+	if err := waitReady(srv, fatal, host, opts); err != nil {
 		e.Shutdown()
-		return nil, errors.New("bus: embedded server not ready for connections within " + embeddedReadyTimeout.String())
+		return nil, err
 	}
 	if !srv.JetStreamEnabled() {
 		e.Shutdown()
@@ -186,10 +192,83 @@ func StartEmbedded(opts EmbeddedOptions) (*Embedded, error) {
 		<-ready
 		if srv.Addr() == nil {
 			e.Shutdown()
+			select {
+			case msg := <-fatal:
+				return nil, listenError(msg, host, opts)
+			default:
+			}
 			return nil, fmt.Errorf("bus: embedded server: cannot listen on %s", net.JoinHostPort(host, strconv.Itoa(opts.Port)))
 		}
 	}
 	return e, nil
+}
+
+// ListenError is StartEmbedded's error when the server cannot listen on
+// one of its ports, returned as soon as the server says so. It wraps
+// syscall.EADDRINUSE when another process holds the address.
+type ListenError struct {
+	// Port is "client" (EmbeddedOptions.Host and Port) or "cluster"
+	// (EmbeddedOptions.Cluster).
+	Port string
+	// Addr is the HOST:PORT the server could not listen on.
+	Addr string
+	// Cause is the server's own message.
+	Cause string
+}
+
+// Error names the address, e.g. "bus: cannot listen for clients on
+// 127.0.0.1:4222: the address is already in use (another process listens
+// there)".
+func (e *ListenError) Error() string {
+	what := "for clients"
+	if e.Port == "cluster" {
+		what = "for the cluster's servers"
+	}
+	if e.inUse() {
+		return "bus: cannot listen " + what + " on " + e.Addr + ": the address is already in use (another process listens there)"
+	}
+	return "bus: cannot listen " + what + " on " + e.Addr + ": " + e.Cause
+}
+
+// Unwrap returns syscall.EADDRINUSE when the address is in use, else nil.
+func (e *ListenError) Unwrap() error {
+	if e.inUse() {
+		return syscall.EADDRINUSE
+	}
+	return nil
+}
+
+func (e *ListenError) inUse() bool { return strings.Contains(e.Cause, "address already in use") }
+
+// waitReady waits until srv accepts connections (at most
+// embeddedReadyTimeout), or returns a *ListenError as soon as the server
+// reports a fatal error of a port.
+func waitReady(srv *server.Server, fatal <-chan string, host string, opts EmbeddedOptions) error {
+	deadline := time.Now().Add(embeddedReadyTimeout)
+	for {
+		select {
+		case msg := <-fatal:
+			return listenError(msg, host, opts)
+		default:
+		}
+		if srv.ReadyForConnections(20 * time.Millisecond) {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return errors.New("bus: embedded server not ready for connections within " + embeddedReadyTimeout.String())
+		}
+	}
+}
+
+// listenError is the *ListenError of the server's fatal message msg.
+func listenError(msg, host string, opts EmbeddedOptions) error {
+	if strings.Contains(msg, "router port") {
+		return &ListenError{Port: "cluster", Addr: opts.Cluster, Cause: msg}
+	}
+	if strings.Contains(msg, "listening on port") {
+		return &ListenError{Port: "client", Addr: net.JoinHostPort(host, strconv.Itoa(opts.Port)), Cause: msg}
+	}
+	return errors.New("bus: embedded server: " + msg)
 }
 
 // ClusterName is the name of the JetStream cluster a clustered embedded
@@ -245,8 +324,12 @@ func (e *Embedded) removeTemp() {
 	}
 }
 
-// slogServerLogger adapts a slog.Logger to nats-server's Logger.
-type slogServerLogger struct{ l *slog.Logger }
+// slogServerLogger adapts a slog.Logger to nats-server's Logger; the
+// first fatal message also goes to fatal (never blocking).
+type slogServerLogger struct {
+	l     *slog.Logger
+	fatal chan<- string
+}
 
 func (a slogServerLogger) Noticef(format string, v ...any) {
 	a.l.Info(fmt.Sprintf(format, v...), "component", "nats")
@@ -257,7 +340,12 @@ func (a slogServerLogger) Warnf(format string, v ...any) {
 }
 
 func (a slogServerLogger) Fatalf(format string, v ...any) {
-	a.l.Error(fmt.Sprintf(format, v...), "component", "nats")
+	msg := fmt.Sprintf(format, v...)
+	a.l.Error(msg, "component", "nats")
+	select {
+	case a.fatal <- msg:
+	default:
+	}
 }
 
 func (a slogServerLogger) Errorf(format string, v ...any) {

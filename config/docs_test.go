@@ -2,6 +2,7 @@ package config
 
 import (
 	"os"
+	"path/filepath"
 	"reflect"
 	"strconv"
 	"strings"
@@ -188,5 +189,72 @@ func checkDocDefaults(t *testing.T, doc string, fail func(format string, args ..
 	}
 	if want := "connector: " + connector.DefaultName; !strings.Contains(doc, want) || !strings.Contains(doc, "# "+connector.DefaultName+" (default)") {
 		fail("%s: the fleet example does not give %s as the default connector", configurationDoc, connector.DefaultName)
+	}
+}
+
+// keysFileDocs are the pages that show a keys file (auth.api_keys_file).
+var keysFileDocs = []string{"../README.md", "../docs/configuration.md", "../docs/security.md"}
+
+// yamlBlocks returns the fenced yaml blocks of doc whose first line starts
+// with first.
+func yamlBlocks(doc, first string) []string {
+	var out []string
+	for _, part := range strings.Split(doc, "```yaml\n")[1:] {
+		block, _, ok := strings.Cut(part, "```")
+		if ok && strings.HasPrefix(block, first) {
+			out = append(out, block)
+		}
+	}
+	return out
+}
+
+// TestKeysFileDocExamplesLoad proves the keys files the documentation shows
+// (a yaml block starting "# keys.yaml") load through the real loader as
+// NARWHAL_AUTH_API_KEYS_FILE and validate (behaviour.md R-API-9), that the
+// configuration file's auth: example does too, and that every digest
+// command given prints the digest alone (sha256sum's "  -" cut).
+func TestKeysFileDocExamplesLoad(t *testing.T) {
+	found := 0
+	for _, page := range keysFileDocs {
+		b, err := os.ReadFile(page)
+		if err != nil {
+			t.Fatal(err)
+		}
+		doc := string(b)
+		for _, block := range yamlBlocks(doc, "# keys.yaml") {
+			found++
+			file := filepath.Join(t.TempDir(), "keys.yaml")
+			if err := os.WriteFile(file, []byte(block), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			c, err := load(nil, map[string]string{"NARWHAL_AUTH_API_KEYS_FILE": file})
+			if err != nil {
+				t.Errorf("%s: the keys file example does not load: %v\n%s", page, err, block)
+				continue
+			}
+			if len(c.Auth.APIKeys) == 0 {
+				t.Errorf("%s: the keys file example holds no key:\n%s", page, block)
+			}
+		}
+		for _, block := range yamlBlocks(doc, "auth:\n") {
+			found++
+			if c, err := load([]byte(block), map[string]string{}); err != nil || len(c.Auth.APIKeys) == 0 {
+				t.Errorf("%s: the auth: example does not load (%v):\n%s", page, err, block)
+			}
+		}
+		for rest := doc; ; {
+			_, after, ok := strings.Cut(rest, "sha256sum")
+			if !ok {
+				break
+			}
+			if !strings.HasPrefix(after, " | cut -d' ' -f1") && !strings.HasPrefix(after, "` alone") {
+				line, _, _ := strings.Cut(after, "\n")
+				t.Errorf("%s: a digest command without | cut -d' ' -f1 (sha256sum prints \"<hex>  -\"): sha256sum%s", page, line)
+			}
+			rest = after
+		}
+	}
+	if found < 4 {
+		t.Errorf("found %d key examples in %v, want the keys file in each and the auth: example", found, keysFileDocs)
 	}
 }

@@ -119,9 +119,13 @@ func TestDevStackCurl(t *testing.T) {
 		t.Fatalf("streamed tokens %q, want %q", tokens, want)
 	}
 
-	// Ctrl-C stops everything; the process exits 0 within stopBound.
+	// Ctrl-C stops everything; the process exits 0 within stopBound,
+	// having said how long it waits for the requests in flight.
 	if err := dev.stop(os.Interrupt); err != nil {
 		t.Fatalf("narwhal dev after SIGINT: %v (exit status %d)", err, exitCode(err))
+	}
+	if want := "stopping: waiting up to 10s for 0 requests in flight\n"; !strings.Contains(dev.stderr.String(), want) {
+		t.Errorf("narwhal dev's stderr after SIGINT lacks %q:\n%s", want, dev.stderr.String())
 	}
 }
 

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -32,14 +33,16 @@ const meshScriptBound = 60 * time.Second
 // themselves and are active, R-FLEET-4), and streams a chat completion through each router with
 // Go's client — both must answer 200 with a prefill and a decode engine
 // named and end with [DONE] — then presses Ctrl-C (SIGINT to the whole
-// group, as a terminal does) and checks that the script stops quietly:
-// one line per process, routers first and the bus last, no log on the
-// terminal, exit status 0, and no process left. The script runs each
+// group, as a terminal does), and again once the stop has begun, and
+// checks that the script stops quietly all the same: one line per
+// process, routers first and the bus last, no log on the terminal, exit
+// status 0, no process left, and the directory it made (with the
+// credentials) removed. The script runs each
 // process in a process group of its own (job control), so the Ctrl-C
 // reaches the script alone; the test finds them as the script's children
 // and kills them in any case.
 func TestExampleMesh(t *testing.T) {
-	m := startMeshScript(t)
+	m := startMeshScript(t, meshOptions{ownDir: true})
 	ports, pgid, lines, done := m.ports, m.pgid, m.lines, m.done
 	out, stderr := &m.out, &m.stderr
 
@@ -65,6 +68,15 @@ func TestExampleMesh(t *testing.T) {
 		}
 	}
 	banner := out.String()
+	// The directory it made, which holds the credentials and the logs.
+	if d := regexp.MustCompile(`Logs: (\S+)/\*\.log`).FindStringSubmatch(banner); d == nil {
+		t.Fatalf("the banner names no log directory:\n%s", banner)
+	} else {
+		m.dir = d[1]
+	}
+	if _, err := os.Stat(filepath.Join(m.dir, "creds", "admin.creds")); err != nil {
+		t.Errorf("the mesh's directory holds no admin credential: %v", err)
+	}
 	for _, want := range []string{"Narwhal mesh is up", "NARWHAL_NATS_URL=nats://127.0.0.1:" + strconv.Itoa(ports[0]), " events\n", "/readyz"} {
 		if !strings.Contains(banner, want) {
 			t.Errorf("banner lacks %q:\n%s", want, banner)
@@ -90,6 +102,9 @@ func TestExampleMesh(t *testing.T) {
 	// active (R-FLEET-2, R-FLEET-4).
 	if fleetList == "" {
 		t.Fatalf("no fleet list line in the banner:\n%s", banner)
+	}
+	if !strings.Contains(fleetList, "/viewer.creds ") {
+		t.Errorf("the banner's fleet list line %q does not use the viewer's credential, which suffices (docs/fleet.md)", fleetList)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), requestBound)
 	b, err := exec.CommandContext(ctx, "bash", "-c", fleetList).CombinedOutput()
@@ -128,9 +143,17 @@ func TestExampleMesh(t *testing.T) {
 	}
 	stdoutBefore := len(out.String())
 
-	// Ctrl-C.
+	// Ctrl-C, and a second one once the stop has begun: it is ignored,
+	// the stop completes.
 	if err := syscall.Kill(-pgid, syscall.SIGINT); err != nil {
 		t.Fatal(err)
+	}
+	if testkit.Poll(meshScriptBound, time.Millisecond, func() bool {
+		return strings.Contains(out.String()[stdoutBefore:], "stopping the mesh ...\n")
+	}) {
+		if err := syscall.Kill(-pgid, syscall.SIGINT); err != nil && !errors.Is(err, syscall.ESRCH) {
+			t.Fatal(err)
+		}
 	}
 	select {
 	case err := <-done:
@@ -152,6 +175,10 @@ func TestExampleMesh(t *testing.T) {
 	}
 	if stderr.String() != "" {
 		t.Errorf("mesh.sh wrote to stderr:\n%s", stderr.String())
+	}
+	// Its directory, with the credentials, is gone.
+	if _, err := os.Stat(m.dir); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the mesh's directory %s is still there after the stop (%v)", m.dir, err)
 	}
 	// Every process is gone: the script waited for each.
 	for _, pid := range children {
@@ -179,17 +206,38 @@ type meshScript struct {
 	children    []int       // the processes it started, once known
 }
 
+// meshOptions are how startMeshScript runs the script.
+type meshOptions struct {
+	// ownDir: in the temporary directory the script makes itself (under a
+	// TMPDIR of the test's; m.dir is then empty until the banner names
+	// it), not in MESH_DIR, a directory of the test's.
+	ownDir bool
+	// busyBus: another process listens on the bus's port.
+	busyBus bool
+}
+
 // startMeshScript starts examples/mesh.sh on free ports with its
-// environment overrides; the script's group and its children are killed
-// when the test ends, and their output logged when it failed.
-func startMeshScript(t *testing.T) *meshScript {
+// environment overrides, as o says. The script's group and its children
+// are killed when the test ends, and their output logged when it failed.
+func startMeshScript(t *testing.T, o meshOptions) *meshScript {
 	t.Helper()
 	m := &meshScript{ports: freePorts(t, 7), dir: t.TempDir(), lines: make(chan string, 64), done: make(chan error, 1)}
-	ports, dir := m.ports, m.dir
+	ports := m.ports
+	where := "MESH_DIR=" + m.dir
+	if o.ownDir {
+		where, m.dir = "TMPDIR="+m.dir, ""
+	}
+	if o.busyBus {
+		ln, err := net.Listen("tcp", hostPort(ports[0]))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { ln.Close() })
+	}
 	cmd := exec.Command("bash", filepath.Join("..", "examples", "mesh.sh"))
 	cmd.Env = childEnv(
 		"MESH_BIN="+narwhalBin,
-		"MESH_DIR="+dir,
+		where,
 		"MESH_BUS_PORT="+strconv.Itoa(ports[0]),
 		"MESH_ROUTER_PORTS="+portList(ports[1:3]),
 		"MESH_SIM_PORTS="+portList(ports[3:7]),
@@ -226,7 +274,7 @@ func startMeshScript(t *testing.T) *meshScript {
 		if t.Failed() {
 			t.Logf("---- mesh.sh stdout:\n%s\n---- stderr:\n%s", m.out.String(), m.stderr.String())
 			for _, name := range []string{"bus", "breaker", "r1", "r2", "p1", "d1"} {
-				if b, err := os.ReadFile(filepath.Join(dir, name+".log")); err == nil {
+				if b, err := os.ReadFile(filepath.Join(m.dir, name+".log")); err == nil {
 					t.Logf("---- %s.log:\n%s", name, b)
 				}
 			}
@@ -259,7 +307,7 @@ func (m *meshScript) waitBanner(t *testing.T) {
 // it stops the others as on Ctrl-C, with one line each, and shows the
 // end of the failed one's log only, exiting 1.
 func TestExampleMeshShowsOnlyTheFailedLog(t *testing.T) {
-	m := startMeshScript(t)
+	m := startMeshScript(t, meshOptions{})
 	m.waitBanner(t)
 	m.children = childPIDs(t, m.pgid)
 	r1 := -1
@@ -293,6 +341,9 @@ func TestExampleMeshShowsOnlyTheFailedLog(t *testing.T) {
 	if !strings.Contains(got, "\n  r1       exited with status 137; the end of "+log+":\n    ") {
 		t.Errorf("no line says r1 failed, followed by its log:\n%s", got)
 	}
+	if !strings.HasSuffix(got, "\nstopped\nlogs kept in "+m.dir+"\n") {
+		t.Errorf("the stop does not end by naming the kept directory %s:\n%s", m.dir, got)
+	}
 	if n := strings.Count(got, "the end of "); n != 1 {
 		t.Errorf("%d logs shown, want only r1's:\n%s", n, got)
 	}
@@ -301,6 +352,33 @@ func TestExampleMeshShowsOnlyTheFailedLog(t *testing.T) {
 	}
 	if !strings.Contains(m.stderr.String(), "mesh: a process exited on its own") {
 		t.Errorf("stderr does not say a process exited on its own:\n%s", m.stderr.String())
+	}
+}
+
+// TestExampleMeshBusyBusPort proves how examples/mesh.sh ends when its
+// bus's port is taken: at once (the bus fails at once), exit status 1,
+// the end of the bus's log shown once, naming the address in use, the
+// variables that change the ports named, and the kept directory named.
+func TestExampleMeshBusyBusPort(t *testing.T) {
+	m := startMeshScript(t, meshOptions{busyBus: true})
+	select {
+	case err := <-m.done:
+		if exitCode(err) != 1 {
+			t.Errorf("mesh.sh with its bus port taken: %v, want exit status 1", err)
+		}
+	case <-time.After(15 * time.Second):
+		t.Fatalf("mesh.sh still running 15s after it started with its bus port taken")
+	}
+	out, stderr := m.out.String(), m.stderr.String()
+	inUse := hostPort(m.ports[0]) + ": the address is already in use"
+	if n := strings.Count(out+stderr, inUse); n != 1 {
+		t.Errorf("%q shown %d times, want once (the end of the bus's log):\n%s\n---- stderr:\n%s", inUse, n, out, stderr)
+	}
+	if !strings.Contains(out, "  bus      exited with status 1; the end of ") || !strings.HasSuffix(out, "\nstopped\nlogs kept in "+m.dir+"\n") {
+		t.Errorf("stdout does not show the bus's failure and the kept directory %s:\n%s", m.dir, out)
+	}
+	if want := "mesh: bus exited before the bus was ready\nmesh: its port is taken: choose others with MESH_BUS_PORT"; !strings.HasPrefix(stderr, want) {
+		t.Errorf("stderr %q, want it to start with %q", stderr, want)
 	}
 }
 

@@ -315,7 +315,7 @@ func TestSharedStorageThroughRouterRDESC8(t *testing.T) {
 
 	t.Run("preflight", func(t *testing.T) {
 		out, code := runNarwhal(t, "preflight", "--config", s.cfgPath)
-		if code != 0 || !regexp.MustCompile(`(?m)^p1\s+d1\s+ok\s`).MatchString(out) || !strings.Contains(out, "preflight ok: 2 engines, 1 transfers") {
+		if code != 0 || !regexp.MustCompile(`(?m)^p1\s+d1\s+ok\s`).MatchString(out) || !strings.Contains(out, "preflight ok: 2 engines, 1 transfer\n") {
 			t.Fatalf("narwhal preflight: exit %d\n%s", code, out)
 		}
 		t.Logf("narwhal preflight:\n%s", out)

@@ -12,7 +12,8 @@ import (
 )
 
 // chaosDocEvents are the events of docs/chaos.md's worked scenario, as the
-// router, the breaker and the chaos proxy publish them, in order.
+// router, the breaker and the chaos proxy publish them, in order: each
+// failed request's failure event, then its request event (502).
 func chaosDocEvents(t *testing.T) (subjects []string, payloads [][]byte) {
 	t.Helper()
 	at := func(clock string) time.Time {
@@ -35,14 +36,24 @@ func chaosDocEvents(t *testing.T) (subjects []string, payloads [][]byte) {
 			Phase: "decode", Kind: "upstream_status", Status: 502, UpstreamStatus: 503, Counts: true, ProducerID: producer, ConsumerID: "decode-1", Message: msg, Attempt: 1}
 	}
 	ttft, firstByte := 0.001, 0.001
+	// The router's request event of each 502 follows its failure event.
+	failedTTFT := 0.002
+	failed := func(clock, producer, req string) schemas.Event {
+		return &schemas.RequestCompleted{Envelope: schemas.Envelope{Schema: schemas.SchemaRequest, At: at(clock), RouterID: router, RequestID: req},
+			Endpoint: "/v1/chat/completions", Model: "narwhal-sim", Stream: true, Status: 502, ErrorKind: "upstream_status", Attempts: 1,
+			DurationSeconds: 0.004, ProducerID: producer, ConsumerID: "decode-1", TTFTSeconds: &failedTTFT}
+	}
 	events := []schemas.Event{
 		chaos("06:29:48.274", "arm", ""),
 		chaos("06:29:48.281", "inject", "a338412aeb8d23baf99ce738bb46c0f7-1-73b5ffaf"),
 		failure("06:29:48.285", "prefill-2", "a338412aeb8d23baf99ce738bb46c0f7"),
+		failed("06:29:48.285", "prefill-2", "a338412aeb8d23baf99ce738bb46c0f7"),
 		chaos("06:29:48.707", "inject", "504265caa4697a93eff08e18dc500825-1-0c1d2e3f"),
 		failure("06:29:48.707", "prefill-1", "504265caa4697a93eff08e18dc500825"),
+		failed("06:29:48.708", "prefill-1", "504265caa4697a93eff08e18dc500825"),
 		chaos("06:29:49.125", "inject", "a6fddbb6e2b3e204f10e2fd26859cddc-1-9a8b7c6d"),
 		failure("06:29:49.126", "prefill-1", "a6fddbb6e2b3e204f10e2fd26859cddc"),
+		failed("06:29:49.126", "prefill-1", "a6fddbb6e2b3e204f10e2fd26859cddc"),
 		&schemas.Eligibility{Envelope: schemas.Envelope{Schema: schemas.SchemaEligibility, At: at("06:29:49.128"), BreakerID: breaker, EngineID: "decode-1"},
 			Eligible: false, State: "ejected", Streak: 3, Reason: "ejected after 3 consecutive failures (last: decode upstream_status)"},
 		chaos("06:29:51.682", "inject", "narwhal-probe-SWSDj6LN4HQTmyJfWKk5I9"),

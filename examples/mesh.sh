@@ -58,9 +58,11 @@ stopping=
 # events reach it), waits for each and says in one line how it ended; the
 # end of the log of one that failed (a status other than 0, or 143 when
 # SIGTERM came before its handler) follows its line, and the directory is
-# then kept.
+# then kept (and named). A second Ctrl-C meanwhile is ignored, so that the
+# stop completes and the directory, which holds the credentials, goes.
 stop() {
-  trap - INT TERM EXIT
+  trap '' INT TERM
+  trap - EXIT
   stopping=1
   echo
   echo "stopping the mesh ..."
@@ -77,10 +79,12 @@ stop() {
       failed=1
     fi
   done
+  echo "stopped"
   if [ -n "$own_dir" ] && [ -z "$failed" ]; then
     rm -rf "$dir"
+  else
+    echo "logs kept in $dir"
   fi
-  echo "stopped"
 }
 trap 'stop; exit 0' INT TERM
 trap 'stop' EXIT
@@ -102,7 +106,8 @@ start() {
 }
 
 # wait_for WHAT CMD...: runs CMD every 0.1 s until it succeeds; fails after
-# $ready_s seconds, or when the last started process has exited.
+# $ready_s seconds, or when the last started process has exited (stop then
+# shows the end of its log, once).
 wait_for() {
   local what=$1
   shift
@@ -110,13 +115,15 @@ wait_for() {
   until "$@" >/dev/null 2>&1; do
     local last=$((${#pids[@]} - 1))
     if ! kill -0 "${pids[last]}" 2>/dev/null; then
-      echo "mesh: ${names[last]} exited before $what was ready; its log:" >&2
-      cat "$dir/${names[last]}.log" >&2
+      echo "mesh: ${names[last]} exited before $what was ready" >&2
+      if grep -q "already in use" "$dir/${names[last]}.log"; then
+        echo "mesh: its port is taken: choose others with MESH_BUS_PORT, MESH_ROUTER_PORTS, MESH_SIM_PORTS" >&2
+      fi
       exit 1
     fi
     tries=$((tries - 1))
     if [ "$tries" -le 0 ]; then
-      echo "mesh: $what not ready after ${ready_s}s; logs in $dir" >&2
+      echo "mesh: $what not ready after ${ready_s}s" >&2
       own_dir=
       exit 1
     fi
@@ -184,9 +191,10 @@ Watch every event of the mesh from another terminal (the viewer credential):
 
 NARWHAL_NATS_URL=$nats NARWHAL_NATS_CREDS=$creds/viewer.creds $bin events
 
-The live fleet (the admin credential):
+The live fleet (a viewer's credential suffices; drain, undrain, add and
+remove take $creds/admin.creds):
 
-NARWHAL_NATS_URL=$nats NARWHAL_NATS_CREDS=$creds/admin.creds $bin fleet list
+NARWHAL_NATS_URL=$nats NARWHAL_NATS_CREDS=$creds/viewer.creds $bin fleet list
 
 Readiness: $r1/readyz   Metrics: $r1/metrics   Logs: $dir/*.log
 Press Ctrl-C to stop everything.

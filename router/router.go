@@ -386,6 +386,12 @@ func (rt *Router) shutdown(ctx context.Context) error {
 // InFlight returns the number of client requests in progress.
 func (rt *Router) InFlight() int64 { return rt.inflight.Load() }
 
+// ShutdownGrace returns how long Shutdown lets the requests in flight
+// finish before it ends them (Options.ShutdownGrace, 10 s by default): a
+// stream cut then gets a terminal error event, a waiting request a 503
+// "router shutting down" (docs/failures.md, router_shutdown).
+func (rt *Router) ShutdownGrace() time.Duration { return rt.grace }
+
 // Reservations returns the total reserved prefill and decode slots over
 // the fleet (R-OWN-3); both are 0 when the router is idle.
 func (rt *Router) Reservations() (prefill, decode int64) {

@@ -151,6 +151,13 @@ func runBusServe(ctx context.Context, args []string, stdout, stderr io.Writer) e
 
 	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: dir, Host: host, Port: port, Log: log, NoSetup: true,
 		AuthDir: *authDir, ServerName: *name, Cluster: *cluster, Routes: routeList})
+	if le := (*bus.ListenError)(nil); errors.As(err, &le) {
+		flagName := "--listen"
+		if le.Port == "cluster" {
+			flagName = "--cluster"
+		}
+		return fmt.Errorf("%w; choose another with %s HOST:PORT", err, flagName)
+	}
 	if err != nil {
 		return err
 	}

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"net"
 	"path/filepath"
 	"regexp"
 	"strconv"
@@ -227,6 +228,37 @@ func TestBusCommandFlags(t *testing.T) {
 		host, port, err := parseListen(c.listen)
 		if err != nil || host != c.host || port != c.port {
 			t.Errorf("parseListen(%q) = %q %d %v, want %q %d", c.listen, host, port, err, c.host, c.port)
+		}
+	}
+}
+
+// TestBusCommandBusyPortFailsAtOnce proves that `narwhal bus` on a port
+// another process holds fails at once, naming the address in use and the
+// flag that changes it (--listen for the client port, --cluster for the
+// cluster's).
+func TestBusCommandBusyPortFailsAtOnce(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	taken := ln.Addr().String()
+	for _, c := range []struct {
+		args []string
+		flag string
+	}{
+		{[]string{"--listen", taken}, "--listen"},
+		{[]string{"--listen", "127.0.0.1:0", "--name", "a", "--cluster", taken, "--routes", "nats://127.0.0.1:1"}, "--cluster"},
+	} {
+		start := time.Now()
+		var stderr testkit.LockedBuffer
+		err := runBus(context.Background(), append(c.args, "--data", t.TempDir()), io.Discard, &stderr)
+		if d := time.Since(start); d > 3*time.Second {
+			t.Errorf("%q: failed after %v, want at once", c.args, d)
+		}
+		if err == nil || !strings.Contains(err.Error(), taken+": the address is already in use") ||
+			!strings.Contains(err.Error(), "choose another with "+c.flag+" HOST:PORT") {
+			t.Errorf("%q: error %v, want one naming %s in use and %s", c.args, err, taken, c.flag)
 		}
 	}
 }

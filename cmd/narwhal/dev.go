@@ -116,7 +116,7 @@ func runDev(ctx context.Context, args []string) error {
 		return err
 	}
 	self := selfCommand(os.Args[0])
-	return runRouterWith(ctx, routerRun{cfg: cfg, listen: *listen, log: log, reg: db.reg, onReady: func(base string) {
+	return runRouterWith(ctx, routerRun{cfg: cfg, listen: *listen, log: log, reg: db.reg, stopNotice: os.Stderr, onReady: func(base string) {
 		writeDevBanner(os.Stdout, base, self, db, cfg.Auth)
 	}})
 }

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -80,9 +81,17 @@ func writePreflightReport(out io.Writer, r *preflight.Report) error {
 	if failed := r.Failed(); len(failed) > 0 {
 		_, err = fmt.Fprintf(out, "\npreflight FAILED: %s\n", strings.Join(failed, ", "))
 	} else {
-		_, err = fmt.Fprintf(out, "\npreflight ok: %d engines, %d transfers\n", len(r.Checks), len(r.Transfers))
+		_, err = fmt.Fprintf(out, "\npreflight ok: %s, %s\n", counted(len(r.Checks), "engine"), counted(len(r.Transfers), "transfer"))
 	}
 	return err
+}
+
+// counted is n and noun, plural unless n is 1: "1 transfer", "4 transfers".
+func counted(n int, noun string) string {
+	if n == 1 {
+		return "1 " + noun
+	}
+	return strconv.Itoa(n) + " " + noun + "s"
 }
 
 func preflightResult(err error) string {

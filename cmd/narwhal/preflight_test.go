@@ -59,6 +59,19 @@ func TestPreflightHealthyFleet(t *testing.T) {
 	}
 }
 
+// TestPreflightCountsInWords checks the last line of a passing preflight
+// for one transfer: "1 transfer", not "1 transfers".
+func TestPreflightCountsInWords(t *testing.T) {
+	path, _ := preflightFleet(t, [][2]string{{"p1", "prefill"}, {"d1", "decode"}})
+	var out bytes.Buffer
+	if err := runPreflight(context.Background(), []string{"--config", path}, &out); err != nil {
+		t.Fatalf("preflight: %v\n%s", err, out.String())
+	}
+	if !strings.HasSuffix(out.String(), "\npreflight ok: 2 engines, 1 transfer\n") {
+		t.Errorf("last line, want \"preflight ok: 2 engines, 1 transfer\":\n%s", out.String())
+	}
+}
+
 // TestPreflightBrokenTransfer checks what `narwhal preflight` prints and
 // returns when transfers fail (R-PRE-1): the table names the failing pairs
 // with their errors, its last line names them once, and the error exits 1

@@ -126,6 +126,10 @@ type routerRun struct {
 	listen  string
 	log     *slog.Logger
 	onReady func(baseURL string) // nil: none
+	// stopNotice, when set, receives the line of stoppingLine when the
+	// router starts its shutdown (narwhal dev: the terminal, whose log
+	// shows only warnings).
+	stopNotice io.Writer
 	// admin is HOST:PORT of the admin listener (pprof; /metrics with
 	// server.metrics_on_admin); "" for none.
 	admin string
@@ -239,7 +243,11 @@ func runRouterWith(ctx context.Context, r routerRun) error {
 		return err
 	case <-ctx.Done():
 	}
-	log.Info("router shutting down")
+	grace, inflight := rt.ShutdownGrace(), rt.InFlight()
+	log.Info("router shutting down", "grace", grace, "inflight", inflight)
+	if r.stopNotice != nil {
+		fmt.Fprintln(r.stopNotice, stoppingLine(grace, inflight))
+	}
 	sctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	if err := rt.Shutdown(sctx); err != nil {
@@ -247,6 +255,17 @@ func runRouterWith(ctx context.Context, r routerRun) error {
 	}
 	<-errc
 	return nil
+}
+
+// stoppingLine says how long a router's shutdown waits for the requests
+// in flight, e.g. "stopping: waiting up to 10s for 3 requests in flight"
+// (the rest then end with an error, docs/failures.md router_shutdown).
+func stoppingLine(grace time.Duration, inflight int64) string {
+	noun := "requests"
+	if inflight == 1 {
+		noun = "request"
+	}
+	return fmt.Sprintf("stopping: waiting up to %v for %d %s in flight", grace, inflight, noun)
 }
 
 // reloadOnHUP applies the client API keys and the TLS certificate of a

@@ -149,3 +149,20 @@ func TestRouterConnectTimeout(t *testing.T) {
 		t.Errorf("gave up after %v, want about 0.5s", d)
 	}
 }
+
+// TestStoppingLine proves the line narwhal dev prints on Ctrl-C: the
+// router's shutdown grace and the requests in flight, in words.
+func TestStoppingLine(t *testing.T) {
+	for _, c := range []struct {
+		n    int64
+		want string
+	}{
+		{0, "stopping: waiting up to 10s for 0 requests in flight"},
+		{1, "stopping: waiting up to 10s for 1 request in flight"},
+		{3, "stopping: waiting up to 10s for 3 requests in flight"},
+	} {
+		if got := stoppingLine(10*time.Second, c.n); got != c.want {
+			t.Errorf("stoppingLine(10s, %d) = %q, want %q", c.n, got, c.want)
+		}
+	}
+}
