@@ -61,7 +61,7 @@ func runFleet(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	oneID := func() (string, error) { return checkOneID(positional) }
 	switch sub {
 	case "list":
-		asJSON := fs.Bool("json", false, "print a JSON array of one object per engine ([] for an empty fleet)")
+		asJSON := fs.Bool("json", false, "print one JSON object per engine, one per line (nothing for an empty fleet)")
 		run = func(ctx context.Context, st *fleet.Store, b *bus.Bus) error {
 			return fleetList(ctx, st, b, stdout, *asJSON)
 		}
@@ -406,7 +406,8 @@ type fleetRow struct {
 
 // fleetList prints every engine of the fleet: id, URL, role, state,
 // eligibility, legs in flight over the routers, source; with asJSON one
-// JSON array of those rows ("[]" for an empty fleet). It reads only.
+// JSON object per row and line (JSON Lines: nothing for an empty fleet).
+// It reads only.
 func fleetList(ctx context.Context, st *fleet.Store, b *bus.Bus, stdout io.Writer, asJSON bool) error {
 	ctx, cancel := context.WithTimeout(ctx, fleetOpTimeout)
 	defer cancel()
@@ -433,7 +434,7 @@ func fleetList(ctx context.Context, st *fleet.Store, b *bus.Bus, stdout io.Write
 			}
 		}
 	}
-	rows := []fleetRow{} // an empty fleet prints [] with --json, not null
+	var rows []fleetRow
 	for _, l := range listed {
 		id := l.ID
 		row := fleetRow{Eligible: true, InFlight: inflight[id], Models: []string{}}
@@ -455,7 +456,13 @@ func fleetList(ctx context.Context, st *fleet.Store, b *bus.Bus, stdout io.Write
 		rows = append(rows, row)
 	}
 	if asJSON {
-		return json.NewEncoder(stdout).Encode(rows)
+		enc := json.NewEncoder(stdout)
+		for _, r := range rows {
+			if err := enc.Encode(r); err != nil {
+				return err
+			}
+		}
+		return nil
 	}
 	tw := tabwriter.NewWriter(stdout, 2, 8, 2, ' ', 0)
 	fmt.Fprintln(tw, "ID\tURL\tROLE\tSTATE\tELIGIBLE\tIN-FLIGHT\tMODELS\tSOURCE\tSINCE")
