@@ -24,12 +24,12 @@ func TestMetricsShareTheRoutersEngineLabelRBRK1(t *testing.T) {
 	}
 	for _, id := range []string{"p1", "d1"} {
 		for _, name := range []string{"narwhal_breaker_ejections_total", "narwhal_breaker_readmissions_total", "narwhal_breaker_probes_total"} {
-			if n := seriesCount(t, reg, name, "engine", id); n == 0 {
+			if n := testkit.GatheredSeries(t, reg, name, "engine", id); n == 0 {
 				t.Errorf("%s{engine=%q}: no series at start", name, id)
 			}
 		}
 	}
-	if n := seriesCount(t, reg, "narwhal_breaker_probes_total", "engine", "d1"); n != 3 {
+	if n := testkit.GatheredSeries(t, reg, "narwhal_breaker_probes_total", "engine", "d1"); n != 3 {
 		t.Errorf("narwhal_breaker_probes_total{engine=d1}: %d series, want one per outcome", n)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
@@ -45,7 +45,7 @@ func TestMetricsShareTheRoutersEngineLabelRBRK1(t *testing.T) {
 	testkit.WaitFor(t, waitBound, "narwhal_breaker_engine_ejected{engine=d1} 1", func() bool {
 		return testkit.GatheredSum(t, reg, "narwhal_breaker_engine_ejected", "engine", "d1") == 1
 	})
-	if n := seriesCount(t, reg, "narwhal_breaker_engine_ejected", "engine", "p1"); n != 1 || testkit.GatheredSum(t, reg, "narwhal_breaker_engine_ejected", "engine", "p1") != 0 {
+	if n := testkit.GatheredSeries(t, reg, "narwhal_breaker_engine_ejected", "engine", "p1"); n != 1 || testkit.GatheredSum(t, reg, "narwhal_breaker_engine_ejected", "engine", "p1") != 0 {
 		t.Errorf("narwhal_breaker_engine_ejected{engine=p1}: %d series, want one at 0", n)
 	}
 	if v := testkit.GatheredSum(t, reg, "narwhal_breaker_ejections_total", "engine", "p1"); v != 0 {
@@ -54,27 +54,4 @@ func TestMetricsShareTheRoutersEngineLabelRBRK1(t *testing.T) {
 	if v := testkit.GatheredSum(t, reg, "narwhal_breaker_events_total", "kind", schemas.KindFailure); v < 3 {
 		t.Errorf("failure events consumed %v, want 3", v)
 	}
-}
-
-// seriesCount returns how many series of name carry label=value.
-func seriesCount(t *testing.T, g prometheus.Gatherer, name, label, value string) int {
-	t.Helper()
-	mfs, err := g.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	n := 0
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			for _, lp := range m.GetLabel() {
-				if lp.GetName() == label && lp.GetValue() == value {
-					n++
-				}
-			}
-		}
-	}
-	return n
 }

@@ -8,7 +8,6 @@ import (
 	"net/http"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -43,16 +42,7 @@ func serveOn(t *testing.T, d *Dashboard) string {
 // stays small, asks for the event stream and reads its response headers;
 // then it reads nothing more. It returns the connection and the status.
 func dialNonReader(addr string) (net.Conn, int, error) {
-	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
-		var serr error
-		if err := rc.Control(func(fd uintptr) {
-			serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096)
-		}); err != nil {
-			return err
-		}
-		return serr
-	}}
-	c, err := d.Dial("tcp", addr)
+	c, err := testkit.DialSmallWindow(addr)
 	if err != nil {
 		return nil, 0, err
 	}
@@ -285,12 +275,7 @@ func TestNonReadingClientOfThePageIsReleased(t *testing.T) {
 		_ = srv.Close()
 		<-done
 	}()
-	dl := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
-		return rc.Control(func(fd uintptr) {
-			_ = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096)
-		})
-	}}
-	c, err := dl.Dial("tcp", ln.Addr().String())
+	c, err := testkit.DialSmallWindow(ln.Addr().String())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -110,8 +110,16 @@ func startProcess(t *testing.T, name string, env []string, args ...string) *proc
 // the caller (see halt).
 func spawn(t *testing.T, name string, env []string, args ...string) *process {
 	t.Helper()
+	return spawnCommand(t, name, env, narwhalBin, args...)
+}
+
+// spawnCommand starts bin args… as a process of the harness, with env
+// added to a clean environment, and leaves stopping it to the caller (see
+// halt).
+func spawnCommand(t *testing.T, name string, env []string, bin string, args ...string) *process {
+	t.Helper()
 	p := &process{name: name, done: make(chan struct{})}
-	p.cmd = exec.Command(narwhalBin, args...)
+	p.cmd = exec.Command(bin, args...)
 	p.cmd.Env = childEnv(env...)
 	p.cmd.Stdout = &p.stdout
 	p.cmd.Stderr = &p.stderr

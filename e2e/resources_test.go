@@ -23,19 +23,7 @@ import (
 // command: the process's pid is narwhal's.
 func spawnLimited(t *testing.T, prlimit string, nofile int, name string, env []string, args ...string) *process {
 	t.Helper()
-	p := &process{name: name, done: make(chan struct{})}
-	p.cmd = exec.Command(prlimit, append([]string{"--nofile=" + strconv.Itoa(nofile) + ":" + strconv.Itoa(nofile), narwhalBin}, args...)...)
-	p.cmd.Env = childEnv(env...)
-	p.cmd.Stdout = &p.stdout
-	p.cmd.Stderr = &p.stderr
-	if err := p.cmd.Start(); err != nil {
-		t.Fatalf("start %s: %v", name, err)
-	}
-	go func() {
-		p.waitErr = p.cmd.Wait()
-		close(p.done)
-	}()
-	return p
+	return spawnCommand(t, name, env, prlimit, append([]string{"--nofile=" + strconv.Itoa(nofile) + ":" + strconv.Itoa(nofile), narwhalBin}, args...)...)
 }
 
 // lookPrlimit returns the path of prlimit; without it the test skips, and

@@ -6,7 +6,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"syscall"
 	"testing"
 	"time"
 
@@ -29,16 +28,7 @@ const (
 // connection with a 4 KiB receive buffer, reads its headers and first
 // events, and then stops reading. It returns the connection.
 func stalledStream(addr, id string) (net.Conn, error) {
-	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
-		var serr error
-		if err := rc.Control(func(fd uintptr) {
-			serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096)
-		}); err != nil {
-			return err
-		}
-		return serr
-	}}
-	c, err := d.Dial("tcp", addr)
+	c, err := testkit.DialSmallWindow(addr)
 	if err != nil {
 		return nil, err
 	}

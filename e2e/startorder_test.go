@@ -43,25 +43,6 @@ func buildNATSServer(t *testing.T, dir string) string {
 	return bin
 }
 
-// spawnBinary starts bin args… as a process of the harness (stopped with
-// halt), with a clean environment.
-func spawnBinary(t *testing.T, name, bin string, args ...string) *process {
-	t.Helper()
-	p := &process{name: name, done: make(chan struct{})}
-	p.cmd = exec.Command(bin, args...)
-	p.cmd.Env = childEnv()
-	p.cmd.Stdout = &p.stdout
-	p.cmd.Stderr = &p.stderr
-	if err := p.cmd.Start(); err != nil {
-		t.Fatalf("start %s: %v", name, err)
-	}
-	go func() {
-		p.waitErr = p.cmd.Wait()
-		close(p.done)
-	}()
-	return p
-}
-
 // readyz returns the status and body of GET url/readyz (0 when it did not
 // answer).
 func readyz(url string) (int, string) {
@@ -102,7 +83,7 @@ func TestStartBeforeSetupRBUS8(t *testing.T) {
 			}
 		}
 		name := fmt.Sprintf("n%d", i+1)
-		nodes = append(nodes, spawnBinary(t, "nats-server "+name, bin, "-js", "-sd", filepath.Join(c.dir, name),
+		nodes = append(nodes, spawnCommand(t, "nats-server "+name, nil, bin, "-js", "-sd", filepath.Join(c.dir, name),
 			"-a", "127.0.0.1", "-p", fmt.Sprint(ports[i]), "-n", name, "--cluster_name", "narwhal-e2e",
 			"--cluster", routes[i], "--routes", strings.Join(others, ",")))
 	}

@@ -290,13 +290,13 @@ func TestRemovedKeySeriesStayRemovedRAPI9(t *testing.T) {
 		t.Fatalf("team-b's stream after the reload: %v\n%s", err, rest)
 	}
 	s.idle()
-	if n := seriesWith(t, s, "narwhal_requests_total", "key", "team-b"); n != 0 {
+	if n := testkit.GatheredSeries(t, s.rt.Registry(), "narwhal_requests_total", "key", "team-b"); n != 0 {
 		t.Errorf("%d series of the removed team-b after its stream ended, want none", n)
 	}
 	if got := s.metricSum("narwhal_requests_total", "key", "none", "code", "200"); got != 1 {
 		t.Errorf("the stream counted %v times under key none, want 1", got)
 	}
-	if n := seriesWith(t, s, "narwhal_requests_total", "key", "team-a"); n == 0 {
+	if n := testkit.GatheredSeries(t, s.rt.Registry(), "narwhal_requests_total", "key", "team-a"); n == 0 {
 		t.Error("the staying team-a lost its series")
 	}
 	// The key comes back: its series are created again and count.
@@ -307,36 +307,4 @@ func TestRemovedKeySeriesStayRemovedRAPI9(t *testing.T) {
 	if got := s.metricSum("narwhal_requests_total", "key", "team-b", "code", "200"); got != 1 {
 		t.Errorf("team-b back: counted %v, want 1", got)
 	}
-}
-
-// seriesWith counts the series of the metric name whose labels match the
-// label=value pairs of match.
-func seriesWith(t *testing.T, s *stack, name string, match ...string) int {
-	t.Helper()
-	mfs, err := s.rt.Registry().Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	n := 0
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-	metrics:
-		for _, m := range mf.GetMetric() {
-			for i := 0; i+1 < len(match); i += 2 {
-				found := false
-				for _, lp := range m.GetLabel() {
-					if lp.GetName() == match[i] && lp.GetValue() == match[i+1] {
-						found = true
-					}
-				}
-				if !found {
-					continue metrics
-				}
-			}
-			n++
-		}
-	}
-	return n
 }

@@ -11,7 +11,6 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"os/exec"
 	"strconv"
 	"strings"
 	"sync"
@@ -33,93 +32,6 @@ const resourcesChildEnv = "NARWHAL_TEST_RESOURCES_CHILD"
 // router_resources fault (resourceWindow, 5 s, is proved by
 // TestResourceWindowRFAIL9).
 const resourcesChildWindow = 2 * time.Second
-
-// child is a test binary re-run as a child process, talking over stdin
-// and stdout.
-type child struct {
-	cmd    *exec.Cmd
-	stdin  io.WriteCloser
-	stderr *syncBuffer
-	mu     sync.Mutex
-	lines  []string
-	exited chan error
-}
-
-// startChild runs this test binary's test run under env, collecting its
-// stdout lines.
-func startChild(t *testing.T, run string, env ...string) *child {
-	t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^"+run+"$", "-test.v")
-	cmd.Env = append(os.Environ(), env...)
-	c := &child{cmd: cmd, stderr: &syncBuffer{}, exited: make(chan error, 1)}
-	var err error
-	if c.stdin, err = cmd.StdinPipe(); err != nil {
-		t.Fatal(err)
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd.Stderr = c.stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go func() {
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			c.mu.Lock()
-			c.lines = append(c.lines, sc.Text())
-			c.mu.Unlock()
-		}
-		c.exited <- cmd.Wait()
-	}()
-	t.Cleanup(func() {
-		c.stdin.Close()
-		select {
-		case <-c.exited:
-		case <-time.After(10 * time.Second):
-			_ = cmd.Process.Kill()
-		}
-	})
-	return c
-}
-
-// line waits for the child's first stdout line starting with prefix and
-// returns the rest.
-func (c *child) line(t *testing.T, prefix string) string {
-	t.Helper()
-	var rest string
-	testkit.WaitFor(t, 20*time.Second, "the child's "+prefix+"line", func() bool {
-		c.mu.Lock()
-		defer c.mu.Unlock()
-		for _, l := range c.lines {
-			if r, ok := strings.CutPrefix(l, prefix); ok {
-				rest = r
-				return true
-			}
-		}
-		select {
-		case err := <-c.exited:
-			t.Fatalf("child exited: %v\n%s", err, c.stderr.String())
-		default:
-		}
-		return false
-	})
-	return rest
-}
-
-// count is how many stdout lines start with prefix.
-func (c *child) count(prefix string) int {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	n := 0
-	for _, l := range c.lines {
-		if strings.HasPrefix(l, prefix) {
-			n++
-		}
-	}
-	return n
-}
 
 // roundTrip writes one HTTP/1.1 request on the kept-alive connection c and
 // reads its answer.
@@ -151,11 +63,7 @@ func TestRouterResourcesRFAIL9(t *testing.T) {
 		t.Skip("in the child")
 	}
 	s := newStack(t, pd(), nil) // the engines, in this process
-	var fleet []string
-	for _, e := range s.cfg.Fleet {
-		fleet = append(fleet, e.ID+"="+string(e.Role)+"="+e.URL)
-	}
-	ch := startChild(t, "TestRouterResourcesChild", resourcesChildEnv+"="+strings.Join(fleet, ","))
+	ch := startChild(t, "TestRouterResourcesChild", resourcesChildEnv+"="+fleetSpec(s.cfg))
 	addr := ch.line(t, "LISTEN ")
 	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 5 * time.Second}
 	testkit.WaitFor(t, 10*time.Second, "the child ready", func() bool {
@@ -271,29 +179,15 @@ func TestRouterResourcesChild(t *testing.T) {
 	if spec == "" {
 		t.Skip("run by TestRouterResourcesRFAIL9")
 	}
-	cfg := config.Default()
-	cfg.Router.ID = "rt-child"
-	cfg.Recovery.FailureQuarantineS = 1
-	for _, e := range strings.Split(spec, ",") {
-		p := strings.SplitN(e, "=", 3)
-		cfg.Fleet = append(cfg.Fleet, config.EngineSpec{ID: p[0], Role: connector.Role(p[1]), URL: p[2], Connector: "nixl"})
-	}
-	if err := cfg.Validate(); err != nil {
-		t.Fatal(err)
-	}
-	rt, err := New(Options{Config: &cfg, Publisher: &linePublisher{}, Logger: slog.New(slog.NewTextHandler(os.Stderr, nil)),
+	cfg := childConfig(t, spec, func(c *config.Config) { c.Recovery.FailureQuarantineS = 1 })
+	rt, err := New(Options{Config: cfg, Publisher: &linePublisher{}, Logger: slog.New(slog.NewTextHandler(os.Stderr, nil)),
 		ShutdownGrace: time.Second, ModelRefresh: time.Hour})
 	if err != nil {
 		t.Fatal(err)
 	}
 	rt.resources.window = resourcesChildWindow
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- rt.Serve(ln) }()
-	os.Stdout.WriteString("LISTEN " + ln.Addr().String() + "\n")
+	addr, stop := serveChild(t, rt)
+	os.Stdout.WriteString("LISTEN " + addr + "\n")
 	sc := bufio.NewScanner(os.Stdin)
 	for sc.Scan() {
 		if sc.Text() == "LOWER" {
@@ -304,14 +198,7 @@ func TestRouterResourcesChild(t *testing.T) {
 			fmt.Fprintf(os.Stdout, "LOWERED %d\n", limit)
 		}
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	if err := rt.Shutdown(ctx); err != nil {
-		t.Error(err)
-	}
-	if err := <-done; err != nil {
-		t.Errorf("Serve: %v", err)
-	}
+	stop()
 }
 
 // limitChildEnv, when set, makes TestConnectionLimitChild build routers

@@ -10,7 +10,6 @@ import (
 	"net/http"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -74,16 +73,7 @@ func stallConfig(c *config.Config) {
 // the connection is made so the TCP window stays small.
 func (s *stack) dialSmall() net.Conn {
 	s.t.Helper()
-	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
-		var serr error
-		if err := rc.Control(func(fd uintptr) {
-			serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096)
-		}); err != nil {
-			return err
-		}
-		return serr
-	}}
-	c, err := d.Dial("tcp", s.addr())
+	c, err := testkit.DialSmallWindow(s.addr())
 	if err != nil {
 		s.t.Fatal(err)
 	}

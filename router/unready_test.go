@@ -35,6 +35,21 @@ func unreadyGet(t *testing.T, c *http.Client, method, url string) (*http.Respons
 	return resp, b
 }
 
+// unreadyListener listens on a loopback TCP port for a stand-in and
+// returns the listener, its http:// base URL and a client for it; both are
+// closed when the test ends.
+func unreadyListener(t *testing.T) (net.Listener, string, *http.Client) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	client := &http.Client{Timeout: 5 * time.Second}
+	t.Cleanup(client.CloseIdleConnections)
+	return ln, "http://" + ln.Addr().String(), client
+}
+
 // checkUnready asserts ServeUnready's answers on base for why: /readyz
 // names why in its problems, anything else gets the error object; all 503
 // with Retry-After: 1, JSON, the connection closed.
@@ -67,14 +82,7 @@ func checkUnready(t *testing.T, c *http.Client, base, why string) {
 // server that takes over, with nothing of its own left running.
 func TestServeUnready(t *testing.T) {
 	testkit.CheckLeaks(t)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	base := "http://" + ln.Addr().String()
-	client := &http.Client{Timeout: 5 * time.Second}
-	defer client.CloseIdleConnections()
+	ln, base, client := unreadyListener(t)
 
 	stop := ServeUnready(ln, config.Server{}, "bus unreachable", slog.New(slog.DiscardHandler))
 	checkUnready(t, client, base, "bus unreachable")
@@ -155,14 +163,7 @@ func TestServeUnreadyOtherListener(t *testing.T) {
 // and counted there directly after that.
 func TestUnreadyAnswersCountedRAPI2(t *testing.T) {
 	testkit.CheckLeaks(t)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	base := "http://" + ln.Addr().String()
-	client := &http.Client{Timeout: 5 * time.Second}
-	defer client.CloseIdleConnections()
+	ln, base, client := unreadyListener(t)
 	answers := &UnreadyAnswers{}
 	stop := ServeUnreadyCounted(ln, config.Server{}, "bus unreachable", slog.New(slog.DiscardHandler), answers)
 	defer stop()

@@ -2,10 +2,7 @@ package router
 
 import (
 	"log/slog"
-	"net"
-	"net/http"
 	"testing"
-	"time"
 
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
@@ -18,14 +15,7 @@ import (
 // for").
 func TestServeUnreadyWhyChanges(t *testing.T) {
 	testkit.CheckLeaks(t)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	base := "http://" + ln.Addr().String()
-	client := &http.Client{Timeout: 5 * time.Second}
-	defer client.CloseIdleConnections()
+	ln, base, client := unreadyListener(t)
 
 	why := NewUnreadyWhy("bus unreachable")
 	stop := ServeUnreadyWhy(ln, config.Server{}, why, slog.New(slog.DiscardHandler), &UnreadyAnswers{})

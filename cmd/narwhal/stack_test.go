@@ -41,6 +41,34 @@ func getBody(c *http.Client, url string) (int, string) {
 	return resp.StatusCode, string(b)
 }
 
+// startRouter runs runRouter in a goroutine for the config at path (read
+// with the environment as it is now) on a free loopback port, its text log
+// into logs. It returns the address, the log, a client without keep-alive
+// and the channel runRouter's result arrives on. When the test ends the
+// router is stopped and the test fails if runRouter returned an error.
+func startRouter(t *testing.T, path string) (listen string, logs *testkit.LockedBuffer, client *http.Client, done <-chan error) {
+	t.Helper()
+	cfg, err := config.Load(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	logs = &testkit.LockedBuffer{}
+	log := slog.New(slog.NewTextHandler(logs, nil))
+	listen = "127.0.0.1:" + strconv.Itoa(freeTCPPort(t))
+	ctx, cancel := context.WithCancel(context.Background())
+	result := make(chan error, 1)
+	go func() { result <- runRouter(ctx, cfg, listen, log, nil) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-result; err != nil {
+			t.Errorf("runRouter: %v", err)
+		}
+	})
+	client = &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
+	t.Cleanup(client.CloseIdleConnections)
+	return listen, logs, client, result
+}
+
 // TestRouterSaysWhatItWaitsFor proves the start-up of issue 11 (R-BUS-8):
 // a router whose bus is not there logs it at once and keeps logging, its
 // address answers at once — /readyz 503 naming "bus unreachable" — and once
@@ -51,24 +79,7 @@ func TestRouterSaysWhatItWaitsFor(t *testing.T) {
 	busPort := freeTCPPort(t)
 	t.Setenv("NARWHAL_NATS_URL", "nats://127.0.0.1:"+strconv.Itoa(busPort))
 	t.Setenv("NARWHAL_ROUTER_ID", "rt-wait")
-	cfg, err := config.Load(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	logs := &testkit.LockedBuffer{}
-	log := slog.New(slog.NewTextHandler(logs, nil))
-	listen := "127.0.0.1:" + strconv.Itoa(freeTCPPort(t))
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- runRouter(ctx, cfg, listen, log, nil) }()
-	defer func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("runRouter: %v", err)
-		}
-	}()
-	client := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
-	defer client.CloseIdleConnections()
+	listen, logs, client, _ := startRouter(t, path)
 
 	start := time.Now()
 	testkit.WaitFor(t, cmdTestBound, "the router's waiting line", func() bool { return strings.Contains(logs.String(), "waiting for the bus") })

@@ -13,7 +13,6 @@ import (
 	"github.com/narwhalmesh/narwhal/breaker"
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/bus/bustest"
-	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
@@ -47,24 +46,7 @@ func TestRouterWaitsForSetupRBUS8(t *testing.T) {
 	path, _ := preflightFleet(t, [][2]string{{"p1", "prefill"}, {"d1", "decode"}})
 	t.Setenv("NARWHAL_NATS_URL", e.ClientURL())
 	t.Setenv("NARWHAL_ROUTER_ID", "rt-early")
-	cfg, err := config.Load(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	logs := &testkit.LockedBuffer{}
-	log := slog.New(slog.NewTextHandler(logs, nil))
-	listen := "127.0.0.1:" + strconv.Itoa(freeTCPPort(t))
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- runRouter(ctx, cfg, listen, log, nil) }()
-	defer func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("runRouter: %v", err)
-		}
-	}()
-	client := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
-	defer client.CloseIdleConnections()
+	listen, logs, client, done := startRouter(t, path)
 
 	var status int
 	var body string

@@ -74,9 +74,12 @@ func NamedField(paths []string, message, request []byte) string {
 // HasWord reports whether word occurs in s as a whole word: neither
 // preceded nor followed by an ASCII letter, digit or underscore.
 func HasWord(s []byte, word string) bool {
-	if word == "" {
-		return false
-	}
+	return word != "" && wordAt(s, word, nil)
+}
+
+// wordAt reports whether word occurs in s as a whole word (see HasWord)
+// at a place where key, if not nil, is false of what follows it.
+func wordAt(s []byte, word string, key func(rest []byte) bool) bool {
 	for i := 0; i+len(word) <= len(s); {
 		j := bytes.Index(s[i:], []byte(word))
 		if j < 0 {
@@ -84,7 +87,7 @@ func HasWord(s []byte, word string) bool {
 		}
 		at := i + j
 		end := at + len(word)
-		if (at == 0 || !wordByte(s[at-1])) && (end == len(s) || !wordByte(s[end])) {
+		if (at == 0 || !wordByte(s[at-1])) && (end == len(s) || !wordByte(s[end])) && (key == nil || !key(s[end:])) {
 			return true
 		}
 		i = at + 1
@@ -131,19 +134,7 @@ func decodedStrings(raw []byte) []byte {
 // somewhere other than as the key of an echoed object: not followed by a
 // closing quote (' or ", escaped or not) and, after spaces, a colon.
 func namesWord(s []byte, word string) bool {
-	for i := 0; i+len(word) <= len(s); {
-		j := bytes.Index(s[i:], []byte(word))
-		if j < 0 {
-			return false
-		}
-		at := i + j
-		end := at + len(word)
-		if (at == 0 || !wordByte(s[at-1])) && (end == len(s) || !wordByte(s[end])) && !keyAt(s[end:]) {
-			return true
-		}
-		i = at + 1
-	}
-	return false
+	return wordAt(s, word, keyAt)
 }
 
 // keyAt reports whether rest, what follows a name, closes it as an

@@ -4,8 +4,9 @@
 // design (NATSLongLived, FasthttpLongLived), a buffer safe to read while
 // another goroutine writes it (LockedBuffer), a benchmark's CPU time per
 // operation (CPUTime, ReportCPUPerOp), readers of Prometheus
-// series, from a registry or from a /metrics page served over HTTP, and a
-// certificate authority made in the test (CA) for real TLS.
+// series, from a registry or from a /metrics page served over HTTP, a
+// certificate authority made in the test (CA) for real TLS, and a client
+// connection with a small TCP window (DialSmallWindow) for slow readers.
 //
 // It imports no package of the module, so that every package's tests,
 // the simulator's own included, can use it. Starting a simulator lives

@@ -72,6 +72,29 @@ func GatheredSum(t testing.TB, g prometheus.Gatherer, name string, labels ...str
 	return sum
 }
 
+// GatheredSeries counts the series of metric name that g gathers now whose
+// labels include every name/value pair of labels (as Sum matches them); a
+// gather error fails the test.
+func GatheredSeries(t testing.TB, g prometheus.Gatherer, name string, labels ...string) int {
+	t.Helper()
+	mfs, err := g.Gather()
+	if err != nil {
+		t.Fatalf("gathering metrics: %v", err)
+	}
+	n := 0
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			if hasLabels(m, labels) {
+				n++
+			}
+		}
+	}
+	return n
+}
+
 // Scrape fetches url (a /metrics page in Prometheus' text format) with
 // client and parses it. It returns an error when the request fails, the
 // status is not 200, or the page does not parse; it never fails a test,
