@@ -5,6 +5,7 @@ package engines
 import (
 	"context"
 	"errors"
+	"net"
 	"os"
 	"os/exec"
 	"strings"
@@ -47,6 +48,14 @@ func TestNamedEngineOutOfDescriptorsChild(t *testing.T) {
 	defer c.CloseIdleConnections()
 	// A name no hosts file holds: only the resolver's socket can answer.
 	req, res := testRequest("http://narwhal-engine.example:9")
+	// The runtime opens its poller's descriptor lazily, on the first
+	// socket or timer; opened after the limit is lowered it would fail
+	// (the runtime throws, "netpollinit failed"). A listener opens it now.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln.Close()
 	fds, err := os.ReadDir("/proc/self/fd")
 	if err != nil {
 		t.Fatal(err)
@@ -59,6 +68,21 @@ func TestNamedEngineOutOfDescriptorsChild(t *testing.T) {
 	if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &syscall.Rlimit{Cur: limit, Max: old.Max}); err != nil {
 		t.Fatal(err)
 	}
+	// The limit bounds descriptor numbers, not their count: fill any
+	// hole below it (the listener's number, say) so none is left.
+	var filler []*os.File
+	for {
+		f, err := os.Open(os.DevNull)
+		if err != nil {
+			break
+		}
+		filler = append(filler, f)
+	}
+	defer func() {
+		for _, f := range filler {
+			f.Close()
+		}
+	}()
 	_, perr := c.Prefill(context.Background(), req)
 	_, derr := c.Decode(context.Background(), req, res)
 	_, full := os.Open(os.DevNull)
