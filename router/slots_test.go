@@ -17,27 +17,33 @@ import (
 // waits for ever on a client that stops reading (R-API-7, R-TMO-6), over
 // real sockets and with the kernel's own buffer tuning (no listener
 // wrapper): the router makes a streaming connection's send buffer small
-// (streamSendBuffer), so once eight clients with 4 KiB receive buffers
-// stop reading, the engine's next tens of KiB fill the buffers and each
-// request ends as client_stalled within 9/8 of server.stall_timeout_s
-// plus a margin for those bytes — where the kernel would otherwise first
-// take megabytes. Every decode leg is cancelled at its engine, every
-// reservation returns, nobody is blamed, and another client is served
-// meanwhile.
+// (streamSendBuffer), so once a hundred clients with 4 KiB receive
+// buffers stop reading, the engine's next tens of KiB fill the buffers
+// and each request ends as client_stalled within 9/8 of
+// server.stall_timeout_s plus the time those bytes take — where the
+// kernel would otherwise first take megabytes. Every decode leg is
+// cancelled at its engine, every reservation returns, nobody is blamed,
+// and another client is served meanwhile.
+//
+// The clients ask for 20 top logprobs, so each event is about 1.5 KB and
+// the buffers fill in a few dozen tokens; they open in waves of 20, and
+// server.stall_timeout_s is 3 s, so that a loaded machine that schedules
+// a client late does not cut it while it reads its first bytes.
 func TestStalledStreamsReleasedWithinBoundRAPI7RTMO6(t *testing.T) {
 	const (
-		stall = time.Second // server.stall_timeout_s
-		// fill is what the engines (a token every millisecond, about 150
-		// bytes each) take to produce what the buffers hold before a write
+		stall = 3 * time.Second // server.stall_timeout_s
+		// fill is what the engines (a token every 5 ms, about 1.5 KB
+		// each) take to produce what the buffers hold before a write
 		// blocks: the client's receive window, the router's 32 KiB send
-		// buffer and one batch, well under 100 KiB; with slack for eight
-		// streams on two shared cores.
-		fill = 1500 * time.Millisecond
-		n    = 8
+		// buffer and one batch, under 64 KiB or about 45 tokens (0.2 s);
+		// with slack for a hundred streams on two shared cores.
+		fill = 2 * time.Second
+		n    = 100
+		wave = 20
 	)
 	defs := longOutput()
 	for i := range defs {
-		defs[i].cfg.ITL = time.Millisecond
+		defs[i].cfg.ITL = 5 * time.Millisecond
 	}
 	s := newStackOn(t, defs, func(c *config.Config) {
 		stallConfig(c)
@@ -46,40 +52,40 @@ func TestStalledStreamsReleasedWithinBoundRAPI7RTMO6(t *testing.T) {
 	}, nil)
 	s.waitModels()
 
-	var wg sync.WaitGroup
+	// 5,000 tokens are 25 s of output, far beyond the test's few seconds
+	// (the simulator draws a request's tokens when it starts, so
+	// longTokens would cost a hundred times 200,000 words).
+	body := `{"model":"sim-model","messages":[{"role":"user","content":"tell a long story"}],"stream":true,"max_tokens":5000,"ignore_eos":true,"logprobs":true,"top_logprobs":20}`
 	stopped := make([]time.Time, n)
 	errs := make([]error, n)
-	for i := range n {
-		c := s.dialSmall()
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			_, errs[i] = openLongStream(c, fmt.Sprintf("stalled-%d", i), longTokens)
-			stopped[i] = time.Now()
-		}()
-	}
-	wg.Wait()
-	for _, err := range errs {
-		if err != nil {
-			t.Fatal(err)
+	for first := 0; first < n; first += wave {
+		var wg sync.WaitGroup
+		for i := first; i < min(first+wave, n); i++ {
+			c := s.dialSmall()
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				_, errs[i] = openStream(c, fmt.Sprintf("stalled-%d", i), body)
+				stopped[i] = time.Now()
+			}()
+		}
+		wg.Wait()
+		for _, err := range errs[first:min(first+wave, n)] {
+			if err != nil {
+				t.Fatal(err)
+			}
 		}
 	}
 
-	// Another client is served while the eight are stalled.
-	resp, body := s.post("/v1/chat/completions", `{"model":"sim-model","messages":[{"role":"user","content":"hi"}],"max_tokens":8}`)
+	// Another client is served while the hundred are stalled.
+	resp, got := s.post("/v1/chat/completions", `{"model":"sim-model","messages":[{"role":"user","content":"hi"}],"max_tokens":8}`)
 	if resp.StatusCode != 200 {
-		t.Fatalf("a client beside the stalled ones: HTTP %d %s", resp.StatusCode, body)
+		t.Fatalf("a client beside the stalled ones: HTTP %d %s", resp.StatusCode, got)
 	}
 
 	bound := stall*9/8 + fill
 	ended := make([]time.Time, n)
-	last := stopped[0]
-	for _, at := range stopped {
-		if at.After(last) {
-			last = at
-		}
-	}
-	testkit.WaitFor(t, time.Until(last.Add(bound+time.Second)), "every stalled request to end", func() bool {
+	testkit.WaitFor(t, time.Until(stopped[n-1].Add(bound+time.Second)), "every stalled request to end", func() bool {
 		all := true
 		for i := range n {
 			if ended[i].IsZero() {
@@ -104,10 +110,10 @@ func TestStalledStreamsReleasedWithinBoundRAPI7RTMO6(t *testing.T) {
 			t.Errorf("%s ended %v after its client stopped reading, want within %v", id, took, bound)
 		}
 	}
-	t.Logf("stalled streams ended at most %v after their clients stopped reading (bound %v)", longest, bound)
+	t.Logf("%d stalled streams ended at most %v after their clients stopped reading (bound %v)", n, longest, bound)
 	s.idle()
 	s.checkNobodyBlamed()
-	testkit.WaitFor(t, 2*time.Second, "every decode leg cancelled at its engine", func() bool {
+	testkit.WaitFor(t, 5*time.Second, "every decode leg cancelled at its engine", func() bool {
 		var aborted, active int64
 		for _, id := range []string{"d1", "d2"} {
 			st := s.sims[id].Stats()

@@ -95,14 +95,20 @@ func startLongStream(t *testing.T, c net.Conn, id string, maxTokens int) *bufio.
 // openLongStream is startLongStream returning what went wrong, for other
 // goroutines than the test's.
 func openLongStream(c net.Conn, id string, maxTokens int, header ...string) (*bufio.Reader, error) {
-	body := fmt.Sprintf(`{"model":"sim-model","messages":[{"role":"user","content":"tell a long story"}],"stream":true,"max_tokens":%d,"ignore_eos":true}`, maxTokens)
+	return openStream(c, id, fmt.Sprintf(`{"model":"sim-model","messages":[{"role":"user","content":"tell a long story"}],"stream":true,"max_tokens":%d,"ignore_eos":true}`, maxTokens), header...)
+}
+
+// openStream sends the streaming chat request body on c with request id
+// id and reads its headers and its first 2 KiB within 30 s (a loaded
+// machine schedules a hundred clients late); it returns the reader.
+func openStream(c net.Conn, id, body string, header ...string) (*bufio.Reader, error) {
 	extra := ""
 	for _, h := range header {
 		extra += h + "\r\n"
 	}
 	fmt.Fprintf(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: %s\r\n%sContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", id, extra, len(body), body)
 	br := bufio.NewReaderSize(c, 4096)
-	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	_ = c.SetReadDeadline(time.Now().Add(30 * time.Second))
 	resp, err := http.ReadResponse(br, nil)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %v", id, err)
