@@ -2,6 +2,7 @@ package bus_test
 
 import (
 	"context"
+	"maps"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -198,8 +199,9 @@ func TestRevokeEngineCredentialRBUS11(t *testing.T) {
 	// state to keep is the one that stopped changing.
 	var want map[string]string
 	testkit.WaitFor(t, waitBound, "the history stream caught up", func() bool {
+		prev := want
 		want = jetStreamState(t, admin)
-		return want["stream "+bus.HistoryStream] != "0/0"
+		return want["stream "+bus.HistoryStream] != "0/0" && maps.Equal(prev, want)
 	})
 	t.Logf("JetStream before: %v", want)
 
