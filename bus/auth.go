@@ -404,13 +404,15 @@ system_account: %s
 # narwhal bus --auth keeps them under its --data DIR instead of this dir,
 # which a nats-server reads relative to its working directory: a config
 # that includes this file may set its own resolver after the include.
-%sresolver_preload: {
+%s# Users of other accounts are refused at once, without a lookup.
+resolver_pinned_accounts: [%s, %s]
+resolver_preload: {
   # %s
   %s: %s
   # SYS
   %s: %s
 }
-`, opJWT, sysPub, resolverConf(authConfResolverDir), AccountName, acctPub, acctJWT, sysPub, sysJWT)
+`, opJWT, sysPub, resolverConf(authConfResolverDir), acctPub, sysPub, AccountName, acctPub, acctJWT, sysPub, sysJWT)
 	return writeNew(filepath.Join(dir, AuthConfFile), []byte(conf), 0o644)
 }
 

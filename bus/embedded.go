@@ -107,6 +107,13 @@ func StartEmbedded(opts EmbeddedOptions) (*Embedded, error) {
 			return nil, err
 		}
 		sopts = parsed
+		// Until a server owns it (its Shutdown closes it), the resolver
+		// is closed on every early return.
+		defer func() {
+			if e.srv == nil {
+				parsed.AccountResolver.Close()
+			}
+		}()
 	}
 	sopts.ServerName = opts.ServerName
 	if sopts.ServerName == "" {

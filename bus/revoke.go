@@ -87,9 +87,20 @@ func authServerOptions(authDir, jwtDir string) (*server.Options, error) {
 		return nil, fmt.Errorf("bus: --auth %s: resolver directory: %w", authDir, err)
 	}
 	// A key given twice takes its last value: this resolver replaces the
-	// one auth.conf names for an official nats-server.
+	// one auth.conf names for an official nats-server. Only the preloaded
+	// accounts are pinned (an older auth.conf lacks the line): a user of
+	// another account is refused at once, where a full resolver would
+	// first ask the cluster for that account for its fetch timeout.
+	var pinned []string
+	for _, m := range preloadLine.FindAllSubmatch(raw, -1) {
+		pinned = append(pinned, string(m[2]))
+	}
+	extra := resolverConf(abs)
+	if len(pinned) > 0 {
+		extra += "resolver_pinned_accounts: [" + strings.Join(pinned, ", ") + "]\n"
+	}
 	sopts := &server.Options{}
-	if err := sopts.ProcessConfigString(string(raw) + "\n" + resolverConf(abs)); err != nil {
+	if err := sopts.ProcessConfigString(string(raw) + "\n" + extra); err != nil {
 		return nil, fmt.Errorf("bus: --auth %s: %s: %w", authDir, conf, err)
 	}
 	if len(sopts.TrustedOperators) == 0 {

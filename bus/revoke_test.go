@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 
 	"github.com/narwhalmesh/narwhal/bus"
@@ -298,5 +299,75 @@ func TestRevokeErrorsRBUS11(t *testing.T) {
 	}
 	if _, err := bus.PushAccountJWT(ctx, bus.PushOptions{URL: plain.ClientURL(), CredsFile: filepath.Join(noKeys, bus.SysCredsFile)}, token); err == nil || !strings.Contains(err.Error(), bus.SysCredsFile) {
 		t.Errorf("a push without sys.creds: %v, want it to name %s", err, bus.SysCredsFile)
+	}
+}
+
+// TestAuthConfForNATSServerRBUS11 proves what an official nats-server
+// gets from auth.conf (behaviour.md R-BUS-11): a full resolver in
+// ./narwhal-jwt of its working directory, preloaded with the accounts,
+// which a config that includes auth.conf may point elsewhere with a
+// resolver of its own after the include; and that such a server refuses
+// a revoked credential and keeps the others, as `narwhal bus --auth` does.
+func TestAuthConfForNATSServerRBUS11(t *testing.T) {
+	dir := bustest.Credentials(t)
+	t.Chdir(t.TempDir())
+	opts, err := server.ProcessConfigFile(filepath.Join(dir, bus.AuthConfFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := opts.AccountResolver.(*server.DirAccResolver); !ok {
+		t.Fatalf("auth.conf's resolver is %T, want nats-server's full resolver", opts.AccountResolver)
+	}
+	opts.AccountResolver.Close() // no server runs it
+	if fi, err := os.Stat("narwhal-jwt"); err != nil || !fi.IsDir() {
+		t.Errorf("./narwhal-jwt: %v, want the resolver's directory", err)
+	}
+
+	jwtDir, store := t.TempDir(), t.TempDir()
+	// nats-server reads an include relative to the including file.
+	etc := t.TempDir()
+	raw, err := os.ReadFile(filepath.Join(dir, bus.AuthConfFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(etc, bus.AuthConfFile), raw, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	main := filepath.Join(etc, "nats.conf")
+	conf := "include auth.conf\n" +
+		"resolver: { type: full, dir: " + strconv.Quote(jwtDir) + ", allow_delete: false, interval: \"1m\" }\n" +
+		"listen: \"127.0.0.1:-1\"\njetstream: { store_dir: " + strconv.Quote(store) + " }\n"
+	if err := os.WriteFile(main, []byte(conf), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	opts, err = server.ProcessConfigFile(main)
+	if err != nil {
+		t.Fatal(err)
+	}
+	opts.NoLog, opts.NoSigs = true, true
+	srv, err := server.NewServer(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv.Start()
+	t.Cleanup(func() { srv.Shutdown(); srv.WaitForShutdown() })
+	if !srv.ReadyForConnections(waitBound) {
+		t.Fatal("nats-server not ready")
+	}
+	d1, d1Pub := bustest.IssueIdentity(t, dir, bus.RoleEngine, "d1")
+	d2, _ := bustest.IssueIdentity(t, dir, bus.RoleEngine, "d2")
+	c1 := dialIdentity(t, srv.ClientURL(), d1, bus.RoleEngine, "d1")
+	c2 := dialIdentity(t, srv.ClientURL(), d2, bus.RoleEngine, "d2")
+	if !c1.alive() {
+		t.Fatal("d1 not answered before its revocation")
+	}
+	revoke(t, dir, srv.ClientURL(), d1Pub)
+	testkit.WaitFor(t, revokeBound, "d1 disconnected", func() bool { return !c1.nc.IsConnected() })
+	refused(t, srv.ClientURL(), d1, bus.RoleEngine, "d1")
+	if !c2.alive() {
+		t.Error("d2 lost its connection")
+	}
+	if entries, err := os.ReadDir(jwtDir); err != nil || len(entries) == 0 {
+		t.Errorf("the resolver directory of the including config holds %v, %v; want the account JWTs", entries, err)
 	}
 }
