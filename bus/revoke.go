@@ -395,3 +395,28 @@ func claimUpdate(data []byte) ClaimUpdate {
 	}
 	return u
 }
+
+// Revoke revokes the user public keys users in the mesh of dir and pushes
+// the account JWT to the bus of opts (behaviour.md R-BUS-11): RevokeUsers,
+// then PushAccountJWT — twice, the second time with the JWT signed again
+// a second later. A server closes the revoked users' connections when
+// the update arrives; a revoked client that reconnects to another server
+// at that very moment may pass that server's authentication while it
+// still holds the old JWT and join its clients just after the update
+// looked at them. The second update finds it there and closes it, and no
+// server lets one in after the first. It returns the servers' answers to
+// the last push, whether auth.conf holds the revocation (stored), and the
+// first error of RevokeUsers or PushAccountJWT.
+func Revoke(ctx context.Context, dir string, users []string, opts PushOptions) (answers []ClaimUpdate, stored bool, err error) {
+	for range 2 {
+		token, err := RevokeUsers(dir, users)
+		if err != nil {
+			return answers, stored, err
+		}
+		stored = true
+		if answers, err = PushAccountJWT(ctx, opts, token); err != nil {
+			return answers, stored, err
+		}
+	}
+	return answers, stored, nil
+}

@@ -79,19 +79,15 @@ func refused(t *testing.T, url, path, role, id string) {
 }
 
 // revoke revokes pub in dir and pushes the new account JWT to url with
-// dir's sys.creds, as `narwhal bus revoke` does, failing the test on an
+// dir's sys.creds (bus.Revoke), as `narwhal bus revoke` does, failing the test on an
 // error or a server that did not store it.
 func revoke(t *testing.T, dir, url string, pub string) []bus.ClaimUpdate {
 	t.Helper()
-	token, err := bus.RevokeUsers(dir, []string{pub})
-	if err != nil {
-		t.Fatal(err)
-	}
 	ctx, cancel := context.WithTimeout(context.Background(), waitBound)
 	defer cancel()
-	answers, err := bus.PushAccountJWT(ctx, bus.PushOptions{URL: url, CredsFile: filepath.Join(dir, bus.SysCredsFile)}, token)
-	if err != nil {
-		t.Fatalf("push the revocation: %v (answers %v)", err, answers)
+	answers, stored, err := bus.Revoke(ctx, dir, []string{pub}, bus.PushOptions{URL: url, CredsFile: filepath.Join(dir, bus.SysCredsFile)})
+	if err != nil || !stored {
+		t.Fatalf("revoke: stored %v, %v (answers %v)", stored, err, answers)
 	}
 	for _, a := range answers {
 		if !a.OK {

@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"os"
 	"path/filepath"
 	"strings"
 	"time"
@@ -49,7 +50,9 @@ type revokeTarget struct {
 // them to the account JWT's revocations, signed with DIR's operator key
 // (keys/operator.nk), stores the new JWT in DIR's auth.conf, and pushes it
 // with DIR's sys.creds to the bus at NARWHAL_NATS_URL (default
-// nats://127.0.0.1:4222, TLS as NARWHAL_NATS_TLS_*). It prints what it
+// nats://127.0.0.1:4222, TLS as NARWHAL_NATS_TLS_*) — twice, a second
+// apart, so a revoked client that reconnected to another server while the
+// first push reached it is closed too (bus.Revoke). It prints what it
 // revoked and each server's answer. It returns an error naming a missing
 // file, an invalid key, an unreachable bus, a bus without an answer within
 // --timeout, or a server's refusal — auth.conf holds the revocation then
@@ -99,9 +102,21 @@ func runBusRevoke(ctx context.Context, args []string, stdout, stderr io.Writer) 
 	for i, t := range targets {
 		pubs[i] = t.pub
 	}
-	token, err := bus.RevokeUsers(*dir, pubs)
+	cfg, err := toolBus()
 	if err != nil {
 		return err
+	}
+	if _, err := os.Stat(filepath.Join(*dir, bus.SysCredsFile)); err != nil {
+		return fmt.Errorf("the system account's credential: %w (written by narwhal bus creds)", err)
+	}
+	cctx, cancel := context.WithTimeout(ctx, *bound)
+	defer cancel()
+	answers, stored, err := bus.Revoke(cctx, *dir, pubs, bus.PushOptions{
+		URL: cfg.URL, CredsFile: filepath.Join(*dir, bus.SysCredsFile),
+		TLSCA: cfg.TLSCA, TLSCert: cfg.TLSCert, TLSKey: cfg.TLSKey,
+	})
+	if !stored {
+		return err // nothing revoked
 	}
 	for _, t := range targets {
 		if t.name != "" {
@@ -111,16 +126,6 @@ func runBusRevoke(ctx context.Context, args []string, stdout, stderr io.Writer) 
 		}
 	}
 	fmt.Fprintf(stdout, "account JWT stored in %s\n", filepath.Join(*dir, bus.AuthConfFile))
-	cfg, err := toolBus()
-	if err != nil {
-		return err
-	}
-	cctx, cancel := context.WithTimeout(ctx, *bound)
-	defer cancel()
-	answers, err := bus.PushAccountJWT(cctx, bus.PushOptions{
-		URL: cfg.URL, CredsFile: filepath.Join(*dir, bus.SysCredsFile),
-		TLSCA: cfg.TLSCA, TLSCert: cfg.TLSCert, TLSKey: cfg.TLSKey,
-	}, token)
 	for _, a := range answers {
 		fmt.Fprintf(stdout, "server %s: %s\n", a.Server, a.Message)
 	}

@@ -121,7 +121,12 @@ func TestBusRevokeClusterRBUS11(t *testing.T) {
 	}
 	for i, nc := range c1 {
 		testkit.WaitFor(t, revokeBound-time.Since(start)+time.Millisecond, fmt.Sprintf("d1's client on n%d disconnected", i+1),
-			func() bool { return !nc.IsConnected() })
+			func() bool {
+				if nc.IsConnected() && time.Since(start) > revokeBound-100*time.Millisecond {
+					t.Logf("d1's client of n%d is connected to %s (reconnects %d)", i+1, nc.ConnectedServerName(), nc.Stats().Reconnects)
+				}
+				return !nc.IsConnected()
+			})
 	}
 	t.Logf("d1 disconnected from all three nodes %v after the command started", time.Since(start))
 	for i, u := range urls {
