@@ -52,8 +52,10 @@ const BreakerConsumer = "narwhal-breaker"
 // Files of a credentials directory (WriteCredentials).
 const (
 	// AuthConfFile is the server side: nats-server configuration (the
-	// operator, the system account and a memory resolver preloaded with
-	// the account JWTs). `narwhal bus --auth DIR` reads it; an official
+	// operator, the system account and a full resolver preloaded with
+	// the account JWTs, which takes pushed updates such as a revocation
+	// and stores them: behaviour.md R-BUS-11). `narwhal bus --auth DIR`
+	// reads it (its resolver directory then under --data); an official
 	// nats-server can `include` it.
 	AuthConfFile = "auth.conf"
 	// RouteSecretFile holds the password the servers of a cluster
@@ -281,14 +283,16 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 // a new operator, a system account and account NARWHAL (JetStream
 // enabled), one user per role with RolePermissions — the credential files
 // router.creds, breaker.creds, chaos.creds, viewer.creds and admin.creds
-// (mode 0600) — the server side auth.conf (public JWTs only) and
+// (mode 0600) — sys.creds (0600; the system-account user that pushes
+// account-JWT updates, e.g. a revocation, R-BUS-11), the server side
+// auth.conf (public JWTs only; a full resolver) and
 // route.secret (0600; the cluster routes' password), and the
 // operator's and account's seeds under keys/ (0600; needed only to issue
 // more users, e.g. with nsc). It refuses to overwrite: it returns an error
 // when any of these files exists already, when dir cannot be created or
 // written, or when a key cannot be made.
 func WriteCredentials(dir string) error {
-	files := []string{AuthConfFile, RouteSecretFile, filepath.Join(keysDir, "operator.nk"), filepath.Join(keysDir, "account.nk")}
+	files := []string{AuthConfFile, RouteSecretFile, SysCredsFile, filepath.Join(keysDir, "operator.nk"), filepath.Join(keysDir, "account.nk")}
 	for _, r := range Roles {
 		files = append(files, CredsFile(r))
 	}
@@ -369,6 +373,13 @@ func WriteCredentials(dir string) error {
 			return err
 		}
 	}
+	sysCreds, err := sysCredential(sys)
+	if err != nil {
+		return err
+	}
+	if err := writeNew(filepath.Join(dir, SysCredsFile), sysCreds, 0o600); err != nil {
+		return err
+	}
 	opSeed, _ := operator.Seed()
 	acctSeed, _ := acct.Seed()
 	if err := writeNew(filepath.Join(dir, keysDir, "operator.nk"), opSeed, 0o600); err != nil {
@@ -389,14 +400,19 @@ func WriteCredentials(dir string) error {
 # narwhal bus --auth DIR reads this file; a nats-server config can include it.
 operator: %s
 system_account: %s
-resolver: MEMORY
+# The full resolver stores pushed account JWTs (narwhal bus revoke) on disk.
+# narwhal bus --auth keeps them under its --data DIR instead of this dir,
+# which a nats-server reads relative to its working directory: a config
+# that includes this file may set its own resolver after the include.
+%s# Users of other accounts are refused at once, without a lookup.
+resolver_pinned_accounts: [%s, %s]
 resolver_preload: {
   # %s
   %s: %s
   # SYS
   %s: %s
 }
-`, opJWT, sysPub, AccountName, acctPub, acctJWT, sysPub, sysJWT)
+`, opJWT, sysPub, resolverConf(authConfResolverDir), acctPub, sysPub, AccountName, acctPub, acctJWT, sysPub, sysJWT)
 	return writeNew(filepath.Join(dir, AuthConfFile), []byte(conf), 0o644)
 }
 

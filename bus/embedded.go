@@ -45,6 +45,10 @@ type EmbeddedOptions struct {
 	// accounts), so only the role credentials of that directory connect
 	// (R-BUS-8), and with Cluster its routes present and require
 	// route.secret. The in-process set-up then uses its admin.creds.
+	// The account JWTs go to a full resolver in Dir/jwt (ResolverDir),
+	// preloaded from auth.conf, which keeps pushed updates (a
+	// revocation, R-BUS-11) across restarts and shares them with the
+	// cluster's other servers.
 	AuthDir string
 	// ServerName names the server in a cluster (nats-server's
 	// server_name); "narwhal" when empty. Every server of a cluster needs
@@ -95,17 +99,21 @@ func StartEmbedded(opts EmbeddedOptions) (*Embedded, error) {
 	}
 	sopts := &server.Options{}
 	if opts.AuthDir != "" {
-		conf := filepath.Join(opts.AuthDir, AuthConfFile)
-		parsed, err := server.ProcessConfigFile(conf)
+		// The account JWTs live in a full resolver under the store
+		// directory: a pushed revocation outlives a restart (R-BUS-11).
+		parsed, err := authServerOptions(opts.AuthDir, filepath.Join(dir, ResolverDir))
 		if err != nil {
 			e.removeTemp()
-			return nil, fmt.Errorf("bus: --auth %s: %w", opts.AuthDir, err)
-		}
-		if len(parsed.TrustedOperators) == 0 {
-			e.removeTemp()
-			return nil, fmt.Errorf("bus: --auth %s: %s names no operator", opts.AuthDir, conf)
+			return nil, err
 		}
 		sopts = parsed
+		// Until a server owns it (its Shutdown closes it), the resolver
+		// is closed on every early return.
+		defer func() {
+			if e.srv == nil {
+				parsed.AccountResolver.Close()
+			}
+		}()
 	}
 	sopts.ServerName = opts.ServerName
 	if sopts.ServerName == "" {

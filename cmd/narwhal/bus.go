@@ -20,7 +20,7 @@ import (
 
 func init() {
 	commands["bus"] = command{
-		summary: "run a NATS server with JetStream that Narwhal processes share (--listen HOST:PORT --data DIR); bus setup, bus creds",
+		summary: "run a NATS server with JetStream that Narwhal processes share (--listen HOST:PORT --data DIR); bus setup, bus creds, bus revoke",
 		run:     withOutput(runBus),
 	}
 }
@@ -42,6 +42,7 @@ const busUsage = `usage: narwhal bus [--listen HOST:PORT] [--data DIR] [--config
                    [--name NAME --cluster HOST:PORT --routes URL,...] [--verbose]
        narwhal bus setup [--config FILE] [--connect-timeout DUR]
        narwhal bus creds --out DIR
+       narwhal bus revoke --creds DIR [--engine ID]... [--router ID]... [--user PUBKEY]...
 
 narwhal bus         serves NATS with JetStream and sets up Narwhal's stream and
                     buckets before it says it is listening; point Narwhal
@@ -52,6 +53,8 @@ narwhal bus setup   creates or updates the stream and the buckets on the NATS at
                     NARWHAL_NATS_URL with the admin credential (NARWHAL_NATS_CREDS).
 narwhal bus creds   writes one credential per role (router, breaker, chaos, viewer,
                     admin, engine) and the server side (auth.conf, route.secret) into DIR.
+narwhal bus revoke  revokes credentials in the mesh's account (no new account, no
+                    restart) and pushes it to NARWHAL_NATS_URL with DIR's sys.creds.
 See docs/mesh.md.
 `
 
@@ -64,6 +67,8 @@ func runBus(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 			return runBusSetup(ctx, args[1:], stdout, stderr)
 		case "creds":
 			return runBusCreds(args[1:], stdout, stderr)
+		case "revoke":
+			return runBusRevoke(ctx, args[1:], stdout, stderr)
 		case "help":
 			fmt.Fprint(stderr, busUsage)
 			return flag.ErrHelp
@@ -219,6 +224,7 @@ func runBusCreds(args []string, stdout, stderr io.Writer) error {
 	}
 	fmt.Fprintf(stdout, "  %-14s the server side: narwhal bus --auth %s, or include it in a nats-server config\n", bus.AuthConfFile, *out)
 	fmt.Fprintf(stdout, "  %-14s the password the servers of a cluster present to one another\n", bus.RouteSecretFile)
+	fmt.Fprintf(stdout, "  %-14s the system account's user: pushes revocations (narwhal bus revoke)\n", bus.SysCredsFile)
 	_, err := fmt.Fprintf(stdout, "  %-14s the operator's and account's seeds, to issue more users; keep them off the servers\n", "keys/")
 	return err
 }
