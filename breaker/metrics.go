@@ -24,6 +24,10 @@ type metrics struct {
 	// events is narwhal_breaker_events_total{kind}: failure and request
 	// events consumed.
 	events *prometheus.CounterVec
+	// eventsIgnored is narwhal_breaker_events_ignored_total{reason}:
+	// events consumed and not applied because their payload contradicts
+	// their subject (schemas.EventSubjectMismatch reasons, R-BUS-11).
+	eventsIgnored *prometheus.CounterVec
 	// consumerRecreated is narwhal_breaker_consumer_recreated_total: the
 	// durable consumer was found gone and created again (R-BUS-9).
 	consumerRecreated prometheus.Counter
@@ -60,6 +64,10 @@ func newMetrics(reg prometheus.Registerer, breakerID string) *metrics {
 			Name: "narwhal_breaker_events_total",
 			Help: "Failure and request events the breaker consumed from the bus, by kind.",
 		}, []string{"kind"}),
+		eventsIgnored: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "narwhal_breaker_events_ignored_total",
+			Help: "Failure and request events the breaker consumed and ignored because their payload contradicts their subject, by reason: router_id_mismatch (another router's id, or a router event on a subject without one), engine_id_mismatch, subject (no event subject of its kind).",
+		}, []string{"reason"}),
 		consumerRecreated: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "narwhal_breaker_consumer_recreated_total",
 			Help: "Times the breaker found its durable consumer gone and created it again.",
@@ -79,6 +87,7 @@ func newMetrics(reg prometheus.Registerer, breakerID string) *metrics {
 		m.readmissions = promreg.Register(reg, m.readmissions)
 		m.probes = promreg.Register(reg, m.probes)
 		m.events = promreg.Register(reg, m.events)
+		m.eventsIgnored = promreg.Register(reg, m.eventsIgnored)
 		m.consumerRecreated = promreg.Register(reg, m.consumerRecreated)
 		m.fleetIgnored = promreg.Register(reg, m.fleetIgnored)
 		m.reportsIgnored = promreg.Register(reg, m.reportsIgnored)
@@ -86,6 +95,9 @@ func newMetrics(reg prometheus.Registerer, breakerID string) *metrics {
 	m.leader = leader.WithLabelValues(breakerID)
 	for _, k := range []string{schemas.KindFailure, schemas.KindRequest} {
 		m.events.WithLabelValues(k)
+	}
+	for _, r := range []string{schemas.MismatchRouterID, schemas.MismatchEngineID, schemas.MismatchSubject} {
+		m.eventsIgnored.WithLabelValues(r)
 	}
 	return m
 }
