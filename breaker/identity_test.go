@@ -48,7 +48,9 @@ func TestForgedRouterEventsIgnoredRBUS11(t *testing.T) {
 			Timeout: true, Counts: true, ProducerID: "p1", ConsumerID: engine, Attempt: 1,
 		}
 	}
-	ignored := func(reason string) float64 { return testutil.ToFloat64(r.metrics.eventsIgnored.WithLabelValues(reason)) }
+	ignored := func(reason string) float64 {
+		return testutil.ToFloat64(r.metrics.eventsIgnored.WithLabelValues(reason))
+	}
 
 	h.applied(h.fail("d1", schemas.PhaseDecode, true, "p1", "d1"))
 	h.applied(h.fail("d1", schemas.PhaseDecode, true, "p1", "d1"))
