@@ -10,6 +10,8 @@ import (
 	"github.com/nats-io/nuid"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -78,5 +80,55 @@ func TestForgedRouterEventsIgnoredRBUS11(t *testing.T) {
 	h.applied(h.fail("d1", schemas.PhaseDecode, true, "p1", "d1"))
 	if e := h.mustEntry("d1"); e.State != schemas.StateEjected {
 		t.Fatalf("the third failure on its own subject did not eject: %+v", e)
+	}
+}
+
+// TestForgedRouterReportIgnoredRBUS11 proves R-BUS-11 at the breaker's
+// drain check: a valid in-flight report under key rt-2 whose payload says
+// rt-1 (one router speaking for another) holding a leg on the draining
+// engine is ignored and counted in
+// narwhal_breaker_router_reports_ignored_total{reason="router_id_mismatch"};
+// rt-1's own report of no leg ends the drain.
+func TestForgedRouterReportIgnoredRBUS11(t *testing.T) {
+	h := newHarness(t, setup{fleet: prefillAndDecode})
+	ctx, cancel := context.WithTimeout(context.Background(), waitBound)
+	defer cancel()
+	if _, err := SeedFleet(ctx, h.bus, []schemas.FleetEntry{
+		h.cfg.Fleet[0].FleetEntry("test", time.Now()), h.cfg.Fleet[1].FleetEntry("test", time.Now()),
+	}); err != nil {
+		t.Fatal(err)
+	}
+	r := h.startLeader("breaker-1")
+	testkit.WaitFor(t, waitBound, "the fleet loaded", r.fleetLoaded.Load)
+	h.putReport(schemas.RouterReport{RouterID: "rt-1", Draining: map[string]int64{"d1": 0}})
+	forged := schemas.RouterReport{Schema: schemas.SchemaRouterReport, RouterID: "rt-1", At: time.Now().UTC(),
+		InFlight: map[string]int64{"d1": 5}, Draining: map[string]int64{"d1": 5}}
+	value, _ := json.Marshal(forged)
+	if err := bus.ValidateRouterReport(value); err != nil {
+		t.Fatalf("the forged report is not a valid one: %v", err)
+	}
+	routers, err := h.bus.BindBucket(ctx, bus.RoutersBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := routers.Put(ctx, "rt-2", value); err != nil {
+		t.Fatal(err)
+	}
+	fleetKV, err := h.bus.BindBucket(ctx, bus.FleetBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e, rev := h.fleetEntry("d1")
+	e.State, e.Since, e.At = schemas.FleetDraining, time.Now().UTC(), time.Now().UTC()
+	b, _ := json.Marshal(e)
+	if _, err := fleetKV.Update(ctx, "d1", b, rev); err != nil {
+		t.Fatal(err)
+	}
+	testkit.WaitFor(t, waitBound, "d1 drained", func() bool { e, _ := h.fleetEntry("d1"); return e.State == schemas.FleetDrained })
+	if got := testutil.ToFloat64(r.metrics.reportsIgnored.WithLabelValues(schemas.MismatchRouterID)); got < 1 {
+		t.Errorf("reports ignored for router_id_mismatch: %v, want at least 1", got)
+	}
+	if got := testutil.ToFloat64(r.metrics.reportsIgnored.WithLabelValues(reportInvalid)); got != 0 {
+		t.Errorf("the forged report was counted invalid (%v times): it is a valid report of another key", got)
 	}
 }

@@ -34,9 +34,11 @@ type metrics struct {
 	// fleetIgnored is narwhal_breaker_fleet_ignored_total: values of
 	// narwhal_fleet that are not a valid entry for their key (R-BUS-9).
 	fleetIgnored prometheus.Counter
-	// reportsIgnored is narwhal_breaker_router_reports_ignored_total:
-	// values of narwhal_routers that are not a valid report for their key.
-	reportsIgnored prometheus.Counter
+	// reportsIgnored is
+	// narwhal_breaker_router_reports_ignored_total{reason}: values of
+	// narwhal_routers that are not a valid report (invalid) or a valid
+	// one under another router's key (router_id_mismatch, R-BUS-11).
+	reportsIgnored *prometheus.CounterVec
 }
 
 // newMetrics builds the collectors and registers them on reg when it is
@@ -76,10 +78,10 @@ func newMetrics(reg prometheus.Registerer, breakerID string) *metrics {
 			Name: "narwhal_breaker_fleet_ignored_total",
 			Help: "Values of the live fleet's bucket the breaker ignored: not a valid fleet entry for their key.",
 		}),
-		reportsIgnored: prometheus.NewCounter(prometheus.CounterOpts{
+		reportsIgnored: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "narwhal_breaker_router_reports_ignored_total",
-			Help: "Routers' in-flight reports the breaker ignored: not a valid report for their key.",
-		}),
+			Help: "Routers' in-flight reports the breaker ignored, by reason: invalid (not a valid report), router_id_mismatch (a report under another router's key).",
+		}, []string{"reason"}),
 	}
 	if reg != nil {
 		leader = promreg.Register(reg, leader)
@@ -99,8 +101,16 @@ func newMetrics(reg prometheus.Registerer, breakerID string) *metrics {
 	for _, r := range []string{schemas.MismatchRouterID, schemas.MismatchEngineID, schemas.MismatchSubject} {
 		m.eventsIgnored.WithLabelValues(r)
 	}
+	for _, r := range []string{reportInvalid, schemas.MismatchRouterID} {
+		m.reportsIgnored.WithLabelValues(r)
+	}
 	return m
 }
+
+// reportInvalid is the reason of
+// narwhal_breaker_router_reports_ignored_total for a value that is no
+// valid router report.
+const reportInvalid = "invalid"
 
 // ejectedDesc is narwhal_breaker_engine_ejected{engine,phase}.
 var ejectedDesc = prometheus.NewDesc("narwhal_breaker_engine_ejected",
