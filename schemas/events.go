@@ -209,8 +209,9 @@ func (e *Failure) Subject() string {
 
 // Quarantine says a router excluded an engine from its placement for a
 // while after a failed attempt, on
-// narwhal.events.quarantine.<engine_id>.<router_id> (schema narwhal.quarantine.v1, behaviour.md R-QUAR-1). Other routers apply it on
-// arrival.
+// narwhal.events.quarantine.<engine_id>.<router_id> (schema
+// narwhal.quarantine.v1, behaviour.md R-QUAR-1). Other routers apply it
+// on arrival.
 type Quarantine struct {
 	Envelope
 	// DurationSeconds is how long the engine stays out, in seconds.
