@@ -1,6 +1,8 @@
 package meshview
 
 import (
+	"sync"
+
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/narwhalmesh/narwhal/prefix"
@@ -25,6 +27,10 @@ type metrics struct {
 	// refusedCredentials counts episodes of an engine refusing the
 	// router's credentials (engine label: fleet ids, bounded).
 	refusedCredentials *prometheus.CounterVec
+	// engineMu orders the counting of an engine's refusal against the
+	// deletion of its series when it leaves the fleet (forgetEngine), so
+	// that a refusal seen after it left creates no series again.
+	engineMu sync.Mutex
 }
 
 // placementIgnoredReasons are the values of
@@ -68,7 +74,28 @@ func newMetrics(reg prometheus.Registerer, f func() *Fleet, index *prefix.Index)
 // initEngine creates the zero series of engine e's labelled counters:
 // its credential refusals.
 func (m *metrics) initEngine(e *Member) {
+	m.engineMu.Lock()
+	defer m.engineMu.Unlock()
 	m.refusedCredentials.WithLabelValues(e.ID)
+}
+
+// refused counts one credential refusal of engine id, unless in reports
+// that it is no longer in the fleet (its series are deleted).
+func (m *metrics) refused(id string, in func() bool) {
+	m.engineMu.Lock()
+	defer m.engineMu.Unlock()
+	if in() {
+		m.refusedCredentials.WithLabelValues(id).Inc()
+	}
+}
+
+// forgetEngine deletes the series of engine id, which left the fleet
+// (behaviour.md R-FLEET-5); narwhal_prefix_index_blocks goes with the
+// index's entries of it.
+func (m *metrics) forgetEngine(id string) {
+	m.engineMu.Lock()
+	defer m.engineMu.Unlock()
+	m.refusedCredentials.DeleteLabelValues(id)
 }
 
 // indexCollector exports narwhal_prefix_index_blocks{engine}: the block
