@@ -272,8 +272,8 @@ func (m *metrics) initEngine(e *member) {
 }
 
 // fault counts one fault of engine id (narwhal_engine_faults_total) on
-// phase of kind, unless in reports that the engine is no longer in the
-// fleet: its series were deleted when it left and stay so (R-FLEET-5).
+// phase of kind when in reports the engine still in the fleet; one that
+// left had its series deleted, and they stay so (R-FLEET-5).
 func (m *metrics) fault(in func(id string) bool, id, phase, kind string) {
 	m.engineMu.Lock()
 	defer m.engineMu.Unlock()
@@ -283,8 +283,8 @@ func (m *metrics) fault(in func(id string) bool, id, phase, kind string) {
 }
 
 // recomputed counts one recompute of the KV producer handed off to
-// consumer (narwhal_kv_recomputed_total), unless in reports that either
-// is no longer in the fleet (R-FLEET-5).
+// consumer (narwhal_kv_recomputed_total) when in reports both still in
+// the fleet (R-FLEET-5).
 func (m *metrics) recomputed(in func(id string) bool, producer, consumer string) {
 	m.engineMu.Lock()
 	defer m.engineMu.Unlock()

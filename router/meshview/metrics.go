@@ -79,8 +79,8 @@ func (m *metrics) initEngine(e *Member) {
 	m.refusedCredentials.WithLabelValues(e.ID)
 }
 
-// refused counts one credential refusal of engine id, unless in reports
-// that it is no longer in the fleet (its series are deleted).
+// refused counts one credential refusal of engine id when in reports it
+// still in the fleet; one that left has its series deleted (R-FLEET-5).
 func (m *metrics) refused(id string, in func() bool) {
 	m.engineMu.Lock()
 	defer m.engineMu.Unlock()
