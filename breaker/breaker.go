@@ -84,6 +84,9 @@ const (
 	opTimeout = 5 * time.Second
 	// eventBuffer is the breaker's publisher buffer.
 	eventBuffer = 1024
+	// mismatchLogEvery rate-limits the log lines of events ignored because
+	// their payload contradicts their subject (R-BUS-11).
+	mismatchLogEvery = 10 * time.Second
 )
 
 // Lease is the value of LeaseKey: who holds the lease, since when, and in
@@ -154,6 +157,9 @@ type Service struct {
 	// recreated consumer starts (R-BUS-9).
 	position atomic.Uint64
 	pub      *bus.Publisher // set by Run before any goroutine uses it
+	// mismatchLogged is when (UnixNano) an event whose payload
+	// contradicts its subject was last logged (R-BUS-11).
+	mismatchLogged atomic.Int64
 
 	// mu guards the leader-only state of every engine: its cached
 	// placement entry and probe schedule. KV writes happen under it so that

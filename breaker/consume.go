@@ -105,18 +105,19 @@ func (s *Service) checkConsumer(ctx context.Context, cons jetstream.Consumer) {
 }
 
 // handle applies one event and settles it: acknowledged once applied (or
-// when it needs nothing), terminated when it is not an event, handed back
-// for a later delivery when the bus write failed.
+// when it needs nothing, or when its payload contradicts its subject:
+// ignored and counted, behaviour.md R-BUS-11), terminated when it is not
+// an event, handed back for a later delivery when the bus write failed.
 func (s *Service) handle(ctx context.Context, msg jetstream.Msg) {
 	var err error
 	subject := msg.Subject()
 	switch {
 	case strings.HasPrefix(subject, failurePrefix):
 		s.metrics.events.WithLabelValues(schemas.KindFailure).Inc()
-		err = s.applyFailure(ctx, msg.Data())
+		err = s.applyFailure(ctx, subject, msg.Data())
 	case strings.HasPrefix(subject, requestPrefix):
 		s.metrics.events.WithLabelValues(schemas.KindRequest).Inc()
-		err = s.applyRequest(ctx, msg.Data())
+		err = s.applyRequest(ctx, subject, msg.Data())
 	}
 	var bad *malformedError
 	if md, merr := msg.Metadata(); merr == nil && (err == nil || errors.As(err, new(*malformedError))) {
@@ -138,6 +139,25 @@ func (s *Service) handle(ctx context.Context, msg jetstream.Msg) {
 	}
 }
 
+// mismatched reports whether an event's payload ids (engineID, routerID)
+// contradict its subject (schemas.EventSubjectMismatch: another router's
+// id, another engine's, a router kind's four-token subject); such an
+// event is ignored, counted in narwhal_breaker_events_ignored_total{reason}
+// and logged at most once per breakerLogEvery (behaviour.md R-BUS-11).
+func (s *Service) mismatched(subject, engineID, routerID string) bool {
+	why := schemas.EventSubjectMismatch(subject, engineID, routerID)
+	if why == "" {
+		return false
+	}
+	s.metrics.eventsIgnored.WithLabelValues(why).Inc()
+	if now := time.Now().UnixNano(); now-s.mismatchLogged.Load() > int64(mismatchLogEvery) {
+		s.mismatchLogged.Store(now)
+		s.log.Warn("breaker ignores an event whose payload contradicts its subject", "subject", subject,
+			"engine_id", engineID, "router_id", routerID, "reason", why)
+	}
+	return true
+}
+
 // malformedError marks an event that can never be applied.
 type malformedError struct{ err error }
 
@@ -148,14 +168,15 @@ func (e *malformedError) Error() string { return "malformed event: " + e.err.Err
 // stored in the engine's placement entry, and at recovery.eject_after the
 // engine is ejected ({eligible:false,state:"ejected"} plus an eligibility
 // event). A crossed-decode failure remembers its producer for the probe
-// (R-BRK-4). Events of engines outside the fleet, of ejected engines and
-// that do not count are acknowledged without effect.
-func (s *Service) applyFailure(ctx context.Context, data []byte) error {
+// (R-BRK-4). Events of engines outside the fleet, of ejected engines,
+// that do not count, and whose payload contradicts subject (R-BUS-11) are
+// acknowledged without effect.
+func (s *Service) applyFailure(ctx context.Context, subject string, data []byte) error {
 	var f schemas.Failure
 	if err := json.Unmarshal(data, &f); err != nil {
 		return &malformedError{err}
 	}
-	if !f.Counts {
+	if s.mismatched(subject, f.EngineID, f.RouterID) || !f.Counts {
 		return nil
 	}
 	s.mu.Lock()
@@ -204,6 +225,9 @@ func (s *Service) applyFailure(ctx context.Context, data []byte) error {
 // requestOutcome is the part of a request-completed event the breaker
 // reads.
 type requestOutcome struct {
+	// RouterID is the publishing router, the subject's last token
+	// (R-BUS-11).
+	RouterID   string `json:"router_id"`
 	Status     int    `json:"status"`
 	ErrorKind  string `json:"error_kind"`
 	ProducerID string `json:"producer_id"`
@@ -216,13 +240,14 @@ type requestOutcome struct {
 // successful request (status 200, no error kind) (R-BRK-1). A consumer
 // that recomputed the prompt instead of loading the KV (kv_recomputed,
 // R-FAIL-8) keeps its streak: the request proves nothing of the pair. An
-// ejected engine keeps its state: only a probe readmits (R-BRK-3).
-func (s *Service) applyRequest(ctx context.Context, data []byte) error {
+// ejected engine keeps its state: only a probe readmits (R-BRK-3). An
+// event whose router_id is not its subject's (R-BUS-11) is ignored.
+func (s *Service) applyRequest(ctx context.Context, subject string, data []byte) error {
 	var r requestOutcome
 	if err := json.Unmarshal(data, &r); err != nil {
 		return &malformedError{err}
 	}
-	if r.Status != 200 || r.ErrorKind != "" {
+	if s.mismatched(subject, "", r.RouterID) || r.Status != 200 || r.ErrorKind != "" {
 		return nil
 	}
 	if err := s.resetStreak(ctx, r.ProducerID); err != nil {

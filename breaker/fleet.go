@@ -298,6 +298,7 @@ func (s *Service) routerReports(ctx context.Context) ([]schemas.RouterReport, er
 		return nil, err
 	}
 	reports, ignored, err := fleet.ReadReports(octx, kv)
-	s.metrics.reportsIgnored.Add(float64(ignored))
+	s.metrics.reportsIgnored.WithLabelValues(reportInvalid).Add(float64(ignored.Invalid))
+	s.metrics.reportsIgnored.WithLabelValues(schemas.MismatchRouterID).Add(float64(ignored.RouterIDMismatch))
 	return reports, err
 }

@@ -84,7 +84,7 @@ func TestDrainWaitsForEveryRouterRFLEET3(t *testing.T) {
 	drain("d1")
 	// Each check of the drains reads the forged report and counts it:
 	// three counted are three checks that left d1 draining.
-	ignored := func() float64 { return testutil.ToFloat64(r.metrics.reportsIgnored) }
+	ignored := func() float64 { return testutil.ToFloat64(r.metrics.reportsIgnored.WithLabelValues(reportInvalid)) }
 	testkit.WaitFor(t, waitBound, "three drain checks", func() bool { return ignored() >= 3 })
 	if e, _ := h.fleetEntry("d1"); e.State != schemas.FleetDraining {
 		t.Fatalf("d1 is %s with a leg in flight, want draining", e.State)

@@ -24,15 +24,21 @@ type metrics struct {
 	// events is narwhal_breaker_events_total{kind}: failure and request
 	// events consumed.
 	events *prometheus.CounterVec
+	// eventsIgnored is narwhal_breaker_events_ignored_total{reason}:
+	// events consumed and not applied because their payload contradicts
+	// their subject (schemas.EventSubjectMismatch reasons, R-BUS-11).
+	eventsIgnored *prometheus.CounterVec
 	// consumerRecreated is narwhal_breaker_consumer_recreated_total: the
 	// durable consumer was found gone and created again (R-BUS-9).
 	consumerRecreated prometheus.Counter
 	// fleetIgnored is narwhal_breaker_fleet_ignored_total: values of
 	// narwhal_fleet that are not a valid entry for their key (R-BUS-9).
 	fleetIgnored prometheus.Counter
-	// reportsIgnored is narwhal_breaker_router_reports_ignored_total:
-	// values of narwhal_routers that are not a valid report for their key.
-	reportsIgnored prometheus.Counter
+	// reportsIgnored is
+	// narwhal_breaker_router_reports_ignored_total{reason}: values of
+	// narwhal_routers that are not a valid report (invalid) or a valid
+	// one under another router's key (router_id_mismatch, R-BUS-11).
+	reportsIgnored *prometheus.CounterVec
 }
 
 // newMetrics builds the collectors and registers them on reg when it is
@@ -60,6 +66,10 @@ func newMetrics(reg prometheus.Registerer, breakerID string) *metrics {
 			Name: "narwhal_breaker_events_total",
 			Help: "Failure and request events the breaker consumed from the bus, by kind.",
 		}, []string{"kind"}),
+		eventsIgnored: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "narwhal_breaker_events_ignored_total",
+			Help: "Failure and request events the breaker consumed and ignored because their payload contradicts their subject, by reason: router_id_mismatch (another router's id, or a router event on a subject without one), engine_id_mismatch, subject (no event subject of its kind).",
+		}, []string{"reason"}),
 		consumerRecreated: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "narwhal_breaker_consumer_recreated_total",
 			Help: "Times the breaker found its durable consumer gone and created it again.",
@@ -68,10 +78,10 @@ func newMetrics(reg prometheus.Registerer, breakerID string) *metrics {
 			Name: "narwhal_breaker_fleet_ignored_total",
 			Help: "Values of the live fleet's bucket the breaker ignored: not a valid fleet entry for their key.",
 		}),
-		reportsIgnored: prometheus.NewCounter(prometheus.CounterOpts{
+		reportsIgnored: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "narwhal_breaker_router_reports_ignored_total",
-			Help: "Routers' in-flight reports the breaker ignored: not a valid report for their key.",
-		}),
+			Help: "Routers' in-flight reports the breaker ignored, by reason: invalid (not a valid report), router_id_mismatch (a report under another router's key).",
+		}, []string{"reason"}),
 	}
 	if reg != nil {
 		leader = promreg.Register(reg, leader)
@@ -79,6 +89,7 @@ func newMetrics(reg prometheus.Registerer, breakerID string) *metrics {
 		m.readmissions = promreg.Register(reg, m.readmissions)
 		m.probes = promreg.Register(reg, m.probes)
 		m.events = promreg.Register(reg, m.events)
+		m.eventsIgnored = promreg.Register(reg, m.eventsIgnored)
 		m.consumerRecreated = promreg.Register(reg, m.consumerRecreated)
 		m.fleetIgnored = promreg.Register(reg, m.fleetIgnored)
 		m.reportsIgnored = promreg.Register(reg, m.reportsIgnored)
@@ -87,8 +98,19 @@ func newMetrics(reg prometheus.Registerer, breakerID string) *metrics {
 	for _, k := range []string{schemas.KindFailure, schemas.KindRequest} {
 		m.events.WithLabelValues(k)
 	}
+	for _, r := range []string{schemas.MismatchRouterID, schemas.MismatchEngineID, schemas.MismatchSubject} {
+		m.eventsIgnored.WithLabelValues(r)
+	}
+	for _, r := range []string{reportInvalid, schemas.MismatchRouterID} {
+		m.reportsIgnored.WithLabelValues(r)
+	}
 	return m
 }
+
+// reportInvalid is the reason of
+// narwhal_breaker_router_reports_ignored_total for a value that is no
+// valid router report.
+const reportInvalid = "invalid"
 
 // ejectedDesc is narwhal_breaker_engine_ejected{engine,phase}.
 var ejectedDesc = prometheus.NewDesc("narwhal_breaker_engine_ejected",

@@ -5,7 +5,9 @@
 // JSON Schemas.
 //
 // Every event goes to stream NARWHAL_EVENTS on subjects
-// narwhal.events.<kind>.<id> (R-BUS-1). The kinds are the rows of
+// narwhal.events.<kind>.<id>, a router's events about an engine on
+// narwhal.events.<kind>.<engine_id>.<router_id> (R-BUS-1, R-BUS-11).
+// The kinds are the rows of
 // schemas.EventKinds, which this package reads for the credentials'
 // permissions (who publishes and subscribes to each kind), the history
 // stream's sources and the publisher's drop counter: a new kind changes
@@ -44,7 +46,7 @@ const (
 	// of its own, so that a flood of request events cannot evict it.
 	HistoryStream = "NARWHAL_HISTORY"
 	// SubjectPrefix starts every event subject:
-	// narwhal.events.<kind>.<engine_id|router_id> (it is
+	// narwhal.events.<kind>.<engine_id|router_id>[.<router_id>] (it is
 	// schemas.EventSubjectPrefix).
 	SubjectPrefix = schemas.EventSubjectPrefix
 )

@@ -316,7 +316,7 @@ func TestOutageBuffersThenDropsWithoutBlocking(t *testing.T) {
 	testkit.WaitFor(t, waitBound, "the reconnect", b.Connected)
 	kept := uint64(sent) - dropped
 	testkit.WaitFor(t, waitBound, "the buffered events", func() bool { return p.Published() == kept })
-	got := bustest.Record(t, b, "narwhal.events.failure.d1", true)
+	got := bustest.Record(t, b, "narwhal.events.failure.d1.>", true)
 	testkit.WaitFor(t, waitBound, "the stored events", func() bool { return got.Len() == int(kept) })
 	if p.Dropped() != dropped {
 		t.Errorf("dropped grew to %d after the reconnect", p.Dropped())
@@ -382,7 +382,7 @@ func TestRestartRepublishesInFlightEvents(t *testing.T) {
 	if v := testkit.GatheredSum(t, reg, "narwhal_bus_connected"); v != 1 {
 		t.Errorf("narwhal_bus_connected = %v after the reconnect", v)
 	}
-	got := bustest.Record(t, b, "narwhal.events.failure.d1", true)
+	got := bustest.Record(t, b, "narwhal.events.failure.d1.>", true)
 	testkit.WaitFor(t, waitBound, "the stored events", func() bool { return got.Len() >= sent })
 	seen := map[string]bool{}
 	for i := range got.Len() {
@@ -665,7 +665,7 @@ func TestHistoryKeepsAllButRequests(t *testing.T) {
 		return true
 	})
 	slices.Sort(subjects)
-	if want := []string{"narwhal.events.eligibility.d1", "narwhal.events.failure.d1"}; !slices.Equal(subjects, want) {
+	if want := []string{"narwhal.events.eligibility.d1", "narwhal.events.failure.d1.router-a"}; !slices.Equal(subjects, want) {
 		t.Errorf("history holds %v, want %v", subjects, want)
 	}
 }

@@ -72,7 +72,7 @@ func TestEveryKindsPublishersPublish(t *testing.T) {
 			if conns[role] == nil {
 				conns[role] = connectAs(t, e, dir, role)
 			}
-			if _, err := conns[role].JetStream().Publish(ctx, k.Subject("kinds-test"), []byte(`{}`)); err != nil {
+			if _, err := conns[role].JetStream().Publish(ctx, k.Subject("kinds-test", "kinds-test"), []byte(`{}`)); err != nil {
 				t.Errorf("%s publishes a %s event: %v (%v)", role, k.Name, err, conns[role].PermissionError())
 			}
 		}

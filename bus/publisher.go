@@ -325,7 +325,7 @@ var eventKinds = schemas.EventKindNames()
 var dropReasons = []string{DropBufferFull, DropExpired, DropInvalid, DropClosed}
 
 // kindOf returns the kind token of an event subject
-// (narwhal.events.<kind>.<id>) when it is a kind of schemas.EventKinds, or
+// (narwhal.events.<kind>.…) when it is a kind of schemas.EventKinds, or
 // "unknown".
 func kindOf(subject string) string {
 	rest, ok := strings.CutPrefix(subject, SubjectPrefix)

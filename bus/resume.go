@@ -94,7 +94,7 @@ func ResumeFrom(mark StreamMark, created time.Time, first, last uint64) Resumpti
 // stream, 1 on a stream made anew. It calls resumed, when set, with that
 // decision before any event of the new consumer (Lost says how many events
 // the stream's retention removed before they could be read). When the
-// filter takes every event (narwhal.events.> or narwhal.events.*.*), a
+// filter takes every event (narwhal.events.>), a
 // jump in stream sequences while it follows is such a loss too (a
 // consumer that fell behind the retention, a deleted message): resumed
 // is then called with Start the first sequence missed and Lost their
@@ -118,7 +118,7 @@ func SubscribeResuming(ctx context.Context, b *Bus, opts SubscribeOptions, fn fu
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	f := &resumingFollower{b: b, opts: opts, filter: filter, fn: fn, resumed: resumed, kick: make(chan int, 1),
-		whole: filter == SubjectPrefix+">" || filter == SubjectPrefix+"*.*"}
+		whole: filter == SubjectPrefix+">"}
 	// Listen before the first consumer exists, so that no change of the
 	// connection is missed.
 	statuses := b.nc.StatusChanged(nats.CONNECTED, nats.DISCONNECTED, nats.RECONNECTING, nats.CLOSED)

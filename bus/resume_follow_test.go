@@ -72,7 +72,7 @@ func TestSubscribeResumingRBUS5(t *testing.T) {
 	publish("before") // not new: not delivered
 
 	var log resumeLog
-	stop, err := bus.SubscribeResuming(context.Background(), follower, bus.SubscribeOptions{Filter: "narwhal.events.failure.*"}, log.event, log.resume)
+	stop, err := bus.SubscribeResuming(context.Background(), follower, bus.SubscribeOptions{Filter: "narwhal.events.failure.>"}, log.event, log.resume)
 	if err != nil {
 		t.Fatal(err)
 	}

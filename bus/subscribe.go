@@ -15,8 +15,9 @@ import (
 // in stream NARWHAL_EVENTS it starts (behaviour.md R-BUS-5).
 type SubscribeOptions struct {
 	// Filter is a subject filter within narwhal.events.>, e.g.
-	// "narwhal.events.failure.*" or "narwhal.events.*.d1"; "" means every
-	// event.
+	// "narwhal.events.failure.>" (both shapes of behaviour.md R-BUS-11:
+	// narwhal.events.<kind>.<id> and a router's
+	// narwhal.events.<kind>.<engine_id>.<router_id>); "" means every event.
 	Filter string
 	// DeliverAll starts at the oldest event the stream still holds.
 	DeliverAll bool
@@ -29,7 +30,7 @@ type SubscribeOptions struct {
 // Subscribe starts an ordered, ephemeral JetStream consumer on stream
 // NARWHAL_EVENTS (behaviour.md R-BUS-5) and calls fn with each message's subject
 // and JSON payload, one message at a time, in stream order. filter is a
-// subject filter within narwhal.events.> (e.g. "narwhal.events.failure.*");
+// subject filter within narwhal.events.> (e.g. "narwhal.events.failure.>");
 // "" means every event. With deliverAll it starts at the oldest stored
 // event, else with the events published after Subscribe returns.
 //

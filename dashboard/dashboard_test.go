@@ -444,3 +444,77 @@ func TestEventsBeforeTheBuckets(t *testing.T) {
 		}
 	}
 }
+
+// TestForgedRouterEventsNotShownRBUS11 feeds a dashboard events whose
+// payload contradicts their subject, published on a plain connection
+// (behaviour.md R-BUS-11): a failure of router rt-1 on rt-2's subject, a
+// failure on an old four-token subject, a request event of rt-1 on rt-2's
+// subject and a quarantine of d1 on p1's subject. None is shown, each is
+// counted in the page's ignored count; the genuine failure is shown.
+func TestForgedRouterEventsNotShownRBUS11(t *testing.T) {
+	admin, viewer := viewerBus(t)
+	put(t, admin, bus.FleetBucket, "p1", fleetEntry("p1", "prefill", schemas.FleetActive))
+	put(t, admin, bus.FleetBucket, "d1", fleetEntry("d1", "decode", schemas.FleetActive))
+	d := New(Options{Bus: viewer})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		d.Run(ctx)
+	}()
+	defer func() {
+		cancel()
+		<-done
+	}()
+	raw := func(subject string, ev schemas.Event) {
+		t.Helper()
+		b, err := json.Marshal(ev)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := bus.ValidateEvent(b); err != nil {
+			t.Fatalf("the forged event is not a valid one: %v", err)
+		}
+		if _, err := admin.JetStream().Publish(testContext(t), subject, b); err != nil {
+			t.Fatal(err)
+		}
+	}
+	failure := func(id string) *schemas.Failure {
+		return &schemas.Failure{Envelope: env(schemas.SchemaFailure, id, "rt-1", "", "d1"),
+			Phase: schemas.PhaseDecode, Kind: "upstream_status", Status: 502, Message: id, Counts: true, Attempt: 1}
+	}
+	raw("narwhal.events.failure.d1.rt-2", failure("forged-router"))
+	raw("narwhal.events.failure.d1", failure("old-shape"))
+	request := &schemas.RequestCompleted{Envelope: env(schemas.SchemaRequest, "rq1", "rt-1", "", ""),
+		Endpoint: schemas.EndpointChat, Model: "m", Status: 502, ErrorKind: "upstream_status", ProducerID: "p1", ConsumerID: "d1", Attempts: 1, DurationSeconds: 1}
+	request.RequestID = "req-rq1"
+	raw("narwhal.events.request.rt-2", request)
+	raw("narwhal.events.quarantine.p1.rt-1", &schemas.Quarantine{Envelope: env(schemas.SchemaQuarantine, "q1", "rt-1", "", "d1"),
+		DurationSeconds: 60, Until: time.Now().Add(time.Minute).UTC(), Reason: "first_token_timeout"})
+	bustest.Publish(t, admin, failure("genuine"))
+
+	var snap Snapshot
+	ready := func() bool {
+		b, _ := d.st.snapshotJSON()
+		snap = Snapshot{}
+		_ = json.Unmarshal(b, &snap)
+		return len(snap.Failures) == 1 && snap.Ignored == 4
+	}
+	if !testkit.Poll(testBound, 10*time.Millisecond, ready) {
+		b, _ := json.MarshalIndent(snap, "", " ")
+		t.Fatalf("want the genuine failure shown and 4 events ignored:\n%s", b)
+	}
+	if f := snap.Failures[0]; f.Message != "genuine" {
+		t.Errorf("failure shown %+v, want the genuine one", f)
+	}
+	for _, r := range snap.Routers {
+		if r.Requests != 0 || r.Errors != 0 {
+			t.Errorf("router %+v: a forged request event was counted", r)
+		}
+	}
+	for _, e := range snap.Engines {
+		if e.QuarantinedUntil != nil {
+			t.Errorf("engine %s shown quarantined by a forged event", e.ID)
+		}
+	}
+}

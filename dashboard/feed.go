@@ -209,6 +209,27 @@ func (s *state) faultValue(key string, value []byte) {
 	})
 }
 
+// eventIDs are the envelope fields an event's subject carries.
+type eventIDs struct {
+	EngineID string `json:"engine_id"`
+	RouterID string `json:"router_id"`
+}
+
+// receiveEvent applies one event of kind received on subject, unless it
+// is not a valid event or its payload contradicts its subject (another
+// router's id, an old four-token subject of a router's kind, another
+// engine: behaviour.md R-BUS-11); those are refused, counted in the
+// page's ignored count and not shown.
+func (s *state) receiveEvent(kind, subject string, payload []byte) {
+	var ids eventIDs
+	if bus.ValidateEvent(payload) != nil || json.Unmarshal(payload, &ids) != nil ||
+		schemas.EventSubjectMismatch(subject, ids.EngineID, ids.RouterID) != "" {
+		s.refuse()
+		return
+	}
+	s.applyEvent(kind, payload)
+}
+
 // follow applies every event of kind from start until ctx ends, setting
 // its consumer up again when it cannot be made; across a reconnect it
 // resumes after the last event it applied (bus.SubscribeResuming), so the
@@ -218,11 +239,7 @@ func follow(ctx context.Context, b *bus.Bus, kind schemas.EventKind, start bus.S
 	warned := false
 	for ctx.Err() == nil {
 		stop, err := bus.SubscribeResuming(ctx, b, start, func(subject string, payload []byte) {
-			if bus.ValidateEvent(payload) != nil {
-				st.refuse()
-				return
-			}
-			st.applyEvent(kind.Name, payload)
+			st.receiveEvent(kind.Name, subject, payload)
 		}, func(r bus.Resumption) {
 			if r.Lost > 0 {
 				log.Warn("dashboard: events lost across a reconnect (removed by the stream's retention)", "kind", kind.Name, "lost", r.Lost)

@@ -21,11 +21,12 @@ func TestSelection(t *testing.T) {
 		sel  Selection
 		want string
 	}{
-		{Selection{}, "narwhal.events.*.*"},
-		{Selection{Kind: "failure"}, "narwhal.events.failure.*"},
-		{Selection{Kind: "failure", Engine: "d1"}, "narwhal.events.failure.d1"},
-		{Selection{Engine: "d1"}, "narwhal.events.*.*"},
-		{Selection{Kind: "request", Engine: "d1"}, "narwhal.events.request.*"},
+		{Selection{}, "narwhal.events.>"},
+		{Selection{Kind: "failure"}, "narwhal.events.failure.>"},
+		{Selection{Kind: "failure", Engine: "d1"}, "narwhal.events.failure.d1.*"},
+		{Selection{Kind: "probe", Engine: "d1"}, "narwhal.events.probe.d1"},
+		{Selection{Engine: "d1"}, "narwhal.events.>"},
+		{Selection{Kind: "request", Engine: "d1"}, "narwhal.events.request.>"},
 	} {
 		if got := c.sel.Filter(); got != c.want {
 			t.Errorf("%+v.Filter() = %q, want %q", c.sel, got, c.want)
@@ -222,7 +223,7 @@ func TestEveryKindHasALine(t *testing.T) {
 func TestSelectionByRouter(t *testing.T) {
 	for _, k := range schemas.EventKinds() {
 		sel := Selection{Kind: k.Name, Engine: "d1"}
-		want := k.Subject("d1")
+		want := k.Subject("d1", "*")
 		if k.ID == schemas.IDRouter {
 			want = k.Filter()
 		}

@@ -29,25 +29,31 @@ type Selection struct {
 	Kind, Engine string
 }
 
-// Filter returns the stream consumer's subject filter,
-// narwhal.events.<kind|*>.<engine|*>, widened to every id when Engine may
-// also match events of a kind whose subject ends in a router id (request
-// events) by their producer or consumer (Keep then decides).
+// Filter returns the stream consumer's subject filter: without a Kind
+// narwhal.events.> (every event, both shapes of behaviour.md R-BUS-11);
+// with a Kind alone narwhal.events.<kind>.>; with an Engine
+// narwhal.events.<kind>.<engine>, or narwhal.events.<kind>.<engine>.* for
+// a router's kind about an engine (its fifth token is the router's id).
+// With an Engine and no Kind, or a kind whose subject ends in a router id
+// (request events, matched by their producer or consumer), it takes every
+// event of the kind and Keep decides.
 func (s Selection) Filter() string {
-	kind, id := s.Kind, s.Engine
-	if kind == "" {
-		kind = "*"
+	switch {
+	case s.Kind == "":
+		return bus.SubjectPrefix + ">"
+	case s.Engine == "" || byRouter(s.Kind):
+		return bus.SubjectPrefix + s.Kind + ".>"
 	}
-	if id == "" || kind == "*" || byRouter(kind) {
-		id = "*"
+	if k, ok := schemas.LookupEventKind(s.Kind); ok && k.Routed() {
+		return k.Subject(s.Engine, "*")
 	}
-	return bus.SubjectPrefix + kind + "." + id
+	return bus.SubjectPrefix + s.Kind + "." + s.Engine
 }
 
 // Keep reports whether an event that passed the consumer's Filter is
-// selected: with an Engine, its subject ends in Engine, or its subject
-// ends in a router id (a request event) and its producer_id or
-// consumer_id is Engine.
+// selected: with an Engine, its subject's token after the kind is Engine,
+// or its subject ends in a router id (a request event) and its
+// producer_id or consumer_id is Engine.
 func (s Selection) Keep(subject string, payload []byte) bool {
 	if s.Engine == "" {
 		return true
@@ -109,8 +115,10 @@ func byRouter(kind string) bool {
 	return ok && k.ID == schemas.IDRouter
 }
 
-// subjectParts splits narwhal.events.<kind>.<id> into kind and id.
+// subjectParts splits narwhal.events.<kind>.<id>[.<router_id>] into kind
+// and id (the token after the kind).
 func subjectParts(subject string) (kind, id string) {
 	kind, id, _ = strings.Cut(strings.TrimPrefix(subject, bus.SubjectPrefix), ".")
+	id, _, _ = strings.Cut(id, ".")
 	return kind, id
 }

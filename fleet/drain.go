@@ -11,25 +11,41 @@ import (
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
+// ReportsIgnored counts the values of narwhal_routers ReadReports
+// ignored, by why.
+type ReportsIgnored struct {
+	// Invalid: not a router report (not schema narwhal.router.v1, R-BUS-9).
+	Invalid int
+	// RouterIDMismatch: a valid report whose router_id is not its key:
+	// one router speaking for another (behaviour.md R-BUS-11).
+	RouterIDMismatch int
+}
+
+// Total is how many values were ignored.
+func (n ReportsIgnored) Total() int { return n.Invalid + n.RouterIDMismatch }
+
 // ReadReports returns every valid router in-flight report of KV bucket
 // narwhal_routers (kv; behaviour.md R-FLEET-3), and how many values it
-// ignored for not being one (not schema narwhal.router.v1, or a
-// router_id that is not the key, R-BUS-9). A router that stopped has no
-// key: the bucket's TTL removed it with its legs. It reads through one
-// watch's first, full delivery, which every credential that reads or
+// ignored for not being one (not schema narwhal.router.v1, R-BUS-9), or
+// for a router_id that is not the key (R-BUS-11). A router that stopped
+// has no key: the bucket's TTL removed it with its legs. It reads through
+// one watch's first, full delivery, which every credential that reads or
 // watches the bucket may do (the breaker's may not get single keys).
-func ReadReports(ctx context.Context, kv jetstream.KeyValue) (reports []schemas.RouterReport, ignored int, err error) {
+func ReadReports(ctx context.Context, kv jetstream.KeyValue) (reports []schemas.RouterReport, ignored ReportsIgnored, err error) {
 	all, err := readAll(ctx, kv)
 	if err != nil {
-		return nil, 0, fmt.Errorf("fleet: read the routers' reports: %w", err)
+		return nil, ReportsIgnored{}, fmt.Errorf("fleet: read the routers' reports: %w", err)
 	}
 	for _, kve := range all {
 		var r schemas.RouterReport
-		if bus.ValidateRouterReport(kve.Value()) != nil || json.Unmarshal(kve.Value(), &r) != nil || r.RouterID != kve.Key() {
-			ignored++
-			continue
+		switch {
+		case bus.ValidateRouterReport(kve.Value()) != nil || json.Unmarshal(kve.Value(), &r) != nil:
+			ignored.Invalid++
+		case r.RouterID != kve.Key():
+			ignored.RouterIDMismatch++
+		default:
+			reports = append(reports, r)
 		}
-		reports = append(reports, r)
 	}
 	return reports, ignored, nil
 }

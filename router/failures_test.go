@@ -70,7 +70,7 @@ func (s *stack) oneFailure(engine, phase, kind string, counts bool) *schemas.Fai
 		s.t.Fatalf("%d failure events, want 1: %+v", len(fs), fs)
 	}
 	f := fs[0]
-	if f.EngineID != engine || f.Phase != phase || f.Kind != kind || f.Counts != counts || f.Subject() != "narwhal.events.failure."+engine {
+	if f.EngineID != engine || f.Phase != phase || f.Kind != kind || f.Counts != counts || f.Subject() != "narwhal.events.failure."+engine+"."+s.rt.id {
 		s.t.Fatalf("failure event %+v, want %s %s %s counts=%v", f, engine, phase, kind, counts)
 	}
 	return f

@@ -3,11 +3,15 @@ package router
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/engines/sim/simtest"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
@@ -160,5 +164,94 @@ func TestEmptyConfigFleetServesTheBucketRFLEET1(t *testing.T) {
 	})
 	if eng, code := s.decodeEngineOf("from the bucket"); code != 200 || eng == "" {
 		t.Fatalf("request: %d on %q", code, eng)
+	}
+}
+
+// TestLeftEnginesLeaveNoSeriesRFLEET5 proves R-FLEET-5's last clause on
+// one router: 20 engines added to the live fleet get their series (faults
+// by phase and kind, recomputes, credential refusals, prefix index blocks,
+// reservations, availability); once they leave — 10 keys deleted, 10
+// purged — /metrics names none of them, and a fault counted for one after
+// it left creates no series again.
+func TestLeftEnginesLeaveNoSeriesRFLEET5(t *testing.T) {
+	s := newStack(t, pd(), func(c *config.Config) { c.Placement.Policy = config.PolicyPrefix })
+	s.waitModels()
+	m := newMeshBus(t)
+	if err := s.rt.JoinMesh(m.B, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	roles := []string{"prefill", "decode", "both"}
+	ids := make([]string, 20)
+	for i := range ids {
+		ids[i] = fmt.Sprintf("gone-%02d", i)
+		m.PutFleet(ids[i], schemas.FleetEntry{EngineID: ids[i], URL: s.cfg.Fleet[0].URL, Role: roles[i%3], State: schemas.FleetActive})
+	}
+	testkit.WaitFor(t, 3*time.Second, "the 20 engines in the fleet", func() bool {
+		for _, id := range ids {
+			if s.rt.FleetIDs()[id] != schemas.FleetActive {
+				return false
+			}
+		}
+		return true
+	})
+	for i, id := range ids {
+		s.rt.metrics.fault(s.rt.inFleet, id, schemas.PhaseDecode, string(engines.KindOverload))
+		s.rt.metrics.recomputed(s.rt.inFleet, ids[(i+1)%len(ids)], id)
+		s.rt.view.RefuseCredentials(s.rt.fleet().Member(id), 401, "test")
+		s.rt.PrefixIndex().Learn(id, []uint64{uint64(i) + 1})
+	}
+	naming := func(id string) int {
+		_, body := s.get("/metrics")
+		n := 0
+		for _, line := range strings.Split(string(body), "\n") {
+			if !strings.HasPrefix(line, "#") && strings.Contains(line, `"`+id+`"`) {
+				n++
+			}
+		}
+		return n
+	}
+	if n := naming("gone-02"); n < 16 {
+		t.Fatalf("/metrics has %d series naming gone-02 while it is in the fleet, want at least 16", n)
+	}
+	kv, err := m.Peer.BindBucket(context.Background(), bus.FleetBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, id := range ids {
+		if i%2 == 0 {
+			err = kv.Delete(context.Background(), id)
+		} else {
+			err = kv.Purge(context.Background(), id)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	testkit.WaitFor(t, 3*time.Second, "the 20 engines gone", func() bool {
+		fl := s.rt.FleetIDs()
+		for _, id := range ids {
+			if _, ok := fl[id]; ok {
+				return false
+			}
+		}
+		return true
+	})
+	s.rt.metrics.fault(s.rt.inFleet, "gone-00", schemas.PhasePrefill, string(engines.KindConnectError))
+	s.rt.metrics.recomputed(s.rt.inFleet, "p1", "gone-01")
+	left := func() []string {
+		_, body := s.get("/metrics")
+		var out []string
+		for _, line := range strings.Split(string(body), "\n") {
+			if !strings.HasPrefix(line, "#") && strings.Contains(line, `"gone-`) {
+				out = append(out, line)
+			}
+		}
+		return out
+	}
+	if !testkit.Poll(3*time.Second, 20*time.Millisecond, func() bool { return len(left()) == 0 }) {
+		t.Fatalf("/metrics still names engines that left:\n%s", strings.Join(left(), "\n"))
+	}
+	if n := naming("p1"); n == 0 {
+		t.Fatal("/metrics names p1 no more: the series of the engines that stayed went too")
 	}
 }

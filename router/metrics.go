@@ -51,6 +51,11 @@ type metrics struct {
 	// keys are the configured API key names (config.NoKeyName on an open
 	// router), for the request counter's initial series.
 	keys atomic.Pointer[[]string]
+	// engineMu orders the counting of an engine's fault or recompute
+	// against the deletion of its series when it leaves the fleet
+	// (forgetEngine, behaviour.md R-FLEET-5): a fault counted after it
+	// left would create its series again. Faults are off the relay's path.
+	engineMu sync.Mutex
 }
 
 // otherModel is the model label of a request for a model no engine of the
@@ -254,6 +259,8 @@ func (m *metrics) series(model string) *modelSeries {
 // its faults for every phase it serves and kind (the mesh view creates
 // those of its credential refusals).
 func (m *metrics) initEngine(e *member) {
+	m.engineMu.Lock()
+	defer m.engineMu.Unlock()
 	for _, p := range []phase{prefillPhase, decodePhase} {
 		if !e.Can(p) {
 			continue
@@ -262,6 +269,41 @@ func (m *metrics) initEngine(e *member) {
 			m.faults.WithLabelValues(e.ID, p.String(), string(k))
 		}
 	}
+}
+
+// fault counts one fault of engine id (narwhal_engine_faults_total) on
+// phase of kind when in reports the engine still in the fleet; one that
+// left had its series deleted, and they stay so (R-FLEET-5).
+func (m *metrics) fault(in func(id string) bool, id, phase, kind string) {
+	m.engineMu.Lock()
+	defer m.engineMu.Unlock()
+	if in(id) {
+		m.faults.WithLabelValues(id, phase, kind).Inc()
+	}
+}
+
+// recomputed counts one recompute of the KV producer handed off to
+// consumer (narwhal_kv_recomputed_total) when in reports both still in
+// the fleet (R-FLEET-5).
+func (m *metrics) recomputed(in func(id string) bool, producer, consumer string) {
+	m.engineMu.Lock()
+	defer m.engineMu.Unlock()
+	if in(producer) && in(consumer) {
+		m.kvRecomputed.WithLabelValues(producer, consumer).Inc()
+	}
+}
+
+// forgetEngine deletes every series labelled with engine id, which left
+// the fleet (behaviour.md R-FLEET-5): its faults, and the recomputes where
+// it was the producer or the consumer. narwhal_reservations and
+// narwhal_engine_available are read from the fleet at scrape time and go
+// with it.
+func (m *metrics) forgetEngine(id string) {
+	m.engineMu.Lock()
+	defer m.engineMu.Unlock()
+	m.faults.DeletePartialMatch(prometheus.Labels{"engine": id})
+	m.kvRecomputed.DeletePartialMatch(prometheus.Labels{"producer": id})
+	m.kvRecomputed.DeletePartialMatch(prometheus.Labels{"consumer": id})
 }
 
 // initKeys records the configured API key names and creates the zero

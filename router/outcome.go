@@ -25,7 +25,7 @@ func (c *call) recordFault(f *engines.Fault) {
 	if !f.EngineFault() {
 		return
 	}
-	rt.metrics.faults.WithLabelValues(f.EngineID, f.Phase, string(f.Kind)).Inc()
+	rt.metrics.fault(rt.inFleet, f.EngineID, f.Phase, string(f.Kind))
 	rt.credentialFault(f)
 	if d := rt.backpressure(f); d > 0 {
 		if m := rt.fleet().Member(f.EngineID); m != nil {

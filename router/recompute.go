@@ -51,7 +51,7 @@ func (c *call) checkRecompute() {
 		return
 	}
 	failPair := rt.cfg.Handoff.OnRecompute == config.OnRecomputeFailPair
-	rt.metrics.kvRecomputed.WithLabelValues(c.producer.ID, c.consumer.ID).Inc()
+	rt.metrics.recomputed(rt.inFleet, c.producer.ID, c.consumer.ID)
 	conn := c.producer.Connector.Name()
 	rt.log.Warn("decode engine recomputed the prompt instead of loading the handed-off KV",
 		"request_id", c.id, "engine_id", c.consumer.ID, "producer_id", c.producer.ID, "connector", conn,
@@ -70,7 +70,7 @@ func (c *call) checkRecompute() {
 		return
 	}
 	const kind = "kv_recomputed"
-	rt.metrics.faults.WithLabelValues(c.consumer.ID, schemas.PhaseDecode, kind).Inc()
+	rt.metrics.fault(rt.inFleet, c.consumer.ID, schemas.PhaseDecode, kind)
 	status := c.status
 	if status < 100 || status > 599 {
 		status = 200

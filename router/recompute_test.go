@@ -83,7 +83,7 @@ func TestRecomputeDetectedRFAIL8(t *testing.T) {
 					r := rs[0]
 					failPair := mode == config.OnRecomputeFailPair
 					if r.EngineID != "d1" || r.ProducerID != "p1" || r.Connector != conn || r.CachedTokens != 0 || r.PromptTokens < minJudgedPrompt ||
-						r.Counts != failPair || r.Subject() != "narwhal.events.kv_recomputed.d1" {
+						r.Counts != failPair || r.Subject() != "narwhal.events.kv_recomputed.d1."+s.rt.id {
 						t.Fatalf("kv_recomputed event %+v", r)
 					}
 					if n := testutil.ToFloat64(s.rt.metrics.kvRecomputed.WithLabelValues("p1", "d1")); n != 1 {

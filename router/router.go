@@ -201,6 +201,7 @@ func New(opts Options) (*Router, error) {
 		KeepsIndex:   placer.policy.weighsPrefix(),
 		ModelRefresh: opts.ModelRefresh,
 		Joined:       func(m *member) { rt.metrics.initEngine(m) },
+		Left:         func(id string) { rt.metrics.forgetEngine(id) },
 		Listed:       func(model string) { rt.metrics.series(model) },
 	})
 	if err != nil {
@@ -405,6 +406,9 @@ func (rt *Router) Reservations() (prefill, decode int64) {
 // fleet returns the fleet as of now: a snapshot that the live fleet's
 // watch replaces whole on a change (R-FLEET-1).
 func (rt *Router) fleet() *fleet { return rt.mesh.Fleet() }
+
+// inFleet reports whether engine id is in the fleet as of now.
+func (rt *Router) inFleet(id string) bool { return rt.fleet().Member(id) != nil }
 
 // SetEligible applies the breaker's verdict for an engine (R-BRK-8). It
 // returns false for an engine not in the fleet.

@@ -86,8 +86,8 @@ type Envelope struct {
 	RouterID string `json:"router_id,omitempty"`
 	// BreakerID names the publishing breaker; empty for router events.
 	BreakerID string `json:"breaker_id,omitempty"`
-	// EngineID is the engine the event is about, the last token of its
-	// subject: the engine that faulted (failure), was quarantined
+	// EngineID is the engine the event is about, the token after the kind
+	// in its subject: the engine that faulted (failure), was quarantined
 	// (quarantine), holds the abandoned KV (handoff: the producer), was
 	// probed (probe), changed eligibility (eligibility) or fleet state
 	// (fleet), or has the chaos fault (chaos). Request events have none
@@ -99,7 +99,9 @@ type Envelope struct {
 }
 
 // Event is implemented by every bus event type. Subject returns the full
-// NATS subject narwhal.events.<kind>.<engine_id|router_id|breaker_id>;
+// NATS subject narwhal.events.<kind>.<engine_id|router_id>, with a fifth
+// token, the router's id, for a router's events about an engine
+// (EventKind.Routed, behaviour.md R-BUS-11);
 // Head returns the envelope so the publisher can fill ID and At.
 type Event interface {
 	Subject() string
@@ -164,7 +166,8 @@ func (e *RequestCompleted) Subject() string {
 }
 
 // Failure is one engine fault seen by a router on one leg of one attempt,
-// on narwhal.events.failure.<engine_id> (schema narwhal.failure.v1). The
+// on narwhal.events.failure.<engine_id>.<router_id> (schema
+// narwhal.failure.v1). The
 // breaker counts it towards ejection when Counts is true (behaviour.md R-BRK-2).
 type Failure struct {
 	Envelope
@@ -198,13 +201,17 @@ type Failure struct {
 	Detail string `json:"detail,omitempty"`
 }
 
-// Subject returns narwhal.events.failure.<engine_id>.
-func (e *Failure) Subject() string { return EventSubjectPrefix + KindFailure + "." + e.EngineID }
+// Subject returns narwhal.events.failure.<engine_id>.<router_id>
+// (behaviour.md R-BUS-11).
+func (e *Failure) Subject() string {
+	return EventSubjectPrefix + KindFailure + "." + e.EngineID + "." + e.RouterID
+}
 
 // Quarantine says a router excluded an engine from its placement for a
-// while after a failed attempt, on narwhal.events.quarantine.<engine_id>
-// (schema narwhal.quarantine.v1, behaviour.md R-QUAR-1). Other routers apply it on
-// arrival.
+// while after a failed attempt, on
+// narwhal.events.quarantine.<engine_id>.<router_id> (schema
+// narwhal.quarantine.v1, behaviour.md R-QUAR-1). Other routers apply it
+// on arrival.
 type Quarantine struct {
 	Envelope
 	// DurationSeconds is how long the engine stays out, in seconds.
@@ -215,8 +222,11 @@ type Quarantine struct {
 	Reason string `json:"reason"`
 }
 
-// Subject returns narwhal.events.quarantine.<engine_id>.
-func (e *Quarantine) Subject() string { return EventSubjectPrefix + KindQuarantine + "." + e.EngineID }
+// Subject returns narwhal.events.quarantine.<engine_id>.<router_id>
+// (behaviour.md R-BUS-11).
+func (e *Quarantine) Subject() string {
+	return EventSubjectPrefix + KindQuarantine + "." + e.EngineID + "." + e.RouterID
+}
 
 // Handoff outcomes.
 const (
@@ -226,8 +236,8 @@ const (
 )
 
 // Handoff reports the fate of one KV handoff, on
-// narwhal.events.handoff.<engine_id> where engine_id is the producer
-// (schema narwhal.handoff.v1, behaviour.md R-OWN-6).
+// narwhal.events.handoff.<engine_id>.<router_id> where engine_id is the
+// producer (schema narwhal.handoff.v1, behaviour.md R-OWN-6).
 type Handoff struct {
 	Envelope
 	// Outcome is "abandoned".
@@ -248,13 +258,17 @@ type Handoff struct {
 	Released bool `json:"released"`
 }
 
-// Subject returns narwhal.events.handoff.<engine_id>.
-func (e *Handoff) Subject() string { return EventSubjectPrefix + KindHandoff + "." + e.EngineID }
+// Subject returns narwhal.events.handoff.<engine_id>.<router_id>
+// (behaviour.md R-BUS-11).
+func (e *Handoff) Subject() string {
+	return EventSubjectPrefix + KindHandoff + "." + e.EngineID + "." + e.RouterID
+}
 
 // KVRecomputed reports a decode engine that recomputed the prompt instead
 // of loading the KV blocks its producer handed off (behaviour.md R-FAIL-8): its
 // usage.prompt_tokens_details.cached_tokens was below half of its
-// usage.prompt_tokens. On narwhal.events.kv_recomputed.<engine_id> where
+// usage.prompt_tokens. On
+// narwhal.events.kv_recomputed.<engine_id>.<router_id> where
 // engine_id is the decode engine (the consumer); schema
 // narwhal.kv_recomputed.v1.
 type KVRecomputed struct {
@@ -275,9 +289,10 @@ type KVRecomputed struct {
 	Counts bool `json:"counts"`
 }
 
-// Subject returns narwhal.events.kv_recomputed.<engine_id>.
+// Subject returns narwhal.events.kv_recomputed.<engine_id>.<router_id>
+// (behaviour.md R-BUS-11).
 func (e *KVRecomputed) Subject() string {
-	return EventSubjectPrefix + KindKVRecomputed + "." + e.EngineID
+	return EventSubjectPrefix + KindKVRecomputed + "." + e.EngineID + "." + e.RouterID
 }
 
 // Probe outcomes, the values of Probe.Outcome (behaviour.md R-BRK-3…5).

@@ -160,7 +160,8 @@ func TestEverySchemaFileIsAnEvent(t *testing.T) {
 
 // TestSamplesValidate proves R-BUS-3: a marshalled event of every type,
 // fully populated or minimal, validates against the schema its "schema"
-// field names, and its subject is narwhal.events.<kind>.<id> (R-BUS-1).
+// field names, and its subject is narwhal.events.<kind>.<id>, followed by
+// .<router_id> for a router's events about an engine (R-BUS-1, R-BUS-11).
 func TestSamplesValidate(t *testing.T) {
 	compiled := compileSchemas(t)
 	for _, s := range samples() {
@@ -180,7 +181,11 @@ func TestSamplesValidate(t *testing.T) {
 			if s.kind == schemas.KindRequest {
 				id = ev.Head().RouterID
 			}
-			if want := "narwhal.events." + s.kind + "." + id; ev.Subject() != want {
+			want := "narwhal.events." + s.kind + "." + id
+			if k, _ := schemas.LookupEventKind(s.kind); k.Routed() {
+				want += "." + ev.Head().RouterID
+			}
+			if ev.Subject() != want {
 				t.Errorf("subject %q, want %q", ev.Subject(), want)
 			}
 		}

@@ -48,8 +48,15 @@ func TestEventKindRows(t *testing.T) {
 		if len(k.Publishers) == 0 || slices.Contains(k.Publishers, "") {
 			t.Errorf("kind %s: publishers %q, want at least one role", k.Name, k.Publishers)
 		}
-		if k.Filter() != "narwhal.events."+k.Name+".*" || k.Subject("x") != "narwhal.events."+k.Name+".x" {
-			t.Errorf("kind %s: filter %q, subject %q", k.Name, k.Filter(), k.Subject("x"))
+		wantSubject := "narwhal.events." + k.Name + ".x"
+		if k.Routed() {
+			wantSubject += ".r"
+		}
+		if k.Filter() != "narwhal.events."+k.Name+".>" || k.Subject("x", "r") != wantSubject {
+			t.Errorf("kind %s: filter %q, subject %q", k.Name, k.Filter(), k.Subject("x", "r"))
+		}
+		if routed := k.ID == schemas.IDEngine && slices.Contains(k.Publishers, schemas.RoleRouter); k.Routed() != routed {
+			t.Errorf("kind %s: Routed() = %v, want %v", k.Name, k.Routed(), routed)
 		}
 		if k.New == nil {
 			t.Errorf("kind %s: no payload type", k.Name)
@@ -72,8 +79,11 @@ func TestEventKindRows(t *testing.T) {
 		default:
 			t.Errorf("kind %s: subject id %q, want %q or %q", k.Name, k.ID, schemas.IDEngine, schemas.IDRouter)
 		}
-		if got := ev.Subject(); got != k.Subject(id) {
-			t.Errorf("kind %s: %v.Subject() = %q, want %q (its row's subject, ending in its %s)", k.Name, rt, got, k.Subject(id), k.ID)
+		if got := ev.Subject(); got != k.Subject(id, h.RouterID) {
+			t.Errorf("kind %s: %v.Subject() = %q, want %q (its row's subject, ending in its %s)", k.Name, rt, got, k.Subject(id, h.RouterID), k.ID)
+		}
+		if why := schemas.EventSubjectMismatch(ev.Subject(), h.EngineID, h.RouterID); why != "" {
+			t.Errorf("kind %s: its own subject %q mismatches its payload: %s", k.Name, ev.Subject(), why)
 		}
 	}
 	if got := schemas.EventKindNames(); len(got) != len(kinds) {
@@ -251,5 +261,37 @@ func TestEveryPublishableKindHasARow(t *testing.T) {
 	}
 	if len(named) == 0 {
 		t.Error("no event subject found in the module: the walk read nothing")
+	}
+}
+
+// TestEventSubjectMismatchRBUS11 proves the check every consumer of
+// router events makes (behaviour.md R-BUS-11): a payload whose router id
+// or engine id is not its subject's, or a router kind's event on a
+// four-token subject (an old or forged shape), is told apart from one
+// that matches, with the reason its consumer counts.
+func TestEventSubjectMismatchRBUS11(t *testing.T) {
+	for _, c := range []struct {
+		subject, engine, router, want string
+	}{
+		{"narwhal.events.failure.e1.r1", "e1", "r1", ""},
+		{"narwhal.events.failure.e1.r2", "e1", "r1", schemas.MismatchRouterID},
+		{"narwhal.events.failure.e1", "e1", "r1", schemas.MismatchRouterID},
+		{"narwhal.events.failure.e1.r1.x", "e1", "r1", schemas.MismatchRouterID},
+		{"narwhal.events.failure.e2.r1", "e1", "r1", schemas.MismatchEngineID},
+		{"narwhal.events.quarantine.e1.r1", "e1", "r1", ""},
+		{"narwhal.events.handoff.e1.", "e1", "", schemas.MismatchRouterID},
+		{"narwhal.events.kv_recomputed.e1.r1", "e1", "r1", ""},
+		{"narwhal.events.request.r1", "", "r1", ""},
+		{"narwhal.events.request.r2", "", "r1", schemas.MismatchRouterID},
+		{"narwhal.events.request.r1.r1", "", "r1", schemas.MismatchSubject},
+		{"narwhal.events.eligibility.e1", "e1", "", ""},
+		{"narwhal.events.eligibility.e2", "e1", "", schemas.MismatchEngineID},
+		{"narwhal.events.eligibility.e1.r1", "e1", "", schemas.MismatchSubject},
+		{"narwhal.events.nothing.e1", "e1", "", schemas.MismatchSubject},
+		{"narwhal.other.failure.e1.r1", "e1", "r1", schemas.MismatchSubject},
+	} {
+		if got := schemas.EventSubjectMismatch(c.subject, c.engine, c.router); got != c.want {
+			t.Errorf("EventSubjectMismatch(%q, %q, %q) = %q, want %q", c.subject, c.engine, c.router, got, c.want)
+		}
 	}
 }

@@ -10,6 +10,7 @@ package bustest
 import (
 	"context"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -89,7 +90,9 @@ func Credentials(t testing.TB) string {
 func CredsFile(dir, role string) string { return filepath.Join(dir, bus.CredsFile(role)) }
 
 // Event is one message of stream NARWHAL_EVENTS as a subscription
-// delivers it: its subject (narwhal.events.<kind>.<id>) and JSON payload.
+// delivers it: its subject (narwhal.events.<kind>.<id>, with a fifth
+// token, the router's id, for a router's events about an engine) and JSON
+// payload.
 type Event struct {
 	Subject string
 	Payload []byte
@@ -147,16 +150,17 @@ func (e *Events) All() []Event {
 	return append([]Event(nil), e.all...)
 }
 
-// Of returns the payloads recorded on narwhal.events.<kind>.<id> (kind
-// one of schemas' Kind values, id the engine's or router's), in stream
-// order.
+// Of returns the payloads recorded on narwhal.events.<kind>.<id> or
+// narwhal.events.<kind>.<id>.<router_id> (kind one of schemas' Kind
+// values, id the engine's or router's: the token after the kind), in
+// stream order.
 func (e *Events) Of(kind, id string) [][]byte {
 	subject := bus.SubjectPrefix + kind + "." + id
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	var out [][]byte
 	for _, ev := range e.all {
-		if ev.Subject == subject {
+		if rest, ok := strings.CutPrefix(ev.Subject, subject); ok && (rest == "" || rest[0] == '.') {
 			out = append(out, ev.Payload)
 		}
 	}

@@ -44,10 +44,11 @@ const (
 // and, after a reconnect, where it resumed (eventview.ResumeNotice: it
 // never skips an event, and counts those the retention removed).
 //
-// --kind keeps one kind. --engine ID keeps the events whose subject ends in
-// ID — the engine id for failure, quarantine, handoff, probe and
-// eligibility events, the router id for request events — and also the
-// request events whose producer_id or consumer_id is ID. --since starts
+// --kind keeps one kind. --engine ID keeps the events whose subject names
+// ID after the kind — the engine id for failure, quarantine, handoff,
+// probe and eligibility events (a router's events then name the router
+// too, behaviour.md R-BUS-11), the router id for request events — and also
+// the request events whose producer_id or consumer_id is ID. --since starts
 // that far back (a duration such as 10m, or an RFC 3339 time; 0 or all: the
 // oldest stored event); without it only new events are shown.
 //
@@ -65,7 +66,7 @@ func runEvents(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		fs.PrintDefaults()
 	}
 	kind := fs.String("kind", "", "only events of `KIND`: "+strings.Join(eventview.Kinds, ", "))
-	engine := fs.String("engine", "", "only events whose subject ends in `ID` (the engine id; the router id for request events), plus request events whose producer or consumer is ID")
+	engine := fs.String("engine", "", "only events whose subject names `ID` after the kind (the engine id; the router id for request events), plus request events whose producer or consumer is ID")
 	since := fs.String("since", "", "start `DUR` ago (e.g. 10m) or at an RFC 3339 time; 0 or all: from the oldest stored event; default: new events only")
 	asJSON := fs.Bool("json", false, "print each event's JSON object exactly as published, one per line")
 	bound := fs.Duration("connect-timeout", defaultEventsConnectBound, "give up when the bus is not reachable within `DUR`")

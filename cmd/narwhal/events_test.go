@@ -79,7 +79,7 @@ func TestEventsJSONExactlyAsPublished(t *testing.T) {
 		want = append(want, string(payload))
 	}
 	c := startEvents(t, "--json", "--since", "all")
-	if !strings.Contains(c.stderr.String(), "following narwhal.events.*.* on nats://127.0.0.1:") {
+	if !strings.Contains(c.stderr.String(), "following narwhal.events.> on nats://127.0.0.1:") {
 		t.Errorf("stderr %q", c.stderr)
 	}
 	live, _ := publishEvent(t, b, bustest.SampleProbe("pr1", "d1"))

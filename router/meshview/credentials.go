@@ -16,12 +16,13 @@ import (
 // "/v1/models"): it is not placeable until its /v1/models accepts them.
 // The log line, at error level, is written once per episode, and each
 // episode counted in narwhal_engine_credentials_refused_total. A nil m
-// (an engine no longer in the fleet) is ignored.
+// (an engine no longer in the fleet) is ignored, and an m that left the
+// fleet is not counted (its series are deleted, R-FLEET-5).
 func (v *View) RefuseCredentials(m *Member, status int, what string) {
 	if m == nil || !m.refused.CompareAndSwap(false, true) {
 		return
 	}
-	v.metrics.refusedCredentials.WithLabelValues(m.ID).Inc()
+	v.metrics.refused(m.ID, func() bool { return v.Fleet().byID[m.ID] != nil })
 	hint := "the engine expects an API key: set fleet[].api_key_env for it"
 	if !m.Credential.IsZero() {
 		hint = "the engine does not accept the key in its fleet[].api_key_env variable"

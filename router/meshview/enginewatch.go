@@ -65,17 +65,20 @@ func (w *engineWatch) drop(id, reason string) {
 }
 
 // checkIndex drops the entries of every engine the index holds blocks
-// for that is not a placeable member of the fleet any more.
+// for that is not a placeable member of the fleet any more, and every
+// engine outside the fleet, so that narwhal_prefix_index_blocks names no
+// engine that left (behaviour.md R-FLEET-5).
 func (w *engineWatch) checkIndex() {
 	fl := w.v.Fleet()
 	type gone struct{ id, reason string }
 	var drop []gone
+	var empty []string
 	w.v.index.Engines(func(id string, blocks int) {
-		if blocks == 0 {
-			return
-		}
 		m := fl.byID[id]
 		switch {
+		case m == nil && blocks == 0:
+			empty = append(empty, id) // nothing to count, but its series goes (R-FLEET-5)
+		case blocks == 0:
 		case m == nil:
 			drop = append(drop, gone{id, indexDropRemoved})
 		case !m.eligible.Load():
@@ -86,6 +89,9 @@ func (w *engineWatch) checkIndex() {
 	})
 	for _, g := range drop {
 		w.drop(g.id, g.reason)
+	}
+	for _, id := range empty {
+		w.v.index.Drop(id)
 	}
 }
 

@@ -142,8 +142,10 @@ func (v *View) applyFleetValue(c livefleet.Change) {
 	v.goFn(func() { v.refreshMember(v.base, m) })
 }
 
-// removeMember takes engine id out of the fleet, if it is in it. Called
-// with fleetMu held.
+// removeMember takes engine id out of the fleet, if it is in it, and
+// deletes its series: the view's, then the owner's (Options.Left;
+// behaviour.md R-FLEET-5); the prefix index's entries of it go at the
+// index's next check. Called with fleetMu held.
 func (v *View) removeMember(id, why string) {
 	cur := v.Fleet()
 	old := cur.byID[id]
@@ -159,6 +161,10 @@ func (v *View) removeMember(id, why string) {
 		}
 	}
 	v.live.Store(next)
+	v.metrics.forgetEngine(id)
+	if v.left != nil {
+		v.left(id)
+	}
 	v.log.Info("engine left the live fleet; no new attempt goes there, running ones finish", "engine_id", id, "why", why, "legs_in_flight", old.Legs())
 }
 

@@ -630,11 +630,18 @@ func cutKey(subject string) (string, bool) {
 // applyQuarantine applies another router's quarantine event (R-QUAR-1):
 // until its "until", but never longer than its duration_s from arrival (a
 // skewed clock cannot stretch it) nor than recovery.max_quarantine_s (a
-// hostile one cannot either, R-BUS-9). Malformed events are ignored.
+// hostile one cannot either, R-BUS-9). Malformed events are ignored; an
+// event whose payload contradicts its subject (another router's id, an old
+// four-token subject, another engine) is ignored and counted in
+// narwhal_quarantine_events_ignored_total (R-BUS-11).
 func (v *View) applyQuarantine(msg *nats.Msg) {
 	var q schemas.Quarantine
 	if err := json.Unmarshal(msg.Data, &q); err != nil || q.EngineID == "" {
 		return
+	}
+	if why := schemas.EventSubjectMismatch(msg.Subject, q.EngineID, q.RouterID); why != "" {
+		v.metrics.quarantineIgnored.WithLabelValues(why).Inc()
+		return // one router speaking for another, or an old shape (R-BUS-11)
 	}
 	if q.RouterID == v.id {
 		return // ours, applied when it was made

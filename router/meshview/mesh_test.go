@@ -290,3 +290,48 @@ func TestTamperedWatchIsReplacedRBUS9(t *testing.T) {
 		})
 	}
 }
+
+// TestQuarantineOfAnotherRoutersIDIgnoredRBUS11 proves R-BUS-11 for the
+// quarantine events other routers apply: a quarantine whose payload
+// names router r1 on router r2's subject, one on an old four-token
+// subject and one whose engine is not its subject's, published on a plain
+// connection, quarantine nothing and are counted in
+// narwhal_quarantine_events_ignored_total{reason}; r2's own quarantine of
+// d2 applies.
+func TestQuarantineOfAnotherRoutersIDIgnoredRBUS11(t *testing.T) {
+	s := newStack(t, pd(), nil)
+	s.waitModels()
+	m := newMeshBus(t)
+	if err := s.v.Join(m.B, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.B.Conn().Flush(); err != nil { // the quarantine subscription is in place
+		t.Fatal(err)
+	}
+	quarantine := func(subject, router, engine string) {
+		t.Helper()
+		b, _ := json.Marshal(schemas.Quarantine{
+			Envelope:        schemas.Envelope{Schema: schemas.SchemaQuarantine, ID: newID(), At: nowUTC(), RouterID: router, EngineID: engine},
+			DurationSeconds: 30, Until: time.Now().Add(30 * time.Second).UTC(), Reason: "first_token_timeout"})
+		if err := m.Peer.Conn().Publish(subject, b); err != nil {
+			t.Fatal(err)
+		}
+	}
+	quarantine("narwhal.events.quarantine.d2.r2", "r1", "d2")
+	quarantine("narwhal.events.quarantine.d2", "r1", "d2")
+	quarantine("narwhal.events.quarantine.p1.r2", "r2", "d2")
+	ignored := func(reason string) float64 {
+		return testkit.GatheredSum(t, s.reg, "narwhal_quarantine_events_ignored_total", "reason", reason)
+	}
+	testkit.WaitFor(t, 5*time.Second, "the forged quarantines counted", func() bool {
+		return ignored(schemas.MismatchRouterID) == 2 && ignored(schemas.MismatchEngineID) == 1
+	})
+	for _, id := range []string{"d2", "p1"} {
+		if s.v.Fleet().Member(id).QuarantinedUntil() > nowNano() {
+			t.Fatalf("a forged quarantine event quarantined %s", id)
+		}
+	}
+	quarantine("narwhal.events.quarantine.d2.r2", "r2", "d2")
+	d2 := s.v.Fleet().Member("d2")
+	testkit.WaitFor(t, 5*time.Second, "r2's own quarantine applied", func() bool { return d2.QuarantinedUntil() > nowNano() })
+}

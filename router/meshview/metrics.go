@@ -1,9 +1,12 @@
 package meshview
 
 import (
+	"sync"
+
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/narwhalmesh/narwhal/prefix"
+	"github.com/narwhalmesh/narwhal/schemas"
 )
 
 // metrics are the view's Prometheus series: what it ignored of the bus,
@@ -16,9 +19,18 @@ type metrics struct {
 	// fleetIgnored is narwhal_fleet_ignored_total{reason}: values of
 	// narwhal_fleet the view did not apply (R-FLEET-1, R-BUS-9).
 	fleetIgnored *prometheus.CounterVec
+	// quarantineIgnored is
+	// narwhal_quarantine_events_ignored_total{reason}: other routers'
+	// quarantine events not applied because their payload contradicts
+	// their subject (schemas.EventSubjectMismatch reasons, R-BUS-11).
+	quarantineIgnored *prometheus.CounterVec
 	// refusedCredentials counts episodes of an engine refusing the
 	// router's credentials (engine label: fleet ids, bounded).
 	refusedCredentials *prometheus.CounterVec
+	// engineMu orders the counting of an engine's refusal against the
+	// deletion of its series when it leaves the fleet (forgetEngine), so
+	// that a refusal seen after it left creates no series again.
+	engineMu sync.Mutex
 }
 
 // placementIgnoredReasons are the values of
@@ -39,6 +51,10 @@ func newMetrics(reg prometheus.Registerer, f func() *Fleet, index *prefix.Index)
 			Name: "narwhal_fleet_ignored_total",
 			Help: "Values of the live fleet's bucket not applied, by reason: invalid (not a valid fleet entry for its key).",
 		}, []string{"reason"}),
+		quarantineIgnored: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "narwhal_quarantine_events_ignored_total",
+			Help: "Quarantine events of other routers not applied because their payload contradicts their subject, by reason: router_id_mismatch (another router's id, or no router id in the subject), engine_id_mismatch.",
+		}, []string{"reason"}),
 		refusedCredentials: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "narwhal_engine_credentials_refused_total",
 			Help: "Times an engine started refusing the router's API key (HTTP 401 or 403), by engine; it is not placeable until it accepts it again.",
@@ -48,14 +64,38 @@ func newMetrics(reg prometheus.Registerer, f func() *Fleet, index *prefix.Index)
 		m.placementIgnored.WithLabelValues(r)
 	}
 	m.fleetIgnored.WithLabelValues(fleetIgnoredInvalid)
-	reg.MustRegister(m.refusedCredentials, m.placementIgnored, m.fleetIgnored, &indexCollector{index: index, f: f})
+	for _, r := range []string{schemas.MismatchRouterID, schemas.MismatchEngineID} {
+		m.quarantineIgnored.WithLabelValues(r)
+	}
+	reg.MustRegister(m.refusedCredentials, m.placementIgnored, m.fleetIgnored, m.quarantineIgnored, &indexCollector{index: index, f: f})
 	return m
 }
 
 // initEngine creates the zero series of engine e's labelled counters:
 // its credential refusals.
 func (m *metrics) initEngine(e *Member) {
+	m.engineMu.Lock()
+	defer m.engineMu.Unlock()
 	m.refusedCredentials.WithLabelValues(e.ID)
+}
+
+// refused counts one credential refusal of engine id when in reports it
+// still in the fleet; one that left has its series deleted (R-FLEET-5).
+func (m *metrics) refused(id string, in func() bool) {
+	m.engineMu.Lock()
+	defer m.engineMu.Unlock()
+	if in() {
+		m.refusedCredentials.WithLabelValues(id).Inc()
+	}
+}
+
+// forgetEngine deletes the series of engine id, which left the fleet
+// (behaviour.md R-FLEET-5); narwhal_prefix_index_blocks goes with the
+// index's entries of it.
+func (m *metrics) forgetEngine(id string) {
+	m.engineMu.Lock()
+	defer m.engineMu.Unlock()
+	m.refusedCredentials.DeleteLabelValues(id)
 }
 
 // indexCollector exports narwhal_prefix_index_blocks{engine}: the block

@@ -2,6 +2,7 @@ package meshview
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -13,6 +14,7 @@ import (
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/internal/promreg"
 	"github.com/narwhalmesh/narwhal/prefix"
+	"github.com/narwhalmesh/narwhal/schemas"
 )
 
 // Tuning of the shared prefix index (behaviour.md R-PLACE-2).
@@ -43,9 +45,12 @@ const (
 	// dropPublishFailed: a batch could not be handed to NATS (the
 	// connection is closed, or its reconnect buffer is full).
 	dropPublishFailed = "publish_failed"
-	// dropInvalid: a batch received from the bus was malformed, or came
-	// on another router's subject than the one it names.
+	// dropInvalid: a batch received from the bus was malformed.
 	dropInvalid = "invalid"
+	// dropRouterMismatch: a valid batch came on another router's subject
+	// than the one it names: one router speaking for another
+	// (behaviour.md R-BUS-11).
+	dropRouterMismatch = schemas.MismatchRouterID
 )
 
 // indexShare is one router's part of the mesh-wide prefix index (behaviour.md
@@ -88,14 +93,14 @@ func newIndexShare(v *View) *indexShare {
 		})),
 		dropped: promreg.Register(v.reg, prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "narwhal_prefix_batches_dropped_total",
-			Help: "Prefix placements not shared, by reason: buffer_full (a placement that did not fit the batch), publish_failed (a batch NATS did not take), invalid (a malformed batch received).",
+			Help: "Prefix placements not shared, by reason: buffer_full (a placement that did not fit the batch), publish_failed (a batch NATS did not take), invalid (a malformed batch received), router_id_mismatch (a batch received on another router's subject than the one it names).",
 		}, []string{"reason"})),
 		ignored: promreg.Register(v.reg, prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "narwhal_prefix_placements_ignored_total",
 			Help: "Placements in other routers' batches not applied: the engine is not a prefill engine of this router's fleet, or not placeable (ejected, draining, drained).",
 		})),
 	}
-	for _, r := range []string{dropBufferFull, dropPublishFailed, dropInvalid} {
+	for _, r := range []string{dropBufferFull, dropPublishFailed, dropInvalid, dropRouterMismatch} {
 		s.dropped.WithLabelValues(r)
 	}
 	s.cur.Reset(v.id)
@@ -164,7 +169,8 @@ func (s *indexShare) flush(nc *nats.Conn) {
 func (s *indexShare) receive(msg *nats.Msg) { s.apply(msg.Subject, msg.Data, false) }
 
 // apply applies one batch received on subject to the index, only when it
-// is a valid batch of the router its subject names (R-BUS-9); a batch of
+// is a valid batch (R-BUS-9) of the router its subject names (R-BUS-11:
+// another is counted as router_id_mismatch); a batch of
 // this router's own id only when own is set (read back when the process
 // starts: a router restarted with the same id made those placements in
 // its previous life, and this index never recorded them). Each placement
@@ -176,14 +182,15 @@ func (s *indexShare) apply(subject string, data []byte, own bool) {
 		return // ours, recorded when it was made
 	}
 	routerID, placements, err := bus.ParsePrefixBatch(data)
+	reason := dropInvalid
 	if err == nil && bus.PrefixSubject(routerID) != subject {
-		err = bus.ErrPrefixBatch
+		reason, err = dropRouterMismatch, fmt.Errorf("%w: names router %q", bus.ErrPrefixBatch, routerID)
 	}
 	if err != nil {
-		s.dropped.WithLabelValues(dropInvalid).Inc()
+		s.dropped.WithLabelValues(reason).Inc()
 		if now := time.Now().UnixNano(); now-s.lastLog.Load() > int64(shareLogEvery) {
 			s.lastLog.Store(now)
-			s.v.log.Warn("prefix placements ignored: invalid batch", "subject", subject, "bytes", len(data), "err", err)
+			s.v.log.Warn("prefix placements ignored", "reason", reason, "subject", subject, "bytes", len(data), "err", err)
 		}
 		return
 	}

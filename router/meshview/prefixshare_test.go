@@ -34,7 +34,8 @@ func TestSharedIndexRefusesHostileBatchesRBUS9(t *testing.T) {
 	_ = nc.Publish(bus.PrefixSubject("evil"), []byte("NWP1 garbage"))
 	reg := s.reg
 	testkit.WaitFor(t, 5*time.Second, "the batches to be judged", func() bool {
-		return testkit.GatheredSum(t, reg, "narwhal_prefix_batches_dropped_total", "reason", "invalid") == 2 &&
+		return testkit.GatheredSum(t, reg, "narwhal_prefix_batches_dropped_total", "reason", "invalid") == 1 &&
+			testkit.GatheredSum(t, reg, "narwhal_prefix_batches_dropped_total", "reason", "router_id_mismatch") == 1 &&
 			testkit.GatheredSum(t, reg, "narwhal_prefix_placements_ignored_total") == 3
 	})
 	for _, id := range []string{"nope", "d1", "p1", "p2"} {
@@ -46,4 +47,50 @@ func TestSharedIndexRefusesHostileBatchesRBUS9(t *testing.T) {
 	batch.Add("p1", []uint64{7, 8})
 	_ = nc.Publish(bus.PrefixSubject("evil"), batch.Bytes())
 	testkit.WaitFor(t, 5*time.Second, "a valid placement to be learned", func() bool { return s.v.PrefixIndex().Blocks("p1") == 2 })
+}
+
+// TestSharedIndexIgnoresAnotherRoutersBatchRBUS11: a valid batch whose
+// payload names router r1 (or this router) on router r2's subject is one
+// router speaking for another (behaviour.md R-BUS-11): none of its
+// placements is learned and it is counted in
+// narwhal_prefix_batches_dropped_total{reason="router_id_mismatch"}, not as
+// invalid; the same placements in r2's own batch are learned.
+func TestSharedIndexIgnoresAnotherRoutersBatchRBUS11(t *testing.T) {
+	s := newStack(t, prefixFleet(), nil)
+	s.waitModels()
+	m := newMeshBus(t)
+	if err := s.v.Join(m.B, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.B.Conn().Flush(); err != nil { // the router's subscription is in place
+		t.Fatal(err)
+	}
+	nc := m.Peer.Conn()
+	var batch bus.PrefixBatch
+	for _, named := range []string{"r1", s.v.id} {
+		batch.Reset(named)
+		batch.Add("p1", []uint64{7, 8})
+		if err := nc.Publish(bus.PrefixSubject("r2"), batch.Bytes()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	reg := s.reg
+	testkit.WaitFor(t, 5*time.Second, "the batches to be judged", func() bool {
+		return testkit.GatheredSum(t, reg, "narwhal_prefix_batches_dropped_total", "reason", "router_id_mismatch") == 2
+	})
+	if n := testkit.GatheredSum(t, reg, "narwhal_prefix_batches_dropped_total", "reason", "invalid"); n != 0 {
+		t.Errorf("%v batches counted invalid, want 0: they are valid batches on another router's subject", n)
+	}
+	if n := s.v.PrefixIndex().Blocks("p1"); n != 0 {
+		t.Fatalf("the index learned %d blocks of p1 from batches on another router's subject", n)
+	}
+	batch.Reset("r2")
+	batch.Add("p1", []uint64{7, 8})
+	if err := nc.Publish(bus.PrefixSubject("r2"), batch.Bytes()); err != nil {
+		t.Fatal(err)
+	}
+	testkit.WaitFor(t, 5*time.Second, "r2's own placement to be learned", func() bool { return s.v.PrefixIndex().Blocks("p1") == 2 })
+	if n := testkit.GatheredSum(t, reg, "narwhal_prefix_batches_dropped_total", "reason", "router_id_mismatch"); n != 2 {
+		t.Errorf("%v batches counted router_id_mismatch after r2's own, want 2", n)
+	}
 }

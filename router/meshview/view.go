@@ -67,6 +67,12 @@ type Options struct {
 	// Joined, when set, is called for each engine that joins the fleet
 	// after New (the owner's per-engine series).
 	Joined func(*Member)
+	// Left, when set, is called with the id of each engine that leaves
+	// the fleet (removed from the live fleet, its key lapsed), once the
+	// fleet no longer holds it: the owner deletes every series labelled
+	// with it (behaviour.md R-FLEET-5). It runs off the request path, with
+	// the fleet's changes held back until it returns.
+	Left func(id string)
 	// Listed, when set, is called with every model an engine lists (the
 	// owner's per-model series).
 	Listed func(model string)
@@ -86,6 +92,7 @@ type View struct {
 	keepsIndex bool
 	refresh    time.Duration
 	joined     func(*Member)
+	left       func(string)
 	listed     func(string)
 	metrics    *metrics
 
@@ -130,6 +137,7 @@ func New(opts Options) (*View, error) {
 		keepsIndex:         opts.KeepsIndex,
 		refresh:            opts.ModelRefresh,
 		joined:             opts.Joined,
+		left:               opts.Left,
 		listed:             opts.Listed,
 		index:              prefix.NewIndex(cfg.Placement.PrefixIndexBlocks),
 		knownEligible:      map[string]bool{},
