@@ -90,8 +90,8 @@ const (
 )
 
 // Admission is the event of an engine that never was active (behaviour.md
-// R-FLEET-5): a registration written as joining, refused, or gone before
-// the breaker's checks made it active, on
+// R-FLEET-5): a registration written as joining, refused, drained or gone
+// before the breaker's checks made it active, on
 // narwhal.events.admission.<engine_id> (schema narwhal.admission.v1),
 // published by the leading breaker. Its kind stays in NARWHAL_EVENTS
 // only, not in the 30-day NARWHAL_HISTORY, so that registrations of ids
@@ -99,7 +99,8 @@ const (
 // changes are FleetChange events.
 type Admission struct {
 	Envelope
-	// State is FleetJoining, AdmissionRefused or FleetGone.
+	// State is FleetJoining, FleetDraining, FleetDrained, AdmissionRefused
+	// or FleetGone.
 	State string `json:"state"`
 	// Previous is the fleet state before, empty for a new engine.
 	Previous string `json:"previous,omitempty"`
