@@ -87,6 +87,8 @@ func registrationsStreamConfig(replicas int) jetstream.StreamConfig {
 		Discard:           jetstream.DiscardOld,
 		Storage:           jetstream.FileStorage,
 		MaxAge:            RegistrationsMaxAge,
+		MaxBytes:          -1, // bounded by one registration of at most MaxRegistrationValue per engine
+		Duplicates:        2 * time.Minute,
 		MaxMsgsPerSubject: 1,
 		MaxMsgSize:        MaxRegistrationValue,
 		AllowRollup:       false,

@@ -379,8 +379,17 @@ func sameStream(have, want jetstream.StreamConfig) bool {
 		have.Discard == want.Discard && have.Storage == want.Storage && have.MaxAge == want.MaxAge &&
 		have.MaxBytes == want.MaxBytes && have.Duplicates == want.Duplicates && have.Replicas == want.Replicas &&
 		have.Description == want.Description &&
-		have.MaxMsgsPerSubject == want.MaxMsgsPerSubject && have.AllowRollup == want.AllowRollup &&
+		unlimited(have.MaxMsgsPerSubject) == unlimited(want.MaxMsgsPerSubject) && have.AllowRollup == want.AllowRollup &&
 		have.DenyDelete == want.DenyDelete && have.DenyPurge == want.DenyPurge
+}
+
+// unlimited returns a stream limit with 0 (unset) as the server stores
+// it, -1.
+func unlimited(v int64) int64 {
+	if v == 0 {
+		return -1
+	}
+	return v
 }
 
 // sameSources reports whether two source lists name the same streams
