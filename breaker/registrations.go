@@ -58,12 +58,18 @@ type seenRegistration struct {
 // whose engine_id is not its subject's, is ignored and counted. The
 // consumer is set up again after it fails.
 func (s *Service) watchRegistrations(ctx context.Context) {
+	warned := false
 	for ctx.Err() == nil {
 		err := s.readRegistrations(ctx)
 		if ctx.Err() != nil {
 			return
 		}
-		s.log.Debug("breaker: registrations' consumer ended; setting it up again", "err", err)
+		if !warned && !errors.Is(err, jetstream.ErrMsgIteratorClosed) {
+			s.log.Warn("breaker: engines' registrations unread; trying again", "stream", bus.RegistrationsStream, "err", err)
+			warned = true
+		} else {
+			s.log.Debug("breaker: registrations' consumer ended; setting it up again", "err", err)
+		}
 		if !pause.For(ctx, setupRetry) {
 			return
 		}
