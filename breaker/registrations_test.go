@@ -104,6 +104,42 @@ func TestForgedSpecNeverReachesPlacementRFLEET5(t *testing.T) {
 		t.Fatalf("after a heartbeat d2 is %s, want active kept", e.State)
 	}
 
+	// A value of d2's key that is not its registration's (a forger's URL,
+	// state active): the next heartbeat, which carries the engine's own
+	// spec, sends it back to joining with its own URL.
+	forged, _ := h.fleetEntry("d2")
+	forged.URL, forged.At = deadURL, time.Now().UTC()
+	fv, _ := json.Marshal(forged)
+	fleetKV, err := h.bus.BindBucket(ctx, bus.FleetBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := fleetKV.Put(ctx, "d2", fv); err != nil {
+		t.Fatal(err)
+	}
+	testkit.WaitFor(t, waitBound, "the breaker saw the forged value", func() bool {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		return r.byID["d2"] != nil && r.byID["d2"].fleetEntry.URL == deadURL
+	})
+	joinings := func() int {
+		n := 0
+		for _, raw := range h.events.Of(schemas.KindFleet, "d2") {
+			var ev schemas.FleetChange
+			if json.Unmarshal(raw, &ev) == nil && ev.State == schemas.FleetJoining {
+				n++
+			}
+		}
+		return n
+	}
+	before := joinings()
+	h.register(schemas.Registration{EngineID: "d2", URL: d2.URL(), Role: "decode"}, "")
+	testkit.WaitFor(t, waitBound, "d2 back to joining with its own URL", func() bool {
+		e, _ := h.fleetEntry("d2")
+		return e.URL == d2.URL() && e.By == "breaker-1" && joinings() > before
+	})
+	testkit.WaitFor(t, waitBound, "d2 active again", func() bool { e, _ := h.fleetEntry("d2"); return e.State == schemas.FleetActive })
+
 	// Another engine's subject: ignored, counted.
 	_, rev = h.fleetEntry("d2")
 	h.register(schemas.Registration{EngineID: "d3", URL: deadURL, Role: "decode"}, "d2")
