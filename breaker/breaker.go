@@ -147,6 +147,17 @@ type Service struct {
 	// fleetLoaded is set once the fleet watch read the whole bucket.
 	fleetLoaded atomic.Bool
 
+	// The engines' registrations (R-FLEET-5), guarded by regMu: the last
+	// valid one of each engine id read from NARWHAL_REGISTRATIONS, the ids
+	// the leader's applier has still to apply (regWake wakes it), the ids
+	// whose refusal was announced, and when a refusal was last logged.
+	regMu         sync.Mutex
+	regs          map[string]seenRegistration
+	regPending    map[string]struct{}
+	regWake       chan struct{}
+	refusedIDs    map[string]struct{}
+	refusedLogged time.Time
+
 	running atomic.Bool
 	leader  atomic.Bool
 	// term is the lease term while leading (the revision at which the
@@ -184,6 +195,7 @@ type engine struct {
 	fleetEntry schemas.FleetEntry // the engine's entry in narwhal_fleet (or its config seed)
 	fleetRev   uint64             // its revision; 0 = from the config file, not read yet
 	fromConfig bool               // listed in the config file: kept while the bucket has no key for it
+	wasActive  bool               // seen active: its fleet changes are fleet events, not admission events (R-FLEET-5)
 }
 
 // New checks opts and returns a Service that is not yet running. It
@@ -211,6 +223,10 @@ func New(opts Options) (*Service, error) {
 		interval:   cfg.Recovery.ReadmitInterval(),
 		ejectAfter: cfg.Recovery.EjectAfter,
 		byID:       make(map[string]*engine, len(cfg.Fleet)),
+		regs:       map[string]seenRegistration{},
+		regPending: map[string]struct{}{},
+		regWake:    make(chan struct{}, 1),
+		refusedIDs: map[string]struct{}{},
 	}
 	if s.log == nil {
 		s.log = slog.Default()
@@ -242,7 +258,7 @@ func New(opts Options) (*Service, error) {
 	}
 	for i, ee := range configured {
 		spec := cfg.Fleet[i]
-		e := &engine{Engine: ee, fleetEntry: spec.FleetEntry(opts.ID, time.Now()), fromConfig: true}
+		e := &engine{Engine: ee, fleetEntry: spec.FleetEntry(opts.ID, time.Now()), fromConfig: true, wasActive: true}
 		s.fleet = append(s.fleet, e)
 		s.byID[spec.ID] = e
 	}
@@ -293,8 +309,10 @@ func (s *Service) Run(ctx context.Context) error {
 	defer s.pub.Close()
 	fctx, fcancel := context.WithCancel(ctx)
 	fdone := make(chan struct{})
+	rdone := make(chan struct{})
 	go func() { defer close(fdone); s.watchFleet(fctx) }()
-	defer func() { fcancel(); <-fdone }()
+	go func() { defer close(rdone); s.watchRegistrations(fctx) }()
+	defer func() { fcancel(); <-fdone; <-rdone }()
 
 	// A standby campaigns ten times per lease TTL, so it takes over within
 	// a tenth of the TTL of the lease lapsing (R-BRK-8).
@@ -461,7 +479,8 @@ func (s *Service) lead(ctx context.Context, lease jetstream.KeyValue, cons jetst
 	}()
 
 	if s.takeOver(lctx) {
-		wg.Add(3)
+		wg.Add(4)
+		go func() { defer wg.Done(); s.applyRegistrations(lctx) }()
 		go func() { defer wg.Done(); s.consume(lctx, cons) }()
 		go func() { defer wg.Done(); s.readmitLoop(lctx) }()
 		go func() { defer wg.Done(); s.drainLoop(lctx) }()

@@ -94,6 +94,9 @@ func (s *Service) applyFleetValue(ctx context.Context, c fleet.Change, live bool
 	entry := c.Entry
 	e := s.byID[key]
 	prev := ""
+	if e != nil && c.Revision < e.fleetRev {
+		return // an older value than the breaker's own write, delivered late
+	}
 	if e != nil && engines.SameSpec(e.fleetEntry, entry) {
 		prev = e.fleetEntry.State
 		e.fleetEntry, e.fleetRev = entry, c.Revision
@@ -102,6 +105,9 @@ func (s *Service) applyFleetValue(ctx context.Context, c fleet.Change, live bool
 			prev = e.fleetEntry.State
 		}
 		ne := &engine{Engine: c.Engine, fleetEntry: entry, fleetRev: c.Revision, backoff: 1, nextProbe: time.Now()}
+		if e != nil {
+			ne.wasActive = e.wasActive
+		}
 		known := s.byID[key] != nil
 		s.replaceEngine(ne)
 		e = ne
@@ -122,8 +128,11 @@ func (s *Service) applyFleetValue(ctx context.Context, c fleet.Change, live bool
 			s.holdJoining(ctx, e)
 		}
 		if live && entry.By != s.id {
-			s.publishFleet(e.ID, entry.State, prev, entry.Reason)
+			s.publishFleet(e, entry.State, prev, entry.Reason)
 		}
+	}
+	if entry.State == schemas.FleetActive {
+		e.wasActive = true
 	}
 }
 
@@ -179,18 +188,26 @@ func (s *Service) removeEngine(id string, live bool) {
 			break
 		}
 	}
+	s.metrics.dropEngine(id)
 	s.log.Info("breaker: engine left the live fleet", "engine_id", id)
 	if live && s.leader.Load() {
-		s.publishFleet(id, schemas.FleetGone, e.fleetEntry.State, "removed from the live fleet")
+		s.publishFleet(e, schemas.FleetGone, e.fleetEntry.State, "removed from the live fleet")
 	}
 }
 
-// publishFleet publishes a fleet event.
-func (s *Service) publishFleet(id, state, prev, reason string) {
-	s.publish(&schemas.FleetChange{
-		Envelope: schemas.Envelope{Schema: schemas.SchemaFleet, ID: nuid.Next(), At: time.Now().UTC(), BreakerID: s.id, EngineID: id},
-		State:    state, Previous: prev, Reason: reason,
-	})
+// publishFleet publishes e's change to state from prev: a fleet event, or
+// — for a registered engine never seen active, moving to any state but
+// active — an admission event, which NARWHAL_HISTORY does not keep
+// (R-FLEET-5).
+func (s *Service) publishFleet(e *engine, state, prev, reason string) {
+	env := schemas.Envelope{ID: nuid.Next(), At: time.Now().UTC(), BreakerID: s.id, EngineID: e.ID}
+	if e.fleetEntry.Source == schemas.SourceRegistration && !e.wasActive && state != schemas.FleetActive {
+		env.Schema = schemas.SchemaAdmission
+		s.publish(&schemas.Admission{Envelope: env, State: state, Previous: prev, Reason: reason})
+		return
+	}
+	env.Schema = schemas.SchemaFleet
+	s.publish(&schemas.FleetChange{Envelope: env, State: state, Previous: prev, Reason: reason})
 }
 
 // setFleetState moves e's fleet entry by step (fleet.Apply: the state
@@ -217,7 +234,10 @@ func (s *Service) setFleetState(ctx context.Context, e *engine, step fleet.Step,
 		return err
 	}
 	e.fleetEntry, e.fleetRev = next, rev
-	s.publishFleet(e.ID, next.State, prev, reason)
+	if next.State == schemas.FleetActive {
+		e.wasActive = true
+	}
+	s.publishFleet(e, next.State, prev, reason)
 	s.log.Info("breaker: fleet state changed", "engine_id", e.ID, "state", next.State, "previous", prev, "reason", reason)
 	return nil
 }

@@ -39,6 +39,10 @@ type metrics struct {
 	// narwhal_routers that are not a valid report (invalid) or a valid
 	// one under another router's key (router_id_mismatch, R-BUS-11).
 	reportsIgnored *prometheus.CounterVec
+	// registrationsRefused is
+	// narwhal_breaker_registrations_refused_total{reason}: registrations
+	// not written to narwhal_fleet (R-FLEET-5), by the Refused* reason.
+	registrationsRefused *prometheus.CounterVec
 }
 
 // newMetrics builds the collectors and registers them on reg when it is
@@ -82,6 +86,10 @@ func newMetrics(reg prometheus.Registerer, breakerID string) *metrics {
 			Name: "narwhal_breaker_router_reports_ignored_total",
 			Help: "Routers' in-flight reports the breaker ignored, by reason: invalid (not a valid report), router_id_mismatch (a report under another router's key).",
 		}, []string{"reason"}),
+		registrationsRefused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "narwhal_breaker_registrations_refused_total",
+			Help: "Engines' registrations the breaker did not write to the live fleet, by reason: max_engines (the fleet is full), taken (the id is the operator's), invalid (not a registration), id_mismatch (its engine_id is not its subject's).",
+		}, []string{"reason"}),
 	}
 	if reg != nil {
 		leader = promreg.Register(reg, leader)
@@ -93,6 +101,10 @@ func newMetrics(reg prometheus.Registerer, breakerID string) *metrics {
 		m.consumerRecreated = promreg.Register(reg, m.consumerRecreated)
 		m.fleetIgnored = promreg.Register(reg, m.fleetIgnored)
 		m.reportsIgnored = promreg.Register(reg, m.reportsIgnored)
+		m.registrationsRefused = promreg.Register(reg, m.registrationsRefused)
+	}
+	for _, r := range refusedReasons {
+		m.registrationsRefused.WithLabelValues(r)
 	}
 	m.leader = leader.WithLabelValues(breakerID)
 	for _, k := range []string{schemas.KindFailure, schemas.KindRequest} {
@@ -157,4 +169,13 @@ func (m *metrics) initEngine(id string) {
 	for _, o := range []string{schemas.ProbeSuccess, schemas.ProbeFailure, schemas.ProbeInconclusive} {
 		m.probes.WithLabelValues(id, o)
 	}
+}
+
+// dropEngine deletes every series labelled with engine id, when it left
+// the fleet (behaviour.md R-FLEET-5: a fleet of changing ids leaves no
+// series behind).
+func (m *metrics) dropEngine(id string) {
+	m.ejections.DeleteLabelValues(id)
+	m.readmissions.DeleteLabelValues(id)
+	m.probes.DeletePartialMatch(prometheus.Labels{"engine": id})
 }

@@ -192,7 +192,8 @@ func viewerDenied() []string {
 //   - breaker: its event kinds; write and
 //     read narwhal_placement, narwhal_breaker and narwhal_fleet (the
 //     states it decides: active after the checks, drained, R-FLEET-2,
-//     R-FLEET-3; watching, not direct gets); watch narwhal_routers; make,
+//     R-FLEET-3; watching, not direct gets); watch narwhal_routers and
+//     stream NARWHAL_REGISTRATIONS (R-FLEET-5); make,
 //     read from and acknowledge
 //     on its durable consumer narwhal-breaker;
 //   - chaos: its event kinds; write and read narwhal_chaos; read
@@ -206,9 +207,9 @@ func viewerDenied() []string {
 //   - admin: everything ("> "), which `narwhal fleet add|drain|undrain|
 //     remove` needs to change the fleet;
 //   - engine: its event kinds (none today); read narwhal_placement (to
-//     connect); write and read narwhal_fleet (its registration,
-//     R-FLEET-4); read narwhal_routers (the drain's reports) — no other
-//     bucket.
+//     connect); publish its registration on narwhal.registrations.*
+//     (R-FLEET-5) and read narwhal_fleet (its entry); read
+//     narwhal_routers (the drain's reports) — it writes no bucket.
 //
 // It returns an error for an unknown role.
 func RolePermissions(role string) (jwt.Permissions, error) {
@@ -229,6 +230,7 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 			bucketRead(PlacementBucket), bucketWrite(PlacementBucket),
 			bucketRead(LeaseBucket), bucketWrite(LeaseBucket),
 			bucketWatch(FleetBucket), bucketWrite(FleetBucket), bucketWatch(RoutersBucket),
+			streamWatch(RegistrationsStream),
 			[]string{
 				jsAPI + "CONSUMER.CREATE." + StreamName + "." + BreakerConsumer,
 				jsAPI + "CONSUMER.CREATE." + StreamName + "." + BreakerConsumer + ".>",
@@ -238,10 +240,13 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 				"$JS.ACK." + StreamName + "." + BreakerConsumer + ".>",
 			})
 	case RoleEngine:
-		// Connecting binds placement (read); a registration writes its
-		// engine's key and reads the routers' reports while it drains.
+		// Connecting binds placement (read); a registration is published
+		// on the registrations' subject (the breaker alone writes the
+		// fleet, R-FLEET-5), reads its engine's key and the routers'
+		// reports while it drains.
 		pub = slices.Concat(common,
-			bucketRead(PlacementBucket), bucketRead(FleetBucket), bucketWrite(FleetBucket), bucketRead(RoutersBucket))
+			bucketRead(PlacementBucket), bucketRead(FleetBucket), bucketRead(RoutersBucket),
+			[]string{jsAPI + "STREAM.INFO." + RegistrationsStream, RegistrationSubjectPrefix + "*"})
 	case RoleChaos:
 		pub = slices.Concat(common,
 			bucketRead(ChaosBucket), bucketWrite(ChaosBucket),

@@ -432,24 +432,36 @@ func TestClusterRoutesNeedTheSecret(t *testing.T) {
 }
 
 // TestEngineRole proves the engine credential's least privilege (R-BUS-8,
-// R-FLEET-4): it writes and reads narwhal_fleet and reads
-// narwhal_routers, and may not write placement, publish an event or write
-// the routers' reports.
+// R-FLEET-5): it publishes registrations into NARWHAL_REGISTRATIONS,
+// reads narwhal_fleet and narwhal_routers, and may not write the fleet or
+// placement, publish an event or write the routers' reports.
 func TestEngineRole(t *testing.T) {
 	e, dir := authServer(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
+	admin := connectAs(t, e, dir, bus.RoleAdmin)
+	adminFleet, err := admin.BindBucket(ctx, bus.FleetBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := adminFleet.Put(ctx, "d7", []byte(`{}`)); err != nil {
+		t.Fatal(err)
+	}
 	engine := connectAs(t, e, dir, bus.RoleEngine)
 	fleet, err := engine.BindBucket(ctx, bus.FleetBucket)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := fleet.Put(ctx, "d7", []byte(`{}`)); err != nil {
-		t.Fatalf("engine writes its fleet key: %v", err)
+	if _, err := engine.JetStream().Publish(ctx, bus.RegistrationSubject("d7"), []byte(`{}`)); err != nil {
+		t.Fatalf("engine publishes its registration: %v (%v)", err, engine.PermissionError())
 	}
 	if en, err := fleet.Get(ctx, "d7"); err != nil || string(en.Value()) != `{}` {
 		t.Fatalf("engine reads its fleet key: %v", err)
 	}
+	denied(t, engine, "engine writes its fleet key", "$KV.narwhal_fleet.d7", func(ctx context.Context) error {
+		_, err := fleet.Put(ctx, "d7", []byte(`{"state":"active"}`))
+		return err
+	})
 	routers, err := engine.BindBucket(ctx, bus.RoutersBucket)
 	if err != nil {
 		t.Fatal(err)

@@ -142,6 +142,10 @@ type ConnectOptions struct {
 	// binds to (e.g. LeaseBucket, FleetBucket): Connect returns only once
 	// each exists, so that a process does not start on half a set-up.
 	Buckets []string
+	// Streams are the streams besides NARWHAL_EVENTS that the process
+	// reads or writes (e.g. RegistrationsStream): Connect returns only
+	// once each exists, as with Buckets.
+	Streams []string
 	// WaitSetUp, when set, makes Connect wait while the stream or a bucket
 	// it binds to does not exist — a bus whose `narwhal bus setup` has not
 	// run yet — instead of returning a *NotSetUpError at once: the process
@@ -357,7 +361,7 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 	var setUp *setUpLog // set once a Connect with WaitSetUp found something missing
 	var lastMissing *NotSetUpError
 	for {
-		err := b.bind(ctx, opts.Buckets)
+		err := b.bind(ctx, opts.Streams, opts.Buckets)
 		if err == nil {
 			if setUp != nil {
 				if log != nil {
@@ -498,14 +502,16 @@ func (b *Bus) PermissionError() error {
 
 // bind binds to the stream and the placement bucket, and checks that each
 // of buckets exists.
-func (b *Bus) bind(ctx context.Context, buckets []string) error {
+func (b *Bus) bind(ctx context.Context, streams, buckets []string) error {
 	ctx, cancel := context.WithTimeout(ctx, bindTimeout)
 	defer cancel()
-	if _, err := b.js.Stream(ctx, StreamName); err != nil {
-		if errors.Is(err, jetstream.ErrStreamNotFound) {
-			return &NotSetUpError{What: "stream", Name: StreamName}
+	for _, name := range append([]string{StreamName}, streams...) {
+		if _, err := b.js.Stream(ctx, name); err != nil {
+			if errors.Is(err, jetstream.ErrStreamNotFound) {
+				return &NotSetUpError{What: "stream", Name: name}
+			}
+			return fmt.Errorf("bus: stream %s: %w", name, err)
 		}
-		return fmt.Errorf("bus: stream %s: %w", StreamName, err)
 	}
 	kv, err := b.BindBucket(ctx, PlacementBucket)
 	if err != nil {

@@ -1,6 +1,16 @@
 package bus
 
-import "time"
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/narwhalmesh/narwhal/schemas"
+)
 
 // Names of the engines' registrations (behaviour.md R-FLEET-4, R-FLEET-5):
 // an engine announces itself on a subject of its own, which only its own
@@ -25,3 +35,65 @@ const (
 // RegistrationSubject returns the subject of engine id's registrations,
 // narwhal.registrations.<id>.
 func RegistrationSubject(id string) string { return RegistrationSubjectPrefix + id }
+
+// MaxRegistrationValue is the largest registration the breaker accepts,
+// in bytes; a larger one is ignored as invalid (R-BUS-9). It is also the
+// stream's largest message.
+const MaxRegistrationValue = 4096
+
+// ErrRegistrationSubject is wrapped by ParseRegistration's error when the
+// payload's engine_id is not the subject's last token: one engine
+// speaking for another (R-FLEET-5).
+var ErrRegistrationSubject = errors.New("engine_id is not the subject's engine id")
+
+// ParseRegistration returns the registration payload holds for subject
+// (narwhal.registrations.<engine_id>), or why it is not one: larger than
+// MaxRegistrationValue, not schema-valid (narwhal.registration.v1), or
+// its engine_id is not the subject's (an error wrapping
+// ErrRegistrationSubject). The breaker judges every registration with it
+// (behaviour.md R-FLEET-5, R-BUS-9).
+func ParseRegistration(subject string, payload []byte) (schemas.Registration, error) {
+	var r schemas.Registration
+	id, ok := strings.CutPrefix(subject, RegistrationSubjectPrefix)
+	if !ok || id == "" || strings.Contains(id, ".") {
+		return r, fmt.Errorf("subject %q is not a registration subject", subject)
+	}
+	if len(payload) > MaxRegistrationValue {
+		return r, fmt.Errorf("registration larger than %d bytes", MaxRegistrationValue)
+	}
+	if err := validateValue(schemas.SchemaRegistration, "registration", payload); err != nil {
+		return r, err
+	}
+	if err := json.Unmarshal(payload, &r); err != nil {
+		return r, err
+	}
+	if r.EngineID != id {
+		return r, fmt.Errorf("registration of %s on the subject of %s: %w", r.EngineID, id, ErrRegistrationSubject)
+	}
+	return r, nil
+}
+
+// registrationsStreamConfig is stream NARWHAL_REGISTRATIONS as Setup
+// creates it: the last registration of each engine, for
+// RegistrationsMaxAge; no rollup, no purge and no message delete, so
+// that no credential but the admin's removes a registration, and no
+// per-message TTL (R-FLEET-5, R-BUS-7).
+func registrationsStreamConfig(replicas int) jetstream.StreamConfig {
+	return jetstream.StreamConfig{
+		Name:              RegistrationsStream,
+		Description:       "Narwhal registrations: each engine's last announcement of itself, read by the breaker",
+		Subjects:          []string{RegistrationSubjectPrefix + "*"},
+		Retention:         jetstream.LimitsPolicy,
+		Discard:           jetstream.DiscardOld,
+		Storage:           jetstream.FileStorage,
+		MaxAge:            RegistrationsMaxAge,
+		MaxBytes:          -1, // bounded by one registration of at most MaxRegistrationValue per engine
+		Duplicates:        2 * time.Minute,
+		MaxMsgsPerSubject: 1,
+		MaxMsgSize:        MaxRegistrationValue,
+		AllowRollup:       false,
+		DenyDelete:        true,
+		DenyPurge:         true,
+		Replicas:          replicas,
+	}
+}

@@ -214,8 +214,9 @@ func bucketConfigs(replicas int, leaseTTL time.Duration) []jetstream.KeyValueCon
 	}
 }
 
-// Setup creates streams NARWHAL_EVENTS, NARWHAL_HISTORY and NARWHAL_PREFIX
-// (the routers' prefix placements) and buckets narwhal_placement,
+// Setup creates streams NARWHAL_EVENTS, NARWHAL_HISTORY, NARWHAL_PREFIX
+// (the routers' prefix placements) and NARWHAL_REGISTRATIONS (the
+// engines' registrations, R-FLEET-5) and buckets narwhal_placement,
 // narwhal_breaker, narwhal_fleet, narwhal_routers, narwhal_schemas and
 // narwhal_chaos on js, or updates those whose settings
 // differ from Narwhal's — never deleting or recreating any (R-BUS-7), and
@@ -273,6 +274,9 @@ func (b *Bus) setupOnce(ctx context.Context, stream jetstream.StreamConfig, buck
 		return err
 	}
 	if err := ensureStream(ctx, b.js, prefixStreamConfig(stream.Replicas), log); err != nil {
+		return err
+	}
+	if err := ensureStream(ctx, b.js, registrationsStreamConfig(stream.Replicas), log); err != nil {
 		return err
 	}
 	for _, want := range buckets {
@@ -374,7 +378,18 @@ func sameStream(have, want jetstream.StreamConfig) bool {
 		have.MaxMsgSize == want.MaxMsgSize && have.Retention == want.Retention &&
 		have.Discard == want.Discard && have.Storage == want.Storage && have.MaxAge == want.MaxAge &&
 		have.MaxBytes == want.MaxBytes && have.Duplicates == want.Duplicates && have.Replicas == want.Replicas &&
-		have.Description == want.Description
+		have.Description == want.Description &&
+		unlimited(have.MaxMsgsPerSubject) == unlimited(want.MaxMsgsPerSubject) && have.AllowRollup == want.AllowRollup &&
+		have.DenyDelete == want.DenyDelete && have.DenyPurge == want.DenyPurge
+}
+
+// unlimited returns a stream limit with 0 (unset) as the server stores
+// it, -1.
+func unlimited(v int64) int64 {
+	if v == 0 {
+		return -1
+	}
+	return v
 }
 
 // sameSources reports whether two source lists name the same streams
@@ -457,13 +472,14 @@ func (b *Bus) BindBucket(ctx context.Context, name string) (jetstream.KeyValue, 
 var errCreateRace = errors.New("created meanwhile by another admin")
 
 // Replicas returns the replica count of streams NARWHAL_EVENTS,
-// NARWHAL_HISTORY and NARWHAL_PREFIX and of each of Narwhal's buckets as they are on the server, keyed by the stream's or
+// NARWHAL_HISTORY, NARWHAL_PREFIX and NARWHAL_REGISTRATIONS and of each of Narwhal's buckets as they are on the server, keyed by the stream's or
 // bucket's name (e.g. "NARWHAL_EVENTS", "narwhal_placement"); a missing
 // one is absent. It reads only (R-BUS-8) and returns the server's error
 // for anything but a missing stream or bucket.
 func (b *Bus) Replicas(ctx context.Context) (map[string]int, error) {
 	out := map[string]int{}
-	names := map[string]string{StreamName: StreamName, HistoryStream: HistoryStream, PrefixStream: PrefixStream}
+	names := map[string]string{StreamName: StreamName, HistoryStream: HistoryStream, PrefixStream: PrefixStream,
+		RegistrationsStream: RegistrationsStream}
 	for _, kv := range bucketConfigs(1, DefaultLeaseTTL) {
 		names["KV_"+kv.Bucket] = kv.Bucket
 	}

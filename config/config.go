@@ -293,6 +293,10 @@ type Membership struct {
 	// to report no leg in flight on it before the breaker declares it
 	// drained anyway (R-FLEET-3). Seconds, > 0.
 	DrainTimeoutS float64 `yaml:"drain_timeout_s" env:"DRAIN_TIMEOUT_S"`
+	// MaxEngines bounds the live fleet (R-FLEET-5): the leading breaker
+	// refuses the registration of a new engine id while narwhal_fleet
+	// holds this many engines. > 0.
+	MaxEngines int `yaml:"max_engines" env:"MAX_ENGINES"`
 }
 
 // RegistrationTTL returns RegistrationTTLS as a Duration (R-FLEET-4).
@@ -302,12 +306,15 @@ func (m Membership) RegistrationTTL() time.Duration { return Seconds(m.Registrat
 func (m Membership) DrainTimeout() time.Duration { return Seconds(m.DrainTimeoutS) }
 
 // defaultMembership returns the membership section of Default.
-func defaultMembership() Membership { return Membership{RegistrationTTLS: 15, DrainTimeoutS: 600} }
+func defaultMembership() Membership {
+	return Membership{RegistrationTTLS: 15, DrainTimeoutS: 600, MaxEngines: 1024}
+}
 
 // validate checks the live fleet's timers: finite and > 0.
 func (m Membership) validate(p problems) {
 	p.positive("registration_ttl_s", m.RegistrationTTLS)
 	p.positive("drain_timeout_s", m.DrainTimeoutS)
+	p.positiveInt("max_engines", m.MaxEngines)
 }
 
 // Placement policies, the values of Placement.Policy (behaviour.md R-PLACE-2).

@@ -278,6 +278,17 @@ func appendDetails(b []byte, kind string, payload []byte) (_ []byte, ok bool) {
 		b = append(b, " age="...)
 		b = appendSeconds(b, e.AgeSeconds)
 		b = appendSource(b, e.Envelope, 0)
+	case *schemas.Admission:
+		b = append(b, e.State...)
+		if e.Previous != "" {
+			b = append(b, " previous="...)
+			b = append(b, e.Previous...)
+		}
+		if e.Reason != "" {
+			b = append(b, ' ')
+			b = strconv.AppendQuote(b, e.Reason)
+		}
+		b = appendSource(b, e.Envelope, 0)
 	case *schemas.FleetChange:
 		b = append(b, e.State...)
 		if e.Previous != "" {

@@ -6,8 +6,9 @@
 // drained, and the legal transitions as one table), the one watch loop
 // of the bucket (Watch: a full snapshot, then every change, set up again
 // after it ends) and the rule that says when a drain is over
-// (DrainDone). `narwhal fleet`, `narwhal agent` (through package
-// membership) and the breaker write the fleet only through it.
+// (DrainDone). `narwhal fleet` and the breaker — which applies the
+// engines' registrations (behaviour.md R-FLEET-5) — write the fleet only
+// through it; package membership reads it.
 package fleet
 
 import (

@@ -1,14 +1,21 @@
 // Package membership keeps an engine in the live fleet by its own
-// announcement: a registration in KV bucket narwhal_fleet that carries a
-// TTL and lasts only while a heartbeat renews it (behaviour.md R-FLEET-4). `narwhal
-// sim --register` and `narwhal agent` use it; docs/fleet.md describes it.
+// announcement: a registration published on the engine's own subject,
+// narwhal.registrations.<engine_id> of stream NARWHAL_REGISTRATIONS,
+// at once and every TTL/3 (a heartbeat). The engine asks; the leading
+// breaker alone writes the fleet (behaviour.md R-FLEET-4, R-FLEET-5):
+// it writes the engine's key in narwhal_fleet with the registration's
+// TTL, renews it on each heartbeat, and sends an engine whose spec
+// changed back through its checks. `narwhal sim --register` and `narwhal
+// agent` use it; docs/fleet.md describes it.
 package membership
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
+	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -22,17 +29,19 @@ import (
 // ErrTaken is returned by Register when the engine id is in the fleet
 // already with an entry the fleet's operator made (seeded from a config
 // file or added with `narwhal fleet add`): a registration never takes it
-// over.
+// over (the breaker refuses it too).
 var ErrTaken = errors.New("the engine id is in the fleet already, not as a registration")
 
-// Registration is one engine's registration in KV bucket narwhal_fleet
-// (behaviour.md R-FLEET-4): its key carries a TTL of TTL, and Run renews it every
-// TTL/3 (a heartbeat), keeping the state the breaker or an operator gave
-// it; a process that stops heartbeating — killed, partitioned — leaves
-// the fleet when the TTL lapses (the bucket removes the key and every
-// router takes the engine out of placement, R-FLEET-1). Its methods are
-// not safe for concurrent use, except that Drain and Leave may be called
-// while Run runs.
+// Registration is one engine's registration (behaviour.md R-FLEET-4,
+// R-FLEET-5): Run publishes it every TTL/3 with the engine's own spec
+// and the state it asks for (joining; draining once Drain was called);
+// the leading breaker writes the engine's key of narwhal_fleet with a
+// TTL of TTL and renews it on each heartbeat it reads, so a process that
+// stops heartbeating — killed, partitioned — leaves the fleet when the
+// TTL lapses, even with no breaker running (the bucket removes the key
+// and every router takes the engine out of placement, R-FLEET-1). Its
+// methods are not safe for concurrent use, except that Drain and Leave
+// may be called while Run runs.
 type Registration struct {
 	spec  config.EngineSpec
 	ttl   time.Duration
@@ -41,20 +50,24 @@ type Registration struct {
 	js    jetstream.JetStream
 	store *fleet.Store
 
-	draining chan struct{} // closed by Drain: Run then writes state draining
+	mu    sync.Mutex
+	asked string        // the state asked for: schemas.AskJoining, then AskDraining or AskLeaving
+	wakeC chan struct{} // a change of asked: Run publishes at once
 }
 
 // Register announces spec — the engine as a config file's fleet entry
 // would describe it; its APIKey is not used, only the name APIKeyEnv
-// goes on the bus — in bucket narwhal_fleet of b with a TTL of ttl
-// (membership.registration_ttl_s) in state joining — the breaker checks
-// it as readmission does before any router places on it (R-FLEET-2) —
-// written by by (e.g. "agent-d3"). An earlier registration of the same id
-// (a restart) is replaced. It returns ErrTaken when the id belongs to an
-// entry seeded from a config file or added by a command, and the bus's
-// error when the bucket is missing or the write is refused. The caller
-// has checked spec (today `narwhal agent`'s and `narwhal sim`'s flag
-// checks).
+// goes on the bus — on the bus b with a TTL of ttl
+// (membership.registration_ttl_s), asking for state joining: the
+// leading breaker writes it into narwhal_fleet as joining and checks it
+// as readmission does before any router places on it (R-FLEET-2),
+// published by by (e.g. "agent-d3"). An earlier registration of the same
+// id (a restart) is replaced. It returns ErrTaken when the id belongs to
+// an entry seeded from a config file or added by a command, a
+// *bus.NotSetUpError when the fleet bucket or stream
+// NARWHAL_REGISTRATIONS is missing, and the bus's error when the publish
+// is refused. The caller has checked spec (today `narwhal agent`'s and
+// `narwhal sim`'s flag checks).
 func Register(ctx context.Context, b *bus.Bus, spec config.EngineSpec, ttl time.Duration, by string, log *slog.Logger) (*Registration, error) {
 	if ttl <= 0 {
 		return nil, fmt.Errorf("membership: registration TTL %v: must be > 0", ttl)
@@ -66,141 +79,107 @@ func Register(ctx context.Context, b *bus.Bus, spec config.EngineSpec, ttl time.
 	if err != nil {
 		return nil, err
 	}
-	r := &Registration{spec: spec, ttl: ttl, by: by, log: log, js: b.JetStream(), store: store, draining: make(chan struct{})}
-	cur, rev, err := r.current(ctx)
+	r := &Registration{spec: spec, ttl: ttl, by: by, log: log, js: b.JetStream(), store: store,
+		asked: schemas.AskJoining, wakeC: make(chan struct{}, 1)}
+	cur, err := r.current(ctx)
 	if err != nil {
 		return nil, err
 	}
 	if cur != nil && cur.Source != schemas.SourceRegistration {
 		return nil, fmt.Errorf("membership: engine %s (source %s): %w", spec.ID, cur.Source, ErrTaken)
 	}
-	if err := r.write(ctx, r.entry("registered by "+by), rev, cur != nil); err != nil {
+	if err := r.publish(ctx, schemas.AskJoining); err != nil {
 		return nil, err
 	}
-	log.Info("engine registered in the live fleet", "engine_id", spec.ID, "url", spec.URL, "role", spec.Role, "ttl", ttl)
+	log.Info("engine registered: the breaker admits it to the live fleet", "engine_id", spec.ID, "url", spec.URL, "role", spec.Role, "ttl", ttl)
 	return r, nil
 }
 
-// entry returns the registration's fleet entry in state joining, now.
-func (r *Registration) entry(reason string) schemas.FleetEntry {
-	e := fleet.NewJoining(r.spec, schemas.SourceRegistration, r.by, reason, time.Now())
-	e.TTLS = r.ttl.Seconds()
-	return e
-}
-
-// current returns the engine's entry in the bucket and its revision; nil
-// (and revision 0) when the key is absent or deleted. A value that is no
-// valid entry counts as absent (with its revision).
-func (r *Registration) current(ctx context.Context) (*schemas.FleetEntry, uint64, error) {
-	e, rev, err := r.store.Get(ctx, r.spec.ID)
-	var invalid *fleet.InvalidError
-	switch {
-	case errors.Is(err, fleet.ErrNotInFleet):
-		return nil, 0, nil
-	case errors.As(err, &invalid):
-		return nil, invalid.Revision, nil
-	case err != nil:
-		return nil, 0, err
+// Value returns the registration Run publishes now, asking for state.
+func (r *Registration) Value(state string) schemas.Registration {
+	s := r.spec
+	return schemas.Registration{
+		Schema: schemas.SchemaRegistration, EngineID: s.ID, URL: s.URL, Role: string(s.Role), Connector: s.Connector,
+		PrefillSlots: s.PrefillSlots, DecodeSlots: s.DecodeSlots, BootstrapPort: s.BootstrapPort, APIKeyEnv: s.APIKeyEnv,
+		State: state, TTLS: r.ttl.Seconds(), At: time.Now().UTC(), By: r.by,
 	}
-	return &e, rev, nil
 }
 
-// write puts entry under the engine's key with the registration's TTL;
-// when exists, only if the key's revision is still rev (so that a state
-// the breaker wrote meanwhile is not overwritten).
-func (r *Registration) write(ctx context.Context, entry schemas.FleetEntry, rev uint64, exists bool) error {
-	var err error
-	if exists || rev > 0 {
-		_, err = r.store.Update(ctx, entry, rev, r.ttl)
-	} else {
-		_, err = r.store.Put(ctx, entry, r.ttl)
-	}
-	return err
-}
-
-// heartbeat renews the registration once: it rewrites the engine's
-// current entry — the state, since and reason the breaker or an operator
-// gave it kept; state draining once Drain was called — with a fresh TTL.
-// A key that is gone (the TTL lapsed during a bus outage, or an operator
-// removed it) is registered anew in state joining, unless draining.
-func (r *Registration) heartbeat(ctx context.Context) error {
-	cur, rev, err := r.current(ctx)
+// publish publishes the registration asking for state on the engine's
+// own subject, waiting for the stream's acknowledgement.
+func (r *Registration) publish(ctx context.Context, state string) error {
+	data, err := json.Marshal(r.Value(state))
 	if err != nil {
 		return err
 	}
-	draining := r.isDraining()
-	var next schemas.FleetEntry
-	switch {
-	case cur == nil && draining:
-		return nil // gone while draining: nothing to keep
-	case cur == nil:
-		r.log.Warn("registration was gone from the live fleet; registering again", "engine_id", r.spec.ID)
-		next = r.entry("registered again by " + r.by)
-	case cur.Source != schemas.SourceRegistration:
-		return fmt.Errorf("membership: engine %s (source %s): %w", r.spec.ID, cur.Source, ErrTaken)
-	default:
-		next = *cur
-		next.At, next.By, next.TTLS = time.Now().UTC(), r.by, r.ttl.Seconds()
-		if draining {
-			// From joining or active; an engine draining or drained
-			// already keeps its state (fleet.Next refuses the step).
-			if drained, err := fleet.Apply(next, fleet.Drain, r.by, "the engine is stopping: drained by "+r.by, next.At); err == nil {
-				next = drained
-			}
+	if _, err := r.js.Publish(ctx, bus.RegistrationSubject(r.spec.ID), data); err != nil {
+		if errors.Is(err, jetstream.ErrNoStreamResponse) {
+			return fmt.Errorf("membership: engine %s: %w (%w)", r.spec.ID, &bus.NotSetUpError{What: "stream", Name: bus.RegistrationsStream}, err)
 		}
+		return fmt.Errorf("membership: engine %s: publish its registration: %w", r.spec.ID, err)
 	}
-	return r.write(ctx, next, rev, cur != nil || rev > 0)
+	return nil
 }
 
-func (r *Registration) isDraining() bool {
+// current returns the engine's entry in the fleet bucket; nil when the
+// key is absent or deleted, or holds no valid entry.
+func (r *Registration) current(ctx context.Context) (*schemas.FleetEntry, error) {
+	e, _, err := r.store.Get(ctx, r.spec.ID)
+	var invalid *fleet.InvalidError
+	switch {
+	case errors.Is(err, fleet.ErrNotInFleet), errors.As(err, &invalid):
+		return nil, nil
+	case err != nil:
+		return nil, err
+	}
+	return &e, nil
+}
+
+// ask sets the state asked for and wakes Run.
+func (r *Registration) ask(state string) {
+	r.mu.Lock()
+	r.asked = state
+	r.mu.Unlock()
 	select {
-	case <-r.draining:
-		return true
+	case r.wakeC <- struct{}{}:
 	default:
-		return false
 	}
 }
 
-// Run renews the registration every TTL/3 until ctx ends, retrying a
-// failed renewal (a revision race with the breaker, a bus hiccup) after a
-// tenth of the TTL; it logs a failure once per episode. It also watches
-// the key and renews it at once after another process's write (the
-// breaker's, `narwhal fleet drain`'s), so that the latest value carries
-// the TTL whoever wrote it. It returns nil when ctx ends; the key then
-// lapses after the TTL unless Leave removes it first.
+// askedState returns the state asked for.
+func (r *Registration) askedState() string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.asked
+}
+
+// Run publishes the registration every TTL/3 until ctx ends — with the
+// engine's own spec every time, so that the breaker's renewal of its
+// key never carries another writer's URL (R-FLEET-5) — and at once when
+// Drain changes the state asked for; a failed publish (a bus hiccup) is
+// retried after a tenth of the TTL and logged once per episode. It
+// returns nil when ctx ends; the key then lapses after the TTL unless
+// Leave asks for its removal first.
 func (r *Registration) Run(ctx context.Context) error {
 	every, retry := r.ttl/3, r.ttl/10
 	wait := every
 	failing := false
-	wctx, stopWatch := context.WithCancel(ctx)
-	defer stopWatch()
-	writes, err := r.store.Writes(wctx, r.spec.ID)
-	if err != nil {
-		writes = nil
-	}
 	for {
 		t := time.NewTimer(wait)
 		select {
 		case <-ctx.Done():
 			t.Stop()
 			return nil
-		case <-r.wake():
+		case <-r.wakeC:
 			t.Stop()
-		case c, ok := <-writes:
-			t.Stop()
-			if !ok {
-				writes = nil
-				wait = 0
-				continue
-			}
-			if c.Deleted || c.By == r.by {
-				wait = every
-				continue // a removal, or its own heartbeat
-			}
 		case <-t.C:
 		}
-		hctx, cancel := context.WithTimeout(ctx, every)
-		err := r.heartbeat(hctx)
+		state := r.askedState()
+		if state == schemas.AskLeaving {
+			return nil
+		}
+		pctx, cancel := context.WithTimeout(ctx, every)
+		err := r.publish(pctx, state)
 		cancel()
 		switch {
 		case err != nil && ctx.Err() != nil:
@@ -221,27 +200,18 @@ func (r *Registration) Run(ctx context.Context) error {
 	}
 }
 
-// wake returns the channel that wakes Run for an immediate heartbeat:
-// Drain's, once, so the draining state is written at once.
-func (r *Registration) wake() <-chan struct{} {
-	if r.isDraining() {
-		return nil
-	}
-	return r.draining
-}
-
-// Drain asks for the engine to be drained (behaviour.md R-FLEET-3): it writes
-// state draining at once (Run keeps it so) and waits until no router has
-// a leg in flight on the engine — the breaker marked it drained, or every
-// router's in-flight report (bucket narwhal_routers) lists it with zero
+// Drain asks for the engine to be drained (behaviour.md R-FLEET-3): it
+// publishes state draining at once (Run keeps asking it) and waits until
+// no router has a leg in flight on the engine — the breaker made it
+// draining and then drained, or it is draining and every router's
+// in-flight report (bucket narwhal_routers) lists it with zero
 // (fleet.DrainDone; with no report at all it waits on, for the breaker's
-// word or ctx) — or until ctx ends. It returns nil when drained, ctx's
-// error otherwise; Run must be running or have run (the key must exist).
+// word or ctx) — or until its key is gone, or ctx ends. It returns nil
+// when drained, ctx's error otherwise. Without a leading breaker the
+// fleet keeps the engine's state, and Drain waits for ctx.
 func (r *Registration) Drain(ctx context.Context) error {
-	if !r.isDraining() {
-		close(r.draining)
-	}
-	if err := r.heartbeat(ctx); err != nil && ctx.Err() != nil {
+	r.ask(schemas.AskDraining)
+	if err := r.publish(ctx, schemas.AskDraining); err != nil && ctx.Err() != nil {
 		return ctx.Err()
 	}
 	routers, err := r.js.KeyValue(ctx, bus.RoutersBucket)
@@ -251,15 +221,12 @@ func (r *Registration) Drain(ctx context.Context) error {
 	t := time.NewTicker(100 * time.Millisecond)
 	defer t.Stop()
 	for {
-		cur, _, err := r.current(ctx)
+		cur, err := r.current(ctx)
 		if err == nil && (cur == nil || cur.State == schemas.FleetDrained) {
 			return nil
 		}
 		if err == nil && cur.State == schemas.FleetDraining && routersDone(ctx, routers, r.spec.ID) {
 			return nil
-		}
-		if err == nil && cur.State != schemas.FleetDraining {
-			_ = r.heartbeat(ctx) // the breaker's write raced ours: draining again
 		}
 		select {
 		case <-ctx.Done():
@@ -277,13 +244,15 @@ func routersDone(ctx context.Context, kv jetstream.KeyValue, id string) bool {
 	return err == nil && fleet.DrainDone(id, reports, fleet.BusyWithoutReports)
 }
 
-// Leave removes the engine's key from the fleet at once (every router
-// takes it out of placement within a second, R-FLEET-1); Run should have
-// ended first, or it registers the engine again.
+// Leave publishes state leaving: the leading breaker deletes the
+// engine's key (every router takes it out of placement within a second,
+// R-FLEET-1). Run stops heartbeating once Leave was called; without a
+// leading breaker the key lapses after the TTL.
 func (r *Registration) Leave(ctx context.Context) error {
-	err := r.store.Delete(ctx, r.spec.ID, 0)
+	r.ask(schemas.AskLeaving)
+	err := r.publish(ctx, schemas.AskLeaving)
 	if err == nil {
-		r.log.Info("engine left the live fleet", "engine_id", r.spec.ID)
+		r.log.Info("engine asked to leave the live fleet", "engine_id", r.spec.ID)
 	}
 	return err
 }

@@ -56,60 +56,65 @@ func entryOf(t *testing.T, kv jetstream.KeyValue, id string) *schemas.FleetEntry
 
 var spec = config.EngineSpec{ID: "d9", URL: "http://127.0.0.1:1", Role: "decode", Connector: "nixl"}
 
-// TestRegistrationLapsesRFLEET4 proves R-FLEET-4 on the bus: Register
-// writes a schema-valid entry in state joining (source registration);
-// while Run heartbeats the key outlives several TTLs and keeps the state
-// another writer (the breaker) gave it; once the heartbeat stops (the
-// process is gone) the bucket removes the key within the TTL plus one
-// second — also when another process's write without a TTL came just
-// before (the registration renews the key at once after it).
-func TestRegistrationLapsesRFLEET4(t *testing.T) {
+// lastRegistration returns the last registration on engine id's
+// subject and its stream sequence; ok is false when there is none.
+func lastRegistration(t *testing.T, b *bus.Bus, id string) (reg schemas.Registration, seq uint64, ok bool) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	st, err := b.JetStream().Stream(ctx, bus.RegistrationsStream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := st.GetLastMsgForSubject(ctx, bus.RegistrationSubject(id))
+	if errors.Is(err, jetstream.ErrMsgNotFound) {
+		return reg, 0, false
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	reg, err = bus.ParseRegistration(m.Subject, m.Data)
+	if err != nil {
+		t.Fatalf("the registration published is not valid: %v\n%s", err, m.Data)
+	}
+	return reg, m.Sequence, true
+}
+
+// TestRegistrationHeartbeatsRFLEET5 proves R-FLEET-4 and R-FLEET-5 from
+// the engine's side: Register publishes a schema-valid registration of
+// the engine's own spec on its own subject, asking for joining; Run
+// publishes it again every TTL/3, the same spec every time; and the
+// engine writes nothing to narwhal_fleet (the breaker alone does).
+func TestRegistrationHeartbeatsRFLEET5(t *testing.T) {
 	b, kv := testBus(t)
 	ctx := context.Background()
-	const ttl = 3 * time.Second // a heartbeat every second
+	const ttl = 900 * time.Millisecond // a heartbeat every 300 ms
 	r, err := Register(ctx, b, spec, ttl, "agent-test", quiet)
 	if err != nil {
 		t.Fatal(err)
 	}
-	e := entryOf(t, kv, "d9")
-	if e == nil || e.State != schemas.FleetJoining || e.Source != schemas.SourceRegistration || e.URL != spec.URL || e.By != "agent-test" {
-		t.Fatalf("entry %+v", e)
+	reg, first, ok := lastRegistration(t, b, "d9")
+	if !ok || reg.State != schemas.AskJoining || reg.URL != spec.URL || reg.Role != "decode" || reg.By != "agent-test" || reg.TTLS != ttl.Seconds() {
+		t.Fatalf("registration %+v (published: %v)", reg, ok)
 	}
 	runCtx, stop := context.WithCancel(ctx)
 	done := make(chan error, 1)
 	go func() { done <- r.Run(runCtx) }()
-
-	// The breaker makes it active (a plain put: no TTL of its own).
-	active := *e
-	active.State, active.By, active.Reason = schemas.FleetActive, "breaker-x", "inference probe passed"
-	v, _ := json.Marshal(active)
-	if _, err := kv.Put(ctx, "d9", v); err != nil {
-		t.Fatal(err)
-	}
-	deadline := time.Now().Add(4 * time.Second)
-	for time.Now().Before(deadline) {
-		if cur := entryOf(t, kv, "d9"); cur == nil || cur.State != schemas.FleetActive {
-			t.Fatalf("while heartbeating: %+v, want the breaker's active state kept", cur)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-	// Another plain put (an operator's command), and the process dies
-	// right after it, before its next periodic heartbeat: the watch's
-	// renewal gave the key its TTL back at once.
-	if _, err := kv.Put(ctx, "d9", v); err != nil {
-		t.Fatal(err)
-	}
-	testkit.WaitFor(t, 150*time.Millisecond, "the renewal after the foreign write (the periodic one is up to 1 s away)", func() bool {
-		e := entryOf(t, kv, "d9")
-		return e != nil && e.By == "agent-test" && e.State == schemas.FleetActive
+	var seq uint64
+	testkit.WaitFor(t, 3*time.Second, "three heartbeats", func() bool {
+		reg, seq, _ = lastRegistration(t, b, "d9")
+		return seq >= first+3
 	})
+	if reg.URL != spec.URL || reg.State != schemas.AskJoining {
+		t.Fatalf("heartbeat %+v, want the engine's own spec asking joining", reg)
+	}
 	stop()
 	if err := <-done; err != nil {
 		t.Fatal(err)
 	}
-	stopped := time.Now()
-	testkit.WaitFor(t, ttl+time.Second, "the key lapsed", func() bool { return entryOf(t, kv, "d9") == nil })
-	t.Logf("lapsed %v after the last heartbeat could have been sent", time.Since(stopped))
+	if e := entryOf(t, kv, "d9"); e != nil {
+		t.Fatalf("the engine wrote the fleet: %+v", e)
+	}
 }
 
 // TestRegisterRefusesOperatorEntry: an id the operator put in the fleet
@@ -133,10 +138,11 @@ func TestRegisterRefusesOperatorEntry(t *testing.T) {
 	}
 }
 
-// TestDrainWaitsForRouters proves the agent's drain (R-FLEET-3): Drain
-// writes state draining at once and returns only when every router's
-// in-flight report lists the engine with zero legs — not while one
-// still has a leg there — and Leave removes the key.
+// TestDrainWaitsForRouters proves the agent's drain (R-FLEET-3,
+// R-FLEET-5): Drain publishes state draining at once and returns only
+// when the breaker made the engine draining and every router's in-flight
+// report lists it with zero legs — not while one still has a leg there —
+// and Leave publishes state leaving.
 func TestDrainWaitsForRouters(t *testing.T) {
 	b, kv := testBus(t)
 	ctx := context.Background()
@@ -168,10 +174,18 @@ func TestDrainWaitsForRouters(t *testing.T) {
 	dctx, dcancel := context.WithTimeout(ctx, 10*time.Second)
 	defer dcancel()
 	go func() { drained <- r.Drain(dctx) }()
-	testkit.WaitFor(t, time.Second, "state draining", func() bool {
-		e := entryOf(t, kv, "d9")
-		return e != nil && e.State == schemas.FleetDraining
+	testkit.WaitFor(t, time.Second, "a registration asking draining", func() bool {
+		reg, _, ok := lastRegistration(t, b, "d9")
+		return ok && reg.State == schemas.AskDraining
 	})
+	// The test is the breaker: it writes the state asked for.
+	now := time.Now().UTC()
+	entry := schemas.FleetEntry{Schema: schemas.SchemaFleetEntry, EngineID: "d9", URL: spec.URL, Role: "decode", Connector: "nixl",
+		State: schemas.FleetDraining, Since: now, At: now, Source: schemas.SourceRegistration, By: "breaker-x", TTLS: 2}
+	v, _ := json.Marshal(entry)
+	if _, err := kv.Put(ctx, "d9", v); err != nil {
+		t.Fatal(err)
+	}
 	select {
 	case err := <-drained:
 		t.Fatalf("Drain returned %v while r2 has 2 legs on the engine", err)
@@ -186,15 +200,15 @@ func TestDrainWaitsForRouters(t *testing.T) {
 	case <-time.After(2 * time.Second):
 		t.Fatal("Drain did not return once every router reported zero")
 	}
-	stop()
-	<-done
-	if e := entryOf(t, kv, "d9"); e == nil || e.State != schemas.FleetDraining {
-		t.Fatalf("after the drain: %+v, want still draining until it leaves", e)
+	if reg, _, _ := lastRegistration(t, b, "d9"); reg.State != schemas.AskDraining {
+		t.Fatalf("while stopping: %+v, want draining asked", reg)
 	}
 	if err := r.Leave(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if e := entryOf(t, kv, "d9"); e != nil {
-		t.Fatalf("after Leave: %+v", e)
+	stop()
+	<-done
+	if reg, _, _ := lastRegistration(t, b, "d9"); reg.State != schemas.AskLeaving {
+		t.Fatalf("after Leave: %+v, want leaving asked", reg)
 	}
 }

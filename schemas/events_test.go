@@ -127,6 +127,9 @@ func samples() []sample {
 		{schemas.KindFleet,
 			&schemas.FleetChange{Envelope: breakerEnv(schemas.SchemaFleet), State: schemas.FleetDrained, Previous: schemas.FleetDraining, Reason: "every router reports no leg in flight"},
 			&schemas.FleetChange{Envelope: breakerEnv(schemas.SchemaFleet), State: schemas.FleetGone}},
+		{schemas.KindAdmission,
+			&schemas.Admission{Envelope: breakerEnv(schemas.SchemaAdmission), State: schemas.AdmissionRefused, Reason: "the fleet holds membership.max_engines (8) engines"},
+			&schemas.Admission{Envelope: breakerEnv(schemas.SchemaAdmission), State: schemas.FleetGone, Previous: schemas.FleetJoining}},
 		{schemas.KindChaos,
 			&schemas.Chaos{Envelope: schemas.Envelope{Schema: schemas.SchemaChaos, ID: "Ev10", At: at, EngineID: "d1", RequestID: "req-1-a1"},
 				Action: schemas.ChaosInject, Fault: "error-object", FaultID: "error-object", Phase: schemas.PhaseDecode,
@@ -150,7 +153,8 @@ func TestEverySchemaFileIsAnEvent(t *testing.T) {
 		got = append(got, name)
 	}
 	want := []string{schemas.SchemaRequest, schemas.SchemaFailure, schemas.SchemaQuarantine, schemas.SchemaHandoff, schemas.SchemaProbe, schemas.SchemaEligibility, schemas.SchemaChaos, schemas.SchemaPlacement,
-		schemas.SchemaKVRecomputed, schemas.SchemaFleet, schemas.SchemaFleetEntry, schemas.SchemaRouterReport}
+		schemas.SchemaKVRecomputed, schemas.SchemaFleet, schemas.SchemaFleetEntry, schemas.SchemaRouterReport,
+		schemas.SchemaRegistration, schemas.SchemaAdmission}
 	sort.Strings(got)
 	sort.Strings(want)
 	if !slices.Equal(got, want) {
@@ -314,6 +318,7 @@ var subjectIDs = map[string][]string{
 	schemas.SchemaChaos:        {"engine_id"},
 	schemas.SchemaKVRecomputed: {"router_id", "engine_id"},
 	schemas.SchemaFleet:        {"breaker_id", "engine_id"},
+	schemas.SchemaAdmission:    {"breaker_id", "engine_id"},
 }
 
 // forbidden are the envelope fields a schema forbids (a property whose
@@ -442,13 +447,15 @@ func TestBoundField(t *testing.T) {
 	}
 }
 
-// TestFleetValuesValidate proves R-FLEET-1, R-FLEET-3 and R-BUS-9: a fleet
-// entry and a router report as marshalled validate against their schemas,
+// TestFleetValuesValidate proves R-FLEET-1, R-FLEET-3, R-FLEET-5 and R-BUS-9: a
+// fleet entry, a registration and a router report as marshalled validate against their schemas,
 // and the mutations a forger or a bug would make do not.
 func TestFleetValuesValidate(t *testing.T) {
 	compiled := compileSchemas(t)
 	entry := schemas.FleetEntry{Schema: schemas.SchemaFleetEntry, EngineID: "d3", URL: "http://127.0.0.1:9003", Role: "decode",
 		Connector: "nixl", DecodeSlots: 4, State: schemas.FleetJoining, Since: at, At: at, Source: schemas.SourceCommand, By: "narwhal-fleet"}
+	reg := schemas.Registration{Schema: schemas.SchemaRegistration, EngineID: "d3", URL: "http://127.0.0.1:9003", Role: "decode",
+		Connector: "nixl", State: schemas.AskJoining, TTLS: 15, At: at, By: "agent-d3"}
 	report := schemas.RouterReport{Schema: schemas.SchemaRouterReport, RouterID: "rt-1", At: at,
 		Draining: map[string]int64{"d3": 0}, InFlight: map[string]int64{"d1": 2}}
 	for _, c := range []struct {
@@ -464,6 +471,15 @@ func TestFleetValuesValidate(t *testing.T) {
 			func(m map[string]any) { m["decode_slots"] = -1 },
 			func(m map[string]any) { m["api_key"] = "secret" },
 			func(m map[string]any) { delete(m, "state") },
+		}},
+		{schemas.SchemaRegistration, reg, []func(m map[string]any){
+			func(m map[string]any) { m["state"] = "active" },
+			func(m map[string]any) { m["state"] = "drained" },
+			func(m map[string]any) { m["url"] = "ftp://x" },
+			func(m map[string]any) { m["engine_id"] = "d3.x" },
+			func(m map[string]any) { m["ttl_s"] = 0 },
+			func(m map[string]any) { m["source"] = "config" },
+			func(m map[string]any) { delete(m, "ttl_s") },
 		}},
 		{schemas.SchemaRouterReport, report, []func(m map[string]any){
 			func(m map[string]any) { m["draining"] = map[string]any{"d3": -1} },

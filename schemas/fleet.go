@@ -28,7 +28,8 @@ const (
 	// SourceCommand: written by `narwhal fleet add`.
 	SourceCommand = "command"
 	// SourceRegistration: announced by the engine itself (a
-	// registration with a TTL, R-FLEET-4).
+	// registration with a TTL, R-FLEET-4) and written by the breaker
+	// (R-FLEET-5).
 	SourceRegistration = "registration"
 )
 
@@ -91,10 +92,11 @@ type FleetEntry struct {
 	// Reason says why the engine is in State, e.g. "inference probe
 	// passed".
 	Reason string `json:"reason,omitempty"`
-	// TTLS is a registration's TTL in seconds (R-FLEET-4): every write of
-	// the key — the heartbeat's, the breaker's — carries it, so that the
-	// key lapses that long after the engine's last heartbeat. 0 (absent)
-	// for entries of other sources.
+	// TTLS is a registration's TTL in seconds (R-FLEET-4, R-FLEET-5):
+	// every write of the key — the breaker's, which renews it on each of
+	// the engine's heartbeats — carries it, so that the key lapses that
+	// long after the engine's last heartbeat. 0 (absent) for entries of
+	// other sources.
 	TTLS float64 `json:"ttl_s,omitempty"`
 }
 

@@ -187,6 +187,9 @@ var eventKinds = []EventKind{
 	{Name: KindKVRecomputed, ID: IDEngine, Schema: SchemaKVRecomputed,
 		Publishers: []string{RoleRouter}, History: true,
 		New: func() Event { return new(KVRecomputed) }},
+	{Name: KindAdmission, ID: IDEngine, Schema: SchemaAdmission,
+		Publishers: []string{RoleBreaker}, History: false,
+		New: func() Event { return new(Admission) }},
 }
 
 // EventKinds returns the table of bus event kinds, one row per kind, in
@@ -219,5 +222,5 @@ func LookupEventKind(name string) (EventKind, bool) {
 // bucket values' (behaviour.md R-BUS-9): every other file is the schema of
 // a row of EventKinds.
 func ValueSchemas() []string {
-	return []string{SchemaPlacement, SchemaFleetEntry, SchemaRouterReport}
+	return []string{SchemaPlacement, SchemaFleetEntry, SchemaRouterReport, SchemaRegistration}
 }

@@ -38,13 +38,15 @@ const (
 
 // runAgent is `narwhal agent --engine-url URL --id ID --role ROLE
 // [--connector C] …` (behaviour.md §14, R-FLEET-4): it waits until the engine
-// answers GET /health and lists a model on GET /v1/models, registers it in
-// bucket narwhal_fleet with membership.registration_ttl_s and heartbeats;
+// answers GET /health and lists a model on GET /v1/models, registers it
+// (a registration on narwhal.registrations.<id>, which the leading
+// breaker turns into its entry of narwhal_fleet, R-FLEET-5) with
+// membership.registration_ttl_s and heartbeats;
 // on SIGTERM or SIGINT it drains the engine — no router places new work
 // there, running streams finish — waiting until every router reports no
 // leg on it or --drain-timeout passes, then removes it, creates
 // --drained-file when given, and exits 0. The bus is NARWHAL_NATS_URL
-// (NARWHAL_NATS_CREDS).
+// (NARWHAL_NATS_CREDS); a bus not set up yet is waited for.
 func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("narwhal agent", flag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -230,7 +232,13 @@ func registered(ctx context.Context, spec config.EngineSpec, by string, drainBou
 	if cfg.Bus.URL == "" {
 		cfg.Bus.URL = defaultNATSURL
 	}
-	b, err := bus.Connect(ctx, busOptions(cfg.Bus, by, bus.RoleEngine, log))
+	opts := busOptions(cfg.Bus, by, bus.RoleEngine, log)
+	// Wait, as a router does, for a bus whose set-up has not run yet
+	// (docs/mesh.md, "Start-up: what a process waits for").
+	opts.Buckets = []string{bus.FleetBucket, bus.RoutersBucket}
+	opts.Streams = []string{bus.RegistrationsStream}
+	opts.WaitSetUp = &bus.SetUpWait{}
+	b, err := bus.Connect(ctx, opts)
 	if err != nil {
 		return fmt.Errorf("bus %s: %w", redactNATSURL(cfg.Bus.URL), err)
 	}
@@ -261,7 +269,7 @@ func registered(ctx context.Context, spec config.EngineSpec, by string, drainBou
 	lctx, cancel := context.WithTimeout(context.Background(), leaveBound)
 	defer cancel()
 	if err := reg.Leave(lctx); err != nil {
-		log.Warn("could not remove the engine from the fleet; its registration lapses after the TTL", "engine_id", spec.ID, "err", err)
+		log.Warn("could not ask for the engine's removal from the fleet; its registration lapses after the TTL", "engine_id", spec.ID, "err", err)
 	}
 	return nil
 }

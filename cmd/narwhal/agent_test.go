@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -13,8 +14,10 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/narwhalmesh/narwhal/breaker"
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/bus/bustest"
+	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/engines/sim/simtest"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
@@ -45,11 +48,13 @@ func TestAgentBadInput(t *testing.T) {
 	}
 }
 
-// TestAgentLifecycleRFLEET4 runs `narwhal agent` against an embedded bus:
-// it waits while its engine does not answer, registers it in state
-// joining once /health and /v1/models answer (R-FLEET-4), and when
-// stopped writes state draining, waits for the routers' reports to show
-// no leg on the engine (R-FLEET-3), removes the key and returns nil.
+// TestAgentLifecycleRFLEET4 runs `narwhal agent` against an embedded bus
+// with a breaker: it waits while its engine does not answer, registers it
+// once /health and /v1/models answer — the breaker writes it joining
+// (R-FLEET-4, R-FLEET-5) and renews it on each heartbeat — and when
+// stopped asks for draining, waits for the routers' reports to show no
+// leg on the engine (R-FLEET-3), asks to leave (the breaker removes the
+// key) and returns nil.
 func TestAgentLifecycleRFLEET4(t *testing.T) {
 	emb := bustest.Start(t)
 	t.Setenv("NARWHAL_NATS_URL", emb.ClientURL())
@@ -61,6 +66,7 @@ func TestAgentLifecycleRFLEET4(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	runFleetBreaker(t, emb)
 	state := func() string {
 		e, err := fleetKV.Get(ctx, "d7")
 		if errors.Is(err, jetstream.ErrKeyNotFound) || errors.Is(err, jetstream.ErrKeyDeleted) {
@@ -121,11 +127,18 @@ func TestAgentLifecycleRFLEET4(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// A router with a leg on d7: the drain waits for it (the breaker would
+	// end a drain at once with no router at all).
+	busy, _ := json.Marshal(schemas.RouterReport{Schema: schemas.SchemaRouterReport, RouterID: "r1", At: time.Now().UTC(),
+		Draining: map[string]int64{}, InFlight: map[string]int64{"d7": 1}})
+	if _, err := routers.Put(ctx, "r1", busy); err != nil {
+		t.Fatal(err)
+	}
 	stopAgent()
 	testkit.WaitFor(t, 2*time.Second, "d7 draining", func() bool { return state() == schemas.FleetDraining })
 	select {
 	case err := <-done:
-		t.Fatalf("the agent returned %v before any router reported", err)
+		t.Fatalf("the agent returned %v while a router had a leg on d7", err)
 	case <-time.After(300 * time.Millisecond):
 	}
 	if _, err := os.Stat(drainedFile); err == nil {
@@ -144,11 +157,66 @@ func TestAgentLifecycleRFLEET4(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("the agent did not return once the router reported no leg on d7")
 	}
-	if s := state(); s != "gone" {
-		t.Errorf("after the agent left: %s", s)
-	}
+	// The agent asked to leave; the breaker removes the key.
+	testkit.WaitFor(t, 2*time.Second, "d7 gone after the agent left", func() bool { return state() == "gone" })
 	if b, err := os.ReadFile(drainedFile); err != nil || string(b) != "drained d7\n" {
 		t.Errorf("--drained-file: %q %v", b, err)
+	}
+}
+
+// runFleetBreaker runs a breaker with the default configuration on emb
+// until the test ends: the one writer of the fleet (R-FLEET-5).
+func runFleetBreaker(t *testing.T, emb *bus.Embedded) *breaker.Service {
+	t.Helper()
+	cfg := config.Default()
+	svc, err := breaker.New(breaker.Options{Config: &cfg, Bus: bustest.Connect(t, emb, bus.ConnectOptions{Name: "breaker-test"}), ID: "breaker-test",
+		Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- svc.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("breaker: %v", err)
+		}
+	})
+	return svc
+}
+
+// TestAgentWaitsForSetUp proves that `narwhal agent` started against a
+// bus whose set-up has not run waits for it (R-BUS-8) and registers once
+// it has, instead of failing at once.
+func TestAgentWaitsForSetUp(t *testing.T) {
+	emb := bustest.StartWith(t, bus.EmbeddedOptions{Port: -1, NoSetup: true})
+	t.Setenv("NARWHAL_NATS_URL", emb.ClientURL())
+	engine := simtest.Start(t, sim.Config{Role: sim.RoleDecode, EngineID: "d8", Model: "m"})
+	agentCtx, stopAgent := context.WithCancel(context.Background())
+	defer stopAgent()
+	var out, errOut testkit.LockedBuffer
+	done := make(chan error, 1)
+	go func() {
+		done <- runAgent(agentCtx, []string{"--engine-url", engine.URL(), "--id", "d8", "--role", "decode", "--drain-timeout", "1s"}, &out, &errOut)
+	}()
+	testkit.WaitFor(t, 5*time.Second, "the agent waiting for the set-up", func() bool {
+		return strings.Contains(errOut.String(), "waiting for the bus to be set up")
+	})
+	select {
+	case err := <-done:
+		t.Fatalf("the agent returned %v on a bus not set up", err)
+	default:
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	if _, err := bus.Connect(ctx, bus.ConnectOptions{Embedded: emb, Setup: &bus.SetupOptions{}}); err != nil {
+		t.Fatal(err)
+	}
+	testkit.WaitFor(t, 10*time.Second, "d8 registered", func() bool { return strings.Contains(out.String(), "registered d8") })
+	stopAgent()
+	if err := <-done; err != nil {
+		t.Fatal(err)
 	}
 }
 

@@ -58,6 +58,10 @@ func joinBusTelling(ctx context.Context, cfg *config.Config, name, role string, 
 		}
 		opts := busOptions(cfg.Bus, name, role, log)
 		opts.Buckets = roleBuckets(role)
+		if role == bus.RoleBreaker {
+			// It reads the engines' registrations (R-FLEET-5).
+			opts.Streams = []string{bus.RegistrationsStream}
+		}
 		opts.WaitSetUp = &bus.SetUpWait{Missing: missing}
 		b, err := bus.Connect(ctx, opts)
 		if err != nil {

@@ -1,0 +1,96 @@
+package bus_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"log/slog"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
+	"github.com/narwhalmesh/narwhal/schemas"
+)
+
+// TestRegistrationsStreamRFLEET5 proves the set-up of NARWHAL_REGISTRATIONS
+// (R-FLEET-5, R-BUS-7): the last message per subject, for
+// RegistrationsMaxAge, no rollup, no purge, no message delete; a second
+// set-up changes nothing; a purge and a message delete are refused; and a
+// second registration of one engine replaces the first.
+func TestRegistrationsStreamRFLEET5(t *testing.T) {
+	b := connect(t, bustest.StartWith(t, bus.EmbeddedOptions{Port: 0}))
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	js := b.JetStream()
+	st, err := js.Stream(ctx, bus.RegistrationsStream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := st.CachedInfo().Config
+	if c.MaxMsgsPerSubject != 1 || c.MaxAge != bus.RegistrationsMaxAge || c.AllowRollup || !c.DenyDelete || !c.DenyPurge ||
+		c.AllowMsgTTL || len(c.Subjects) != 1 || c.Subjects[0] != bus.RegistrationSubjectPrefix+"*" {
+		t.Fatalf("stream %+v", c)
+	}
+	var log strings.Builder
+	if err := bus.Setup(ctx, b, bus.SetupOptions{Log: slog.New(slog.NewTextHandler(&log, nil))}); err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(log.String(), bus.RegistrationsStream) {
+		t.Errorf("a second set-up changed the stream: %s", log.String())
+	}
+	for i := range 2 {
+		if _, err := js.Publish(ctx, bus.RegistrationSubject("d1"), []byte(`{"n":`+string(rune('0'+i))+`}`)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	st, _ = js.Stream(ctx, bus.RegistrationsStream)
+	info, err := st.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.State.Msgs != 1 {
+		t.Errorf("%d messages for one engine, want its last alone", info.State.Msgs)
+	}
+	if err := st.Purge(ctx); err == nil {
+		t.Error("the stream was purged")
+	}
+	if err := st.DeleteMsg(ctx, info.State.LastSeq); err == nil {
+		t.Error("a registration was deleted")
+	}
+}
+
+// TestParseRegistrationRFLEET5 proves the breaker's judgement of a
+// registration (R-FLEET-5, R-BUS-9): a valid one is returned; one whose
+// engine_id is not its subject's wraps ErrRegistrationSubject; one that
+// is too large, not schema-valid, or on a subject that is no
+// registration subject is refused.
+func TestParseRegistrationRFLEET5(t *testing.T) {
+	reg := schemas.Registration{Schema: schemas.SchemaRegistration, EngineID: "d1", URL: "http://127.0.0.1:9001", Role: "decode",
+		Connector: "nixl", State: schemas.AskJoining, TTLS: 15, At: time.Now().UTC(), By: "agent-d1"}
+	data, _ := json.Marshal(reg)
+	if got, err := bus.ParseRegistration(bus.RegistrationSubject("d1"), data); err != nil || got.URL != reg.URL {
+		t.Fatalf("valid registration: %+v, %v", got, err)
+	}
+	if _, err := bus.ParseRegistration(bus.RegistrationSubject("d2"), data); !errors.Is(err, bus.ErrRegistrationSubject) {
+		t.Errorf("on another engine's subject: %v, want ErrRegistrationSubject", err)
+	}
+	big := reg
+	big.By = strings.Repeat("x", bus.MaxRegistrationValue)
+	large, _ := json.Marshal(big)
+	active := strings.Replace(string(data), `"joining"`, `"active"`, 1)
+	for name, c := range map[string]struct {
+		subject string
+		payload []byte
+	}{
+		"too large":       {bus.RegistrationSubject("d1"), large},
+		"asks active":     {bus.RegistrationSubject("d1"), []byte(active)},
+		"not JSON":        {bus.RegistrationSubject("d1"), []byte("x")},
+		"another subject": {"narwhal.events.fleet.d1", data},
+	} {
+		if _, err := bus.ParseRegistration(c.subject, c.payload); err == nil || errors.Is(err, bus.ErrRegistrationSubject) {
+			t.Errorf("%s: %v, want refused as invalid", name, err)
+		}
+	}
+}
