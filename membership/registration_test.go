@@ -170,6 +170,18 @@ func TestDrainWaitsForRouters(t *testing.T) {
 	}
 	report("r1", 0)
 	report("r2", 2)
+	// The test is the breaker: the engine is active when its drain starts
+	// (an engine the fleet never held has nothing to drain).
+	put := func(state string) {
+		now := time.Now().UTC()
+		entry := schemas.FleetEntry{Schema: schemas.SchemaFleetEntry, EngineID: "d9", URL: spec.URL, Role: "decode", Connector: "nixl",
+			State: state, Since: now, At: now, Source: schemas.SourceRegistration, By: "breaker-x", TTLS: 2}
+		v, _ := json.Marshal(entry)
+		if _, err := kv.Put(ctx, "d9", v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	put(schemas.FleetActive)
 	drained := make(chan error, 1)
 	dctx, dcancel := context.WithTimeout(ctx, 10*time.Second)
 	defer dcancel()
@@ -178,14 +190,8 @@ func TestDrainWaitsForRouters(t *testing.T) {
 		reg, _, ok := lastRegistration(t, b, "d9")
 		return ok && reg.State == schemas.AskDraining
 	})
-	// The test is the breaker: it writes the state asked for.
-	now := time.Now().UTC()
-	entry := schemas.FleetEntry{Schema: schemas.SchemaFleetEntry, EngineID: "d9", URL: spec.URL, Role: "decode", Connector: "nixl",
-		State: schemas.FleetDraining, Since: now, At: now, Source: schemas.SourceRegistration, By: "breaker-x", TTLS: 2}
-	v, _ := json.Marshal(entry)
-	if _, err := kv.Put(ctx, "d9", v); err != nil {
-		t.Fatal(err)
-	}
+	// The breaker writes the state asked for.
+	put(schemas.FleetDraining)
 	select {
 	case err := <-drained:
 		t.Fatalf("Drain returned %v while r2 has 2 legs on the engine", err)
