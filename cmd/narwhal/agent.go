@@ -230,7 +230,9 @@ func registered(ctx context.Context, spec config.EngineSpec, by string, drainBou
 	if cfg.Bus.URL == "" {
 		cfg.Bus.URL = defaultNATSURL
 	}
-	b, err := bus.Connect(ctx, busOptions(cfg.Bus, by, bus.RoleEngine, log))
+	opts := busOptions(cfg.Bus, by, bus.RoleEngine, log)
+	opts.ID = spec.ID // its credential is engine-<id>.creds (R-BUS-11)
+	b, err := bus.Connect(ctx, opts)
 	if err != nil {
 		return fmt.Errorf("bus %s: %w", redactNATSURL(cfg.Bus.URL), err)
 	}
