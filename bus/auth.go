@@ -522,6 +522,11 @@ resolver_preload: {
 	return writeNew(filepath.Join(dir, AuthConfFile), []byte(conf), 0o644)
 }
 
+// maxUserJWT bounds a user JWT: it travels in the CONNECT line, which a
+// server takes up to 4 KiB long (max_control_line), with the nonce's
+// signature, the client's name and options beside it.
+const maxUserJWT = 3584
+
 // writeUser signs a new user named name with permissions perms by the
 // account key acct and writes its credential file (JWT and seed) to path,
 // which must not exist yet (mode 0600).
@@ -537,6 +542,9 @@ func writeUser(path, name string, perms jwt.Permissions, acct nkeys.KeyPair) err
 	userJWT, err := uc.Encode(acct)
 	if err != nil {
 		return fmt.Errorf("bus: %s: %w", name, err)
+	}
+	if len(userJWT) > maxUserJWT {
+		return fmt.Errorf("bus: %s: its JWT would be %d bytes, more than a CONNECT line leaves room for (%d): use a shorter id", name, len(userJWT), maxUserJWT)
 	}
 	seed, _ := user.Seed()
 	creds, err := jwt.FormatUserConfig(userJWT, seed)

@@ -380,11 +380,13 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, want jetstream.St
 }
 
 // sameStream reports whether the settings Narwhal manages are as wanted.
+// A duplicate window Narwhal leaves to the server (0: its default) is as
+// wanted whatever the server made of it.
 func sameStream(have, want jetstream.StreamConfig) bool {
 	return slices.Equal(have.Subjects, want.Subjects) && sameSources(have.Sources, want.Sources) &&
 		have.MaxMsgSize == want.MaxMsgSize && have.Retention == want.Retention &&
 		have.Discard == want.Discard && have.Storage == want.Storage && have.MaxAge == want.MaxAge &&
-		have.MaxBytes == want.MaxBytes && have.Duplicates == want.Duplicates && have.Replicas == want.Replicas &&
+		have.MaxBytes == want.MaxBytes && (want.Duplicates == 0 || have.Duplicates == want.Duplicates) && have.Replicas == want.Replicas &&
 		have.Description == want.Description && have.AllowRollup == want.AllowRollup && have.DenyPurge == want.DenyPurge
 }
 
