@@ -301,7 +301,7 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 	case RoleAdmin:
 		pub, sub, deny = []string{">"}, []string{">"}, nil
 	case RoleRouter, RoleEngine:
-		return jwt.Permissions{}, fmt.Errorf("bus: role %s has no credential of its own: each %s has an identity (narwhal bus creds --%s ID, behaviour.md R-BUS-11)", role, role, role)
+		return jwt.Permissions{}, fmt.Errorf("bus: role %s has no role credential: each %s has its own (narwhal bus creds --out DIR --%s ID)", role, role, role)
 	default:
 		return jwt.Permissions{}, fmt.Errorf("bus: unknown role %q (want one of %s)", role, strings.Join(Roles, ", "))
 	}
