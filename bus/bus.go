@@ -116,7 +116,9 @@ type ConnectOptions struct {
 	// Name is the client name the server shows, e.g. "narwhal-router-a".
 	Name string
 	// CredsFile is a NATS credentials file (JWT and seed): the role's
-	// credential (R-BUS-8), or "".
+	// credential (R-BUS-8), an engine's or router's own (R-BUS-11), or "".
+	// Connect asks every reply on the inbox prefix _INBOX.<the JWT's user
+	// name>, the only one the credential may subscribe to.
 	CredsFile string
 	// TLSCA is a PEM file of CAs to trust for the server's certificate,
 	// or "".
@@ -259,7 +261,10 @@ func (b *Bus) URL() string {
 // the role lacks, or when the stream or a bucket is missing — unless
 // opts.WaitSetUp is set: then it waits for the set-up too, and when ctx
 // ends first its error is the *NotSetUpError of what was still missing.
-// The caller owns the Bus and must Close it.
+// With opts.CredsFile, every reply (requests, JetStream API calls, KV
+// gets, consumers' deliveries) comes to the inbox prefix the credential's
+// user name names (behaviour.md R-BUS-11); a file that holds no user JWT
+// is an error at once. The caller owns the Bus and must Close it.
 func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 	b := &Bus{log: opts.Log}
 	log := opts.Log

@@ -392,11 +392,24 @@ func TestConsumersAndInboxesArePrivateRBUS11(t *testing.T) {
 	inboxes := map[string]string{"router r1": "narwhal-router-r1", "engine p1": "narwhal-engine-p1",
 		bus.RoleBreaker: "narwhal-breaker", bus.RoleChaos: "narwhal-chaos", bus.RoleViewer: "narwhal-viewer"}
 
-	// A consumer of the breaker's, and one of a router's watch.
-	if _, err := conns[bus.RoleBreaker].JetStream().CreateOrUpdateConsumer(ctx, bus.StreamName, jetstream.ConsumerConfig{
+	// A consumer of the breaker's, which it pulls from and acknowledges on
+	// (replies to its own inbox), and one of a router's watch.
+	brk := conns[bus.RoleBreaker]
+	cons, err := brk.JetStream().CreateOrUpdateConsumer(ctx, bus.StreamName, jetstream.ConsumerConfig{
 		Durable: bus.BreakerConsumer, AckPolicy: jetstream.AckExplicitPolicy,
-	}); err != nil {
+	})
+	if err != nil {
 		t.Fatal(err)
+	}
+	if _, err := brk.JetStream().Publish(ctx, "narwhal.events.probe.d1", []byte(`{}`)); err != nil {
+		t.Fatal(err)
+	}
+	msg, err := cons.Next(jetstream.FetchMaxWait(waitBound))
+	if err != nil || msg.Subject() != "narwhal.events.probe.d1" {
+		t.Fatalf("the breaker pulls from its consumer: %v %v", msg, err)
+	}
+	if err := msg.DoubleAck(ctx); err != nil {
+		t.Fatalf("the breaker acknowledges: %v", err)
 	}
 	w, err := conns["router r1"].Placement().WatchAll(ctx)
 	if err != nil {
