@@ -478,8 +478,8 @@ func writtenBy(opts ConnectOptions) string {
 }
 
 // credsUserName returns the user name in the JWT of NATS credentials file
-// path ("" when the JWT names none), or an error when the file holds no
-// user JWT.
+// path ("" when the JWT names none, or one that is not a single subject
+// token), or an error when the file holds no user JWT.
 func credsUserName(path string) (string, error) {
 	raw, err := os.ReadFile(path)
 	if err != nil {
@@ -493,8 +493,10 @@ func credsUserName(path string) (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("no user JWT in it: %w", err)
 	}
-	if strings.ContainsAny(uc.Name, " \t.*>") {
-		return "", fmt.Errorf("its user name %q is not one subject token", uc.Name)
+	if strings.ContainsAny(uc.Name, " \t\r\n.*>") {
+		// Not one subject token (a user of one's own, say): the replies
+		// keep nats.go's own inbox prefix, as the credential allows or not.
+		return "", nil
 	}
 	return uc.Name, nil
 }

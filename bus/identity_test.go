@@ -561,3 +561,21 @@ func TestLongIdentityFitsTheControlLineRBUS11(t *testing.T) {
 		t.Errorf("a 200-character router id: %v, want a refusal", err)
 	}
 }
+
+// TestCredentialWithoutJWTRBUS11 proves that Connect refuses at once a
+// NARWHAL_NATS_CREDS file that holds no user JWT — it reads the user name
+// there, for its private inbox prefix (R-BUS-11) — naming the setting and
+// the file to set.
+func TestCredentialWithoutJWTRBUS11(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "router-r1.creds")
+	if err := os.WriteFile(path, []byte("not a credential\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_, err := bus.Connect(ctx, bus.ConnectOptions{URL: "nats://127.0.0.1:1", CredsFile: path, Role: bus.RoleRouter, ID: "r1"})
+	if err == nil || !strings.Contains(err.Error(), "NARWHAL_NATS_CREDS="+path) || !strings.Contains(err.Error(), "no user JWT") ||
+		!strings.Contains(err.Error(), "--router r1") {
+		t.Errorf("Connect with a file without a JWT: %v", err)
+	}
+}
