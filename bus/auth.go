@@ -1,6 +1,7 @@
 package bus
 
 import (
+	"bytes"
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
@@ -17,11 +18,16 @@ import (
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
-// The roles of a mesh, each with its own NATS credential (behaviour.md R-BUS-8).
+// The roles of a mesh (behaviour.md R-BUS-8). The breaker, chaos, the
+// viewer and the admin each have one NATS credential per role; an engine
+// and a router each have a credential of their own, an identity
+// (behaviour.md R-BUS-11: EnginePermissions, RouterPermissions,
+// IssueIdentity).
 const (
 	// RoleRouter publishes the event kinds whose rows of
 	// schemas.EventKinds name it (failure, request and more) and reads
-	// placement and chaos state. It is schemas.RoleRouter.
+	// placement and chaos state. It is schemas.RoleRouter. A router's
+	// credential is its identity's (RouterPermissions), not the role's.
 	RoleRouter = schemas.RoleRouter
 	// RoleBreaker consumes events through its durable consumer, writes
 	// placement and its lease, and publishes the event kinds whose rows
@@ -36,13 +42,17 @@ const (
 	// RoleAdmin creates and updates the stream and the buckets.
 	RoleAdmin = "admin"
 	// RoleEngine registers engines in the live fleet (`narwhal agent`,
-	// `narwhal sim --register`, R-FLEET-4): it writes and reads
-	// narwhal_fleet and reads narwhal_routers.
+	// `narwhal sim --register`, R-FLEET-4): it publishes its engine's
+	// registration and reads narwhal_fleet and narwhal_routers. An
+	// engine's credential is its identity's (EnginePermissions), not the
+	// role's.
 	RoleEngine = "engine"
 )
 
-// Roles lists every role, in the order the credentials are written.
-var Roles = []string{RoleRouter, RoleBreaker, RoleChaos, RoleViewer, RoleAdmin, RoleEngine}
+// Roles lists every role with a credential of its own, in the order
+// WriteCredentials writes them. Engines and routers are not among them:
+// each has an identity of its own (IssueIdentity, behaviour.md R-BUS-11).
+var Roles = []string{RoleBreaker, RoleChaos, RoleViewer, RoleAdmin}
 
 // The breaker's durable consumer on NARWHAL_EVENTS: only the breaker role
 // may make, read from or acknowledge on it. It is the name of
@@ -71,8 +81,29 @@ const (
 	keysDir = "keys"
 )
 
-// CredsFile returns the credential file name of role, e.g. "router.creds".
+// CredsFile returns the credential file name of role, e.g. "breaker.creds".
 func CredsFile(role string) string { return role + ".creds" }
+
+// IdentityCredsFile returns the credential file name of engine or router
+// id (kind RoleEngine or RoleRouter), e.g. "router-r1.creds", as
+// IssueIdentity writes it (behaviour.md R-BUS-11).
+func IdentityCredsFile(kind, id string) string { return kind + "-" + id + ".creds" }
+
+// UserName returns the user name of a credential, which is also the
+// token after _INBOX. of its private inbox prefix: "narwhal-<role>" for a
+// role, "narwhal-<kind>-<id>" for an engine's or router's identity (id
+// empty for a role).
+func UserName(kind, id string) string {
+	if id == "" {
+		return "narwhal-" + kind
+	}
+	return "narwhal-" + kind + "-" + id
+}
+
+// inbox is what subscribing to the replies of user name takes: its own
+// inbox prefix _INBOX.<name>, which Connect sets from the credential
+// (nats.CustomInboxPrefix), and no one else's (behaviour.md R-BUS-11).
+func inbox(name string) string { return "_INBOX." + name + ".>" }
 
 // jsAPI is the JetStream API subject prefix.
 const jsAPI = "$JS.API."
@@ -173,58 +204,64 @@ func viewerDenied() []string {
 	}
 }
 
+// consumerDenied are the consumer acts that no credential but the admin's
+// (and for listing, the viewer's) may take on any stream (behaviour.md
+// R-BUS-11): pausing a consumer, and listing a stream's consumers or their
+// names. The read permissions of bucketRead, bucketWatch and streamWatch
+// match these subjects (CONSUMER.*.<stream>…) because NATS permissions
+// match whole tokens only; a consumer's owner is known by its name, which
+// nats.go makes at random and which travels only to its owner's private
+// inbox, so denying the listing keeps the names secret. Nothing of Narwhal
+// pauses or lists consumers.
+func consumerDenied(listing bool) []string {
+	deny := []string{jsAPI + "CONSUMER.PAUSE.>"}
+	if !listing {
+		deny = append(deny, jsAPI+"CONSUMER.LIST.*", jsAPI+"CONSUMER.NAMES.*")
+	}
+	return deny
+}
+
 // RolePermissions returns the NATS publish and subscribe permissions of
-// role (behaviour.md R-BUS-8), as they go into its user JWT; docs/mesh.md lists
-// them. Every role may subscribe to _INBOX.> (replies) and read the
-// stream's info. Every role but the viewer and the admin may publish the
-// event kinds whose rows of schemas.EventKinds name it among their
-// Publishers (narwhal.events.<kind>.*) and subscribe to those that name it
-// among their Subscribers (narwhal.events.<kind>.>): its event kinds.
-// Beyond that:
+// role (behaviour.md R-BUS-8, R-BUS-11), as they go into its user JWT;
+// docs/mesh.md and docs/security.md list them. Every role may subscribe
+// to its own inbox prefix _INBOX.narwhal-<role>.> (replies; Connect sets
+// the prefix from the credential) and read the stream's info; no role but
+// the admin may pause a consumer, none but the admin and the viewer may
+// list a stream's consumers (consumerDenied). Every role but the viewer
+// and the admin may publish the event kinds whose rows of
+// schemas.EventKinds name it among their Publishers
+// (narwhal.events.<kind>.*) and subscribe to those that name it among
+// their Subscribers (narwhal.events.<kind>.>): its event kinds. Beyond
+// that:
 //
-//   - router: its event kinds; publish and subscribe to prefix
-//     placements (narwhal.prefix.<router_id>) and read stream
-//     NARWHAL_PREFIX through consumers of its own (R-PLACE-2); read narwhal_placement,
-//     narwhal_breaker (the lease its placement values are checked
-//     against, R-BUS-9) and narwhal_chaos; watch narwhal_fleet; write its
-//     in-flight report in narwhal_routers (R-FLEET-3) — it cannot write
-//     the fleet;
 //   - breaker: its event kinds; write and
 //     read narwhal_placement, narwhal_breaker and narwhal_fleet (the
 //     states it decides: active after the checks, drained, R-FLEET-2,
-//     R-FLEET-3; watching, not direct gets); watch narwhal_routers and
-//     stream NARWHAL_REGISTRATIONS (R-FLEET-5); make,
-//     read from and acknowledge
+//     R-FLEET-3; watching, not direct gets); watch narwhal_routers; read
+//     stream NARWHAL_REGISTRATIONS (the engines' registrations) through
+//     consumers of its own; make, read from and acknowledge
 //     on its durable consumer narwhal-breaker;
 //   - chaos: its event kinds; write and read narwhal_chaos; read
 //     narwhal_placement's info; answer as, and ask, the NATS service
 //     ChaosProxyService ($SRV.*, replies to the requests it receives);
 //   - viewer: subscribe to every event; read every stream and bucket of
-//     the account (info, messages); make, read from and delete consumers
-//     of its own — not narwhal-breaker, not durables through the durable
-//     API, not through the legacy create on NARWHAL_EVENTS, no leader
-//     step-downs;
+//     the account (info, messages); list consumers; make, read from and
+//     delete consumers of its own — not narwhal-breaker, not durables
+//     through the durable API, not through the legacy create on
+//     NARWHAL_EVENTS, no leader step-downs, no pausing;
 //   - admin: everything ("> "), which `narwhal fleet add|drain|undrain|
-//     remove` needs to change the fleet;
-//   - engine: its event kinds (none today); read narwhal_placement (to
-//     connect); publish its registration on narwhal.registrations.*
-//     (R-FLEET-5) and read narwhal_fleet (its entry); read
-//     narwhal_routers (the drain's reports) — it writes no bucket.
+//     remove` needs to change the fleet.
 //
-// It returns an error for an unknown role.
+// Routers and engines have no role credential: RouterPermissions and
+// EnginePermissions give each identity its own. RolePermissions returns
+// an error for them and for an unknown role.
 func RolePermissions(role string) (jwt.Permissions, error) {
-	var pub, sub, deny []string
+	var pub, sub []string
+	deny := consumerDenied(false)
 	var resp *jwt.ResponsePermission
 	common := slices.Concat([]string{jsAPI + "INFO", jsAPI + "STREAM.INFO." + StreamName}, eventsPub(role))
-	sub = slices.Concat([]string{"_INBOX.>"}, eventsSub(role))
+	sub = slices.Concat([]string{inbox(UserName(role, ""))}, eventsSub(role))
 	switch role {
-	case RoleRouter:
-		pub = slices.Concat(common,
-			bucketRead(PlacementBucket), bucketRead(LeaseBucket), bucketRead(ChaosBucket),
-			bucketWatch(FleetBucket),
-			[]string{jsAPI + "STREAM.INFO.KV_" + RoutersBucket}, bucketWrite(RoutersBucket),
-			[]string{PrefixSubjectPrefix + "*"}, streamWatch(PrefixStream))
-		sub = append(sub, PrefixSubjectPrefix+"*")
 	case RoleBreaker:
 		pub = slices.Concat(common,
 			bucketRead(PlacementBucket), bucketWrite(PlacementBucket),
@@ -239,14 +276,6 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 				jsAPI + "CONSUMER.MSG.NEXT." + StreamName + "." + BreakerConsumer,
 				"$JS.ACK." + StreamName + "." + BreakerConsumer + ".>",
 			})
-	case RoleEngine:
-		// Connecting binds placement (read); a registration is published
-		// on the registrations' subject (the breaker alone writes the
-		// fleet, R-FLEET-5), reads its engine's key and the routers'
-		// reports while it drains.
-		pub = slices.Concat(common,
-			bucketRead(PlacementBucket), bucketRead(FleetBucket), bucketRead(RoutersBucket),
-			[]string{jsAPI + "STREAM.INFO." + RegistrationsStream, RegistrationSubjectPrefix + "*"})
 	case RoleChaos:
 		pub = slices.Concat(common,
 			bucketRead(ChaosBucket), bucketWrite(ChaosBucket),
@@ -270,9 +299,11 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 			"$JS.FC.>",
 		}
 		sub = append(sub, SubjectPrefix+">")
-		deny = viewerDenied()
+		deny = append(viewerDenied(), consumerDenied(true)...)
 	case RoleAdmin:
-		pub, sub = []string{">"}, []string{">"}
+		pub, sub, deny = []string{">"}, []string{">"}, nil
+	case RoleRouter, RoleEngine:
+		return jwt.Permissions{}, fmt.Errorf("bus: role %s has no role credential: each %s has its own (narwhal bus creds --out DIR --%s ID)", role, role, role)
 	default:
 		return jwt.Permissions{}, fmt.Errorf("bus: unknown role %q (want one of %s)", role, strings.Join(Roles, ", "))
 	}
@@ -283,12 +314,115 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 	}, nil
 }
 
+// RouterPermissions returns the NATS permissions of router id's own
+// credential (behaviour.md R-BUS-8, R-BUS-11), as they go into its user
+// JWT (name narwhal-router-<id>). The router may:
+//
+//   - publish the event kinds whose rows of schemas.EventKinds name
+//     RoleRouter among their Publishers under its own id only:
+//     narwhal.events.<kind>.*.<id> for a kind whose ID is
+//     schemas.IDEngine (the engine, then the router), and
+//     narwhal.events.<kind>.<id> for a kind whose ID is schemas.IDRouter;
+//     subscribe to the kinds that name it among their Subscribers
+//     (narwhal.events.<kind>.>);
+//   - publish its own prefix placements (narwhal.prefix.<id>), subscribe
+//     to every router's (narwhal.prefix.*) and read stream NARWHAL_PREFIX
+//     through consumers of its own (R-PLACE-2);
+//   - read narwhal_placement, narwhal_breaker (the lease its placement
+//     values are checked against, R-BUS-9) and narwhal_chaos; watch
+//     narwhal_fleet — it cannot write the fleet;
+//   - write its own in-flight report, key <id> of narwhal_routers
+//     (R-FLEET-3), and no other key;
+//   - subscribe to its own inbox prefix _INBOX.narwhal-router-<id>.>;
+//
+// and, as every credential but the admin's, not pause a consumer nor list
+// a stream's consumers. It returns an error when id is not a valid router
+// id (ValidIdentity).
+func RouterPermissions(id string) (jwt.Permissions, error) {
+	if err := ValidIdentity(RoleRouter, id); err != nil {
+		return jwt.Permissions{}, err
+	}
+	pub := []string{jsAPI + "INFO", jsAPI + "STREAM.INFO." + StreamName}
+	for _, k := range schemas.EventKinds() {
+		if !slices.Contains(k.Publishers, RoleRouter) {
+			continue
+		}
+		if k.ID == schemas.IDRouter {
+			pub = append(pub, SubjectPrefix+k.Name+"."+id)
+		} else {
+			pub = append(pub, SubjectPrefix+k.Name+".*."+id)
+		}
+	}
+	pub = slices.Concat(pub,
+		bucketRead(PlacementBucket), bucketRead(LeaseBucket), bucketRead(ChaosBucket),
+		bucketWatch(FleetBucket),
+		[]string{jsAPI + "STREAM.INFO.KV_" + RoutersBucket, "$KV." + RoutersBucket + "." + id},
+		[]string{PrefixSubject(id)}, streamWatch(PrefixStream))
+	sub := slices.Concat([]string{inbox(UserName(RoleRouter, id))}, eventsSub(RoleRouter), []string{PrefixSubjectPrefix + "*"})
+	return jwt.Permissions{
+		Pub: jwt.Permission{Allow: pub, Deny: consumerDenied(false)},
+		Sub: jwt.Permission{Allow: sub},
+	}, nil
+}
+
+// EnginePermissions returns the NATS permissions of engine id's own
+// credential (behaviour.md R-BUS-11, R-FLEET-5), as they go into its user
+// JWT (name narwhal-engine-<id>). The engine may:
+//
+//   - publish its own registrations, narwhal.registrations.<id>
+//     (RegistrationSubject; a JetStream publish into
+//     NARWHAL_REGISTRATIONS, whose info it may read) — nothing else that
+//     writes: no key of any bucket, no event;
+//   - read narwhal_fleet (its own entry, its state while it drains),
+//     narwhal_routers (the drain's reports) and narwhal_placement;
+//   - subscribe to its own inbox prefix _INBOX.narwhal-engine-<id>.>;
+//
+// and, as every credential but the admin's, not pause a consumer nor list
+// a stream's consumers. It returns an error when id is not a valid engine
+// id (ValidIdentity).
+func EnginePermissions(id string) (jwt.Permissions, error) {
+	if err := ValidIdentity(RoleEngine, id); err != nil {
+		return jwt.Permissions{}, err
+	}
+	pub := slices.Concat(
+		[]string{jsAPI + "INFO", jsAPI + "STREAM.INFO." + StreamName},
+		bucketRead(PlacementBucket), bucketRead(FleetBucket), bucketRead(RoutersBucket),
+		[]string{jsAPI + "STREAM.INFO." + RegistrationsStream, RegistrationSubject(id)})
+	sub := slices.Concat([]string{inbox(UserName(RoleEngine, id))}, eventsSub(RoleEngine))
+	return jwt.Permissions{
+		Pub: jwt.Permission{Allow: pub, Deny: consumerDenied(false)},
+		Sub: jwt.Permission{Allow: sub},
+	}, nil
+}
+
+// ValidIdentity returns nil when id may be an identity of kind (RoleEngine
+// or RoleRouter, behaviour.md R-BUS-11): non-empty, ASCII letters, digits,
+// '-' and '_' only — the rule config.ValidID applies to engine and router
+// ids, so that the id is one NATS subject token and a KV key. It returns
+// an error naming the kind and the id otherwise.
+func ValidIdentity(kind, id string) error {
+	if kind != RoleEngine && kind != RoleRouter {
+		return fmt.Errorf("bus: no identity of kind %q (want %s or %s)", kind, RoleEngine, RoleRouter)
+	}
+	if id == "" {
+		return fmt.Errorf("bus: %s id is empty", kind)
+	}
+	for i := 0; i < len(id); i++ {
+		c := id[i]
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-' || c == '_') {
+			return fmt.Errorf("bus: %s id %q: want letters, digits, '-' and '_' only (one NATS subject token)", kind, id)
+		}
+	}
+	return nil
+}
+
 // WriteCredentials creates dir (and its parents) when missing and writes a
 // complete decentralised-JWT set-up for one mesh into it (behaviour.md R-BUS-8):
 // a new operator, a system account and account NARWHAL (JetStream
-// enabled), one user per role with RolePermissions — the credential files
-// router.creds, breaker.creds, chaos.creds, viewer.creds and admin.creds
-// (mode 0600) — sys.creds (0600; the system-account user that pushes
+// enabled), one user per role of Roles with RolePermissions — the
+// credential files breaker.creds, chaos.creds, viewer.creds and
+// admin.creds (mode 0600; engines and routers get theirs from
+// IssueIdentity) — sys.creds (0600; the system-account user that pushes
 // account-JWT updates, e.g. a revocation, R-BUS-11), the server side
 // auth.conf (public JWTs only; a full resolver) and
 // route.secret (0600; the cluster routes' password), and the
@@ -357,24 +491,7 @@ func WriteCredentials(dir string) error {
 		if err != nil {
 			return err
 		}
-		user, err := nkeys.CreateUser()
-		if err != nil {
-			return fmt.Errorf("bus: %s key: %w", role, err)
-		}
-		userPub, _ := user.PublicKey()
-		uc := jwt.NewUserClaims(userPub)
-		uc.Name = "narwhal-" + role
-		uc.Permissions = perms
-		userJWT, err := uc.Encode(acct)
-		if err != nil {
-			return fmt.Errorf("bus: %s: %w", role, err)
-		}
-		seed, _ := user.Seed()
-		creds, err := jwt.FormatUserConfig(userJWT, seed)
-		if err != nil {
-			return fmt.Errorf("bus: %s: %w", role, err)
-		}
-		if err := writeNew(filepath.Join(dir, CredsFile(role)), creds, 0o600); err != nil {
+		if err := writeUser(filepath.Join(dir, CredsFile(role)), UserName(role, ""), perms, acct); err != nil {
 			return err
 		}
 	}
@@ -419,6 +536,90 @@ resolver_preload: {
 }
 `, opJWT, sysPub, resolverConf(authConfResolverDir), acctPub, sysPub, AccountName, acctPub, acctJWT, sysPub, sysJWT)
 	return writeNew(filepath.Join(dir, AuthConfFile), []byte(conf), 0o644)
+}
+
+// maxUserJWT bounds a user JWT: it travels in the CONNECT line, which a
+// server takes up to 4 KiB long (max_control_line), with the nonce's
+// signature, the client's name and options beside it.
+const maxUserJWT = 3584
+
+// writeUser signs a new user named name with permissions perms by the
+// account key acct and writes its credential file (JWT and seed) to path,
+// which must not exist yet (mode 0600).
+func writeUser(path, name string, perms jwt.Permissions, acct nkeys.KeyPair) error {
+	user, err := nkeys.CreateUser()
+	if err != nil {
+		return fmt.Errorf("bus: %s key: %w", name, err)
+	}
+	userPub, _ := user.PublicKey()
+	uc := jwt.NewUserClaims(userPub)
+	uc.Name = name
+	uc.Permissions = perms
+	userJWT, err := uc.Encode(acct)
+	if err != nil {
+		return fmt.Errorf("bus: %s: %w", name, err)
+	}
+	if len(userJWT) > maxUserJWT {
+		return fmt.Errorf("bus: %s: its JWT would be %d bytes, more than a CONNECT line leaves room for (%d): use a shorter id", name, len(userJWT), maxUserJWT)
+	}
+	seed, _ := user.Seed()
+	creds, err := jwt.FormatUserConfig(userJWT, seed)
+	if err != nil {
+		return fmt.Errorf("bus: %s: %w", name, err)
+	}
+	return writeNew(path, creds, 0o600)
+}
+
+// HasMesh reports whether dir holds a mesh's keys (keys/account.nk, as
+// WriteCredentials writes them), from which IssueIdentity signs.
+func HasMesh(dir string) bool {
+	_, err := os.Stat(filepath.Join(dir, keysDir, "account.nk"))
+	return err == nil
+}
+
+// IssueIdentity writes the credential of engine or router id (kind
+// RoleEngine or RoleRouter) into dir, a directory WriteCredentials wrote
+// (behaviour.md R-BUS-11): a user named UserName(kind, id) with
+// EnginePermissions or RouterPermissions, signed by the account key of
+// keys/account.nk, in file IdentityCredsFile(kind, id) (mode 0600). Running
+// servers accept it at once: they trust every user the account signs, so
+// no server restarts. It returns the file's path, or an error when id is
+// not a valid id of kind (ValidIdentity), when dir holds no mesh keys,
+// when the file exists already (it never replaces a credential) or when it
+// cannot be written.
+func IssueIdentity(dir, kind, id string) (string, error) {
+	var perms jwt.Permissions
+	var err error
+	switch kind {
+	case RoleEngine:
+		perms, err = EnginePermissions(id)
+	case RoleRouter:
+		perms, err = RouterPermissions(id)
+	default:
+		err = ValidIdentity(kind, id)
+	}
+	if err != nil {
+		return "", err
+	}
+	seed, err := os.ReadFile(filepath.Join(dir, keysDir, "account.nk"))
+	if err != nil {
+		return "", fmt.Errorf("bus: the mesh's account key (write a mesh first with narwhal bus creds --out %s): %w", dir, err)
+	}
+	acct, err := nkeys.FromSeed(bytes.TrimSpace(seed))
+	if err != nil {
+		return "", fmt.Errorf("bus: %s: %w", filepath.Join(dir, keysDir, "account.nk"), err)
+	}
+	if pub, _ := acct.PublicKey(); !nkeys.IsValidPublicAccountKey(pub) {
+		return "", fmt.Errorf("bus: %s holds no account seed", filepath.Join(dir, keysDir, "account.nk"))
+	}
+	path := filepath.Join(dir, IdentityCredsFile(kind, id))
+	if _, err := os.Stat(path); err == nil {
+		return "", fmt.Errorf("bus: %s exists already: refusing to replace the credential of %s %s", path, kind, id)
+	}
+	if err := writeUser(path, UserName(kind, id), perms, acct); err != nil {
+		return "", err
+	}
+	return path, nil
 }
 
 // writeNew writes data to a file that must not exist yet.

@@ -43,6 +43,14 @@ func connectAs(t *testing.T, e *bus.Embedded, dir, role string) *bus.Bus {
 	return bustest.Connect(t, e, bus.ConnectOptions{Name: role, CredsFile: bustest.CredsFile(dir, role)})
 }
 
+// connectID connects to e over TCP with the own credential of engine or
+// router id (kind bus.RoleEngine or bus.RoleRouter) from dir, issuing it
+// when it is not there yet (R-BUS-11).
+func connectID(t *testing.T, e *bus.Embedded, dir, kind, id string) *bus.Bus {
+	t.Helper()
+	return bustest.Connect(t, e, bus.ConnectOptions{Name: kind + "-" + id, CredsFile: bustest.Identity(t, dir, kind, id), Role: kind, ID: id})
+}
+
 // denied asserts that act failed and that the server reported a
 // permissions violation naming subject on b's connection (R-BUS-8).
 func denied(t *testing.T, b *bus.Bus, what, subject string, act func(ctx context.Context) error) {
@@ -105,6 +113,15 @@ func TestCredentialFiles(t *testing.T) {
 	if _, err := bus.RolePermissions("root"); err == nil {
 		t.Error("RolePermissions of an unknown role succeeded")
 	}
+	// Engines and routers have no role credential any more (R-BUS-11).
+	for _, role := range []string{bus.RoleRouter, bus.RoleEngine} {
+		if _, err := bus.RolePermissions(role); err == nil {
+			t.Errorf("RolePermissions(%s) succeeded: want an identity per %s", role, role)
+		}
+		if _, err := os.Stat(filepath.Join(dir, bus.CredsFile(role))); err == nil {
+			t.Errorf("WriteCredentials wrote %s", bus.CredsFile(role))
+		}
+	}
 }
 
 // TestRolePermissions proves R-BUS-8 on a server that enforces the
@@ -135,7 +152,7 @@ func TestRolePermissions(t *testing.T) {
 	}
 
 	breaker := connectAs(t, e, dir, bus.RoleBreaker)
-	router := connectAs(t, e, dir, bus.RoleRouter)
+	router := connectID(t, e, dir, bus.RoleRouter, "rt-1")
 	viewer := connectAs(t, e, dir, bus.RoleViewer)
 	chaosB := connectAs(t, e, dir, bus.RoleChaos)
 
@@ -161,7 +178,7 @@ func TestRolePermissions(t *testing.T) {
 	}
 
 	// The router's own acts: its events, reading placement and chaos.
-	if _, err := router.JetStream().Publish(ctx, "narwhal.events.failure.d1", []byte(`{"n":1}`)); err != nil {
+	if _, err := router.JetStream().Publish(ctx, "narwhal.events.failure.d1.rt-1", []byte(`{"n":1}`)); err != nil {
 		t.Fatalf("router publishes a failure event: %v", err)
 	}
 	if en, err := router.Placement().Get(ctx, "d1"); err != nil || string(en.Value()) != `{"eligible":true}` {
@@ -431,58 +448,6 @@ func TestClusterRoutesNeedTheSecret(t *testing.T) {
 	}
 }
 
-// TestEngineRole proves the engine credential's least privilege (R-BUS-8,
-// R-FLEET-5): it publishes registrations into NARWHAL_REGISTRATIONS,
-// reads narwhal_fleet and narwhal_routers, and may not write the fleet or
-// placement, publish an event or write the routers' reports.
-func TestEngineRole(t *testing.T) {
-	e, dir := authServer(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	admin := connectAs(t, e, dir, bus.RoleAdmin)
-	adminFleet, err := admin.BindBucket(ctx, bus.FleetBucket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := adminFleet.Put(ctx, "d7", []byte(`{}`)); err != nil {
-		t.Fatal(err)
-	}
-	engine := connectAs(t, e, dir, bus.RoleEngine)
-	fleet, err := engine.BindBucket(ctx, bus.FleetBucket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := engine.JetStream().Publish(ctx, bus.RegistrationSubject("d7"), []byte(`{}`)); err != nil {
-		t.Fatalf("engine publishes its registration: %v (%v)", err, engine.PermissionError())
-	}
-	if en, err := fleet.Get(ctx, "d7"); err != nil || string(en.Value()) != `{}` {
-		t.Fatalf("engine reads its fleet key: %v", err)
-	}
-	denied(t, engine, "engine writes its fleet key", "$KV.narwhal_fleet.d7", func(ctx context.Context) error {
-		_, err := fleet.Put(ctx, "d7", []byte(`{"state":"active"}`))
-		return err
-	})
-	routers, err := engine.BindBucket(ctx, bus.RoutersBucket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := routers.ListKeys(ctx); err != nil {
-		t.Fatalf("engine lists the routers' reports: %v", err)
-	}
-	denied(t, engine, "engine writes placement", "$KV.narwhal_placement.d7", func(ctx context.Context) error {
-		_, err := engine.Placement().Put(ctx, "d7", []byte(`{"eligible":true}`))
-		return err
-	})
-	denied(t, engine, "engine writes a router's report", "$KV.narwhal_routers.r1", func(ctx context.Context) error {
-		_, err := routers.Put(ctx, "r1", []byte(`{}`))
-		return err
-	})
-	denied(t, engine, "engine publishes a failure event", "narwhal.events.failure.d7", func(ctx context.Context) error {
-		_, err := engine.JetStream().Publish(ctx, "narwhal.events.failure.d7", []byte(`{}`))
-		return err
-	})
-}
-
 // TestMissingCredentialFileNamesTheRoleRBUS8: a NARWHAL_NATS_CREDS that
 // names no file is refused before any server is asked, and the error says
 // which setting is wrong, the path it names and the file of the
@@ -501,6 +466,19 @@ func TestMissingCredentialFileNamesTheRoleRBUS8(t *testing.T) {
 	for _, want := range []string{"NARWHAL_NATS_CREDS=" + missing, "breaker.creds", "narwhal bus creds", "no such file"} {
 		if !strings.Contains(msg, want) {
 			t.Errorf("error %q does not say %q", msg, want)
+		}
+	}
+	// A router's or an engine's: its own file and the flag that writes it
+	// (R-BUS-11).
+	for _, kind := range []string{bus.RoleRouter, bus.RoleEngine} {
+		_, err := bus.Connect(ctx, bus.ConnectOptions{URL: "nats://127.0.0.1:1", CredsFile: missing, Role: kind, ID: "x7"})
+		if err == nil {
+			t.Fatalf("%s: Connect with a credential file that does not exist: no error", kind)
+		}
+		for _, want := range []string{"NARWHAL_NATS_CREDS=" + missing, kind + "-x7.creds", "narwhal bus creds --out DIR --" + kind + " x7"} {
+			if !strings.Contains(err.Error(), want) {
+				t.Errorf("%s: error %q does not say %q", kind, err, want)
+			}
 		}
 	}
 }

@@ -27,6 +27,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/nats-io/jwt/v2"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
@@ -117,7 +118,9 @@ type ConnectOptions struct {
 	// Name is the client name the server shows, e.g. "narwhal-router-a".
 	Name string
 	// CredsFile is a NATS credentials file (JWT and seed): the role's
-	// credential (R-BUS-8), or "".
+	// credential (R-BUS-8), an engine's or router's own (R-BUS-11), or "".
+	// Connect asks every reply on the inbox prefix _INBOX.<the JWT's user
+	// name>, the only one the credential may subscribe to.
 	CredsFile string
 	// TLSCA is a PEM file of CAs to trust for the server's certificate,
 	// or "".
@@ -132,8 +135,14 @@ type ConnectOptions struct {
 	// RoleViewer, …; R-BUS-8), or "" when the caller does not say. When the
 	// server refuses the connection's credential (nats: Authorization
 	// Violation), Connect's error names NARWHAL_NATS_CREDS and this role's
-	// file of `narwhal bus creds` (router.creds, …).
+	// file of `narwhal bus creds` (breaker.creds, …; for RoleRouter and
+	// RoleEngine the identity's file of ID, router-<ID>.creds, R-BUS-11).
 	Role string
+	// ID is the engine's or router's id when Role is RoleEngine or
+	// RoleRouter, so that a refused credential's error names the
+	// identity's file (IdentityCredsFile) and the command that writes it;
+	// "" otherwise.
+	ID string
 	// Setup, when set, makes this connection the admin's: Connect runs
 	// Setup with it (creating or updating the stream and every bucket)
 	// before binding. Nil for every other role, which only binds.
@@ -258,7 +267,10 @@ func (b *Bus) URL() string {
 // the role lacks, or when the stream or a bucket is missing — unless
 // opts.WaitSetUp is set: then it waits for the set-up too, and when ctx
 // ends first its error is the *NotSetUpError of what was still missing.
-// The caller owns the Bus and must Close it.
+// With opts.CredsFile, every reply (requests, JetStream API calls, KV
+// gets, consumers' deliveries) comes to the inbox prefix the credential's
+// user name names (behaviour.md R-BUS-11); a file that holds no user JWT
+// is an error at once. The caller owns the Bus and must Close it.
 func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 	b := &Bus{log: opts.Log}
 	log := opts.Log
@@ -298,9 +310,18 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 	}
 	if opts.CredsFile != "" {
 		if _, err := os.Stat(opts.CredsFile); err != nil {
-			return nil, fmt.Errorf("bus: the credential NARWHAL_NATS_CREDS=%s cannot be read (%w): set it to %s (written by `narwhal bus creds --out DIR`, docs/mesh.md)", opts.CredsFile, err, roleFile(opts))
+			return nil, fmt.Errorf("bus: the credential NARWHAL_NATS_CREDS=%s cannot be read (%w): set it to %s (written by %s, docs/mesh.md)", opts.CredsFile, err, roleFile(opts), writtenBy(opts))
 		}
 		nopts = append(nopts, nats.UserCredentials(opts.CredsFile))
+		// The credential may subscribe to its own inbox prefix only
+		// (behaviour.md R-BUS-11): every reply comes there.
+		name, err := credsUserName(opts.CredsFile)
+		if err != nil {
+			return nil, fmt.Errorf("bus: the credential NARWHAL_NATS_CREDS=%s: %w: set it to %s (written by %s, docs/mesh.md)", opts.CredsFile, err, roleFile(opts), writtenBy(opts))
+		}
+		if name != "" {
+			nopts = append(nopts, nats.CustomInboxPrefix("_INBOX."+name))
+		}
 	}
 	if opts.TLSCA != "" {
 		nopts = append(nopts, nats.RootCAs(opts.TLSCA))
@@ -430,18 +451,60 @@ func credentialHint(err error, opts ConnectOptions) error {
 	}
 	file := roleFile(opts)
 	if opts.CredsFile == "" {
-		return fmt.Errorf("%w: the bus requires a credential and none was given: set NARWHAL_NATS_CREDS to %s (written by `narwhal bus creds --out DIR`, docs/mesh.md)", err, file)
+		return fmt.Errorf("%w: the bus requires a credential and none was given: set NARWHAL_NATS_CREDS to %s (written by %s, docs/mesh.md)", err, file, writtenBy(opts))
 	}
-	return fmt.Errorf("%w: the bus refused the credential NARWHAL_NATS_CREDS=%s: set it to %s of this mesh (written by `narwhal bus creds --out DIR` for the bus's --auth DIR, docs/mesh.md)", err, opts.CredsFile, file)
+	return fmt.Errorf("%w: the bus refused the credential NARWHAL_NATS_CREDS=%s: set it to %s of this mesh (written by %s for the bus's --auth DIR, docs/mesh.md)", err, opts.CredsFile, file, writtenBy(opts))
 }
 
 // roleFile is the file of opts.Role among those `narwhal bus creds`
-// writes (router.creds, …), or words for it when the role is not known.
+// writes (breaker.creds, …, router-<id>.creds for a router's or an
+// engine's identity, R-BUS-11), or words for it when the role is not known.
 func roleFile(opts ConnectOptions) string {
-	if opts.Role == "" {
+	switch {
+	case opts.Role == "":
 		return "the file of this process's role"
+	case (opts.Role == RoleRouter || opts.Role == RoleEngine) && opts.ID != "":
+		return IdentityCredsFile(opts.Role, opts.ID)
+	case opts.Role == RoleRouter || opts.Role == RoleEngine:
+		return IdentityCredsFile(opts.Role, "<id>") + " of this " + opts.Role
 	}
-	return opts.Role + ".creds"
+	return CredsFile(opts.Role)
+}
+
+// writtenBy is the command that writes roleFile(opts).
+func writtenBy(opts ConnectOptions) string {
+	if opts.Role == RoleRouter || opts.Role == RoleEngine {
+		id := opts.ID
+		if id == "" {
+			id = "ID"
+		}
+		return "`narwhal bus creds --out DIR --" + opts.Role + " " + id + "`"
+	}
+	return "`narwhal bus creds --out DIR`"
+}
+
+// credsUserName returns the user name in the JWT of NATS credentials file
+// path ("" when the JWT names none, or one that is not a single subject
+// token), or an error when the file holds no user JWT.
+func credsUserName(path string) (string, error) {
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return "", err
+	}
+	token, err := jwt.ParseDecoratedJWT(raw)
+	if err != nil {
+		return "", fmt.Errorf("no user JWT in it: %w", err)
+	}
+	uc, err := jwt.DecodeUserClaims(token)
+	if err != nil {
+		return "", fmt.Errorf("no user JWT in it: %w", err)
+	}
+	if strings.ContainsAny(uc.Name, " \t\r\n.*>") {
+		// Not one subject token (a user of one's own, say): the replies
+		// keep nats.go's own inbox prefix, as the credential allows or not.
+		return "", nil
+	}
+	return uc.Name, nil
 }
 
 // ErrUnreachable is wrapped by Connect's error when no server of the URL

@@ -14,12 +14,15 @@ import (
 )
 
 // TestPermissionsFollowTheEventKinds proves that the credentials take
-// the event kinds from schemas.EventKinds (R-BUS-8): every role a row
-// names is a role of the mesh that can be given events (not the viewer,
-// which only reads, nor the admin, which may do anything); a role may
-// publish narwhal.events.<kind>.* exactly when the row names it among the
-// publishers, and subscribe to narwhal.events.<kind>.> exactly when it
-// names it among the subscribers; the viewer publishes no event.
+// the event kinds from schemas.EventKinds (R-BUS-8, R-BUS-11): every role
+// a row names is a role of the mesh that can be given events (not the
+// viewer, which only reads, nor the admin, which may do anything); a role
+// may publish narwhal.events.<kind>.* exactly when the row names it among
+// the publishers, and subscribe to narwhal.events.<kind>.> exactly when it
+// names it among the subscribers; the viewer publishes no event. A router
+// publishes a kind the row gives it only under its own id:
+// narwhal.events.<kind>.*.<id> for a kind about an engine,
+// narwhal.events.<kind>.<id> for one about the router.
 func TestPermissionsFollowTheEventKinds(t *testing.T) {
 	perms := map[string][2][]string{}
 	for _, role := range bus.Roles {
@@ -29,20 +32,40 @@ func TestPermissionsFollowTheEventKinds(t *testing.T) {
 		}
 		perms[role] = [2][]string{p.Pub.Allow, p.Sub.Allow}
 	}
+	rp, err := bus.RouterPermissions("r1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	perms[bus.RoleRouter] = [2][]string{rp.Pub.Allow, rp.Sub.Allow}
+	ep, err := bus.EnginePermissions("p1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	perms[bus.RoleEngine] = [2][]string{ep.Pub.Allow, ep.Sub.Allow}
+	roles := slices.Concat(bus.Roles, []string{bus.RoleRouter, bus.RoleEngine})
 	for _, k := range schemas.EventKinds() {
 		for _, role := range slices.Concat(k.Publishers, k.Subscribers) {
-			if !slices.Contains(bus.Roles, role) || role == bus.RoleViewer || role == bus.RoleAdmin {
-				t.Errorf("kind %s names role %q: want one of %v but the viewer and the admin", k.Name, role, bus.Roles)
+			if !slices.Contains(roles, role) || role == bus.RoleViewer || role == bus.RoleAdmin {
+				t.Errorf("kind %s names role %q: want one of %v but the viewer and the admin", k.Name, role, roles)
 			}
 		}
 		sub := bus.SubjectPrefix + k.Name + ".>"
-		for _, role := range bus.Roles {
+		for _, role := range roles {
 			if role == bus.RoleAdmin {
 				continue
 			}
 			pub := role != bus.RoleViewer && slices.Contains(k.Publishers, role)
-			if got := slices.Contains(perms[role][0], k.Filter()); got != pub {
-				t.Errorf("role %s may publish %s: %v, want %v (publishers %v)", role, k.Filter(), got, pub, k.Publishers)
+			subject := k.Filter()
+			if role == bus.RoleRouter && k.ID == schemas.IDRouter {
+				subject = bus.SubjectPrefix + k.Name + ".r1"
+			} else if role == bus.RoleRouter {
+				subject = bus.SubjectPrefix + k.Name + ".*.r1"
+			}
+			if got := slices.Contains(perms[role][0], subject); got != pub {
+				t.Errorf("role %s may publish %s: %v, want %v (publishers %v)", role, subject, got, pub, k.Publishers)
+			}
+			if role == bus.RoleRouter && slices.Contains(perms[role][0], k.Filter()) {
+				t.Errorf("router r1 may publish %s: under any id", k.Filter())
 			}
 			if role == bus.RoleViewer {
 				continue // subscribes to narwhal.events.>
@@ -59,9 +82,10 @@ func TestPermissionsFollowTheEventKinds(t *testing.T) {
 }
 
 // TestEveryKindsPublishersPublish proves on a server that enforces the
-// credentials (R-BUS-8) that each role a row of schemas.EventKinds names
-// among its publishers really may publish events of that kind into
-// NARWHAL_EVENTS.
+// credentials (R-BUS-8, R-BUS-11) that each role a row of
+// schemas.EventKinds names among its publishers really may publish events
+// of that kind into NARWHAL_EVENTS — a router under its own id, as the
+// last token of the subject.
 func TestEveryKindsPublishersPublish(t *testing.T) {
 	e, dir := authServer(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
@@ -69,11 +93,19 @@ func TestEveryKindsPublishersPublish(t *testing.T) {
 	conns := map[string]*bus.Bus{}
 	for _, k := range schemas.EventKinds() {
 		for _, role := range k.Publishers {
-			if conns[role] == nil {
+			if conns[role] == nil && role == bus.RoleRouter {
+				conns[role] = connectID(t, e, dir, bus.RoleRouter, "kinds-router")
+			} else if conns[role] == nil {
 				conns[role] = connectAs(t, e, dir, role)
 			}
-			if _, err := conns[role].JetStream().Publish(ctx, k.Subject("kinds-test", "kinds-test"), []byte(`{}`)); err != nil {
-				t.Errorf("%s publishes a %s event: %v (%v)", role, k.Name, err, conns[role].PermissionError())
+			subject := k.Subject("kinds-test", "kinds-test")
+			if role == bus.RoleRouter && k.ID == schemas.IDRouter {
+				subject = k.Subject("kinds-router", "")
+			} else if role == bus.RoleRouter {
+				subject = k.Subject("kinds-test", "kinds-router")
+			}
+			if _, err := conns[role].JetStream().Publish(ctx, subject, []byte(`{}`)); err != nil {
+				t.Errorf("%s publishes a %s event on %s: %v (%v)", role, k.Name, subject, err, conns[role].PermissionError())
 			}
 		}
 	}

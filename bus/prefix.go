@@ -219,5 +219,9 @@ func prefixStreamConfig(replicas int) jetstream.StreamConfig {
 		MaxBytes:    PrefixMaxBytes,
 		MaxMsgSize:  PrefixMaxBatch,
 		Replicas:    replicas,
+		// No rollup and no purge (behaviour.md R-BUS-11): a router's
+		// batch with a Nats-Rollup header would wipe the others'.
+		AllowRollup: false,
+		DenyPurge:   true,
 	}
 }

@@ -127,14 +127,14 @@ func FuzzParsePrefixBatch(f *testing.F) {
 
 // TestPrefixPlacementPermissions (R-BUS-8, R-PLACE-2): a router publishes
 // prefix placements, other routers receive them at once and find them in
-// stream NARWHAL_PREFIX through a consumer of their own; no other role
-// may publish placements.
+// stream NARWHAL_PREFIX through a consumer of their own; no other role,
+// and no other router (R-BUS-11), may publish a router's placements.
 func TestPrefixPlacementPermissions(t *testing.T) {
 	e, dir := authServer(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	routerA := connectAs(t, e, dir, bus.RoleRouter)
-	routerB := connectAs(t, e, dir, bus.RoleRouter)
+	routerA := connectID(t, e, dir, bus.RoleRouter, "router-a")
+	routerB := connectID(t, e, dir, bus.RoleRouter, "router-b")
 
 	got := make(chan []byte, 1)
 	sub, err := routerB.Conn().Subscribe(bus.PrefixSubjectPrefix+"*", func(m *nats.Msg) { got <- m.Data })
@@ -190,8 +190,11 @@ func TestPrefixPlacementPermissions(t *testing.T) {
 		t.Fatalf("router B reading the stream: %v", err)
 	}
 
-	for _, role := range []string{bus.RoleBreaker, bus.RoleEngine, bus.RoleChaos, bus.RoleViewer} {
-		other := connectAs(t, e, dir, role)
+	others := map[string]*bus.Bus{"router-b": routerB, "engine p1": connectID(t, e, dir, bus.RoleEngine, "p1")}
+	for _, role := range []string{bus.RoleBreaker, bus.RoleChaos, bus.RoleViewer} {
+		others[role] = connectAs(t, e, dir, role)
+	}
+	for role, other := range others {
 		denied(t, other, role+" publishes a prefix placement", "narwhal.prefix.router-a", func(ctx context.Context) error {
 			_, err := other.JetStream().Publish(ctx, bus.PrefixSubject("router-a"), b.Bytes())
 			return err

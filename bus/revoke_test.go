@@ -131,8 +131,8 @@ func jetStreamState(t *testing.T, b *bus.Bus) map[string]string {
 	return out
 }
 
-// sameState fails the test when got differs from want.
-func sameState(t *testing.T, when string, want, got map[string]string) {
+// sameJetStreamState fails the test when got differs from want.
+func sameJetStreamState(t *testing.T, when string, want, got map[string]string) {
 	t.Helper()
 	for k, v := range want {
 		if got[k] != v {
@@ -236,7 +236,7 @@ func TestRevokeEngineCredentialRBUS11(t *testing.T) {
 	if _, err := router.Placement().Get(ctx, "d1"); err != nil {
 		t.Errorf("the router reads placement after the revocation: %v", err)
 	}
-	sameState(t, "after the revocation", want, jetStreamState(t, admin))
+	sameJetStreamState(t, "after the revocation", want, jetStreamState(t, admin))
 
 	// auth.conf holds the new JWT: its preload is the newest.
 	conf, err := os.ReadFile(filepath.Join(dir, bus.AuthConfFile))
@@ -261,7 +261,7 @@ func TestRevokeEngineCredentialRBUS11(t *testing.T) {
 	if !dialIdentity(t, e2.ClientURL(), d2, bus.RoleEngine, "d2").alive() {
 		t.Error("d2 not answered after the restart")
 	}
-	sameState(t, "after the restart", want, jetStreamState(t, connectAs(t, e2, dir, bus.RoleAdmin)))
+	sameJetStreamState(t, "after the restart", want, jetStreamState(t, connectAs(t, e2, dir, bus.RoleAdmin)))
 }
 
 // TestRevokeErrorsRBUS11 proves that revocation's errors name what is

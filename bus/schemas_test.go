@@ -43,7 +43,7 @@ func TestSchemasReachableFromTheBusRBUS3(t *testing.T) {
 		t.Errorf("unknown schema: %v, want key not found", err)
 	}
 
-	router := connectAs(t, e, dir, bus.RoleRouter)
+	router := connectID(t, e, dir, bus.RoleRouter, "r1")
 	denied(t, router, "router rewrites a schema", "$KV.narwhal_schemas.narwhal.request.v1", func(ctx context.Context) error {
 		_, err := router.JetStream().Publish(ctx, "$KV.narwhal_schemas.narwhal.request.v1", []byte(`{}`))
 		return err

@@ -135,6 +135,10 @@ func streamConfig(replicas int) jetstream.StreamConfig {
 		Duplicates:  StreamDuplicates,
 		MaxMsgSize:  StreamMaxMsgSize,
 		Replicas:    replicas,
+		// No rollup (behaviour.md R-BUS-11): a publish with a
+		// Nats-Rollup header would wipe the subject or the stream. Purges
+		// take the admin's credential; the admin may purge this stream.
+		AllowRollup: false,
 	}
 }
 
@@ -158,6 +162,10 @@ func historyConfig(replicas int) jetstream.StreamConfig {
 		MaxBytes:    HistoryMaxBytes,
 		MaxMsgSize:  StreamMaxMsgSize,
 		Replicas:    replicas,
+		// No rollup and no purge (behaviour.md R-BUS-11): nothing of
+		// Narwhal purges the history.
+		AllowRollup: false,
+		DenyPurge:   true,
 	}
 }
 
@@ -357,6 +365,9 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, want jetstream.St
 		return fmt.Errorf("bus: stream %s: %w", want.Name, err)
 	}
 	have := st.CachedInfo().Config
+	if have.DenyPurge {
+		want.DenyPurge = true // a server cannot take it back
+	}
 	if have.Replicas != want.Replicas {
 		log.Warn("bus: keeping the replicas of an existing stream", "stream", want.Name,
 			"found", have.Replicas, "wanted", want.Replicas)
@@ -373,11 +384,13 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, want jetstream.St
 }
 
 // sameStream reports whether the settings Narwhal manages are as wanted.
+// A duplicate window Narwhal leaves to the server (0: its default) is as
+// wanted whatever the server made of it.
 func sameStream(have, want jetstream.StreamConfig) bool {
 	return slices.Equal(have.Subjects, want.Subjects) && sameSources(have.Sources, want.Sources) &&
 		have.MaxMsgSize == want.MaxMsgSize && have.Retention == want.Retention &&
 		have.Discard == want.Discard && have.Storage == want.Storage && have.MaxAge == want.MaxAge &&
-		have.MaxBytes == want.MaxBytes && have.Duplicates == want.Duplicates && have.Replicas == want.Replicas &&
+		have.MaxBytes == want.MaxBytes && (want.Duplicates == 0 || have.Duplicates == want.Duplicates) && have.Replicas == want.Replicas &&
 		have.Description == want.Description &&
 		unlimited(have.MaxMsgsPerSubject) == unlimited(want.MaxMsgsPerSubject) && have.AllowRollup == want.AllowRollup &&
 		have.DenyDelete == want.DenyDelete && have.DenyPurge == want.DenyPurge
@@ -418,6 +431,17 @@ func ensureBucket(ctx context.Context, js jetstream.JetStream, want jetstream.Ke
 		if err != nil {
 			return fmt.Errorf("bus: create bucket %s: %w", want.Bucket, err)
 		}
+		if noRollupBucket(want.Bucket) {
+			// nats.go makes every bucket with rollups allowed: take them
+			// away at once (a set-up cut here does it on its next run).
+			st, err := js.Stream(ctx, "KV_"+want.Bucket)
+			if err != nil {
+				return fmt.Errorf("bus: bucket %s: %w", want.Bucket, err)
+			}
+			if err := updateNoRollupBucket(ctx, js, st.CachedInfo().Config, want); err != nil {
+				return err
+			}
+		}
 		log.Info("bus: bucket created", "bucket", want.Bucket, "replicas", want.Replicas)
 		return nil
 	}
@@ -438,14 +462,50 @@ func ensureBucket(ctx context.Context, js jetstream.JetStream, want jetstream.Ke
 		// Made by a server without per-key TTLs: leave it so.
 		want.LimitMarkerTTL = 0
 	}
+	rollupsAsWanted := !noRollupBucket(want.Bucket) || !info.Config.AllowRollup && info.Config.DenyPurge
 	if st.History() == int64(want.History) && st.TTL() == want.TTL && info.Config.Storage == want.Storage &&
-		info.Config.Description == want.Description && st.LimitMarkerTTL() == want.LimitMarkerTTL {
+		info.Config.Description == want.Description && st.LimitMarkerTTL() == want.LimitMarkerTTL && rollupsAsWanted {
+		return nil
+	}
+	if noRollupBucket(want.Bucket) {
+		if err := updateNoRollupBucket(ctx, js, info.Config, want); err != nil {
+			return err
+		}
+		log.Info("bus: bucket updated to Narwhal's settings", "bucket", want.Bucket)
 		return nil
 	}
 	if _, err := js.UpdateKeyValue(ctx, want); err != nil {
 		return fmt.Errorf("bus: update bucket %s: %w", want.Bucket, err)
 	}
 	log.Info("bus: bucket updated to Narwhal's settings", "bucket", want.Bucket)
+	return nil
+}
+
+// noRollupBucket reports whether bucket allows no rollup and no purge
+// (behaviour.md R-BUS-11): narwhal_routers, where every router writes its
+// own key and a rollup on one key would wipe the others' reports. Nothing
+// of Narwhal purges it (a router's report lapses by the bucket's TTL;
+// nats.go's Delete writes a marker without a rollup, its Purge would need
+// one). The buckets with limit markers (narwhal_fleet, narwhal_chaos) get
+// rollups forced on by the server; they, narwhal_placement and
+// narwhal_breaker each have a single writing role instead.
+func noRollupBucket(bucket string) bool { return bucket == RoutersBucket }
+
+// updateNoRollupBucket updates the stream of bucket want, whose config is
+// have, to want's settings with no rollup and no purge. It goes to the
+// stream, not through nats.go's UpdateKeyValue, which would ask for rollups
+// and for purges again (the server refuses to take a purge ban back).
+func updateNoRollupBucket(ctx context.Context, js jetstream.JetStream, have jetstream.StreamConfig, want jetstream.KeyValueConfig) error {
+	cfg := have
+	cfg.Description = want.Description
+	cfg.MaxMsgsPerSubject = int64(max(want.History, 1))
+	cfg.MaxAge = want.TTL
+	cfg.Replicas = want.Replicas
+	cfg.AllowRollup = false
+	cfg.DenyPurge = true
+	if _, err := js.UpdateStream(ctx, cfg); err != nil {
+		return fmt.Errorf("bus: update bucket %s: %w", want.Bucket, err)
+	}
 	return nil
 }
 

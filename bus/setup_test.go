@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/narwhalmesh/narwhal/bus"
@@ -148,5 +149,82 @@ func TestSetupKeepsReplicas(t *testing.T) {
 	}
 	if cfg := st.CachedInfo().Config; cfg.Replicas != 1 || cfg.MaxAge != bus.StreamMaxAge {
 		t.Errorf("after Setup: replicas %d (want 1 kept), max age %v (want %v restored)", cfg.Replicas, cfg.MaxAge, bus.StreamMaxAge)
+	}
+}
+
+// TestSetupAllowsNoRollupRBUS11 proves the set-up's part of "no wipe"
+// (R-BUS-11): streams NARWHAL_EVENTS, NARWHAL_HISTORY and NARWHAL_PREFIX
+// and bucket narwhal_routers allow no rollup (the history, the prefix
+// stream and the bucket no purge either), also a bucket nats.go made with
+// rollups before the set-up ran; a second set-up keeps them so and
+// updates nothing; nats.go's Put and Delete on the bucket still work, its
+// Purge (a rollup) is refused.
+func TestSetupAllowsNoRollupRBUS11(t *testing.T) {
+	e := bustest.StartWith(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1, NoSetup: true})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	nc, err := nats.Connect(e.ClientURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// As an older set-up made it: nats.go's defaults, rollups allowed.
+	if _, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
+		Bucket: bus.RoutersBucket, Description: "Narwhal routers: legs in flight by router id", History: 1,
+		TTL: bus.RouterReportTTL, Storage: jetstream.FileStorage,
+	}); err != nil {
+		t.Fatal(err)
+	}
+	b := bustest.Connect(t, e, bus.ConnectOptions{Setup: &bus.SetupOptions{}})
+	check := func(when string) {
+		t.Helper()
+		for _, c := range []struct {
+			stream string
+			purge  bool
+		}{{bus.StreamName, false}, {bus.HistoryStream, true}, {bus.PrefixStream, true}, {"KV_" + bus.RoutersBucket, true}} {
+			st, err := b.JetStream().Stream(ctx, c.stream)
+			if err != nil {
+				t.Fatal(err)
+			}
+			cfg := st.CachedInfo().Config
+			if cfg.AllowRollup || c.purge && !cfg.DenyPurge {
+				t.Errorf("%s: stream %s allows rollups %v, denies purges %v; want no rollup (and no purge: %v)", when, c.stream, cfg.AllowRollup, cfg.DenyPurge, c.purge)
+			}
+		}
+	}
+	check("after the set-up")
+	log := &testkit.LockedBuffer{}
+	if err := bus.Setup(ctx, b, bus.SetupOptions{Log: slog.New(slog.NewTextHandler(log, nil))}); err != nil {
+		t.Fatal(err)
+	}
+	check("after a second set-up")
+	if strings.Contains(log.String(), "updated") {
+		t.Errorf("a second set-up updated:\n%s", log.String())
+	}
+	kv, err := b.BindBucket(ctx, bus.RoutersBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st, err := kv.Status(ctx); err != nil || st.TTL() != bus.RouterReportTTL || st.History() != 1 {
+		t.Errorf("bucket %s after the set-up: %v %v", bus.RoutersBucket, st, err)
+	}
+	if _, err := kv.Put(ctx, "r1", []byte(`{}`)); err != nil {
+		t.Errorf("put: %v", err)
+	}
+	if _, err := kv.Put(ctx, "r2", []byte(`{}`)); err != nil {
+		t.Errorf("put: %v", err)
+	}
+	if err := kv.Delete(ctx, "r1"); err != nil {
+		t.Errorf("delete: %v", err)
+	}
+	if err := kv.Purge(ctx, "r2"); err == nil {
+		t.Error("purge of r2 succeeded, want the rollup refused")
+	}
+	if en, err := kv.Get(ctx, "r2"); err != nil || en.Operation() != jetstream.KeyValuePut {
+		t.Errorf("r2 after the refused purge: %v %v", en, err)
 	}
 }

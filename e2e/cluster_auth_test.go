@@ -60,8 +60,8 @@ func TestClusterLeastPrivilege(t *testing.T) {
 		t.Errorf("narwhal chaos list with the viewer's credential: exit %d\n%s", code, out)
 	}
 
-	// The router's credential may not arm chaos.
-	router := append([]string{"NARWHAL_NATS_URL=" + c.natsURL}, c.credsEnv(bus.RoleRouter)...)
+	// A router's credential may not arm chaos.
+	router := append([]string{"NARWHAL_NATS_URL=" + c.natsURL}, c.identityEnv(t, bus.RoleRouter, "r1")...)
 	out, code := runNarwhalEnv(t, router, "chaos", "arm", "--engine", "d1", "--fault", "http-status", "--connect-timeout", "2s")
 	if code == 0 || !strings.Contains(out, "ermissions") {
 		t.Errorf("narwhal chaos arm with the router's credential: exit %d, want a permissions violation:\n%s", code, out)

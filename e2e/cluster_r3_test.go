@@ -99,7 +99,7 @@ func startR3Mesh(t *testing.T) *r3Mesh {
 		n := bc.nodes[i]
 		m.seed[r.id] = n
 		r.env = append(append(append([]string{"NARWHAL_NATS_URL=nats://" + n.client, "NARWHAL_ROUTER_ID=" + r.id},
-			clusterEnv...), c.credsEnv(bus.RoleRouter)...), r3RouterEnv...)
+			clusterEnv...), c.identityEnv(t, bus.RoleRouter, r.id)...), r3RouterEnv...)
 		c.routers = append(c.routers, r)
 		c.spawnRouter(t, r)
 	}
@@ -618,7 +618,7 @@ func TestClusterR3(t *testing.T) {
 		}
 	}
 	t.Logf("R-BUS-9: every router ignored %d forged values: narwhal_placement_ignored_total %v -> %v", len(forged), ignoredBefore, m.routerSum(t, "narwhal_placement_ignored_total"))
-	asRouter, err := bus.Connect(testContext(t, readyBound), bus.ConnectOptions{URL: c.natsURL, Name: "narwhal-e2e-as-router", CredsFile: c.credsPath(bus.RoleRouter)})
+	asRouter, err := bus.Connect(testContext(t, readyBound), bus.ConnectOptions{URL: c.natsURL, Name: "narwhal-e2e-as-router", CredsFile: c.identityPath(t, bus.RoleRouter, "r1")})
 	if err != nil {
 		t.Fatal(err)
 	}

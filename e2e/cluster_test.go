@@ -263,7 +263,7 @@ request:
 		r := &routerProc{id: fmt.Sprintf("r%d", i+1), addr: hostPort(ports[5+i])}
 		r.url = "http://" + r.addr
 		r.env = append(append(append([]string{"NARWHAL_NATS_URL=" + c.natsURL, "NARWHAL_ROUTER_ID=" + r.id}, clusterEnv...),
-			c.credsEnv(bus.RoleRouter)...), opts.routerEnv...)
+			c.identityEnv(t, bus.RoleRouter, r.id)...), opts.routerEnv...)
 		c.routers = append(c.routers, r)
 		c.spawnRouter(t, r)
 	}
@@ -416,6 +416,34 @@ func (c *cluster) credsEnv(role string) []string {
 		return nil
 	}
 	return []string{"NARWHAL_NATS_CREDS=" + c.credsPath(role)}
+}
+
+// identityPath returns the path of engine or router id's own credential
+// (kind bus.RoleEngine or bus.RoleRouter, R-BUS-11), issuing it from the
+// mesh's keys when it is not there yet, or "" without auth.
+func (c *cluster) identityPath(t *testing.T, kind, id string) string {
+	t.Helper()
+	if c.credsDir == "" {
+		return ""
+	}
+	path := filepath.Join(c.credsDir, bus.IdentityCredsFile(kind, id))
+	if _, err := os.Stat(path); err == nil {
+		return path
+	}
+	if _, err := bus.IssueIdentity(c.credsDir, kind, id); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// identityEnv returns the NARWHAL_NATS_CREDS setting of engine or router
+// id's own credential (identityPath), or nothing without auth.
+func (c *cluster) identityEnv(t *testing.T, kind, id string) []string {
+	t.Helper()
+	if c.credsDir == "" {
+		return nil
+	}
+	return []string{"NARWHAL_NATS_CREDS=" + c.identityPath(t, kind, id)}
 }
 
 // teardown stops everything (see startCluster).

@@ -230,7 +230,7 @@ func TestFleetAtRunTime(t *testing.T) {
 	}
 	r3 := &routerProc{id: "r-empty", addr: hostPort(freePorts(t, 1)[0])}
 	r3.url = "http://" + r3.addr
-	r3.p = spawn(t, "router r-empty", append(append([]string{"NARWHAL_NATS_URL=" + c.natsURL, "NARWHAL_ROUTER_ID=" + r3.id}, clusterEnv...), c.credsEnv(bus.RoleRouter)...),
+	r3.p = spawn(t, "router r-empty", append(append([]string{"NARWHAL_NATS_URL=" + c.natsURL, "NARWHAL_ROUTER_ID=" + r3.id}, clusterEnv...), c.identityEnv(t, bus.RoleRouter, r3.id)...),
 		"router", "--config", empty, "--listen", r3.addr)
 	c.extra = append(c.extra, r3.p)
 	waitHTTP(t, r3.p, r3.url+"/readyz")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A Narwhal mesh on this machine: a bus (NATS with JetStream) with one
-# credential per role, a breaker, two routers and four simulators (two
+# credential per role and one per engine and router, a breaker, two routers and four simulators (two
 # prefill, two decode) that register themselves in the live fleet; the
 # routers' and the breaker's settings are examples/mesh-fleet.yaml. It
 # prints what to curl and what to watch; Ctrl-C stops everything, one
@@ -135,11 +135,18 @@ ready() { curl -fsS -o /dev/null --max-time 1 "$1"; }
 
 fleet=examples/mesh-fleet.yaml
 
-# One NATS credential per role; the bus enforces them.
+# One NATS credential per role, and one per engine and per router (each
+# speaks only for itself); the bus enforces them.
 creds=$dir/creds
 if [ ! -e "$creds/auth.conf" ]; then
   "$bin" bus creds --out "$creds" >"$dir/creds.log"
 fi
+for id in p1 p2 d1 d2; do
+  [ -e "$creds/engine-$id.creds" ] || "$bin" bus creds --out "$creds" --engine "$id" >>"$dir/creds.log"
+done
+for id in r1 r2; do
+  [ -e "$creds/router-$id.creds" ] || "$bin" bus creds --out "$creds" --router "$id" >>"$dir/creds.log"
+done
 nats=nats://127.0.0.1:$bus_port
 
 start bus -- bus --listen "127.0.0.1:$bus_port" --data "$dir/bus" --auth "$creds"
@@ -148,7 +155,7 @@ wait_for "the bus" grep -q "bus listening on" "$dir/bus.log"
 ids=(p1 p2 d1 d2)
 roles=(prefill prefill decode decode)
 for i in 0 1 2 3; do
-  start "${ids[i]}" NARWHAL_NATS_URL="$nats" NARWHAL_NATS_CREDS="$creds/engine.creds" -- \
+  start "${ids[i]}" NARWHAL_NATS_URL="$nats" NARWHAL_NATS_CREDS="$creds/engine-${ids[i]}.creds" -- \
     sim --role "${roles[i]}" --listen "127.0.0.1:${sim_ports[i]}" --engine-id "${ids[i]}" --model "$model" --register
 done
 for i in 0 1 2 3; do
@@ -158,7 +165,7 @@ done
 
 start breaker NARWHAL_NATS_URL="$nats" NARWHAL_NATS_CREDS="$creds/breaker.creds" -- breaker --config "$fleet"
 for i in 0 1; do
-  start "r$((i + 1))" NARWHAL_NATS_URL="$nats" NARWHAL_NATS_CREDS="$creds/router.creds" NARWHAL_ROUTER_ID="r$((i + 1))" -- \
+  start "r$((i + 1))" NARWHAL_NATS_URL="$nats" NARWHAL_NATS_CREDS="$creds/router-r$((i + 1)).creds" NARWHAL_ROUTER_ID="r$((i + 1))" -- \
     router --config "$fleet" --listen "127.0.0.1:${router_ports[i]}"
   wait_for "router r$((i + 1))" ready "http://127.0.0.1:${router_ports[i]}/readyz"
 done

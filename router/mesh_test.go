@@ -124,38 +124,46 @@ func TestBusOutageKeepsServingRBUS6(t *testing.T) {
 }
 
 // TestWrongRoleCredentialIsUnreadyRBUS8 proves that a router connected to
-// a bus that enforces credentials (R-BUS-8) with another role's file —
-// the viewer's, which may read but not write — says so on /readyz (503,
-// naming the violation and router.creds) instead of reporting ready while
-// the bus drops everything it writes: its request and failure events, so
-// that no breaker ever ejects on its word. With the router's own file it
-// is ready.
+// a bus that enforces credentials (R-BUS-8, R-BUS-11) with a file other
+// than its own — the viewer's, which may read but not write, or another
+// router's, which may write only under that router's id — says so on
+// /readyz (503, naming the violation and its own router-<id>.creds)
+// instead of reporting ready while the bus drops everything it writes:
+// its request and failure events, its in-flight report, so that no
+// breaker ever ejects on its word. With its own file it is ready.
 func TestWrongRoleCredentialIsUnreadyRBUS8(t *testing.T) {
 	dir := bustest.Credentials(t)
 	emb := bustest.StartWith(t, bus.EmbeddedOptions{Port: -1, AuthDir: dir})
 	for _, c := range []struct {
-		role  string
+		what  string
+		creds func(id string) string
 		ready bool
-	}{{bus.RoleRouter, true}, {bus.RoleViewer, false}} {
-		b := bustest.Connect(t, emb, bus.ConnectOptions{CredsFile: bustest.CredsFile(dir, c.role), Role: c.role})
+	}{
+		{"its own", func(id string) string { return bustest.Identity(t, dir, bus.RoleRouter, id) }, true},
+		{"the viewer's", func(string) string { return bustest.CredsFile(dir, bus.RoleViewer) }, false},
+		{"another router's", func(string) string { return bustest.Identity(t, dir, bus.RoleRouter, "someone-else") }, false},
+	} {
 		s := newStack(t, pd(), nil)
 		s.waitModels()
+		id := s.rt.ID()
+		b := bustest.Connect(t, emb, bus.ConnectOptions{CredsFile: c.creds(id), Role: bus.RoleRouter, ID: id})
 		if err := s.rt.JoinMesh(b, 5*time.Second); err != nil {
-			t.Fatalf("%s: %v", c.role, err)
+			t.Fatalf("%s: %v", c.what, err)
 		}
 		if c.ready {
 			// A few in-flight reports (one a second) have been written.
 			time.Sleep(2500 * time.Millisecond)
 			if resp, body := s.get("/readyz"); resp.StatusCode != 200 {
-				t.Errorf("with %s.creds: /readyz %d %s, want 200", c.role, resp.StatusCode, body)
+				t.Errorf("with %s credential: /readyz %d %s, want 200", c.what, resp.StatusCode, body)
 			}
 			continue
 		}
 		var body []byte
-		testkit.WaitFor(t, 5*time.Second, "/readyz 503 naming the refused writes", func() bool {
+		want := bus.IdentityCredsFile(bus.RoleRouter, id)
+		testkit.WaitFor(t, 5*time.Second, "/readyz 503 naming the refused writes and "+want, func() bool {
 			var resp *http.Response
 			resp, body = s.get("/readyz")
-			return resp.StatusCode == 503 && strings.Contains(string(body), "Permissions Violation") && strings.Contains(string(body), "router.creds")
+			return resp.StatusCode == 503 && strings.Contains(string(body), "Permissions Violation") && strings.Contains(string(body), want)
 		})
 	}
 }

@@ -573,9 +573,11 @@ func (rt *Router) serveReady(ctx *fasthttp.RequestCtx) {
 	}
 	if b := rt.joined.Load(); b != nil {
 		if err := b.PermissionError(); err != nil {
-			// Another role's credential: the bus drops what the router
-			// writes — its events, its reports (R-BUS-8).
-			problems = append(problems, "the bus refuses what this router writes ("+err.Error()+"): NARWHAL_NATS_CREDS must be its role's file, router.creds")
+			// Another role's or router's credential: the bus drops what
+			// the router writes — its events, its reports (R-BUS-8,
+			// R-BUS-11).
+			problems = append(problems, "the bus refuses what this router writes ("+err.Error()+"): NARWHAL_NATS_CREDS must be this router's own file, "+
+				bus.IdentityCredsFile(bus.RoleRouter, rt.id)+" (narwhal bus creds --out DIR --router "+rt.id+")")
 		}
 	}
 	if !rt.fleet().CanServe(prefillPhase) {

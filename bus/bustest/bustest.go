@@ -9,6 +9,7 @@ package bustest
 
 import (
 	"context"
+	"os"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -88,6 +89,22 @@ func Credentials(t testing.TB) string {
 // bus.RoleViewer, …) in dir, a directory Credentials wrote, for
 // ConnectOptions.CredsFile.
 func CredsFile(dir, role string) string { return filepath.Join(dir, bus.CredsFile(role)) }
+
+// Identity returns the path of engine or router id's own credential (kind
+// bus.RoleEngine or bus.RoleRouter, behaviour.md R-BUS-11) in dir, a
+// directory Credentials wrote, issuing it (bus.IssueIdentity) unless it is
+// there already. A failure fails the test.
+func Identity(t testing.TB, dir, kind, id string) string {
+	t.Helper()
+	path := filepath.Join(dir, bus.IdentityCredsFile(kind, id))
+	if _, err := os.Stat(path); err == nil {
+		return path
+	}
+	if _, err := bus.IssueIdentity(dir, kind, id); err != nil {
+		t.Fatalf("identity: %v", err)
+	}
+	return path
+}
 
 // Event is one message of stream NARWHAL_EVENTS as a subscription
 // delivers it: its subject (narwhal.events.<kind>.<id>, with a fifth

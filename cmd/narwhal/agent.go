@@ -238,6 +238,7 @@ func registered(ctx context.Context, spec config.EngineSpec, by string, drainBou
 	opts.Buckets = []string{bus.FleetBucket, bus.RoutersBucket}
 	opts.Streams = []string{bus.RegistrationsStream}
 	opts.WaitSetUp = &bus.SetUpWait{}
+	opts.ID = spec.ID // its credential is engine-<id>.creds (R-BUS-11)
 	b, err := bus.Connect(ctx, opts)
 	if err != nil {
 		return fmt.Errorf("bus %s: %w", redactNATSURL(cfg.Bus.URL), err)

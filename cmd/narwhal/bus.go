@@ -41,7 +41,7 @@ const (
 const busUsage = `usage: narwhal bus [--listen HOST:PORT] [--data DIR] [--config FILE] [--auth DIR]
                    [--name NAME --cluster HOST:PORT --routes URL,...] [--verbose]
        narwhal bus setup [--config FILE] [--connect-timeout DUR]
-       narwhal bus creds --out DIR
+       narwhal bus creds --out DIR [--engine ID]... [--router ID]...
        narwhal bus revoke --creds DIR [--engine ID]... [--router ID]... [--user PUBKEY]...
 
 narwhal bus         serves NATS with JetStream and sets up Narwhal's stream and
@@ -51,8 +51,11 @@ narwhal bus         serves NATS with JetStream and sets up Narwhal's stream and
                     --cluster and --routes join servers into a JetStream cluster.
 narwhal bus setup   creates or updates the stream and the buckets on the NATS at
                     NARWHAL_NATS_URL with the admin credential (NARWHAL_NATS_CREDS).
-narwhal bus creds   writes one credential per role (router, breaker, chaos, viewer,
-                    admin, engine) and the server side (auth.conf, route.secret) into DIR.
+narwhal bus creds   writes one credential per role (breaker, chaos, viewer, admin)
+                    and the server side (auth.conf, route.secret, sys.creds) into DIR;
+                    each --engine ID / --router ID writes that engine's or router's
+                    own credential (engine-ID.creds, router-ID.creds), also into a
+                    DIR that holds a mesh already (running servers accept it).
 narwhal bus revoke  revokes credentials in the mesh's account (no new account, no
                     restart) and pushes it to NARWHAL_NATS_URL with DIR's sys.creds.
 See docs/mesh.md.
@@ -197,15 +200,30 @@ func runBusServe(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	return nil
 }
 
-// runBusCreds is `narwhal bus creds --out DIR` (behaviour.md R-BUS-8): it creates
-// DIR when missing and writes a new credential set for one mesh into it
-// (bus.WriteCredentials: router.creds, breaker.creds, chaos.creds,
-// viewer.creds, admin.creds, auth.conf, route.secret and keys/), then lists
-// the files on stdout. It refuses a DIR that holds a set already.
+// runBusCreds is `narwhal bus creds --out DIR [--engine ID]… [--router
+// ID]…` (behaviour.md R-BUS-8, R-BUS-11). Into a DIR without a mesh's keys
+// it creates DIR when missing and writes a new credential set for one mesh
+// (bus.WriteCredentials: breaker.creds, chaos.creds, viewer.creds,
+// admin.creds, auth.conf, route.secret and keys/), refusing a DIR that
+// holds any of these files; into a DIR that holds a mesh (keys/account.nk)
+// it writes only the identities. Each --engine ID writes engine-ID.creds,
+// each --router ID router-ID.creds (bus.IssueIdentity), which running
+// servers accept without a restart. It lists what it wrote on stdout and
+// refuses, before writing any, an id that config.ValidID rejects, an id
+// given twice, and an identity whose file exists.
 func runBusCreds(args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("narwhal bus creds", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	out := fs.String("out", "", "the `DIR` to write the credentials into (created when missing; required)")
+	var ids []identity
+	fs.Func("engine", "also write engine-`ID`.creds, engine ID's own credential (repeatable)", func(v string) error {
+		ids = append(ids, identity{bus.RoleEngine, v})
+		return nil
+	})
+	fs.Func("router", "also write router-`ID`.creds, router ID's own credential (repeatable)", func(v string) error {
+		ids = append(ids, identity{bus.RoleRouter, v})
+		return nil
+	})
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -215,19 +233,50 @@ func runBusCreds(args []string, stdout, stderr io.Writer) error {
 	if *out == "" {
 		return errors.New("--out DIR is required")
 	}
-	if err := bus.WriteCredentials(*out); err != nil {
-		return err
+	seen := map[identity]bool{}
+	for _, id := range ids {
+		if !config.ValidID(id.id) {
+			return fmt.Errorf("--%s %q: an id is non-empty and holds only letters, digits, '-' and '_'", id.kind, id.id)
+		}
+		if seen[id] {
+			return fmt.Errorf("--%s %s given twice", id.kind, id.id)
+		}
+		seen[id] = true
+		if _, err := os.Stat(filepath.Join(*out, bus.IdentityCredsFile(id.kind, id.id))); err == nil {
+			return fmt.Errorf("%s exists already: refusing to replace the credential of %s %s", filepath.Join(*out, bus.IdentityCredsFile(id.kind, id.id)), id.kind, id.id)
+		}
 	}
-	fmt.Fprintf(stdout, "credentials written to %s:\n", *out)
-	for _, role := range bus.Roles {
-		fmt.Fprintf(stdout, "  %-14s NARWHAL_NATS_CREDS for the %s role\n", bus.CredsFile(role), role)
+	mesh := bus.HasMesh(*out)
+	if !mesh {
+		if err := bus.WriteCredentials(*out); err != nil {
+			return err
+		}
+		fmt.Fprintf(stdout, "credentials written to %s:\n", *out)
+		for _, role := range bus.Roles {
+			fmt.Fprintf(stdout, "  %-14s NARWHAL_NATS_CREDS for the %s role\n", bus.CredsFile(role), role)
+		}
+		fmt.Fprintf(stdout, "  %-14s the server side: narwhal bus --auth %s, or include it in a nats-server config\n", bus.AuthConfFile, *out)
+		fmt.Fprintf(stdout, "  %-14s the password the servers of a cluster present to one another\n", bus.RouteSecretFile)
+		fmt.Fprintf(stdout, "  %-14s the system account's user: pushes revocations (narwhal bus revoke)\n", bus.SysCredsFile)
+		fmt.Fprintf(stdout, "  %-14s the operator's and account's seeds, to issue more users; keep them off the servers\n", "keys/")
+	} else if len(ids) == 0 {
+		return fmt.Errorf("%s holds a mesh already: add identities with --engine ID or --router ID, or write a new mesh into an empty directory", *out)
+	} else {
+		fmt.Fprintf(stdout, "identities added to the mesh of %s:\n", *out)
 	}
-	fmt.Fprintf(stdout, "  %-14s the server side: narwhal bus --auth %s, or include it in a nats-server config\n", bus.AuthConfFile, *out)
-	fmt.Fprintf(stdout, "  %-14s the password the servers of a cluster present to one another\n", bus.RouteSecretFile)
-	fmt.Fprintf(stdout, "  %-14s the system account's user: pushes revocations (narwhal bus revoke)\n", bus.SysCredsFile)
-	_, err := fmt.Fprintf(stdout, "  %-14s the operator's and account's seeds, to issue more users; keep them off the servers\n", "keys/")
-	return err
+	for _, id := range ids {
+		path, err := bus.IssueIdentity(*out, id.kind, id.id)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(stdout, "  %-14s NARWHAL_NATS_CREDS for %s %s only\n", filepath.Base(path), id.kind, id.id)
+	}
+	return nil
 }
+
+// identity is one --engine or --router of `narwhal bus creds`: the kind
+// (bus.RoleEngine or bus.RoleRouter) and the id.
+type identity struct{ kind, id string }
 
 // runBusSetup is `narwhal bus setup [--config FILE] [--connect-timeout
 // DUR]` (behaviour.md R-BUS-8): with the admin credential (NARWHAL_NATS_CREDS) it

@@ -10,6 +10,7 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/bus/bustest"
@@ -17,16 +18,19 @@ import (
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
-// TestBusCredsCommand proves `narwhal bus creds --out DIR` (R-BUS-8): it
-// creates a missing DIR with one credential per role and the server side,
-// lists them, and refuses to overwrite a set.
+// TestBusCredsCommand proves `narwhal bus creds --out DIR` (R-BUS-8,
+// R-BUS-11): it creates a missing DIR with one credential per role (no
+// router.creds, no engine.creds: those are per identity) and the server
+// side, lists them, and refuses to overwrite a set; with --engine and
+// --router into the new DIR it writes those identities too.
 func TestBusCredsCommand(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "a", "b")
 	var out, errOut bytes.Buffer
-	if err := runBus(context.Background(), []string{"creds", "--out", dir}, &out, &errOut); err != nil {
+	if err := runBus(context.Background(), []string{"creds", "--out", dir, "--engine", "p1", "--router", "r1", "--router", "r2"}, &out, &errOut); err != nil {
 		t.Fatalf("bus creds: %v\n%s", err, errOut.String())
 	}
-	for _, f := range []string{"router.creds", "breaker.creds", "chaos.creds", "viewer.creds", "admin.creds", "engine.creds", "auth.conf", "route.secret", "keys/account.nk"} {
+	for _, f := range []string{"breaker.creds", "chaos.creds", "viewer.creds", "admin.creds", "auth.conf", "route.secret", "keys/account.nk",
+		"engine-p1.creds", "router-r1.creds", "router-r2.creds"} {
 		if _, err := os.Stat(filepath.Join(dir, f)); err != nil {
 			t.Errorf("%s: %v", f, err)
 		}
@@ -34,11 +38,115 @@ func TestBusCredsCommand(t *testing.T) {
 			t.Errorf("the listing lacks %s:\n%s", f, out.String())
 		}
 	}
-	if err := runBus(context.Background(), []string{"creds", "--out", dir}, &out, &errOut); err == nil || !strings.Contains(err.Error(), "exists already") {
+	for _, f := range []string{"router.creds", "engine.creds"} {
+		if _, err := os.Stat(filepath.Join(dir, f)); err == nil {
+			t.Errorf("bus creds wrote %s: a credential every router (engine) would share", f)
+		}
+	}
+	if err := runBus(context.Background(), []string{"creds", "--out", dir}, &out, &errOut); err == nil || !strings.Contains(err.Error(), "holds a mesh") {
 		t.Errorf("a second bus creds into %s: %v, want a refusal", dir, err)
 	}
 	if err := runBus(context.Background(), []string{"creds"}, &out, &errOut); err == nil {
 		t.Error("bus creds without --out succeeded")
+	}
+	// A DIR with part of a mesh but no keys: refused, nothing replaced.
+	partial := t.TempDir()
+	if err := os.WriteFile(filepath.Join(partial, "auth.conf"), []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := runBus(context.Background(), []string{"creds", "--out", partial, "--router", "r1"}, &out, &errOut); err == nil || !strings.Contains(err.Error(), "exists already") {
+		t.Errorf("bus creds into a directory with an auth.conf: %v, want a refusal", err)
+	}
+}
+
+// TestBusCredsIdentitiesRBUS11 proves `narwhal bus creds --out DIR
+// --engine ID --router ID` on a DIR that holds a mesh (R-BUS-11): it adds
+// only the identities (the role files untouched), says what it wrote,
+// refuses an invalid id, an id given twice and an identity that exists
+// (before writing any), and a real `narwhal bus --auth DIR` started before
+// them accepts them at once: each acts as itself, and not as another.
+func TestBusCredsIdentitiesRBUS11(t *testing.T) {
+	testkit.CheckLeaks(t)
+	dir := filepath.Join(t.TempDir(), "mesh")
+	var out, errOut bytes.Buffer
+	if err := runBus(context.Background(), []string{"creds", "--out", dir}, &out, &errOut); err != nil {
+		t.Fatal(err)
+	}
+	admin, _ := os.ReadFile(filepath.Join(dir, "admin.creds"))
+	c := startCmd(t, runBus, "--listen", "127.0.0.1:0", "--data", t.TempDir(), "--auth", dir)
+	defer func() { _ = c.stop(t) }()
+	var url string
+	testkit.WaitFor(t, cmdTestBound, "the bus listening line", func() bool {
+		if lines := c.stdout.Lines(); len(lines) > 0 {
+			if m := busLine.FindStringSubmatch(lines[0]); m != nil {
+				url = m[1]
+				return true
+			}
+			t.Fatalf("narwhal bus printed %q", lines[0])
+		}
+		return false
+	})
+
+	for _, bad := range [][]string{
+		{"--router", "r.1"}, {"--engine", "p*"}, {"--router", ""}, {"--router", "r1", "--router", "r1"},
+	} {
+		out.Reset()
+		if err := runBus(context.Background(), append([]string{"creds", "--out", dir}, bad...), &out, &errOut); err == nil {
+			t.Errorf("bus creds %v succeeded", bad)
+		}
+	}
+	out.Reset()
+	if err := runBus(context.Background(), []string{"creds", "--out", dir, "--engine", "p1", "--router", "r1", "--router", "r2"}, &out, &errOut); err != nil {
+		t.Fatalf("bus creds --engine p1 --router r1 --router r2: %v", err)
+	}
+	for _, want := range []string{"identities added to the mesh of " + dir, "engine-p1.creds", "router-r1.creds", "router-r2.creds"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("bus creds' output lacks %q:\n%s", want, out.String())
+		}
+	}
+	if strings.Contains(out.String(), "admin.creds") {
+		t.Errorf("bus creds on a mesh lists the role files again:\n%s", out.String())
+	}
+	if again, _ := os.ReadFile(filepath.Join(dir, "admin.creds")); !bytes.Equal(again, admin) {
+		t.Error("adding identities rewrote admin.creds")
+	}
+	if err := runBus(context.Background(), []string{"creds", "--out", dir, "--router", "r3", "--router", "r1"}, &out, &errOut); err == nil || !strings.Contains(err.Error(), "exists already") {
+		t.Errorf("bus creds --router r1 again: %v, want a refusal", err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "router-r3.creds")); err == nil {
+		t.Error("a refused bus creds wrote router-r3.creds")
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	r1, err := bus.Connect(ctx, bus.ConnectOptions{URL: url, CredsFile: filepath.Join(dir, "router-r1.creds"), Role: bus.RoleRouter, ID: "r1"})
+	if err != nil {
+		t.Fatalf("router r1, issued after the bus started: %v", err)
+	}
+	defer r1.Close()
+	reports, err := r1.BindBucket(ctx, bus.RoutersBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := reports.Put(ctx, "r1", []byte(`{}`)); err != nil {
+		t.Errorf("router r1 writes its report: %v", err)
+	}
+	short, cancelShort := context.WithTimeout(ctx, 500*time.Millisecond)
+	defer cancelShort()
+	if _, err := reports.Put(short, "r2", []byte(`{}`)); err == nil {
+		t.Error("router r1 wrote r2's report")
+	}
+	testkit.WaitFor(t, cmdTestBound, "the violation of r1's write as r2", func() bool {
+		err := r1.PermissionError()
+		return err != nil && strings.Contains(err.Error(), "$KV.narwhal_routers.r2")
+	})
+	p1, err := bus.Connect(ctx, bus.ConnectOptions{URL: url, CredsFile: filepath.Join(dir, "engine-p1.creds"), Role: bus.RoleEngine, ID: "p1"})
+	if err != nil {
+		t.Fatalf("engine p1, issued after the bus started: %v", err)
+	}
+	defer p1.Close()
+	if _, err := p1.BindBucket(ctx, bus.FleetBucket); err != nil {
+		t.Errorf("engine p1 binds the fleet: %v", err)
 	}
 }
 
@@ -52,11 +160,11 @@ func TestBusSetupCommand(t *testing.T) {
 	emb := bustest.StartWith(t, bus.EmbeddedOptions{Port: -1, AuthDir: dir, NoSetup: true})
 	t.Setenv("NARWHAL_NATS_URL", emb.ClientURL())
 
-	t.Setenv("NARWHAL_NATS_CREDS", bustest.CredsFile(dir, bus.RoleRouter))
+	t.Setenv("NARWHAL_NATS_CREDS", bustest.Identity(t, dir, bus.RoleRouter, "r1"))
 	out, errOut := &testkit.LockedBuffer{}, &testkit.LockedBuffer{}
 	err := runBus(context.Background(), []string{"setup", "--connect-timeout", "3s"}, out, errOut)
 	if err == nil || !strings.Contains(err.Error(), "ermissions") {
-		t.Errorf("bus setup with the router's credential: %v, want a permissions violation", err)
+		t.Errorf("bus setup with a router's credential: %v, want a permissions violation", err)
 	}
 
 	t.Setenv("NARWHAL_NATS_CREDS", bustest.CredsFile(dir, bus.RoleAdmin))
@@ -77,15 +185,17 @@ func TestBusSetupCommand(t *testing.T) {
 // TestMissingCredentialNamesTheRoleRBUS8 proves that a process refused by
 // a bus that enforces credentials (R-BUS-8: nats: Authorization
 // Violation) says what to set: NARWHAL_NATS_CREDS, and the file of its
-// own role among those `narwhal bus creds` writes — without a credential
+// own role (a router: its own router-<id>.creds, R-BUS-11) among those
+// `narwhal bus creds` writes — without a credential
 // and with one of another mesh. It runs against a real --auth server.
 func TestMissingCredentialNamesTheRoleRBUS8(t *testing.T) {
 	testkit.CheckLeaks(t)
 	dir := bustest.Credentials(t)
 	emb := bustest.StartWith(t, bus.EmbeddedOptions{Port: -1, AuthDir: dir})
 	t.Setenv("NARWHAL_NATS_URL", emb.ClientURL())
-	other := bustest.CredsFile(bustest.Credentials(t), bus.RoleRouter)
+	other := bustest.CredsFile(bustest.Credentials(t), bus.RoleViewer)
 	cfg := config.Default()
+	cfg.Router.ID = "t"
 	cfg.Bus.URL = emb.ClientURL()
 	cfg.Bus.ConnectTimeoutS = 5
 	log := slog.New(slog.DiscardHandler)
@@ -96,7 +206,7 @@ func TestMissingCredentialNamesTheRoleRBUS8(t *testing.T) {
 			who, file string
 			run       func() error
 		}{
-			{"router", "router.creds", func() error {
+			{"router", "router-t.creds", func() error {
 				_, _, err := joinBus(context.Background(), &cfg, "narwhal-router-t", bus.RoleRouter, log)
 				return err
 			}},
@@ -127,6 +237,20 @@ func TestMissingCredentialNamesTheRoleRBUS8(t *testing.T) {
 			}
 			if creds != "" && !strings.Contains(msg, creds) {
 				t.Errorf("%s: the error does not name the refused file %s: %v", c.who, creds, err)
+			}
+		}
+	}
+}
+
+// TestIdentityIDsAreConfigIDsRBUS11 proves that `narwhal bus creds` and
+// bus.IssueIdentity take the ids the configuration takes for engines and
+// routers (config.ValidID: one NATS subject token), no more, no fewer
+// (R-BUS-11).
+func TestIdentityIDsAreConfigIDsRBUS11(t *testing.T) {
+	for _, id := range []string{"", "p1", "r-1_A", "a.b", "a*", "a>", "a b", "é", "x\n", "-", strings.Repeat("z", 63)} {
+		for _, kind := range []string{bus.RoleEngine, bus.RoleRouter} {
+			if got, want := bus.ValidIdentity(kind, id) == nil, config.ValidID(id); got != want {
+				t.Errorf("%s id %q: valid %v, config says %v", kind, id, got, want)
 			}
 		}
 	}

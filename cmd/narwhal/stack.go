@@ -57,6 +57,9 @@ func joinBusTelling(ctx context.Context, cfg *config.Config, name, role string, 
 			defer cancel()
 		}
 		opts := busOptions(cfg.Bus, name, role, log)
+		if role == bus.RoleRouter {
+			opts.ID = cfg.Router.ID // its credential is router-<id>.creds (R-BUS-11)
+		}
 		opts.Buckets = roleBuckets(role)
 		if role == bus.RoleBreaker {
 			// It reads the engines' registrations (R-FLEET-5).
