@@ -204,7 +204,7 @@ func TestRevokeEngineCredentialRBUS11(t *testing.T) {
 
 	c1 := dialIdentity(t, e.ClientURL(), d1, bus.RoleEngine, "d1")
 	c2 := dialIdentity(t, e.ClientURL(), d2, bus.RoleEngine, "d2")
-	router := connectAs(t, e, dir, bus.RoleRouter)
+	router := connectID(t, e, dir, bus.RoleRouter, "r1")
 	if !c1.alive() || !c2.alive() {
 		t.Fatal("d1 or d2 not answered before the revocation")
 	}
