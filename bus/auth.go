@@ -205,20 +205,17 @@ func viewerDenied() []string {
 }
 
 // consumerDenied are the consumer acts that no credential but the admin's
-// (and for listing, the viewer's) may take on any stream (behaviour.md
-// R-BUS-11): pausing a consumer, and listing a stream's consumers or their
-// names. The read permissions of bucketRead, bucketWatch and streamWatch
-// match these subjects (CONSUMER.*.<stream>…) because NATS permissions
-// match whole tokens only; a consumer's owner is known by its name, which
-// nats.go makes at random and which travels only to its owner's private
-// inbox, so denying the listing keeps the names secret. Nothing of Narwhal
-// pauses or lists consumers.
-func consumerDenied(listing bool) []string {
-	deny := []string{jsAPI + "CONSUMER.PAUSE.>"}
-	if !listing {
-		deny = append(deny, jsAPI+"CONSUMER.LIST.*", jsAPI+"CONSUMER.NAMES.*")
-	}
-	return deny
+// may take on any stream (behaviour.md R-BUS-11): pausing a consumer, and
+// listing a stream's consumers or their names. The read permissions of
+// bucketRead, bucketWatch, streamWatch and the viewer's match these
+// subjects (CONSUMER.*.<stream>…) because NATS permissions match whole
+// tokens only; a consumer's owner is known by its name, which nats.go
+// makes at random and which travels only to its owner's private inbox, so
+// denying the listing keeps the names secret — from the viewer too, whose
+// consumer permissions would otherwise reach any consumer it could name.
+// Nothing of Narwhal pauses or lists consumers.
+func consumerDenied() []string {
+	return []string{jsAPI + "CONSUMER.PAUSE.>", jsAPI + "CONSUMER.LIST.*", jsAPI + "CONSUMER.NAMES.*"}
 }
 
 // RolePermissions returns the NATS publish and subscribe permissions of
@@ -226,8 +223,8 @@ func consumerDenied(listing bool) []string {
 // docs/mesh.md and docs/security.md list them. Every role may subscribe
 // to its own inbox prefix _INBOX.narwhal-<role>.> (replies; Connect sets
 // the prefix from the credential) and read the stream's info; no role but
-// the admin may pause a consumer, none but the admin and the viewer may
-// list a stream's consumers (consumerDenied). Every role but the viewer
+// the admin may pause a consumer or list a stream's consumers
+// (consumerDenied). Every role but the viewer
 // and the admin may publish the event kinds whose rows of
 // schemas.EventKinds name it among their Publishers
 // (narwhal.events.<kind>.*) and subscribe to those that name it among
@@ -245,10 +242,10 @@ func consumerDenied(listing bool) []string {
 //     narwhal_placement's info; answer as, and ask, the NATS service
 //     ChaosProxyService ($SRV.*, replies to the requests it receives);
 //   - viewer: subscribe to every event; read every stream and bucket of
-//     the account (info, messages); list consumers; make, read from and
+//     the account (info, messages); make, read from and
 //     delete consumers of its own — not narwhal-breaker, not durables
 //     through the durable API, not through the legacy create on
-//     NARWHAL_EVENTS, no leader step-downs, no pausing;
+//     NARWHAL_EVENTS, no leader step-downs, no pausing, no listing;
 //   - admin: everything ("> "), which `narwhal fleet add|drain|undrain|
 //     remove` needs to change the fleet.
 //
@@ -257,7 +254,7 @@ func consumerDenied(listing bool) []string {
 // an error for them and for an unknown role.
 func RolePermissions(role string) (jwt.Permissions, error) {
 	var pub, sub []string
-	deny := consumerDenied(false)
+	deny := consumerDenied()
 	var resp *jwt.ResponsePermission
 	common := slices.Concat([]string{jsAPI + "INFO", jsAPI + "STREAM.INFO." + StreamName}, eventsPub(role))
 	sub = slices.Concat([]string{inbox(UserName(role, ""))}, eventsSub(role))
@@ -299,7 +296,7 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 			"$JS.FC.>",
 		}
 		sub = append(sub, SubjectPrefix+">")
-		deny = append(viewerDenied(), consumerDenied(true)...)
+		deny = append(viewerDenied(), consumerDenied()...)
 	case RoleAdmin:
 		pub, sub, deny = []string{">"}, []string{">"}, nil
 	case RoleRouter, RoleEngine:
@@ -360,7 +357,7 @@ func RouterPermissions(id string) (jwt.Permissions, error) {
 		[]string{PrefixSubject(id)}, streamWatch(PrefixStream))
 	sub := slices.Concat([]string{inbox(UserName(RoleRouter, id))}, eventsSub(RoleRouter), []string{PrefixSubjectPrefix + "*"})
 	return jwt.Permissions{
-		Pub: jwt.Permission{Allow: pub, Deny: consumerDenied(false)},
+		Pub: jwt.Permission{Allow: pub, Deny: consumerDenied()},
 		Sub: jwt.Permission{Allow: sub},
 	}, nil
 }
@@ -390,7 +387,7 @@ func EnginePermissions(id string) (jwt.Permissions, error) {
 		[]string{jsAPI + "STREAM.INFO." + RegistrationsStream, RegistrationSubject(id)})
 	sub := slices.Concat([]string{inbox(UserName(RoleEngine, id))}, eventsSub(RoleEngine))
 	return jwt.Permissions{
-		Pub: jwt.Permission{Allow: pub, Deny: consumerDenied(false)},
+		Pub: jwt.Permission{Allow: pub, Deny: consumerDenied()},
 		Sub: jwt.Permission{Allow: sub},
 	}, nil
 }
