@@ -279,26 +279,10 @@ func appendDetails(b []byte, kind string, payload []byte) (_ []byte, ok bool) {
 		b = appendSeconds(b, e.AgeSeconds)
 		b = appendSource(b, e.Envelope, 0)
 	case *schemas.Admission:
-		b = append(b, e.State...)
-		if e.Previous != "" {
-			b = append(b, " previous="...)
-			b = append(b, e.Previous...)
-		}
-		if e.Reason != "" {
-			b = append(b, ' ')
-			b = strconv.AppendQuote(b, e.Reason)
-		}
+		b = appendStateChange(b, e.State, e.Previous, e.Reason)
 		b = appendSource(b, e.Envelope, 0)
 	case *schemas.FleetChange:
-		b = append(b, e.State...)
-		if e.Previous != "" {
-			b = append(b, " previous="...)
-			b = append(b, e.Previous...)
-		}
-		if e.Reason != "" {
-			b = append(b, ' ')
-			b = strconv.AppendQuote(b, e.Reason)
-		}
+		b = appendStateChange(b, e.State, e.Previous, e.Reason)
 		b = appendSource(b, e.Envelope, 0)
 	default:
 		return b, false
@@ -374,6 +358,22 @@ func appendOptSeconds(b []byte, s *float64) []byte {
 func pad(b []byte, n, width int) []byte {
 	for ; n < width; n++ {
 		b = append(b, ' ')
+	}
+	return b
+}
+
+// appendStateChange appends a fleet or admission event's state, its
+// previous state (" previous=<state>", when known) and its quoted reason
+// (when given).
+func appendStateChange(b []byte, state, previous, reason string) []byte {
+	b = append(b, state...)
+	if previous != "" {
+		b = append(b, " previous="...)
+		b = append(b, previous...)
+	}
+	if reason != "" {
+		b = append(b, ' ')
+		b = strconv.AppendQuote(b, reason)
 	}
 	return b
 }

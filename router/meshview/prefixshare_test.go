@@ -13,15 +13,7 @@ import (
 // placeable prefill engines of the fleet (unknown, decode only, ejected)
 // change nothing and are counted.
 func TestSharedIndexRefusesHostileBatchesRBUS9(t *testing.T) {
-	s := newStack(t, prefixFleet(), nil)
-	s.waitModels()
-	m := newMeshBus(t)
-	if err := s.v.Join(m.B, 5*time.Second); err != nil {
-		t.Fatal(err)
-	}
-	if err := m.B.Conn().Flush(); err != nil { // the router's subscription is in place
-		t.Fatal(err)
-	}
+	s, m := joinedPrefixStack(t)
 	nc := m.Peer.Conn()
 	var batch bus.PrefixBatch
 	batch.Reset("evil")
@@ -56,15 +48,7 @@ func TestSharedIndexRefusesHostileBatchesRBUS9(t *testing.T) {
 // narwhal_prefix_batches_dropped_total{reason="router_id_mismatch"}, not as
 // invalid; the same placements in r2's own batch are learned.
 func TestSharedIndexIgnoresAnotherRoutersBatchRBUS11(t *testing.T) {
-	s := newStack(t, prefixFleet(), nil)
-	s.waitModels()
-	m := newMeshBus(t)
-	if err := s.v.Join(m.B, 5*time.Second); err != nil {
-		t.Fatal(err)
-	}
-	if err := m.B.Conn().Flush(); err != nil { // the router's subscription is in place
-		t.Fatal(err)
-	}
+	s, m := joinedPrefixStack(t)
 	nc := m.Peer.Conn()
 	var batch bus.PrefixBatch
 	for _, named := range []string{"r1", s.v.id} {
@@ -93,4 +77,20 @@ func TestSharedIndexIgnoresAnotherRoutersBatchRBUS11(t *testing.T) {
 	if n := testkit.GatheredSum(t, reg, "narwhal_prefix_batches_dropped_total", "reason", "router_id_mismatch"); n != 2 {
 		t.Errorf("%v batches counted router_id_mismatch after r2's own, want 2", n)
 	}
+}
+
+// joinedPrefixStack starts a router over prefixFleet joined to a mesh bus,
+// its prefix subscription in place.
+func joinedPrefixStack(t *testing.T) (*stack, *meshBus) {
+	t.Helper()
+	s := newStack(t, prefixFleet(), nil)
+	s.waitModels()
+	m := newMeshBus(t)
+	if err := s.v.Join(m.B, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.B.Conn().Flush(); err != nil { // the router's subscription is in place
+		t.Fatal(err)
+	}
+	return s, m
 }
