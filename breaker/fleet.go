@@ -6,8 +6,6 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/nats-io/nuid"
-
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/fleet"
@@ -200,7 +198,7 @@ func (s *Service) removeEngine(id string, live bool) {
 // active — an admission event, which NARWHAL_HISTORY does not keep
 // (R-FLEET-5).
 func (s *Service) publishFleet(e *engine, state, prev, reason string) {
-	env := schemas.Envelope{ID: nuid.Next(), At: time.Now().UTC(), BreakerID: s.id, EngineID: e.ID}
+	env := schemas.Envelope{ID: schemas.NewEventID(), At: time.Now().UTC(), BreakerID: s.id, EngineID: e.ID}
 	if e.fleetEntry.Source == schemas.SourceRegistration && !e.wasActive && state != schemas.FleetActive {
 		env.Schema = schemas.SchemaAdmission
 		s.publish(&schemas.Admission{Envelope: env, State: state, Previous: prev, Reason: reason})

@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
-	"github.com/nats-io/nuid"
 
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/internal/pause"
@@ -123,7 +122,7 @@ func (s *Service) reload(ctx context.Context, e *engine) error {
 func (s *Service) eligibility(id string, next schemas.Eligibility) *schemas.Eligibility {
 	next.Envelope = schemas.Envelope{
 		Schema:    schemas.SchemaEligibility,
-		ID:        nuid.Next(),
+		ID:        schemas.NewEventID(),
 		At:        time.Now().UTC(),
 		BreakerID: s.id,
 		EngineID:  id,

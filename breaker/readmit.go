@@ -8,7 +8,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/nats-io/nuid"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/narwhalmesh/narwhal/engines"
@@ -354,7 +353,7 @@ func (s *Service) conclude(ctx context.Context, p *probe, roundStart time.Time) 
 	// Published under s.mu, so that no later decision on this engine can
 	// overtake the readmission's eligibility event.
 	s.publish(&schemas.Probe{
-		Envelope:   schemas.Envelope{Schema: schemas.SchemaProbe, ID: nuid.Next(), At: probedAt, BreakerID: s.id, EngineID: e.ID},
+		Envelope:   schemas.Envelope{Schema: schemas.SchemaProbe, ID: schemas.NewEventID(), At: probedAt, BreakerID: s.id, EngineID: e.ID},
 		Outcome:    p.outcome,
 		Phase:      p.phase,
 		ProducerID: p.producer,

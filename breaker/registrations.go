@@ -7,7 +7,6 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
-	"github.com/nats-io/nuid"
 
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/config"
@@ -158,7 +157,7 @@ func (s *Service) refuse(id, reason, why string) {
 	}
 	if announce && s.leader.Load() {
 		s.publish(&schemas.Admission{
-			Envelope: schemas.Envelope{Schema: schemas.SchemaAdmission, ID: nuid.Next(), At: time.Now().UTC(), BreakerID: s.id, EngineID: id},
+			Envelope: schemas.Envelope{Schema: schemas.SchemaAdmission, ID: schemas.NewEventID(), At: time.Now().UTC(), BreakerID: s.id, EngineID: id},
 			State:    schemas.AdmissionRefused, Reason: why,
 		})
 	}

@@ -13,7 +13,6 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
-	"github.com/nats-io/nuid"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/narwhalmesh/narwhal/internal/promreg"
@@ -257,14 +256,14 @@ func NewPublisher(b *Bus, buffer int, reg prometheus.Registerer) *Publisher {
 }
 
 // Publish hands ev to the publisher and returns at once; it never blocks
-// (R-BUS-6). It sets ev.Head().ID to a new NUID when empty and
+// (R-BUS-6). It sets ev.Head().ID to a new schemas.NewEventID when empty and
 // ev.Head().At to time.Now().UTC() when zero. From then on ev belongs to the
 // publisher: the caller must not change it. When the buffer is full, or
 // after Close, the event is dropped and counted (R-BUS-10).
 func (p *Publisher) Publish(ev schemas.Event) {
 	h := ev.Head()
 	if h.ID == "" {
-		h.ID = nuid.Next()
+		h.ID = schemas.NewEventID()
 	}
 	if h.At.IsZero() {
 		h.At = time.Now().UTC()

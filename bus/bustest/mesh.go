@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
-	"github.com/nats-io/nuid"
 
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/schemas"
@@ -106,7 +105,7 @@ func (m *Mesh) SetEligible(engine string, eligible bool) {
 	if !eligible {
 		state = "ejected"
 	}
-	ev := schemas.Eligibility{Envelope: schemas.Envelope{Schema: schemas.SchemaEligibility, ID: nuid.Next(), At: time.Now().UTC(), BreakerID: "test-breaker", EngineID: engine},
+	ev := schemas.Eligibility{Envelope: schemas.Envelope{Schema: schemas.SchemaEligibility, ID: schemas.NewEventID(), At: time.Now().UTC(), BreakerID: "test-breaker", EngineID: engine},
 		Eligible: eligible, State: state, LeaseTerm: m.Term}
 	b, _ := json.Marshal(ev)
 	if _, err := m.Peer.Placement().Put(context.Background(), engine, b); err != nil {
