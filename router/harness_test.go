@@ -34,6 +34,9 @@ type events struct {
 }
 
 func (e *events) Publish(ev schemas.Event) {
+	if h := ev.Head(); h.At.IsZero() {
+		h.At = time.Now().UTC() // as bus.Publisher does: when the router handed it over
+	}
 	e.mu.Lock()
 	e.all = append(e.all, ev)
 	e.mu.Unlock()
