@@ -411,6 +411,28 @@ func listenCounter(t *testing.T) *connCounter {
 	return c
 }
 
+// checkNoViolations fails the test for every permissions violation a
+// bus node logged but those of the connection named except (none when
+// empty): every identity's permissions suffice for its work (R-BUS-11).
+// It returns how many violations of except the nodes logged.
+func (m *identityMesh) checkNoViolations(t *testing.T, except string) int {
+	t.Helper()
+	n := 0
+	for _, node := range m.bc.nodes {
+		for line := range strings.Lines(node.p.stderr.String() + node.p.stdout.String()) {
+			if !strings.Contains(line, "Violation") {
+				continue
+			}
+			if except != "" && strings.Contains(line, except) {
+				n++
+				continue
+			}
+			t.Errorf("bus %s logged a permissions violation of normal work: %s", node.name, strings.TrimSpace(line))
+		}
+	}
+	return n
+}
+
 // refusedCount reads narwhal_breaker_registrations_refused_total{reason}.
 func (m *identityMesh) refusedCount(t *testing.T, reason string) float64 {
 	t.Helper()
@@ -575,8 +597,166 @@ func TestEngineIdentityClusterRBUS11(t *testing.T) {
 		t.Error("x9 placeable on r1: an engine that never registered itself")
 	}
 	mismatch := m.refusedCount(t, "id_mismatch")
+	violations := m.checkNoViolations(t, "narwhal-e2e-attacker-x9")
+	if violations == 0 {
+		t.Error("no bus node logged x9's refused publishes")
+	}
 	t.Logf("R-BUS-11, R-FLEET-5: %d client requests answered 200 on d1 during x9's attempts, 0 failed; forged URL connections %d; "+
-		"refused{id_mismatch} %v -> %v, refused{invalid} %v; d1's own heartbeats moved its sequences during %d of the acts; d1 at fleet seq %d, registration seq %d",
-		ok, forged.count.Load(), mismatchBefore, mismatch, m.refusedCount(t, "invalid"), moved, last.fleetSeq, last.regSeq)
+		"refused{id_mismatch} %v -> %v, refused{invalid} %v; d1's own heartbeats moved its sequences during %d of the acts; d1 at fleet seq %d, registration seq %d; "+
+		"%d violations of x9 logged by the bus nodes, none of r1, d1 or the breaker",
+		ok, forged.count.Load(), mismatchBefore, mismatch, m.refusedCount(t, "invalid"), moved, last.fleetSeq, last.regSeq, violations)
 	t.Logf("TestEngineIdentityClusterRBUS11 took %v", time.Since(start).Round(time.Millisecond))
+}
+
+// metricsNaming returns the lines of url's /metrics that name one of ids
+// as a label value.
+func metricsNaming(t *testing.T, url string, ids []string) []string {
+	t.Helper()
+	resp, err := probeClient.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for line := range strings.Lines(string(body)) {
+		for _, id := range ids {
+			if strings.Contains(line, `="`+id+`"`) {
+				out = append(out, strings.TrimSpace(line))
+			}
+		}
+	}
+	return out
+}
+
+// fleetKeys returns the keys of narwhal_fleet.
+func (m *identityMesh) fleetKeys(t *testing.T) []string {
+	t.Helper()
+	kv, err := m.bc.conn.BindBucket(testContext(t, readyBound), bus.FleetBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keys, err := kv.Keys(testContext(t, readyBound))
+	if errors.Is(err, jetstream.ErrNoKeysFound) {
+		return nil
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	slices.Sort(keys)
+	return keys
+}
+
+// refusedAdmission reports whether the breaker published an admission
+// event refusing engine id.
+func (m *identityMesh) refusedAdmission(t *testing.T, id string) bool {
+	t.Helper()
+	for _, e := range m.events.All() {
+		if e.Subject != bus.SubjectPrefix+schemas.KindAdmission+"."+id {
+			continue
+		}
+		var a schemas.Admission
+		if err := json.Unmarshal(e.Payload, &a); err != nil {
+			t.Fatalf("admission event %s: %v", e.Payload, err)
+		}
+		if a.State == schemas.AdmissionRefused {
+			return true
+		}
+	}
+	return false
+}
+
+// TestFleetBoundClusterRFLEET5 proves R-FLEET-5's bound and clean-up with
+// real processes on a three-node `narwhal bus --auth` cluster: with
+// membership.max_engines 8, ten `narwhal sim --register` engines, each
+// with its own credential: the first eight are placed, the ninth's and
+// tenth's registrations are refused and counted
+// (narwhal_breaker_registrations_refused_total{reason="max_engines"} ≥ 2,
+// an admission event "refused" for each), the fleet holds eight and the
+// router places on none of the two; then three engines stopped with
+// SIGTERM leave, and no line of the router's or the breaker's /metrics
+// names them any more; the two refused engines get in once there is
+// room.
+func TestFleetBoundClusterRFLEET5(t *testing.T) {
+	start := time.Now()
+	var ids []string
+	for i := range identityMaxEngines + 2 {
+		ids = append(ids, fmt.Sprintf("e%02d", i+1))
+	}
+	admitted, over := ids[:identityMaxEngines], ids[identityMaxEngines:]
+	m := startIdentityMesh(t, ids, "NARWHAL_MEMBERSHIP_MAX_ENGINES="+strconv.Itoa(identityMaxEngines))
+	t.Logf("3-node bus cluster, router and breaker up in %v", time.Since(start).Round(time.Millisecond))
+	for _, id := range admitted {
+		m.startSim(t, id, 3)
+	}
+	m.waitPlaceable(t, admitted...)
+	t.Logf("%d engines placeable %v after the start", len(admitted), time.Since(start).Round(time.Millisecond))
+	refusedBefore := m.refusedCount(t, "max_engines")
+	if refusedBefore != 0 {
+		t.Errorf("refused{max_engines} is %v before the fleet was full", refusedBefore)
+	}
+	for _, id := range over {
+		m.startSim(t, id, 3)
+	}
+	testkit.WaitEvery(t, identityBound, pollInterval, fmt.Sprintf("%v refused for max_engines", over), func() bool {
+		for _, id := range over {
+			if !m.refusedAdmission(t, id) {
+				return false
+			}
+		}
+		return m.refusedCount(t, "max_engines") >= 2
+	})
+	refused := m.refusedCount(t, "max_engines")
+	if keys := m.fleetKeys(t); !slices.Equal(keys, admitted) {
+		t.Errorf("narwhal_fleet holds %v, want the %d admitted engines %v", keys, identityMaxEngines, admitted)
+	}
+	for _, id := range over {
+		if placeable(m.router, id) {
+			t.Errorf("router r1 places on %s, refused for max_engines", id)
+		}
+		if lines := metricsNaming(t, m.router.url+"/metrics", []string{id}); len(lines) > 0 {
+			t.Errorf("router r1's /metrics names refused engine %s: %v", id, lines)
+		}
+	}
+	for range 16 {
+		if code, decode, err := m.send(testContext(t, requestBound)); err != nil || code != http.StatusOK || slices.Contains(over, decode) {
+			t.Fatalf("a request with the fleet full: HTTP %d on %q: %v", code, decode, err)
+		}
+	}
+	t.Logf("R-FLEET-5: the fleet holds %d; %v refused, refused{max_engines} = %v", identityMaxEngines, over, refused)
+
+	leaving := admitted[:3]
+	if lines := metricsNaming(t, m.router.url+"/metrics", leaving); len(lines) == 0 {
+		t.Fatalf("router r1's /metrics names none of %v before they leave: the check below would prove nothing", leaving)
+	}
+	if lines := metricsNaming(t, m.breakerURL, leaving); len(lines) == 0 {
+		t.Fatalf("the breaker's /metrics names none of %v before they leave: the check below would prove nothing", leaving)
+	}
+	var procs []*process
+	for _, id := range leaving {
+		procs = append(procs, m.sims[id].p)
+	}
+	stopped := time.Now()
+	haltAll(t, procs...) // SIGTERM: each asks to leave, exit 0
+	var left []string
+	if !testkit.Poll(identityBound, pollInterval, func() bool {
+		left = append(metricsNaming(t, m.router.url+"/metrics", leaving), metricsNaming(t, m.breakerURL, leaving)...)
+		return len(left) == 0
+	}) {
+		t.Fatalf("%v after %v left, the router's and the breaker's /metrics still name them (R-FLEET-5):\n%s", identityBound, leaving, strings.Join(left, "\n"))
+	}
+	gone := time.Since(stopped)
+	for _, id := range leaving {
+		if slices.Contains(m.fleetKeys(t), id) {
+			t.Errorf("%s still in narwhal_fleet after it left", id)
+		}
+	}
+	m.waitPlaceable(t, over...)
+	t.Logf("R-FLEET-5: %v left (SIGTERM): no series of theirs on either /metrics %v after the signal; %v placed once there was room; fleet %v",
+		leaving, gone.Round(time.Millisecond), over, m.fleetKeys(t))
+	m.checkNoViolations(t, "")
+	t.Logf("TestFleetBoundClusterRFLEET5 took %v", time.Since(start).Round(time.Millisecond))
 }
