@@ -720,6 +720,9 @@ func TestFleetBoundClusterRFLEET5(t *testing.T) {
 		if lines := metricsNaming(t, m.router.url+"/metrics", []string{id}); len(lines) > 0 {
 			t.Errorf("router r1's /metrics names refused engine %s: %v", id, lines)
 		}
+		if lines := metricsNaming(t, m.breakerURL, []string{id}); len(lines) > 0 {
+			t.Errorf("the breaker's /metrics names refused engine %s: %v", id, lines)
+		}
 	}
 	for range 16 {
 		if code, decode, err := m.send(testContext(t, requestBound)); err != nil || code != http.StatusOK || slices.Contains(over, decode) {
