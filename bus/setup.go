@@ -436,7 +436,7 @@ func ensureBucket(ctx context.Context, js jetstream.JetStream, want jetstream.Ke
 			// away at once (a set-up cut here does it on its next run).
 			st, err := js.Stream(ctx, "KV_"+want.Bucket)
 			if err != nil {
-				return fmt.Errorf("bus: bucket %s: %w", want.Bucket, err)
+				return fmt.Errorf("bus: bucket %s: %w", want.Bucket, notReadyYet(err))
 			}
 			if err := updateNoRollupBucket(ctx, js, st.CachedInfo().Config, want); err != nil {
 				return err
@@ -450,7 +450,7 @@ func ensureBucket(ctx context.Context, js jetstream.JetStream, want jetstream.Ke
 	}
 	st, err := kv.Status(ctx)
 	if err != nil {
-		return fmt.Errorf("bus: bucket %s: %w", want.Bucket, err)
+		return fmt.Errorf("bus: bucket %s: %w", want.Bucket, notReadyYet(err))
 	}
 	info := st.(*jetstream.KeyValueBucketStatus).StreamInfo()
 	if have := info.Config.Replicas; have != want.Replicas {
@@ -530,6 +530,19 @@ func (b *Bus) BindBucket(ctx context.Context, name string) (jetstream.KeyValue, 
 // errCreateRace marks a create that another admin (e.g. another server of
 // a cluster starting at the same time) won: the next attempt finds it.
 var errCreateRace = errors.New("created meanwhile by another admin")
+
+// notReadyYet returns err marked as errCreateRace when it says "stream
+// not found" about a bucket's stream that was just found or created: on a
+// cluster whose servers run set-up at once, the stream of a bucket just
+// created answers "not found" for a moment (its replicas are still being
+// placed), and the next attempt finds it. Any other error is returned as
+// it is.
+func notReadyYet(err error) error {
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		return fmt.Errorf("%w: %w", errCreateRace, err)
+	}
+	return err
+}
 
 // Replicas returns the replica count of streams NARWHAL_EVENTS,
 // NARWHAL_HISTORY, NARWHAL_PREFIX and NARWHAL_REGISTRATIONS and of each of Narwhal's buckets as they are on the server, keyed by the stream's or
