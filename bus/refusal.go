@@ -40,6 +40,11 @@ type CredentialRefusedError struct {
 func (e *CredentialRefusedError) Error() string {
 	opts := ConnectOptions{CredsFile: e.CredsFile, Role: e.Role, ID: e.ID}
 	how := "issue a new one with " + writtenBy(opts) + " (DIR: the mesh's credentials directory, --auth DIR of the bus) and restart the process with NARWHAL_NATS_CREDS set to it"
+	if e.Role != RoleEngine && e.Role != RoleRouter {
+		// `narwhal bus creds` issues only identities into a mesh that
+		// exists: a role's file is written with the mesh.
+		how = "restart the process with NARWHAL_NATS_CREDS set to a credential that is not revoked (" + roleFile(opts) + " is written with the mesh by `narwhal bus creds --out DIR`; only --engine ID and --router ID credentials are issued anew into an existing mesh)"
+	}
 	if e.Revoked {
 		return fmt.Sprintf("bus: the credential NARWHAL_NATS_CREDS=%s was revoked (%v): the bus refuses it; %s (docs/security.md, Revocation)", e.CredsFile, e.Err, how)
 	}
