@@ -56,7 +56,10 @@ type revokeTarget struct {
 // nats://127.0.0.1:4222, TLS as NARWHAL_NATS_TLS_*) — twice, a second
 // apart, so a revoked client that reconnected to another server while the
 // first push reached it is closed too (bus.Revoke). It prints what it
-// revoked and each server's answer. It returns an error naming a missing
+// revoked, every user the pushed JWT revokes besides ("also pushed,
+// revoked earlier: …", named where a creds file in DIR holds the user:
+// a revocation whose push failed goes out with the next run), and each
+// server's answer. It returns an error naming a missing
 // file, an invalid key, an unreachable bus, a bus without an answer within
 // --timeout, or a server's refusal — auth.conf holds the revocation then
 // already, and running the command again pushes it again.
