@@ -582,8 +582,10 @@ func HasMesh(dir string) bool {
 // servers accept it at once: they trust every user the account signs, so
 // no server restarts. It returns the file's path, or an error when id is
 // not a valid id of kind (ValidIdentity), when dir holds no mesh keys,
-// when the file exists already (it never replaces a credential) or when it
-// cannot be written.
+// when the file exists already and its user is not revoked in dir's
+// account JWT (IdentityReplaceable: a revoked one is replaced, so that the
+// engine or router gets a new credential, R-BUS-11) or when it cannot be
+// written.
 func IssueIdentity(dir, kind, id string) (string, error) {
 	var perms jwt.Permissions
 	var err error
@@ -610,13 +612,67 @@ func IssueIdentity(dir, kind, id string) (string, error) {
 		return "", fmt.Errorf("bus: %s holds no account seed", filepath.Join(dir, keysDir, "account.nk"))
 	}
 	path := filepath.Join(dir, IdentityCredsFile(kind, id))
+	if err := IdentityReplaceable(dir, kind, id); err != nil {
+		return "", err
+	}
 	if _, err := os.Stat(path); err == nil {
-		return "", fmt.Errorf("bus: %s exists already: refusing to replace the credential of %s %s", path, kind, id)
+		// A revoked credential: its new one takes the file's place in
+		// one rename, so no reader sees half a file.
+		tmp := path + ".new"
+		_ = os.Remove(tmp)
+		if err := writeUser(tmp, UserName(kind, id), perms, acct); err != nil {
+			return "", err
+		}
+		if err := os.Rename(tmp, path); err != nil {
+			_ = os.Remove(tmp)
+			return "", fmt.Errorf("bus: %w", err)
+		}
+		return path, nil
 	}
 	if err := writeUser(path, UserName(kind, id), perms, acct); err != nil {
 		return "", err
 	}
 	return path, nil
+}
+
+// IdentityReplaceable returns nil when IssueIdentity may write the
+// credential of engine or router id into dir: its file is missing, or
+// its user is revoked in account NARWHAL's JWT stored in dir (AccountJWT:
+// `narwhal bus revoke` put it there, behaviour.md R-BUS-11), so a process
+// given a new credential connects again. Otherwise it returns an error
+// naming the file and saying that revoking it first allows a new one.
+func IdentityReplaceable(dir, kind, id string) error {
+	path := filepath.Join(dir, IdentityCredsFile(kind, id))
+	if _, err := os.Stat(path); err != nil {
+		return nil
+	}
+	refusal := fmt.Errorf("bus: %s exists already: refusing to replace the credential of %s %s while it is valid; "+
+		"revoking it first (narwhal bus revoke --creds %s --%s %s) allows a new one", path, kind, id, dir, kind, id)
+	pub, _, err := CredentialUser(path)
+	if err != nil {
+		return refusal
+	}
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return refusal
+	}
+	token, err := jwt.ParseDecoratedJWT(raw)
+	if err != nil {
+		return refusal
+	}
+	uc, err := jwt.DecodeUserClaims(token)
+	if err != nil {
+		return refusal
+	}
+	acctJWT, err := AccountJWT(dir)
+	if err != nil {
+		return refusal
+	}
+	ac, err := jwt.DecodeAccountClaims(acctJWT)
+	if err != nil || !userRevoked(ac, pub, uc.IssuedAt) {
+		return refusal
+	}
+	return nil
 }
 
 // writeNew writes data to a file that must not exist yet.

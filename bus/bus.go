@@ -23,6 +23,7 @@ import (
 	"log/slog"
 	"net/url"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -233,6 +234,9 @@ type Bus struct {
 	dialErr atomic.Pointer[error]
 	// closing is set by Close, so that its own disconnect is not logged.
 	closing atomic.Bool
+	// refused is set once the server revoked or refused the credential
+	// (CredentialRefused).
+	refused refusal
 	// log is ConnectOptions.Log (nil: no logs), also the publishers'.
 	log *slog.Logger
 	// inProcess is the embedded server's client URL when the connection
@@ -272,7 +276,7 @@ func (b *Bus) URL() string {
 // user name names (behaviour.md R-BUS-11); a file that holds no user JWT
 // is an error at once. The caller owns the Bus and must Close it.
 func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
-	b := &Bus{log: opts.Log}
+	b := &Bus{log: opts.Log, refused: refusal{done: make(chan struct{})}}
 	log := opts.Log
 	nopts := []nats.Option{
 		nats.MaxReconnects(-1),
@@ -286,6 +290,14 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 		// gives up on an error already.
 		nats.ReconnectBufSize(-1),
 		nats.RetryOnFailedConnect(true),
+		// nats.go closes the connection when a server refused the
+		// credential twice in a row (R-BUS-11: a revoked one is refused
+		// for good): record why, so that the process says it.
+		nats.ClosedHandler(func(nc *nats.Conn) {
+			if err := nc.LastError(); !b.closing.Load() && authRefusal(err) {
+				b.refuse(err, opts)
+			}
+		}),
 		nats.ReconnectErrHandler(func(_ *nats.Conn, err error) {
 			if err != nil {
 				b.dialErr.Store(&err)
@@ -294,6 +306,11 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 		nats.ErrorHandler(func(_ *nats.Conn, sub *nats.Subscription, err error) {
 			if errors.Is(err, nats.ErrPermissionViolation) {
 				b.denied.Store(&err)
+			}
+			if revokedErr(err) {
+				// The server closes a revoked user's connection and
+				// refuses its new ones: the connection is lost for good.
+				b.refuse(err, opts)
 			}
 			if log == nil {
 				return
@@ -422,6 +439,10 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 			nc.Close()
 			return nil, fmt.Errorf("%w (%v)", err, perm)
 		}
+		if ref := b.CredentialRefused(); ref != nil {
+			nc.Close()
+			return nil, ref
+		}
 		if !retryable(nc, err) {
 			nc.Close()
 			return nil, err
@@ -453,7 +474,12 @@ func credentialHint(err error, opts ConnectOptions) error {
 	if opts.CredsFile == "" {
 		return fmt.Errorf("%w: the bus requires a credential and none was given: set NARWHAL_NATS_CREDS to %s (written by %s, docs/mesh.md)", err, file, writtenBy(opts))
 	}
-	return fmt.Errorf("%w: the bus refused the credential NARWHAL_NATS_CREDS=%s: set it to %s of this mesh (written by %s for the bus's --auth DIR, docs/mesh.md)", err, opts.CredsFile, file, writtenBy(opts))
+	if revokedErr(err) || RevokedLocally(opts.CredsFile) {
+		// Revoked by `narwhal bus revoke`: another file of this mesh
+		// will not do, only a new credential (R-BUS-11).
+		return fmt.Errorf("%w: the bus refused the credential NARWHAL_NATS_CREDS=%s: it was revoked (the account JWT in %s revokes its user): issue a new one with %s and start the process with it (docs/security.md, Revocation)", err, opts.CredsFile, filepath.Join(filepath.Dir(opts.CredsFile), AuthConfFile), writtenBy(opts))
+	}
+	return fmt.Errorf("%w: the bus refused the credential NARWHAL_NATS_CREDS=%s: set it to %s of this mesh (written by %s for the bus's --auth DIR, docs/mesh.md); a credential revoked by narwhal bus revoke needs a new one from that command", err, opts.CredsFile, file, writtenBy(opts))
 }
 
 // roleFile is the file of opts.Role among those `narwhal bus creds`

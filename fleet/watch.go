@@ -105,7 +105,9 @@ type Watcher struct {
 // connection was lost and its consumer with it — or cannot be set up (the
 // bucket is missing, the bus is down) is set up again after Retry, with
 // a new full read. A failure to set up is logged once per run of
-// failures; a watch that ended is logged each time.
+// failures; a watch that ended is logged each time. Watch returns, with
+// nothing more logged, once the bus revoked or refused b's credential
+// (bus.Bus.CredentialRefused).
 func Watch(ctx context.Context, b *bus.Bus, w Watcher) {
 	if w.Retry <= 0 {
 		w.Retry = 250 * time.Millisecond
@@ -120,6 +122,11 @@ func Watch(ctx context.Context, b *bus.Bus, w Watcher) {
 	for ctx.Err() == nil {
 		err := watchOnce(ctx, b, w)
 		if ctx.Err() != nil {
+			return
+		}
+		if b.CredentialRefused() != nil {
+			// Revoked or refused for good (R-BUS-11): no watch will come
+			// up again; the process says so (bus.Bus.CredentialRefused).
 			return
 		}
 		if err != nil && !warned {

@@ -435,8 +435,22 @@ func (rt *Router) Quarantine(engineID string, until time.Time) bool {
 // started). From then on a permissions violation the bus reports on b
 // (another role's credential: R-BUS-8) makes /readyz answer 503 naming
 // it, since the bus drops what the router writes.
+//
+// Once the bus revokes or refuses the router's credential
+// (bus.Bus.CredentialRefused, R-BUS-11) the router logs it at ERROR once
+// and /readyz answers 503 naming the credential file and how to get a new
+// one; requests in flight finish, and the router serves on the view it
+// last had, since the connection does not come back.
 func (rt *Router) JoinMesh(b *bus.Bus, wait time.Duration) error {
 	rt.joined.Store(b)
+	go func() {
+		select {
+		case <-b.Refused():
+			rt.log.Error("the bus refused this router's credential: /readyz answers 503 until the router restarts with a new one",
+				"router_id", rt.id, "err", b.CredentialRefused())
+		case <-rt.base.Done():
+		}
+	}()
 	return rt.view.Join(b, wait)
 }
 
@@ -572,6 +586,11 @@ func (rt *Router) serveReady(ctx *fasthttp.RequestCtx) {
 		problems = append(problems, why) // R-FAIL-9
 	}
 	if b := rt.joined.Load(); b != nil {
+		if err := b.CredentialRefused(); err != nil {
+			// Revoked or refused for good: the router hears no more of
+			// the mesh and writes nothing to it (R-BUS-11).
+			problems = append(problems, err.Error())
+		}
 		if err := b.PermissionError(); err != nil {
 			// Another role's or router's credential: the bus drops what
 			// the router writes — its events, its reports (R-BUS-8,

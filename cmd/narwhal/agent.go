@@ -223,7 +223,9 @@ func engineNotReady(ctx context.Context, httpc *http.Client, base string, cred e
 // registered registers spec on the bus of the environment, heartbeats
 // until ctx ends, then — drainBound > 0 — drains the engine for at most
 // drainBound, and removes it from the fleet. It prints one line to stdout
-// once registered.
+// once registered. When the bus revokes or refuses the engine's
+// credential it returns that *bus.CredentialRefusedError at once, without
+// a drain or a leave (behaviour.md R-BUS-11).
 func registered(ctx context.Context, spec config.EngineSpec, by string, drainBound time.Duration, log *slog.Logger, stdout io.Writer) error {
 	cfg, err := config.Parse(nil)
 	if err != nil {
@@ -244,9 +246,16 @@ func registered(ctx context.Context, spec config.EngineSpec, by string, drainBou
 		return fmt.Errorf("bus %s: %w", redactNATSURL(cfg.Bus.URL), err)
 	}
 	defer b.Close()
+	// A revoked credential stops the engine's registration for good: exit
+	// non-zero saying so (R-BUS-11), for an orchestrator to restart it.
+	ctx, stop := untilRefused(ctx, b)
+	defer stop()
 	ttl := cfg.Membership.RegistrationTTL()
 	reg, err := membership.Register(ctx, b, spec, ttl, by, log)
 	if err != nil {
+		if refused := refusedCause(ctx); refused != nil {
+			return refused
+		}
 		return err
 	}
 	fmt.Fprintf(stdout, "registered %s (%s, %s) in the live fleet, TTL %v\n", spec.ID, spec.Role, spec.URL, ttl)
@@ -254,6 +263,14 @@ func registered(ctx context.Context, spec config.EngineSpec, by string, drainBou
 	done := make(chan error, 1)
 	go func() { done <- reg.Run(runCtx) }()
 	<-ctx.Done()
+	if refused := refusedCause(ctx); refused != nil {
+		// Nothing more reaches the bus: no drain, no leave; the
+		// registration lapses after its TTL.
+		log.Error("the bus refused the engine's credential; exiting", "engine_id", spec.ID, "err", refused)
+		stopRun()
+		<-done
+		return refused
+	}
 	if drainBound > 0 {
 		log.Info("draining the engine before leaving", "engine_id", spec.ID, "bound", drainBound)
 		dctx, cancel := context.WithTimeout(context.Background(), drainBound)

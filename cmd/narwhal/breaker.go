@@ -59,6 +59,10 @@ func runBreakerCmd(ctx context.Context, args []string) error {
 		return err
 	}
 	defer stopBus()
+	// A revoked breaker credential stops the breaker: exit non-zero
+	// saying so (R-BUS-11); another breaker takes the lease.
+	ctx, stopRefused := untilRefused(ctx, b)
+	defer stopRefused()
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -70,9 +74,16 @@ func runBreakerCmd(ctx context.Context, args []string) error {
 		defer stop()
 	}
 	if err := seedFleet(ctx, cfg, b, id, log); err != nil {
+		if refused := refusedCause(ctx); refused != nil {
+			return refused
+		}
 		return err
 	}
-	return runBreaker(ctx, cfg, b, id, reg, log)
+	err = runBreaker(ctx, cfg, b, id, reg, log)
+	if refused := refusedCause(ctx); refused != nil {
+		return refused
+	}
+	return err
 }
 
 // breakerID returns "breaker-<hostname>-<pid>", safe as a breaker_id.

@@ -242,8 +242,8 @@ func runBusCreds(args []string, stdout, stderr io.Writer) error {
 			return fmt.Errorf("--%s %s given twice", id.kind, id.id)
 		}
 		seen[id] = true
-		if _, err := os.Stat(filepath.Join(*out, bus.IdentityCredsFile(id.kind, id.id))); err == nil {
-			return fmt.Errorf("%s exists already: refusing to replace the credential of %s %s", filepath.Join(*out, bus.IdentityCredsFile(id.kind, id.id)), id.kind, id.id)
+		if err := bus.IdentityReplaceable(*out, id.kind, id.id); err != nil {
+			return err // a valid credential; a revoked one is replaced
 		}
 	}
 	mesh := bus.HasMesh(*out)
@@ -265,11 +265,16 @@ func runBusCreds(args []string, stdout, stderr io.Writer) error {
 		fmt.Fprintf(stdout, "identities added to the mesh of %s:\n", *out)
 	}
 	for _, id := range ids {
+		_, existed := os.Stat(filepath.Join(*out, bus.IdentityCredsFile(id.kind, id.id)))
 		path, err := bus.IssueIdentity(*out, id.kind, id.id)
 		if err != nil {
 			return err
 		}
-		fmt.Fprintf(stdout, "  %-14s NARWHAL_NATS_CREDS for %s %s only\n", filepath.Base(path), id.kind, id.id)
+		replaced := ""
+		if existed == nil {
+			replaced = " (replaces the revoked one)"
+		}
+		fmt.Fprintf(stdout, "  %-14s NARWHAL_NATS_CREDS for %s %s only%s\n", filepath.Base(path), id.kind, id.id, replaced)
 	}
 	return nil
 }

@@ -8,8 +8,11 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
+
+	"github.com/nats-io/jwt/v2"
 
 	"github.com/narwhalmesh/narwhal/bus"
 )
@@ -53,7 +56,10 @@ type revokeTarget struct {
 // nats://127.0.0.1:4222, TLS as NARWHAL_NATS_TLS_*) — twice, a second
 // apart, so a revoked client that reconnected to another server while the
 // first push reached it is closed too (bus.Revoke). It prints what it
-// revoked and each server's answer. It returns an error naming a missing
+// revoked, every user the pushed JWT revokes besides ("also pushed,
+// revoked earlier: …", named where a creds file in DIR holds the user:
+// a revocation whose push failed goes out with the next run), and each
+// server's answer. It returns an error naming a missing
 // file, an invalid key, an unreachable bus, a bus without an answer within
 // --timeout, or a server's refusal — auth.conf holds the revocation then
 // already, and running the command again pushes it again.
@@ -109,6 +115,12 @@ func runBusRevoke(ctx context.Context, args []string, stdout, stderr io.Writer) 
 	if _, err := os.Stat(filepath.Join(*dir, bus.SysCredsFile)); err != nil {
 		return fmt.Errorf("the system account's credential: %w (written by narwhal bus creds)", err)
 	}
+	// What the pushed JWT revokes besides this run's users: revocations
+	// stored by an earlier run (whose push may have failed) go out too.
+	earlier, err := earlierRevocations(*dir, pubs)
+	if err != nil {
+		return err
+	}
 	cctx, cancel := context.WithTimeout(ctx, *bound)
 	defer cancel()
 	answers, stored, err := bus.Revoke(cctx, *dir, pubs, bus.PushOptions{
@@ -125,6 +137,9 @@ func runBusRevoke(ctx context.Context, args []string, stdout, stderr io.Writer) 
 			fmt.Fprintf(stdout, "revoked %s %s\n", t.what, t.pub)
 		}
 	}
+	if len(earlier) > 0 {
+		fmt.Fprintf(stdout, "also pushed, revoked earlier: %s\n", strings.Join(earlier, ", "))
+	}
 	fmt.Fprintf(stdout, "account JWT stored in %s\n", filepath.Join(*dir, bus.AuthConfFile))
 	for _, a := range answers {
 		fmt.Fprintf(stdout, "server %s: %s\n", a.Server, a.Message)
@@ -132,6 +147,50 @@ func runBusRevoke(ctx context.Context, args []string, stdout, stderr io.Writer) 
 	if err != nil {
 		return fmt.Errorf("%w (the revocation is in %s; run narwhal bus revoke again to push it)", err, filepath.Join(*dir, bus.AuthConfFile))
 	}
-	_, err = fmt.Fprintf(stdout, "pushed to %s: %d servers answered\n", redactNATSURL(cfg.URL), len(answers))
+	_, err = fmt.Fprintf(stdout, "pushed to %s: %s answered\n", redactNATSURL(cfg.URL), countServers(len(answers)))
 	return err
+}
+
+// countServers is "1 server" or "N servers".
+func countServers(n int) string {
+	if n == 1 {
+		return "1 server"
+	}
+	return fmt.Sprintf("%d servers", n)
+}
+
+// earlierRevocations returns the users that account NARWHAL's JWT stored in
+// dir revokes already, other than those of pubs, sorted: each as its
+// public key followed by its JWT name in parentheses when a credential
+// file in dir (*.creds) still holds that user. `narwhal bus revoke`
+// pushes them again with its own, and says so.
+func earlierRevocations(dir string, pubs []string) ([]string, error) {
+	token, err := bus.AccountJWT(dir)
+	if err != nil {
+		return nil, err
+	}
+	ac, err := jwt.DecodeAccountClaims(token)
+	if err != nil {
+		return nil, fmt.Errorf("%s: account JWT: %w", filepath.Join(dir, bus.AuthConfFile), err)
+	}
+	names := map[string]string{}
+	files, _ := filepath.Glob(filepath.Join(dir, "*.creds"))
+	for _, f := range files {
+		if pub, name, err := bus.CredentialUser(f); err == nil && name != "" {
+			names[pub] = name
+		}
+	}
+	var out []string
+	for pub := range ac.Revocations {
+		if slices.Contains(pubs, pub) {
+			continue
+		}
+		if name := names[pub]; name != "" {
+			out = append(out, pub+" ("+name+")")
+		} else {
+			out = append(out, pub)
+		}
+	}
+	slices.Sort(out)
+	return out, nil
 }

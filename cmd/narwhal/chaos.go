@@ -492,6 +492,10 @@ func runChaosProxy(ctx context.Context, args []string, stdout, stderr io.Writer)
 		return err
 	}
 	defer cb.close()
+	// A revoked chaos credential stops the proxy: it exits non-zero
+	// saying so (R-BUS-11, docs/security.md).
+	ctx, stopRefused := untilRefused(ctx, cb.b)
+	defer stopRefused()
 	base, stop, err := serveChaosProxy(ctx, cb.store, *engine, *target, *listen, log)
 	if err != nil {
 		return err
@@ -502,7 +506,7 @@ func runChaosProxy(ctx context.Context, args []string, stdout, stderr io.Writer)
 		return err
 	}
 	<-ctx.Done()
-	return nil
+	return refusedCause(ctx)
 }
 
 // serveChaosProxy starts a chaos proxy for engine in front of target and

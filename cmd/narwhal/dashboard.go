@@ -107,7 +107,15 @@ func runDashboard(ctx context.Context, args []string, stdout, stderr io.Writer) 
 	}()
 	fmt.Fprintf(stderr, "following %s\n", b.URL())
 	fmt.Fprintf(stdout, "Fleet page: %s\n", pageURL(ln.Addr()))
-	return dashboard.New(dashboard.Options{Bus: b, Log: log, Fleet: fleet}).Serve(ctx, ln)
+	// A revoked viewer credential stops the page: exit non-zero saying so
+	// (R-BUS-11).
+	ctx, stopRefused := untilRefused(ctx, b)
+	defer stopRefused()
+	err = dashboard.New(dashboard.Options{Bus: b, Log: log, Fleet: fleet}).Serve(ctx, ln)
+	if refused := refusedCause(ctx); refused != nil {
+		return refused
+	}
+	return err
 }
 
 // dashboardFleet is the fleet of cfg as the page lists it.

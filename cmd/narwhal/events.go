@@ -117,9 +117,17 @@ func runEvents(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		b.Close()
 	}()
 
-	return eventview.Follow(ctx, b, start, sel, stdout, stderr, *asJSON, func(filter string) {
+	// A revoked viewer credential ends the follow: exit non-zero saying
+	// so, not silence (R-BUS-11).
+	ctx, stopRefused := untilRefused(ctx, b)
+	defer stopRefused()
+	err = eventview.Follow(ctx, b, start, sel, stdout, stderr, *asJSON, func(filter string) {
 		fmt.Fprintf(stderr, "following %s on %s, %s\n", filter, b.Conn().ConnectedUrlRedacted(), startDesc)
 	})
+	if refused := refusedCause(ctx); refused != nil {
+		return refused
+	}
+	return err
 }
 
 // quietAfter is a slog.Handler that drops every record once closing is

@@ -214,8 +214,8 @@ func (v *View) placementLoop(m *mesh, loaded chan struct{}) {
 		}
 		why, err := v.watchPlacement(m, status, first, signal)
 		switch {
-		case v.base.Err() != nil:
-			return
+		case v.base.Err() != nil, m.bus.CredentialRefused() != nil:
+			return // revoked or refused for good: the router says so (R-BUS-11)
 		case err != nil:
 			if !failing {
 				v.log.Warn("placement watch could not be set up; retrying", "err", err)
