@@ -152,8 +152,9 @@ func TestBusCredsIdentitiesRBUS11(t *testing.T) {
 
 // TestBusSetupCommand proves `narwhal bus setup` (R-BUS-8): against a NATS
 // without Narwhal's streams it creates them all with the admin credential,
-// listing each one's replicas, while a router credential may not, and the
-// message names the permission.
+// listing each stream's and bucket's replicas, while a router credential
+// may not, and the message names the permission; run again (with the
+// viewer's credential or the admin's) it says there was nothing to change.
 func TestBusSetupCommand(t *testing.T) {
 	testkit.CheckLeaks(t)
 	dir := bustest.Credentials(t)
@@ -172,13 +173,33 @@ func TestBusSetupCommand(t *testing.T) {
 	if err := runBus(context.Background(), []string{"setup"}, out, errOut); err != nil {
 		t.Fatalf("bus setup with the admin's credential: %v\n%s", err, errOut.String())
 	}
-	for _, name := range []string{bus.StreamName, bus.HistoryStream, bus.PlacementBucket, bus.LeaseBucket, bus.ChaosBucket} {
-		if !regexp.MustCompile(regexp.QuoteMeta(name) + `\s+1 replicas`).MatchString(out.String()) {
-			t.Errorf("bus setup's output lacks %s at 1 replica:\n%s", name, out.String())
+	if !strings.HasPrefix(out.String(), "bus set up on ") {
+		t.Errorf("bus setup that created everything does not say it set the bus up:\n%s", out.String())
+	}
+	names := bus.SetUpNames()
+	if len(names) < 10 {
+		t.Errorf("bus.SetUpNames lists %d streams and buckets, want the 10 the set-up creates: %v", len(names), names)
+	}
+	for _, n := range names {
+		if !regexp.MustCompile(`(?m)^  ` + n.What + ` ` + regexp.QuoteMeta(n.Name) + `\s+1 replicas$`).MatchString(out.String()) {
+			t.Errorf("bus setup's output lacks %s %s at 1 replica:\n%s", n.What, n.Name, out.String())
 		}
 	}
 	if !strings.Contains(errOut.String(), "stream created") {
 		t.Errorf("bus setup's log does not say what it created:\n%s", errOut.String())
+	}
+
+	// Run again, with the viewer's credential and the admin's: nothing is
+	// to change, and neither says it set the bus up.
+	for _, role := range []string{bus.RoleViewer, bus.RoleAdmin} {
+		t.Setenv("NARWHAL_NATS_CREDS", bustest.CredsFile(dir, role))
+		out = &testkit.LockedBuffer{}
+		if err := runBus(context.Background(), []string{"setup", "--connect-timeout", "3s"}, out, errOut); err != nil {
+			t.Fatalf("bus setup again with the %s credential: %v\n%s", role, err, errOut.String())
+		}
+		if !strings.HasPrefix(out.String(), "bus already set up on ") || !strings.Contains(out.String(), ": nothing to change\n") {
+			t.Errorf("bus setup again with the %s credential, nothing to change, says:\n%s", role, out.String())
+		}
 	}
 }
 
