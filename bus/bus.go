@@ -243,6 +243,8 @@ type Bus struct {
 	// is in-process (where nats.Conn reports the library's default URL),
 	// empty otherwise.
 	inProcess string
+	// setupWrites counts what Setup created or updated (SetupWrites).
+	setupWrites int
 }
 
 // URL returns the server this connection is on, for logs: the connected

@@ -169,6 +169,13 @@ func historyConfig(replicas int) jetstream.StreamConfig {
 	}
 }
 
+// streamConfigs are the streams as Setup creates them, in that order:
+// NARWHAL_EVENTS, NARWHAL_HISTORY, NARWHAL_PREFIX, NARWHAL_REGISTRATIONS.
+func streamConfigs(replicas int) []jetstream.StreamConfig {
+	return []jetstream.StreamConfig{streamConfig(replicas), historyConfig(replicas),
+		prefixStreamConfig(replicas), registrationsStreamConfig(replicas)}
+}
+
 // bucketConfigs are the KV buckets as Setup creates them.
 func bucketConfigs(replicas int, leaseTTL time.Duration) []jetstream.KeyValueConfig {
 	return []jetstream.KeyValueConfig{
@@ -251,7 +258,7 @@ func Setup(ctx context.Context, b *Bus, opts SetupOptions) error {
 	}
 	var lastLog time.Time
 	for {
-		err := b.setupOnce(ctx, streamConfig(replicas), bucketConfigs(replicas, leaseTTL), log)
+		err := b.setupOnce(ctx, streamConfigs(replicas), bucketConfigs(replicas, leaseTTL), log)
 		if err == nil {
 			return nil
 		}
@@ -271,64 +278,97 @@ func Setup(ctx context.Context, b *Bus, opts SetupOptions) error {
 	}
 }
 
-// setupOnce is one attempt of Setup.
-func (b *Bus) setupOnce(ctx context.Context, stream jetstream.StreamConfig, buckets []jetstream.KeyValueConfig, log *slog.Logger) error {
+// setupOnce is one attempt of Setup: it adds to b.setupWrites each
+// stream, bucket and schema it creates or updates.
+func (b *Bus) setupOnce(ctx context.Context, streams []jetstream.StreamConfig, buckets []jetstream.KeyValueConfig, log *slog.Logger) error {
 	ctx, cancel := context.WithTimeout(ctx, setupAttemptTimeout)
 	defer cancel()
-	if err := ensureStream(ctx, b.js, stream, log); err != nil {
-		return err
-	}
-	if err := ensureStream(ctx, b.js, historyConfig(stream.Replicas), log); err != nil {
-		return err
-	}
-	if err := ensureStream(ctx, b.js, prefixStreamConfig(stream.Replicas), log); err != nil {
-		return err
-	}
-	if err := ensureStream(ctx, b.js, registrationsStreamConfig(stream.Replicas), log); err != nil {
-		return err
-	}
-	for _, want := range buckets {
-		if err := ensureBucket(ctx, b.js, want, log); err != nil {
+	for _, want := range streams {
+		wrote, err := ensureStream(ctx, b.js, want, log)
+		if wrote {
+			b.setupWrites++
+		}
+		if err != nil {
 			return err
 		}
 	}
-	return writeSchemas(ctx, b.js, log)
+	for _, want := range buckets {
+		wrote, err := ensureBucket(ctx, b.js, want, log)
+		if wrote {
+			b.setupWrites++
+		}
+		if err != nil {
+			return err
+		}
+	}
+	written, err := writeSchemas(ctx, b.js, log)
+	b.setupWrites += written
+	return err
+}
+
+// SetupWrites returns how many streams, buckets and schemas the set-up of
+// this connection (ConnectOptions.Setup, or Setup on it) created or
+// updated: 0 when everything already was as Narwhal wants it, or when no
+// set-up ran. `narwhal bus setup` says "already set up: nothing to
+// change" then, so that a credential that may only read (viewer.creds)
+// is not taken for the admin's (behaviour.md R-BUS-8).
+func (b *Bus) SetupWrites() int { return b.setupWrites }
+
+// SetUpName is one stream or bucket that Setup creates: What is "stream"
+// or "bucket" (as in NotSetUpError), Name its name (a bucket's own, not
+// the KV_<bucket> of its stream).
+type SetUpName struct {
+	What, Name string
+}
+
+// SetUpNames returns every stream and bucket Setup creates, in the order
+// it creates them (streams first). It is the one list of them: Setup,
+// Replicas and `narwhal bus setup`'s report use it (behaviour.md R-BUS-8).
+func SetUpNames() []SetUpName {
+	var out []SetUpName
+	for _, st := range streamConfigs(1) {
+		out = append(out, SetUpName{What: "stream", Name: st.Name})
+	}
+	for _, kv := range bucketConfigs(1, DefaultLeaseTTL) {
+		out = append(out, SetUpName{What: "bucket", Name: kv.Bucket})
+	}
+	return out
 }
 
 // writeSchemas puts every schema of schemas.SchemaFS into bucket
 // narwhal_schemas under its name, skipping those already there byte for
 // byte: a newer release's setup brings its schemas, and a rerun writes
-// nothing.
-func writeSchemas(ctx context.Context, js jetstream.JetStream, log *slog.Logger) error {
+// nothing. It returns how many it wrote.
+func writeSchemas(ctx context.Context, js jetstream.JetStream, log *slog.Logger) (int, error) {
+	written := 0
 	kv, err := js.KeyValue(ctx, SchemasBucket)
 	if err != nil {
-		return fmt.Errorf("bus: bucket %s: %w", SchemasBucket, err)
+		return written, fmt.Errorf("bus: bucket %s: %w", SchemasBucket, err)
 	}
 	files, err := fs.Glob(schemas.SchemaFS, "*.json")
 	if err != nil {
-		return fmt.Errorf("bus: schemas: %w", err)
+		return written, fmt.Errorf("bus: schemas: %w", err)
 	}
-	written := 0
 	for _, f := range files {
 		want, err := schemas.SchemaFS.ReadFile(f)
 		if err != nil {
-			return fmt.Errorf("bus: schemas: %w", err)
+			return written, fmt.Errorf("bus: schemas: %w", err)
 		}
 		name := strings.TrimSuffix(f, ".json")
 		if have, err := kv.Get(ctx, name); err == nil && bytes.Equal(have.Value(), want) {
 			continue
 		} else if err != nil && !errors.Is(err, jetstream.ErrKeyNotFound) {
-			return fmt.Errorf("bus: bucket %s: %s: %w", SchemasBucket, name, err)
+			return written, fmt.Errorf("bus: bucket %s: %s: %w", SchemasBucket, name, err)
 		}
 		if _, err := kv.Put(ctx, name, want); err != nil {
-			return fmt.Errorf("bus: bucket %s: put %s: %w", SchemasBucket, name, err)
+			return written, fmt.Errorf("bus: bucket %s: put %s: %w", SchemasBucket, name, err)
 		}
 		written++
 	}
 	if written > 0 {
 		log.Info("bus: schemas written", "bucket", SchemasBucket, "schemas", written)
 	}
-	return nil
+	return written, nil
 }
 
 // Schema returns the JSON Schema named name (e.g. "narwhal.request.v1")
@@ -348,21 +388,21 @@ func (b *Bus) Schema(ctx context.Context, name string) ([]byte, error) {
 }
 
 // ensureStream creates want, or updates the stream when the settings
-// Narwhal manages differ, keeping the replicas it has.
-func ensureStream(ctx context.Context, js jetstream.JetStream, want jetstream.StreamConfig, log *slog.Logger) error {
+// Narwhal manages differ, keeping the replicas it has. wrote is true when it created or updated it.
+func ensureStream(ctx context.Context, js jetstream.JetStream, want jetstream.StreamConfig, log *slog.Logger) (wrote bool, err error) {
 	st, err := js.Stream(ctx, want.Name)
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
 		if _, err := js.CreateStream(ctx, want); err != nil {
 			if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
-				return fmt.Errorf("bus: create stream %s: %w: %w", want.Name, errCreateRace, err)
+				return false, fmt.Errorf("bus: create stream %s: %w: %w", want.Name, errCreateRace, err)
 			}
-			return fmt.Errorf("bus: create stream %s: %w", want.Name, err)
+			return false, fmt.Errorf("bus: create stream %s: %w", want.Name, err)
 		}
 		log.Info("bus: stream created", "stream", want.Name, "replicas", want.Replicas)
-		return nil
+		return true, nil
 	}
 	if err != nil {
-		return fmt.Errorf("bus: stream %s: %w", want.Name, err)
+		return false, fmt.Errorf("bus: stream %s: %w", want.Name, err)
 	}
 	have := st.CachedInfo().Config
 	if have.DenyPurge {
@@ -374,13 +414,13 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, want jetstream.St
 		want.Replicas = have.Replicas
 	}
 	if sameStream(have, want) {
-		return nil
+		return false, nil
 	}
 	if _, err := js.UpdateStream(ctx, want); err != nil {
-		return fmt.Errorf("bus: update stream %s: %w", want.Name, err)
+		return false, fmt.Errorf("bus: update stream %s: %w", want.Name, err)
 	}
 	log.Info("bus: stream updated to Narwhal's settings", "stream", want.Name)
-	return nil
+	return true, nil
 }
 
 // sameStream reports whether the settings Narwhal manages are as wanted.
@@ -416,8 +456,9 @@ func sameSources(have, want []*jetstream.StreamSource) bool {
 
 // ensureBucket creates want, or updates the bucket when the settings
 // Narwhal manages differ, keeping the replicas it has. A server without
-// per-key TTLs (NATS < 2.11) gets the bucket without limit markers.
-func ensureBucket(ctx context.Context, js jetstream.JetStream, want jetstream.KeyValueConfig, log *slog.Logger) error {
+// per-key TTLs (NATS < 2.11) gets the bucket without limit markers. wrote is true when it created or
+// updated it.
+func ensureBucket(ctx context.Context, js jetstream.JetStream, want jetstream.KeyValueConfig, log *slog.Logger) (wrote bool, err error) {
 	kv, err := js.KeyValue(ctx, want.Bucket)
 	if errors.Is(err, jetstream.ErrBucketNotFound) {
 		_, err = js.CreateKeyValue(ctx, want)
@@ -426,31 +467,31 @@ func ensureBucket(ctx context.Context, js jetstream.JetStream, want jetstream.Ke
 			_, err = js.CreateKeyValue(ctx, want)
 		}
 		if errors.Is(err, jetstream.ErrBucketExists) || errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
-			return fmt.Errorf("bus: create bucket %s: %w: %w", want.Bucket, errCreateRace, err)
+			return false, fmt.Errorf("bus: create bucket %s: %w: %w", want.Bucket, errCreateRace, err)
 		}
 		if err != nil {
-			return fmt.Errorf("bus: create bucket %s: %w", want.Bucket, err)
+			return false, fmt.Errorf("bus: create bucket %s: %w", want.Bucket, err)
 		}
 		if noRollupBucket(want.Bucket) {
 			// nats.go makes every bucket with rollups allowed: take them
 			// away at once (a set-up cut here does it on its next run).
 			st, err := js.Stream(ctx, "KV_"+want.Bucket)
 			if err != nil {
-				return fmt.Errorf("bus: bucket %s: %w", want.Bucket, notReadyYet(err))
+				return true, fmt.Errorf("bus: bucket %s: %w", want.Bucket, notReadyYet(err))
 			}
 			if err := updateNoRollupBucket(ctx, js, st.CachedInfo().Config, want); err != nil {
-				return err
+				return true, err
 			}
 		}
 		log.Info("bus: bucket created", "bucket", want.Bucket, "replicas", want.Replicas)
-		return nil
+		return true, nil
 	}
 	if err != nil {
-		return fmt.Errorf("bus: bucket %s: %w", want.Bucket, err)
+		return false, fmt.Errorf("bus: bucket %s: %w", want.Bucket, err)
 	}
 	st, err := kv.Status(ctx)
 	if err != nil {
-		return fmt.Errorf("bus: bucket %s: %w", want.Bucket, notReadyYet(err))
+		return false, fmt.Errorf("bus: bucket %s: %w", want.Bucket, notReadyYet(err))
 	}
 	info := st.(*jetstream.KeyValueBucketStatus).StreamInfo()
 	if have := info.Config.Replicas; have != want.Replicas {
@@ -465,20 +506,20 @@ func ensureBucket(ctx context.Context, js jetstream.JetStream, want jetstream.Ke
 	rollupsAsWanted := !noRollupBucket(want.Bucket) || !info.Config.AllowRollup && info.Config.DenyPurge
 	if st.History() == int64(want.History) && st.TTL() == want.TTL && info.Config.Storage == want.Storage &&
 		info.Config.Description == want.Description && st.LimitMarkerTTL() == want.LimitMarkerTTL && rollupsAsWanted {
-		return nil
+		return false, nil
 	}
 	if noRollupBucket(want.Bucket) {
 		if err := updateNoRollupBucket(ctx, js, info.Config, want); err != nil {
-			return err
+			return false, err
 		}
 		log.Info("bus: bucket updated to Narwhal's settings", "bucket", want.Bucket)
-		return nil
+		return true, nil
 	}
 	if _, err := js.UpdateKeyValue(ctx, want); err != nil {
-		return fmt.Errorf("bus: update bucket %s: %w", want.Bucket, err)
+		return false, fmt.Errorf("bus: update bucket %s: %w", want.Bucket, err)
 	}
 	log.Info("bus: bucket updated to Narwhal's settings", "bucket", want.Bucket)
-	return nil
+	return true, nil
 }
 
 // noRollupBucket reports whether bucket allows no rollup and no purge
@@ -544,19 +585,18 @@ func notReadyYet(err error) error {
 	return err
 }
 
-// Replicas returns the replica count of streams NARWHAL_EVENTS,
-// NARWHAL_HISTORY, NARWHAL_PREFIX and NARWHAL_REGISTRATIONS and of each of Narwhal's buckets as they are on the server, keyed by the stream's or
+// Replicas returns the replica count of each stream and bucket of
+// SetUpNames as they are on the server, keyed by the stream's or
 // bucket's name (e.g. "NARWHAL_EVENTS", "narwhal_placement"); a missing
 // one is absent. It reads only (R-BUS-8) and returns the server's error
 // for anything but a missing stream or bucket.
 func (b *Bus) Replicas(ctx context.Context) (map[string]int, error) {
 	out := map[string]int{}
-	names := map[string]string{StreamName: StreamName, HistoryStream: HistoryStream, PrefixStream: PrefixStream,
-		RegistrationsStream: RegistrationsStream}
-	for _, kv := range bucketConfigs(1, DefaultLeaseTTL) {
-		names["KV_"+kv.Bucket] = kv.Bucket
-	}
-	for stream, name := range names {
+	for _, n := range SetUpNames() {
+		stream := n.Name
+		if n.What == "bucket" {
+			stream = "KV_" + n.Name
+		}
 		st, err := b.js.Stream(ctx, stream)
 		if errors.Is(err, jetstream.ErrStreamNotFound) {
 			continue
@@ -564,7 +604,7 @@ func (b *Bus) Replicas(ctx context.Context) (map[string]int, error) {
 		if err != nil {
 			return nil, fmt.Errorf("bus: stream %s: %w", stream, err)
 		}
-		out[name] = st.CachedInfo().Config.Replicas
+		out[n.Name] = st.CachedInfo().Config.Replicas
 	}
 	return out, nil
 }

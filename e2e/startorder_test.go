@@ -127,7 +127,7 @@ func TestStartBeforeSetupRBUS8(t *testing.T) {
 		status, body = readyz(routerURL)
 		return strings.Contains(body, missingStream)
 	})
-	if want := `{"problems":["` + missingStream + `"],"status":"not ready"}`; status != http.StatusServiceUnavailable || body != want {
+	if want := `{"status":"not ready","problems":["` + missingStream + `"]}`; status != http.StatusServiceUnavailable || body != want {
 		t.Errorf("/readyz before the set-up: %d %s, want 503 %s", status, body, want)
 	}
 	const waiting = "waiting for the bus to be set up"

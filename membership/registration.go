@@ -15,6 +15,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"sync"
 	"time"
 
@@ -48,6 +49,7 @@ type Registration struct {
 	by    string
 	log   *slog.Logger
 	js    jetstream.JetStream
+	b     *bus.Bus
 	store *fleet.Store
 
 	mu    sync.Mutex
@@ -66,7 +68,9 @@ type Registration struct {
 // an entry seeded from a config file or added by a command, a
 // *bus.NotSetUpError when the fleet bucket or stream
 // NARWHAL_REGISTRATIONS is missing, and the bus's error when the publish
-// is refused. The caller has checked spec (today `narwhal agent`'s and
+// is refused — naming, when the bus reported a permissions violation on
+// the engine's subject (another engine's credential: R-BUS-11), the
+// violation and the credential that would do, engine-<id>.creds. The caller has checked spec (today `narwhal agent`'s and
 // `narwhal sim`'s flag checks).
 func Register(ctx context.Context, b *bus.Bus, spec config.EngineSpec, ttl time.Duration, by string, log *slog.Logger) (*Registration, error) {
 	if ttl <= 0 {
@@ -79,7 +83,7 @@ func Register(ctx context.Context, b *bus.Bus, spec config.EngineSpec, ttl time.
 	if err != nil {
 		return nil, err
 	}
-	r := &Registration{spec: spec, ttl: ttl, by: by, log: log, js: b.JetStream(), store: store,
+	r := &Registration{spec: spec, ttl: ttl, by: by, log: log, js: b.JetStream(), b: b, store: store,
 		asked: schemas.AskJoining, wakeC: make(chan struct{}, 1)}
 	cur, err := r.current(ctx)
 	if err != nil {
@@ -116,9 +120,24 @@ func (r *Registration) publish(ctx context.Context, state string) error {
 		if errors.Is(err, jetstream.ErrNoStreamResponse) {
 			return fmt.Errorf("membership: engine %s: %w (%w)", r.spec.ID, &bus.NotSetUpError{What: "stream", Name: bus.RegistrationsStream}, err)
 		}
-		return fmt.Errorf("membership: engine %s: publish its registration: %w", r.spec.ID, err)
+		return r.publishError(err)
 	}
 	return nil
+}
+
+// publishError is the error of a refused or unanswered publish of the
+// registration: when the bus reported a permissions violation on the
+// engine's subject it names it and the engine's own credential file (the
+// violation reaches the connection apart from the publish, which
+// otherwise fails only by its deadline).
+func (r *Registration) publishError(err error) error {
+	id := r.spec.ID
+	subject := bus.RegistrationSubject(id)
+	if perm := r.b.PermissionError(); perm != nil && strings.Contains(perm.Error(), `"`+subject+`"`) {
+		return fmt.Errorf("membership: engine %s: the bus refuses its registration (%v): NARWHAL_NATS_CREDS must be this engine's own file, %s (narwhal bus creds --out DIR --engine %s): %w",
+			id, perm, bus.IdentityCredsFile(bus.RoleEngine, id), id, err)
+	}
+	return fmt.Errorf("membership: engine %s: publish its registration: %w", id, err)
 }
 
 // current returns the engine's entry in the fleet bucket; nil when the

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"strings"
 	"testing"
 	"time"
 
@@ -216,5 +217,30 @@ func TestDrainWaitsForRouters(t *testing.T) {
 	<-done
 	if reg, _, _ := lastRegistration(t, b, "d9"); reg.State != schemas.AskLeaving {
 		t.Fatalf("after Leave: %+v, want leaving asked", reg)
+	}
+}
+
+// TestRegisterWithAnotherEnginesCredentialNamesTheRefusalRBUS11 proves
+// that an engine registering with another engine's credential on a bus
+// that enforces credentials (a real --auth server, R-BUS-11) fails with
+// an error naming the permissions violation on its own subject and the
+// credential that would do, engine-<id>.creds — not only a deadline.
+func TestRegisterWithAnotherEnginesCredentialNamesTheRefusalRBUS11(t *testing.T) {
+	dir := bustest.Credentials(t)
+	e := bustest.StartWith(t, bus.EmbeddedOptions{Port: -1, AuthDir: dir})
+	b := bustest.Connect(t, e, bus.ConnectOptions{Name: "engine-d3", CredsFile: bustest.Identity(t, dir, bus.RoleEngine, "d3"),
+		Role: bus.RoleEngine, ID: "d3"})
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	d4 := spec
+	d4.ID = "d4"
+	_, err := Register(ctx, b, d4, time.Minute, "agent-d4", quiet)
+	if err == nil {
+		t.Fatal("engine d4 registered with engine d3's credential")
+	}
+	for _, want := range []string{"Permissions Violation", `"narwhal.registrations.d4"`, "engine-d4.creds", "NARWHAL_NATS_CREDS"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("Register with another engine's credential: %v\nwant it to name %s", err, want)
+		}
 	}
 }

@@ -64,9 +64,14 @@ func TestPlacementFromTheBucketRBRK8(t *testing.T) {
 	if e := errorBody(t, 503, body); e.Message != "no eligible engine for decode" {
 		t.Fatalf("message %q", e.Message)
 	}
-	r, _ := s.get("/readyz")
+	r, ready := s.get("/readyz")
 	if r.StatusCode != 503 {
 		t.Fatalf("readyz %d with no decode engine", r.StatusCode)
+	}
+	// The keys in the order of the stand-in's answer (checkUnready) and
+	// of docs/mesh.md: status, then problems.
+	if want := `{"status":"not ready","problems":["no eligible engine for decode"]`; !strings.HasPrefix(string(ready), want) {
+		t.Errorf("readyz %s, want it to begin %s", ready, want)
 	}
 }
 

@@ -605,16 +605,7 @@ func (rt *Router) serveReady(ctx *fasthttp.RequestCtx) {
 	if !rt.fleet().CanServe(decodePhase) {
 		problems = append(problems, "no eligible engine for decode")
 	}
-	type engineProblem struct {
-		ID      string `json:"id"`
-		Role    string `json:"role"`
-		Problem string `json:"problem"`
-	}
-	var out struct {
-		Status   string          `json:"status"`
-		Problems []string        `json:"problems,omitempty"`
-		Engines  []engineProblem `json:"engines,omitempty"`
-	}
+	var out readyAnswer
 	now := time.Now().UnixNano()
 	for _, m := range rt.fleet().Members() {
 		if why := m.Unplaceable(now); why != "" {
@@ -629,6 +620,26 @@ func (rt *Router) serveReady(ctx *fasthttp.RequestCtx) {
 	b, _ := json.Marshal(out)
 	ctx.SetContentType("application/json")
 	ctx.SetBody(b)
+}
+
+// readyAnswer is the JSON body of /readyz, from serveReady and from the
+// stand-in of ServeUnready alike, so that its keys come in one order:
+// status, problems, engines (docs/mesh.md, behaviour.md R-API-2).
+type readyAnswer struct {
+	// Status is "ready" or "not ready".
+	Status string `json:"status"`
+	// Problems says why the router is not ready; absent when it is.
+	Problems []string `json:"problems,omitempty"`
+	// Engines are the engines the router cannot place on now, and why;
+	// absent when there is none.
+	Engines []engineProblem `json:"engines,omitempty"`
+}
+
+// engineProblem is one engine of readyAnswer.Engines.
+type engineProblem struct {
+	ID      string `json:"id"`
+	Role    string `json:"role"`
+	Problem string `json:"problem"`
 }
 
 // newID returns a random 16-byte hex id.

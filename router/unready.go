@@ -94,7 +94,7 @@ func ServeUnreadyWhy(ln net.Listener, front config.Server, whyNow *UnreadyWhy, l
 			w.WriteHeader(http.StatusServiceUnavailable)
 			why := whyNow.String()
 			if r.URL.Path == "/readyz" {
-				ready, _ := json.Marshal(map[string]any{"status": "not ready", "problems": []string{why}})
+				ready, _ := json.Marshal(readyAnswer{Status: "not ready", Problems: []string{why}})
 				_, _ = w.Write(ready)
 				return
 			}

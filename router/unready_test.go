@@ -65,7 +65,7 @@ func checkUnready(t *testing.T, c *http.Client, base, why string) {
 				r.method, r.path, resp.StatusCode, resp.Header.Get("Retry-After"), resp.Header.Get("Content-Type"), resp.Close)
 		}
 		if r.path == "/readyz" {
-			if want := `{"problems":["` + why + `"],"status":"not ready"}`; string(b) != want {
+			if want := `{"status":"not ready","problems":["` + why + `"]}`; string(b) != want {
 				t.Errorf("/readyz body %s, want %s", b, want)
 			}
 			continue

@@ -32,7 +32,7 @@ const (
 	defaultBusListen = "127.0.0.1:4222"
 	// defaultBusData is the JetStream store without --data.
 	defaultBusData = "./narwhal-bus-data"
-	// busSetupBound bounds setting up the stream and the buckets at the
+	// busSetupBound bounds setting up the streams and the buckets at the
 	// start of a single-node bus, and `narwhal bus setup`'s wait for the
 	// bus by default.
 	busSetupBound = 10 * time.Second
@@ -44,12 +44,12 @@ const busUsage = `usage: narwhal bus [--listen HOST:PORT] [--data DIR] [--config
        narwhal bus creds --out DIR [--engine ID]... [--router ID]...
        narwhal bus revoke --creds DIR [--engine ID]... [--router ID]... [--user PUBKEY]...
 
-narwhal bus         serves NATS with JetStream and sets up Narwhal's stream and
+narwhal bus         serves NATS with JetStream and sets up Narwhal's streams and
                     buckets before it says it is listening; point Narwhal
                     processes at it with NARWHAL_NATS_URL=nats://HOST:PORT.
                     --auth DIR enforces the credentials of narwhal bus creds;
                     --cluster and --routes join servers into a JetStream cluster.
-narwhal bus setup   creates or updates the stream and the buckets on the NATS at
+narwhal bus setup   creates or updates the streams and the buckets on the NATS at
                     NARWHAL_NATS_URL with the admin credential (NARWHAL_NATS_CREDS).
 narwhal bus creds   writes one credential per role (breaker, chaos, viewer, admin)
                     and the server side (auth.conf, route.secret, sys.creds) into DIR;
@@ -93,7 +93,7 @@ func busConfig(path string) (*config.Config, error) {
 // FILE] [--verbose]` (behaviour.md §14, R-BUS-4): the embedded NATS server with
 // JetStream as a process of its own, so that several Narwhal processes
 // share a bus with NARWHAL_NATS_URL=nats://HOST:PORT. As the bus's admin it
-// creates stream NARWHAL_EVENTS and every bucket (bus.Setup: replicas
+// creates every stream and bucket of bus.SetUpNames (bus.Setup: replicas
 // bus.replicas on creation, the lease bucket's TTL breaker.lease_ttl_s;
 // R-BUS-8) before it writes `bus listening on nats://HOST:PORT (data DIR)`
 // to stdout, serves until ctx ends (SIGINT/SIGTERM) and then shuts the
@@ -247,18 +247,29 @@ func runBusCreds(args []string, stdout, stderr io.Writer) error {
 		}
 	}
 	mesh := bus.HasMesh(*out)
+	// w is the longest name listed, so that every row's text lines up.
+	w := 0
+	for _, id := range ids {
+		w = max(w, len(bus.IdentityCredsFile(id.kind, id.id)))
+	}
 	if !mesh {
+		for _, role := range bus.Roles {
+			w = max(w, len(bus.CredsFile(role)))
+		}
+		for _, name := range []string{bus.AuthConfFile, bus.RouteSecretFile, bus.SysCredsFile, "keys/"} {
+			w = max(w, len(name))
+		}
 		if err := bus.WriteCredentials(*out); err != nil {
 			return err
 		}
 		fmt.Fprintf(stdout, "credentials written to %s:\n", *out)
 		for _, role := range bus.Roles {
-			fmt.Fprintf(stdout, "  %-14s NARWHAL_NATS_CREDS for the %s role\n", bus.CredsFile(role), role)
+			fmt.Fprintf(stdout, "  %-*s NARWHAL_NATS_CREDS for the %s role\n", w, bus.CredsFile(role), role)
 		}
-		fmt.Fprintf(stdout, "  %-14s the server side: narwhal bus --auth %s, or include it in a nats-server config\n", bus.AuthConfFile, *out)
-		fmt.Fprintf(stdout, "  %-14s the password the servers of a cluster present to one another\n", bus.RouteSecretFile)
-		fmt.Fprintf(stdout, "  %-14s the system account's user: pushes revocations (narwhal bus revoke)\n", bus.SysCredsFile)
-		fmt.Fprintf(stdout, "  %-14s the operator's and account's seeds, to issue more users; keep them off the servers\n", "keys/")
+		fmt.Fprintf(stdout, "  %-*s the server side: narwhal bus --auth %s, or include it in a nats-server config\n", w, bus.AuthConfFile, *out)
+		fmt.Fprintf(stdout, "  %-*s the password the servers of a cluster present to one another\n", w, bus.RouteSecretFile)
+		fmt.Fprintf(stdout, "  %-*s the system account's user: pushes revocations (narwhal bus revoke)\n", w, bus.SysCredsFile)
+		fmt.Fprintf(stdout, "  %-*s the operator's and account's seeds, to issue more users; keep them off the servers\n", w, "keys/")
 	} else if len(ids) == 0 {
 		return fmt.Errorf("%s holds a mesh already: add identities with --engine ID or --router ID, or write a new mesh into an empty directory", *out)
 	} else {
@@ -274,7 +285,7 @@ func runBusCreds(args []string, stdout, stderr io.Writer) error {
 		if existed == nil {
 			replaced = " (replaces the revoked one)"
 		}
-		fmt.Fprintf(stdout, "  %-14s NARWHAL_NATS_CREDS for %s %s only%s\n", filepath.Base(path), id.kind, id.id, replaced)
+		fmt.Fprintf(stdout, "  %-*s NARWHAL_NATS_CREDS for %s %s only%s\n", w, filepath.Base(path), id.kind, id.id, replaced)
 	}
 	return nil
 }
@@ -285,11 +296,12 @@ type identity struct{ kind, id string }
 
 // runBusSetup is `narwhal bus setup [--config FILE] [--connect-timeout
 // DUR]` (behaviour.md R-BUS-8): with the admin credential (NARWHAL_NATS_CREDS) it
-// creates stream NARWHAL_EVENTS and every bucket on the NATS at
+// creates every stream and bucket of bus.SetUpNames on the NATS at
 // NARWHAL_NATS_URL (default nats://127.0.0.1:4222), or updates those whose
 // settings differ — keeping the replicas of any that exists, logged as
-// found versus wanted — prints `bus set up on URL:` and each stream's and
-// bucket's replicas, and exits. It returns an
+// found versus wanted — prints `bus set up on URL:` (`bus already set up
+// on URL: nothing to change` when it wrote nothing) and the replicas of
+// each stream and bucket of bus.SetUpNames, and exits. It returns an
 // error when the bus is not reachable in time, the credential may not do
 // it, or the server refuses a configuration.
 func runBusSetup(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -324,13 +336,15 @@ func runBusSetup(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(stdout, "bus set up on %s:\n", redactNATSURL(cfg.Bus.URL))
-	for _, name := range []string{bus.StreamName, bus.HistoryStream, bus.PlacementBucket, bus.LeaseBucket, bus.ChaosBucket} {
-		what := "bucket"
-		if name == bus.StreamName || name == bus.HistoryStream {
-			what = "stream"
-		}
-		fmt.Fprintf(stdout, "  %s %-18s %d replicas\n", what, name, replicas[name])
+	if b.SetupWrites() == 0 {
+		// Nothing was written: do not let a credential that may only
+		// read (viewer.creds) pass for the admin's.
+		fmt.Fprintf(stdout, "bus already set up on %s: nothing to change\n", redactNATSURL(cfg.Bus.URL))
+	} else {
+		fmt.Fprintf(stdout, "bus set up on %s:\n", redactNATSURL(cfg.Bus.URL))
+	}
+	for _, n := range bus.SetUpNames() {
+		fmt.Fprintf(stdout, "  %s %-21s %d replicas\n", n.What, n.Name, replicas[n.Name])
 	}
 	return nil
 }

@@ -22,7 +22,8 @@ import (
 // R-BUS-11): it creates a missing DIR with one credential per role (no
 // router.creds, no engine.creds: those are per identity) and the server
 // side, lists them, and refuses to overwrite a set; with --engine and
-// --router into the new DIR it writes those identities too.
+// --router into the new DIR it writes those identities too, every row's
+// text lined up after the longest name.
 func TestBusCredsCommand(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "a", "b")
 	var out, errOut bytes.Buffer
@@ -43,6 +44,7 @@ func TestBusCredsCommand(t *testing.T) {
 			t.Errorf("bus creds wrote %s: a credential every router (engine) would share", f)
 		}
 	}
+	checkRowsLineUp(t, out.String())
 	if err := runBus(context.Background(), []string{"creds", "--out", dir}, &out, &errOut); err == nil || !strings.Contains(err.Error(), "holds a mesh") {
 		t.Errorf("a second bus creds into %s: %v, want a refusal", dir, err)
 	}
@@ -56,6 +58,26 @@ func TestBusCredsCommand(t *testing.T) {
 	}
 	if err := runBus(context.Background(), []string{"creds", "--out", partial, "--router", "r1"}, &out, &errOut); err == nil || !strings.Contains(err.Error(), "exists already") {
 		t.Errorf("bus creds into a directory with an auth.conf: %v, want a refusal", err)
+	}
+}
+
+// checkRowsLineUp fails t unless every indented row of a listing of
+// `narwhal bus creds` ("  NAME   text") has its text at the same column.
+func checkRowsLineUp(t *testing.T, listing string) {
+	t.Helper()
+	col := -1
+	for line := range strings.SplitSeq(listing, "\n") {
+		name, ok := strings.CutPrefix(line, "  ")
+		if !ok {
+			continue
+		}
+		name, _, _ = strings.Cut(name, " ")
+		at := 2 + len(name) + len(line[2+len(name):]) - len(strings.TrimLeft(line[2+len(name):], " "))
+		if col < 0 {
+			col = at
+		} else if at != col {
+			t.Errorf("bus creds: the row of %s has its text at column %d, the first row at %d:\n%s", name, at, col, listing)
+		}
 	}
 }
 
@@ -107,6 +129,7 @@ func TestBusCredsIdentitiesRBUS11(t *testing.T) {
 	if strings.Contains(out.String(), "admin.creds") {
 		t.Errorf("bus creds on a mesh lists the role files again:\n%s", out.String())
 	}
+	checkRowsLineUp(t, out.String())
 	if again, _ := os.ReadFile(filepath.Join(dir, "admin.creds")); !bytes.Equal(again, admin) {
 		t.Error("adding identities rewrote admin.creds")
 	}
@@ -152,8 +175,9 @@ func TestBusCredsIdentitiesRBUS11(t *testing.T) {
 
 // TestBusSetupCommand proves `narwhal bus setup` (R-BUS-8): against a NATS
 // without Narwhal's streams it creates them all with the admin credential,
-// listing each one's replicas, while a router credential may not, and the
-// message names the permission.
+// listing each stream's and bucket's replicas, while a router credential
+// may not, and the message names the permission; run again (with the
+// viewer's credential or the admin's) it says there was nothing to change.
 func TestBusSetupCommand(t *testing.T) {
 	testkit.CheckLeaks(t)
 	dir := bustest.Credentials(t)
@@ -172,20 +196,41 @@ func TestBusSetupCommand(t *testing.T) {
 	if err := runBus(context.Background(), []string{"setup"}, out, errOut); err != nil {
 		t.Fatalf("bus setup with the admin's credential: %v\n%s", err, errOut.String())
 	}
-	for _, name := range []string{bus.StreamName, bus.HistoryStream, bus.PlacementBucket, bus.LeaseBucket, bus.ChaosBucket} {
-		if !regexp.MustCompile(regexp.QuoteMeta(name) + `\s+1 replicas`).MatchString(out.String()) {
-			t.Errorf("bus setup's output lacks %s at 1 replica:\n%s", name, out.String())
+	if !strings.HasPrefix(out.String(), "bus set up on ") {
+		t.Errorf("bus setup that created everything does not say it set the bus up:\n%s", out.String())
+	}
+	names := bus.SetUpNames()
+	if len(names) < 10 {
+		t.Errorf("bus.SetUpNames lists %d streams and buckets, want the 10 the set-up creates: %v", len(names), names)
+	}
+	for _, n := range names {
+		if !regexp.MustCompile(`(?m)^  ` + n.What + ` ` + regexp.QuoteMeta(n.Name) + `\s+1 replicas$`).MatchString(out.String()) {
+			t.Errorf("bus setup's output lacks %s %s at 1 replica:\n%s", n.What, n.Name, out.String())
 		}
 	}
 	if !strings.Contains(errOut.String(), "stream created") {
 		t.Errorf("bus setup's log does not say what it created:\n%s", errOut.String())
+	}
+
+	// Run again, with the viewer's credential and the admin's: nothing is
+	// to change, and neither says it set the bus up.
+	for _, role := range []string{bus.RoleViewer, bus.RoleAdmin} {
+		t.Setenv("NARWHAL_NATS_CREDS", bustest.CredsFile(dir, role))
+		out = &testkit.LockedBuffer{}
+		if err := runBus(context.Background(), []string{"setup", "--connect-timeout", "3s"}, out, errOut); err != nil {
+			t.Fatalf("bus setup again with the %s credential: %v\n%s", role, err, errOut.String())
+		}
+		if !strings.HasPrefix(out.String(), "bus already set up on ") || !strings.Contains(out.String(), ": nothing to change\n") {
+			t.Errorf("bus setup again with the %s credential, nothing to change, says:\n%s", role, out.String())
+		}
 	}
 }
 
 // TestMissingCredentialNamesTheRoleRBUS8 proves that a process refused by
 // a bus that enforces credentials (R-BUS-8: nats: Authorization
 // Violation) says what to set: NARWHAL_NATS_CREDS, and the file of its
-// own role (a router: its own router-<id>.creds, R-BUS-11) among those
+// own role (a router: its own router-<id>.creds, R-BUS-11; the least that
+// does: viewer.creds for `narwhal fleet list`) among those
 // `narwhal bus creds` writes — without a credential
 // and with one of another mesh. It runs against a real --auth server.
 func TestMissingCredentialNamesTheRoleRBUS8(t *testing.T) {
@@ -220,8 +265,11 @@ func TestMissingCredentialNamesTheRoleRBUS8(t *testing.T) {
 			{"chaos list", "chaos.creds", func() error {
 				return runChaos(context.Background(), []string{"list", "--connect-timeout", "5s"}, io.Discard, io.Discard)
 			}},
-			{"fleet list", "admin.creds", func() error {
+			{"fleet list", "viewer.creds", func() error {
 				return runFleet(context.Background(), []string{"list"}, io.Discard, io.Discard)
+			}},
+			{"fleet remove", "admin.creds", func() error {
+				return runFleet(context.Background(), []string{"remove", "d1"}, io.Discard, io.Discard)
 			}},
 		}
 		for _, c := range checks {
@@ -239,6 +287,11 @@ func TestMissingCredentialNamesTheRoleRBUS8(t *testing.T) {
 				t.Errorf("%s: the error does not name the refused file %s: %v", c.who, creds, err)
 			}
 		}
+	}
+	// The file named is the least that does: the viewer's lists the fleet.
+	t.Setenv("NARWHAL_NATS_CREDS", bustest.CredsFile(dir, bus.RoleViewer))
+	if err := runFleet(context.Background(), []string{"list"}, io.Discard, io.Discard); err != nil {
+		t.Errorf("fleet list with viewer.creds, the file its refusal names: %v", err)
 	}
 }
 

@@ -153,8 +153,13 @@ func runFleet(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err != nil {
 		return err
 	}
+	// The least credential that does: a refused connection names its file.
+	role := bus.RoleAdmin
+	if sub == "list" {
+		role = bus.RoleViewer
+	}
 	cctx, cancel := context.WithTimeout(ctx, defaultEventsConnectBound)
-	b, err := bus.Connect(cctx, busOptions(busCfg, "narwhal-fleet", bus.RoleAdmin, slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))))
+	b, err := bus.Connect(cctx, busOptions(busCfg, "narwhal-fleet", role, slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))))
 	cancel()
 	if err != nil {
 		return fmt.Errorf("bus %s: %w", redactNATSURL(busCfg.URL), err)

@@ -241,7 +241,11 @@ func runRouterWith(ctx context.Context, r routerRun) error {
 	if cfg.Server.TLS() {
 		base = "https://" + ln.Addr().String()
 	}
-	log.Info("router listening", "url", base, "engines", len(cfg.Fleet))
+	// engines is the router's fleet once it joined the mesh: the config
+	// file's engines and those of the live fleet (narwhal_fleet, read by
+	// JoinMesh unless it warned that it was not loaded yet);
+	// config_engines the config file's alone.
+	log.Info("router listening", "url", base, "engines", len(rt.FleetIDs()), "config_engines", len(cfg.Fleet))
 	if onReady != nil {
 		onReady(base)
 	}

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"io"
 	"log/slog"
 	"net"
@@ -15,6 +16,7 @@ import (
 	"github.com/narwhalmesh/narwhal/bus/bustest"
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
+	"github.com/narwhalmesh/narwhal/schemas"
 )
 
 // freeTCPPort returns a port nothing listens on now.
@@ -175,5 +177,36 @@ func TestStoppingLine(t *testing.T) {
 		if got := stoppingLine(10*time.Second, c.n); got != c.want {
 			t.Errorf("stoppingLine(10s, %d) = %q, want %q", c.n, got, c.want)
 		}
+	}
+}
+
+// TestRouterListeningCountsTheLiveFleetRFLEET1 proves that the router's
+// "router listening" line counts the fleet it joined (R-FLEET-1): the
+// config file's engines and those the live fleet (narwhal_fleet) holds,
+// with config_engines the file's alone — so a router whose engines come
+// from the bucket does not say engines=0.
+func TestRouterListeningCountsTheLiveFleetRFLEET1(t *testing.T) {
+	testkit.CheckLeaks(t, testkit.FasthttpLongLived()...)
+	path, _ := preflightFleet(t, [][2]string{{"p1", "prefill"}, {"d1", "decode"}})
+	e := bustest.StartWith(t, bus.EmbeddedOptions{Port: -1})
+	defer e.Shutdown()
+	ctx, cancel := context.WithTimeout(context.Background(), cmdTestBound)
+	defer cancel()
+	kv, err := bustest.Connect(t, e, bus.ConnectOptions{}).BindBucket(ctx, bus.FleetBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now().UTC()
+	live, _ := json.Marshal(schemas.FleetEntry{Schema: schemas.SchemaFleetEntry, EngineID: "d5", URL: "http://127.0.0.1:1", Role: "decode",
+		Connector: "nixl", State: schemas.FleetActive, Since: now, At: now, Source: schemas.SourceCommand, By: "narwhal-fleet"})
+	if _, err := kv.Put(ctx, "d5", live); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("NARWHAL_NATS_URL", e.ClientURL())
+	t.Setenv("NARWHAL_ROUTER_ID", "rt-count")
+	_, logs, _, _ := startRouter(t, path)
+	testkit.WaitFor(t, cmdTestBound, "the router's listening line", func() bool { return strings.Contains(logs.String(), "router listening") })
+	if !strings.Contains(logs.String(), "engines=3 config_engines=2") {
+		t.Errorf("the listening line of a router with 2 engines in its file and 1 more in the live fleet, want engines=3 config_engines=2:\n%s", logs.String())
 	}
 }

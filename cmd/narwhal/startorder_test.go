@@ -54,7 +54,7 @@ func TestRouterWaitsForSetupRBUS8(t *testing.T) {
 		status, body = getBody(client, "http://"+listen+"/readyz")
 		return strings.Contains(body, missingStream)
 	})
-	if want := `{"problems":["` + missingStream + `"],"status":"not ready"}`; status != http.StatusServiceUnavailable || body != want {
+	if want := `{"status":"not ready","problems":["` + missingStream + `"]}`; status != http.StatusServiceUnavailable || body != want {
 		t.Errorf("/readyz on a bus not set up: %d %s, want 503 %s", status, body, want)
 	}
 	if s, b := getBody(client, "http://"+listen+"/v1/models"); s != http.StatusServiceUnavailable || !strings.Contains(b, "not ready: "+missingStream) {
