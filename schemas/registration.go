@@ -21,12 +21,6 @@ const (
 	AskLeaving = "leaving"
 )
 
-// MaxRegistrationTTLS is the largest ttl_s a registration may carry, in
-// seconds (narwhal.registration.v1.json): the stream keeps a registration
-// for an hour, and the breaker caps what it writes lower still
-// (membership.max_registration_ttl_s, behaviour.md R-FLEET-5).
-const MaxRegistrationTTLS = 3600
-
 // Registration is an engine's announcement of itself (behaviour.md
 // R-FLEET-4, R-FLEET-5): published by the engine (package membership,
 // `narwhal agent`, `narwhal sim --register`) with its own credential on
@@ -61,9 +55,9 @@ type Registration struct {
 	// AskLeaving.
 	State string `json:"state"`
 	// TTLS is the registration's TTL in seconds: the engine's fleet key
-	// lapses that long after the breaker's last renewal of it. At most
-	// MaxRegistrationTTLS; the breaker writes the key with at most its
-	// membership.max_registration_ttl_s.
+	// lapses that long after the breaker's last renewal of it. The schema
+	// allows (0, 86400]; the breaker writes the key with at most its
+	// membership.max_registration_ttl_s (R-FLEET-5).
 	TTLS float64 `json:"ttl_s"`
 	// At is when the registration was published (UTC).
 	At time.Time `json:"at"`
