@@ -88,7 +88,7 @@ func newMetrics(reg prometheus.Registerer, breakerID string) *metrics {
 		}, []string{"reason"}),
 		registrationsRefused: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "narwhal_breaker_registrations_refused_total",
-			Help: "Engines' registrations the breaker did not write to the live fleet, by reason: max_engines (the fleet is full), taken (the id is the operator's), invalid (not a registration), id_mismatch (its engine_id is not its subject's).",
+			Help: "Engines' registrations the breaker did not write to the live fleet, by reason: max_engines (the fleet is full), taken (the id is the operator's), invalid (not a registration), id_mismatch (its engine_id is not its subject's), api_key_env (it names a key variable other than its id's, NARWHAL_ENGINE_KEY_<ID>).",
 		}, []string{"reason"}),
 	}
 	if reg != nil {

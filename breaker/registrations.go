@@ -33,10 +33,16 @@ const (
 	// RefusedIDMismatch: the payload's engine_id is not its subject's:
 	// one engine speaking for another.
 	RefusedIDMismatch = "id_mismatch"
+	// RefusedKeyEnv: the payload's api_key_env is neither empty nor
+	// schemas.EngineKeyEnv of its id (bus.ErrRegistrationKeyEnv): an
+	// engine asking routers and the breaker to send it another variable
+	// of theirs, e.g. NARWHAL_NATS_CREDS or another engine's key, as a
+	// bearer token. Nothing is written and its URL gets no request.
+	RefusedKeyEnv = "api_key_env"
 )
 
 // refusedReasons are the reasons, each series created at zero.
-var refusedReasons = []string{RefusedMaxEngines, RefusedTaken, RefusedInvalid, RefusedIDMismatch}
+var refusedReasons = []string{RefusedMaxEngines, RefusedTaken, RefusedInvalid, RefusedIDMismatch, RefusedKeyEnv}
 
 // refusedLogEvery bounds the breaker's log of refused registrations to
 // one line per interval, however many arrive.
@@ -112,11 +118,15 @@ func (s *Service) readRegistrations(ctx context.Context) error {
 func (s *Service) noteRegistration(subject string, data []byte, stored time.Time) {
 	reg, err := bus.ParseRegistration(subject, data)
 	if err != nil {
-		reason := RefusedInvalid
-		if errors.Is(err, bus.ErrRegistrationSubject) {
+		reason, id := RefusedInvalid, ""
+		switch {
+		case errors.Is(err, bus.ErrRegistrationSubject):
 			reason = RefusedIDMismatch
+		case errors.Is(err, bus.ErrRegistrationKeyEnv):
+			// The id is the subject's: announced, so the operator sees it.
+			reason, id = RefusedKeyEnv, reg.EngineID
 		}
-		s.refuse("", reason, fmt.Sprintf("%s: %v", subject, err))
+		s.refuse(id, reason, fmt.Sprintf("%s: %v", subject, err))
 		return
 	}
 	s.regMu.Lock()
@@ -132,7 +142,8 @@ func (s *Service) noteRegistration(subject string, data []byte, stored time.Time
 // refuse counts a refused registration of engine id (empty for one that
 // names none) for reason, logging at most once per refusedLogEvery, and
 // publishes an admission event "refused" for a refusal the leader
-// decided (max_engines, taken) once per id.
+// decided (max_engines, taken) or of a named id (api_key_env) once per
+// id.
 func (s *Service) refuse(id, reason, why string) {
 	s.metrics.registrationsRefused.WithLabelValues(reason).Inc()
 	s.regMu.Lock()
@@ -193,7 +204,7 @@ func (s *Service) applyRegistrations(ctx context.Context) {
 			if ctx.Err() != nil {
 				return
 			}
-			if time.Since(r.stored) > config.Seconds(r.reg.TTLS) {
+			if time.Since(r.stored) > s.registrationTTL(r.reg) {
 				continue // lapsed: its key lapses too
 			}
 			s.mu.Lock()
@@ -222,7 +233,8 @@ func (s *Service) applyRegistration(ctx context.Context, reg schemas.Registratio
 		return
 	}
 	id := reg.EngineID
-	ttl := config.Seconds(reg.TTLS)
+	ttl := s.registrationTTL(reg)
+	reg.TTLS = ttl.Seconds()
 	e := s.byID[id]
 	if e != nil && e.fleetEntry.Source != schemas.SourceRegistration {
 		s.refuse(id, RefusedTaken, fmt.Sprintf("engine %s is the operator's (source %s): a registration never takes it over", id, e.fleetEntry.Source))
@@ -283,6 +295,14 @@ func (s *Service) applyRegistration(ctx context.Context, reg schemas.Registratio
 	}
 	e.fleetEntry, e.fleetRev = next, rev
 	s.publishFleet(e, next.State, cur.State, next.Reason)
+}
+
+// registrationTTL returns the TTL the breaker writes reg's fleet key with:
+// the registration's, capped at membership.max_registration_ttl_s
+// (behaviour.md R-FLEET-5), so that an engine whose heartbeats stop — a
+// revoked credential — leaves the fleet within the cap whatever it asked.
+func (s *Service) registrationTTL(reg schemas.Registration) time.Duration {
+	return min(config.Seconds(reg.TTLS), s.cfg.Membership.MaxRegistrationTTL())
 }
 
 // adopt puts entry, just written at revision rev, into the breaker's

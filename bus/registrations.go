@@ -46,11 +46,19 @@ const MaxRegistrationValue = 4096
 // speaking for another (R-FLEET-5).
 var ErrRegistrationSubject = errors.New("engine_id is not the subject's engine id")
 
+// ErrRegistrationKeyEnv is wrapped by ParseRegistration's error when the
+// payload's api_key_env is neither empty nor schemas.EngineKeyEnv of its
+// engine_id: an engine asking routers to send it another variable of
+// theirs as a key (behaviour.md R-FLEET-5).
+var ErrRegistrationKeyEnv = errors.New("api_key_env is not the engine id's key variable")
+
 // ParseRegistration returns the registration payload holds for subject
 // (narwhal.registrations.<engine_id>), or why it is not one: larger than
-// MaxRegistrationValue, not schema-valid (narwhal.registration.v1), or
-// its engine_id is not the subject's (an error wrapping
-// ErrRegistrationSubject). The breaker judges every registration with it
+// MaxRegistrationValue, not schema-valid (narwhal.registration.v1), its
+// engine_id is not the subject's (an error wrapping
+// ErrRegistrationSubject), or its api_key_env is neither empty nor
+// schemas.EngineKeyEnv(engine_id) (an error wrapping
+// ErrRegistrationKeyEnv). The breaker judges every registration with it
 // (behaviour.md R-FLEET-5, R-BUS-9).
 func ParseRegistration(subject string, payload []byte) (schemas.Registration, error) {
 	var r schemas.Registration
@@ -69,6 +77,9 @@ func ParseRegistration(subject string, payload []byte) (schemas.Registration, er
 	}
 	if r.EngineID != id {
 		return r, fmt.Errorf("registration of %s on the subject of %s: %w", r.EngineID, id, ErrRegistrationSubject)
+	}
+	if want := schemas.EngineKeyEnv(r.EngineID); r.APIKeyEnv != "" && r.APIKeyEnv != want {
+		return r, fmt.Errorf("registration of %s names api_key_env %s, want %s or none: %w", r.EngineID, r.APIKeyEnv, want, ErrRegistrationKeyEnv)
 	}
 	return r, nil
 }

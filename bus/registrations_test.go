@@ -94,3 +94,39 @@ func TestParseRegistrationRFLEET5(t *testing.T) {
 		}
 	}
 }
+
+// TestParseRegistrationKeyEnvAndTTLRFLEET5 proves R-FLEET-5's bounds on
+// what a registration may ask: api_key_env empty or the id's own
+// variable (schemas.EngineKeyEnv) is accepted, any other name — another
+// engine's key, the bus credential's variable — wraps
+// ErrRegistrationKeyEnv; a ttl_s of 0, below it or above a day is refused.
+func TestParseRegistrationKeyEnvAndTTLRFLEET5(t *testing.T) {
+	reg := schemas.Registration{Schema: schemas.SchemaRegistration, EngineID: "d-1", URL: "http://127.0.0.1:9001", Role: "decode",
+		Connector: "nixl", State: schemas.AskJoining, TTLS: 86400, At: time.Now().UTC(), By: "agent-d-1"}
+	parse := func(r schemas.Registration) error {
+		data, _ := json.Marshal(r)
+		_, err := bus.ParseRegistration(bus.RegistrationSubject(r.EngineID), data)
+		return err
+	}
+	for _, name := range []string{"", "NARWHAL_ENGINE_KEY_D_1"} {
+		r := reg
+		r.APIKeyEnv = name
+		if err := parse(r); err != nil {
+			t.Errorf("api_key_env %q: %v, want accepted", name, err)
+		}
+	}
+	for _, name := range []string{"NARWHAL_NATS_CREDS", "D1_API_KEY", "NARWHAL_ENGINE_KEY_D_2", "narwhal_engine_key_d_1"} {
+		r := reg
+		r.APIKeyEnv = name
+		if err := parse(r); !errors.Is(err, bus.ErrRegistrationKeyEnv) {
+			t.Errorf("api_key_env %q: %v, want ErrRegistrationKeyEnv", name, err)
+		}
+	}
+	for _, ttl := range []float64{0, -1, 86401, 1e12} {
+		r := reg
+		r.TTLS = ttl
+		if err := parse(r); err == nil {
+			t.Errorf("ttl_s %v accepted", ttl)
+		}
+	}
+}

@@ -297,17 +297,26 @@ type Membership struct {
 	// refuses the registration of a new engine id while narwhal_fleet
 	// holds this many engines. > 0.
 	MaxEngines int `yaml:"max_engines" env:"MAX_ENGINES"`
+	// MaxRegistrationTTLS caps the TTL the leading breaker writes an
+	// engine's fleet key with, whatever ttl_s its registration asks
+	// (R-FLEET-5): an engine whose heartbeats stop — its credential
+	// revoked — leaves the fleet at most this long after its last one.
+	// Seconds, > 0.
+	MaxRegistrationTTLS float64 `yaml:"max_registration_ttl_s" env:"MAX_REGISTRATION_TTL_S"`
 }
 
 // RegistrationTTL returns RegistrationTTLS as a Duration (R-FLEET-4).
 func (m Membership) RegistrationTTL() time.Duration { return Seconds(m.RegistrationTTLS) }
+
+// MaxRegistrationTTL returns MaxRegistrationTTLS as a Duration (R-FLEET-5).
+func (m Membership) MaxRegistrationTTL() time.Duration { return Seconds(m.MaxRegistrationTTLS) }
 
 // DrainTimeout returns DrainTimeoutS as a Duration (R-FLEET-3).
 func (m Membership) DrainTimeout() time.Duration { return Seconds(m.DrainTimeoutS) }
 
 // defaultMembership returns the membership section of Default.
 func defaultMembership() Membership {
-	return Membership{RegistrationTTLS: 15, DrainTimeoutS: 600, MaxEngines: 1024}
+	return Membership{RegistrationTTLS: 15, DrainTimeoutS: 600, MaxEngines: 1024, MaxRegistrationTTLS: 60}
 }
 
 // validate checks the live fleet's timers: finite and > 0.
@@ -315,6 +324,7 @@ func (m Membership) validate(p problems) {
 	p.positive("registration_ttl_s", m.RegistrationTTLS)
 	p.positive("drain_timeout_s", m.DrainTimeoutS)
 	p.positiveInt("max_engines", m.MaxEngines)
+	p.positive("max_registration_ttl_s", m.MaxRegistrationTTLS)
 }
 
 // Placement policies, the values of Placement.Policy (behaviour.md R-PLACE-2).

@@ -290,8 +290,8 @@ func envNames(t *testing.T) map[string]string {
 // the file.
 func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 	names := envNames(t)
-	if len(names) != 49 {
-		t.Fatalf("%d scalar keys, want 49: %v", len(names), names)
+	if len(names) != 50 {
+		t.Fatalf("%d scalar keys, want 50: %v", len(names), names)
 	}
 	dir := t.TempDir()
 	caFile, keysFile := testkit.NewCA(t).Path, filepath.Join(dir, "keys.yaml")
@@ -322,7 +322,8 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		"engine.tls_ca_file": "/nonexistent/ca.pem", "server.tls_cert_file": "file.crt", "server.tls_key_file": "file.key",
 		"server.metrics_on_admin": "false", "auth.api_keys_file": "/nonexistent/keys.yaml",
 		"membership.registration_ttl_s": "41", "membership.drain_timeout_s": "42", "membership.max_engines": "46",
-		"placement.policy": "random", "placement.balance_abs_threshold": "43", "placement.balance_rel_threshold": "2.5",
+		"membership.max_registration_ttl_s": "47",
+		"placement.policy":                  "random", "placement.balance_abs_threshold": "43", "placement.balance_rel_threshold": "2.5",
 		"placement.prefix_index_blocks": "44", "placement.share_index": "true", "placement.engine_metrics_interval_s": "45",
 	}
 	envValues := map[string]string{
@@ -342,7 +343,8 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		"engine.tls_ca_file": caFile, "server.tls_cert_file": "env.crt", "server.tls_key_file": "env.key",
 		"server.metrics_on_admin": "true", "auth.api_keys_file": keysFile,
 		"membership.registration_ttl_s": "4.5", "membership.drain_timeout_s": "0.5", "membership.max_engines": "8",
-		"placement.policy": "least_loaded", "placement.balance_abs_threshold": "0", "placement.balance_rel_threshold": "1",
+		"membership.max_registration_ttl_s": "9.5",
+		"placement.policy":                  "least_loaded", "placement.balance_abs_threshold": "0", "placement.balance_rel_threshold": "1",
 		"placement.prefix_index_blocks": "7", "placement.share_index": "false", "placement.engine_metrics_interval_s": "0.5",
 	}
 	var file strings.Builder
@@ -379,7 +381,7 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		Handoff:    Handoff{MaxAgeS: 6, OnRecompute: "fail_pair"},
 		Recovery:   Recovery{EjectAfter: 7, FailureQuarantineS: 8, RetryAttempts: 9, RetryBudgetRatio: 1, ReadmitIntervalS: 0.25, MaxQuarantineS: 34},
 		Breaker:    Breaker{LeaseTTLS: 0.75},
-		Membership: Membership{RegistrationTTLS: 4.5, DrainTimeoutS: 0.5, MaxEngines: 8},
+		Membership: Membership{RegistrationTTLS: 4.5, DrainTimeoutS: 0.5, MaxEngines: 8, MaxRegistrationTTLS: 9.5},
 		Placement:  Placement{Policy: "least_loaded", BalanceAbsThreshold: 0, BalanceRelThreshold: 1, PrefixIndexBlocks: 7, ShareIndex: false, EngineMetricsIntervalS: 0.5},
 		Router:     Router{ID: "from-env", EventBuffer: 10, LogFormat: "text", LogLevel: "error"},
 		Server: Server{StallTimeoutS: 0.5, HeaderTimeoutS: 1.25, IdleTimeoutS: 2, MaxHeaderBytes: 8192,
@@ -777,5 +779,20 @@ func TestConnectionLimitRFAIL9(t *testing.T) {
 	}
 	if d := Default().Server.MaxConnections; d != 0 {
 		t.Errorf("default server.max_connections %d, want 0 (derived)", d)
+	}
+}
+
+// TestMaxRegistrationTTLRFLEET5: membership.max_registration_ttl_s, the
+// cap of R-FLEET-5 on a registration's fleet key, defaults to 60 s and
+// must be > 0.
+func TestMaxRegistrationTTLRFLEET5(t *testing.T) {
+	if d := Default(); d.Membership.MaxRegistrationTTL() != time.Minute {
+		t.Errorf("default cap %v, want 1m", d.Membership.MaxRegistrationTTL())
+	}
+	for _, v := range []string{"0", "-1"} {
+		if _, err := load([]byte("membership:\n  max_registration_ttl_s: "+v+"\n"), map[string]string{}); err == nil ||
+			!strings.Contains(err.Error(), "membership.max_registration_ttl_s") {
+			t.Errorf("max_registration_ttl_s %s: %v, want refused naming the key", v, err)
+		}
 	}
 }

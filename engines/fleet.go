@@ -13,8 +13,11 @@ import (
 // read from the environment variable the entry names (none when it names
 // none or the variable is empty: the engine then refuses, and the router
 // says so). It returns an error for an unknown connector or role, or
-// connector settings connector.CheckEngine refuses; the
-// entry is expected to be schema-valid already.
+// connector settings connector.CheckEngine refuses, and for an entry of
+// source registration whose api_key_env is not schemas.EngineKeyEnv of
+// its id — no variable but that one is read for an engine that
+// registered itself (behaviour.md R-FLEET-5); the entry is expected to be
+// schema-valid already.
 func FromFleetEntry(e schemas.FleetEntry) (Engine, error) {
 	role := connector.Role(e.Role)
 	if !role.Valid() {
@@ -28,6 +31,11 @@ func FromFleetEntry(e schemas.FleetEntry) (Engine, error) {
 		return Engine{}, fmt.Errorf("engines: engine %s: %s: %s", e.EngineID, field, problem)
 	}
 	eng.BootstrapPort = e.BootstrapPort
+	if e.APIKeyEnv != "" && e.Source == schemas.SourceRegistration {
+		if want := schemas.EngineKeyEnv(e.EngineID); e.APIKeyEnv != want {
+			return Engine{}, fmt.Errorf("engines: engine %s registered itself and names api_key_env %s: only %s is read for it", e.EngineID, e.APIKeyEnv, want)
+		}
+	}
 	if e.APIKeyEnv != "" {
 		eng.Credential = NewCredential(os.Getenv(e.APIKeyEnv))
 	}

@@ -65,7 +65,9 @@ type Registration struct {
 // as readmission does before any router places on it (R-FLEET-2),
 // published by by (e.g. "agent-d3"). An earlier registration of the same
 // id (a restart) is replaced. It returns ErrTaken when the id belongs to
-// an entry seeded from a config file or added by a command, a
+// an entry seeded from a config file or added by a command, an error
+// wrapping bus.ErrRegistrationKeyEnv when spec.APIKeyEnv is neither empty
+// nor schemas.EngineKeyEnv(spec.ID) (behaviour.md R-FLEET-5), a
 // *bus.NotSetUpError when the fleet bucket or stream
 // NARWHAL_REGISTRATIONS is missing, and the bus's error when the publish
 // is refused — naming, when the bus reported a permissions violation on
@@ -75,6 +77,9 @@ type Registration struct {
 func Register(ctx context.Context, b *bus.Bus, spec config.EngineSpec, ttl time.Duration, by string, log *slog.Logger) (*Registration, error) {
 	if ttl <= 0 {
 		return nil, fmt.Errorf("membership: registration TTL %v: must be > 0", ttl)
+	}
+	if want := schemas.EngineKeyEnv(spec.ID); spec.APIKeyEnv != "" && spec.APIKeyEnv != want {
+		return nil, fmt.Errorf("membership: engine %s: api_key_env %s: a registration names only %s (%w)", spec.ID, spec.APIKeyEnv, want, bus.ErrRegistrationKeyEnv)
 	}
 	if log == nil {
 		log = slog.Default()

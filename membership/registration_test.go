@@ -244,3 +244,14 @@ func TestRegisterWithAnotherEnginesCredentialNamesTheRefusalRBUS11(t *testing.T)
 		}
 	}
 }
+
+// TestRegisterKeyEnvOfItsIDRFLEET5: Register refuses, before it touches
+// the bus, a spec whose APIKeyEnv is neither empty nor the id's own
+// variable (R-FLEET-5: the breaker would refuse the registration).
+func TestRegisterKeyEnvOfItsIDRFLEET5(t *testing.T) {
+	spec := config.EngineSpec{ID: "d-1", URL: "http://127.0.0.1:1", Role: "decode", Connector: "nixl", APIKeyEnv: "D1_API_KEY"}
+	_, err := Register(context.Background(), nil, spec, time.Second, "agent-d-1", slog.New(slog.NewTextHandler(io.Discard, nil)))
+	if !errors.Is(err, bus.ErrRegistrationKeyEnv) {
+		t.Fatalf("Register naming D1_API_KEY: %v, want ErrRegistrationKeyEnv", err)
+	}
+}

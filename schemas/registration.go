@@ -48,12 +48,16 @@ type Registration struct {
 	BootstrapPort int `json:"bootstrap_port,omitempty"`
 	// APIKeyEnv names the environment variable holding the engine's API
 	// key, empty when it has none; the key itself never goes on the bus.
+	// It is EngineKeyEnv(EngineID) or empty: the breaker refuses any
+	// other name (R-FLEET-5).
 	APIKeyEnv string `json:"api_key_env,omitempty"`
 	// State is what the engine asks for: AskJoining, AskDraining or
 	// AskLeaving.
 	State string `json:"state"`
 	// TTLS is the registration's TTL in seconds: the engine's fleet key
-	// lapses that long after the breaker's last renewal of it.
+	// lapses that long after the breaker's last renewal of it. The schema
+	// allows (0, 86400]; the breaker writes the key with at most its
+	// membership.max_registration_ttl_s (R-FLEET-5).
 	TTLS float64 `json:"ttl_s"`
 	// At is when the registration was published (UTC).
 	At time.Time `json:"at"`
@@ -110,3 +114,33 @@ type Admission struct {
 
 // Subject returns narwhal.events.admission.<engine_id>.
 func (e *Admission) Subject() string { return EventSubjectPrefix + KindAdmission + "." + e.EngineID }
+
+// EngineKeyEnvPrefix starts the name of the environment variable that
+// holds an engine's API key when the engine registers itself (behaviour.md
+// R-FLEET-5): see EngineKeyEnv.
+const EngineKeyEnvPrefix = "NARWHAL_ENGINE_KEY_"
+
+// EngineKeyEnv returns the only api_key_env a registration of engine id
+// may name, and the only variable a router or the breaker reads for a
+// fleet entry of source registration (behaviour.md R-FLEET-5):
+// EngineKeyEnvPrefix + id upper-cased with each '-' as '_', e.g.
+// NARWHAL_ENGINE_KEY_D_1 for id "d-1". So an engine's credential makes
+// routers send only the key the operator put aside for that id, never
+// another variable of theirs (NARWHAL_NATS_CREDS, another engine's key).
+// Ids that differ only in case or in '-' against '_' ("d-1", "D_1") share
+// a name, and so a key.
+func EngineKeyEnv(id string) string {
+	b := make([]byte, 0, len(EngineKeyEnvPrefix)+len(id))
+	b = append(b, EngineKeyEnvPrefix...)
+	for i := 0; i < len(id); i++ {
+		c := id[i]
+		switch {
+		case c >= 'a' && c <= 'z':
+			c -= 'a' - 'A'
+		case c == '-':
+			c = '_'
+		}
+		b = append(b, c)
+	}
+	return string(b)
+}

@@ -19,6 +19,7 @@ import (
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/membership"
+	"github.com/narwhalmesh/narwhal/schemas"
 )
 
 func init() {
@@ -57,7 +58,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	bootstrapPort := fs.Int("bootstrap-port", 0, "a prefill SGLang engine's bootstrap `PORT` (its --disaggregation-bootstrap-port)")
 	prefillSlots := fs.Int("prefill-slots", 0, "prefill phases at once on the engine (0: no limit)")
 	decodeSlots := fs.Int("decode-slots", 0, "decode phases at once on the engine (0: no limit)")
-	apiKeyEnv := fs.String("api-key-env", "", "`VAR` holding the engine's API key, in the agent's and every router's environment")
+	apiKeyEnv := fs.String("api-key-env", "", "`VAR` holding the engine's API key, in the agent's, every router's and breaker's environment: empty or NARWHAL_ENGINE_KEY_<ID> (the id upper-cased, '-' as '_')")
 	drainTimeout := fs.Duration("drain-timeout", 25*time.Second, "on SIGTERM, how long to wait for the routers' streams on the engine to finish (keep it below the pod's terminationGracePeriodSeconds)")
 	drainedFile := fs.String("drained-file", "", "once the engine is drained and out of the fleet, create this `FILE` (a shared volume the engine container's preStop hook waits on)")
 	if err := parseFlags(fs, args); err != nil {
@@ -102,6 +103,10 @@ func checkSpec(s config.EngineSpec) error {
 		return errors.New("--engine-url, --id and --role are required")
 	}
 	ps := specFlagProblems(s, agentFlags)
+	if want := schemas.EngineKeyEnv(s.ID); len(ps) == 0 && s.APIKeyEnv != "" && s.APIKeyEnv != want {
+		// behaviour.md R-FLEET-5: the breaker refuses any other name.
+		return fmt.Errorf("--api-key-env %s: an engine that registers itself names only %s, its id's key variable (put the engine's key there in every router's and breaker's environment)", s.APIKeyEnv, want)
+	}
 	if len(ps) == 0 {
 		return nil
 	}

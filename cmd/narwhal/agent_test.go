@@ -39,11 +39,28 @@ func TestAgentBadInput(t *testing.T) {
 		{[]string{"--engine-url", "http://127.0.0.1:1", "--id", "d1", "--role", "decode", "--connector", "NIXL"}, `--connector "NIXL"`},
 		{[]string{"--engine-url", "http://127.0.0.1:1", "--id", "d1", "--role", "decode", "--decode-slots", "-1"}, "must be >= 0"},
 		{[]string{"--engine-url", "http://127.0.0.1:1", "--id", "d1", "--role", "decode", "--drain-timeout", "0s"}, "--drain-timeout must be > 0"},
+		// R-FLEET-5: only the id's own key variable.
+		{[]string{"--engine-url", "http://127.0.0.1:1", "--id", "d-1", "--role", "decode", "--api-key-env", "NARWHAL_NATS_CREDS"},
+			"--api-key-env NARWHAL_NATS_CREDS: an engine that registers itself names only NARWHAL_ENGINE_KEY_D_1"},
+		{[]string{"--engine-url", "http://127.0.0.1:1", "--id", "d-1", "--role", "decode", "--api-key-env", "D1_API_KEY"}, "names only NARWHAL_ENGINE_KEY_D_1"},
 	} {
 		var out, errOut bytes.Buffer
 		err := runAgent(context.Background(), tc.args, &out, &errOut)
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("narwhal agent %v: %v, want %q", tc.args, err, tc.want)
+		}
+	}
+}
+
+// TestAgentKeyEnvOfItsIDRFLEET5: `narwhal agent` and `narwhal sim
+// --register` accept an empty --api-key-env or the id's own variable,
+// NARWHAL_ENGINE_KEY_<ID> (R-FLEET-5); TestAgentBadInput shows the refusal
+// of any other.
+func TestAgentKeyEnvOfItsIDRFLEET5(t *testing.T) {
+	for _, name := range []string{"", "NARWHAL_ENGINE_KEY_D_1"} {
+		s := config.EngineSpec{ID: "d-1", URL: "http://127.0.0.1:1", Role: "decode", Connector: "nixl", APIKeyEnv: name}
+		if err := checkSpec(s); err != nil {
+			t.Errorf("--api-key-env %q: %v", name, err)
 		}
 	}
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/schemas"
 )
 
 func init() {
@@ -38,7 +39,9 @@ func init() {
 //
 // With --register it announces itself in the live fleet on the bus of
 // NARWHAL_NATS_URL (membership.registration_ttl_s, R-FLEET-4), heartbeats
-// while it runs, and removes itself from the fleet when stopped.
+// while it runs, and removes itself from the fleet when stopped; with
+// --api-key too it registers api_key_env NARWHAL_ENGINE_KEY_<ID>
+// (schemas.EngineKeyEnv), the only variable routers read its key from.
 func runSim(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("narwhal sim", flag.ContinueOnError)
 	var cfg sim.Config
@@ -113,6 +116,11 @@ func runSim(ctx context.Context, args []string) error {
 	}
 	if *register {
 		spec := config.EngineSpec{ID: c.EngineID, URL: url, Role: connector.Role(c.Role), Connector: c.Connector}
+		if c.APIKey != "" {
+			// Routers and the breaker read the key of a registered engine
+			// from its id's variable only (behaviour.md R-FLEET-5).
+			spec.APIKeyEnv = schemas.EngineKeyEnv(c.EngineID)
+		}
 		if c.Connector == sim.ConnectorSGLang && c.Role == sim.RolePrefill {
 			_, port, _ := net.SplitHostPort(srv.KVAddr())
 			spec.BootstrapPort, _ = strconv.Atoi(port)
