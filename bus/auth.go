@@ -172,19 +172,6 @@ func eventsPub(role string) []string {
 	return out
 }
 
-// eventsSub is what subscribing to the event kinds of role takes: the
-// subjects narwhal.events.<kind>.> of every row of schemas.EventKinds
-// that names role among its Subscribers, in the table's order.
-func eventsSub(role string) []string {
-	var out []string
-	for _, k := range schemas.EventKinds() {
-		if slices.Contains(k.Subscribers, role) {
-			out = append(out, SubjectPrefix+k.Name+".>")
-		}
-	}
-	return out
-}
-
 // viewerDenied are the acts on the breaker's durable consumer, and the
 // consumer acts beyond reading, that the viewer's wide read permissions
 // would otherwise allow. The legacy ephemeral create
@@ -194,13 +181,23 @@ func eventsSub(role string) []string {
 // subject-based deny; clients name their consumers in the subject (nats.go
 // does with any server since 2.9), so it is denied there.
 func viewerDenied() []string {
+	return append(breakerConsumerDenied(),
+		jsAPI+"CONSUMER.DURABLE.CREATE.>",
+		jsAPI+"CONSUMER.LEADER.STEPDOWN.>",
+	)
+}
+
+// breakerConsumerDenied are the acts on the breaker's durable consumer,
+// and the legacy ephemeral create on NARWHAL_EVENTS (see viewerDenied),
+// that streamWatch(StreamName) would otherwise allow: a credential that
+// reads the events through consumers of its own (the viewer, a router)
+// cannot create, edit, read from or delete narwhal-breaker.
+func breakerConsumerDenied() []string {
 	return []string{
 		jsAPI + "CONSUMER.CREATE." + StreamName,
 		jsAPI + "CONSUMER.*." + StreamName + "." + BreakerConsumer,
 		jsAPI + "CONSUMER.*." + StreamName + "." + BreakerConsumer + ".>",
 		jsAPI + "CONSUMER.MSG.NEXT." + StreamName + "." + BreakerConsumer,
-		jsAPI + "CONSUMER.DURABLE.CREATE.>",
-		jsAPI + "CONSUMER.LEADER.STEPDOWN.>",
 	}
 }
 
@@ -227,9 +224,12 @@ func consumerDenied() []string {
 // (consumerDenied). Every role but the viewer
 // and the admin may publish the event kinds whose rows of
 // schemas.EventKinds name it among their Publishers
-// (narwhal.events.<kind>.*) and subscribe to those that name it among
-// their Subscribers (narwhal.events.<kind>.>): its event kinds. Beyond
-// that:
+// (narwhal.events.<kind>.*): its event kinds. No credential but the
+// admin's subscribes to event subjects with core NATS: a push consumer's
+// deliver subject is not checked against its creator's publish
+// permissions, so a core subscription there would take forged deliveries
+// for events (behaviour.md R-BUS-11); events are read through stream
+// consumers. Beyond that:
 //
 //   - breaker: its event kinds; write and
 //     read narwhal_placement, narwhal_breaker and narwhal_fleet (the
@@ -241,7 +241,7 @@ func consumerDenied() []string {
 //   - chaos: its event kinds; write and read narwhal_chaos; read
 //     narwhal_placement's info; answer as, and ask, the NATS service
 //     ChaosProxyService ($SRV.*, replies to the requests it receives);
-//   - viewer: subscribe to every event; read every stream and bucket of
+//   - viewer: read every stream and bucket of
 //     the account (info, messages); make, read from and
 //     delete consumers of its own — not narwhal-breaker, not durables
 //     through the durable API, not through the legacy create on
@@ -257,7 +257,7 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 	deny := consumerDenied()
 	var resp *jwt.ResponsePermission
 	common := slices.Concat([]string{jsAPI + "INFO", jsAPI + "STREAM.INFO." + StreamName}, eventsPub(role))
-	sub = slices.Concat([]string{inbox(UserName(role, ""))}, eventsSub(role))
+	sub = []string{inbox(UserName(role, ""))}
 	switch role {
 	case RoleBreaker:
 		pub = slices.Concat(common,
@@ -295,7 +295,6 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 			jsAPI + "CONSUMER.*.*.>",
 			"$JS.FC.>",
 		}
-		sub = append(sub, SubjectPrefix+">")
 		deny = append(viewerDenied(), consumerDenied()...)
 	case RoleAdmin:
 		pub, sub, deny = []string{">"}, []string{">"}, nil
@@ -320,8 +319,10 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 //     narwhal.events.<kind>.*.<id> for a kind whose ID is
 //     schemas.IDEngine (the engine, then the router), and
 //     narwhal.events.<kind>.<id> for a kind whose ID is schemas.IDRouter;
-//     subscribe to the kinds that name it among their Subscribers
-//     (narwhal.events.<kind>.>);
+//   - read stream NARWHAL_EVENTS through consumers of its own (the
+//     quarantine events of the other routers, R-QUAR-1) — not the
+//     breaker's durable consumer — and subscribe to no event subject
+//     (a forged push delivery there would pass for an event, R-BUS-11);
 //   - publish its own prefix placements (narwhal.prefix.<id>), subscribe
 //     to every router's (narwhal.prefix.*) and read stream NARWHAL_PREFIX
 //     through consumers of its own (R-PLACE-2);
@@ -339,7 +340,7 @@ func RouterPermissions(id string) (jwt.Permissions, error) {
 	if err := ValidIdentity(RoleRouter, id); err != nil {
 		return jwt.Permissions{}, err
 	}
-	pub := []string{jsAPI + "INFO", jsAPI + "STREAM.INFO." + StreamName}
+	pub := []string{jsAPI + "INFO"} // the events stream's info: streamWatch below
 	for _, k := range schemas.EventKinds() {
 		if !slices.Contains(k.Publishers, RoleRouter) {
 			continue
@@ -354,10 +355,10 @@ func RouterPermissions(id string) (jwt.Permissions, error) {
 		bucketRead(PlacementBucket), bucketRead(LeaseBucket), bucketRead(ChaosBucket),
 		bucketWatch(FleetBucket),
 		[]string{jsAPI + "STREAM.INFO.KV_" + RoutersBucket, "$KV." + RoutersBucket + "." + id},
-		[]string{PrefixSubject(id)}, streamWatch(PrefixStream))
-	sub := slices.Concat([]string{inbox(UserName(RoleRouter, id))}, eventsSub(RoleRouter), []string{PrefixSubjectPrefix + "*"})
+		[]string{PrefixSubject(id)}, streamWatch(PrefixStream), streamWatch(StreamName))
+	sub := []string{inbox(UserName(RoleRouter, id)), PrefixSubjectPrefix + "*"}
 	return jwt.Permissions{
-		Pub: jwt.Permission{Allow: pub, Deny: consumerDenied()},
+		Pub: jwt.Permission{Allow: pub, Deny: slices.Concat(breakerConsumerDenied(), consumerDenied())},
 		Sub: jwt.Permission{Allow: sub},
 	}, nil
 }
@@ -385,7 +386,7 @@ func EnginePermissions(id string) (jwt.Permissions, error) {
 		[]string{jsAPI + "INFO", jsAPI + "STREAM.INFO." + StreamName},
 		bucketRead(PlacementBucket), bucketRead(FleetBucket), bucketRead(RoutersBucket),
 		[]string{jsAPI + "STREAM.INFO." + RegistrationsStream, RegistrationSubject(id)})
-	sub := slices.Concat([]string{inbox(UserName(RoleEngine, id))}, eventsSub(RoleEngine))
+	sub := []string{inbox(UserName(RoleEngine, id))}
 	return jwt.Permissions{
 		Pub: jwt.Permission{Allow: pub, Deny: consumerDenied()},
 		Sub: jwt.Permission{Allow: sub},
