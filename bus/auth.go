@@ -155,6 +155,15 @@ func streamWatch(stream string) []string {
 	}
 }
 
+// bucketGet is what reading single keys of KV bucket name takes, and no
+// more: its stream's info and direct gets — no watch. A router reads the
+// breakers' lease so (behaviour.md R-BUS-9), which leaves room in its JWT
+// for reading NARWHAL_EVENTS (eventsWatch).
+func bucketGet(name string) []string {
+	stream := "KV_" + name
+	return []string{jsAPI + "STREAM.INFO." + stream, jsAPI + "DIRECT.GET." + stream + ".>"}
+}
+
 // bucketWrite is what writing keys of KV bucket name takes (a put, a
 // delete and a purge are each a publish on the key's subject).
 func bucketWrite(name string) []string { return []string{"$KV." + name + ".>"} }
@@ -181,23 +190,38 @@ func eventsPub(role string) []string {
 // subject-based deny; clients name their consumers in the subject (nats.go
 // does with any server since 2.9), so it is denied there.
 func viewerDenied() []string {
-	return append(breakerConsumerDenied(),
-		jsAPI+"CONSUMER.DURABLE.CREATE.>",
-		jsAPI+"CONSUMER.LEADER.STEPDOWN.>",
-	)
-}
-
-// breakerConsumerDenied are the acts on the breaker's durable consumer,
-// and the legacy ephemeral create on NARWHAL_EVENTS (see viewerDenied),
-// that streamWatch(StreamName) would otherwise allow: a credential that
-// reads the events through consumers of its own (the viewer, a router)
-// cannot create, edit, read from or delete narwhal-breaker.
-func breakerConsumerDenied() []string {
 	return []string{
 		jsAPI + "CONSUMER.CREATE." + StreamName,
 		jsAPI + "CONSUMER.*." + StreamName + "." + BreakerConsumer,
 		jsAPI + "CONSUMER.*." + StreamName + "." + BreakerConsumer + ".>",
 		jsAPI + "CONSUMER.MSG.NEXT." + StreamName + "." + BreakerConsumer,
+		jsAPI + "CONSUMER.DURABLE.CREATE.>",
+		jsAPI + "CONSUMER.LEADER.STEPDOWN.>",
+	}
+}
+
+// eventsWatch is what a router's reading NARWHAL_EVENTS through ordered
+// consumers of its own takes beyond the stream's info (behaviour.md
+// R-QUAR-1, R-BUS-11): creating, reading and deleting consumers named in
+// the subject and pulling from them (jetstream.OrderedConsumer pulls: no
+// flow control). eventsWatchDenied keeps the breaker's durable consumer
+// out of it. Kept short, as bucketWatch: the JWT travels in the CONNECT
+// line.
+func eventsWatch() []string {
+	return []string{jsAPI + "CONSUMER.*." + StreamName + ".>", jsAPI + "CONSUMER.MSG.NEXT." + StreamName + ".>"}
+}
+
+// eventsWatchDenied are the acts on the breaker's durable consumer that
+// eventsWatch would otherwise allow — creating or editing it (its name,
+// then its filter, in the subject), reading its info, deleting it,
+// pulling from it — written for any stream, which is shorter and names
+// no other consumer. The legacy create without a name in the subject is
+// not in eventsWatch.
+func eventsWatchDenied() []string {
+	return []string{
+		jsAPI + "CONSUMER.*.*." + BreakerConsumer,
+		jsAPI + "CONSUMER.*.*." + BreakerConsumer + ".>",
+		jsAPI + "CONSUMER.MSG.NEXT.*." + BreakerConsumer,
 	}
 }
 
@@ -326,8 +350,9 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 //   - publish its own prefix placements (narwhal.prefix.<id>), subscribe
 //     to every router's (narwhal.prefix.*) and read stream NARWHAL_PREFIX
 //     through consumers of its own (R-PLACE-2);
-//   - read narwhal_placement, narwhal_breaker (the lease its placement
-//     values are checked against, R-BUS-9) and narwhal_chaos; watch
+//   - read narwhal_placement and narwhal_chaos, get the lease from
+//     narwhal_breaker (its placement values are checked against it,
+//     R-BUS-9, by key: no watch); watch
 //     narwhal_fleet — it cannot write the fleet;
 //   - write its own in-flight report, key <id> of narwhal_routers
 //     (R-FLEET-3), and no other key;
@@ -340,7 +365,7 @@ func RouterPermissions(id string) (jwt.Permissions, error) {
 	if err := ValidIdentity(RoleRouter, id); err != nil {
 		return jwt.Permissions{}, err
 	}
-	pub := []string{jsAPI + "INFO"} // the events stream's info: streamWatch below
+	pub := slices.Concat([]string{jsAPI + "INFO", jsAPI + "STREAM.INFO." + StreamName}, eventsWatch())
 	for _, k := range schemas.EventKinds() {
 		if !slices.Contains(k.Publishers, RoleRouter) {
 			continue
@@ -352,13 +377,13 @@ func RouterPermissions(id string) (jwt.Permissions, error) {
 		}
 	}
 	pub = slices.Concat(pub,
-		bucketRead(PlacementBucket), bucketRead(LeaseBucket), bucketRead(ChaosBucket),
+		bucketRead(PlacementBucket), bucketGet(LeaseBucket), bucketRead(ChaosBucket),
 		bucketWatch(FleetBucket),
 		[]string{jsAPI + "STREAM.INFO.KV_" + RoutersBucket, "$KV." + RoutersBucket + "." + id},
-		[]string{PrefixSubject(id)}, streamWatch(PrefixStream), streamWatch(StreamName))
+		[]string{PrefixSubject(id)}, streamWatch(PrefixStream))
 	sub := []string{inbox(UserName(RoleRouter, id)), PrefixSubjectPrefix + "*"}
 	return jwt.Permissions{
-		Pub: jwt.Permission{Allow: pub, Deny: slices.Concat(breakerConsumerDenied(), consumerDenied())},
+		Pub: jwt.Permission{Allow: pub, Deny: slices.Concat(eventsWatchDenied(), consumerDenied())},
 		Sub: jwt.Permission{Allow: sub},
 	}, nil
 }
