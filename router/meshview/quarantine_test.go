@@ -84,12 +84,19 @@ func TestForgedPushDeliveryNotAppliedRBUS11(t *testing.T) {
 		t.Fatal("the push consumer delivered nothing: the attack this test guards against did not happen")
 	}
 
-	// A real quarantine, after the forged one in time.
+	// A real quarantine, after the forged one in time: applied within a
+	// second (R-QUAR-1, as the core subscription did).
+	published := time.Now()
 	if _, err := r2.JetStream().Publish(ctx, "narwhal.events.quarantine.d2.r2", quarantine("r2", "d2")); err != nil {
 		t.Fatalf("r2 publishes its quarantine of d2: %v (%v)", err, r2.PermissionError())
 	}
 	d1, d2 := s.v.Fleet().Member("d1"), s.v.Fleet().Member("d2")
 	testkit.WaitFor(t, 5*time.Second, "r2's own quarantine of d2 applied", func() bool { return d2.QuarantinedUntil() > nowNano() })
+	if took := time.Since(published); took > time.Second {
+		t.Errorf("r2's quarantine applied %v after its publish, want within a second", took)
+	} else {
+		t.Logf("r2's quarantine applied within %v of its publish", took)
+	}
 	if d1.QuarantinedUntil() > nowNano() {
 		t.Fatal("the forged push delivery quarantined d1 on the router")
 	}
@@ -104,4 +111,39 @@ func replyData(m *nats.Msg) string {
 		return ""
 	}
 	return string(m.Data)
+}
+
+// TestRouterJoiningLateAppliesRunningQuarantinesRQUAR1 proves the start
+// of the routers' quarantine consumer (R-QUAR-1): a quarantine another
+// router published before this router joined, still running, applies on
+// joining, for what is left of it; one that lapsed already does not.
+func TestRouterJoiningLateAppliesRunningQuarantinesRQUAR1(t *testing.T) {
+	s := newStack(t, pd(), nil)
+	s.waitModels()
+	m := newMeshBus(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	publish := func(engine string, d time.Duration, until time.Time) {
+		t.Helper()
+		b, _ := json.Marshal(schemas.Quarantine{
+			Envelope:        schemas.Envelope{Schema: schemas.SchemaQuarantine, ID: newID(), At: nowUTC(), RouterID: "r2", EngineID: engine},
+			DurationSeconds: d.Seconds(), Until: until.UTC(), Reason: "first_token_timeout"})
+		if _, err := m.Peer.JetStream().Publish(ctx, "narwhal.events.quarantine."+engine+".r2", b); err != nil {
+			t.Fatal(err)
+		}
+	}
+	running := time.Now().Add(30 * time.Second)
+	publish("d1", 30*time.Second, running)
+	publish("d2", 30*time.Second, time.Now().Add(-time.Second)) // lapsed
+	if err := s.v.Join(m.B, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	d1, d2 := s.v.Fleet().Member("d1"), s.v.Fleet().Member("d2")
+	testkit.WaitFor(t, time.Second, "d1's running quarantine applied", func() bool { return d1.QuarantinedUntil() > nowNano() })
+	if until := time.Unix(0, d1.QuarantinedUntil()); until.After(running) {
+		t.Errorf("d1 quarantined until %v, beyond the event's %v", until, running)
+	}
+	if d2.QuarantinedUntil() > nowNano() {
+		t.Error("a lapsed quarantine applied on joining")
+	}
 }
