@@ -155,6 +155,15 @@ func streamWatch(stream string) []string {
 	}
 }
 
+// bucketGet is what reading single keys of KV bucket name takes, and no
+// more: its stream's info and direct gets — no watch. A router reads the
+// breakers' lease so (behaviour.md R-BUS-9), which leaves room in its JWT
+// for reading NARWHAL_EVENTS (eventsWatch).
+func bucketGet(name string) []string {
+	stream := "KV_" + name
+	return []string{jsAPI + "STREAM.INFO." + stream, jsAPI + "DIRECT.GET." + stream + ".>"}
+}
+
 // bucketWrite is what writing keys of KV bucket name takes (a put, a
 // delete and a purge are each a publish on the key's subject).
 func bucketWrite(name string) []string { return []string{"$KV." + name + ".>"} }
@@ -167,19 +176,6 @@ func eventsPub(role string) []string {
 	for _, k := range schemas.EventKinds() {
 		if slices.Contains(k.Publishers, role) {
 			out = append(out, k.Filter())
-		}
-	}
-	return out
-}
-
-// eventsSub is what subscribing to the event kinds of role takes: the
-// subjects narwhal.events.<kind>.> of every row of schemas.EventKinds
-// that names role among its Subscribers, in the table's order.
-func eventsSub(role string) []string {
-	var out []string
-	for _, k := range schemas.EventKinds() {
-		if slices.Contains(k.Subscribers, role) {
-			out = append(out, SubjectPrefix+k.Name+".>")
 		}
 	}
 	return out
@@ -201,6 +197,31 @@ func viewerDenied() []string {
 		jsAPI + "CONSUMER.MSG.NEXT." + StreamName + "." + BreakerConsumer,
 		jsAPI + "CONSUMER.DURABLE.CREATE.>",
 		jsAPI + "CONSUMER.LEADER.STEPDOWN.>",
+	}
+}
+
+// eventsWatch is what a router's reading NARWHAL_EVENTS through ordered
+// consumers of its own takes beyond the stream's info (behaviour.md
+// R-QUAR-1, R-BUS-11): creating, reading and deleting consumers named in
+// the subject and pulling from them (jetstream.OrderedConsumer pulls: no
+// flow control). eventsWatchDenied keeps the breaker's durable consumer
+// out of it. Kept short, as bucketWatch: the JWT travels in the CONNECT
+// line.
+func eventsWatch() []string {
+	return []string{jsAPI + "CONSUMER.*." + StreamName + ".>", jsAPI + "CONSUMER.MSG.NEXT." + StreamName + ".>"}
+}
+
+// eventsWatchDenied are the acts on the breaker's durable consumer that
+// eventsWatch would otherwise allow — creating or editing it (its name,
+// then its filter, in the subject), reading its info, deleting it,
+// pulling from it — written for any stream, which is shorter and names
+// no other consumer. The legacy create without a name in the subject is
+// not in eventsWatch.
+func eventsWatchDenied() []string {
+	return []string{
+		jsAPI + "CONSUMER.*.*." + BreakerConsumer,
+		jsAPI + "CONSUMER.*.*." + BreakerConsumer + ".>",
+		jsAPI + "CONSUMER.MSG.NEXT.*." + BreakerConsumer,
 	}
 }
 
@@ -227,9 +248,12 @@ func consumerDenied() []string {
 // (consumerDenied). Every role but the viewer
 // and the admin may publish the event kinds whose rows of
 // schemas.EventKinds name it among their Publishers
-// (narwhal.events.<kind>.*) and subscribe to those that name it among
-// their Subscribers (narwhal.events.<kind>.>): its event kinds. Beyond
-// that:
+// (narwhal.events.<kind>.*): its event kinds. No credential but the
+// admin's subscribes to event subjects with core NATS: a push consumer's
+// deliver subject is not checked against its creator's publish
+// permissions, so a core subscription there would take forged deliveries
+// for events (behaviour.md R-BUS-11); events are read through stream
+// consumers. Beyond that:
 //
 //   - breaker: its event kinds; write and
 //     read narwhal_placement, narwhal_breaker and narwhal_fleet (the
@@ -241,7 +265,7 @@ func consumerDenied() []string {
 //   - chaos: its event kinds; write and read narwhal_chaos; read
 //     narwhal_placement's info; answer as, and ask, the NATS service
 //     ChaosProxyService ($SRV.*, replies to the requests it receives);
-//   - viewer: subscribe to every event; read every stream and bucket of
+//   - viewer: read every stream and bucket of
 //     the account (info, messages); make, read from and
 //     delete consumers of its own — not narwhal-breaker, not durables
 //     through the durable API, not through the legacy create on
@@ -257,7 +281,7 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 	deny := consumerDenied()
 	var resp *jwt.ResponsePermission
 	common := slices.Concat([]string{jsAPI + "INFO", jsAPI + "STREAM.INFO." + StreamName}, eventsPub(role))
-	sub = slices.Concat([]string{inbox(UserName(role, ""))}, eventsSub(role))
+	sub = []string{inbox(UserName(role, ""))}
 	switch role {
 	case RoleBreaker:
 		pub = slices.Concat(common,
@@ -295,7 +319,6 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 			jsAPI + "CONSUMER.*.*.>",
 			"$JS.FC.>",
 		}
-		sub = append(sub, SubjectPrefix+">")
 		deny = append(viewerDenied(), consumerDenied()...)
 	case RoleAdmin:
 		pub, sub, deny = []string{">"}, []string{">"}, nil
@@ -320,13 +343,16 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 //     narwhal.events.<kind>.*.<id> for a kind whose ID is
 //     schemas.IDEngine (the engine, then the router), and
 //     narwhal.events.<kind>.<id> for a kind whose ID is schemas.IDRouter;
-//     subscribe to the kinds that name it among their Subscribers
-//     (narwhal.events.<kind>.>);
+//   - read stream NARWHAL_EVENTS through consumers of its own (the
+//     quarantine events of the other routers, R-QUAR-1) — not the
+//     breaker's durable consumer — and subscribe to no event subject
+//     (a forged push delivery there would pass for an event, R-BUS-11);
 //   - publish its own prefix placements (narwhal.prefix.<id>), subscribe
 //     to every router's (narwhal.prefix.*) and read stream NARWHAL_PREFIX
 //     through consumers of its own (R-PLACE-2);
-//   - read narwhal_placement, narwhal_breaker (the lease its placement
-//     values are checked against, R-BUS-9) and narwhal_chaos; watch
+//   - read narwhal_placement and narwhal_chaos, get the lease from
+//     narwhal_breaker (its placement values are checked against it,
+//     R-BUS-9, by key: no watch); watch
 //     narwhal_fleet — it cannot write the fleet;
 //   - write its own in-flight report, key <id> of narwhal_routers
 //     (R-FLEET-3), and no other key;
@@ -339,7 +365,7 @@ func RouterPermissions(id string) (jwt.Permissions, error) {
 	if err := ValidIdentity(RoleRouter, id); err != nil {
 		return jwt.Permissions{}, err
 	}
-	pub := []string{jsAPI + "INFO", jsAPI + "STREAM.INFO." + StreamName}
+	pub := slices.Concat([]string{jsAPI + "INFO", jsAPI + "STREAM.INFO." + StreamName}, eventsWatch())
 	for _, k := range schemas.EventKinds() {
 		if !slices.Contains(k.Publishers, RoleRouter) {
 			continue
@@ -351,13 +377,13 @@ func RouterPermissions(id string) (jwt.Permissions, error) {
 		}
 	}
 	pub = slices.Concat(pub,
-		bucketRead(PlacementBucket), bucketRead(LeaseBucket), bucketRead(ChaosBucket),
+		bucketRead(PlacementBucket), bucketGet(LeaseBucket), bucketRead(ChaosBucket),
 		bucketWatch(FleetBucket),
 		[]string{jsAPI + "STREAM.INFO.KV_" + RoutersBucket, "$KV." + RoutersBucket + "." + id},
 		[]string{PrefixSubject(id)}, streamWatch(PrefixStream))
-	sub := slices.Concat([]string{inbox(UserName(RoleRouter, id))}, eventsSub(RoleRouter), []string{PrefixSubjectPrefix + "*"})
+	sub := []string{inbox(UserName(RoleRouter, id)), PrefixSubjectPrefix + "*"}
 	return jwt.Permissions{
-		Pub: jwt.Permission{Allow: pub, Deny: consumerDenied()},
+		Pub: jwt.Permission{Allow: pub, Deny: slices.Concat(eventsWatchDenied(), consumerDenied())},
 		Sub: jwt.Permission{Allow: sub},
 	}, nil
 }
@@ -385,7 +411,7 @@ func EnginePermissions(id string) (jwt.Permissions, error) {
 		[]string{jsAPI + "INFO", jsAPI + "STREAM.INFO." + StreamName},
 		bucketRead(PlacementBucket), bucketRead(FleetBucket), bucketRead(RoutersBucket),
 		[]string{jsAPI + "STREAM.INFO." + RegistrationsStream, RegistrationSubject(id)})
-	sub := slices.Concat([]string{inbox(UserName(RoleEngine, id))}, eventsSub(RoleEngine))
+	sub := []string{inbox(UserName(RoleEngine, id))}
 	return jwt.Permissions{
 		Pub: jwt.Permission{Allow: pub, Deny: consumerDenied()},
 		Sub: jwt.Permission{Allow: sub},

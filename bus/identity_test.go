@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -591,5 +592,62 @@ func TestCredentialWithoutJWTRBUS11(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "NARWHAL_NATS_CREDS="+path) || !strings.Contains(err.Error(), "no user JWT") ||
 		!strings.Contains(err.Error(), "--router r1") {
 		t.Errorf("Connect with a file without a JWT: %v", err)
+	}
+}
+
+// TestRoutersReadEventsThroughConsumersRBUS11 proves on a server that
+// enforces the credentials (R-BUS-11) that a router's credential
+// subscribes to no event subject with core NATS — neither its kinds'
+// wildcard nor the literal subject a forged push delivery would use — and
+// reads the quarantine events through an ordered consumer of its own on
+// NARWHAL_EVENTS instead, while the breaker's durable consumer stays out
+// of its reach (no edit, no pull, no delete). The viewer subscribes to no
+// event subject either.
+func TestRoutersReadEventsThroughConsumersRBUS11(t *testing.T) {
+	e, dir := authServer(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	admin := connectAs(t, e, dir, bus.RoleAdmin)
+	r1 := connectID(t, e, dir, bus.RoleRouter, "r1")
+	r2 := connectID(t, e, dir, bus.RoleRouter, "r2")
+	for _, subject := range []string{"narwhal.events.quarantine.>", "narwhal.events.quarantine.d1.r2"} {
+		refusedSubscription(t, connectID(t, e, dir, bus.RoleRouter, "r1"), admin, subject)
+	}
+	refusedSubscription(t, connectAs(t, e, dir, bus.RoleViewer), admin, "narwhal.events.>")
+
+	got := make(chan string, 4)
+	stop, err := bus.Subscribe(ctx, r1, "narwhal.events.quarantine.>", false, func(subject string, _ []byte) { got <- subject })
+	if err != nil {
+		t.Fatalf("router r1 follows the quarantine events: %v (%v)", err, r1.PermissionError())
+	}
+	defer stop()
+	if _, err := r2.JetStream().Publish(ctx, "narwhal.events.quarantine.d1.r2", []byte(`{}`)); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case s := <-got:
+		if s != "narwhal.events.quarantine.d1.r2" {
+			t.Errorf("router r1 read %s", s)
+		}
+	case <-ctx.Done():
+		t.Fatal("router r1's consumer delivered nothing")
+	}
+
+	if _, err := admin.JetStream().CreateOrUpdateConsumer(ctx, bus.StreamName, jetstream.ConsumerConfig{
+		Durable: bus.BreakerConsumer, AckPolicy: jetstream.AckExplicitPolicy, FilterSubjects: []string{"narwhal.events.failure.>"},
+	}); err != nil {
+		t.Fatal(err)
+	}
+	api := "$JS.API.CONSUMER."
+	jsAPIDenied(t, r1, "router r1", api+"CREATE."+bus.StreamName+"."+bus.BreakerConsumer+".narwhal.events.quarantine.>",
+		`{"stream_name":"NARWHAL_EVENTS","config":{"durable_name":"narwhal-breaker","ack_policy":"explicit","filter_subject":"narwhal.events.quarantine.>"}}`)
+	jsAPIDenied(t, r1, "router r1", api+"MSG.NEXT."+bus.StreamName+"."+bus.BreakerConsumer, `{"batch":1}`)
+	jsAPIDenied(t, r1, "router r1", api+"DELETE."+bus.StreamName+"."+bus.BreakerConsumer, ``)
+	cons, err := admin.JetStream().Consumer(ctx, bus.StreamName, bus.BreakerConsumer)
+	if err != nil {
+		t.Fatalf("the breaker's consumer after router r1's acts: %v", err)
+	}
+	if info, err := cons.Info(ctx); err != nil || !slices.Equal(info.Config.FilterSubjects, []string{"narwhal.events.failure.>"}) {
+		t.Errorf("the breaker's consumer after router r1's acts: %+v %v", info, err)
 	}
 }

@@ -430,7 +430,7 @@ func (rt *Router) Quarantine(engineID string, until time.Time) bool {
 // The goroutines it starts belong to the router and stop at Shutdown.
 // JoinMesh waits until the initial placement is loaded or wait passes
 // (the router then serves on "everyone eligible" until it is); it returns
-// an error when the quarantine subscription cannot be made, or
+// an error when the prefix index cannot be shared, or
 // "router: shutting down" once Shutdown has begun (nothing is then
 // started). From then on a permissions violation the bus reports on b
 // (another role's credential: R-BUS-8) makes /readyz answer 503 naming

@@ -11,8 +11,8 @@ import (
 // R-BUS-1, R-BUS-11).
 const EventSubjectPrefix = "narwhal.events."
 
-// The roles of behaviour.md R-BUS-8 that publish or subscribe to events,
-// as EventKind rows name them. Package bus gives its credentials the same
+// The roles of behaviour.md R-BUS-8 that publish events, as EventKind
+// rows name them. Package bus gives its credentials the same
 // names (bus.RoleRouter is RoleRouter, and so on).
 const (
 	// RoleRouter is the routers' credential.
@@ -52,11 +52,6 @@ type EventKind struct {
 	// Publishers are the roles whose credential may publish the kind (on
 	// narwhal.events.<kind>.>, R-BUS-8); the admin may publish anything.
 	Publishers []string
-	// Subscribers are the roles whose credential may subscribe to the
-	// kind's subjects directly (core NATS, narwhal.events.<kind>.>)
-	// besides the viewer, which may read every event; reading through a
-	// stream consumer needs no row.
-	Subscribers []string
 	// History is whether stream NARWHAL_HISTORY keeps the kind (30 days,
 	// apart from the high-volume kinds); NARWHAL_EVENTS keeps every kind
 	// for a day. The dashboard replays the last hour of a kind it shows
@@ -164,7 +159,7 @@ var eventKinds = []EventKind{
 		Publishers: []string{RoleRouter}, History: true,
 		New: func() Event { return new(Failure) }},
 	{Name: KindQuarantine, ID: IDEngine, Schema: SchemaQuarantine,
-		Publishers: []string{RoleRouter}, Subscribers: []string{RoleRouter}, History: true,
+		Publishers: []string{RoleRouter}, History: true,
 		New: func() Event { return new(Quarantine) }},
 	{Name: KindHandoff, ID: IDEngine, Schema: SchemaHandoff,
 		Publishers: []string{RoleRouter}, History: true,

@@ -132,7 +132,10 @@ type mesh struct {
 //     (R-BUS-10, R-BRK-8);
 //   - it applies quarantine events published by other routers as they
 //     arrive, never for longer than recovery.max_quarantine_s (R-QUAR-1,
-//     R-BUS-9);
+//     R-BUS-9), read from stream NARWHAL_EVENTS through an ordered
+//     consumer of its own, never through a core subscription: a forged
+//     push delivery on an event subject does not reach it (R-BUS-11;
+//     followQuarantines);
 //   - when the bus goes away it keeps serving on the last known placement
 //     and its own quarantines (R-BUS-6);
 //   - it watches the live fleet, KV bucket narwhal_fleet, and applies
@@ -148,26 +151,18 @@ type mesh struct {
 // The goroutines it starts are the owner's (Options.Go) and stop when its
 // context ends. Join waits until the initial placement is loaded or wait
 // passes (the router then serves on "everyone eligible" until it is); it
-// returns an error when the quarantine subscription cannot be made, or
+// returns an error when the prefix index cannot be shared (shareIndex), or
 // errShuttingDown once the owner is ending (nothing is then started).
 func (v *View) Join(b *bus.Bus, wait time.Duration) error {
 	v.meshBus.Store(b)
 	m := &mesh{bus: b, logged: map[string]bool{}, pending: map[string]schemas.Eligibility{}, bridged: map[string]uint64{}}
-	sub, err := b.Conn().Subscribe(bus.SubjectPrefix+schemas.KindQuarantine+".>", v.applyQuarantine)
-	if err != nil {
-		return err
-	}
 	loaded := make(chan struct{})
 	fleetLoaded := make(chan struct{})
 	var once sync.Once
-	started := v.goFn(func() {
-		defer sub.Unsubscribe()
-		v.placementLoop(m, loaded)
-	})
-	if !started {
-		_ = sub.Unsubscribe()
+	if !v.goFn(func() { v.placementLoop(m, loaded) }) {
 		return errShuttingDown
 	}
+	v.followQuarantines(b)
 	v.goFn(func() { v.watchFleet(b, func() { once.Do(func() { close(fleetLoaded) }) }) })
 	v.goFn(func() { v.reportLoop(b) })
 	if v.keepsIndex {
@@ -627,6 +622,52 @@ func cutKey(subject string) (string, bool) {
 	return subject[len(prefix):], true
 }
 
+// followQuarantines reads the other routers' quarantine events from
+// stream NARWHAL_EVENTS (filter narwhal.events.quarantine.>) through an
+// ordered, ephemeral consumer of the router's own, and applies each as it
+// is stored (applyQuarantine; behaviour.md R-QUAR-1, R-BUS-11). Events,
+// not core subscriptions: nats-server does not check a push consumer's
+// deliver subject against its creator's publish permissions, so any
+// credential that reads some stream could deliver a copy of its own
+// message to narwhal.events.quarantine.<engine>.<another router>, where
+// a core subscription would take it for that router's event; the stream
+// stores only what was published on its subjects, under the subject it
+// was published on, which the router's credential checks.
+//
+// It starts at the events stored in the last recovery.max_quarantine_s
+// before Join, so that a router that starts (or joins late) applies the
+// quarantines still running — each for what is left of it, as
+// applyQuarantine bounds it — and misses none published while its
+// consumer is being made. It follows across reconnects and the loss of
+// the consumer without skipping (bus.SubscribeResuming). When the
+// consumer cannot be made at once (the bus is not there yet) it tries
+// again every watchRetry in a goroutine of the owner, logging once, from
+// the same start.
+func (v *View) followQuarantines(b *bus.Bus) {
+	opts := bus.SubscribeOptions{
+		Filter: bus.SubjectPrefix + schemas.KindQuarantine + ".>",
+		Since:  time.Now().Add(-v.cfg.Recovery.MaxQuarantine()),
+	}
+	stop, err := bus.SubscribeResuming(v.base, b, opts, v.applyQuarantine, nil)
+	if err == nil {
+		if !v.goFn(func() { <-v.base.Done(); stop() }) { // stop waits for applyQuarantine
+			stop()
+		}
+		return
+	}
+	v.log.Warn("quarantine events not followed yet; retrying", "err", err)
+	v.goFn(func() {
+		for v.sleep(watchRetry) {
+			stop, err := bus.SubscribeResuming(v.base, b, opts, v.applyQuarantine, nil)
+			if err == nil {
+				<-v.base.Done()
+				stop()
+				return
+			}
+		}
+	})
+}
+
 // applyQuarantine applies another router's quarantine event (R-QUAR-1):
 // until its "until", but never longer than its duration_s from arrival (a
 // skewed clock cannot stretch it) nor than recovery.max_quarantine_s (a
@@ -634,12 +675,12 @@ func cutKey(subject string) (string, bool) {
 // event whose payload contradicts its subject (another router's id, an old
 // four-token subject, another engine) is ignored and counted in
 // narwhal_quarantine_events_ignored_total (R-BUS-11).
-func (v *View) applyQuarantine(msg *nats.Msg) {
+func (v *View) applyQuarantine(subject string, payload []byte) {
 	var q schemas.Quarantine
-	if err := json.Unmarshal(msg.Data, &q); err != nil || q.EngineID == "" {
+	if err := json.Unmarshal(payload, &q); err != nil || q.EngineID == "" {
 		return
 	}
-	if why := schemas.EventSubjectMismatch(msg.Subject, q.EngineID, q.RouterID); why != "" {
+	if why := schemas.EventSubjectMismatch(subject, q.EngineID, q.RouterID); why != "" {
 		v.metrics.quarantineIgnored.WithLabelValues(why).Inc()
 		return // one router speaking for another, or an old shape (R-BUS-11)
 	}
