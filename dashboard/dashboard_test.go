@@ -269,16 +269,7 @@ func TestFleetFromTheBus(t *testing.T) {
 	// (one from after it is shown at it).
 	fixed := time.Now().Add(time.Second)
 	d.st.now = func() time.Time { return fixed }
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		d.Run(ctx)
-	}()
-	defer func() {
-		cancel()
-		<-done
-	}()
+	runUntilDone(t, d)
 
 	ttft, firstByte := 0.05, 0.25
 	prompt, completion := 10, 11
@@ -456,16 +447,7 @@ func TestForgedRouterEventsNotShownRBUS11(t *testing.T) {
 	put(t, admin, bus.FleetBucket, "p1", fleetEntry("p1", "prefill", schemas.FleetActive))
 	put(t, admin, bus.FleetBucket, "d1", fleetEntry("d1", "decode", schemas.FleetActive))
 	d := New(Options{Bus: viewer})
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		d.Run(ctx)
-	}()
-	defer func() {
-		cancel()
-		<-done
-	}()
+	runUntilDone(t, d)
 	raw := func(subject string, ev schemas.Event) {
 		t.Helper()
 		b, err := json.Marshal(ev)
@@ -517,4 +499,19 @@ func TestForgedRouterEventsNotShownRBUS11(t *testing.T) {
 			t.Errorf("engine %s shown quarantined by a forged event", e.ID)
 		}
 	}
+}
+
+// runUntilDone runs d until the test ends, and waits for Run to return.
+func runUntilDone(t *testing.T, d *Dashboard) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		d.Run(ctx)
+	}()
+	t.Cleanup(func() {
+		cancel()
+		<-done
+	})
 }
