@@ -34,10 +34,6 @@ func (l *idList) Set(s string) error {
 	return nil
 }
 
-// identityCredsFile is the credential file `narwhal bus creds --engine ID`
-// or `--router ID` writes: engine-ID.creds, router-ID.creds.
-func identityCredsFile(role, id string) string { return role + "-" + id + ".creds" }
-
 // revokeTarget is one credential to revoke: what the user asked for and
 // its user public key.
 type revokeTarget struct {
@@ -93,7 +89,7 @@ func runBusRevoke(ctx context.Context, args []string, stdout, stderr io.Writer) 
 			if strings.ContainsAny(id, `/\`) || id == "." || id == ".." {
 				return fmt.Errorf("--%s %q: not an id", g.role, id)
 			}
-			path := filepath.Join(*dir, identityCredsFile(g.role, id))
+			path := filepath.Join(*dir, bus.IdentityCredsFile(g.role, id))
 			pub, name, err := bus.CredentialUser(path)
 			if err != nil {
 				return fmt.Errorf("--%s %s: %w", g.role, id, err)
