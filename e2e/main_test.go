@@ -229,25 +229,69 @@ func waitHTTP(t *testing.T, p *process, url string) {
 }
 
 // freePorts returns n distinct TCP ports on 127.0.0.1 that were free a
-// moment ago: it holds n listeners on port 0 at once, then closes them.
+// moment ago, for processes that take their port as a flag. They come
+// from below the kernel's ephemeral range (ip_local_port_range), which
+// is where every outgoing connection's local port and every port-0
+// listener of any process on the machine lands: a port from there,
+// picked and released, could be taken by such a socket before the
+// child binds it (seen in CI as "bind: address already in use"). Below
+// that range only an explicit bind takes a port, so each port this
+// process hands out is handed out once (a counter), and it is checked
+// free by binding it. Without a readable range it falls back to port 0.
 func freePorts(t *testing.T, n int) []int {
 	t.Helper()
 	ports := make([]int, 0, n)
-	lns := make([]net.Listener, 0, n)
-	defer func() {
-		for _, ln := range lns {
-			ln.Close()
-		}
-	}()
 	for range n {
+		ports = append(ports, pickPort(t))
+	}
+	return ports
+}
+
+// portBelow holds the next candidate of pickPort and the range it walks.
+var portBelow struct {
+	sync.Mutex
+	lo, hi, next int
+}
+
+// pickPort returns one port for freePorts.
+func pickPort(t *testing.T) int {
+	t.Helper()
+	portBelow.Lock()
+	defer portBelow.Unlock()
+	if portBelow.hi == 0 {
+		portBelow.lo, portBelow.hi = -1, -1
+		if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range"); err == nil {
+			var low, high int
+			if _, err := fmt.Sscan(string(b), &low, &high); err == nil && low > 12000 {
+				portBelow.lo, portBelow.hi = low-10000, low
+				// Concurrent test processes (two checkouts) start apart.
+				portBelow.next = portBelow.lo + (os.Getpid()*37)%10000
+			}
+		}
+	}
+	if portBelow.lo < 0 {
 		ln, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
 			t.Fatal(err)
 		}
-		lns = append(lns, ln)
-		ports = append(ports, ln.Addr().(*net.TCPAddr).Port)
+		defer ln.Close()
+		return ln.Addr().(*net.TCPAddr).Port
 	}
-	return ports
+	for range portBelow.hi - portBelow.lo {
+		p := portBelow.next
+		portBelow.next++
+		if portBelow.next >= portBelow.hi {
+			portBelow.next = portBelow.lo
+		}
+		ln, err := net.Listen("tcp", hostPort(p))
+		if err != nil {
+			continue
+		}
+		ln.Close()
+		return p
+	}
+	t.Fatalf("no free port in %d-%d", portBelow.lo, portBelow.hi)
+	return 0
 }
 
 func hostPort(port int) string { return net.JoinHostPort("127.0.0.1", strconv.Itoa(port)) }
