@@ -97,6 +97,11 @@ type counters struct {
 	finishedStop, finishedLen  atomic.Int64
 	unauthorized               atomic.Int64
 	running, waiting           atomic.Int64
+	// queuedTokens is the uncached prompt tokens still to compute of the
+	// requests waiting or running (POST /sim/cached's
+	// queued_prompt_tokens); runningBlocks the KV blocks of the running
+	// requests' prompts (vllm:kv_cache_usage_perc).
+	queuedTokens, runningBlocks atomic.Int64
 }
 
 // RecordedRequest is one inference or release request as the Server
