@@ -29,7 +29,7 @@ type prefixFlags struct {
 }
 
 func (p *prefixFlags) register(fs *flag.FlagSet) {
-	fs.StringVar(&p.workload, "workload", "", "shared-prefix, no-shared-prefix, hot-tenant (one tenant, 64 users), cache-pressure (contexts 3× the fleet's KV capacity) or mixed (shared contexts and as many short chats, 1 s on / 1 s off bursts): a multi-tenant chat trace (tenants × context × users × queries, Poisson arrivals at --rate, drawn from --seed) sent to local sims, one fleet per policy; without it, the random-prompt workload")
+	fs.StringVar(&p.workload, "workload", "", "shared-prefix, no-shared-prefix, hot-tenant (one tenant, 64 users, 96/s), cache-pressure (contexts 3× the fleet's KV capacity, 24/s) or mixed (shared contexts and as many short chats, 1 s on / 1 s off bursts): a multi-tenant chat trace (tenants × context × users × queries, Poisson arrivals at --rate, drawn from --seed) sent to local sims, one fleet per policy; without it, the random-prompt workload")
 	fs.IntVar(&p.tenants, "tenants", 32, "--workload: tenants, each with its own shared context (the system prompt)")
 	fs.IntVar(&p.contextTokens, "context-tokens", 512, "--workload: tokens (words) of a tenant's shared context")
 	fs.IntVar(&p.users, "users", 2, "--workload: users per tenant")
@@ -121,8 +121,10 @@ type policyFile struct {
 // comparison of three policies takes about a minute on a 2-core machine;
 // docs/performance.md).
 const (
-	hotTenantUsers      = 64 // 1 tenant × 64 users × 8 queries: 512 requests
-	cachePressureUsers  = 1  // ⌈3 × capacity / context⌉ tenants × 1 × 3
+	hotTenantUsers      = 64 // 1 tenant × 64 users × 16 queries: 1,024 requests
+	hotTenantQueries    = 16
+	hotTenantRate       = 96.0 // warm prefills of 33 ms: the fleet queues in bursts
+	cachePressureUsers  = 1    // ⌈3 × capacity / context⌉ tenants × 1 × 3
 	cachePressureQuery  = 3
 	cachePressureRate   = 24.0 // mostly cold prefills: the fleet carries about 27/s
 	mixedTenants        = 16   // 16 × 2 × 8 shared requests and 256 short chats
@@ -162,6 +164,12 @@ func (f *benchFlags) prefixWorkload() (bench.PrefixWorkload, error) {
 		}
 		if unset("users") {
 			wl.UsersPerTenant = hotTenantUsers
+		}
+		if unset("queries") {
+			wl.QueriesPerUser = hotTenantQueries
+		}
+		if unset("rate") {
+			wl.Rate = hotTenantRate
 		}
 	case bench.ShapeCachePressure:
 		wl.FleetKVTokens = p.prefillSims * p.kvCacheBlocks * p.blockSize

@@ -79,7 +79,7 @@ func TestBenchWorkloadDefaults(t *testing.T) {
 		return f
 	}
 	wl, err := base(bench.ShapeHotTenant).prefixWorkload()
-	if err != nil || wl.Tenants != 1 || wl.UsersPerTenant != 64 || wl.Seed != 9 {
+	if err != nil || wl.Tenants != 1 || wl.UsersPerTenant != 64 || wl.Requests() != 1024 || wl.Rate != hotTenantRate || wl.Seed != 9 {
 		t.Fatalf("hot-tenant %+v, %v", wl, err)
 	}
 	wl, err = base(bench.ShapeCachePressure).prefixWorkload()
