@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"time"
 )
 
 // Cached is what an engine holds for one request, as POST /sim/cached
@@ -27,9 +28,10 @@ type Cached struct {
 	// Running: see Waiting.
 	Running int64 `json:"running"`
 	// QueuedPromptTokens is the prompt tokens the waiting and running
-	// requests still have to compute (their uncached tokens: estimated
-	// from the cache as it stands for a waiting request, exact once its
-	// lookup ran; 0 for one whose prefill is done).
+	// requests still have to compute: a waiting request's uncached
+	// tokens, estimated from the cache as it stood when it arrived; for a
+	// computing one, the tokens of the compute time still ahead of it
+	// (Config.PrefillPerToken each); 0 for one whose prefill is done.
 	QueuedPromptTokens int64 `json:"queued_prompt_tokens"`
 }
 
@@ -75,6 +77,10 @@ func (s *Server) CachedFor(body []byte) (Cached, error) {
 	}
 	c.Waiting, c.Running = s.count.waiting.Load(), s.count.running.Load()
 	c.QueuedPromptTokens = s.count.queuedTokens.Load()
+	if per := s.cfg.PrefillPerToken; per > 0 {
+		left := s.work.left(time.Since(s.born))
+		c.QueuedPromptTokens += int64((left + per - 1) / per)
+	}
 	return c, nil
 }
 

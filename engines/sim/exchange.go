@@ -213,14 +213,20 @@ func (x *exchange) setQueued(n int) {
 	}
 }
 
-// compute spends PrefillPerToken on each of n prompt tokens, counted in
-// the engine's queue meanwhile. It returns false when the request's
-// context ended first.
+// compute spends PrefillPerToken on each of n prompt tokens, the time
+// still ahead counted in the engine's work meanwhile (Server.work). It
+// returns false when the request's context ended first.
 func (x *exchange) compute(n int) bool {
-	x.setQueued(n)
-	ok := x.sleep(x.s.cfg.PrefillPerToken * time.Duration(n))
+	s := x.s
 	x.setQueued(0)
-	return ok
+	d := s.cfg.PrefillPerToken * time.Duration(n)
+	if d <= 0 {
+		return true
+	}
+	end := time.Since(s.born) + d
+	s.work.begin(end)
+	defer s.work.finish(end)
+	return x.sleep(d)
 }
 
 // admit takes one of Config.MaxNumSeqs sequences, waiting in arrival

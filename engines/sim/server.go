@@ -197,6 +197,7 @@ type Server struct {
 	faults   faultSet
 	recorder recorder
 	count    counters
+	work     prefillWork
 
 	exchanges sync.Pool
 }
