@@ -20,9 +20,11 @@ import (
 // they share the prefix index over the bus (placement.share_index).
 type PolicyVariant struct {
 	// Policy is the router's placement.policy: prefix, least_loaded or
-	// random.
+	// random; or PolicyOracle, the bench's own placement (one router per
+	// producer, chosen per request by OracleTarget).
 	Policy string `json:"policy"`
 	// Routers is the number of routers, ≥ 1; requests go to them in turn.
+	// PolicyOracle ignores it (it runs one router per producer).
 	Routers int `json:"routers"`
 	// ShareIndex is placement.share_index (meaningful with several
 	// routers and the prefix policy).
@@ -32,7 +34,7 @@ type PolicyVariant struct {
 // Name is the variant as tables show it: the policy, then "×N" for
 // several routers, and for the prefix policy "shared" or "isolated".
 func (v PolicyVariant) Name() string {
-	if v.Routers <= 1 {
+	if v.Routers <= 1 || v.Policy == PolicyOracle {
 		return v.Policy
 	}
 	if v.Policy != "prefix" {
@@ -163,6 +165,15 @@ type PolicyReport struct {
 	PrefillsPerEngine map[string]int64 `json:"prefills_per_engine"`
 	// PrefillSpread is max / mean of PrefillsPerEngine.
 	PrefillSpread float64 `json:"prefill_spread"`
+	// PrefillShares is each engine's share of the prefill legs, in the
+	// fleet's order (prefill-1 first); they sum to 1.
+	PrefillShares []float64 `json:"prefill_shares"`
+	// OracleLookupMeanS is, for PolicyOracle, the mean duration of one
+	// request's look-ups (left out of its latencies), seconds; and
+	// OracleLookupFailed the requests for which no simulator answered
+	// (sent round-robin).
+	OracleLookupMeanS  float64 `json:"oracle_lookup_mean_s,omitempty"`
+	OracleLookupFailed int64   `json:"oracle_lookup_failed,omitempty"`
 	// Outstanding is the spread of the sampled outstanding load.
 	Outstanding LoadSpread `json:"outstanding"`
 	// TTFTP50Ratio is the first variant's TTFT p50 over this one's
@@ -196,6 +207,7 @@ type lane struct {
 	stopBus func()
 	routers []*RouterProcess
 	targets []*RouterTarget
+	oracle  *OracleTarget // PolicyOracle: chooses among targets, one per producer
 
 	acc       stretch
 	spread    spreadAcc
@@ -207,6 +219,9 @@ type lane struct {
 }
 
 func (l *lane) close() {
+	if l.oracle != nil {
+		l.oracle.Close()
+	}
 	for _, t := range l.targets {
 		t.Close()
 	}
@@ -314,9 +329,13 @@ func startLane(ctx context.Context, name, model string, v PolicyVariant, sims Po
 	if err != nil {
 		return l, err
 	}
+	policy := v.Policy
+	if policy == PolicyOracle {
+		policy = "least_loaded" // each router has one producer: the policy places decodes only
+	}
 	env := []string{
 		"NARWHAL_ROUTER_LOG_LEVEL=error",
-		"NARWHAL_PLACEMENT_POLICY=" + v.Policy,
+		"NARWHAL_PLACEMENT_POLICY=" + policy,
 		"NARWHAL_PLACEMENT_SHARE_INDEX=" + strconv.FormatBool(v.ShareIndex),
 	}
 	if opts.GuardAbs > 0 {
@@ -339,13 +358,34 @@ func startLane(ctx context.Context, name, model string, v PolicyVariant, sims Po
 			return StartRouterProcess(ctx, RouterProcessOptions{ID: id, Fleet: fleet, Env: env})
 		}
 	}
-	for r := 0; r < v.Routers; r++ {
-		p, err := start(ctx, fmt.Sprintf("bench-%s-%d", name, r+1), l.sims.Specs, env)
+	fleets := make([][]config.EngineSpec, v.Routers)
+	for r := range fleets {
+		fleets[r] = l.sims.Specs
+	}
+	if v.Policy == PolicyOracle {
+		// One router per producer, its fleet that producer and every
+		// decode: the oracle's choice of producer is the choice of router.
+		np := len(l.sims.Prefill)
+		fleets = make([][]config.EngineSpec, np)
+		for i := range fleets {
+			fleets[i] = append([]config.EngineSpec{l.sims.Specs[i]}, l.sims.Specs[np:]...)
+		}
+	}
+	for r, fleet := range fleets {
+		p, err := start(ctx, fmt.Sprintf("bench-%s-%d", name, r+1), fleet, env)
 		if err != nil {
 			return l, err
 		}
 		l.routers = append(l.routers, p)
 		l.targets = append(l.targets, NewRouterTarget(p.URL, 64))
+	}
+	if v.Policy == PolicyOracle {
+		routers := make([]Target, len(l.targets))
+		urls := make([]string, len(l.targets))
+		for i, t := range l.targets {
+			routers[i], urls[i] = t, l.sims.Prefill[i].URL
+		}
+		l.oracle = NewOracleTarget(routers, urls)
 	}
 	l.acc.rec.errors = map[string]int{}
 	l.before = map[string]cacheCounts{}
@@ -487,7 +527,10 @@ func (l *lane) runWindow(ctx context.Context, tr *Trace, lo, hi int, opts *Polic
 		}
 		w := take()
 		w.fixed = tr.Requests[i].Body
-		t := l.targets[i%len(l.targets)]
+		var t Target = l.targets[i%len(l.targets)]
+		if l.oracle != nil {
+			t = l.oracle
+		}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -631,14 +674,26 @@ func (l *lane) report(ideal OracleResult) *PolicyReport {
 		}
 	}
 	var sum, peak int64
+	counts := make([]int64, len(l.sims.Prefill))
 	for i, e := range l.sims.Prefill {
 		n := l.sims.Sims[i].Stats().Prefills - l.prefills0[e.ID]
 		p.PrefillsPerEngine[e.ID] = n
+		counts[i] = n
 		sum += n
 		peak = max(peak, n)
 	}
 	if sum > 0 {
 		p.PrefillSpread = float64(peak) / (float64(sum) / float64(len(l.sims.Prefill)))
+		for _, n := range counts {
+			p.PrefillShares = append(p.PrefillShares, float64(n)/float64(sum))
+		}
+	}
+	if l.oracle != nil {
+		rounds, spent, failed := l.oracle.LookupStats()
+		if rounds > 0 {
+			p.OracleLookupMeanS = spent.Seconds() / float64(rounds)
+		}
+		p.OracleLookupFailed = failed
 	}
 	return p
 }
@@ -648,12 +703,19 @@ func (l *lane) report(ideal OracleResult) *PolicyReport {
 func WritePolicyTable(w io.Writer, pc *PolicyComparison) error {
 	bw := bufio.NewWriter(w)
 	wl := pc.Workload
-	fmt.Fprintf(bw, "\n== %s: %d tenants × %d-token context × %d users × %d queries of %d tokens, max_tokens %d, %g req/s Poisson, seed %d (%d requests, %d windows)\n",
-		wl.Shape, wl.Tenants, wl.ContextTokens, wl.UsersPerTenant, wl.QueriesPerUser, wl.QueryTokens, wl.MaxTokens, wl.Rate, wl.Seed, pc.Requests, pc.Windows)
+	extra := ""
+	if on, off := wl.bursts(); on > 0 {
+		extra = fmt.Sprintf(" + %d short chats, bursts %s on / %s off", wl.sharedRequests(), on, off)
+	}
+	if wl.Shape == ShapeCachePressure {
+		extra = fmt.Sprintf(", contexts %.1f× the fleet's %d KV tokens", float64(wl.Tenants*wl.ContextTokens)/float64(wl.FleetKVTokens), wl.FleetKVTokens)
+	}
+	fmt.Fprintf(bw, "\n== %s: %d tenants × %d-token context × %d users × %d queries of %d tokens%s, max_tokens %d, %g req/s Poisson, seed %d (%d requests, %d windows)\n",
+		wl.Shape, wl.Tenants, wl.ContextTokens, wl.UsersPerTenant, wl.QueriesPerUser, wl.QueryTokens, extra, wl.MaxTokens, wl.Rate, wl.Seed, pc.Requests, pc.Windows)
 	s := pc.Sims
 	fmt.Fprintf(bw, "sims per variant: %d prefill + %d decode, block size %d, %d KV cache blocks, max-num-seqs %d, prefill %s/token\n",
 		s.Prefill, s.Decode, s.BlockSize, s.KVCacheBlocks, s.MaxNumSeqs, s.PrefillPerToken)
-	fmt.Fprintf(bw, "ideal hit rate (oracle, pooled LRU of %d blocks): %.3f\n", s.Prefill*s.KVCacheBlocks, pc.Ideal.HitRate)
+	fmt.Fprintf(bw, "ideal hit rate (pooled LRU of %d blocks): %.3f\n", s.Prefill*s.KVCacheBlocks, pc.Ideal.HitRate)
 	const col = "%22s"
 	row := func(name string, cell func(p *PolicyReport) string) {
 		fmt.Fprintf(bw, "%-22s", name)
@@ -684,6 +746,13 @@ func WritePolicyTable(w io.Writer, pc *PolicyComparison) error {
 		return fmt.Sprintf("%.3f", p.HitRateOfIdeal)
 	})
 	row("prefills max/mean", func(p *PolicyReport) string { return fmt.Sprintf("%.2f", p.PrefillSpread) })
+	row("prefill shares", func(p *PolicyReport) string {
+		cells := make([]string, len(p.PrefillShares))
+		for i, v := range p.PrefillShares {
+			cells[i] = fmt.Sprintf("%.2f", v)
+		}
+		return strings.Join(cells, "/")
+	})
 	row("outst. mean", func(p *PolicyReport) string { return fmt.Sprintf("%.2f", p.Outstanding.MeanOutstanding) })
 	row("outst. max/mean avg", func(p *PolicyReport) string { return fmt.Sprintf("%.2f", p.Outstanding.MeanMaxOverMean) })
 	row("outst. >1.5× mean", func(p *PolicyReport) string { return fmt.Sprintf("%.0f%%", 100*p.Outstanding.OverShare) })
@@ -693,6 +762,12 @@ func WritePolicyTable(w io.Writer, pc *PolicyComparison) error {
 			return "0"
 		}
 		return fmt.Sprintf("%d, %.0f%% >1.5×", p.Outstanding.GuardSamples, 100*p.Outstanding.GuardOverShare)
+	})
+	row("oracle look-up mean", func(p *PolicyReport) string {
+		if p.Variant.Policy != PolicyOracle {
+			return "-"
+		}
+		return fmtDur(p.OracleLookupMeanS)
 	})
 	row("errors", func(p *PolicyReport) string { return errorsLine(p.Run.Errors) })
 	return bw.Flush()

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"hash/maphash"
 	"math/rand/v2"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -23,7 +24,40 @@ const (
 	// ShapeNoSharedPrefix: the same lengths and arrivals, but every
 	// request's system prompt is its own, so no two prompts share a block.
 	ShapeNoSharedPrefix = "no-shared-prefix"
+	// ShapeHotTenant: shared-prefix with one tenant (Tenants must be 1):
+	// one application with one long system prompt and many users, the
+	// most common deployment there is.
+	ShapeHotTenant = "hot-tenant"
+	// ShapeCachePressure: shared-prefix whose tenants' contexts together
+	// hold at least CachePressureFactor × FleetKVTokens tokens, so no
+	// placement can keep every context cached.
+	ShapeCachePressure = "cache-pressure"
+	// ShapeMixed: the tenants' shared-prefix requests and as many short
+	// chats (a user message of QueryTokens words, no system prompt, each
+	// its own), arriving in bursts: Poisson arrivals during BurstOn, none
+	// during the BurstOff after it, at a rate that keeps Rate on average.
+	ShapeMixed = "mixed"
 )
+
+// Shapes lists every workload shape, in the order the command line names
+// them.
+var Shapes = []string{ShapeSharedPrefix, ShapeNoSharedPrefix, ShapeHotTenant, ShapeCachePressure, ShapeMixed}
+
+// CachePressureFactor is how many times the fleet's KV capacity the
+// contexts of a ShapeCachePressure workload hold together, at least.
+const CachePressureFactor = 3
+
+// DefaultBurst is the length of a ShapeMixed workload's on and off
+// phases when BurstOn or BurstOff is zero.
+const DefaultBurst = time.Second
+
+// CachePressureTenants is the fewest tenants whose contexts of
+// contextTokens tokens hold CachePressureFactor × fleetKVTokens tokens
+// together (fleetKVTokens: prefill engines × KV cache blocks × block
+// size). Both must be ≥ 1.
+func CachePressureTenants(fleetKVTokens, contextTokens int) int {
+	return (CachePressureFactor*fleetKVTokens + contextTokens - 1) / contextTokens
+}
 
 // PrefixWorkload is a multi-tenant chat workload in the shape of llm-d's
 // shared-prefix benchmark, scaled down: Tenants tenants each own a shared
@@ -32,12 +66,14 @@ const (
 // (the user message); requests arrive as a Poisson process of Rate per
 // second, in an order drawn from Seed. Tokens are the simulator's
 // (whitespace-separated words of the rendered chat, sim.PromptTokens).
+// Shape says how contexts are shared and requests arrive (Shapes).
 type PrefixWorkload struct {
-	// Shape is ShapeSharedPrefix or ShapeNoSharedPrefix.
+	// Shape is one of Shapes.
 	Shape string
 	// Model is the model name sent. Required.
 	Model string
-	// Tenants is the number of tenants, ≥ 1.
+	// Tenants is the number of tenants, ≥ 1 (exactly 1 for
+	// ShapeHotTenant).
 	Tenants int
 	// ContextTokens is the length of a system prompt in words, ≥ 1.
 	ContextTokens int
@@ -50,17 +86,27 @@ type PrefixWorkload struct {
 	// MaxTokens is each request's max_tokens, ≥ 1 (sent with
 	// "ignore_eos": true, so every request generates exactly that many).
 	MaxTokens int
-	// Rate is the Poisson arrival rate, requests per second, > 0.
+	// Rate is the Poisson arrival rate, requests per second, > 0 (for
+	// ShapeMixed the mean over on and off phases).
 	Rate float64
 	// Seed seeds the contexts, the queries, their order and the arrivals.
 	Seed uint64
+	// FleetKVTokens is, for ShapeCachePressure, the prefill fleet's KV
+	// capacity in tokens (engines × --kv-cache-blocks × --block-size);
+	// Tenants × ContextTokens must be at least CachePressureFactor times
+	// it (CachePressureTenants).
+	FleetKVTokens int `json:",omitempty"`
+	// BurstOn and BurstOff are, for ShapeMixed, the lengths of the phases
+	// with and without arrivals (0: DefaultBurst each).
+	BurstOn  time.Duration `json:",omitempty"`
+	BurstOff time.Duration `json:",omitempty"`
 }
 
 // Validate reports the first problem with w, naming the field.
 func (w *PrefixWorkload) Validate() error {
 	switch {
-	case w.Shape != ShapeSharedPrefix && w.Shape != ShapeNoSharedPrefix:
-		return fmt.Errorf("workload %q: want %s or %s", w.Shape, ShapeSharedPrefix, ShapeNoSharedPrefix)
+	case !slices.Contains(Shapes, w.Shape):
+		return fmt.Errorf("workload %q: want one of %s", w.Shape, strings.Join(Shapes, ", "))
 	case w.Model == "":
 		return errors.New("model: required")
 	case w.Tenants < 1 || w.UsersPerTenant < 1 || w.QueriesPerUser < 1:
@@ -71,22 +117,58 @@ func (w *PrefixWorkload) Validate() error {
 		return errors.New("max tokens must be at least 1")
 	case !(w.Rate > 0):
 		return errors.New("rate must be positive")
-	case w.Tenants*w.UsersPerTenant*w.QueriesPerUser > 1_000_000:
-		return errors.New("tenants × users × queries must not exceed 1,000,000 requests")
+	case w.Requests() > 1_000_000:
+		return errors.New("the workload must not exceed 1,000,000 requests")
+	case w.Shape == ShapeHotTenant && w.Tenants != 1:
+		return fmt.Errorf("%s has one tenant, not %d", ShapeHotTenant, w.Tenants)
+	case w.Shape == ShapeCachePressure && w.FleetKVTokens < 1:
+		return fmt.Errorf("%s needs the fleet's KV capacity in tokens", ShapeCachePressure)
+	case w.Shape == ShapeCachePressure && int64(w.Tenants)*int64(w.ContextTokens) < CachePressureFactor*int64(w.FleetKVTokens):
+		return fmt.Errorf("%s: %d tenants × %d tokens is less than %d× the fleet's %d tokens of KV (want at least %d tenants)",
+			ShapeCachePressure, w.Tenants, w.ContextTokens, CachePressureFactor, w.FleetKVTokens, CachePressureTenants(w.FleetKVTokens, w.ContextTokens))
+	case w.BurstOn < 0 || w.BurstOff < 0:
+		return errors.New("burst phases must not be negative")
 	}
 	return nil
 }
 
-// Requests is the number of requests of the workload: Tenants ×
+// sharedRequests is the number of the tenants' requests: Tenants ×
 // UsersPerTenant × QueriesPerUser.
-func (w *PrefixWorkload) Requests() int { return w.Tenants * w.UsersPerTenant * w.QueriesPerUser }
+func (w *PrefixWorkload) sharedRequests() int { return w.Tenants * w.UsersPerTenant * w.QueriesPerUser }
+
+// Requests is the number of requests of the workload: Tenants ×
+// UsersPerTenant × QueriesPerUser, twice that for ShapeMixed (its short
+// chats).
+func (w *PrefixWorkload) Requests() int {
+	if w.Shape == ShapeMixed {
+		return 2 * w.sharedRequests()
+	}
+	return w.sharedRequests()
+}
+
+// bursts returns the on and off phases of a ShapeMixed workload (zero
+// for the others).
+func (w *PrefixWorkload) bursts() (on, off time.Duration) {
+	if w.Shape != ShapeMixed {
+		return 0, 0
+	}
+	on, off = w.BurstOn, w.BurstOff
+	if on <= 0 {
+		on = DefaultBurst
+	}
+	if off <= 0 {
+		off = DefaultBurst
+	}
+	return on, off
+}
 
 // TraceRequest is one request of a Trace.
 type TraceRequest struct {
 	// At is the request's arrival, from the trace's start.
 	At time.Duration
 	// Tenant, User and Query identify the request (0-based; User within
-	// its tenant, Query within its user).
+	// its tenant, Query within its user). A short chat of ShapeMixed has
+	// Tenant −1 and User its own number.
 	Tenant, User, Query int
 	// Body is the chat completion request body (streamed, with usage).
 	Body []byte
@@ -105,44 +187,71 @@ type Trace struct {
 
 // NewTrace draws the requests of w: the same w (Seed included) always
 // gives the same trace, byte for byte. The order is a uniform shuffle of
-// every (tenant, user, query) with each user's queries kept in order; the
-// gaps between arrivals are exponential with mean 1/Rate.
+// every (tenant, user, query) — and of ShapeMixed's short chats — with
+// each user's queries kept in order; the gaps between arrivals are
+// exponential with mean 1/Rate (for ShapeMixed, exponential at Rate ×
+// (on + off) / on within the on phases, which the off phases interrupt).
 func NewTrace(w PrefixWorkload) (*Trace, error) {
 	if err := w.Validate(); err != nil {
 		return nil, err
 	}
 	rng := rand.New(rand.NewPCG(w.Seed, 0x5eed_0f_7e4a47))
 	contexts := make([]string, w.Tenants)
-	if w.Shape == ShapeSharedPrefix {
+	if w.Shape != ShapeNoSharedPrefix {
 		for t := range contexts {
 			contexts[t] = words(rng, "tenant-"+strconv.Itoa(t), w.ContextTokens)
 		}
 	}
-	n := w.Requests()
-	order := make([]int, n) // the user (tenant×users + user) of each slot
+	users := w.Tenants * w.UsersPerTenant
+	shared, n := w.sharedRequests(), w.Requests()
+	order := make([]int, n) // the user (tenant×users + user) of each slot; users+k is chat k
 	for i := range order {
-		order[i] = i / w.QueriesPerUser
+		if i < shared {
+			order[i] = i / w.QueriesPerUser
+		} else {
+			order[i] = users + i - shared
+		}
 	}
 	rng.Shuffle(n, func(i, j int) { order[i], order[j] = order[j], order[i] })
-	next := make([]int, w.Tenants*w.UsersPerTenant) // each user's next query
+	next := make([]int, users) // each user's next query
+	on, off := w.bursts()
+	rate := w.Rate
+	if on > 0 {
+		rate = w.Rate * float64(on+off) / float64(on)
+	}
 	model, _ := json.Marshal(w.Model)
 	tr := &Trace{Workload: w, Requests: make([]TraceRequest, n)}
-	var at time.Duration
+	var active time.Duration // time spent in on phases (all of it without bursts)
 	for i, u := range order {
-		t, user := u/w.UsersPerTenant, u%w.UsersPerTenant
-		q := next[u]
-		next[u]++
-		ctx := contexts[t]
-		if w.Shape == ShapeNoSharedPrefix {
-			ctx = words(rng, "request-"+strconv.Itoa(i), w.ContextTokens)
-		}
-		query := words(rng, fmt.Sprintf("user-%d-%d-query-%d", t, user, q), w.QueryTokens)
-		at += time.Duration(rng.ExpFloat64() / w.Rate * float64(time.Second))
 		body := append([]byte(`{"model":`), model...)
-		body = append(body, `,"messages":[{"role":"system","content":"`...)
-		body = append(body, ctx...)
-		body = append(body, `"},{"role":"user","content":"`...)
-		body = append(body, query...)
+		var req TraceRequest
+		if u >= users {
+			k := u - users
+			req = TraceRequest{Tenant: -1, User: k}
+			body = append(body, `,"messages":[{"role":"user","content":"`...)
+			body = append(body, words(rng, "chat-"+strconv.Itoa(k), w.QueryTokens)...)
+		} else {
+			t, user := u/w.UsersPerTenant, u%w.UsersPerTenant
+			q := next[u]
+			next[u]++
+			req = TraceRequest{Tenant: t, User: user, Query: q}
+			ctx := contexts[t]
+			if w.Shape == ShapeNoSharedPrefix {
+				ctx = words(rng, "request-"+strconv.Itoa(i), w.ContextTokens)
+			}
+			query := words(rng, fmt.Sprintf("user-%d-%d-query-%d", t, user, q), w.QueryTokens)
+			body = append(body, `,"messages":[{"role":"system","content":"`...)
+			body = append(body, ctx...)
+			body = append(body, `"},{"role":"user","content":"`...)
+			body = append(body, query...)
+		}
+		// The gap is drawn after the words, as traces of the first two
+		// shapes always were: their seeds still give the same bytes.
+		active += time.Duration(rng.ExpFloat64() / rate * float64(time.Second))
+		at := active
+		if on > 0 {
+			at = active/on*(on+off) + active%on
+		}
 		body = append(body, `"}],"max_tokens":`...)
 		body = strconv.AppendInt(body, int64(w.MaxTokens), 10)
 		body = append(body, `,"stream":true,"stream_options":{"include_usage":true},"ignore_eos":true}`...)
@@ -150,7 +259,8 @@ func NewTrace(w PrefixWorkload) (*Trace, error) {
 		if err != nil {
 			return nil, err
 		}
-		tr.Requests[i] = TraceRequest{At: at, Tenant: t, User: user, Query: q, Body: body, Tokens: tokens}
+		req.At, req.Body, req.Tokens = at, body, tokens
+		tr.Requests[i] = req
 	}
 	return tr, nil
 }

@@ -29,13 +29,13 @@ type prefixFlags struct {
 }
 
 func (p *prefixFlags) register(fs *flag.FlagSet) {
-	fs.StringVar(&p.workload, "workload", "", "shared-prefix or no-shared-prefix: a multi-tenant chat trace (tenants × context × users × queries, Poisson arrivals at --rate) sent to local sims, one fleet per policy; without it, the random-prompt workload")
+	fs.StringVar(&p.workload, "workload", "", "shared-prefix, no-shared-prefix, hot-tenant (one tenant, 64 users, 96/s), cache-pressure (contexts 3× the fleet's KV capacity, 24/s) or mixed (shared contexts and as many short chats, 1 s on / 1 s off bursts): a multi-tenant chat trace (tenants × context × users × queries, Poisson arrivals at --rate, drawn from --seed) sent to local sims, one fleet per policy; without it, the random-prompt workload")
 	fs.IntVar(&p.tenants, "tenants", 32, "--workload: tenants, each with its own shared context (the system prompt)")
 	fs.IntVar(&p.contextTokens, "context-tokens", 512, "--workload: tokens (words) of a tenant's shared context")
 	fs.IntVar(&p.users, "users", 2, "--workload: users per tenant")
 	fs.IntVar(&p.queries, "queries", 8, "--workload: queries per user")
 	fs.IntVar(&p.queryTokens, "query-tokens", 64, "--workload: tokens (words) of each query (the user message)")
-	fs.StringVar(&p.policies, "compare-policies", "least_loaded,prefix", "--workload: placement policies to compare, comma-separated (prefix, least_loaded, random); each gets its own sims and routers, run in interleaved windows")
+	fs.StringVar(&p.policies, "compare-policies", "least_loaded,prefix", "--workload: placement policies to compare, comma-separated (prefix, least_loaded, random, and oracle: the bench asks every sim what it holds and picks the least expected wait, through one router per producer); each gets its own sims and routers, run in interleaved windows")
 	fs.IntVar(&p.routers, "routers", 1, "--workload: routers per policy on one bus; requests go to them in turn")
 	fs.StringVar(&p.shareIndex, "share-index", "both", "--workload with --routers > 1: whether prefix routers share their index over the bus: true, false or both (the prefix policy is measured both ways)")
 	fs.IntVar(&p.windows, "windows", 4, "--workload: interleaved windows the trace is cut into (each policy runs every window)")
@@ -87,14 +87,18 @@ func (p *prefixFlags) variants() ([]bench.PolicyVariant, error) {
 	for _, name := range strings.Split(p.policies, ",") {
 		name = strings.TrimSpace(name)
 		switch name {
-		case "prefix", "least_loaded", "random":
+		case "prefix", "least_loaded", "random", bench.PolicyOracle:
 		default:
-			return nil, fmt.Errorf("--compare-policies: unknown policy %q (want prefix, least_loaded or random)", name)
+			return nil, fmt.Errorf("--compare-policies: unknown policy %q (want prefix, least_loaded, random or oracle)", name)
 		}
 		if seen[name] {
 			return nil, fmt.Errorf("--compare-policies: %s given twice", name)
 		}
 		seen[name] = true
+		if name == bench.PolicyOracle {
+			out = append(out, bench.PolicyVariant{Policy: name, Routers: 1}) // one router per producer
+			continue
+		}
 		if name != "prefix" || p.routers == 1 {
 			out = append(out, bench.PolicyVariant{Policy: name, Routers: p.routers, ShareIndex: true})
 			continue
@@ -113,6 +117,82 @@ type policyFile struct {
 	Comparison *bench.PolicyComparison `json:"comparison"`
 }
 
+// Per-workload defaults, for the flags not given (sized so that one
+// comparison of three policies takes about a minute on a 2-core machine;
+// docs/performance.md).
+const (
+	hotTenantUsers      = 64 // 1 tenant × 64 users × 16 queries: 1,024 requests
+	hotTenantQueries    = 16
+	hotTenantRate       = 96.0 // warm prefills of 33 ms: the fleet queues in bursts
+	cachePressureUsers  = 1    // ⌈3 × capacity / context⌉ tenants × 1 × 3
+	cachePressureQuery  = 3
+	cachePressureRate   = 24.0 // mostly cold prefills: the fleet carries about 27/s
+	mixedTenants        = 16   // 16 × 2 × 8 shared requests and 256 short chats
+	defaultWorkloadRate = 32.0
+)
+
+// prefixWorkload is the trace --workload and its flags ask for, each
+// workload's defaults filling the flags not given.
+func (f *benchFlags) prefixWorkload() (bench.PrefixWorkload, error) {
+	p := &f.prefix
+	rate := defaultWorkloadRate
+	if f.set["rate"] {
+		r, err := strconv.ParseFloat(strings.TrimSpace(f.rate), 64)
+		if err != nil || r <= 0 {
+			return bench.PrefixWorkload{}, fmt.Errorf("--rate %q: want one positive number with --workload", f.rate)
+		}
+		rate = r
+	}
+	mt, err := bench.ParseRange(f.maxTokens)
+	if err != nil || mt.Min != mt.Max {
+		return bench.PrefixWorkload{}, fmt.Errorf("--max-tokens %q: want one integer ≥ 1 with --workload", f.maxTokens)
+	}
+	model := f.model
+	if model == "" {
+		model = "narwhal-sim"
+	}
+	wl := bench.PrefixWorkload{
+		Shape: p.workload, Model: model, Tenants: p.tenants, ContextTokens: p.contextTokens,
+		UsersPerTenant: p.users, QueriesPerUser: p.queries, QueryTokens: p.queryTokens,
+		MaxTokens: mt.Min, Rate: rate, Seed: f.seed,
+	}
+	unset := func(name string) bool { return !f.set[name] }
+	switch p.workload {
+	case bench.ShapeHotTenant:
+		if unset("tenants") {
+			wl.Tenants = 1
+		}
+		if unset("users") {
+			wl.UsersPerTenant = hotTenantUsers
+		}
+		if unset("queries") {
+			wl.QueriesPerUser = hotTenantQueries
+		}
+		if unset("rate") {
+			wl.Rate = hotTenantRate
+		}
+	case bench.ShapeCachePressure:
+		wl.FleetKVTokens = p.prefillSims * p.kvCacheBlocks * p.blockSize
+		if unset("tenants") && wl.ContextTokens > 0 && wl.FleetKVTokens > 0 {
+			wl.Tenants = bench.CachePressureTenants(wl.FleetKVTokens, wl.ContextTokens)
+		}
+		if unset("users") {
+			wl.UsersPerTenant = cachePressureUsers
+		}
+		if unset("queries") {
+			wl.QueriesPerUser = cachePressureQuery
+		}
+		if unset("rate") {
+			wl.Rate = cachePressureRate
+		}
+	case bench.ShapeMixed:
+		if unset("tenants") {
+			wl.Tenants = mixedTenants
+		}
+	}
+	return wl, wl.Validate()
+}
+
 // runPrefix is `narwhal bench --workload`: it draws the trace, starts one
 // fleet (sims, bus, routers as child processes) per policy variant and
 // compares them in interleaved windows.
@@ -124,30 +204,13 @@ func (f *benchFlags) runPrefix(ctx context.Context) error {
 	if f.compare || f.set["concurrency"] {
 		return errors.New("--workload is an open-loop trace; it excludes --compare-floor and --concurrency")
 	}
-	rate := 32.0
-	if f.set["rate"] {
-		r, err := strconv.ParseFloat(strings.TrimSpace(f.rate), 64)
-		if err != nil || r <= 0 {
-			return fmt.Errorf("--rate %q: want one positive number with --workload", f.rate)
-		}
-		rate = r
-	}
-	mt, err := bench.ParseRange(f.maxTokens)
-	if err != nil || mt.Min != mt.Max {
-		return fmt.Errorf("--max-tokens %q: want one integer ≥ 1 with --workload", f.maxTokens)
-	}
 	variants, err := p.variants()
 	if err != nil {
 		return err
 	}
-	model := f.model
-	if model == "" {
-		model = "narwhal-sim"
-	}
-	wl := bench.PrefixWorkload{
-		Shape: p.workload, Model: model, Tenants: p.tenants, ContextTokens: p.contextTokens,
-		UsersPerTenant: p.users, QueriesPerUser: p.queries, QueryTokens: p.queryTokens,
-		MaxTokens: mt.Min, Rate: rate, Seed: f.seed,
+	wl, err := f.prefixWorkload()
+	if err != nil {
+		return err
 	}
 	tr, err := bench.NewTrace(wl)
 	if err != nil {

@@ -246,7 +246,7 @@ func (x *exchange) prepareSGLang() bool {
 		return true
 	}
 	x.cachedTokens = s.cache.lookup(x.hashes, x.promptTokens, s.cfg.BlockSize, true)
-	if !x.sleep(s.cfg.PrefillPerToken * time.Duration(x.promptTokens-x.cachedTokens)) {
+	if !x.compute(x.promptTokens - x.cachedTokens) {
 		x.abort()
 		return false
 	}

@@ -118,6 +118,7 @@ type exchange struct {
 	created      int64
 	promptTokens int
 	cachedTokens int // usage.prompt_tokens_details.cached_tokens
+	queued       int // this request's share of counters.queuedTokens
 	maxTokens    int
 	n            int
 	topLogprobs  int
@@ -178,12 +179,54 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request, kind end
 	s.faults.take(&x.faults, targetInference, phase, x.prefillLeg, x.stream, x.decodeLeg)
 	s.count.active.Add(1)
 	defer s.count.active.Add(-1)
+	x.hashes = appendBlockHashes(x.hashes[:0], x.kind, x.prompt, s.cfg.BlockSize)
+	defer x.setQueued(0)
+	x.setQueued(x.expectedWork())
 	if !s.admit(ctx) {
 		x.abort()
 		return
 	}
 	defer s.leave()
+	blocks := int64((x.promptTokens + s.cfg.BlockSize - 1) / s.cfg.BlockSize)
+	s.count.runningBlocks.Add(blocks)
+	defer s.count.runningBlocks.Add(-blocks)
 	x.run()
+}
+
+// expectedWork is the prompt tokens this request will compute as the
+// cache stands now: none for a decode leg that receives its KV from a
+// producer, else the tokens a lookup would not find (the cache's own
+// blocks only; a shared-storage consumer may load more from the store).
+func (x *exchange) expectedWork() int {
+	if x.decodeLeg && x.s.store == nil {
+		return 0
+	}
+	return x.promptTokens - x.s.cache.peek(x.hashes, x.promptTokens, x.s.cfg.BlockSize)
+}
+
+// setQueued makes n this request's uncached prompt tokens in the engine's
+// queue (counters.queuedTokens).
+func (x *exchange) setQueued(n int) {
+	if d := n - x.queued; d != 0 {
+		x.s.count.queuedTokens.Add(int64(d))
+		x.queued = n
+	}
+}
+
+// compute spends PrefillPerToken on each of n prompt tokens, the time
+// still ahead counted in the engine's work meanwhile (Server.work). It
+// returns false when the request's context ended first.
+func (x *exchange) compute(n int) bool {
+	s := x.s
+	x.setQueued(0)
+	d := s.cfg.PrefillPerToken * time.Duration(n)
+	if d <= 0 {
+		return true
+	}
+	end := time.Since(s.born) + d
+	s.work.begin(end)
+	defer s.work.finish(end)
+	return x.sleep(d)
 }
 
 // admit takes one of Config.MaxNumSeqs sequences, waiting in arrival
@@ -579,7 +622,6 @@ func (x *exchange) generate() {
 // request ended (error already answered, or the client went away).
 func (x *exchange) prepare() bool {
 	s := x.s
-	x.hashes = appendBlockHashes(x.hashes[:0], x.kind, x.prompt, s.cfg.BlockSize)
 	if x.sglang {
 		return x.prepareSGLang()
 	}
@@ -605,7 +647,7 @@ func (x *exchange) prepare() bool {
 		return true
 	}
 	x.cachedTokens = s.cache.lookup(x.hashes, x.promptTokens, s.cfg.BlockSize, true)
-	if !x.sleep(s.cfg.PrefillPerToken * time.Duration(x.promptTokens-x.cachedTokens)) {
+	if !x.compute(x.promptTokens - x.cachedTokens) {
 		x.abort()
 		return false
 	}
@@ -624,7 +666,7 @@ func (x *exchange) pullFault() (done, ok bool) {
 	}
 	if _, hit := x.faults.get(fkKVRecompute); hit {
 		x.cachedTokens = 0
-		if !x.sleep(s.cfg.PrefillPerToken * time.Duration(x.promptTokens)) {
+		if !x.compute(x.promptTokens) {
 			x.abort()
 			return true, false
 		}

@@ -25,10 +25,6 @@ import (
 // does with its default block size.
 const BlockSize = 16
 
-// kvCapacityBlocks is the simulated KV cache size, for
-// vllm:kv_cache_usage_perc.
-const kvCapacityBlocks = 65536
-
 // tombstoneLimit bounds how many pulled or expired handoffs a producer
 // remembers, so it can say "already pulled" or "expired" instead of
 // "unknown request id".

@@ -232,3 +232,22 @@ func (c *prefixCache) contains(hash uint64) bool {
 	_, ok := c.index[hash]
 	return ok
 }
+
+// peek returns the tokens a local lookup of hashes would find cached now
+// (the leading cached blocks, at most those before the prompt's last
+// token), without touching the blocks' recency, inserting anything or
+// counting a query: what GET-like questions (POST /sim/cached) and the
+// queue's estimate of a waiting request's work need.
+func (c *prefixCache) peek(hashes []uint64, promptTokens, blockSize int) int {
+	limit := min(len(hashes), max(promptTokens-1, 0)/blockSize)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	matched := 0
+	for matched < limit {
+		if _, ok := c.index[hashes[matched]]; !ok {
+			break
+		}
+		matched++
+	}
+	return matched * blockSize
+}

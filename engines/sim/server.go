@@ -197,6 +197,7 @@ type Server struct {
 	faults   faultSet
 	recorder recorder
 	count    counters
+	work     prefillWork
 
 	exchanges sync.Pool
 }
@@ -335,6 +336,7 @@ func New(cfg Config) (*Server, error) {
 		w.WriteHeader(http.StatusNoContent)
 	})
 	mux.HandleFunc("GET /sim/stats", func(w http.ResponseWriter, r *http.Request) { writeJSON(w, s.Stats()) })
+	mux.HandleFunc("POST /sim/cached", s.serveCached)
 	s.handler = s.track(s.requireKey(mux))
 
 	kvMux := http.NewServeMux()
@@ -696,7 +698,12 @@ func (s *Server) serveModels(w http.ResponseWriter, r *http.Request) {
 
 // serveMetrics is GET /metrics: Prometheus text with vLLM's metric names
 // (vllm:num_requests_running, vllm:num_requests_waiting,
-// vllm:kv_cache_usage_perc, vllm:prefix_cache_queries_total and
+// vllm:kv_cache_usage_perc (the KV blocks of the running requests' prompts
+// and of the handoffs held, over Config.KVCacheBlocks, at most 1: cached
+// blocks nobody uses count as free, as in vLLM), vllm:cache_config_info
+// with labels block_size and num_gpu_blocks (Config.BlockSize and
+// Config.KVCacheBlocks; value 1, vLLM's info metric),
+// vllm:prefix_cache_queries_total and
 // vllm:prefix_cache_hits_total (tokens looked up in and found in the
 // engine's own prefix cache), vllm:external_prefix_cache_queries_total and
 // vllm:external_prefix_cache_hits_total (tokens of KV pulled from a
@@ -708,6 +715,7 @@ func (s *Server) serveMetrics(w http.ResponseWriter, r *http.Request) {
 	s.kv.mu.Lock()
 	held := s.kv.heldBlock
 	s.kv.mu.Unlock()
+	used := min(float64(held+s.count.runningBlocks.Load())/float64(s.cfg.KVCacheBlocks), 1)
 	cs := s.cache.stats()
 	var b strings.Builder
 	label := `{model_name="` + promLabel(s.cfg.Model) + `"}`
@@ -718,7 +726,9 @@ func (s *Server) serveMetrics(w http.ResponseWriter, r *http.Request) {
 	metric("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", label, itoa(s.count.running.Load()))
 	metric("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", label, itoa(s.count.waiting.Load()))
 	metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", label,
-		strconv.FormatFloat(float64(held)/kvCapacityBlocks, 'g', -1, 64))
+		strconv.FormatFloat(used, 'g', -1, 64))
+	metric("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
+		`{block_size="`+strconv.Itoa(s.cfg.BlockSize)+`",enable_prefix_caching="True",num_gpu_blocks="`+strconv.Itoa(s.cfg.KVCacheBlocks)+`"}`, "1")
 	metric("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.", label, itoa(cs.queries))
 	metric("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.", label, itoa(cs.hits))
 	metric("vllm:external_prefix_cache_queries_total", "counter", "External prefix cache queries from the KV connector, in terms of number of queried tokens.", label, itoa(cs.extQueries))

@@ -12,7 +12,6 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
-	"time"
 )
 
 // This file is the simulator's side of a KV store that producer and
@@ -229,7 +228,7 @@ func (x *exchange) prepareShared() bool {
 		s.count.kvPulled.Add(1)
 	}
 	x.cachedTokens = local + external
-	if !x.sleep(s.cfg.PrefillPerToken * time.Duration(x.promptTokens-x.cachedTokens)) {
+	if !x.compute(x.promptTokens - x.cachedTokens) {
 		x.abort()
 		return false
 	}
