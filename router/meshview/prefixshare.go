@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -91,6 +92,7 @@ type indexShare struct {
 	warmLimit          time.Duration // bounds one warm-up: shareWarmTimeout
 	log                *slog.Logger  // the view's
 	lastLog            atomic.Int64  // UnixNano of the last refused-batch line
+	liveHashes         []uint64      // receive's buffer of hashes
 }
 
 // newIndexShare makes the share of v's prefix index and registers its
@@ -193,8 +195,11 @@ func (s *indexShare) flush(nc *nats.Conn) {
 	s.published.Inc()
 }
 
-// receive applies a batch delivered live on narwhal.prefix.*.
-func (s *indexShare) receive(msg *nats.Msg) { s.apply(msg.Subject, msg.Data, false) }
+// receive applies a batch delivered live on narwhal.prefix.* (the
+// subscription's goroutine is the only caller: it owns liveHashes).
+func (s *indexShare) receive(msg *nats.Msg) {
+	s.liveHashes = s.apply(msg.Subject, msg.Data, false, s.liveHashes)
+}
 
 // apply applies one batch received on subject to the index, only when it
 // is a valid batch (R-BUS-9) of the router its subject names (R-BUS-11:
@@ -204,14 +209,16 @@ func (s *indexShare) receive(msg *nats.Msg) { s.apply(msg.Subject, msg.Data, fal
 // its previous life, and this index never recorded them). Each placement
 // is learned only for a prefill-capable engine of this router's fleet
 // that is placeable (eligible, active); the others are counted as
-// ignored.
-func (s *indexShare) apply(subject string, data []byte, own bool) {
+// ignored. The hashes are decoded into hashes, the caller's buffer (one
+// per goroutine that applies), returned grown: a batch applied allocates
+// nothing once it has grown.
+func (s *indexShare) apply(subject string, data []byte, own bool, hashes []uint64) []uint64 {
 	if subject == s.subject && !own {
-		return // ours, recorded when it was made
+		return hashes // ours, recorded when it was made
 	}
-	routerID, placements, err := bus.ParsePrefixBatch(data)
+	routerID, err := bus.CheckPrefixBatch(data)
 	reason := dropInvalid
-	if err == nil && bus.PrefixSubject(routerID) != subject {
+	if err == nil && !namesRouter(subject, routerID) {
 		reason, err = dropRouterMismatch, fmt.Errorf("%w: names router %q", bus.ErrPrefixBatch, routerID)
 	}
 	if err != nil {
@@ -220,18 +227,26 @@ func (s *indexShare) apply(subject string, data []byte, own bool) {
 			s.lastLog.Store(now)
 			s.log.Warn("prefix placements ignored", "reason", reason, "subject", subject, "bytes", len(data), "err", err)
 		}
-		return
+		return hashes
 	}
 	fl := s.v.Fleet()
-	for _, p := range placements {
-		m := fl.byID[p.EngineID]
+	hashes = bus.EachPrefixPlacement(data, hashes, func(engineID []byte, hs []uint64) {
+		m := fl.byID[string(engineID)]
 		if m == nil || !m.Can(Prefill) || !m.active.Load() || !m.eligible.Load() {
 			s.ignored.Inc()
-			continue
+			return
 		}
-		s.index.Learn(p.EngineID, p.Hashes)
-	}
+		s.index.Learn(m.ID, hs)
+	})
 	s.applied.Inc()
+	return hashes
+}
+
+// namesRouter reports whether subject is routerID's subject of
+// placements, bus.PrefixSubject(routerID), without building it.
+func namesRouter(subject string, routerID []byte) bool {
+	return len(subject) == len(bus.PrefixSubjectPrefix)+len(routerID) &&
+		strings.HasPrefix(subject, bus.PrefixSubjectPrefix) && subject[len(bus.PrefixSubjectPrefix):] == string(routerID)
 }
 
 // warm reads back the batches stream NARWHAL_PREFIX holds from since on
@@ -313,6 +328,7 @@ func (s *indexShare) readBack(ctx context.Context, b *bus.Bus, since time.Time, 
 	}
 	defer it.Stop()
 	r.started = true
+	var hashes []uint64 // apply's buffer
 	// The consumer starts at the first batch from since: it has delivered
 	// up to the one before, and says how many wait after it.
 	if info := cons.CachedInfo(); info != nil {
@@ -329,7 +345,7 @@ func (s *indexShare) readBack(ctx context.Context, b *bus.Bus, since time.Time, 
 		if err != nil {
 			return r, err
 		}
-		s.apply(msg.Subject(), msg.Data(), own)
+		hashes = s.apply(msg.Subject(), msg.Data(), own, hashes)
 		r.batches++
 		md, err := msg.Metadata()
 		if err != nil {

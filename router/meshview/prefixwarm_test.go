@@ -5,9 +5,11 @@ import (
 	"encoding/json"
 	"log/slog"
 	"math/rand/v2"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/narwhalmesh/narwhal/bus"
@@ -111,7 +113,9 @@ func prefixLastSeq(tb testing.TB, m *meshBus) uint64 {
 // BenchmarkPrefixWarm30000Batches: one warm-up of a router's prefix index
 // from a stream NARWHAL_PREFIX holding 30,000 batches (of shape busy and
 // full) on an embedded NATS over loopback TCP, every batch decoded and
-// applied to the bounded index; reports batches/s and B/batch.
+// applied to the bounded index. It reports batches/s (wall), the
+// process's CPU per batch (the embedded server's included) and the
+// consumers the warm-up made on the server (JetStream API round trips).
 func BenchmarkPrefixWarm30000Batches(b *testing.B) {
 	const n = 30000
 	for _, shape := range []warmShape{warmBusy, warmFull} {
@@ -120,11 +124,20 @@ func BenchmarkPrefixWarm30000Batches(b *testing.B) {
 			s.waitModels()
 			m := newMeshBus(b)
 			fillPrefixStream(b, m, shape, n)
+			var created atomic.Int64
+			sub, err := m.Peer.Conn().Subscribe("$JS.API.CONSUMER.CREATE.>", func(*nats.Msg) { created.Add(1) })
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer func() { _ = sub.Unsubscribe() }()
+			if err := m.Peer.Conn().Flush(); err != nil {
+				b.Fatal(err)
+			}
 			share := newIndexShare(s.v)
 			since := time.Now().Add(-bus.PrefixMaxAge)
 			b.ReportAllocs()
 			b.ResetTimer()
-			start := time.Now()
+			start, cpu := time.Now(), testkit.CPUTime()
 			for range b.N {
 				before := testkit.GatheredSum(b, s.reg, "narwhal_prefix_batches_applied_total")
 				share.warm(m.B, since, false)
@@ -133,6 +146,9 @@ func BenchmarkPrefixWarm30000Batches(b *testing.B) {
 				}
 			}
 			b.ReportMetric(float64(b.N*n)/time.Since(start).Seconds(), "batches/s")
+			b.ReportMetric(float64(testkit.CPUTime()-cpu)/float64(b.N*n), "cpu-ns/batch")
+			_ = m.Peer.Conn().Flush()
+			b.ReportMetric(float64(created.Load())/float64(b.N), "consumers/op")
 		})
 	}
 }
@@ -292,5 +308,63 @@ func TestPrefixWarmUpEndsWithWhatItCanReadRPLACE2(t *testing.T) {
 	}
 	if cut := l.records(t, "prefix index warm-up cut short"); len(cut) != 0 {
 		t.Fatalf("logged %v", cut)
+	}
+}
+
+// busyBatch returns a batch of router rt-x of shape busy (its batch i).
+func busyBatch(i int) []byte {
+	rng := rand.New(rand.NewPCG(3, uint64(i)))
+	var batch bus.PrefixBatch
+	batch.Reset("rt-x")
+	engines := []string{"p1", "p2", "p3"}
+	for k := range warmBusy.placements(i) {
+		hs := make([]uint64, warmBusy.hashes(i, k))
+		for j := range hs {
+			hs[j] = rng.Uint64()
+		}
+		batch.Add(engines[(i+k)%len(engines)], hs)
+	}
+	return batch.Bytes()
+}
+
+// TestSharedIndexApplyAllocatesNothingRPLACE2: applying another router's
+// batch (live or read back) allocates nothing once the caller's buffer of
+// hashes has grown, and learns its placements.
+func TestSharedIndexApplyAllocatesNothingRPLACE2(t *testing.T) {
+	s := newStack(t, prefixFleet(), nil)
+	s.waitModels()
+	share := newIndexShare(s.v)
+	data, subject := busyBatch(0), bus.PrefixSubject("rt-x")
+	var hashes []uint64
+	hashes = share.apply(subject, data, false, hashes)
+	if share.index.Blocks("p1") == 0 || share.index.Blocks("p2") == 0 {
+		t.Fatalf("the batch was not learned: p1 %d, p2 %d blocks", share.index.Blocks("p1"), share.index.Blocks("p2"))
+	}
+	if a := testkit.LeastAllocs(100, func() { hashes = share.apply(subject, data, false, hashes) }); a != 0 {
+		t.Fatalf("applying a batch allocates %v times", a)
+	}
+}
+
+// BenchmarkPrefixApply: applying one batch of shape busy (about 24
+// hashes on one or two engines) to a full bounded index (65,536 blocks
+// per engine) that holds none of them, as every router does for every
+// batch another router publishes.
+func BenchmarkPrefixApply(b *testing.B) {
+	s := newStack(b, prefixFleet(), nil)
+	s.waitModels()
+	share := newIndexShare(s.v)
+	batches := make([][]byte, 16384) // 131,000 hashes per engine: twice its bound
+	for i := range batches {
+		batches[i] = busyBatch(i)
+	}
+	subject := bus.PrefixSubject("rt-x")
+	var hashes []uint64
+	for _, d := range batches { // every engine's set full: each batch evicts
+		hashes = share.apply(subject, d, false, hashes)
+	}
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := range b.N {
+		hashes = share.apply(subject, batches[i%len(batches)], false, hashes)
 	}
 }
