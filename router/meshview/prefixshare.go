@@ -30,14 +30,14 @@ const (
 	shareFlushEntries = 256
 	// shareWarmTimeout bounds one warm-up read of stream NARWHAL_PREFIX.
 	shareWarmTimeout = 10 * time.Second
-	// shareWarmPull is how many batches the warm-up's consumer holds
-	// asked for or buffered at most: the server streams that many per
-	// round trip.
+	// shareWarmPull is how many batches the warm-up's consumer has asked
+	// for or buffered at most: the server streams that many per round
+	// trip, and the warm-up holds no more (2 MiB at the 2.2 KB a batch
+	// averages when 30,000 fill the stream's 64 MiB). A limit in bytes
+	// as well (PullMaxMessagesWithBytesLimit) made the client's buffer
+	// overflow: "slow consumer, messages dropped", and the ordered
+	// consumer made again.
 	shareWarmPull = 1024
-	// shareWarmPullBytes bounds one pull of the warm-up, in bytes (at
-	// least the largest batch, 256 KiB): with shareWarmPull it bounds
-	// what the warm-up buffers.
-	shareWarmPullBytes = 4 << 20
 	// shareWarmOverlap is how far before a disconnection a reconnected
 	// router reads the stream again.
 	shareWarmOverlap = 2 * time.Second
@@ -311,10 +311,10 @@ func prefixWarmConsumer(ctx context.Context, b *bus.Bus, since time.Time) (jetst
 
 // readBack applies the stream's batches from since up to sequence last
 // (applying this router id's batches too when own is set). The server
-// streams them in pulls of up to shareWarmPull batches and
-// shareWarmPullBytes, the next one asked for while the last is applied,
-// so a read costs a round trip per thousand batches, not per batch, and
-// holds a bounded buffer. It returns what it read and, when it stopped
+// streams them in pulls of up to shareWarmPull batches, the next one
+// asked for while the last is applied, so a read makes one consumer and
+// costs a round trip per few hundred batches, and holds a bounded
+// buffer. It returns what it read and, when it stopped
 // before last (ctx done, the bus gone), why.
 func (s *indexShare) readBack(ctx context.Context, b *bus.Bus, since time.Time, last uint64, own bool) (warmRead, error) {
 	var r warmRead
@@ -322,7 +322,7 @@ func (s *indexShare) readBack(ctx context.Context, b *bus.Bus, since time.Time, 
 	if err != nil {
 		return r, err
 	}
-	it, err := cons.Messages(jetstream.PullMaxMessagesWithBytesLimit(shareWarmPull, shareWarmPullBytes))
+	it, err := cons.Messages(jetstream.PullMaxMessages(shareWarmPull))
 	if err != nil {
 		return r, err
 	}

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"log/slog"
 	"math/rand/v2"
+	"runtime"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -149,6 +150,18 @@ func BenchmarkPrefixWarm30000Batches(b *testing.B) {
 			b.ReportMetric(float64(testkit.CPUTime()-cpu)/float64(b.N*n), "cpu-ns/batch")
 			_ = m.Peer.Conn().Flush()
 			b.ReportMetric(float64(created.Load())/float64(b.N), "consumers/op")
+			b.StopTimer()
+			// What stays is the bounded index (and the embedded server's
+			// caches), not the stream read.
+			runtime.GC()
+			var ms runtime.MemStats
+			runtime.ReadMemStats(&ms)
+			b.ReportMetric(float64(ms.HeapAlloc)/(1<<20), "heap-MiB")
+			for _, id := range []string{"p1", "p2", "p3"} {
+				if n := share.index.Blocks(id); n > share.index.Capacity() {
+					b.Fatalf("the index holds %d blocks of %s, above its bound %d", n, id, share.index.Capacity())
+				}
+			}
 		})
 	}
 }
