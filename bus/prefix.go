@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 	"unicode/utf8"
 
@@ -132,10 +133,62 @@ var ErrPrefixBatch = errors.New("bus: invalid prefix batch")
 // placements, a placement without hashes or with more than
 // PrefixMaxHashes, a length that runs past the end, or bytes after the
 // last placement is refused whole, with an error wrapping ErrPrefixBatch.
-// The placements' hashes share one allocation.
+// The placements' hashes share one allocation. CheckPrefixBatch and
+// EachPrefixPlacement read the same batches without allocating.
 func ParsePrefixBatch(data []byte) (routerID string, placements []PrefixPlacement, err error) {
-	bad := func(why string) (string, []PrefixPlacement, error) {
-		return "", nil, fmt.Errorf("%w: %s", ErrPrefixBatch, why)
+	id, count, total, body, err := checkPrefixBatch(data)
+	if err != nil {
+		return "", nil, err
+	}
+	hashes := make([]uint64, total)
+	placements = make([]PrefixPlacement, 0, count)
+	eachPlacement(body, func(eid []byte, raw []byte) {
+		hs := hashes[: len(raw)/8 : len(raw)/8]
+		hashes = hashes[len(raw)/8:]
+		decodeHashes(hs, raw)
+		placements = append(placements, PrefixPlacement{EngineID: string(eid), Hashes: hs})
+	})
+	return string(id), placements, nil
+}
+
+// CheckPrefixBatch checks data whole, as ParsePrefixBatch does (R-BUS-9),
+// without decoding it or allocating: it returns the router id the batch
+// names (a view of data) or an error wrapping ErrPrefixBatch.
+// EachPrefixPlacement then reads the placements of a batch it accepted.
+func CheckPrefixBatch(data []byte) (routerID []byte, err error) {
+	id, _, _, _, err := checkPrefixBatch(data)
+	return id, err
+}
+
+// EachPrefixPlacement calls fn, in order, with every placement of data, a
+// batch CheckPrefixBatch accepted: the engine id (a view of data) and its
+// hashes, decoded into buf, which it grows when a placement needs more
+// room and returns for the next batch. fn must keep neither. Once buf
+// has grown it allocates nothing. A batch CheckPrefixBatch refuses gets
+// no call.
+func EachPrefixPlacement(data []byte, buf []uint64, fn func(engineID []byte, hashes []uint64)) []uint64 {
+	_, _, _, body, err := checkPrefixBatch(data)
+	if err != nil {
+		return buf
+	}
+	eachPlacement(body, func(eid []byte, raw []byte) {
+		n := len(raw) / 8
+		if cap(buf) < n {
+			buf = make([]uint64, n, max(n, PrefixMaxHashes))
+		}
+		hs := buf[:n]
+		decodeHashes(hs, raw)
+		fn(eid, hs)
+	})
+	return buf
+}
+
+// checkPrefixBatch checks a batch whole and returns its router id, its
+// placement count, the hashes of all its placements and its placements'
+// bytes.
+func checkPrefixBatch(data []byte) (id []byte, count, total int, body []byte, err error) {
+	bad := func(why string) ([]byte, int, int, []byte, error) {
+		return nil, 0, 0, nil, fmt.Errorf("%w: %s", ErrPrefixBatch, why)
 	}
 	if len(data) > PrefixMaxBatch {
 		return bad("larger than 256 KiB")
@@ -151,23 +204,19 @@ func ParsePrefixBatch(data []byte) (routerID string, placements []PrefixPlacemen
 	if len(p) < 2 {
 		return bad("truncated")
 	}
-	count := int(binary.LittleEndian.Uint16(p))
+	count = int(binary.LittleEndian.Uint16(p))
 	p = p[2:]
 	if count == 0 {
 		return bad("no placements")
 	}
-	// First pass: check every length and count the hashes.
-	total := 0
 	for i, q := 0, p; i < count; i++ {
-		var eid string
-		if eid, q, ok = readID(q); !ok || len(q) < 2 {
-			return bad("engine id of placement " + fmt.Sprint(i))
+		if _, q, ok = readID(q); !ok || len(q) < 2 {
+			return bad("engine id of placement " + strconv.Itoa(i))
 		}
-		_ = eid
 		n := int(binary.LittleEndian.Uint16(q))
 		q = q[2:]
 		if n == 0 || n > PrefixMaxHashes || len(q) < 8*n {
-			return bad("hashes of placement " + fmt.Sprint(i))
+			return bad("hashes of placement " + strconv.Itoa(i))
 		}
 		q = q[8*n:]
 		total += n
@@ -175,34 +224,38 @@ func ParsePrefixBatch(data []byte) (routerID string, placements []PrefixPlacemen
 			return bad("bytes after the last placement")
 		}
 	}
-	hashes := make([]uint64, total)
-	placements = make([]PrefixPlacement, count)
-	for i := range placements {
-		var eid string
-		eid, p, _ = readID(p)
-		n := int(binary.LittleEndian.Uint16(p))
-		p = p[2:]
-		hs := hashes[:n:n]
-		hashes = hashes[n:]
-		for k := range hs {
-			hs[k] = binary.LittleEndian.Uint64(p[8*k:])
-		}
-		p = p[8*n:]
-		placements[i] = PrefixPlacement{EngineID: eid, Hashes: hs}
-	}
-	return id, placements, nil
+	return id, count, total, p, nil
 }
 
-// readID reads a u8-length-prefixed id of 1…255 bytes of UTF-8.
-func readID(p []byte) (string, []byte, bool) {
+// eachPlacement calls fn with the engine id and the raw hashes (8 bytes
+// each) of every placement of body, placements checkPrefixBatch accepted.
+func eachPlacement(body []byte, fn func(eid, raw []byte)) {
+	for len(body) > 0 {
+		eid, p, _ := readID(body)
+		n := int(binary.LittleEndian.Uint16(p))
+		fn(eid, p[2:2+8*n])
+		body = p[2+8*n:]
+	}
+}
+
+// decodeHashes decodes len(hs) little-endian hashes of raw into hs.
+func decodeHashes(hs []uint64, raw []byte) {
+	for k := range hs {
+		hs[k] = binary.LittleEndian.Uint64(raw[8*k:])
+	}
+}
+
+// readID reads a u8-length-prefixed id of 1…255 bytes of UTF-8, a view
+// of p.
+func readID(p []byte) ([]byte, []byte, bool) {
 	if len(p) < 1 {
-		return "", nil, false
+		return nil, nil, false
 	}
 	n := int(p[0])
 	if n == 0 || len(p) < 1+n || !utf8.Valid(p[1:1+n]) {
-		return "", nil, false
+		return nil, nil, false
 	}
-	return string(p[1 : 1+n]), p[1+n:], true
+	return p[1 : 1+n], p[1+n:], true
 }
 
 // prefixStreamConfig is stream NARWHAL_PREFIX as Setup creates it: the

@@ -97,6 +97,50 @@ func TestParsePrefixBatchRefusesHostileInput(t *testing.T) {
 		if _, p, err := bus.ParsePrefixBatch(data); !errors.Is(err, bus.ErrPrefixBatch) || p != nil {
 			t.Errorf("%s: %v %v, want a refusal", name, p, err)
 		}
+		if id, err := bus.CheckPrefixBatch(data); !errors.Is(err, bus.ErrPrefixBatch) || id != nil {
+			t.Errorf("%s: CheckPrefixBatch %q %v, want a refusal", name, id, err)
+		}
+		bus.EachPrefixPlacement(data, nil, func(eid []byte, _ []uint64) {
+			t.Errorf("%s: EachPrefixPlacement visited placement on %q", name, eid)
+		})
+	}
+}
+
+// TestEachPrefixPlacementReadsWhatParseDecodesRBUS9: CheckPrefixBatch and
+// EachPrefixPlacement give the router id and the placements
+// ParsePrefixBatch gives, and allocate nothing once the buffer of hashes
+// has grown.
+func TestEachPrefixPlacementReadsWhatParseDecodesRBUS9(t *testing.T) {
+	var b bus.PrefixBatch
+	b.Reset("router-a")
+	b.Add("p1", []uint64{1, 2, 3})
+	b.Add("p2", []uint64{^uint64(0)})
+	b.Add("p1", make([]uint64, bus.PrefixMaxHashes))
+	data := b.Bytes()
+	id, want, err := bus.ParsePrefixBatch(data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := bus.CheckPrefixBatch(data); err != nil || string(got) != id {
+		t.Fatalf("CheckPrefixBatch: %q %v, want %q", got, err, id)
+	}
+	var buf []uint64
+	i := 0
+	buf = bus.EachPrefixPlacement(data, buf, func(eid []byte, hs []uint64) {
+		if i >= len(want) || string(eid) != want[i].EngineID || !slices.Equal(hs, want[i].Hashes) {
+			t.Fatalf("placement %d: %s %d hashes, want %v", i, eid, len(hs), want[min(i, len(want)-1)].EngineID)
+		}
+		i++
+	})
+	if i != len(want) {
+		t.Fatalf("visited %d placements, want %d", i, len(want))
+	}
+	visit := func([]byte, []uint64) {}
+	if a := testing.AllocsPerRun(100, func() {
+		_, _ = bus.CheckPrefixBatch(data)
+		buf = bus.EachPrefixPlacement(data, buf, visit)
+	}); a != 0 {
+		t.Fatalf("reading a batch allocates %v times", a)
 	}
 }
 
@@ -109,6 +153,20 @@ func FuzzParsePrefixBatch(f *testing.F) {
 	f.Add(slices.Clone(b.Bytes()))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		id, ps, err := bus.ParsePrefixBatch(data)
+		checked, cerr := bus.CheckPrefixBatch(data)
+		if (err == nil) != (cerr == nil) || string(checked) != id {
+			t.Fatalf("ParsePrefixBatch %q %v, CheckPrefixBatch %q %v", id, err, checked, cerr)
+		}
+		visited := 0
+		bus.EachPrefixPlacement(data, nil, func(eid []byte, hs []uint64) {
+			if visited >= len(ps) || string(eid) != ps[visited].EngineID || !slices.Equal(hs, ps[visited].Hashes) {
+				t.Fatalf("EachPrefixPlacement's placement %d differs", visited)
+			}
+			visited++
+		})
+		if visited != len(ps) {
+			t.Fatalf("EachPrefixPlacement visited %d placements, ParsePrefixBatch decoded %d", visited, len(ps))
+		}
 		if err != nil {
 			return
 		}

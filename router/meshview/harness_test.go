@@ -27,7 +27,7 @@ const testModel = "sim-model"
 // started (View.Start), every goroutine it starts stopped and waited for
 // when the test ends.
 type stack struct {
-	t    *testing.T
+	t    testing.TB
 	v    *View
 	reg  *prometheus.Registry
 	cfg  *config.Config
@@ -39,7 +39,7 @@ type engineDef struct {
 }
 
 // newStack starts the engines and a view configured by mutate.
-func newStack(t *testing.T, defs []engineDef, mutate func(*config.Config)) *stack {
+func newStack(t testing.TB, defs []engineDef, mutate func(*config.Config)) *stack {
 	t.Helper()
 	s := &stack{t: t, sims: map[string]*sim.Server{}, reg: prometheus.NewRegistry()}
 	cfg := config.Default()
@@ -130,4 +130,4 @@ func newID() string {
 // address, with the stack's connection (B) and a peer's (bustest.Mesh).
 type meshBus = bustest.Mesh
 
-func newMeshBus(t *testing.T) *meshBus { return bustest.NewMesh(t, "router") }
+func newMeshBus(t testing.TB) *meshBus { return bustest.NewMesh(t, "router") }

@@ -3,6 +3,8 @@ package meshview
 import (
 	"context"
 	"fmt"
+	"log/slog"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -28,8 +30,14 @@ const (
 	shareFlushEntries = 256
 	// shareWarmTimeout bounds one warm-up read of stream NARWHAL_PREFIX.
 	shareWarmTimeout = 10 * time.Second
-	// shareWarmFetch is how many batches one fetch of the warm-up asks for.
-	shareWarmFetch = 256
+	// shareWarmPull is how many batches the warm-up's consumer has asked
+	// for or buffered at most: the server streams that many per round
+	// trip, and the warm-up holds no more (2 MiB at the 2.2 KB a batch
+	// averages when 30,000 fill the stream's 64 MiB). A limit in bytes
+	// as well (PullMaxMessagesWithBytesLimit) made the client's buffer
+	// overflow: "slow consumer, messages dropped", and the ordered
+	// consumer made again.
+	shareWarmPull = 1024
 	// shareWarmOverlap is how far before a disconnection a reconnected
 	// router reads the stream again.
 	shareWarmOverlap = 2 * time.Second
@@ -53,6 +61,15 @@ const (
 	dropRouterMismatch = schemas.MismatchRouterID
 )
 
+// Outcomes of narwhal_prefix_warmup_batches_total.
+const (
+	// warmOutcomeRead: batches a warm-up read back from the stream.
+	warmOutcomeRead = "read"
+	// warmOutcomeMissed: batches a warm-up cut short did not read (the stream's
+	// last sequence, when it began, minus the last one it read).
+	warmOutcomeMissed = "missed"
+)
+
 // indexShare is one router's part of the mesh-wide prefix index (behaviour.md
 // R-PLACE-2): it publishes the placements this router makes, batched on
 // narwhal.prefix.<router_id>, applies those of the other routers to the
@@ -71,14 +88,19 @@ type indexShare struct {
 	published, applied prometheus.Counter
 	dropped            *prometheus.CounterVec
 	ignored            prometheus.Counter
-	lastLog            atomic.Int64 // UnixNano of the last refused-batch line
+	warmBatches        *prometheus.CounterVec
+	warmLimit          time.Duration // bounds one warm-up: shareWarmTimeout
+	log                *slog.Logger  // the view's
+	lastLog            atomic.Int64  // UnixNano of the last refused-batch line
+	liveHashes         []uint64      // receive's buffer of hashes
 }
 
 // newIndexShare makes the share of v's prefix index and registers its
 // metrics: narwhal_prefix_batches_published_total,
 // narwhal_prefix_batches_applied_total,
-// narwhal_prefix_batches_dropped_total{reason} and
-// narwhal_prefix_placements_ignored_total.
+// narwhal_prefix_batches_dropped_total{reason},
+// narwhal_prefix_placements_ignored_total and
+// narwhal_prefix_warmup_batches_total{outcome}.
 func newIndexShare(v *View) *indexShare {
 	s := &indexShare{
 		v: v, index: v.PrefixIndex(), subject: bus.PrefixSubject(v.id),
@@ -99,9 +121,17 @@ func newIndexShare(v *View) *indexShare {
 			Name: "narwhal_prefix_placements_ignored_total",
 			Help: "Placements in other routers' batches not applied: the engine is not a prefill engine of this router's fleet, or not placeable (ejected, draining, drained).",
 		})),
+		warmBatches: promreg.Register(v.reg, prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "narwhal_prefix_warmup_batches_total",
+			Help: "Batches of stream NARWHAL_PREFIX the prefix index warm-ups dealt with, by outcome: read (read back from the stream), missed (left unread by a warm-up cut short by its 10 s limit or the bus).",
+		}, []string{"outcome"})),
+		warmLimit: shareWarmTimeout, log: v.log,
 	}
 	for _, r := range []string{dropBufferFull, dropPublishFailed, dropInvalid, dropRouterMismatch} {
 		s.dropped.WithLabelValues(r)
+	}
+	for _, o := range []string{warmOutcomeRead, warmOutcomeMissed} {
+		s.warmBatches.WithLabelValues(o)
 	}
 	s.cur.Reset(v.id)
 	s.spare.Reset(v.id)
@@ -165,8 +195,11 @@ func (s *indexShare) flush(nc *nats.Conn) {
 	s.published.Inc()
 }
 
-// receive applies a batch delivered live on narwhal.prefix.*.
-func (s *indexShare) receive(msg *nats.Msg) { s.apply(msg.Subject, msg.Data, false) }
+// receive applies a batch delivered live on narwhal.prefix.* (the
+// subscription's goroutine is the only caller: it owns liveHashes).
+func (s *indexShare) receive(msg *nats.Msg) {
+	s.liveHashes = s.apply(msg.Subject, msg.Data, false, s.liveHashes)
+}
 
 // apply applies one batch received on subject to the index, only when it
 // is a valid batch (R-BUS-9) of the router its subject names (R-BUS-11:
@@ -176,104 +209,156 @@ func (s *indexShare) receive(msg *nats.Msg) { s.apply(msg.Subject, msg.Data, fal
 // its previous life, and this index never recorded them). Each placement
 // is learned only for a prefill-capable engine of this router's fleet
 // that is placeable (eligible, active); the others are counted as
-// ignored.
-func (s *indexShare) apply(subject string, data []byte, own bool) {
+// ignored. The hashes are decoded into hashes, the caller's buffer (one
+// per goroutine that applies), returned grown: a batch applied allocates
+// nothing once it has grown.
+func (s *indexShare) apply(subject string, data []byte, own bool, hashes []uint64) []uint64 {
 	if subject == s.subject && !own {
-		return // ours, recorded when it was made
+		return hashes // ours, recorded when it was made
 	}
-	routerID, placements, err := bus.ParsePrefixBatch(data)
+	routerID, err := bus.CheckPrefixBatch(data)
 	reason := dropInvalid
-	if err == nil && bus.PrefixSubject(routerID) != subject {
+	if err == nil && !namesRouter(subject, routerID) {
 		reason, err = dropRouterMismatch, fmt.Errorf("%w: names router %q", bus.ErrPrefixBatch, routerID)
 	}
 	if err != nil {
 		s.dropped.WithLabelValues(reason).Inc()
 		if now := time.Now().UnixNano(); now-s.lastLog.Load() > int64(shareLogEvery) {
 			s.lastLog.Store(now)
-			s.v.log.Warn("prefix placements ignored", "reason", reason, "subject", subject, "bytes", len(data), "err", err)
+			s.log.Warn("prefix placements ignored", "reason", reason, "subject", subject, "bytes", len(data), "err", err)
 		}
-		return
+		return hashes
 	}
 	fl := s.v.Fleet()
-	for _, p := range placements {
-		m := fl.byID[p.EngineID]
+	hashes = bus.EachPrefixPlacement(data, hashes, func(engineID []byte, hs []uint64) {
+		m := fl.byID[string(engineID)]
 		if m == nil || !m.Can(Prefill) || !m.active.Load() || !m.eligible.Load() {
 			s.ignored.Inc()
-			continue
+			return
 		}
-		s.index.Learn(p.EngineID, p.Hashes)
-	}
+		s.index.Learn(m.ID, hs)
+	})
 	s.applied.Inc()
+	return hashes
+}
+
+// namesRouter reports whether subject is routerID's subject of
+// placements, bus.PrefixSubject(routerID), without building it.
+func namesRouter(subject string, routerID []byte) bool {
+	return len(subject) == len(bus.PrefixSubjectPrefix)+len(routerID) &&
+		strings.HasPrefix(subject, bus.PrefixSubjectPrefix) && subject[len(bus.PrefixSubjectPrefix):] == string(routerID)
 }
 
 // warm reads back the batches stream NARWHAL_PREFIX holds from since on
 // and applies them (the other routers' placements of the recent past,
 // and this router id's own when own is set), up to the last batch the
-// stream held when it began, or until shareWarmTimeout passes. Every
-// wait on the server is bounded, so a bus that does not answer cannot
-// hold the router. It reports whether it read the stream.
+// stream held when it began, or until s.warmLimit passes. Every wait on
+// the server is bounded, so a bus that does not answer cannot hold the
+// router. A warm-up that read up to that batch logs how many it read and
+// how long it took; one cut short (by its limit, or the bus) logs at WARN
+// `prefix index warm-up cut short` with how many it read and how many it
+// missed (the stream's last sequence minus the last one read), and both
+// are counted in narwhal_prefix_warmup_batches_total{outcome}. It reports
+// whether it read the stream (false when the stream or the consumer could
+// not be had: nothing was read).
 func (s *indexShare) warm(b *bus.Bus, since time.Time, own bool) bool {
-	ctx, cancel := context.WithTimeout(s.v.base, shareWarmTimeout)
+	ctx, cancel := context.WithTimeout(s.v.base, s.warmLimit)
 	defer cancel()
 	start := time.Now()
 	st, err := b.JetStream().Stream(ctx, bus.PrefixStream)
 	if err != nil {
-		s.v.log.Warn("prefix index not warmed from the bus", "stream", bus.PrefixStream, "err", err)
+		s.log.Warn("prefix index not warmed from the bus", "stream", bus.PrefixStream, "err", err)
 		return false
 	}
 	last := st.CachedInfo().State.LastSeq
-	n := 0
+	var r warmRead
 	if last > 0 {
-		n = s.readBack(ctx, b, since, last, own)
+		if r, err = s.readBack(ctx, b, since, last, own); err != nil && !r.started {
+			s.log.Warn("prefix index not warmed from the bus", "stream", bus.PrefixStream, "err", err)
+			return false
+		}
 	}
-	s.v.log.Info("prefix index warmed from the bus", "batches", n, "since", since.UTC().Format(time.RFC3339), "took", time.Since(start).Round(time.Millisecond))
+	s.warmBatches.WithLabelValues(warmOutcomeRead).Add(float64(r.batches))
+	took := time.Since(start).Round(time.Millisecond)
+	if err != nil {
+		missed := last - r.upTo
+		s.warmBatches.WithLabelValues(warmOutcomeMissed).Add(float64(missed))
+		s.log.Warn("prefix index warm-up cut short", "stream", bus.PrefixStream, "batches", r.batches, "missed", missed,
+			"last_read", r.upTo, "last", last, "limit", s.warmLimit, "took", took, "err", err)
+		return true
+	}
+	s.log.Info("prefix index warmed from the bus", "batches", r.batches, "since", since.UTC().Format(time.RFC3339), "took", took)
 	return true
 }
 
-// readBack applies the stream's batches from since up to sequence last
-// with an ordered consumer of the router's own (applying this router id's
-// batches too when own is set), and returns how many it read.
-func (s *indexShare) readBack(ctx context.Context, b *bus.Bus, since time.Time, last uint64, own bool) int {
-	cons, err := b.JetStream().OrderedConsumer(ctx, bus.PrefixStream, jetstream.OrderedConsumerConfig{
+// warmRead is what one read-back of stream NARWHAL_PREFIX did.
+type warmRead struct {
+	started bool   // the consumer was made: the read began
+	batches int    // batches read (applied or refused)
+	upTo    uint64 // stream sequence of the last batch read, or the one before the first to read
+}
+
+// prefixWarmConsumer makes the ordered consumer, of this router's own,
+// that reads stream NARWHAL_PREFIX back from since.
+func prefixWarmConsumer(ctx context.Context, b *bus.Bus, since time.Time) (jetstream.Consumer, error) {
+	return b.JetStream().OrderedConsumer(ctx, bus.PrefixStream, jetstream.OrderedConsumerConfig{
 		FilterSubjects:    []string{bus.PrefixSubjectPrefix + "*"},
 		DeliverPolicy:     jetstream.DeliverByStartTimePolicy,
 		OptStartTime:      &since,
 		InactiveThreshold: 5 * time.Second,
 	})
+}
+
+// readBack applies the stream's batches from since up to sequence last
+// (applying this router id's batches too when own is set). The server
+// streams them in pulls of up to shareWarmPull batches, the next one
+// asked for while the last is applied, so a read makes one consumer and
+// costs a round trip per few hundred batches, and holds a bounded
+// buffer. It returns what it read and, when it stopped
+// before last (ctx done, the bus gone), why.
+func (s *indexShare) readBack(ctx context.Context, b *bus.Bus, since time.Time, last uint64, own bool) (warmRead, error) {
+	var r warmRead
+	cons, err := prefixWarmConsumer(ctx, b, since)
 	if err != nil {
-		s.v.log.Warn("prefix index not warmed from the bus", "stream", bus.PrefixStream, "err", err)
-		return 0
+		return r, err
 	}
-	// Each fetch asks for no more than the consumer has pending (known from
-	// the last message read; one at first), so it ends as soon as its
-	// batch is full and leaves nothing waiting behind it.
-	n, want := 0, 1
-	for ctx.Err() == nil && want > 0 {
-		batch, err := cons.Fetch(want, jetstream.FetchMaxWait(time.Second))
+	it, err := cons.Messages(jetstream.PullMaxMessages(shareWarmPull))
+	if err != nil {
+		return r, err
+	}
+	defer it.Stop()
+	r.started = true
+	var hashes []uint64 // apply's buffer
+	// The consumer starts at the first batch from since: it has delivered
+	// up to the one before, and says how many wait after it.
+	if info := cons.CachedInfo(); info != nil {
+		r.upTo = info.Delivered.Stream
+		if info.NumPending == 0 {
+			r.upTo = last // nothing from since on
+		}
+	}
+	for r.upTo < last {
+		if err := ctx.Err(); err != nil {
+			return r, err
+		}
+		msg, err := it.Next(jetstream.NextContext(ctx))
 		if err != nil {
-			s.v.log.Warn("prefix index warm-up cut short", "stream", bus.PrefixStream, "err", err)
-			return n
+			return r, err
 		}
-		got, done := 0, false
-		for msg := range batch.Messages() {
-			got++
-			if done {
-				continue
-			}
-			s.apply(msg.Subject(), msg.Data(), own)
-			md, err := msg.Metadata()
-			if err != nil || md.Sequence.Stream >= last {
-				done = true
-				continue
-			}
-			want = int(min(md.NumPending, shareWarmFetch))
+		hashes = s.apply(msg.Subject(), msg.Data(), own, hashes)
+		r.batches++
+		md, err := msg.Metadata()
+		if err != nil {
+			return r, err
 		}
-		n += got
-		if done || got == 0 {
-			return n
+		r.upTo = md.Sequence.Stream
+		if md.NumPending == 0 {
+			// Nothing the consumer can read follows: what is left up to
+			// last is not a batch subject (narwhal.prefix.a.b).
+			return r, nil
 		}
 	}
-	return n
+	return r, nil
 }
 
 // run subscribes to the other routers' placements, warms the index from
