@@ -155,7 +155,9 @@ func watchOnce(ctx context.Context, b *bus.Bus, w Watcher) error {
 		w.OnBind(s)
 	}
 	start := time.Now()
-	return bus.WatchSnapshot(ctx, s.kv, func(snapshot map[string]jetstream.KeyValueEntry) {
+	// Through a consumer of the process's own name (R-BUS-11), made again
+	// under it from the next revision when it is lost.
+	return bus.WatchBucket(ctx, b, bus.FleetBucket, b.ConsumerName(bus.PurposeFleet), func(snapshot map[string]jetstream.KeyValueEntry) {
 		values := make(map[string]Change, len(snapshot))
 		for key, kve := range snapshot {
 			values[key] = changeOf(kve)

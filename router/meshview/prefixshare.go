@@ -234,10 +234,14 @@ func (s *indexShare) warm(b *bus.Bus, since time.Time, own bool) bool {
 // with an ordered consumer of the router's own (applying this router id's
 // batches too when own is set), and returns how many it read.
 func (s *indexShare) readBack(ctx context.Context, b *bus.Bus, since time.Time, last uint64, own bool) int {
-	cons, err := b.JetStream().OrderedConsumer(ctx, bus.PrefixStream, jetstream.OrderedConsumerConfig{
-		FilterSubjects:    []string{bus.PrefixSubjectPrefix + "*"},
+	cons, err := bus.OwnConsumer(ctx, b.JetStream(), bus.PrefixStream, jetstream.ConsumerConfig{
+		Name:              b.ConsumerName(bus.PurposePrefix), // its own name (R-BUS-11)
+		FilterSubject:     bus.PrefixSubjectPrefix + "*",
 		DeliverPolicy:     jetstream.DeliverByStartTimePolicy,
 		OptStartTime:      &since,
+		AckPolicy:         jetstream.AckNonePolicy,
+		MemoryStorage:     true,
+		Replicas:          1,
 		InactiveThreshold: 5 * time.Second,
 	})
 	if err != nil {
