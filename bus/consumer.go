@@ -34,6 +34,11 @@ const (
 	// PurposeFleet is the fleet watch, on bucket narwhal_fleet
 	// (R-FLEET-1).
 	PurposeFleet = "fleet"
+	// PurposeBreakerFleet is a breaker's fleet watch, on bucket
+	// narwhal_fleet (R-FLEET-1): a purpose of its own, since a single
+	// node's router and breaker share one connection and so one key. A
+	// role credential's name, from a random key of the process.
+	PurposeBreakerFleet = "bfleet"
 	// PurposeReports is an engine's read of the routers' in-flight
 	// reports while it drains, on bucket narwhal_routers (R-FLEET-3).
 	PurposeReports = "reports"
