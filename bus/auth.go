@@ -205,10 +205,12 @@ func viewerDenied() []string {
 // listing a stream's consumers or their names. The read permissions of
 // bucketRead, bucketWatch, streamWatch and the viewer's match these
 // subjects (CONSUMER.*.<stream>…) because NATS permissions match whole
-// tokens only; a consumer's owner is known by its name, which nats.go
-// makes at random and which travels only to its owner's private inbox, so
-// denying the listing keeps the names secret — from the viewer too, whose
-// consumer permissions would otherwise reach any consumer it could name.
+// tokens only, and ownConsumer's (CONSUMER.*.<stream>.<name>) matches a
+// pause of its own consumer. A role's consumer is known by its name,
+// random and travelling only to its owner's private inbox, so denying the
+// listing keeps the names secret — from the viewer too, whose consumer
+// permissions would otherwise reach any consumer it could name; an
+// identity's names are also the only ones its credential may use.
 // Nothing of Narwhal pauses or lists consumers.
 func consumerDenied() []string {
 	return []string{jsAPI + "CONSUMER.PAUSE.>", jsAPI + "CONSUMER.LIST.*", jsAPI + "CONSUMER.NAMES.*"}
@@ -318,24 +320,27 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 //     narwhal.events.<kind>.*.<id> for a kind whose ID is
 //     schemas.IDEngine (the engine, then the router), and
 //     narwhal.events.<kind>.<id> for a kind whose ID is schemas.IDRouter;
-//   - read stream NARWHAL_EVENTS through consumers of its own (the
-//     quarantine events of the other routers, R-QUAR-1) — not the
-//     breaker's durable consumer — and subscribe to no event subject
-//     (a forged push delivery there would pass for an event, R-BUS-11);
+//   - read stream NARWHAL_EVENTS through its consumer of its own name
+//     for PurposeQuarantine (the quarantine events of the other routers,
+//     R-QUAR-1) and subscribe to no event subject (a forged push delivery
+//     there would pass for an event, R-BUS-11);
 //   - publish its own prefix placements (narwhal.prefix.<id>), subscribe
 //     to every router's (narwhal.prefix.*) and read stream NARWHAL_PREFIX
-//     through consumers of its own (R-PLACE-2);
-//   - read narwhal_placement and narwhal_chaos, get the lease from
+//     through its consumer for PurposePrefix (R-PLACE-2);
+//   - watch narwhal_placement (PurposePlacement) and narwhal_fleet
+//     (PurposeFleet) through its consumers of its own names, get keys of
+//     narwhal_placement and narwhal_chaos, and get the lease from
 //     narwhal_breaker (its placement values are checked against it,
-//     R-BUS-9, by key: no watch); watch
-//     narwhal_fleet — it cannot write the fleet;
+//     R-BUS-9) — it cannot write the fleet;
 //   - write its own in-flight report, key <id> of narwhal_routers
 //     (R-FLEET-3), and no other key;
 //   - subscribe to its own inbox prefix _INBOX.narwhal-router-<id>.>;
 //
 // and, as every credential but the admin's, not pause a consumer nor list
-// a stream's consumers. It returns an error when id is not a valid router
-// id (ValidIdentity).
+// a stream's consumers. Its consumer names are ConsumerName(key, purpose)
+// with key the credential's user seed (ownConsumer: no other consumer, of
+// any stream, is within its reach, R-BUS-11). It returns an error when id
+// is not a valid router id (ValidIdentity).
 func RouterPermissions(id string, key []byte) (jwt.Permissions, error) {
 	if err := ValidIdentity(RoleRouter, id); err != nil {
 		return jwt.Permissions{}, err
@@ -372,13 +377,17 @@ func RouterPermissions(id string, key []byte) (jwt.Permissions, error) {
 //     (RegistrationSubject; a JetStream publish into
 //     NARWHAL_REGISTRATIONS, whose info it may read) — nothing else that
 //     writes: no key of any bucket, no event;
-//   - read narwhal_fleet (its own entry, its state while it drains),
-//     narwhal_routers (the drain's reports) and narwhal_placement;
+//   - get keys of narwhal_fleet (its own entry, its state while it
+//     drains) and narwhal_placement, and read narwhal_routers (the
+//     drain's reports) through its consumer of its own name for
+//     PurposeReports;
 //   - subscribe to its own inbox prefix _INBOX.narwhal-engine-<id>.>;
 //
 // and, as every credential but the admin's, not pause a consumer nor list
-// a stream's consumers. It returns an error when id is not a valid engine
-// id (ValidIdentity).
+// a stream's consumers. Its consumer name is ConsumerName(key,
+// PurposeReports) with key the credential's user seed (no other consumer
+// is within its reach, R-BUS-11). It returns an error when id is not a
+// valid engine id (ValidIdentity).
 func EnginePermissions(id string, key []byte) (jwt.Permissions, error) {
 	if err := ValidIdentity(RoleEngine, id); err != nil {
 		return jwt.Permissions{}, err
