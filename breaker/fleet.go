@@ -47,6 +47,7 @@ func (s *Service) watchFleet(ctx context.Context) {
 		Retry:        setupRetry,
 		SetupTimeout: opTimeout,
 		Log:          s.log,
+		Purpose:      bus.PurposeBreakerFleet,
 	})
 }
 

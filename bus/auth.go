@@ -200,40 +200,17 @@ func viewerDenied() []string {
 	}
 }
 
-// eventsWatch is what a router's reading NARWHAL_EVENTS through ordered
-// consumers of its own takes beyond the stream's info (behaviour.md
-// R-QUAR-1, R-BUS-11): creating, reading and deleting consumers named in
-// the subject and pulling from them (jetstream.OrderedConsumer pulls: no
-// flow control). eventsWatchDenied keeps the breaker's durable consumer
-// out of it. Kept short, as bucketWatch: the JWT travels in the CONNECT
-// line.
-func eventsWatch() []string {
-	return []string{jsAPI + "CONSUMER.*." + StreamName + ".>", jsAPI + "CONSUMER.MSG.NEXT." + StreamName + ".>"}
-}
-
-// eventsWatchDenied are the acts on the breaker's durable consumer that
-// eventsWatch would otherwise allow — creating or editing it (its name,
-// then its filter, in the subject), reading its info, deleting it,
-// pulling from it — written for any stream, which is shorter and names
-// no other consumer. The legacy create without a name in the subject is
-// not in eventsWatch.
-func eventsWatchDenied() []string {
-	return []string{
-		jsAPI + "CONSUMER.*.*." + BreakerConsumer,
-		jsAPI + "CONSUMER.*.*." + BreakerConsumer + ".>",
-		jsAPI + "CONSUMER.MSG.NEXT.*." + BreakerConsumer,
-	}
-}
-
 // consumerDenied are the consumer acts that no credential but the admin's
 // may take on any stream (behaviour.md R-BUS-11): pausing a consumer, and
 // listing a stream's consumers or their names. The read permissions of
 // bucketRead, bucketWatch, streamWatch and the viewer's match these
 // subjects (CONSUMER.*.<stream>…) because NATS permissions match whole
-// tokens only; a consumer's owner is known by its name, which nats.go
-// makes at random and which travels only to its owner's private inbox, so
-// denying the listing keeps the names secret — from the viewer too, whose
-// consumer permissions would otherwise reach any consumer it could name.
+// tokens only, and ownConsumer's (CONSUMER.*.<stream>.<name>) matches a
+// pause of its own consumer. A role's consumer is known by its name,
+// random and travelling only to its owner's private inbox, so denying the
+// listing keeps the names secret — from the viewer too, whose consumer
+// permissions would otherwise reach any consumer it could name; an
+// identity's names are also the only ones its credential may use.
 // Nothing of Narwhal pauses or lists consumers.
 func consumerDenied() []string {
 	return []string{jsAPI + "CONSUMER.PAUSE.>", jsAPI + "CONSUMER.LIST.*", jsAPI + "CONSUMER.NAMES.*"}
@@ -343,29 +320,32 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 //     narwhal.events.<kind>.*.<id> for a kind whose ID is
 //     schemas.IDEngine (the engine, then the router), and
 //     narwhal.events.<kind>.<id> for a kind whose ID is schemas.IDRouter;
-//   - read stream NARWHAL_EVENTS through consumers of its own (the
-//     quarantine events of the other routers, R-QUAR-1) — not the
-//     breaker's durable consumer — and subscribe to no event subject
-//     (a forged push delivery there would pass for an event, R-BUS-11);
+//   - read stream NARWHAL_EVENTS through its consumer of its own name
+//     for PurposeQuarantine (the quarantine events of the other routers,
+//     R-QUAR-1) and subscribe to no event subject (a forged push delivery
+//     there would pass for an event, R-BUS-11);
 //   - publish its own prefix placements (narwhal.prefix.<id>), subscribe
 //     to every router's (narwhal.prefix.*) and read stream NARWHAL_PREFIX
-//     through consumers of its own (R-PLACE-2);
-//   - read narwhal_placement and narwhal_chaos, get the lease from
+//     through its consumer for PurposePrefix (R-PLACE-2);
+//   - watch narwhal_placement (PurposePlacement) and narwhal_fleet
+//     (PurposeFleet) through its consumers of its own names, get keys of
+//     narwhal_placement and narwhal_chaos, and get the lease from
 //     narwhal_breaker (its placement values are checked against it,
-//     R-BUS-9, by key: no watch); watch
-//     narwhal_fleet — it cannot write the fleet;
+//     R-BUS-9) — it cannot write the fleet;
 //   - write its own in-flight report, key <id> of narwhal_routers
 //     (R-FLEET-3), and no other key;
 //   - subscribe to its own inbox prefix _INBOX.narwhal-router-<id>.>;
 //
 // and, as every credential but the admin's, not pause a consumer nor list
-// a stream's consumers. It returns an error when id is not a valid router
-// id (ValidIdentity).
-func RouterPermissions(id string) (jwt.Permissions, error) {
+// a stream's consumers. Its consumer names are ConsumerName(key, purpose)
+// with key the credential's user seed (ownConsumer: no other consumer, of
+// any stream, is within its reach, R-BUS-11). It returns an error when id
+// is not a valid router id (ValidIdentity).
+func RouterPermissions(id string, key []byte) (jwt.Permissions, error) {
 	if err := ValidIdentity(RoleRouter, id); err != nil {
 		return jwt.Permissions{}, err
 	}
-	pub := slices.Concat([]string{jsAPI + "INFO", jsAPI + "STREAM.INFO." + StreamName}, eventsWatch())
+	pub := []string{jsAPI + "INFO", jsAPI + "STREAM.INFO." + StreamName}
 	for _, k := range schemas.EventKinds() {
 		if !slices.Contains(k.Publishers, RoleRouter) {
 			continue
@@ -377,13 +357,14 @@ func RouterPermissions(id string) (jwt.Permissions, error) {
 		}
 	}
 	pub = slices.Concat(pub,
-		bucketRead(PlacementBucket), bucketGet(LeaseBucket), bucketRead(ChaosBucket),
-		bucketWatch(FleetBucket),
+		bucketGet(PlacementBucket), bucketGet(LeaseBucket), bucketGet(ChaosBucket),
+		[]string{jsAPI + "STREAM.INFO.KV_" + FleetBucket},
 		[]string{jsAPI + "STREAM.INFO.KV_" + RoutersBucket, "$KV." + RoutersBucket + "." + id},
-		[]string{PrefixSubject(id)}, streamWatch(PrefixStream))
+		[]string{PrefixSubject(id), jsAPI + "STREAM.INFO." + PrefixStream},
+		identityConsumers(RoleRouter, key))
 	sub := []string{inbox(UserName(RoleRouter, id)), PrefixSubjectPrefix + "*"}
 	return jwt.Permissions{
-		Pub: jwt.Permission{Allow: pub, Deny: slices.Concat(eventsWatchDenied(), consumerDenied())},
+		Pub: jwt.Permission{Allow: pub, Deny: consumerDenied()},
 		Sub: jwt.Permission{Allow: sub},
 	}, nil
 }
@@ -396,20 +377,26 @@ func RouterPermissions(id string) (jwt.Permissions, error) {
 //     (RegistrationSubject; a JetStream publish into
 //     NARWHAL_REGISTRATIONS, whose info it may read) — nothing else that
 //     writes: no key of any bucket, no event;
-//   - read narwhal_fleet (its own entry, its state while it drains),
-//     narwhal_routers (the drain's reports) and narwhal_placement;
+//   - get keys of narwhal_fleet (its own entry, its state while it
+//     drains) and narwhal_placement, and read narwhal_routers (the
+//     drain's reports) through its consumer of its own name for
+//     PurposeReports;
 //   - subscribe to its own inbox prefix _INBOX.narwhal-engine-<id>.>;
 //
 // and, as every credential but the admin's, not pause a consumer nor list
-// a stream's consumers. It returns an error when id is not a valid engine
-// id (ValidIdentity).
-func EnginePermissions(id string) (jwt.Permissions, error) {
+// a stream's consumers. Its consumer name is ConsumerName(key,
+// PurposeReports) with key the credential's user seed (no other consumer
+// is within its reach, R-BUS-11). It returns an error when id is not a
+// valid engine id (ValidIdentity).
+func EnginePermissions(id string, key []byte) (jwt.Permissions, error) {
 	if err := ValidIdentity(RoleEngine, id); err != nil {
 		return jwt.Permissions{}, err
 	}
 	pub := slices.Concat(
 		[]string{jsAPI + "INFO", jsAPI + "STREAM.INFO." + StreamName},
-		bucketRead(PlacementBucket), bucketRead(FleetBucket), bucketRead(RoutersBucket),
+		bucketGet(PlacementBucket), bucketGet(FleetBucket),
+		[]string{jsAPI + "STREAM.INFO.KV_" + RoutersBucket},
+		identityConsumers(RoleEngine, key),
 		[]string{jsAPI + "STREAM.INFO." + RegistrationsStream, RegistrationSubject(id)})
 	sub := []string{inbox(UserName(RoleEngine, id))}
 	return jwt.Permissions{
@@ -574,6 +561,11 @@ func writeUser(path, name string, perms jwt.Permissions, acct nkeys.KeyPair) err
 	if err != nil {
 		return fmt.Errorf("bus: %s key: %w", name, err)
 	}
+	return writeUserKey(path, name, user, perms, acct)
+}
+
+// writeUserKey is writeUser for the user key user.
+func writeUserKey(path, name string, user nkeys.KeyPair, perms jwt.Permissions, acct nkeys.KeyPair) error {
 	userPub, _ := user.PublicKey()
 	uc := jwt.NewUserClaims(userPub)
 	uc.Name = name
@@ -613,13 +605,19 @@ func HasMesh(dir string) bool {
 // engine or router gets a new credential, R-BUS-11) or when it cannot be
 // written.
 func IssueIdentity(dir, kind, id string) (string, error) {
+	user, err := nkeys.CreateUser()
+	if err != nil {
+		return "", fmt.Errorf("bus: %s key: %w", UserName(kind, id), err)
+	}
+	// The user seed names the identity's consumers (ConsumerName): the
+	// permissions allow those names alone.
+	userSeed, _ := user.Seed()
 	var perms jwt.Permissions
-	var err error
 	switch kind {
 	case RoleEngine:
-		perms, err = EnginePermissions(id)
+		perms, err = EnginePermissions(id, userSeed)
 	case RoleRouter:
-		perms, err = RouterPermissions(id)
+		perms, err = RouterPermissions(id, userSeed)
 	default:
 		err = ValidIdentity(kind, id)
 	}
@@ -646,7 +644,7 @@ func IssueIdentity(dir, kind, id string) (string, error) {
 		// one rename, so no reader sees half a file.
 		tmp := path + ".new"
 		_ = os.Remove(tmp)
-		if err := writeUser(tmp, UserName(kind, id), perms, acct); err != nil {
+		if err := writeUserKey(tmp, UserName(kind, id), user, perms, acct); err != nil {
 			return "", err
 		}
 		if err := os.Rename(tmp, path); err != nil {
@@ -655,7 +653,7 @@ func IssueIdentity(dir, kind, id string) (string, error) {
 		}
 		return path, nil
 	}
-	if err := writeUser(path, UserName(kind, id), perms, acct); err != nil {
+	if err := writeUserKey(path, UserName(kind, id), user, perms, acct); err != nil {
 		return "", err
 	}
 	return path, nil

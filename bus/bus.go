@@ -245,6 +245,8 @@ type Bus struct {
 	inProcess string
 	// setupWrites counts what Setup created or updated (SetupWrites).
 	setupWrites int
+	// consumerKey names this connection's consumers (ConsumerName).
+	consumerKey []byte
 }
 
 // URL returns the server this connection is on, for logs: the connected
@@ -342,6 +344,13 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 			nopts = append(nopts, nats.CustomInboxPrefix("_INBOX."+name))
 		}
 	}
+	// The names of its consumers (behaviour.md R-BUS-11): an identity's
+	// come from its credential's seed.
+	key, err := consumerKey(opts.CredsFile)
+	if err != nil {
+		return nil, fmt.Errorf("bus: the credential NARWHAL_NATS_CREDS=%s: %w: set it to %s (written by %s, docs/mesh.md)", opts.CredsFile, err, roleFile(opts), writtenBy(opts))
+	}
+	b.consumerKey = key
 	if opts.TLSCA != "" {
 		nopts = append(nopts, nats.RootCAs(opts.TLSCA))
 	}

@@ -217,24 +217,16 @@ func TestEngineIdentityRBUS11(t *testing.T) {
 	if en, err := fleet.Get(ctx, "p1"); err != nil || string(en.Value()) != `{"state":"joining"}` {
 		t.Fatalf("engine reads its fleet entry: %v", err)
 	}
-	w, err := fleet.Watch(ctx, "p1")
-	if err != nil {
-		t.Fatalf("engine watches its fleet entry: %v", err)
-	}
-	if first := <-w.Updates(); first == nil || first.Key() != "p1" {
-		t.Errorf("engine's watch gave %v first, want p1", first)
-	}
-	_ = w.Stop()
-	routers, err := p1.BindBucket(ctx, bus.RoutersBucket)
-	if err != nil {
+	if _, err := p1.BindBucket(ctx, bus.RoutersBucket); err != nil {
 		t.Fatal(err)
 	}
-	if keys, err := routers.ListKeys(ctx); err != nil {
-		t.Fatalf("engine lists the routers' reports: %v", err)
+	// The reports through its consumer of its own name (R-BUS-11).
+	if all, err := bus.ReadBucket(ctx, p1, bus.RoutersBucket, p1.ConsumerName(bus.PurposeReports)); err != nil {
+		t.Fatalf("engine reads the routers' reports: %v (%v)", err, p1.PermissionError())
 	} else {
 		var got []string
-		for k := range keys.Keys() {
-			got = append(got, k)
+		for _, e := range all {
+			got = append(got, e.Key())
 		}
 		if fmt.Sprint(got) != "[r1]" {
 			t.Errorf("engine read the reports %v, want [r1]", got)
@@ -432,13 +424,19 @@ func TestConsumersAndInboxesArePrivateRBUS11(t *testing.T) {
 	if err := msg.DoubleAck(ctx); err != nil {
 		t.Fatalf("the breaker acknowledges: %v", err)
 	}
-	w, err := conns["router r1"].Placement().WatchAll(ctx)
-	if err != nil {
-		t.Fatalf("router watches placement: %v", err)
-	}
-	defer func() { _ = w.Stop() }()
-	if first := <-w.Updates(); first != nil {
-		t.Fatalf("an empty placement's watch gave %v first", first)
+	r1 := conns["router r1"]
+	loaded := make(chan int, 1)
+	go func() {
+		_ = bus.WatchBucket(ctx, r1, bus.PlacementBucket, r1.ConsumerName(bus.PurposePlacement),
+			func(snap map[string]jetstream.KeyValueEntry) { loaded <- len(snap) }, func(jetstream.KeyValueEntry) {})
+	}()
+	select {
+	case n := <-loaded:
+		if n != 0 {
+			t.Fatalf("an empty placement's watch read %d keys", n)
+		}
+	case <-time.After(waitBound):
+		t.Fatalf("router watches placement: nothing loaded (%v)", r1.PermissionError())
 	}
 	kvStream, err := admin.JetStream().Stream(ctx, "KV_"+bus.PlacementBucket)
 	if err != nil {
@@ -599,7 +597,7 @@ func TestCredentialWithoutJWTRBUS11(t *testing.T) {
 // enforces the credentials (R-BUS-11) that a router's credential
 // subscribes to no event subject with core NATS — neither its kinds'
 // wildcard nor the literal subject a forged push delivery would use — and
-// reads the quarantine events through an ordered consumer of its own on
+// reads the quarantine events through a consumer of its own name on
 // NARWHAL_EVENTS instead, while the breaker's durable consumer stays out
 // of its reach (no edit, no pull, no delete). The viewer subscribes to no
 // event subject either.
@@ -616,7 +614,8 @@ func TestRoutersReadEventsThroughConsumersRBUS11(t *testing.T) {
 	refusedSubscription(t, connectAs(t, e, dir, bus.RoleViewer), admin, "narwhal.events.>")
 
 	got := make(chan string, 4)
-	stop, err := bus.Subscribe(ctx, r1, "narwhal.events.quarantine.>", false, func(subject string, _ []byte) { got <- subject })
+	stop, err := bus.SubscribeResuming(ctx, r1, bus.SubscribeOptions{Filter: "narwhal.events.quarantine.>", Consumer: r1.ConsumerName(bus.PurposeQuarantine)},
+		func(subject string, _ []byte) { got <- subject }, nil)
 	if err != nil {
 		t.Fatalf("router r1 follows the quarantine events: %v (%v)", err, r1.PermissionError())
 	}

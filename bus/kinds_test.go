@@ -33,12 +33,12 @@ func TestPermissionsFollowTheEventKinds(t *testing.T) {
 		}
 		perms[role] = [2][]string{p.Pub.Allow, p.Sub.Allow}
 	}
-	rp, err := bus.RouterPermissions("r1")
+	rp, err := bus.RouterPermissions("r1", []byte("seed"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	perms[bus.RoleRouter] = [2][]string{rp.Pub.Allow, rp.Sub.Allow}
-	ep, err := bus.EnginePermissions("p1")
+	ep, err := bus.EnginePermissions("p1", []byte("seed"))
 	if err != nil {
 		t.Fatal(err)
 	}

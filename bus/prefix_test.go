@@ -224,14 +224,16 @@ func TestPrefixPlacementPermissions(t *testing.T) {
 		t.Fatalf("router A publishing placements: %v", err)
 	}
 
-	// As a router warms its index: the stream's info, then an ordered
-	// consumer from a start time, fetched from.
+	// As a router warms its index: the stream's info, then a consumer of
+	// its own name (R-BUS-11) from a start time, fetched from.
 	if _, err := routerB.JetStream().Stream(ctx, bus.PrefixStream); err != nil {
 		t.Fatalf("router reads the prefix stream's info: %v", err)
 	}
 	since := time.Now().Add(-bus.PrefixMaxAge)
-	oc, err := routerB.JetStream().OrderedConsumer(ctx, bus.PrefixStream, jetstream.OrderedConsumerConfig{
-		FilterSubjects: []string{bus.PrefixSubjectPrefix + "*"}, DeliverPolicy: jetstream.DeliverByStartTimePolicy, OptStartTime: &since,
+	oc, err := bus.OwnConsumer(ctx, routerB.JetStream(), bus.PrefixStream, jetstream.ConsumerConfig{
+		Name:          routerB.ConsumerName(bus.PurposePrefix),
+		FilterSubject: bus.PrefixSubjectPrefix + "*", DeliverPolicy: jetstream.DeliverByStartTimePolicy, OptStartTime: &since,
+		AckPolicy: jetstream.AckNonePolicy, MemoryStorage: true, InactiveThreshold: 5 * time.Second,
 	})
 	if err != nil {
 		t.Fatalf("router reads the prefix stream: %v", err)

@@ -10,6 +10,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/nats-io/nuid"
 
 	"github.com/narwhalmesh/narwhal/internal/pause"
 )
@@ -85,8 +86,11 @@ func ResumeFrom(mark StreamMark, created time.Time, first, last uint64) Resumpti
 // with each event's subject and JSON payload, one at a time, in stream
 // order, each event once, across reconnects and the loss of its consumer.
 //
-// It follows with an ordered, ephemeral consumer and remembers the stream
-// sequence of the last event it delivered. When the connection drops it
+// It follows with an ephemeral pull consumer named opts.Consumer (a
+// random name when empty), AckNone, in memory, and remembers the stream
+// sequence of the last event it delivered; a gap in the consumer's
+// sequences makes the consumer again, under the same name, at the next
+// stream sequence (behaviour.md R-BUS-11). When the connection drops it
 // drops that consumer; as soon as the connection is back (or the consumer
 // was deleted, or its heartbeats stopped) it reads the stream's info,
 // retrying every 100 ms until the server answers, and makes a new ordered
@@ -117,8 +121,12 @@ func SubscribeResuming(ctx context.Context, b *Bus, opts SubscribeOptions, fn fu
 		return nil, errors.New("bus: subscribe: DeliverAll and Since exclude each other")
 	}
 	ctx, cancel := context.WithCancel(ctx)
+	name := opts.Consumer
+	if name == "" {
+		name = nuid.Next() // a name no other process knows
+	}
 	f := &resumingFollower{b: b, opts: opts, filter: filter, fn: fn, resumed: resumed, kick: make(chan int, 1),
-		whole: filter == SubjectPrefix+">"}
+		whole: filter == SubjectPrefix+">", name: name}
 	// Listen before the first consumer exists, so that no change of the
 	// connection is missed.
 	statuses := b.nc.StatusChanged(nats.CONNECTED, nats.DISCONNECTED, nats.RECONNECTING, nats.CLOSED)
@@ -159,8 +167,11 @@ type resumingFollower struct {
 	resumed func(Resumption)
 	kick    chan int // consumer number gen was lost: make it again
 
-	mu   sync.Mutex // guards gen and mark; held while fn runs
+	name string // the consumer's name, kept across every consumer made (R-BUS-11)
+
+	mu   sync.Mutex // guards gen, cseq and mark; held while fn runs
 	gen  int        // the current consumer's number; events of others are dropped
+	cseq uint64     // the current consumer's last delivered consumer sequence
 	mark StreamMark
 	cc   jetstream.ConsumeContext // only the run goroutine touches it after start
 }
@@ -172,7 +183,14 @@ func (f *resumingFollower) start(ctx context.Context, r *Resumption) error {
 	f.mu.Lock()
 	next := f.mark.Next
 	f.mu.Unlock()
-	cfg := jetstream.OrderedConsumerConfig{FilterSubjects: []string{f.filter}}
+	cfg := jetstream.ConsumerConfig{
+		Name:              f.name,
+		FilterSubject:     f.filter,
+		AckPolicy:         jetstream.AckNonePolicy,
+		MemoryStorage:     true,
+		Replicas:          1,
+		InactiveThreshold: readerInactive,
+	}
 	switch {
 	case next > 0:
 		cfg.DeliverPolicy = jetstream.DeliverByStartSequencePolicy
@@ -186,7 +204,7 @@ func (f *resumingFollower) start(ctx context.Context, r *Resumption) error {
 	default:
 		cfg.DeliverPolicy = jetstream.DeliverNewPolicy
 	}
-	cons, err := f.b.js.OrderedConsumer(ctx, StreamName, cfg)
+	cons, err := OwnConsumer(ctx, f.b.js, StreamName, cfg)
 	if err != nil {
 		return err
 	}
@@ -194,10 +212,14 @@ func (f *resumingFollower) start(ctx context.Context, r *Resumption) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.gen++
+	f.cseq = 0
 	gen := f.gen
 	cc, err := cons.Consume(func(m jetstream.Msg) { f.deliver(gen, m) },
+		jetstream.PullHeartbeat(readerHeartbeat),
+		jetstream.PullExpiry(readerExpiry),
 		jetstream.ConsumeErrHandler(func(_ jetstream.ConsumeContext, err error) {
-			if errors.Is(err, jetstream.ErrConsumerDeleted) || errors.Is(err, jetstream.ErrNoHeartbeat) {
+			if errors.Is(err, jetstream.ErrConsumerDeleted) || errors.Is(err, jetstream.ErrNoHeartbeat) ||
+				errors.Is(err, jetstream.ErrConsumerNotFound) {
 				select {
 				case f.kick <- gen:
 				default:
@@ -223,8 +245,21 @@ func (f *resumingFollower) deliver(gen int, m jetstream.Msg) {
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if gen != f.gen {
+		return
+	}
+	if meta.Sequence.Consumer != f.cseq+1 {
+		// A delivery went missing: make the consumer again at the next
+		// stream sequence, under its name.
+		select {
+		case f.kick <- gen:
+		default:
+		}
+		return
+	}
+	f.cseq = meta.Sequence.Consumer
 	seq := meta.Sequence.Stream
-	if gen != f.gen || seq < f.mark.Next {
+	if seq < f.mark.Next {
 		return
 	}
 	if f.whole && f.mark.Next > 0 && seq > f.mark.Next && f.resumed != nil {
@@ -252,7 +287,13 @@ func (f *resumingFollower) drop() {
 // when the connection goes, resume when it is back or the consumer was
 // lost.
 func (f *resumingFollower) run(ctx context.Context, statuses chan nats.Status) {
-	defer f.drop()
+	defer func() {
+		f.drop()
+		// Best effort: the server removes it after readerInactive anyway.
+		dctx, cancel := context.WithTimeout(context.Background(), resumeRequestBound)
+		defer cancel()
+		_ = f.b.js.DeleteConsumer(dctx, StreamName, f.name)
+	}()
 	for {
 		select {
 		case <-ctx.Done():

@@ -25,6 +25,11 @@ type SubscribeOptions struct {
 	// or after this time (the server's storage time, not the event's "at").
 	// It excludes DeliverAll.
 	Since time.Time
+	// Consumer names SubscribeResuming's consumer, e.g.
+	// Bus.ConsumerName(PurposeQuarantine): an engine's or a router's
+	// identity may make consumers of its own names only (behaviour.md
+	// R-BUS-11). "" is a random name.
+	Consumer string
 }
 
 // Subscribe starts an ordered, ephemeral JetStream consumer on stream

@@ -36,6 +36,26 @@ func ReadReports(ctx context.Context, kv jetstream.KeyValue) (reports []schemas.
 	if err != nil {
 		return nil, ReportsIgnored{}, fmt.Errorf("fleet: read the routers' reports: %w", err)
 	}
+	reports, ignored = parseReports(all)
+	return reports, ignored, nil
+}
+
+// ReadReportsOwn is ReadReports through a consumer of b's own name for
+// purpose bus.PurposeReports (behaviour.md R-BUS-11: the only consumer
+// of bucket narwhal_routers an engine's credential may make), which it
+// deletes again. An engine that drains itself reads the reports so.
+func ReadReportsOwn(ctx context.Context, b *bus.Bus) (reports []schemas.RouterReport, ignored ReportsIgnored, err error) {
+	all, err := bus.ReadBucket(ctx, b, bus.RoutersBucket, b.ConsumerName(bus.PurposeReports))
+	if err != nil {
+		return nil, ReportsIgnored{}, fmt.Errorf("fleet: read the routers' reports: %w", err)
+	}
+	reports, ignored = parseReports(all)
+	return reports, ignored, nil
+}
+
+// parseReports sorts the values of narwhal_routers into valid reports and
+// ignored ones.
+func parseReports(all []jetstream.KeyValueEntry) (reports []schemas.RouterReport, ignored ReportsIgnored) {
 	for _, kve := range all {
 		var r schemas.RouterReport
 		switch {
@@ -47,7 +67,7 @@ func ReadReports(ctx context.Context, kv jetstream.KeyValue) (reports []schemas.
 			reports = append(reports, r)
 		}
 	}
-	return reports, ignored, nil
+	return reports, ignored
 }
 
 // WithoutReports is what DrainDone answers when no router reports at

@@ -96,6 +96,11 @@ type Watcher struct {
 	SetupTimeout time.Duration
 	// Log receives the watch's warnings; slog.Default() when nil.
 	Log *slog.Logger
+	// Purpose names the watch's consumer (bus.Bus.ConsumerName,
+	// behaviour.md R-BUS-11): bus.PurposeFleet when empty (a router's);
+	// the breaker's is bus.PurposeBreakerFleet, so that the two on one
+	// connection (a single node) keep consumers of their own.
+	Purpose string
 }
 
 // Watch keeps a watch on KV bucket narwhal_fleet of b until ctx ends
@@ -155,7 +160,13 @@ func watchOnce(ctx context.Context, b *bus.Bus, w Watcher) error {
 		w.OnBind(s)
 	}
 	start := time.Now()
-	return bus.WatchSnapshot(ctx, s.kv, func(snapshot map[string]jetstream.KeyValueEntry) {
+	// Through a consumer of the process's own name (R-BUS-11), made again
+	// under it from the next revision when it is lost.
+	purpose := w.Purpose
+	if purpose == "" {
+		purpose = bus.PurposeFleet
+	}
+	return bus.WatchBucket(ctx, b, bus.FleetBucket, b.ConsumerName(purpose), func(snapshot map[string]jetstream.KeyValueEntry) {
 		values := make(map[string]Change, len(snapshot))
 		for key, kve := range snapshot {
 			values[key] = changeOf(kve)

@@ -238,10 +238,6 @@ func (r *Registration) Drain(ctx context.Context) error {
 	if err := r.publish(ctx, schemas.AskDraining); err != nil && ctx.Err() != nil {
 		return ctx.Err()
 	}
-	routers, err := r.js.KeyValue(ctx, bus.RoutersBucket)
-	if err != nil {
-		return err
-	}
 	t := time.NewTicker(100 * time.Millisecond)
 	defer t.Stop()
 	for {
@@ -249,7 +245,7 @@ func (r *Registration) Drain(ctx context.Context) error {
 		if err == nil && (cur == nil || cur.State == schemas.FleetDrained) {
 			return nil
 		}
-		if err == nil && cur.State == schemas.FleetDraining && routersDone(ctx, routers, r.spec.ID) {
+		if err == nil && cur.State == schemas.FleetDraining && routersDone(ctx, r.b, r.spec.ID) {
 			return nil
 		}
 		select {
@@ -260,11 +256,14 @@ func (r *Registration) Drain(ctx context.Context) error {
 	}
 }
 
-// routersDone reports whether the routers' reports in kv say every
-// router is done with engine id (fleet.DrainDone), at least one router
-// reporting: a router that has not seen the drain yet does not list it.
-func routersDone(ctx context.Context, kv jetstream.KeyValue, id string) bool {
-	reports, _, err := fleet.ReadReports(ctx, kv)
+// routersDone reports whether the routers' reports in bucket
+// narwhal_routers say every router is done with engine id
+// (fleet.DrainDone), at least one router reporting: a router that has
+// not seen the drain yet does not list it. It reads them through the
+// engine's own consumer name (fleet.ReadReportsOwn, behaviour.md
+// R-BUS-11).
+func routersDone(ctx context.Context, b *bus.Bus, id string) bool {
+	reports, _, err := fleet.ReadReportsOwn(ctx, b)
 	return err == nil && fleet.DrainDone(id, reports, fleet.BusyWithoutReports)
 }
 

@@ -240,12 +240,14 @@ func (v *View) watchPlacement(m *mesh, status <-chan nats.Status, first bool, lo
 	}
 	name := cons.CachedInfo().Name
 	defer func() {
-		// Best effort: the server drops it after watchInactive anyway.
-		go func() {
+		// The next watch takes the name back (bus.OwnConsumer deletes
+		// this one first); at shutdown, best effort: the server drops it
+		// after watchInactive anyway.
+		if v.base.Err() != nil {
 			dctx, dcancel := context.WithTimeout(context.Background(), watchSetupTimeout)
 			defer dcancel()
 			_ = js.DeleteConsumer(dctx, stream, name)
-		}()
+		}
 	}()
 	start := time.Now()
 	snapshot := cons.CachedInfo().NumPending
@@ -403,7 +405,8 @@ func (v *View) createWatch(m *mesh, stream string, bridge bool) (jetstream.Consu
 	go func() {
 		ctx, cancel := context.WithTimeout(v.base, watchSetupTimeout)
 		defer cancel()
-		cons, err := m.bus.JetStream().CreateConsumer(ctx, stream, jetstream.ConsumerConfig{
+		cons, err := bus.OwnConsumer(ctx, m.bus.JetStream(), stream, jetstream.ConsumerConfig{
+			Name:              m.bus.ConsumerName(bus.PurposePlacement), // its own name (R-BUS-11)
 			Description:       "placement watch of router " + v.id,
 			DeliverPolicy:     jetstream.DeliverLastPerSubjectPolicy,
 			AckPolicy:         jetstream.AckNonePolicy,
@@ -647,6 +650,8 @@ func (v *View) followQuarantines(b *bus.Bus) {
 	opts := bus.SubscribeOptions{
 		Filter: bus.SubjectPrefix + schemas.KindQuarantine + ".>",
 		Since:  time.Now().Add(-v.cfg.Recovery.MaxQuarantine()),
+		// Its own name (R-BUS-11).
+		Consumer: b.ConsumerName(bus.PurposeQuarantine),
 	}
 	stop, err := bus.SubscribeResuming(v.base, b, opts, v.applyQuarantine, nil)
 	if err == nil {

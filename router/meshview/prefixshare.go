@@ -298,13 +298,17 @@ type warmRead struct {
 	upTo    uint64 // stream sequence of the last batch read, or the one before the first to read
 }
 
-// prefixWarmConsumer makes the ordered consumer, of this router's own,
-// that reads stream NARWHAL_PREFIX back from since.
+// prefixWarmConsumer makes the consumer, of this router's own name
+// (R-BUS-11), that reads stream NARWHAL_PREFIX back from since.
 func prefixWarmConsumer(ctx context.Context, b *bus.Bus, since time.Time) (jetstream.Consumer, error) {
-	return b.JetStream().OrderedConsumer(ctx, bus.PrefixStream, jetstream.OrderedConsumerConfig{
-		FilterSubjects:    []string{bus.PrefixSubjectPrefix + "*"},
+	return bus.OwnConsumer(ctx, b.JetStream(), bus.PrefixStream, jetstream.ConsumerConfig{
+		Name:              b.ConsumerName(bus.PurposePrefix), // its own name (R-BUS-11)
+		FilterSubject:     bus.PrefixSubjectPrefix + "*",
 		DeliverPolicy:     jetstream.DeliverByStartTimePolicy,
 		OptStartTime:      &since,
+		AckPolicy:         jetstream.AckNonePolicy,
+		MemoryStorage:     true,
+		Replicas:          1,
 		InactiveThreshold: 5 * time.Second,
 	})
 }

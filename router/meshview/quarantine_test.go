@@ -66,9 +66,12 @@ func TestForgedPushDeliveryNotAppliedRBUS11(t *testing.T) {
 	if _, err := r2.JetStream().Publish(ctx, bus.PrefixSubject("r2"), quarantine("r1", "d1")); err != nil {
 		t.Fatalf("r2 publishes on its prefix subject: %v (%v)", err, r2.PermissionError())
 	}
-	body := `{"stream_name":"` + bus.PrefixStream + `","config":{"name":"forger","deliver_subject":"` + forged +
+	// Under r2's own consumer name, the only one its credential may make
+	// (R-BUS-11): the server does not check the deliver subject.
+	forger := r2.ConsumerName(bus.PurposePrefix)
+	body := `{"stream_name":"` + bus.PrefixStream + `","config":{"name":"` + forger + `","deliver_subject":"` + forged +
 		`","deliver_policy":"all","ack_policy":"none","filter_subject":"` + bus.PrefixSubject("r2") + `"}}`
-	reply, err := r2.Conn().RequestWithContext(ctx, "$JS.API.CONSUMER.CREATE."+bus.PrefixStream+".forger."+bus.PrefixSubject("r2"), []byte(body))
+	reply, err := r2.Conn().RequestWithContext(ctx, "$JS.API.CONSUMER.CREATE."+bus.PrefixStream+"."+forger+"."+bus.PrefixSubject("r2"), []byte(body))
 	if err != nil || strings.Contains(string(reply.Data), `"error"`) {
 		t.Fatalf("r2 makes a push consumer delivering to %s: %v %s (%v)", forged, err, replyData(reply), r2.PermissionError())
 	}
