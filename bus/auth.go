@@ -350,6 +350,8 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 //   - publish its own prefix placements (narwhal.prefix.<id>), subscribe
 //     to every router's (narwhal.prefix.*) and read stream NARWHAL_PREFIX
 //     through consumers of its own (R-PLACE-2);
+//   - publish its own load reports (narwhal.load.<id>) and subscribe to
+//     every router's (narwhal.load.*) (R-PLACE-3);
 //   - read narwhal_placement and narwhal_chaos, get the lease from
 //     narwhal_breaker (its placement values are checked against it,
 //     R-BUS-9, by key: no watch); watch
@@ -380,8 +382,8 @@ func RouterPermissions(id string) (jwt.Permissions, error) {
 		bucketRead(PlacementBucket), bucketGet(LeaseBucket), bucketRead(ChaosBucket),
 		bucketWatch(FleetBucket),
 		[]string{jsAPI + "STREAM.INFO.KV_" + RoutersBucket, "$KV." + RoutersBucket + "." + id},
-		[]string{PrefixSubject(id)}, streamWatch(PrefixStream))
-	sub := []string{inbox(UserName(RoleRouter, id)), PrefixSubjectPrefix + "*"}
+		[]string{PrefixSubject(id)}, streamWatch(PrefixStream), []string{LoadSubject(id)})
+	sub := []string{inbox(UserName(RoleRouter, id)), PrefixSubjectPrefix + "*", LoadSubjectPrefix + "*"}
 	return jwt.Permissions{
 		Pub: jwt.Permission{Allow: pub, Deny: slices.Concat(eventsWatchDenied(), consumerDenied())},
 		Sub: jwt.Permission{Allow: sub},

@@ -37,6 +37,11 @@ type Observer interface {
 	// leg is over; late is its failure when that came after the attempt
 	// committed (the client's stream goes on), else nil.
 	PrefillEnded(late *Fault)
+	// PrefillAnswered is called with the usage of a prefill leg's JSON
+	// answer (Legs.Prefill), from the goroutine that ran the leg, before
+	// the connector goes on: the router compares the producer's cached
+	// tokens with its prefix index's prediction (behaviour.md R-PLACE-3).
+	PrefillAnswered(u connector.PrefillUsage)
 }
 
 // Attempt is one attempt of a request, started by StartAttempt: its
@@ -269,7 +274,11 @@ func (l attemptLegs) Failure(message string) error {
 }
 
 func (l attemptLegs) Prefill(ctx context.Context, body []byte) (connector.PrefillAnswer, error) {
-	return l.a.client.prefillLeg(ctx, l.a.req, body)
+	ans, err := l.a.client.prefillLeg(ctx, l.a.req, body)
+	if err == nil && l.a.obs != nil && ans.Usage.Present {
+		l.a.obs.PrefillAnswered(ans.Usage)
+	}
+	return ans, err
 }
 
 func (l attemptLegs) PrefillToEnd(ctx context.Context, body []byte) (connector.PrefillAnswer, error) {
@@ -352,7 +361,11 @@ func (c *Client) prefillLeg(ctx context.Context, req *Request, body []byte) (con
 		// raw is the leg's buffer, reused once the leg finishes.
 		desc = append([]byte(nil), bytes.TrimSpace(desc)...)
 	}
-	return connector.PrefillAnswer{KVTransferParams: desc, Started: started, Completed: completed}, nil
+	ans := connector.PrefillAnswer{KVTransferParams: desc, Started: started, Completed: completed}
+	if ch := schemas.ScanChunk(raw); ch.Usage {
+		ans.Usage = connector.PrefillUsage{Present: true, PromptTokens: ch.PromptTokens, Cached: ch.Cached, CachedTokens: ch.CachedTokens}
+	}
+	return ans, nil
 }
 
 // watchPrefill sends body to req's producer and reads its answer to the

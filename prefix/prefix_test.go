@@ -291,8 +291,8 @@ func TestCostTermsRPLACE3(t *testing.T) {
 	if c := (&Candidate{Waiting: 2, Running: 3, Legs: 1}).Cost(w); c != base+4*1600 {
 		t.Fatalf("4 requests the mesh did not send: cost %d, want %d", c, base+4*1600)
 	}
-	if c := (&Candidate{DecodeLegs: 10}).Cost(w); c != base+10*16 {
-		t.Fatalf("10 decode legs: cost %d, want %d", c, base+160)
+	if c := (&Candidate{DecodeLegs: 10}).Cost(w); c != base+10 {
+		t.Fatalf("10 decode legs: cost %d, want %d (a token each)", c, base+10)
 	}
 	w2 := *w
 	w2.Ratio = 2 * 256 // 2 bytes a token: twice the tokens

@@ -94,8 +94,9 @@ type Work struct {
 // Cost returns candidate c's expected prefill work for w in tokens
 // (behaviour.md R-PLACE-3): the prompt's uncached part there (its tokens
 // beyond the Matched leading blocks) plus the work it already has — the
-// mesh's uncached prefill tokens in flight on it, one block's tokens per
-// decode leg of a role-both engine, and PerRequest for each request the
+// mesh's uncached prefill tokens in flight on it, one token per decode
+// leg of a role-both engine (a decode sequence adds a token to each of
+// the engine's steps), and PerRequest for each request the
 // engine counts beyond the mesh's legs on it. A prompt shorter than
 // MinScoredBlocks counts as wholly uncached. It does not allocate.
 func (c *Candidate) Cost(w *Work) int64 {
@@ -104,7 +105,7 @@ func (c *Candidate) Cost(w *Work) int64 {
 		matched = 0
 	}
 	uncached := w.Ratio.Tokens(w.PromptBytes - matched*BlockBytes)
-	decode := bound(c.DecodeLegs) * w.Ratio.Tokens(BlockBytes)
+	decode := bound(c.DecodeLegs)
 	extra := max(bound(c.Waiting)+bound(c.Running)-bound(c.Legs), 0)
 	return uncached + bound(c.Tokens) + decode + extra*min(max(w.PerRequest, 0), maxPerRequest)
 }

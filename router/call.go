@@ -12,6 +12,7 @@ import (
 	"github.com/valyala/fasthttp"
 
 	"github.com/narwhalmesh/narwhal/engines"
+	"github.com/narwhalmesh/narwhal/router/meshview"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -48,7 +49,9 @@ type call struct {
 	unpublished bool
 
 	producer, consumer *member
-	holdPrefill        atomic.Bool      // producer's prefill slot is reserved (released from the prefill's goroutine too)
+	prefillTokens      int64               // the producer attempt's estimated uncached tokens, reserved with its prefill slot (R-PLACE-3)
+	prediction         meshview.Prediction // what the placement predicted of the producer attempt (R-PLACE-3)
+	holdPrefill        atomic.Bool         // producer's prefill slot is reserved (released from the prefill's goroutine too)
 	holdDecode         bool             // consumer's decode slot is reserved
 	live               *engines.Attempt // the committed attempt, until finish ends its legs
 	backendID          string
@@ -343,6 +346,7 @@ func (c *call) finish() {
 func (c *call) releasePrefill() {
 	if c.holdPrefill.CompareAndSwap(true, false) {
 		c.producer.Release(prefillPhase)
+		c.producer.AddTokens(-c.prefillTokens)
 	}
 }
 
