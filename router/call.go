@@ -52,8 +52,8 @@ type call struct {
 	prefillTokens      int64               // the producer attempt's estimated uncached tokens, reserved with its prefill slot (R-PLACE-3)
 	prediction         meshview.Prediction // what the placement predicted of the producer attempt (R-PLACE-3)
 	holdPrefill        atomic.Bool         // producer's prefill slot is reserved (released from the prefill's goroutine too)
-	holdDecode         bool             // consumer's decode slot is reserved
-	live               *engines.Attempt // the committed attempt, until finish ends its legs
+	holdDecode         bool                // consumer's decode slot is reserved
+	live               *engines.Attempt    // the committed attempt, until finish ends its legs
 	backendID          string
 	stream             *engines.Stream
 	pending            []heldChunk // metadata read before the first output
