@@ -518,8 +518,9 @@ func TestPrefixPlacementEndToEndRPLACE2(t *testing.T) {
 // 2,000-token chat prompt (about 8,000 bytes: a long system prompt and
 // six turns) over 4 producers whose indexes are full, one holding the
 // conversation: rendering, hashing, matching, scoring, reserving both
-// legs and recording the blocks at the producer (R-PLACE-2). The hash
-// and score alone are prefix.BenchmarkPrefixScore2000Tokens. 0 allocs/op.
+// legs, its tokens and recording the blocks at the producer (R-PLACE-2,
+// R-PLACE-3). The hash and cost alone are
+// prefix.BenchmarkPrefixScore2000Tokens. 0 allocs/op.
 func BenchmarkPrefixPlacement2000Tokens(b *testing.B) {
 	g := newPlacementRig(b, config.PolicyPrefix, "p1", "p2", "p3", "p4", "d1")
 	var sb strings.Builder
@@ -552,7 +553,9 @@ func BenchmarkPrefixPlacement2000Tokens(b *testing.B) {
 			b.Fatalf("placed on %v (%v), the prompt is on %s", p, f, hot.ID)
 		}
 		call.releasePlacement()
-		g.release(p, c)
+		p.Release(prefillPhase)
+		c.Release(decodePhase)
+		p.AddTokens(-call.prefillTokens)
 	}
 	testkit.ReportCPUPerOp(b, cpu)
 }
