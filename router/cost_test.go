@@ -34,9 +34,21 @@ func promptHashes(t *testing.T, body string) []uint64 {
 // the index), and A's next prefill reports fewer cached tokens than the
 // index predicted: the index's chain of A is cut where the engine's
 // cache ended, so the next placement of A does not follow it; the
-// predicted and cached tokens and the error are counted per engine.
+// predicted and cached tokens and the error are counted per engine. It
+// holds for a nixl producer (its JSON answer) and an SGLang one (its
+// stream read to the end).
 func TestCorrectionCutsDeniedPrefixRPLACE3(t *testing.T) {
-	s := newStack(t, []engineDef{{id: "p1", role: "prefill", cfg: sim.Config{KVCacheBlocks: 20}}, {id: "d1", role: "decode"}}, nil)
+	t.Run("nixl", func(t *testing.T) {
+		testCorrectionCuts(t, sim.Config{KVCacheBlocks: 20}, sim.Config{})
+	})
+	t.Run("sglang", func(t *testing.T) {
+		testCorrectionCuts(t, sim.Config{KVCacheBlocks: 20, Connector: sim.ConnectorSGLang, KVTimeout: sglangKVTimeout},
+			sim.Config{Connector: sim.ConnectorSGLang, KVTimeout: sglangKVTimeout})
+	})
+}
+
+func testCorrectionCuts(t *testing.T, producer, consumer sim.Config) {
+	s := newStack(t, []engineDef{{id: "p1", role: "prefill", cfg: producer}, {id: "d1", role: "decode", cfg: consumer}}, nil)
 	s.waitModels()
 	a := costBody(strings.Repeat("Tenant A's long context about narwhal tusks. ", 40), "q")
 	b := costBody(strings.Repeat("Tenant B's other long context about belugas. ", 40), "q")
