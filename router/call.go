@@ -330,6 +330,10 @@ func (c *call) finish() {
 	c.finishAttempt()
 	c.releasePrefill()
 	c.releaseDecode()
+	// Kept until every leg ended: a producer's answer read after the
+	// first output (SGLang's) still compares its cached tokens with the
+	// prediction, whose hashes live in the placement's buffers (R-PLACE-3).
+	c.releasePlacement()
 	c.rt.front.releaseBody(c.bodyBytes)
 	c.bodyBytes = 0
 	c.releaseKey()
