@@ -327,6 +327,8 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 //   - publish its own prefix placements (narwhal.prefix.<id>), subscribe
 //     to every router's (narwhal.prefix.*) and read stream NARWHAL_PREFIX
 //     through its consumer for PurposePrefix (R-PLACE-2);
+//   - publish its own load reports (narwhal.load.<id>) and subscribe to
+//     every router's (narwhal.load.*) (R-PLACE-3);
 //   - watch narwhal_placement (PurposePlacement) and narwhal_fleet
 //     (PurposeFleet) through its consumers of its own names, get keys of
 //     narwhal_placement and narwhal_chaos, and get the lease from
@@ -360,9 +362,9 @@ func RouterPermissions(id string, key []byte) (jwt.Permissions, error) {
 		bucketGet(PlacementBucket), bucketGet(LeaseBucket), bucketGet(ChaosBucket),
 		[]string{jsAPI + "STREAM.INFO.KV_" + FleetBucket},
 		[]string{jsAPI + "STREAM.INFO.KV_" + RoutersBucket, "$KV." + RoutersBucket + "." + id},
-		[]string{PrefixSubject(id), jsAPI + "STREAM.INFO." + PrefixStream},
+		[]string{PrefixSubject(id), jsAPI + "STREAM.INFO." + PrefixStream, LoadSubject(id)},
 		identityConsumers(RoleRouter, key))
-	sub := []string{inbox(UserName(RoleRouter, id)), PrefixSubjectPrefix + "*"}
+	sub := []string{inbox(UserName(RoleRouter, id)), PrefixSubjectPrefix + "*", LoadSubjectPrefix + "*"}
 	return jwt.Permissions{
 		Pub: jwt.Permission{Allow: pub, Deny: consumerDenied()},
 		Sub: jwt.Permission{Allow: sub},
@@ -550,8 +552,12 @@ resolver_preload: {
 
 // maxUserJWT bounds a user JWT: it travels in the CONNECT line, which a
 // server takes up to 4 KiB long (max_control_line), with the nonce's
-// signature, the client's name and options beside it.
-const maxUserJWT = 3584
+// signature, the client's name and options beside it. Measured against
+// a server of default settings, a router's JWT of about 3,850 bytes still
+// connects (an id of 80 characters): 3,712 leaves room for longer client
+// names and options, and for a router id of 63 characters (a host name
+// label) with the load exchange's subjects (R-PLACE-3).
+const maxUserJWT = 3712
 
 // writeUser signs a new user named name with permissions perms by the
 // account key acct and writes its credential file (JWT and seed) to path,

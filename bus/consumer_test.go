@@ -335,7 +335,7 @@ func TestRestartTakesTheNameBackRBUS11(t *testing.T) {
 
 // TestLongestRouterIdentityOnPlainNATSServerRBUS11 proves that the
 // longest router id IssueIdentity accepts — its JWT, with the exact names
-// of its consumers, at most 3,584 bytes — connects to a nats-server of a
+// of its consumers, at most 3,712 bytes — connects to a nats-server of a
 // plain configuration (default max_control_line, 4 KiB, which nats-server
 // 2.15's parser applies to the CONNECT line too) and reads through its
 // own consumers; one character more is refused when issued.

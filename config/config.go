@@ -359,10 +359,9 @@ type Placement struct {
 	Policy string `yaml:"policy" env:"POLICY"`
 	// BalanceAbsThreshold is the imbalance guard's absolute threshold:
 	// the guard chooses by load when the most and the least outstanding
-	// attempts among the candidates differ by more than it (and the
-	// relative threshold holds too). Also the score's exchange rate:
-	// this many more attempts in flight outweigh a whole prompt matched.
-	// Attempts, >= 0.
+	// attempts among the candidates (the mesh's) differ by more than it
+	// (and the relative threshold holds too): the last resort of the
+	// cost of behaviour.md R-PLACE-3. Attempts, >= 0.
 	BalanceAbsThreshold int `yaml:"balance_abs_threshold" env:"BALANCE_ABS_THRESHOLD"`
 	// BalanceRelThreshold is the guard's relative threshold: the most
 	// outstanding must be above it times the least. A ratio, >= 1.
@@ -374,8 +373,9 @@ type Placement struct {
 	PrefixIndexBlocks int `yaml:"prefix_index_blocks" env:"PREFIX_INDEX_BLOCKS"`
 	// ShareIndex makes the router's prefix index the mesh's: it publishes
 	// the placements it makes on the bus and applies those of the other
-	// routers, so N routers place as one (R-PLACE-2; docs/placement.md).
-	// false: neither.
+	// routers, so N routers place as one (R-PLACE-2; docs/placement.md),
+	// and exchanges the work in flight per engine (R-PLACE-3). false:
+	// none of it.
 	ShareIndex bool `yaml:"share_index" env:"SHARE_INDEX"`
 	// EngineMetricsIntervalS is how often the router reads each prefill
 	// engine's GET /metrics: its queue (vllm:num_requests_waiting) for the

@@ -37,6 +37,11 @@ type Observer interface {
 	// leg is over; late is its failure when that came after the attempt
 	// committed (the client's stream goes on), else nil.
 	PrefillEnded(late *Fault)
+	// PrefillAnswered is called with the usage of a prefill leg's JSON
+	// answer (Legs.Prefill), from the goroutine that ran the leg, before
+	// the connector goes on: the router compares the producer's cached
+	// tokens with its prefix index's prediction (behaviour.md R-PLACE-3).
+	PrefillAnswered(u connector.PrefillUsage)
 }
 
 // Attempt is one attempt of a request, started by StartAttempt: its
@@ -269,15 +274,31 @@ func (l attemptLegs) Failure(message string) error {
 }
 
 func (l attemptLegs) Prefill(ctx context.Context, body []byte) (connector.PrefillAnswer, error) {
-	return l.a.client.prefillLeg(ctx, l.a.req, body)
+	ans, err := l.a.client.prefillLeg(ctx, l.a.req, body)
+	if err == nil && l.a.obs != nil && ans.Usage.Present {
+		l.a.obs.PrefillAnswered(ans.Usage)
+	}
+	return ans, err
 }
 
 func (l attemptLegs) PrefillToEnd(ctx context.Context, body []byte) (connector.PrefillAnswer, error) {
 	started := time.Now()
-	if f := l.a.client.watchPrefill(l.a.parent, ctx, l.a.req, body); f != nil {
+	var u connector.PrefillUsage
+	if f := l.a.client.watchPrefill(l.a.parent, ctx, l.a.req, body, &u); f != nil {
 		return connector.PrefillAnswer{}, f
 	}
-	return connector.PrefillAnswer{Started: started, Completed: time.Now()}, nil
+	if l.a.obs != nil && u.Present {
+		l.a.obs.PrefillAnswered(u)
+	}
+	return connector.PrefillAnswer{Usage: u, Started: started, Completed: time.Now()}, nil
+}
+
+// noteUsage keeps in u the usage of a prefill answer's chunk ch, when it
+// has one (the last one counts).
+func noteUsage(u *connector.PrefillUsage, ch schemas.Chunk) {
+	if u != nil && ch.Usage {
+		*u = connector.PrefillUsage{Present: true, PromptTokens: ch.PromptTokens, Cached: ch.Cached, CachedTokens: ch.CachedTokens}
+	}
 }
 
 func (l attemptLegs) Decode(ctx context.Context, body []byte) error {
@@ -352,14 +373,18 @@ func (c *Client) prefillLeg(ctx context.Context, req *Request, body []byte) (con
 		// raw is the leg's buffer, reused once the leg finishes.
 		desc = append([]byte(nil), bytes.TrimSpace(desc)...)
 	}
-	return connector.PrefillAnswer{KVTransferParams: desc, Started: started, Completed: completed}, nil
+	ans := connector.PrefillAnswer{KVTransferParams: desc, Started: started, Completed: completed}
+	if ch := schemas.ScanChunk(raw); ch.Usage {
+		ans.Usage = connector.PrefillUsage{Present: true, PromptTokens: ch.PromptTokens, Cached: ch.Cached, CachedTokens: ch.CachedTokens}
+	}
+	return ans, nil
 }
 
 // watchPrefill sends body to req's producer and reads its answer to the
 // end (a JSON completion, or an event stream to [DONE]), bounded by the
 // prefill timeout and pctx; parent is the request's context, which tells
 // a cancellation of the request from one of the leg.
-func (c *Client) watchPrefill(parent, pctx context.Context, req *Request, body []byte) *Fault {
+func (c *Client) watchPrefill(parent, pctx context.Context, req *Request, body []byte, usage *connector.PrefillUsage) *Fault {
 	p := req.Producer
 	legCtx, cancel := withTimeoutCause(pctx, c.prefillTimeout, errPrefillTimeout)
 	defer cancel()
@@ -401,6 +426,7 @@ func (c *Client) watchPrefill(parent, pctx context.Context, req *Request, body [
 		if !valid || !hasChoices {
 			return NewFault(KindPrefillResponse, schemas.PhasePrefill, p.ID, status, "prefill engine "+p.ID+" returned an invalid completion")
 		}
+		noteUsage(usage, schemas.ScanChunk(raw))
 		return nil
 	}
 	br := bufio.NewReaderSize(r, 2<<10)
@@ -417,13 +443,14 @@ func (c *Client) watchPrefill(parent, pctx context.Context, req *Request, body [
 		if !ok || len(payload) == 0 {
 			continue
 		}
-		switch schemas.ScanChunk(payload).Kind {
+		switch ch := schemas.ScanChunk(payload); ch.Kind {
 		case schemas.ChunkDone:
 			return nil
 		case schemas.ChunkError:
 			obj, _ := schemas.ParseError(payload)
 			return prefillErrorObject(obj, p.ID)
 		case schemas.ChunkOutput, schemas.ChunkMetadata:
+			noteUsage(usage, ch)
 		default:
 			return NewFault(KindPrefillResponse, schemas.PhasePrefill, p.ID, status, "prefill engine "+p.ID+" sent data that is not JSON")
 		}

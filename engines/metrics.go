@@ -40,6 +40,17 @@ type Load struct {
 	// counter lower than at the last read means the engine restarted.
 	PromptTokens    float64
 	HasPromptTokens bool
+	// Running is the requests the engine runs now:
+	// vllm:num_requests_running summed over its series, or SGLang's
+	// sglang:num_running_reqs (behaviour.md R-PLACE-3).
+	Running    int64
+	HasRunning bool
+	// KVBlocks and KVBlockTokens are the size of the engine's KV cache,
+	// from the labels num_gpu_blocks and block_size of vLLM's
+	// vllm:cache_config_info (its first series with both positive): the
+	// prefix index of the engine is bounded by it (R-PLACE-3). 0 when
+	// absent.
+	KVBlocks, KVBlockTokens int64
 }
 
 // ReadLoad reads e's GET /metrics (with e's credential) and returns its
@@ -82,6 +93,8 @@ func ParseLoad(r io.Reader) (Load, error) {
 	var hasSGLangWaiting bool
 	var promptSGLang float64
 	var hasSGLangPrompt bool
+	var runningSGLang float64
+	var hasSGLangRunning bool
 	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 0, 64<<10), maxMetricsLine)
 	for sc.Scan() {
@@ -108,6 +121,19 @@ func ParseLoad(r io.Reader) (Load, error) {
 		case "sglang:prompt_tokens_total":
 			promptSGLang += value
 			hasSGLangPrompt = true
+		case "vllm:num_requests_running":
+			l.Running += int64(value)
+			l.HasRunning = true
+		case "sglang:num_running_reqs":
+			runningSGLang += value
+			hasSGLangRunning = true
+		case "vllm:cache_config_info":
+			if l.KVBlocks == 0 {
+				b, bt := labelInt(line, "num_gpu_blocks"), labelInt(line, "block_size")
+				if b > 0 && bt > 0 {
+					l.KVBlocks, l.KVBlockTokens = b, bt
+				}
+			}
 		}
 	}
 	if err := sc.Err(); err != nil {
@@ -119,7 +145,11 @@ func ParseLoad(r io.Reader) (Load, error) {
 	if !l.HasPromptTokens && hasSGLangPrompt {
 		l.PromptTokens, l.HasPromptTokens = promptSGLang, true
 	}
+	if !l.HasRunning && hasSGLangRunning {
+		l.Running, l.HasRunning = int64(runningSGLang), true
+	}
 	l.Waiting = max(l.Waiting, 0)
+	l.Running = max(l.Running, 0)
 	return l, nil
 }
 
@@ -162,6 +192,45 @@ func sample(line string) (string, float64, error) {
 		v = 0
 	}
 	return name, v, nil
+}
+
+// maxLabelInt bounds what labelInt returns: a KV cache of 2^40 blocks
+// is beyond any engine.
+const maxLabelInt = 1 << 40
+
+// labelInt returns the value of label name of a sample line
+// (`name{a="1",b="2"} v`) as a positive integer, 0 when absent or not
+// one. A value written as a float ("1024.0") is taken too.
+func labelInt(line, name string) int64 {
+	open := strings.IndexByte(line, '{')
+	if open < 0 {
+		return 0
+	}
+	rest := line[open+1:]
+	for len(rest) > 0 {
+		eq := strings.IndexByte(rest, '=')
+		if eq < 0 || eq+1 >= len(rest) || rest[eq+1] != '"' {
+			return 0
+		}
+		key := strings.TrimSpace(strings.TrimLeft(rest[:eq], ", "))
+		val := rest[eq+2:]
+		end := strings.IndexByte(val, '"')
+		if end < 0 {
+			return 0
+		}
+		if key == name {
+			v, err := strconv.ParseFloat(val[:end], 64)
+			if err != nil || !(v >= 1) || v > maxLabelInt {
+				return 0
+			}
+			return int64(v)
+		}
+		rest = val[end+1:]
+		if strings.HasPrefix(rest, "}") {
+			return 0
+		}
+	}
+	return 0
 }
 
 // clip shortens s for an error message.

@@ -52,6 +52,38 @@ process_start_time_seconds 1.7000000123e+09
 	}
 }
 
+// TestParseLoadCacheAndRunningRPLACE3 reads what the cost and the index's
+// bound need of vLLM's and SGLang's /metrics: the running requests
+// summed, and the KV cache's size from cache_config_info's labels
+// (written as vLLM writes them, strings among them); a malformed or
+// absent size is 0.
+func TestParseLoadCacheAndRunningRPLACE3(t *testing.T) {
+	text := `# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="27197",prefix_caching_hash_algo="builtin"} 1.0
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 4.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.42
+`
+	l, err := ParseLoad(strings.NewReader(text))
+	if err != nil || !l.HasRunning || l.Running != 7 || l.KVBlocks != 27197 || l.KVBlockTokens != 16 {
+		t.Fatalf("%+v %v", l, err)
+	}
+	l, err = ParseLoad(strings.NewReader("sglang:num_running_reqs{model_name=\"m\"} 5\n"))
+	if err != nil || !l.HasRunning || l.Running != 5 {
+		t.Fatalf("sglang: %+v %v", l, err)
+	}
+	for _, bad := range []string{
+		`vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1`,
+		`vllm:cache_config_info{block_size="0",num_gpu_blocks="100"} 1`,
+		`vllm:cache_config_info{num_gpu_blocks="1e300",block_size="16"} 1`,
+		`vllm:cache_config_info 1`,
+	} {
+		if l, err := ParseLoad(strings.NewReader(bad + "\n")); err != nil || l.KVBlocks != 0 {
+			t.Errorf("%s: %+v %v, want no size", bad, l, err)
+		}
+	}
+}
+
 // TestReadLoadFromTheSimulator: the simulator's /metrics has everything
 // placement reads, and a new simulator (a restart) a new start time.
 func TestReadLoadFromTheSimulator(t *testing.T) {

@@ -10,8 +10,8 @@ import (
 // BenchmarkPrefixScore2000Tokens measures one placement's prefix work
 // for a 2,000-token prompt (8,000 bytes, about 4 bytes a token): hashing
 // it into a reused buffer, matching it against 4 engines' full indexes
-// (one holding the prompt's first half) and choosing (R-PLACE-2). Target:
-// a few microseconds, 0 allocs/op.
+// (one holding the prompt's first half) and choosing by the cost
+// (R-PLACE-2, R-PLACE-3). Target: at most 5 µs, 0 allocs/op.
 func BenchmarkPrefixScore2000Tokens(b *testing.B) {
 	p := prompt(1, 8000)
 	ix := NewIndex(DefaultBlocksPerEngine)
@@ -33,9 +33,10 @@ func BenchmarkPrefixScore2000Tokens(b *testing.B) {
 	for b.Loop() {
 		hashes = AppendHashes(hashes[:0], p)
 		for i, id := range ids {
-			cands[i] = Candidate{Matched: ix.Match(id, hashes), Outstanding: int64(i & 1)}
+			cands[i] = Candidate{Matched: ix.Match(id, hashes), Outstanding: int64(i & 1), Legs: int64(i & 1), Tokens: int64(i&1) * 500}
 		}
-		chosen, _ = Choose(cands, len(hashes), bal)
+		w := Work{Blocks: len(hashes), PromptBytes: int64(len(p)), Ratio: DefaultTokenRatio, PerRequest: 2000}
+		chosen, _ = Choose(cands, &w, bal)
 	}
 	testkit.ReportCPUPerOp(b, cpu)
 	if chosen != 2 {

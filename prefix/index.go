@@ -29,8 +29,12 @@ const MaxEngines = 1024
 // reader/writer lock, held for one engine at a time.
 type Index struct {
 	capacity int
-	mu       sync.Mutex // serialises writers of engines
+	mu       sync.Mutex // serialises writers of engines; guards sized
 	engines  atomic.Pointer[map[string]*engineLRU]
+	// sized is each engine's own bound set by SetCapacity (at most
+	// capacity), kept across a Drop so that the engine's next entries
+	// are bounded alike.
+	sized map[string]int
 }
 
 // NewIndex returns an empty index that keeps at most blocksPerEngine
@@ -38,7 +42,7 @@ type Index struct {
 // [1, MaxBlocksPerEngine].
 func NewIndex(blocksPerEngine int) *Index {
 	blocksPerEngine = max(1, min(blocksPerEngine, MaxBlocksPerEngine))
-	ix := &Index{capacity: blocksPerEngine}
+	ix := &Index{capacity: blocksPerEngine, sized: map[string]int{}}
 	m := map[string]*engineLRU{}
 	ix.engines.Store(&m)
 	return ix
@@ -71,7 +75,11 @@ func (ix *Index) get(engineID string) *engineLRU {
 	for k, v := range old {
 		next[k] = v
 	}
-	e := newEngineLRU(ix.capacity)
+	capacity := ix.capacity
+	if c, ok := ix.sized[engineID]; ok {
+		capacity = c
+	}
+	e := newEngineLRU(capacity)
 	next[engineID] = e
 	ix.engines.Store(&next)
 	return e
@@ -142,6 +150,76 @@ func (ix *Index) Drop(engineID string) {
 	ix.engines.Store(&next)
 }
 
+// Cut removes hashes from what the index holds for engineID (behaviour.md
+// R-PLACE-3): the blocks of a chain the engine said it did not hold —
+// the caller passes the chain from the block where the engine's cache
+// ended — so that the next Match of that prompt on the engine stops
+// there. Hashes the index does not hold are skipped. It is O(len(hashes)),
+// takes the engine's write lock only and does not allocate; it reports
+// how many hashes it removed.
+func (ix *Index) Cut(engineID string, hashes []uint64) int {
+	e := ix.lookup(engineID)
+	if e == nil || len(hashes) == 0 {
+		return 0
+	}
+	n := 0
+	e.mu.Lock()
+	for _, h := range hashes {
+		if e.remove(h) {
+			n++
+		}
+	}
+	e.mu.Unlock()
+	return n
+}
+
+// SetCapacity bounds what the index keeps for engineID to blocks
+// (clamped to [1, Capacity()]): an engine's own KV cache size, where it
+// reports one (vLLM's cache_config_info). When the engine holds more,
+// its least recent hashes are evicted at once. The bound stays for the
+// engine's entries after a Drop. It returns the bound applied; an
+// engine beyond MaxEngines is not bounded and 0 is returned.
+func (ix *Index) SetCapacity(engineID string, blocks int) int {
+	blocks = max(1, min(blocks, ix.capacity))
+	ix.mu.Lock()
+	if _, ok := ix.sized[engineID]; !ok && len(ix.sized) >= MaxEngines {
+		ix.mu.Unlock()
+		return 0
+	}
+	ix.sized[engineID] = blocks
+	ix.mu.Unlock()
+	e := ix.get(engineID)
+	if e == nil {
+		return 0
+	}
+	e.mu.Lock()
+	e.capacity = blocks
+	for e.size.Load() > int64(blocks) && e.tail >= 0 {
+		e.remove(e.hash[e.tail])
+	}
+	e.mu.Unlock()
+	return blocks
+}
+
+// EngineCapacity returns the bound of what the index keeps for
+// engineID: SetCapacity's, else Capacity().
+func (ix *Index) EngineCapacity(engineID string) int {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	if c, ok := ix.sized[engineID]; ok {
+		return c
+	}
+	return ix.capacity
+}
+
+// Forget removes engineID's own bound (SetCapacity), for an engine that
+// left the fleet; what the index holds for it is Drop's.
+func (ix *Index) Forget(engineID string) {
+	ix.mu.Lock()
+	delete(ix.sized, engineID)
+	ix.mu.Unlock()
+}
+
 // Match returns how many leading hashes of hashes the index holds for
 // engineID: the blocks of the prompt's prefix recently placed there. It
 // relies on what Record and Learn keep true — for a chain, the hashes
@@ -200,11 +278,27 @@ type engineLRU struct {
 	hash       []uint64
 	prev, next []int32
 	head, tail int32 // most and least recent slot; -1 when empty
+	free       int32 // first slot of the free list (linked through next); -1 when none
 	size       atomic.Int64
 }
 
 func newEngineLRU(capacity int) *engineLRU {
-	return &engineLRU{capacity: capacity, slot: newTable(), head: -1, tail: -1}
+	return &engineLRU{capacity: capacity, slot: newTable(), head: -1, tail: -1, free: -1}
+}
+
+// remove takes h out of the set, its slot onto the free list, and
+// reports whether h was held. The caller holds e.mu.
+func (e *engineLRU) remove(h uint64) bool {
+	s, ok := e.slot.get(h)
+	if !ok {
+		return false
+	}
+	e.slot.del(h)
+	e.unlink(s)
+	e.next[s] = e.free
+	e.free = s
+	e.size.Add(-1)
+	return true
 }
 
 // touch makes h the most recent hash, inserting it (and evicting the
@@ -219,13 +313,20 @@ func (e *engineLRU) touch(h uint64) bool {
 		return true
 	}
 	var s int32
-	if len(e.hash) < e.capacity {
+	switch {
+	case e.size.Load() < int64(e.capacity) && e.free >= 0:
+		s = e.free
+		e.free = e.next[s]
+		e.hash[s] = h
+		e.prev[s], e.next[s] = -1, -1
+		e.size.Add(1)
+	case e.size.Load() < int64(e.capacity):
 		s = int32(len(e.hash))
 		e.hash = append(e.hash, h)
 		e.prev = append(e.prev, -1)
 		e.next = append(e.next, -1)
-		e.size.Store(int64(len(e.hash)))
-	} else {
+		e.size.Add(1)
+	default:
 		s = e.tail
 		e.slot.del(e.hash[s])
 		e.unlink(s)

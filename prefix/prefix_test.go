@@ -216,55 +216,125 @@ func TestIndexConcurrent(t *testing.T) {
 	wg.Wait()
 }
 
-// TestChoosePrefersMatchRPLACE2: the engine that holds the prompt's
-// prefix wins over idle engines while the load is even enough.
-func TestChoosePrefersMatchRPLACE2(t *testing.T) {
+// work is the Work of a prompt of blocks whole blocks at 4 bytes a
+// token: 16 tokens a block.
+func work(blocks int) *Work {
+	return &Work{Blocks: blocks, PromptBytes: int64(blocks) * BlockBytes, Ratio: DefaultTokenRatio, PerRequest: int64(blocks) * 16}
+}
+
+// TestCostBoundaryRPLACE3 proves R-PLACE-3's cost around its boundary: an
+// engine holding m of the prompt's blocks with W tokens of prefill in
+// flight loses to an idle engine that holds nothing exactly when W
+// exceeds the work the match saves (m blocks × 16 tokens), for a whole
+// and a partial match, whatever the order of the candidates; at W equal
+// to it the two cost the same and share the placements.
+func TestCostBoundaryRPLACE3(t *testing.T) {
 	b := Balance{Abs: 32, Rel: 1.5}
-	cands := []Candidate{{Matched: 0, Outstanding: 0}, {Matched: 90, Outstanding: 5}, {Matched: 10, Outstanding: 0}}
-	for range 50 {
-		if i, g := Choose(cands, 100, b); i != 1 || g {
-			t.Fatalf("chose %d (guard %v), want the matched engine 1", i, g)
+	const blocks = 125 // a 2,000-token prompt
+	for _, m := range []int{blocks, 60, MinScoredBlocks} {
+		saved := int64(m) * 16
+		for _, tc := range []struct {
+			waiting  int64
+			loadedOK bool // the loaded engine holding the prefix wins
+		}{
+			{0, true}, {saved / 2, true}, {saved - 1, true}, {saved + 1, false}, {2 * saved, false}, {100 * saved, false},
+		} {
+			for _, order := range []bool{false, true} {
+				cands := []Candidate{{Matched: m, Outstanding: 3, Legs: 3, Tokens: tc.waiting}, {}}
+				loaded, idle := 0, 1
+				if order {
+					cands[0], cands[1] = cands[1], cands[0]
+					loaded, idle = 1, 0
+				}
+				w := work(blocks)
+				want := idle
+				if tc.loadedOK {
+					want = loaded
+				}
+				for range 20 {
+					if i, g := Choose(cands, w, b); i != want || g {
+						t.Fatalf("m %d, waiting %d tokens (saved %d): chose %d (guard %v), want %d", m, tc.waiting, saved, i, g, want)
+					}
+				}
+			}
 		}
-	}
-	// Load weighs: 0.9 share at 31 more attempts (0.9 − 31/32 < 0.1) loses
-	// to 0.1 share on an idle engine.
-	cands[1].Outstanding = 31
-	if i, _ := Choose(cands, 100, b); i != 2 {
-		t.Fatalf("chose %d, want 2: 31 extra attempts outweigh a 0.8 better share", i)
-	}
-	// The engine's own queue counts as load.
-	cands = []Candidate{{Matched: 50, Waiting: 30}, {Matched: 40}}
-	if i, _ := Choose(cands, 100, b); i != 1 {
-		t.Fatalf("chose %d, want 1: 30 waiting on 0 outweigh 0.1 of share", i)
+		// At the boundary both cost the same: ties spread.
+		cands := []Candidate{{Matched: m, Outstanding: 3, Legs: 3, Tokens: saved}, {}}
+		if c0, c1 := cands[0].Cost(work(blocks)), cands[1].Cost(work(blocks)); c0 != c1 {
+			t.Fatalf("m %d: at the boundary costs %d and %d differ", m, c0, c1)
+		}
+		var counts [2]int
+		for range 400 {
+			i, _ := Choose(cands, work(blocks), b)
+			counts[i]++
+		}
+		if counts[0] < 100 || counts[1] < 100 {
+			t.Fatalf("m %d: ties at the boundary went %v, want both", m, counts)
+		}
 	}
 }
 
-// TestChooseNoMatchIsLeastLoadedRPLACE2: with nothing matched anywhere the
-// scorer is least loaded, ties spread at random.
-func TestChooseNoMatchIsLeastLoadedRPLACE2(t *testing.T) {
+// TestCostTermsRPLACE3 proves the cost's other terms: the engine's own
+// requests beyond the mesh's legs on it count PerRequest each (the mesh's
+// own legs are not counted twice), a role-both engine's decode legs a
+// block each, the uncached part follows the learned ratio, and a prompt
+// shorter than MinScoredBlocks counts as wholly uncached.
+func TestCostTermsRPLACE3(t *testing.T) {
+	w := work(100) // 1,600 tokens, PerRequest 1,600
+	base := (&Candidate{}).Cost(w)
+	if base != 1600 {
+		t.Fatalf("idle engine: cost %d, want the prompt's 1,600 tokens", base)
+	}
+	if c := (&Candidate{Waiting: 2, Running: 3, Legs: 5, Tokens: 10}).Cost(w); c != base+10 {
+		t.Fatalf("engine's requests all the mesh's: cost %d, want %d", c, base+10)
+	}
+	if c := (&Candidate{Waiting: 2, Running: 3, Legs: 1}).Cost(w); c != base+4*1600 {
+		t.Fatalf("4 requests the mesh did not send: cost %d, want %d", c, base+4*1600)
+	}
+	if c := (&Candidate{DecodeLegs: 10}).Cost(w); c != base+10 {
+		t.Fatalf("10 decode legs: cost %d, want %d (a token each)", c, base+10)
+	}
+	w2 := *w
+	w2.Ratio = 2 * 256 // 2 bytes a token: twice the tokens
+	if c := (&Candidate{Matched: 50}).Cost(&w2); c != 1600 {
+		t.Fatalf("half matched at 2 bytes a token: cost %d, want 1,600", c)
+	}
+	short := work(MinScoredBlocks - 1)
+	if c := (&Candidate{Matched: MinScoredBlocks - 1}).Cost(short); c != int64(MinScoredBlocks-1)*16 {
+		t.Fatalf("short prompt: cost %d, want it wholly uncached", c)
+	}
+	if r := TokenRatio(0).Tokens(64); r != 64 {
+		t.Fatalf("ratio 0 taken as %d tokens for 64 bytes, want the 1-byte bound: 64", r)
+	}
+}
+
+// TestChooseNoMatchIsLeastWorkRPLACE3: with nothing matched anywhere the
+// cost is the work in flight: the engine with the least wins, ties
+// spread at random.
+func TestChooseNoMatchIsLeastWorkRPLACE3(t *testing.T) {
 	b := Balance{Abs: 32, Rel: 1.5}
-	cands := []Candidate{{Outstanding: 3}, {Outstanding: 1}, {Outstanding: 1}, {Outstanding: 2}}
+	cands := []Candidate{{Outstanding: 3, Tokens: 300}, {Outstanding: 1, Tokens: 100}, {Outstanding: 1, Tokens: 100}, {Outstanding: 2, Tokens: 200}}
 	counts := [4]int{}
 	for range 400 {
-		i, _ := Choose(cands, 10, b)
+		i, _ := Choose(cands, work(10), b)
 		counts[i]++
 	}
 	if counts[0] != 0 || counts[3] != 0 || counts[1] < 100 || counts[2] < 100 {
 		t.Fatalf("choices %v, want only 1 and 2, about evenly", counts)
 	}
-	if i, _ := Choose(cands, 0, b); i != 1 && i != 2 {
+	if i, _ := Choose(cands, work(0), b); i != 1 && i != 2 {
 		t.Fatalf("prompt of no block: chose %d", i)
 	}
-	// A prompt shorter than MinScoredBlocks goes by load, matched or not.
-	short := []Candidate{{Matched: MinScoredBlocks - 1, Outstanding: 1}, {Outstanding: 0}}
-	if i, g := Choose(short, MinScoredBlocks-1, b); i != 1 || g {
-		t.Fatalf("short prompt: chose %d (guard %v), want the least loaded 1", i, g)
+	// A prompt shorter than MinScoredBlocks goes by work, matched or not.
+	short := []Candidate{{Matched: MinScoredBlocks - 1, Tokens: 1}, {}}
+	if i, g := Choose(short, work(MinScoredBlocks-1), b); i != 1 || g {
+		t.Fatalf("short prompt: chose %d (guard %v), want the idle 1", i, g)
 	}
-	short[0].Matched, short[1].Matched = MinScoredBlocks, 0
-	if i, _ := Choose(short, MinScoredBlocks, b); i != 0 {
+	short[0].Matched = MinScoredBlocks
+	if i, _ := Choose(short, work(MinScoredBlocks), b); i != 0 {
 		t.Fatalf("prompt of MinScoredBlocks: chose %d, want the matched 0", i)
 	}
-	if i, _ := Choose(nil, 10, b); i != -1 {
+	if i, _ := Choose(nil, work(10), b); i != -1 {
 		t.Fatalf("no candidate: %d", i)
 	}
 }
@@ -275,7 +345,7 @@ func TestChooseGuardRPLACE2(t *testing.T) {
 	b := Balance{Abs: 32, Rel: 1.5}
 	// max − min = 33 > 32 and 43 > 1.5 × 10: guard.
 	cands := []Candidate{{Matched: 100, Outstanding: 43}, {Outstanding: 10}, {Outstanding: 20}}
-	if i, g := Choose(cands, 100, b); i != 1 || !g {
+	if i, g := Choose(cands, work(100), b); i != 1 || !g {
 		t.Fatalf("chose %d (guard %v), want 1 by load", i, g)
 	}
 	// max − min = 32: not above the absolute threshold.
@@ -293,33 +363,105 @@ func TestChooseGuardRPLACE2(t *testing.T) {
 	}
 }
 
-// TestChooseHostileQueueRPLACE2: an engine's own queue comes from its
-// /metrics, which the router does not trust; a queue so large that
-// adding the router's attempts would overflow still counts as the
-// largest load, with the guard on and off, and never attracts the
+// TestChooseHostileQueueRPLACE3: an engine's own queue comes from its
+// /metrics and the other routers' counts from the bus, which the router
+// does not trust; counts so large that a sum would overflow still make
+// the largest cost, with the guard on and off, and never attract the
 // placement.
-func TestChooseHostileQueueRPLACE2(t *testing.T) {
+func TestChooseHostileQueueRPLACE3(t *testing.T) {
 	b := Balance{Abs: 32, Rel: 1.5}
-	for _, waiting := range []int64{math.MaxInt64 - 1, math.MaxInt64, 1 << 62} {
-		cands := []Candidate{{Matched: 100, Outstanding: 5, Waiting: waiting}, {Outstanding: 0}}
-		if i, _ := Choose(cands, 100, b); i != 1 {
-			t.Fatalf("waiting %d: chose the engine that says it queues that many", waiting)
-		}
-		cands[0].Outstanding = 40 // guard: 40 − 0 > 32
-		if i, g := Choose(cands, 100, b); i != 1 || !g {
-			t.Fatalf("waiting %d, guard: chose %d (guard %v), want 1", waiting, i, g)
+	for _, n := range []int64{math.MaxInt64 - 1, math.MaxInt64, 1 << 62} {
+		for _, c := range []Candidate{
+			{Matched: 100, Outstanding: 5, Waiting: n, Running: n},
+			{Matched: 100, Outstanding: 5, Tokens: n, DecodeLegs: n},
+			{Matched: 100, Outstanding: 5, Waiting: n, Legs: -n},
+		} {
+			cands := []Candidate{c, {Outstanding: 0}}
+			w := work(100)
+			w.PerRequest = n
+			if i, _ := Choose(cands, w, b); i != 1 {
+				t.Fatalf("%+v: chose the engine that says it has that much", c)
+			}
+			cands[0].Outstanding = 40 // guard: 40 − 0 > 32
+			if i, g := Choose(cands, w, b); i != 1 || !g {
+				t.Fatalf("%+v, guard: chose %d (guard %v), want 1", c, i, g)
+			}
 		}
 	}
 }
 
-// TestChooseHugeAbsThresholdRPLACE2: a balance_abs_threshold of any
-// size (an operator turning the guard off) does not overflow the score:
-// the matched engine still wins.
-func TestChooseHugeAbsThresholdRPLACE2(t *testing.T) {
-	for _, abs := range []int64{1 << 40, 1 << 53, math.MaxInt64} {
-		cands := []Candidate{{Matched: 0}, {Matched: 100, Outstanding: 3}}
-		if i, _ := Choose(cands, 100, Balance{Abs: abs, Rel: 1.5}); i != 1 {
-			t.Fatalf("abs %d: chose %d, want the matched engine 1", abs, i)
-		}
+// TestIndexCutRPLACE3 proves R-PLACE-3's correction in the index: a
+// chain cut where the engine's cache ended matches only up to there on
+// that engine (the other engines keep theirs), the cut blocks' slots are
+// reused without growing the index, and cutting what is not held does
+// nothing.
+func TestIndexCutRPLACE3(t *testing.T) {
+	ix := NewIndex(256)
+	h := AppendHashes(nil, prompt(1, 100*BlockBytes))
+	ix.Record("a", h, nil)
+	ix.Record("b", h, nil)
+	if n := ix.Cut("a", h[30:]); n != 70 {
+		t.Fatalf("cut removed %d, want 70", n)
+	}
+	if m := ix.Match("a", h); m != 30 {
+		t.Fatalf("after the cut at 30: match %d", m)
+	}
+	if m := ix.Match("b", h); m != 100 {
+		t.Fatalf("other engine: match %d, want 100", m)
+	}
+	if ix.Blocks("a") != 30 {
+		t.Fatalf("blocks %d, want 30", ix.Blocks("a"))
+	}
+	if n := ix.Cut("a", h[30:]); n != 0 || ix.Cut("none", h) != 0 {
+		t.Fatal("cutting what is not held removed something")
+	}
+	// The freed slots are reused: fill to the bound, the arrays do not grow.
+	for j := 0; ix.Blocks("a") < 256; j++ {
+		ix.Record("a", AppendHashes(nil, prompt(uint64(j+10), 10*BlockBytes)), nil)
+	}
+	e := ix.lookup("a")
+	if len(e.hash) != 256 {
+		t.Fatalf("slots %d, want 256 (freed ones reused)", len(e.hash))
+	}
+	ix.Record("a", h, nil)
+	if m := ix.Match("a", h); m != 100 || ix.Blocks("a") != 256 {
+		t.Fatalf("recorded again: match %d blocks %d", m, ix.Blocks("a"))
+	}
+	fresh := make([]uint64, 0, len(h))
+	if allocs := testing.AllocsPerRun(100, func() { ix.Cut("a", h[50:]); fresh = ix.Record("a", h, fresh[:0]) }); allocs != 0 {
+		t.Fatalf("cut and record again: %v allocations", allocs)
+	}
+}
+
+// TestIndexEngineCapacityRPLACE3: an engine's own bound (its reported KV
+// cache size) evicts its least recent blocks at once, holds for new
+// ones, survives a Drop, and never exceeds the index's bound.
+func TestIndexEngineCapacityRPLACE3(t *testing.T) {
+	ix := NewIndex(256)
+	old := AppendHashes(nil, prompt(1, 100*BlockBytes))
+	recent := AppendHashes(nil, prompt(2, 50*BlockBytes))
+	ix.Record("a", old, nil)
+	ix.Record("a", recent, nil)
+	if got := ix.SetCapacity("a", 60); got != 60 || ix.Blocks("a") != 60 || ix.EngineCapacity("a") != 60 {
+		t.Fatalf("bound %d, blocks %d, want 60", got, ix.Blocks("a"))
+	}
+	if ix.Match("a", recent) != 50 || ix.Match("a", old) != 10 {
+		t.Fatalf("after shrinking: recent %d (want 50), old %d (want its 10 leading blocks)", ix.Match("a", recent), ix.Match("a", old))
+	}
+	ix.Record("a", AppendHashes(nil, prompt(3, 100*BlockBytes)), nil)
+	if ix.Blocks("a") != 60 {
+		t.Fatalf("blocks %d above the engine's bound", ix.Blocks("a"))
+	}
+	ix.Drop("a")
+	ix.Record("a", old, nil)
+	if ix.Blocks("a") != 60 {
+		t.Fatalf("after a drop: blocks %d, want the engine's bound 60", ix.Blocks("a"))
+	}
+	if got := ix.SetCapacity("a", 1<<20); got != 256 {
+		t.Fatalf("bound above the index's: %d", got)
+	}
+	ix.Forget("a")
+	if ix.EngineCapacity("a") != 256 {
+		t.Fatal("forgotten engine keeps its bound")
 	}
 }

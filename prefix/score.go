@@ -4,36 +4,116 @@ import "math/rand/v2"
 
 // Candidate is one engine placement may choose (eligibility, quarantine,
 // drain and slot limits already applied by the caller: behaviour.md R-PLACE-1 —
-// the scorer only orders what it is given).
+// the scorer only orders what it is given). Every count is the mesh's:
+// this router's plus what the other routers last reported of the engine
+// (the load exchange, behaviour.md R-PLACE-3).
 type Candidate struct {
 	// Matched is the leading blocks of the prompt the index holds for the
 	// engine (Index.Match).
 	Matched int
 	// Outstanding is the attempts in flight on the engine for the phase
-	// being placed, on this router.
+	// being placed, the mesh's. The imbalance guard weighs it.
 	Outstanding int64
 	// Waiting is the engine's own queue (vLLM's num_requests_waiting),
 	// 0 when unknown.
 	Waiting int64
+	// Running is the engine's own running requests (vLLM's
+	// num_requests_running), 0 when unknown.
+	Running int64
+	// Legs is the mesh's legs in flight on the engine, both phases: the
+	// requests of Waiting and Running the mesh knows the work of.
+	Legs int64
+	// Tokens is the uncached prefill work in flight on the engine, in
+	// tokens: the sum of every producer attempt's estimate at its
+	// reservation, the mesh's.
+	Tokens int64
+	// DecodeLegs is the decode legs in flight on the engine when it also
+	// decodes (role both), the mesh's; 0 for a prefill engine.
+	DecodeLegs int64
 }
 
-// maxLoad bounds each term of a candidate's load: Waiting comes from the
-// engine's /metrics and may be anything, and an unbounded sum could wrap
-// and make the most loaded engine look the least.
+// maxLoad bounds each count of a candidate: Waiting and Running come from
+// the engine's /metrics and the other routers' counts from the bus, and
+// may be anything; bounded terms keep every sum far from wrapping, so the
+// most loaded engine never looks the least.
 const maxLoad = 1 << 40
 
-// load is what the score weighs against the match: the router's
-// outstanding attempts plus the engine's own queue, each clamped to
-// [0, maxLoad].
+// maxPerRequest bounds Work.PerRequest, so that maxLoad × it stays far
+// below the int64 range.
+const maxPerRequest = 1 << 17
+
+func bound(n int64) int64 { return min(max(n, 0), maxLoad) }
+
+// load is what the imbalance guard's fallback orders by: the mesh's
+// outstanding attempts plus the engine's own queue.
 func (c *Candidate) load() int64 {
-	return min(max(c.Outstanding, 0), maxLoad) + min(max(c.Waiting, 0), maxLoad)
+	return bound(c.Outstanding) + bound(c.Waiting)
+}
+
+// TokenRatio is a bytes-per-token ratio of rendered prompt, in 1/256
+// bytes (fixed point: 1024 is 4 bytes a token). The router learns it per
+// model from the producers' usage.prompt_tokens (behaviour.md R-PLACE-3).
+type TokenRatio int64
+
+// DefaultTokenRatio is the ratio used until one is learned: 4 bytes a
+// token, English text through a BPE tokenizer.
+const DefaultTokenRatio TokenRatio = 4 * 256
+
+// Bounds of a learned ratio: 1 and 16 bytes a token.
+const (
+	MinTokenRatio TokenRatio = 256
+	MaxTokenRatio TokenRatio = 16 * 256
+)
+
+// Tokens returns n bytes of rendered prompt in tokens (rounded down; n < 0
+// is 0). A ratio outside [MinTokenRatio, MaxTokenRatio] is taken as the
+// nearest bound.
+func (r TokenRatio) Tokens(n int64) int64 {
+	r = min(max(r, MinTokenRatio), MaxTokenRatio)
+	return min(max(n, 0), maxLoad) * 256 / int64(r)
+}
+
+// Work is what a prefill costs, the request's side of the cost
+// (behaviour.md R-PLACE-3).
+type Work struct {
+	// Blocks is the prompt's length in blocks (the hashes Match was given).
+	Blocks int
+	// PromptBytes is the rendered prompt's length in bytes (at least
+	// Blocks × BlockBytes when the prompt was hashed whole).
+	PromptBytes int64
+	// Ratio is the model's bytes per token.
+	Ratio TokenRatio
+	// PerRequest is the work, in tokens, counted for each request an
+	// engine says it has (Waiting + Running) beyond the mesh's Legs on it:
+	// work the mesh did not send, of unknown size (the mean uncached
+	// prefill the router has seen, or this prompt's tokens until one is
+	// seen).
+	PerRequest int64
+}
+
+// Cost returns candidate c's expected prefill work for w in tokens
+// (behaviour.md R-PLACE-3): the prompt's uncached part there (its tokens
+// beyond the Matched leading blocks) plus the work it already has — the
+// mesh's uncached prefill tokens in flight on it, one token per decode
+// leg of a role-both engine (a decode sequence adds a token to each of
+// the engine's steps), and PerRequest for each request the
+// engine counts beyond the mesh's legs on it. A prompt shorter than
+// MinScoredBlocks counts as wholly uncached. It does not allocate.
+func (c *Candidate) Cost(w *Work) int64 {
+	matched := int64(min(max(c.Matched, 0), max(w.Blocks, 0)))
+	if w.Blocks < MinScoredBlocks {
+		matched = 0
+	}
+	uncached := w.Ratio.Tokens(w.PromptBytes - matched*BlockBytes)
+	decode := bound(c.DecodeLegs)
+	extra := max(bound(c.Waiting)+bound(c.Running)-bound(c.Legs), 0)
+	return uncached + bound(c.Tokens) + decode + extra*min(max(w.PerRequest, 0), maxPerRequest)
 }
 
 // Balance is the imbalance guard's setting (behaviour.md R-PLACE-2).
 type Balance struct {
 	// Abs is placement.balance_abs_threshold: the guard needs max − min
-	// outstanding above it. It is also the score's exchange rate: Abs
-	// extra attempts in flight cost as much as a whole prompt matched.
+	// outstanding above it.
 	Abs int64
 	// Rel is placement.balance_rel_threshold: the guard needs max above
 	// Rel × min outstanding.
@@ -56,51 +136,30 @@ func (b Balance) Imbalanced(cands []Candidate) bool {
 }
 
 // Choose returns the index in cands of the engine to place on, -1 when
-// cands is empty; blocks is the prompt's length in blocks (the hashes
-// Match was given). guarded reports that the imbalance guard decided.
+// cands is empty; guarded reports that the imbalance guard decided.
 //
-// When the guard holds (Imbalanced), or the prompt is shorter than
-// MinScoredBlocks, the least loaded candidate wins. Otherwise each
-// candidate scores
-//
-//	Matched/blocks − (load − least load)/Abs
-//
-// (load = Outstanding + Waiting; Abs at least 1): the share of the
-// prompt's leading blocks recently sent there, less 1/Abs per attempt
-// it has beyond the least loaded one. The highest score wins; ties —
-// among them every candidate of a prompt no engine has seen — are broken
-// uniformly at random, so with no shared prefixes Choose is least loaded
-// (a short prompt's ties go to the least loaded: same thing).
-// It does not allocate.
-func Choose(cands []Candidate, blocks int, b Balance) (i int, guarded bool) {
+// When the guard holds (Imbalanced, the last resort) the least loaded
+// candidate wins (Outstanding + Waiting). Otherwise the candidate of the
+// least Cost wins (behaviour.md R-PLACE-3): a loaded engine that holds
+// the prefix loses to an idle one exactly when the work waiting there
+// exceeds the work its match saves. Ties — among them every candidate of
+// a prompt no engine has seen on an idle mesh — are broken uniformly at
+// random. It does not allocate.
+func Choose(cands []Candidate, w *Work, b Balance) (i int, guarded bool) {
 	if len(cands) == 0 {
 		return -1, false
 	}
 	if b.Imbalanced(cands) {
 		return leastLoaded(cands), true
 	}
-	if blocks < MinScoredBlocks {
-		return leastLoaded(cands), false
-	}
-	least := cands[0].load()
-	for i := 1; i < len(cands); i++ {
-		least = min(least, cands[i].load())
-	}
-	// Scores in integers, scaled by blocks × abs: Matched × abs −
-	// (load − least) × blocks. Matched ≤ MaxBlocks, blocks ≤ MaxBlocks and
-	// load ≤ 2 × maxLoad keep it far from overflow.
-	abs := min(max(b.Abs, 1), maxLoad)
-	n := int64(max(blocks, 1))
 	best, ties := -1, 0
-	var bestScore int64
+	var bestCost int64
 	for i := range cands {
-		c := &cands[i]
-		matched := int64(min(max(c.Matched, 0), max(blocks, 0)))
-		s := matched*abs - (c.load()-least)*n
+		c := cands[i].Cost(w)
 		switch {
-		case best < 0 || s > bestScore:
-			best, bestScore, ties = i, s, 1
-		case s == bestScore:
+		case best < 0 || c < bestCost:
+			best, bestCost, ties = i, c, 1
+		case c == bestCost:
 			ties++
 			if rand.IntN(ties) == 0 {
 				best = i

@@ -17,7 +17,6 @@ import (
 func (c *call) run() *engines.Fault {
 	rt := c.rt
 	var avoid avoidSet
-	defer c.releasePlacement()
 	for {
 		c.attempts++
 		f := c.attempt(&avoid)

@@ -12,6 +12,7 @@ import (
 	"github.com/valyala/fasthttp"
 
 	"github.com/narwhalmesh/narwhal/engines"
+	"github.com/narwhalmesh/narwhal/router/meshview"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -48,9 +49,11 @@ type call struct {
 	unpublished bool
 
 	producer, consumer *member
-	holdPrefill        atomic.Bool      // producer's prefill slot is reserved (released from the prefill's goroutine too)
-	holdDecode         bool             // consumer's decode slot is reserved
-	live               *engines.Attempt // the committed attempt, until finish ends its legs
+	prefillTokens      int64               // the producer attempt's estimated uncached tokens, reserved with its prefill slot (R-PLACE-3)
+	prediction         meshview.Prediction // what the placement predicted of the producer attempt (R-PLACE-3)
+	holdPrefill        atomic.Bool         // producer's prefill slot is reserved (released from the prefill's goroutine too)
+	holdDecode         bool                // consumer's decode slot is reserved
+	live               *engines.Attempt    // the committed attempt, until finish ends its legs
 	backendID          string
 	stream             *engines.Stream
 	pending            []heldChunk // metadata read before the first output
@@ -327,6 +330,10 @@ func (c *call) finish() {
 	c.finishAttempt()
 	c.releasePrefill()
 	c.releaseDecode()
+	// Kept until every leg ended: a producer's answer read after the
+	// first output (SGLang's) still compares its cached tokens with the
+	// prediction, whose hashes live in the placement's buffers (R-PLACE-3).
+	c.releasePlacement()
 	c.rt.front.releaseBody(c.bodyBytes)
 	c.bodyBytes = 0
 	c.releaseKey()
@@ -343,6 +350,7 @@ func (c *call) finish() {
 func (c *call) releasePrefill() {
 	if c.holdPrefill.CompareAndSwap(true, false) {
 		c.producer.Release(prefillPhase)
+		c.producer.AddTokens(-c.prefillTokens)
 	}
 }
 

@@ -45,6 +45,12 @@ type placeScratch struct {
 	// that may take the leg, and their loads.
 	ms    []*member
 	cands []prefix.Candidate
+	// chosen is the index in ms of the last choice, -1 when it was none
+	// of them (an engine to avoid, R-RETRY-3).
+	chosen int
+	// work is the prompt's side of the cost (R-PLACE-3), set before a
+	// prefix placement.
+	work prefix.Work
 }
 
 // maxPooledPrompt is the largest rendered-prompt buffer kept for reuse:
@@ -145,10 +151,11 @@ func (randomPolicy) choose(_ meshView, sc *placeScratch) int { return rand.IntN(
 func (randomPolicy) weighsPrefix() bool                      { return false }
 func (randomPolicy) sameWorker() bool                        { return false }
 
-// prefixPolicy is policy prefix (R-PLACE-2): each engine scored by the
-// leading blocks of the prompt the prefix index holds for it against its
-// load, with the imbalance guard (prefix.Choose); a prompt shorter than
-// prefix.MinScoredBlocks is placed by load alone.
+// prefixPolicy is policy prefix (R-PLACE-2, R-PLACE-3): the engine of
+// the least expected prefill work — the prompt's part the prefix index
+// does not hold for it plus the mesh's work in flight there — with the
+// imbalance guard as the last resort (prefix.Choose); a prompt shorter
+// than prefix.MinScoredBlocks counts as wholly uncached everywhere.
 type prefixPolicy struct {
 	balance prefix.Balance
 	// matched, unmatched and guarded count the placements by what
@@ -162,7 +169,7 @@ func (p *prefixPolicy) choose(mesh meshView, sc *placeScratch) int {
 			sc.cands[i].Matched = mesh.MatchPrefix(m.ID, sc.hashes)
 		}
 	}
-	i, guarded := prefix.Choose(sc.cands, len(sc.hashes), p.balance)
+	i, guarded := prefix.Choose(sc.cands, &sc.work, p.balance)
 	switch {
 	case guarded:
 		p.guarded.Inc()
@@ -212,6 +219,8 @@ func (c *call) placeLegs(avoid *avoidSet) (prod, cons *member, f *engines.Fault)
 	cons, err = place(fl, c.req.Model, decodePhase, avoid[decodePhase], prod.Connector.Name(), leastLoaded{}, c.rt.mesh, c.placeScratch())
 	if err != nil {
 		prod.Release(prefillPhase)
+		prod.AddTokens(-c.prefillTokens)
+		c.prefillTokens = 0
 		return nil, nil, noEngine(decodePhase)
 	}
 	return prod, cons, nil
@@ -223,6 +232,7 @@ func (c *call) placeLegs(avoid *avoidSet) (prod, cons *member, f *engines.Fault)
 func (c *call) placeProducer(fl *fleet, avoid []*member) (*member, error) {
 	pol := c.rt.placer.policy
 	sc := c.placeScratch()
+	c.prefillTokens, c.prediction = 0, meshview.Prediction{}
 	if !pol.weighsPrefix() {
 		return place(fl, c.req.Model, prefillPhase, avoid, "", pol, c.rt.mesh, sc)
 	}
@@ -234,11 +244,34 @@ func (c *call) placeProducer(fl *fleet, avoid []*member) (*member, error) {
 		sc.hashes = prefix.AppendHashes(sc.hashes[:0], sc.prompt)
 		sc.hashed = true
 	}
+	whole := len(sc.prompt) < prefix.MaxBlocks*prefix.BlockBytes
+	promptBytes := len(sc.prompt)
+	if !whole {
+		promptBytes = max(promptBytes, c.req.Size()) // the body's size: the best guess past the rendered head
+	}
+	ratio, perRequest := c.rt.mesh.TokenWork(c.req.Model)
+	if perRequest <= 0 {
+		perRequest = ratio.Tokens(int64(promptBytes))
+	}
+	sc.work = prefix.Work{Blocks: len(sc.hashes), PromptBytes: int64(promptBytes), Ratio: ratio, PerRequest: perRequest}
 	m, err := place(fl, c.req.Model, prefillPhase, avoid, "", pol, c.rt.mesh, sc)
-	if err != nil || len(sc.hashes) == 0 {
+	if err != nil {
 		return m, err
 	}
-	sc.fresh = c.rt.mesh.RecordPrefix(m.ID, sc.hashes, sc.fresh)
+	matched := 0
+	if sc.chosen >= 0 && sc.ms[sc.chosen] == m {
+		matched = sc.cands[sc.chosen].Matched
+	} else if len(sc.hashes) >= prefix.MinScoredBlocks {
+		matched = c.rt.mesh.MatchPrefix(m.ID, sc.hashes)
+	}
+	// The attempt's work in flight on the producer until its prefill
+	// slot is released (R-PLACE-3).
+	c.prefillTokens = ratio.Tokens(int64(promptBytes - matched*prefix.BlockBytes))
+	m.AddTokens(c.prefillTokens)
+	c.prediction = meshview.Prediction{Model: c.req.Model, Hashes: sc.hashes, Matched: matched, PromptBytes: promptBytes, Whole: whole}
+	if len(sc.hashes) > 0 {
+		sc.fresh = c.rt.mesh.RecordPrefix(m.ID, sc.hashes, sc.fresh)
+	}
 	return m, nil
 }
 
@@ -285,8 +318,10 @@ func place(fl *fleet, model string, p phase, avoid []*member, conn string, by po
 	now := time.Now().UnixNano()
 	for try := 0; try < 4; try++ {
 		chosen := sc.eligible(fl, model, p, avoid, conn, now)
+		sc.chosen = -1
 		if len(sc.ms) > 0 {
-			chosen = sc.ms[by.choose(mesh, sc)]
+			sc.chosen = by.choose(mesh, sc)
+			chosen = sc.ms[sc.chosen]
 		}
 		if chosen == nil {
 			return nil, &errNoEngine{p}
@@ -303,7 +338,8 @@ func place(fl *fleet, model string, p phase, avoid []*member, conn string, by po
 // (meshview.Member.Takes: eligible, active, not quarantined or backing
 // off, credentials accepted, listing model, a slot free) — of connector
 // conn unless conn is "" — that are not in avoid, and sc.cands to their
-// loads (this router's reservations of p, the engine's own queue). It
+// loads (the mesh's reservations of p and work in flight, R-PLACE-3; the
+// engine's own queue and running requests). It
 // returns the least loaded of those in avoid that may take the phase,
 // ties broken at random, nil when none may (R-RETRY-3).
 func (sc *placeScratch) eligible(fl *fleet, model string, p phase, avoid []*member, conn string, nowNano int64) *member {
@@ -322,7 +358,17 @@ func (sc *placeScratch) eligible(fl *fleet, model string, p phase, avoid []*memb
 			continue
 		}
 		ms = append(ms, m)
-		cands = append(cands, prefix.Candidate{Outstanding: load, Waiting: m.Waiting()})
+		cand := prefix.Candidate{
+			Outstanding: load + m.MeshReserved(p) - m.Reserved(p),
+			Waiting:     m.Waiting(),
+			Running:     m.Running(),
+			Legs:        m.MeshReserved(prefillPhase) + m.MeshReserved(decodePhase),
+			Tokens:      m.MeshTokens(),
+		}
+		if m.Can(decodePhase) {
+			cand.DecodeLegs = m.MeshReserved(decodePhase)
+		}
+		cands = append(cands, cand)
 	}
 	sc.ms, sc.cands = ms, cands
 	return fallback.m

@@ -34,6 +34,7 @@ type placementRig struct {
 
 	mu      sync.Mutex
 	answers map[string]modelsAnswer // by engine id
+	tokens  map[*member][]int64     // each producer's placements' reserved tokens, not released yet
 }
 
 // modelsAnswer is what an engine of the rig answers GET /v1/models with.
@@ -182,12 +183,26 @@ func (g *placementRig) place(t testing.TB, req *schemas.Request, avoid *avoidSet
 	if f != nil {
 		t.Fatalf("placement failed: %v", f)
 	}
+	g.mu.Lock()
+	if g.tokens == nil {
+		g.tokens = map[*member][]int64{}
+	}
+	g.tokens[prod] = append(g.tokens[prod], c.prefillTokens)
+	g.mu.Unlock()
 	return prod, cons
 }
 
+// release gives back the slots of a placement and the producer's
+// tokens of its latest one not released yet, as the request's end does.
 func (g *placementRig) release(prod, cons *member) {
 	prod.Release(prefillPhase)
 	cons.Release(decodePhase)
+	g.mu.Lock()
+	if ts := g.tokens[prod]; len(ts) > 0 {
+		prod.AddTokens(-ts[len(ts)-1])
+		g.tokens[prod] = ts[:len(ts)-1]
+	}
+	g.mu.Unlock()
 }
 
 var longSystem = strings.Repeat("You are a narwhal who answers questions about the Arctic. ", 40)
@@ -237,6 +252,8 @@ func TestPrefixPlacementFollowsThePrefixRPLACE2(t *testing.T) {
 	mu.Unlock()
 	// A different system prompt matches nothing: least loaded, spread.
 	seen := map[string]bool{}
+	g.f.Member("p1").AddTokens(100) // the work of p1's one attempt
+	defer g.f.Member("p1").AddTokens(-100)
 	for i := range 40 {
 		setLoad(t, g.f.Member("p1"), prefillPhase, 1)
 		p, c := g.place(t, chatRequest(t, fmt.Sprintf("tenant %d: ", i)+longSystem, "q"), nil)
@@ -501,8 +518,9 @@ func TestPrefixPlacementEndToEndRPLACE2(t *testing.T) {
 // 2,000-token chat prompt (about 8,000 bytes: a long system prompt and
 // six turns) over 4 producers whose indexes are full, one holding the
 // conversation: rendering, hashing, matching, scoring, reserving both
-// legs and recording the blocks at the producer (R-PLACE-2). The hash
-// and score alone are prefix.BenchmarkPrefixScore2000Tokens. 0 allocs/op.
+// legs, its tokens and recording the blocks at the producer (R-PLACE-2,
+// R-PLACE-3). The hash and cost alone are
+// prefix.BenchmarkPrefixScore2000Tokens. 0 allocs/op.
 func BenchmarkPrefixPlacement2000Tokens(b *testing.B) {
 	g := newPlacementRig(b, config.PolicyPrefix, "p1", "p2", "p3", "p4", "d1")
 	var sb strings.Builder
@@ -535,7 +553,9 @@ func BenchmarkPrefixPlacement2000Tokens(b *testing.B) {
 			b.Fatalf("placed on %v (%v), the prompt is on %s", p, f, hot.ID)
 		}
 		call.releasePlacement()
-		g.release(p, c)
+		p.Release(prefillPhase)
+		c.Release(decodePhase)
+		p.AddTokens(-call.prefillTokens)
 	}
 	testkit.ReportCPUPerOp(b, cpu)
 }

@@ -13,6 +13,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/engines/connector"
+	"github.com/narwhalmesh/narwhal/router/meshview"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -214,6 +215,17 @@ func (s steps) PrefillEnded(late *engines.Fault) {
 	if late != nil {
 		c.recordFault(late)
 	}
+}
+
+// PrefillAnswered applies the producer's prefill usage (R-PLACE-3): under
+// a policy that keeps the prefix index, its cached tokens correct it.
+func (s steps) PrefillAnswered(u connector.PrefillUsage) {
+	c := s.c
+	if c.prediction.Model == "" || c.producer == nil {
+		return
+	}
+	c.rt.mesh.CorrectPrefix(c.producer, &c.prediction, meshview.PrefillUsage{
+		Usage: u.Present, PromptTokens: u.PromptTokens, Cached: u.Cached, CachedTokens: u.CachedTokens})
 }
 
 // traceFailed ends the attempt's open decode (or legs) span with the

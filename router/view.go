@@ -1,6 +1,7 @@
 package router
 
 import (
+	"github.com/narwhalmesh/narwhal/prefix"
 	"github.com/narwhalmesh/narwhal/router/meshview"
 )
 
@@ -36,6 +37,12 @@ type meshView interface {
 	// RecordPrefix records a prefix placement on engineID and returns the
 	// blocks the index did not hold for it before, appended to fresh[:0].
 	RecordPrefix(engineID string, hashes, fresh []uint64) []uint64
+	// TokenWork returns the model's learned bytes per token and mean
+	// uncached prefill (0 until learned), for the cost (R-PLACE-3).
+	TokenWork(model string) (prefix.TokenRatio, int64)
+	// CorrectPrefix applies a producer's prefill usage to the index and
+	// the learned figures (R-PLACE-3).
+	CorrectPrefix(m *member, p *meshview.Prediction, u meshview.PrefillUsage)
 	// RefuseCredentials keeps m out of placement until its /v1/models
 	// accepts the router's credentials again.
 	RefuseCredentials(m *member, status int, what string)

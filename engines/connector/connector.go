@@ -148,11 +148,27 @@ type PrefillAnswer struct {
 	// JSON with its white space trimmed; nil when the answer has none
 	// (or was a stream).
 	KVTransferParams []byte
+	// Usage is the answer's usage as the producer reported it (a JSON
+	// completion's; zero for a stream).
+	Usage PrefillUsage
 	// Started is when the leg's HTTP request started (handoff age counts
 	// from here, behaviour.md R-OWN-2).
 	Started time.Time
 	// Completed is when its answer was read.
 	Completed time.Time
+}
+
+// PrefillUsage is the usage member of a producer's prefill answer.
+type PrefillUsage struct {
+	// Present reports a usage object; PromptTokens is its prompt_tokens
+	// (0 when absent or not a non-negative integer).
+	Present      bool
+	PromptTokens int
+	// Cached reports prompt_tokens_details.cached_tokens as a
+	// non-negative integer (vLLM with --enable-prompt-tokens-details,
+	// SGLang with --enable-cache-report); CachedTokens is its value.
+	Cached       bool
+	CachedTokens int
 }
 
 // Legs is the engine client's side of one attempt: the legs a connector

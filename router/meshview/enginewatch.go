@@ -9,6 +9,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/internal/promreg"
+	"github.com/narwhalmesh/narwhal/prefix"
 )
 
 // indexCheckEvery is how often the prefix index is checked against the
@@ -92,6 +93,7 @@ func (w *engineWatch) checkIndex() {
 	}
 	for _, id := range empty {
 		w.v.index.Drop(id)
+		w.v.index.Forget(id)
 	}
 }
 
@@ -133,9 +135,14 @@ func (w *engineWatch) pollOne(m *Member, life *engineLife, wait time.Duration) {
 	l, err := engines.ReadLoad(ctx, w.v.http, &m.Engine)
 	if err != nil {
 		w.v.SetEngineWaiting(m.ID, 0)
+		m.SetRunning(0)
 		return
 	}
 	w.v.SetEngineWaiting(m.ID, l.Waiting)
+	m.SetRunning(l.Running)
+	if l.KVBlocks > 0 {
+		w.v.sizeIndex(m, l.KVBlocks*l.KVBlockTokens)
+	}
 	restarted := false
 	if l.HasStartTime {
 		restarted = life.hasStart && l.StartTime != life.start
@@ -150,6 +157,26 @@ func (w *engineWatch) pollOne(m *Member, life *engineLife, wait time.Duration) {
 	// counted and logged at every read.
 	if restarted && w.v.index.Blocks(m.ID) > 0 {
 		w.drop(m.ID, indexDropRestarted)
+	}
+}
+
+// sizeIndex bounds the prefix index of m to its KV cache of kvTokens
+// tokens (behaviour.md R-PLACE-3), in blocks of rendered prompt at the
+// bytes per token learned for the first model it lists, never above
+// placement.prefix_index_blocks.
+func (v *View) sizeIndex(m *Member, kvTokens int64) {
+	ratio := prefix.DefaultTokenRatio
+	if ms := m.Models(); len(ms) > 0 {
+		ratio, _ = v.TokenWork(ms[0])
+	}
+	kvTokens = min(kvTokens, 1<<40)
+	blocks := kvTokens * int64(ratio) / 256 / prefix.BlockBytes
+	blocks = min(max(blocks, 1), int64(v.index.Capacity()))
+	// A learned ratio moves a little with every answer: only a change of
+	// more than 1/16 re-bounds the index.
+	if cur := int64(v.index.EngineCapacity(m.ID)); blocks < cur-cur/16 || blocks > cur+cur/16 {
+		v.index.SetCapacity(m.ID, int(blocks))
+		v.log.Info("prefix index sized from the engine's KV cache", "engine_id", m.ID, "kv_tokens", kvTokens, "blocks", blocks)
 	}
 }
 

@@ -42,6 +42,25 @@ type Member struct {
 	limit [2]int64
 	// reserved is the number of reserved slots per phase.
 	reserved [2]atomic.Int64
+	// tokens is the estimated uncached prefill tokens of this router's
+	// producer attempts in flight on the engine, reserved with their
+	// prefill slot and released with it (behaviour.md R-PLACE-3).
+	tokens atomic.Int64
+	// peerReserved and peerTokens are the same counts summed over the
+	// other routers heard from within the last second (the load
+	// exchange, loadshare.go; R-PLACE-3).
+	peerReserved [2]atomic.Int64
+	peerTokens   atomic.Int64
+	// running is the engine's own running requests (vLLM's
+	// num_requests_running) as last read, 0 when unknown.
+	running atomic.Int64
+	// uncorrected is set once the engine, as a producer, answered a
+	// prefill without usage.prompt_tokens_details.cached_tokens: the
+	// index's correction is off for it, said once in the log (R-PLACE-3).
+	uncorrected atomic.Bool
+	// series is the engine's per-engine series of the request path
+	// (metrics.initEngine), nil until created.
+	series atomic.Pointer[engineSeries]
 	// eligible is the breaker's verdict (R-BRK-8); true until told
 	// otherwise.
 	eligible atomic.Bool
@@ -232,6 +251,41 @@ func (m *Member) Waiting() int64 { return m.waiting.Load() }
 // num_requests_waiting) for the prefix policy's load; n < 0 is taken as
 // 0 (R-PLACE-2).
 func (m *Member) SetWaiting(n int64) { m.waiting.Store(max(n, 0)) }
+
+// Running returns the engine's own running requests as last read (0
+// when unknown).
+func (m *Member) Running() int64 { return m.running.Load() }
+
+// SetRunning records the engine's own running requests (vLLM's
+// num_requests_running) for the cost of behaviour.md R-PLACE-3; n < 0 is
+// taken as 0.
+func (m *Member) SetRunning(n int64) { m.running.Store(max(n, 0)) }
+
+// AddTokens adds n (negative: removes) to the estimated uncached prefill
+// tokens this router has in flight on the engine (behaviour.md
+// R-PLACE-3): a producer attempt adds its estimate when it reserves its
+// prefill slot and removes the same when it releases it.
+func (m *Member) AddTokens(n int64) { m.tokens.Add(n) }
+
+// Tokens returns the estimated uncached prefill tokens this router has
+// in flight on the engine.
+func (m *Member) Tokens() int64 { return m.tokens.Load() }
+
+// MeshReserved returns the legs of phase p in flight on the engine in
+// the whole mesh: this router's reservations plus the other routers'
+// last reports (behaviour.md R-PLACE-3).
+func (m *Member) MeshReserved(p Phase) int64 {
+	return m.reserved[p].Load() + m.peerReserved[p].Load()
+}
+
+// MeshTokens returns the estimated uncached prefill tokens in flight on
+// the engine in the whole mesh (behaviour.md R-PLACE-3).
+func (m *Member) MeshTokens() int64 { return m.tokens.Load() + m.peerTokens.Load() }
+
+// MarkUncorrected records that the engine answered a prefill without
+// usage.prompt_tokens_details.cached_tokens, and reports whether that is
+// the first time: it is said once in the log (behaviour.md R-PLACE-3).
+func (m *Member) MarkUncorrected() bool { return m.uncorrected.CompareAndSwap(false, true) }
 
 // Serves reports whether the engine's last known model list has model.
 func (m *Member) Serves(model string) bool {

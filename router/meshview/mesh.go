@@ -169,6 +169,9 @@ func (v *View) Join(b *bus.Bus, wait time.Duration) error {
 		if err := v.shareIndex(b); err != nil {
 			return err
 		}
+		if err := v.shareLoad(b); err != nil {
+			return err
+		}
 	}
 	t := time.NewTimer(wait)
 	defer t.Stop()

@@ -27,6 +27,21 @@ type metrics struct {
 	// refusedCredentials counts episodes of an engine refusing the
 	// router's credentials (engine label: fleet ids, bounded).
 	refusedCredentials *prometheus.CounterVec
+	// predictedTokens and cachedTokens are
+	// narwhal_prefix_predicted_tokens_total{engine} and
+	// narwhal_prefix_cached_tokens_total{engine}: what the prefix index
+	// predicted each producer held of the prompts placed there, and what
+	// it said it had cached (R-PLACE-3).
+	predictedTokens, cachedTokens *prometheus.CounterVec
+	// predictionError is narwhal_prefix_prediction_error_tokens: predicted
+	// − cached per prefill answer with cached_tokens.
+	predictionError prometheus.Histogram
+	// uncorrected is narwhal_prefix_uncorrected_total: prefill answers
+	// without cached_tokens (the index not corrected by them).
+	uncorrected prometheus.Counter
+	// cuts is narwhal_prefix_index_cuts_total: chains cut from the index
+	// because the engine had not cached what it predicted.
+	cuts prometheus.Counter
 	// engineMu orders the counting of an engine's refusal against the
 	// deletion of its series when it leaves the fleet (forgetEngine), so
 	// that a refusal seen after it left creates no series again.
@@ -59,6 +74,27 @@ func newMetrics(reg prometheus.Registerer, f func() *Fleet, index *prefix.Index)
 			Name: "narwhal_engine_credentials_refused_total",
 			Help: "Times an engine started refusing the router's API key (HTTP 401 or 403), by engine; it is not placeable until it accepts it again.",
 		}, []string{"engine"}),
+		predictedTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "narwhal_prefix_predicted_tokens_total",
+			Help: "Prompt tokens the prefix index predicted the producer held of the prompts placed there (matched blocks in tokens), by engine, over the prefill answers that reported cached_tokens.",
+		}, []string{"engine"}),
+		cachedTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "narwhal_prefix_cached_tokens_total",
+			Help: "Prompt tokens the producers reported cached in their prefill answers (usage.prompt_tokens_details.cached_tokens), by engine.",
+		}, []string{"engine"}),
+		predictionError: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "narwhal_prefix_prediction_error_tokens",
+			Help:    "Per prefill answer with cached_tokens: the tokens the prefix index predicted the producer held minus those it reported cached (positive: the index over-predicted).",
+			Buckets: []float64{-4096, -1024, -256, -64, -16, 0, 16, 64, 256, 1024, 4096, 16384, 65536},
+		}),
+		uncorrected: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "narwhal_prefix_uncorrected_total",
+			Help: "Prefill answers without usage.prompt_tokens_details.cached_tokens: the prefix index is not corrected by them.",
+		}),
+		cuts: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "narwhal_prefix_index_cuts_total",
+			Help: "Chains cut from the prefix index because the producer reported fewer cached tokens than the index predicted.",
+		}),
 	}
 	for _, r := range placementIgnoredReasons {
 		m.placementIgnored.WithLabelValues(r)
@@ -67,6 +103,7 @@ func newMetrics(reg prometheus.Registerer, f func() *Fleet, index *prefix.Index)
 	for _, r := range []string{schemas.MismatchRouterID, schemas.MismatchEngineID} {
 		m.quarantineIgnored.WithLabelValues(r)
 	}
+	reg.MustRegister(m.predictedTokens, m.cachedTokens, m.predictionError, m.uncorrected, m.cuts)
 	reg.MustRegister(m.refusedCredentials, m.placementIgnored, m.fleetIgnored, m.quarantineIgnored, &indexCollector{index: index, f: f})
 	return m
 }
@@ -77,6 +114,27 @@ func (m *metrics) initEngine(e *Member) {
 	m.engineMu.Lock()
 	defer m.engineMu.Unlock()
 	m.refusedCredentials.WithLabelValues(e.ID)
+	if e.Can(Prefill) {
+		e.series.Store(&engineSeries{predicted: m.predictedTokens.WithLabelValues(e.ID), cached: m.cachedTokens.WithLabelValues(e.ID)})
+	}
+}
+
+// engineSeries is a member's own series of the request path, looked up
+// once when it joins: counting takes no lock. Once the engine left and
+// its series were deleted (forgetEngine), what is still counted on them
+// is exported nowhere.
+type engineSeries struct {
+	predicted, cached prometheus.Counter
+}
+
+// prediction counts one prefill answer's predicted and cached tokens on
+// engine e (R-PLACE-3).
+func (m *metrics) prediction(e *Member, predicted, cached int64) {
+	if s := e.series.Load(); s != nil {
+		s.predicted.Add(float64(predicted))
+		s.cached.Add(float64(cached))
+	}
+	m.predictionError.Observe(float64(predicted - cached))
 }
 
 // refused counts one credential refusal of engine id when in reports it
@@ -96,6 +154,8 @@ func (m *metrics) forgetEngine(id string) {
 	m.engineMu.Lock()
 	defer m.engineMu.Unlock()
 	m.refusedCredentials.DeleteLabelValues(id)
+	m.predictedTokens.DeleteLabelValues(id)
+	m.cachedTokens.DeleteLabelValues(id)
 }
 
 // indexCollector exports narwhal_prefix_index_blocks{engine}: the block

@@ -99,6 +99,7 @@ type View struct {
 	live   atomic.Pointer[Fleet] // the fleet as of now; replaced whole on a change (membership.go)
 	index  *prefix.Index
 	placed atomic.Pointer[PlacedFunc]
+	tokens tokenTable // per model: bytes per token, mean uncached prefill (correction.go)
 
 	// fleetMu orders changes of the fleet's membership (the live fleet's
 	// watch) against verdicts for engines not (yet) in it (the placement

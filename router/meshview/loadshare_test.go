@@ -1,0 +1,252 @@
+package meshview
+
+import (
+	"io"
+	"log/slog"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/bus/bustest"
+	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/engines/connector"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
+)
+
+// clock is a settable time for the load exchange's tests.
+type clock struct {
+	mu  sync.Mutex
+	now time.Time
+}
+
+func (c *clock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.now
+}
+
+func (c *clock) Add(d time.Duration) {
+	c.mu.Lock()
+	c.now = c.now.Add(d)
+	c.mu.Unlock()
+}
+
+func report(routerID string, entries ...func(*bus.LoadReport)) []byte {
+	var r bus.LoadReport
+	r.Reset(routerID)
+	for _, e := range entries {
+		e(&r)
+	}
+	return append([]byte(nil), r.Bytes()...)
+}
+
+func entry(engineID string, prefill, decode, tokens int64) func(*bus.LoadReport) {
+	return func(r *bus.LoadReport) { r.Add(engineID, prefill, decode, tokens) }
+}
+
+// TestLoadExchangeSumsAndForgetsStaleRPLACE3 proves the load exchange's
+// receiving side with an injected clock: the other routers' reports are
+// summed per engine into the members; a router not heard from for the
+// stale bound stops counting (and one heard again counts again); an
+// empty report drops the router at once; a report whose router id is not
+// its subject's, or a malformed one, changes nothing and is counted.
+func TestLoadExchangeSumsAndForgetsStaleRPLACE3(t *testing.T) {
+	s := newStack(t, pd(), nil)
+	clk := &clock{now: time.Unix(1000, 0)}
+	ls := newLoadShare(s.v)
+	ls.now = clk.Now
+	p1, d1 := s.v.Fleet().Member("p1"), s.v.Fleet().Member("d1")
+
+	ls.apply(bus.LoadSubject("r2"), report("r2", entry("p1", 3, 0, 3000), entry("d1", 0, 5, 0), entry("nope", 9, 9, 9)))
+	clk.Add(600 * time.Millisecond)
+	ls.apply(bus.LoadSubject("r3"), report("r3", entry("p1", 2, 0, 1000)))
+	if p1.MeshReserved(Prefill) != 5 || p1.MeshTokens() != 4000 || d1.MeshReserved(Decode) != 5 {
+		t.Fatalf("sums: p1 %d legs %d tokens, d1 %d decode legs", p1.MeshReserved(Prefill), p1.MeshTokens(), d1.MeshReserved(Decode))
+	}
+	// Own reservations add to the peers'.
+	p1.TryReserve(Prefill)
+	p1.AddTokens(50)
+	if p1.MeshReserved(Prefill) != 6 || p1.MeshTokens() != 4050 {
+		t.Fatalf("with this router's own: %d, %d", p1.MeshReserved(Prefill), p1.MeshTokens())
+	}
+	p1.Release(Prefill)
+	p1.AddTokens(-50)
+
+	// r2 was heard 600 ms ago: still counts just before the bound.
+	clk.Add(399 * time.Millisecond)
+	ls.expire(clk.Now())
+	if p1.MeshTokens() != 4000 {
+		t.Fatalf("before the bound: %d tokens", p1.MeshTokens())
+	}
+	clk.Add(time.Millisecond) // r2 silent for 1 s: forgotten
+	ls.expire(clk.Now())
+	if p1.MeshReserved(Prefill) != 2 || p1.MeshTokens() != 1000 || d1.MeshReserved(Decode) != 0 {
+		t.Fatalf("r2 stale: p1 %d legs %d tokens, d1 %d", p1.MeshReserved(Prefill), p1.MeshTokens(), d1.MeshReserved(Decode))
+	}
+	ls.apply(bus.LoadSubject("r2"), report("r2", entry("p1", 1, 0, 10)))
+	if p1.MeshTokens() != 1010 {
+		t.Fatalf("r2 heard again: %d tokens", p1.MeshTokens())
+	}
+	ls.apply(bus.LoadSubject("r3"), report("r3")) // r3 idle now
+	if p1.MeshTokens() != 10 {
+		t.Fatalf("r3's empty report: %d tokens", p1.MeshTokens())
+	}
+
+	// Hostile: another router's id on r2's subject, garbage, this router's own.
+	ls.apply(bus.LoadSubject("r2"), report("r4", entry("p1", 100, 0, 1e6)))
+	ls.apply(bus.LoadSubject("r2"), []byte("NWL1 garbage"))
+	ls.apply(bus.LoadSubject(s.v.id), report(s.v.id, entry("p1", 100, 0, 1e6)))
+	if p1.MeshTokens() != 10 {
+		t.Fatalf("after hostile reports: %d tokens", p1.MeshTokens())
+	}
+	if n := testkit.GatheredSum(t, s.reg, "narwhal_load_reports_ignored_total", "reason", "router_id_mismatch"); n != 1 {
+		t.Fatalf("router_id_mismatch %v", n)
+	}
+	if n := testkit.GatheredSum(t, s.reg, "narwhal_load_reports_ignored_total", "reason", "invalid"); n != 1 {
+		t.Fatalf("invalid %v", n)
+	}
+}
+
+// TestLoadExchangePublishesOnChangeRPLACE3: a router publishes its report
+// when its work changed, again every heartbeat while it has work, one
+// empty report when the work went, and nothing while idle.
+func TestLoadExchangePublishesOnChangeRPLACE3(t *testing.T) {
+	s := newStack(t, pd(), nil)
+	clk := &clock{now: time.Unix(1000, 0)}
+	ls := newLoadShare(s.v)
+	ls.now = clk.Now
+	var sent [][]byte
+	pub := func(subject string, data []byte) error {
+		if subject != bus.LoadSubject(s.v.id) {
+			t.Fatalf("published on %s", subject)
+		}
+		sent = append(sent, append([]byte(nil), data...))
+		return nil
+	}
+	tick := func() { clk.Add(loadEvery); ls.tick(pub) }
+	tick()
+	if len(sent) != 1 {
+		t.Fatalf("first tick: %d reports (the empty one: nothing was published before)", len(sent))
+	}
+	tick()
+	tick()
+	if len(sent) != 1 {
+		t.Fatalf("idle: %d reports, want none more", len(sent))
+	}
+	p1 := s.v.Fleet().Member("p1")
+	p1.TryReserve(Prefill)
+	p1.AddTokens(700)
+	tick()
+	if len(sent) != 2 {
+		t.Fatalf("after a reservation: %d reports", len(sent))
+	}
+	var got []loadEntryT
+	if _, err := bus.ParseLoadReport(sent[1], func(e []byte, p, d, k int64) { got = append(got, loadEntryT{string(e), p, d, k}) }); err != nil || len(got) != 1 || got[0] != (loadEntryT{"p1", 1, 0, 700}) {
+		t.Fatalf("report %v %v", got, err)
+	}
+	for range int(loadHeartbeat / loadEvery) {
+		tick()
+	}
+	if len(sent) != 3 {
+		t.Fatalf("unchanged work for a heartbeat: %d reports, want the heartbeat", len(sent))
+	}
+	p1.Release(Prefill)
+	p1.AddTokens(-700)
+	tick()
+	tick()
+	if len(sent) != 4 {
+		t.Fatalf("after the release: %d reports, want one empty one", len(sent))
+	}
+	if _, err := bus.ParseLoadReport(sent[3], func([]byte, int64, int64, int64) { t.Fatal("an entry in the empty report") }); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// newBenchStack is a view of prefill engines p1…p3 and decode engine d1
+// that nothing serves: the load exchange reads only its members.
+func newBenchStack(b *testing.B) *View {
+	cfg := config.Default()
+	cfg.Router.ID = "rt-bench"
+	for _, id := range []string{"p1", "p2", "p3", "d1"} {
+		role := connector.RolePrefill
+		if id == "d1" {
+			role = connector.RoleDecode
+		}
+		cfg.Fleet = append(cfg.Fleet, config.EngineSpec{ID: id, URL: "http://127.0.0.1:9", Role: role, Connector: "nixl"})
+	}
+	if err := cfg.Validate(); err != nil {
+		b.Fatal(err)
+	}
+	v, err := New(Options{Config: &cfg, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		b.Fatal(err)
+	}
+	return v
+}
+
+type loadEntryT struct {
+	id      string
+	p, d, k int64
+}
+
+// TestLoadExchangeVisibleWithin100msRPLACE3: over a real embedded NATS,
+// a reservation made on one router is seen by another router's
+// placement (the member's mesh counts) within 100 ms, and its release
+// too.
+func TestLoadExchangeVisibleWithin100msRPLACE3(t *testing.T) {
+	m := newMeshBus(t)
+	a := newStack(t, prefixFleet(), func(c *config.Config) { c.Router.ID = "rt-a" })
+	b := newStack(t, prefixFleet(), func(c *config.Config) { c.Router.ID = "rt-b" })
+	a.waitModels()
+	b.waitModels()
+	if err := a.v.Join(m.B, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.v.Join(m.Peer, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	_ = m.B.Conn().Flush()
+	_ = m.Peer.Conn().Flush()
+	pa, pb := a.v.Fleet().Member("p2"), b.v.Fleet().Member("p2")
+	for round := range 3 {
+		pa.TryReserve(Prefill)
+		pa.AddTokens(1234)
+		start := time.Now()
+		testkit.WaitFor(t, time.Second, "router b to see a's reservation", func() bool { return pb.MeshTokens() == 1234 && pb.MeshReserved(Prefill) == 1 })
+		if took := time.Since(start); took > 100*time.Millisecond {
+			t.Fatalf("round %d: router b saw a's reservation after %v, want within 100 ms", round, took)
+		}
+		pa.Release(Prefill)
+		pa.AddTokens(-1234)
+		start = time.Now()
+		testkit.WaitFor(t, time.Second, "router b to see a's release", func() bool { return pb.MeshTokens() == 0 && pb.MeshReserved(Prefill) == 0 })
+		if took := time.Since(start); took > 100*time.Millisecond {
+			t.Fatalf("round %d: router b saw a's release after %v, want within 100 ms", round, took)
+		}
+	}
+}
+
+// BenchmarkLoadExchangeTick measures one tick of the load exchange on
+// each side, over a real embedded NATS: this router's report of 4
+// engines encoded and published (its work changed since the last), and
+// one peer's report parsed and summed into the members. A router does
+// this at most 20 times a second whatever its request rate, plus one
+// apply per peer report (R-PLACE-3).
+func BenchmarkLoadExchangeTick(b *testing.B) {
+	m := bustest.NewMesh(b, "router")
+	s := newBenchStack(b)
+	ls := newLoadShare(s)
+	nc := m.B.Conn()
+	peer := report("r2", entry("p1", 3, 0, 3000), entry("p2", 1, 0, 900), entry("p3", 2, 0, 40), entry("d1", 0, 7, 0))
+	subject := bus.LoadSubject("r2")
+	p1 := s.Fleet().Member("p1")
+	b.ReportAllocs()
+	cpu := testkit.CPUTime()
+	for i := 0; b.Loop(); i++ {
+		p1.AddTokens(int64(i&1)*2 - 1) // a change every tick: a publish every tick
+		ls.tick(nc.Publish)
+		ls.apply(subject, peer)
+	}
+	testkit.ReportCPUPerOp(b, cpu)
+}
