@@ -20,8 +20,10 @@ type Candidate struct {
 	// Running is the engine's own running requests (vLLM's
 	// num_requests_running), 0 when unknown.
 	Running int64
-	// Legs is the mesh's legs in flight on the engine, both phases: the
-	// requests of Waiting and Running the mesh knows the work of.
+	// Legs is the mesh's legs in flight on the engine, both phases, when
+	// Waiting and Running were read: the requests of those counts the
+	// mesh knows the work of (taken at the same moment, so that a count
+	// read seconds ago is not set against the legs of now).
 	Legs int64
 	// Tokens is the uncached prefill work in flight on the engine, in
 	// tokens: the sum of every producer attempt's estimate at its

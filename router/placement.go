@@ -362,7 +362,7 @@ func (sc *placeScratch) eligible(fl *fleet, model string, p phase, avoid []*memb
 			Outstanding: load + m.MeshReserved(p) - m.Reserved(p),
 			Waiting:     m.Waiting(),
 			Running:     m.Running(),
-			Legs:        m.MeshReserved(prefillPhase) + m.MeshReserved(decodePhase),
+			Legs:        m.LegsAtRead(),
 			Tokens:      m.MeshTokens(),
 		}
 		if m.Can(decodePhase) {

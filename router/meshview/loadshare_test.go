@@ -12,6 +12,7 @@ import (
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines/connector"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
+	"github.com/narwhalmesh/narwhal/prefix"
 )
 
 // clock is a settable time for the load exchange's tests.
@@ -249,4 +250,37 @@ func BenchmarkLoadExchangeTick(b *testing.B) {
 		ls.apply(subject, peer)
 	}
 	testkit.ReportCPUPerOp(b, cpu)
+}
+
+// TestEngineCountsMeetTheLegsOfTheirMomentRPLACE3 proves that the
+// engine's own counts (read from its /metrics every few seconds) are set
+// against the mesh's legs of the moment they were read, not of now
+// (R-PLACE-3): legs that ended since the read are not taken for work the
+// mesh did not send, and legs begun since are not subtracted twice.
+func TestEngineCountsMeetTheLegsOfTheirMomentRPLACE3(t *testing.T) {
+	s := newStack(t, pd(), nil)
+	p1 := s.v.Fleet().Member("p1")
+	for range 3 {
+		p1.TryReserve(Prefill)
+	}
+	p1.SetWaiting(1)
+	p1.SetRunning(2) // the engine's 3 requests are the mesh's 3 legs
+	if got := p1.LegsAtRead(); got != 3 {
+		t.Fatalf("legs at the read: %d, want 3", got)
+	}
+	for range 3 {
+		p1.Release(Prefill) // the legs end before the next read
+	}
+	if got := p1.LegsAtRead(); got != 3 {
+		t.Fatalf("legs at the read after they ended: %d, want still 3 (the read's moment)", got)
+	}
+	c := prefix.Candidate{Waiting: p1.Waiting(), Running: p1.Running(), Legs: p1.LegsAtRead()}
+	w := &prefix.Work{Blocks: 8, PromptBytes: 8 * prefix.BlockBytes, Ratio: prefix.DefaultTokenRatio, PerRequest: 1000}
+	if got, want := c.Cost(w), prefix.DefaultTokenRatio.Tokens(8*prefix.BlockBytes); got != want {
+		t.Fatalf("cost %d, want %d: the engine's counts were all the mesh's own legs, nothing foreign", got, want)
+	}
+	p1.SetRunning(0)
+	if got := p1.LegsAtRead(); got != 0 {
+		t.Fatalf("legs at the next read: %d, want 0", got)
+	}
 }

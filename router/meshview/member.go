@@ -54,6 +54,10 @@ type Member struct {
 	// running is the engine's own running requests (vLLM's
 	// num_requests_running) as last read, 0 when unknown.
 	running atomic.Int64
+	// legsAtRead is the mesh's legs in flight on the engine when its
+	// /metrics was last read (SetRunning), what its waiting and running
+	// counts then included of the mesh's own.
+	legsAtRead atomic.Int64
 	// uncorrected is set once the engine, as a producer, answered a
 	// prefill without usage.prompt_tokens_details.cached_tokens: the
 	// index's correction is off for it, said once in the log (R-PLACE-3).
@@ -258,8 +262,21 @@ func (m *Member) Running() int64 { return m.running.Load() }
 
 // SetRunning records the engine's own running requests (vLLM's
 // num_requests_running) for the cost of behaviour.md R-PLACE-3; n < 0 is
-// taken as 0.
-func (m *Member) SetRunning(n int64) { m.running.Store(max(n, 0)) }
+// taken as 0. It also takes the mesh's legs in flight on the engine at
+// that moment (LegsAtRead): the engine's counts, read every
+// placement.engine_metrics_interval_s, are compared with the mesh's legs
+// of the same moment, never with later ones — a queue read two seconds
+// ago less the legs of now would count the mesh's own finished requests
+// as work it did not send.
+func (m *Member) SetRunning(n int64) {
+	m.running.Store(max(n, 0))
+	m.legsAtRead.Store(m.MeshReserved(Prefill) + m.MeshReserved(Decode))
+}
+
+// LegsAtRead returns the mesh's legs in flight on the engine when its
+// /metrics was last read (SetRunning): the part of its waiting and
+// running counts the mesh knows the work of.
+func (m *Member) LegsAtRead() int64 { return m.legsAtRead.Load() }
 
 // AddTokens adds n (negative: removes) to the estimated uncached prefill
 // tokens this router has in flight on the engine (behaviour.md
