@@ -308,18 +308,30 @@ func (e *kvEntry) Delta() uint64                   { return e.delta }
 func (e *kvEntry) Operation() jetstream.KeyValueOp { return e.op }
 
 // entryOf reads a message of bucket's stream as its entry: the key from
-// the subject, the operation from the KV-Operation header (DEL, PURGE).
+// the subject, the operation from the KV-Operation header (DEL, PURGE)
+// or, for the marker the server writes when a key's TTL runs out or a
+// key is removed (a bucket with TTL markers, as narwhal_fleet), from its
+// Nats-Marker-Reason header (MaxAge and Purge a purge, Remove a delete),
+// as jetstream's own KV watch reads them.
 func entryOf(bucket string, m jetstream.Msg) (*kvEntry, uint64) {
 	md, _ := m.Metadata()
 	e := &kvEntry{bucket: bucket, key: strings.TrimPrefix(m.Subject(), "$KV."+bucket+"."), value: m.Data(), op: jetstream.KeyValuePut}
 	if md != nil {
 		e.revision, e.created, e.delta = md.Sequence.Stream, md.Timestamp, md.NumPending
 	}
-	switch m.Headers().Get("KV-Operation") {
+	h := m.Headers()
+	switch h.Get("KV-Operation") {
 	case "DEL":
 		e.op = jetstream.KeyValueDelete
 	case "PURGE":
 		e.op = jetstream.KeyValuePurge
+	case "":
+		switch h.Get(jetstream.MarkerReasonHeader) {
+		case "MaxAge", "Purge":
+			e.op = jetstream.KeyValuePurge
+		case "Remove":
+			e.op = jetstream.KeyValueDelete
+		}
 	}
 	return e, e.delta
 }

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/prefix"
@@ -48,7 +49,12 @@ func TestCorrectionCutsDeniedPrefixRPLACE3(t *testing.T) {
 }
 
 func testCorrectionCuts(t *testing.T, producer, consumer sim.Config) {
-	s := newStack(t, []engineDef{{id: "p1", role: "prefill", cfg: producer}, {id: "d1", role: "decode", cfg: consumer}}, nil)
+	// The engines' /metrics are not read: the index is not sized from the
+	// producer's KV cache (which would foresee this eviction itself), so
+	// it over-predicts as it does for an engine that reports no capacity,
+	// and only the answer's cached_tokens can tell it.
+	s := newStack(t, []engineDef{{id: "p1", role: "prefill", cfg: producer}, {id: "d1", role: "decode", cfg: consumer}},
+		func(c *config.Config) { c.Placement.EngineMetricsIntervalS = 0 })
 	s.waitModels()
 	a := costBody(strings.Repeat("Tenant A's long context about narwhal tusks. ", 40), "q")
 	b := costBody(strings.Repeat("Tenant B's other long context about belugas. ", 40), "q")
