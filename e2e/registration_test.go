@@ -53,39 +53,71 @@ func (c *cluster) inFleet(t *testing.T, id string) bool {
 // body is read in the background.
 type heldStream struct {
 	decode string   // X-Narwhal-Decode-Engine
+	status int      // the response's status
+	err    error    // the request's, when it got no response
+	cancel func()   // ends the request
 	want   []string // the whole output
 	done   chan streamReply
 }
 
 // openStreamOn sends streaming completions through r until one is decoded
 // on engine (the others are read to their end), within bound; maxTokens
-// makes it long when the engine is slow.
+// makes it long when the engine is slow. Each round sends four at once:
+// decode legs go to the least loaded consumer of the whole mesh
+// (behaviour.md R-PLACE-3), so once another router holds a stream on
+// engine, a lone request would always find an idle consumer elsewhere.
 func (c *cluster) openStreamOn(t *testing.T, r *routerProc, engine string, maxTokens int, bound time.Duration) *heldStream {
 	t.Helper()
 	seed, want := fullSeed(t, "held", maxTokens)
 	deadline := time.Now().Add(bound)
+	const perRound = 4
 	for time.Now().Before(deadline) {
-		body, _ := json.Marshal(map[string]any{"model": clusterModel, "prompt": "held", "seed": seed, "max_tokens": maxTokens, "stream": true})
-		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, r.url+"/v1/completions", bytes.NewReader(body))
-		req.Header.Set("Content-Type", "application/json")
-		req.Header.Set("X-Request-Id", "e2e-reg-"+strconv.FormatInt(c.sent.Add(1), 10))
-		resp, err := c.client.Do(req)
-		if err != nil {
-			cancel()
-			t.Fatalf("router %s: %v", r.id, err)
+		opened := make(chan *heldStream, perRound)
+		for range perRound {
+			go func() {
+				body, _ := json.Marshal(map[string]any{"model": clusterModel, "prompt": "held", "seed": seed, "max_tokens": maxTokens, "stream": true})
+				ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+				req, _ := http.NewRequestWithContext(ctx, http.MethodPost, r.url+"/v1/completions", bytes.NewReader(body))
+				req.Header.Set("Content-Type", "application/json")
+				req.Header.Set("X-Request-Id", "e2e-reg-"+strconv.FormatInt(c.sent.Add(1), 10))
+				resp, err := c.client.Do(req)
+				if err != nil {
+					cancel()
+					opened <- &heldStream{err: err}
+					return
+				}
+				h := &heldStream{decode: resp.Header.Get("X-Narwhal-Decode-Engine"), status: resp.StatusCode, want: want, done: make(chan streamReply, 1), cancel: cancel}
+				go func() {
+					defer cancel()
+					defer resp.Body.Close()
+					b, err := io.ReadAll(resp.Body)
+					h.done <- streamReply{router: r.id, status: resp.StatusCode, body: b, err: err}
+				}()
+				opened <- h
+			}()
 		}
-		h := &heldStream{decode: resp.Header.Get("X-Narwhal-Decode-Engine"), want: want, done: make(chan streamReply, 1)}
-		go func() {
-			defer cancel()
-			defer resp.Body.Close()
-			b, err := io.ReadAll(resp.Body)
-			h.done <- streamReply{router: r.id, status: resp.StatusCode, body: b, err: err}
-		}()
-		if resp.StatusCode == http.StatusOK && h.decode == engine {
-			return h
+		var chosen *heldStream
+		var others []*heldStream
+		for range perRound {
+			h := <-opened
+			switch {
+			case h.err != nil:
+				t.Fatalf("router %s: %v", r.id, h.err)
+			case chosen == nil && h.status == http.StatusOK && h.decode == engine:
+				chosen = h
+			default:
+				others = append(others, h)
+			}
 		}
-		<-h.done
+		for _, h := range others {
+			if h.decode == engine {
+				h.cancel() // a second stream there: not read to its slow end
+			}
+			<-h.done
+		}
+		if chosen != nil {
+			return chosen
+		}
 	}
 	t.Fatalf("router %s placed no stream on %s within %v", r.id, engine, bound)
 	return nil
