@@ -211,9 +211,12 @@ func viewerDenied() []string {
 // listing keeps the names secret — from the viewer too, whose consumer
 // permissions would otherwise reach any consumer it could name; an
 // identity's names are also the only ones its credential may use.
-// Nothing of Narwhal pauses or lists consumers.
+// Nothing of Narwhal pauses or lists consumers. Moving a consumer to
+// other servers ($JS.API.CONSUMER.PEER.REMOVE / PEER.EVACUATE, which the
+// wide read permissions would match too — the breaker's durable
+// consumer among them) is the admin's alone as well.
 func consumerDenied() []string {
-	return []string{jsAPI + "CONSUMER.PAUSE.>", jsAPI + "CONSUMER.LIST.*", jsAPI + "CONSUMER.NAMES.*"}
+	return []string{jsAPI + "CONSUMER.PAUSE.>", jsAPI + "CONSUMER.LIST.*", jsAPI + "CONSUMER.NAMES.*", jsAPI + "CONSUMER.PEER.>"}
 }
 
 // RolePermissions returns the NATS publish and subscribe permissions of

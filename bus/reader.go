@@ -178,11 +178,22 @@ func (r *Reader) start(ctx context.Context, first bool) error {
 	return nil
 }
 
-// lost asks for consumer gen to be made again.
+// lost asks for consumer gen to be made again. The newer of it and a
+// request still waiting is kept: a stale request (of a consumer dropped already, which
+// run skips) must not keep out the request of the current one, or a
+// consumer lost after it would never be made again.
 func (r *Reader) lost(gen int) {
-	select {
-	case r.kick <- gen:
-	default:
+	for {
+		select {
+		case r.kick <- gen:
+			return
+		default:
+		}
+		select {
+		case old := <-r.kick:
+			gen = max(gen, old) // generations only grow: keep the newest
+		default:
+		}
 	}
 }
 
