@@ -197,7 +197,7 @@ type Server struct {
 	faults   faultSet
 	recorder recorder
 	count    counters
-	work     prefillWork
+	work     *prefillCompute // the prefill compute its prompts share
 
 	exchanges sync.Pool
 }
@@ -291,7 +291,7 @@ func New(cfg Config) (*Server, error) {
 	}
 	cfg.Faults = append([]Fault(nil), cfg.Faults...)
 
-	s := &Server{cfg: cfg, born: startTime()}
+	s := &Server{cfg: cfg, born: startTime(), work: newPrefillCompute()}
 	if cfg.Connector == ConnectorSharedStorage {
 		store, err := openSharedStore(cfg.KVStore, cfg.Model, cfg.BlockSize, cfg.KVStoreBlocks)
 		if err != nil {
