@@ -83,7 +83,9 @@ type Config struct {
 	// PrefillPerToken is the prefill compute time per uncached prompt
 	// token, spent by prefill legs and by plain requests (every request
 	// but a decode leg whose KV pull succeeded) on the tokens the prefix
-	// cache did not hold. 0 is fine.
+	// cache did not hold. It is the engine's, as one GPU's: the prompts
+	// computing at once share it, so N of them each progress at 1/N of
+	// the speed (docs/simulator.md "Prefill compute"). 0 is fine.
 	PrefillPerToken time.Duration
 	// NoPromptTokensDetails leaves usage.prompt_tokens_details out, as
 	// vLLM does without --enable-prompt-tokens-details: nothing tells then
