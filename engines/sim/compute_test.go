@@ -2,6 +2,7 @@ package sim
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
@@ -25,7 +26,7 @@ func timedCompletion(c *http.Client, url, prompt string) (time.Duration, error) 
 		return 0, err
 	}
 	if resp.StatusCode != http.StatusOK {
-		return 0, &http.ProtocolError{ErrorString: resp.Status}
+		return 0, fmt.Errorf("status %s", resp.Status)
 	}
 	return time.Since(start), nil
 }
