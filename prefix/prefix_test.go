@@ -223,53 +223,85 @@ func work(blocks int) *Work {
 }
 
 // TestCostBoundaryRPLACE3 proves R-PLACE-3's cost around its boundary: an
-// engine holding m of the prompt's blocks with W tokens of prefill in
-// flight loses to an idle engine that holds nothing exactly when W
-// exceeds the work the match saves (m blocks × 16 tokens), for a whole
-// and a partial match, whatever the order of the candidates; at W equal
-// to it the two cost the same and share the placements.
+// engine holding m of the prompt's blocks with n attempts of W tokens in
+// all in flight loses to an idle engine that holds nothing exactly when
+// the work ahead of the request there — W less half of one attempt's
+// mean, the one computing being half done on average — exceeds the work
+// the match saves (m blocks × 16 tokens), for a whole and a partial
+// match, whatever the order of the candidates; when the two are equal
+// the two engines cost the same and share the placements.
 func TestCostBoundaryRPLACE3(t *testing.T) {
 	b := Balance{Abs: 32, Rel: 1.5}
 	const blocks = 125 // a 2,000-token prompt
-	for _, m := range []int{blocks, 60, MinScoredBlocks} {
-		saved := int64(m) * 16
-		for _, tc := range []struct {
-			waiting  int64
-			loadedOK bool // the loaded engine holding the prefix wins
-		}{
-			{0, true}, {saved / 2, true}, {saved - 1, true}, {saved + 1, false}, {2 * saved, false}, {100 * saved, false},
-		} {
-			for _, order := range []bool{false, true} {
-				cands := []Candidate{{Matched: m, Outstanding: 3, Legs: 3, Tokens: tc.waiting}, {}}
-				loaded, idle := 0, 1
-				if order {
-					cands[0], cands[1] = cands[1], cands[0]
-					loaded, idle = 1, 0
+	for _, n := range []int64{1, 3} {
+		ahead := func(w int64) int64 { return w - w/(2*n) }
+		for _, m := range []int{blocks, 60, MinScoredBlocks} {
+			saved := int64(m) * 16
+			// tie: the least W whose work ahead is the saving.
+			tie := saved
+			for ahead(tie) < saved {
+				tie++
+			}
+			for _, inFlight := range []int64{0, saved / 2, saved - 1, saved, tie - 1, tie + 1, tie + 2*n, 2 * tie, 100 * saved} {
+				if ahead(inFlight) == saved {
+					continue // a tie, below
 				}
-				w := work(blocks)
-				want := idle
-				if tc.loadedOK {
-					want = loaded
-				}
-				for range 20 {
-					if i, g := Choose(cands, w, b); i != want || g {
-						t.Fatalf("m %d, waiting %d tokens (saved %d): chose %d (guard %v), want %d", m, tc.waiting, saved, i, g, want)
+				loadedOK := ahead(inFlight) < saved // the loaded engine holding the prefix wins
+				for _, order := range []bool{false, true} {
+					cands := []Candidate{{Matched: m, Outstanding: n, Legs: n, Tokens: inFlight}, {}}
+					loaded, idle := 0, 1
+					if order {
+						cands[0], cands[1] = cands[1], cands[0]
+						loaded, idle = 1, 0
+					}
+					w := work(blocks)
+					want := idle
+					if loadedOK {
+						want = loaded
+					}
+					for range 20 {
+						if i, g := Choose(cands, w, b); i != want || g {
+							t.Fatalf("n %d, m %d, %d tokens in flight (%d ahead, saved %d): chose %d (guard %v), want %d", n, m, inFlight, ahead(inFlight), saved, i, g, want)
+						}
 					}
 				}
 			}
+			if ahead(tie) != saved {
+				continue // no W makes the work ahead exactly the saving
+			}
+			// At the boundary both cost the same: ties spread.
+			cands := []Candidate{{Matched: m, Outstanding: n, Legs: n, Tokens: tie}, {}}
+			if c0, c1 := cands[0].Cost(work(blocks)), cands[1].Cost(work(blocks)); c0 != c1 {
+				t.Fatalf("n %d, m %d: at the boundary costs %d and %d differ", n, m, c0, c1)
+			}
+			var counts [2]int
+			for range 400 {
+				i, _ := Choose(cands, work(blocks), b)
+				counts[i]++
+			}
+			if counts[0] < 100 || counts[1] < 100 {
+				t.Fatalf("n %d, m %d: ties at the boundary went %v, want both", n, m, counts)
+			}
 		}
-		// At the boundary both cost the same: ties spread.
-		cands := []Candidate{{Matched: m, Outstanding: 3, Legs: 3, Tokens: saved}, {}}
-		if c0, c1 := cands[0].Cost(work(blocks)), cands[1].Cost(work(blocks)); c0 != c1 {
-			t.Fatalf("m %d: at the boundary costs %d and %d differ", m, c0, c1)
-		}
-		var counts [2]int
-		for range 400 {
-			i, _ := Choose(cands, work(blocks), b)
-			counts[i]++
-		}
-		if counts[0] < 100 || counts[1] < 100 {
-			t.Fatalf("m %d: ties at the boundary went %v, want both", m, counts)
+	}
+}
+
+// TestCostCountsComputingHalfDoneRPLACE3: the work in flight on an
+// engine counts whole for the attempts queued and half for the one
+// computing (a request arrives on average half way through it): one
+// attempt of 1,000 tokens adds 500, four of 4,000 in all add 3,500, and
+// tokens without an outstanding attempt (another router's, not yet
+// counted) add all of theirs.
+func TestCostCountsComputingHalfDoneRPLACE3(t *testing.T) {
+	w := work(100)
+	base := (&Candidate{}).Cost(w)
+	for _, tc := range []struct {
+		outstanding, tokens, want int64
+	}{
+		{1, 1000, 500}, {4, 4000, 3500}, {2, 1001, 751}, {0, 1000, 1000}, {1, 0, 0},
+	} {
+		if c := (&Candidate{Outstanding: tc.outstanding, Legs: tc.outstanding, Tokens: tc.tokens}).Cost(w); c != base+tc.want {
+			t.Errorf("%d attempts of %d tokens in all: cost %d, want %d + %d", tc.outstanding, tc.tokens, c, base, tc.want)
 		}
 	}
 }

@@ -27,7 +27,8 @@ type Candidate struct {
 	Legs int64
 	// Tokens is the uncached prefill work in flight on the engine, in
 	// tokens: the sum of every producer attempt's estimate at its
-	// reservation, the mesh's.
+	// reservation, the mesh's. Outstanding attempts hold it; the cost
+	// counts the one computing as half done (Cost).
 	Tokens int64
 	// DecodeLegs is the decode legs in flight on the engine when it also
 	// decodes (role both), the mesh's; 0 for a prefill engine.
@@ -96,9 +97,10 @@ type Work struct {
 // Cost returns candidate c's expected prefill work for w in tokens
 // (behaviour.md R-PLACE-3): the prompt's uncached part there (its tokens
 // beyond the Matched leading blocks) plus the work it already has — the
-// mesh's uncached prefill tokens in flight on it, one token per decode
-// leg of a role-both engine (a decode sequence adds a token to each of
-// the engine's steps), and PerRequest for each request the
+// mesh's uncached prefill tokens in flight on it, less half of the
+// attempt computing (ahead), one token per decode leg of a role-both
+// engine (a decode sequence adds a token to each of the engine's
+// steps), and PerRequest for each request the
 // engine counts beyond the mesh's legs on it. A prompt shorter than
 // MinScoredBlocks counts as wholly uncached. It does not allocate.
 func (c *Candidate) Cost(w *Work) int64 {
@@ -109,7 +111,23 @@ func (c *Candidate) Cost(w *Work) int64 {
 	uncached := w.Ratio.Tokens(w.PromptBytes - matched*BlockBytes)
 	decode := bound(c.DecodeLegs)
 	extra := max(bound(c.Waiting)+bound(c.Running)-bound(c.Legs), 0)
-	return uncached + bound(c.Tokens) + decode + extra*min(max(w.PerRequest, 0), maxPerRequest)
+	return uncached + c.ahead() + decode + extra*min(max(w.PerRequest, 0), maxPerRequest)
+}
+
+// ahead returns the prefill work in flight on c that a request placed
+// now expects to wait for, in tokens (behaviour.md R-PLACE-3): Tokens
+// less half of one Outstanding attempt's mean reservation. A reservation
+// is its attempt's whole estimate until the prefill answers, but the
+// attempt the engine is computing when a request arrives — at a random
+// moment of that computation — has on average half of it left; those
+// queued behind it have all of theirs. With no Outstanding attempt it
+// is Tokens.
+func (c *Candidate) ahead() int64 {
+	tokens := bound(c.Tokens)
+	if n := bound(c.Outstanding); n > 0 {
+		tokens -= tokens / (2 * n)
+	}
+	return tokens
 }
 
 // Balance is the imbalance guard's setting (behaviour.md R-PLACE-2).

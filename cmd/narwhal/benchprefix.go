@@ -126,7 +126,7 @@ const (
 	hotTenantRate       = 96.0 // warm prefills of 33 ms: the fleet queues in bursts
 	cachePressureUsers  = 1    // ⌈3 × capacity / context⌉ tenants × 1 × 3
 	cachePressureQuery  = 3
-	cachePressureRate   = 24.0 // mostly cold prefills: the fleet carries about 27/s
+	cachePressureRate   = 24.0 // mostly cold prefills: beyond the fleet's ~14/s
 	mixedTenants        = 16   // 16 × 2 × 8 shared requests and 256 short chats
 	defaultWorkloadRate = 32.0
 )

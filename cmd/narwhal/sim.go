@@ -51,7 +51,7 @@ func runSim(ctx context.Context, args []string) error {
 	fs.StringVar(&cfg.Model, "model", "", "served model `NAME` (required)")
 	fs.DurationVar(&cfg.TTFT, "ttft", 0, "delay before the first generated token of a decode")
 	fs.DurationVar(&cfg.ITL, "itl", 0, "delay between generated tokens")
-	fs.DurationVar(&cfg.PrefillPerToken, "prefill-per-token", 0, "prefill compute time per prompt token the prefix cache does not hold")
+	fs.DurationVar(&cfg.PrefillPerToken, "prefill-per-token", 0, "prefill compute time per prompt token the prefix cache does not hold (the prompts computing at once share the compute)")
 	fs.IntVar(&cfg.BlockSize, "block-size", sim.BlockSize, "prompt tokens per KV block (the prefix cache's unit)")
 	fs.IntVar(&cfg.KVCacheBlocks, "kv-cache-blocks", sim.DefaultKVCacheBlocks, "prefix cache capacity in KV blocks, least recently used evicted first")
 	fs.IntVar(&cfg.MaxNumSeqs, "max-num-seqs", 0, "run at most `N` requests at once and queue the rest, like vLLM's --max-num-seqs (0 = unbounded)")

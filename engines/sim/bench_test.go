@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"testing"
+	"time"
 
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
@@ -82,6 +83,24 @@ func BenchmarkStream16(b *testing.B) {
 // stream, in memory (no network, no client).
 func BenchmarkStream16Handler(b *testing.B) {
 	s, err := New(Config{EngineID: "e1", Model: "m"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer s.Close()
+	h := s.Handler()
+	w := &discardResponse{h: http.Header{}}
+	body := streamBody(16)
+	b.ReportAllocs()
+	for b.Loop() {
+		serveInMemory(h, w, body)
+	}
+}
+
+// BenchmarkStream16HandlerPrefill is BenchmarkStream16Handler with prefill
+// compute (1 µs per uncached prompt token, the cache off so every request
+// computes): the cost of the engine's shared prefill compute.
+func BenchmarkStream16HandlerPrefill(b *testing.B) {
+	s, err := New(Config{EngineID: "e1", Model: "m", PrefillPerToken: time.Microsecond, KVCacheBlocks: 1})
 	if err != nil {
 		b.Fatal(err)
 	}

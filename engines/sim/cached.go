@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"time"
 )
 
 // Cached is what an engine holds for one request, as POST /sim/cached
@@ -78,7 +77,7 @@ func (s *Server) CachedFor(body []byte) (Cached, error) {
 	c.Waiting, c.Running = s.count.waiting.Load(), s.count.running.Load()
 	c.QueuedPromptTokens = s.count.queuedTokens.Load()
 	if per := s.cfg.PrefillPerToken; per > 0 {
-		left := s.work.left(time.Since(s.born))
+		left := s.work.left()
 		c.QueuedPromptTokens += int64((left + per - 1) / per)
 	}
 	return c, nil

@@ -27,7 +27,8 @@
 //
 // Each Server keeps a prefix cache of KV blocks like vLLM's automatic
 // prefix caching (Config.BlockSize, Config.KVCacheBlocks): prefill
-// compute is spent on uncached tokens only, responses report
+// compute is spent on uncached tokens only, and shared by the prompts
+// computing at once as one GPU's is, responses report
 // usage.prompt_tokens_details.cached_tokens, and /metrics has vLLM's
 // prefix-cache counters, its request queue (Config.MaxNumSeqs) and
 // process_start_time_seconds (Server.StartTime).

@@ -107,6 +107,7 @@ type exchange struct {
 	buf     []byte
 	head    []byte // chunk prefix: {"id":…,"object":…,"created":…,"model":…,"choices":[
 	timer   *time.Timer
+	job     computeJob // this request's share of the engine's prefill compute
 	choices []choice
 	stop    []string
 	hashes  []uint64 // the prompt's block hashes
@@ -140,6 +141,7 @@ func (x *exchange) reset(s *Server, w http.ResponseWriter, kind endpointKind) {
 		buf:     x.buf[:0],
 		head:    x.head[:0],
 		timer:   x.timer,
+		job:     computeJob{kick: x.job.kick, timer: x.job.timer},
 		choices: x.choices[:0],
 		stop:    x.stop[:0],
 		hashes:  x.hashes[:0],
@@ -213,9 +215,10 @@ func (x *exchange) setQueued(n int) {
 	}
 }
 
-// compute spends PrefillPerToken on each of n prompt tokens, the time
-// still ahead counted in the engine's work meanwhile (Server.work). It
-// returns false when the request's context ended first.
+// compute spends PrefillPerToken on each of n prompt tokens of the
+// engine's prefill compute, shared with the prompts computing meanwhile
+// (Server.work: N at once take N times as long each). It returns false
+// when the request's context ended first.
 func (x *exchange) compute(n int) bool {
 	s := x.s
 	x.setQueued(0)
@@ -223,10 +226,7 @@ func (x *exchange) compute(n int) bool {
 	if d <= 0 {
 		return true
 	}
-	end := time.Since(s.born) + d
-	s.work.begin(end)
-	defer s.work.finish(end)
-	return x.sleep(d)
+	return s.work.run(x.ctx, &x.job, d)
 }
 
 // admit takes one of Config.MaxNumSeqs sequences, waiting in arrival

@@ -83,7 +83,9 @@ type Config struct {
 	// PrefillPerToken is the prefill compute time per uncached prompt
 	// token, spent by prefill legs and by plain requests (every request
 	// but a decode leg whose KV pull succeeded) on the tokens the prefix
-	// cache did not hold. 0 is fine.
+	// cache did not hold. It is the engine's, as one GPU's: the prompts
+	// computing at once share it, so N of them each progress at 1/N of
+	// the speed (docs/simulator.md "Prefill compute"). 0 is fine.
 	PrefillPerToken time.Duration
 	// NoPromptTokensDetails leaves usage.prompt_tokens_details out, as
 	// vLLM does without --enable-prompt-tokens-details: nothing tells then
@@ -197,7 +199,7 @@ type Server struct {
 	faults   faultSet
 	recorder recorder
 	count    counters
-	work     prefillWork
+	work     *prefillCompute // the prefill compute its prompts share
 
 	exchanges sync.Pool
 }
@@ -291,7 +293,7 @@ func New(cfg Config) (*Server, error) {
 	}
 	cfg.Faults = append([]Fault(nil), cfg.Faults...)
 
-	s := &Server{cfg: cfg, born: startTime()}
+	s := &Server{cfg: cfg, born: startTime(), work: newPrefillCompute()}
 	if cfg.Connector == ConnectorSharedStorage {
 		store, err := openSharedStore(cfg.KVStore, cfg.Model, cfg.BlockSize, cfg.KVStoreBlocks)
 		if err != nil {

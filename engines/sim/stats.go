@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"sync"
 	"sync/atomic"
-	"time"
 )
 
 // Stats are a Server's counters since it was created, served as JSON by
@@ -104,40 +103,6 @@ type counters struct {
 	// runningBlocks is the KV blocks of the running requests' prompts
 	// (vllm:kv_cache_usage_perc).
 	queuedTokens, runningBlocks atomic.Int64
-}
-
-// prefillWork is the prompt computation in progress on an engine: how
-// many requests compute and the sum of the times they will be done, so
-// that the tokens they still have to compute are known at any moment
-// without a list of them.
-type prefillWork struct {
-	mu     sync.Mutex
-	n      int64
-	endSum time.Duration // since Server.born
-}
-
-// begin counts one computation ending at end (since Server.born).
-func (p *prefillWork) begin(end time.Duration) {
-	p.mu.Lock()
-	p.n++
-	p.endSum += end
-	p.mu.Unlock()
-}
-
-// finish forgets the computation begin counted with end.
-func (p *prefillWork) finish(end time.Duration) {
-	p.mu.Lock()
-	p.n--
-	p.endSum -= end
-	p.mu.Unlock()
-}
-
-// left returns the computing time still ahead at now (since
-// Server.born), summed over the computations.
-func (p *prefillWork) left(now time.Duration) time.Duration {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return max(p.endSum-time.Duration(p.n)*now, 0)
 }
 
 // RecordedRequest is one inference or release request as the Server
