@@ -488,7 +488,7 @@ func credentialHint(err error, opts ConnectOptions) error {
 	if revokedErr(err) || RevokedLocally(opts.CredsFile) {
 		// Revoked by `narwhal bus revoke`: another file of this mesh
 		// will not do, only a new credential (R-BUS-11).
-		return fmt.Errorf("%w: the bus refused the credential NARWHAL_NATS_CREDS=%s: it was revoked (the account JWT in %s revokes its user): issue a new one with %s and start the process with it (docs/security.md, Revocation)", err, opts.CredsFile, filepath.Join(filepath.Dir(opts.CredsFile), AuthConfFile), writtenBy(opts))
+		return fmt.Errorf("%w: the bus refused the credential NARWHAL_NATS_CREDS=%s: it was revoked (the account JWT in %s revokes its user): issue a new one with %s and start the process with it (docs/security.md, \"Revoking a credential\")", err, opts.CredsFile, filepath.Join(filepath.Dir(opts.CredsFile), AuthConfFile), writtenBy(opts))
 	}
 	return fmt.Errorf("%w: the bus refused the credential NARWHAL_NATS_CREDS=%s: set it to %s of this mesh (written by %s for the bus's --auth DIR, docs/mesh.md); a credential revoked by narwhal bus revoke needs a new one from that command", err, opts.CredsFile, file, writtenBy(opts))
 }
