@@ -308,3 +308,37 @@ func TestIdentityIDsAreConfigIDsRBUS11(t *testing.T) {
 		}
 	}
 }
+
+// TestBusCredsListsOnlyWhatItWrote proves that `narwhal bus creds` on a
+// DIR holding a mesh prints the header of the identities only above one
+// it wrote: an id whose credential cannot be issued (its JWT would not
+// fit the CONNECT line) leaves stdout empty when it is the only one, and
+// after an identity written before it the listing names that one alone.
+func TestBusCredsListsOnlyWhatItWrote(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "mesh")
+	var out, errOut bytes.Buffer
+	if err := runBus(context.Background(), []string{"creds", "--out", dir}, &out, &errOut); err != nil {
+		t.Fatal(err)
+	}
+	long := strings.Repeat("r", 200)
+	out.Reset()
+	err := runBus(context.Background(), []string{"creds", "--out", dir, "--router", long}, &out, &errOut)
+	if err == nil || !strings.Contains(err.Error(), "use a shorter id") {
+		t.Fatalf("bus creds --router <200 characters>: %v, want the refusal of a JWT too long", err)
+	}
+	if out.Len() != 0 {
+		t.Errorf("bus creds printed %q before its error; want nothing", out.String())
+	}
+	out.Reset()
+	err = runBus(context.Background(), []string{"creds", "--out", dir, "--router", "r1", "--router", long}, &out, &errOut)
+	if err == nil {
+		t.Fatal("bus creds --router r1 --router <200 characters> succeeded")
+	}
+	want := "identities added to the mesh of " + dir + ":\n"
+	if !strings.HasPrefix(out.String(), want) || !strings.Contains(out.String(), "router-r1.creds") || strings.Contains(out.String(), long) {
+		t.Errorf("bus creds printed %q; want %q and the row of router-r1.creds alone", out.String(), want)
+	}
+	if _, err := os.Stat(filepath.Join(dir, bus.IdentityCredsFile(bus.RoleRouter, long))); err == nil {
+		t.Error("bus creds wrote the credential it refused")
+	}
+}
