@@ -168,6 +168,14 @@ type ConnectOptions struct {
 	// ended. The wait for the set-up that follows is bounded by ctx alone.
 	// 0: ctx bounds both.
 	ReachTimeout time.Duration
+	// PermissionDenied, when set, is called with each permissions
+	// violation the server reports on the connection (an act the
+	// credential does not allow, R-BUS-8; nats.go's error handler
+	// goroutine calls it), instead of logging it: a command that says the
+	// denial itself stops at once rather than waiting for the act's
+	// timeout, as NATS drops what it denies. Bus.PermissionError records
+	// it either way.
+	PermissionDenied func(error)
 }
 
 // NotSetUpLogEvery is how often a Connect waiting for the set-up
@@ -315,6 +323,10 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 				// The server closes a revoked user's connection and
 				// refuses its new ones: the connection is lost for good.
 				b.refuse(err, opts)
+			}
+			if opts.PermissionDenied != nil && errors.Is(err, nats.ErrPermissionViolation) {
+				opts.PermissionDenied(err)
+				return
 			}
 			if log == nil {
 				return
