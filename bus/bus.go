@@ -168,6 +168,14 @@ type ConnectOptions struct {
 	// ended. The wait for the set-up that follows is bounded by ctx alone.
 	// 0: ctx bounds both.
 	ReachTimeout time.Duration
+	// PermissionDenied, when set, is called with each permissions
+	// violation the server reports on the connection (an act the
+	// credential does not allow, R-BUS-8; nats.go's error handler
+	// goroutine calls it), instead of logging it: a command that says the
+	// denial itself stops at once rather than waiting for the act's
+	// timeout, as NATS drops what it denies. Bus.PermissionError records
+	// it either way.
+	PermissionDenied func(error)
 }
 
 // NotSetUpLogEvery is how often a Connect waiting for the set-up
@@ -315,6 +323,10 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 				// The server closes a revoked user's connection and
 				// refuses its new ones: the connection is lost for good.
 				b.refuse(err, opts)
+			}
+			if opts.PermissionDenied != nil && errors.Is(err, nats.ErrPermissionViolation) {
+				opts.PermissionDenied(err)
+				return
 			}
 			if log == nil {
 				return
@@ -488,7 +500,7 @@ func credentialHint(err error, opts ConnectOptions) error {
 	if revokedErr(err) || RevokedLocally(opts.CredsFile) {
 		// Revoked by `narwhal bus revoke`: another file of this mesh
 		// will not do, only a new credential (R-BUS-11).
-		return fmt.Errorf("%w: the bus refused the credential NARWHAL_NATS_CREDS=%s: it was revoked (the account JWT in %s revokes its user): issue a new one with %s and start the process with it (docs/security.md, Revocation)", err, opts.CredsFile, filepath.Join(filepath.Dir(opts.CredsFile), AuthConfFile), writtenBy(opts))
+		return fmt.Errorf("%w: the bus refused the credential NARWHAL_NATS_CREDS=%s: it was revoked (the account JWT in %s revokes its user): issue a new one with %s and start the process with it (docs/security.md, \"Revoking a credential\")", err, opts.CredsFile, filepath.Join(filepath.Dir(opts.CredsFile), AuthConfFile), writtenBy(opts))
 	}
 	return fmt.Errorf("%w: the bus refused the credential NARWHAL_NATS_CREDS=%s: set it to %s of this mesh (written by %s for the bus's --auth DIR, docs/mesh.md); a credential revoked by narwhal bus revoke needs a new one from that command", err, opts.CredsFile, file, writtenBy(opts))
 }

@@ -46,9 +46,9 @@ func (e *CredentialRefusedError) Error() string {
 		how = "restart the process with NARWHAL_NATS_CREDS set to a credential that is not revoked (" + roleFile(opts) + " is written with the mesh by `narwhal bus creds --out DIR`; only --engine ID and --router ID credentials are issued anew into an existing mesh)"
 	}
 	if e.Revoked {
-		return fmt.Sprintf("bus: the credential NARWHAL_NATS_CREDS=%s was revoked (%v): the bus refuses it; %s (docs/security.md, Revocation)", e.CredsFile, e.Err, how)
+		return fmt.Sprintf("bus: the credential NARWHAL_NATS_CREDS=%s was revoked (%v): the bus refuses it; %s (docs/security.md, \"Revoking a credential\")", e.CredsFile, e.Err, how)
 	}
-	return fmt.Sprintf("bus: the bus refused the credential NARWHAL_NATS_CREDS=%s and closed the connection (%v): it was revoked, has expired or is not of this mesh; %s, or set it to %s of this mesh (docs/security.md, Revocation)", e.CredsFile, e.Err, how, roleFile(opts))
+	return fmt.Sprintf("bus: the bus refused the credential NARWHAL_NATS_CREDS=%s and closed the connection (%v): it was revoked, has expired or is not of this mesh; %s, or set it to %s of this mesh (docs/security.md, \"Revoking a credential\")", e.CredsFile, e.Err, how, roleFile(opts))
 }
 
 // Unwrap returns the server's error.

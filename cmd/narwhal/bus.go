@@ -208,7 +208,8 @@ func runBusServe(ctx context.Context, args []string, stdout, stderr io.Writer) e
 // holds any of these files; into a DIR that holds a mesh (keys/account.nk)
 // it writes only the identities. Each --engine ID writes engine-ID.creds,
 // each --router ID router-ID.creds (bus.IssueIdentity), which running
-// servers accept without a restart. It lists what it wrote on stdout and
+// servers accept without a restart. It lists what it wrote on stdout (the
+// header of the identities only above one that was written) and
 // refuses, before writing any, an id that config.ValidID rejects, an id
 // given twice, and an identity whose file exists.
 func runBusCreds(args []string, stdout, stderr io.Writer) error {
@@ -272,21 +273,34 @@ func runBusCreds(args []string, stdout, stderr io.Writer) error {
 		fmt.Fprintf(stdout, "  %-*s the operator's and account's seeds, to issue more users; keep them off the servers\n", w, "keys/")
 	} else if len(ids) == 0 {
 		return fmt.Errorf("%s holds a mesh already: add identities with --engine ID or --router ID, or write a new mesh into an empty directory", *out)
-	} else {
-		fmt.Fprintf(stdout, "identities added to the mesh of %s:\n", *out)
+	}
+	// The rows of the identities are listed once written: a header with
+	// nothing under it would claim what an error below then denies. Those
+	// written before an error are listed before it.
+	var rows strings.Builder
+	list := func() {
+		if rows.Len() == 0 {
+			return
+		}
+		if mesh {
+			fmt.Fprintf(stdout, "identities added to the mesh of %s:\n", *out)
+		}
+		_, _ = io.WriteString(stdout, rows.String())
 	}
 	for _, id := range ids {
 		_, existed := os.Stat(filepath.Join(*out, bus.IdentityCredsFile(id.kind, id.id)))
 		path, err := bus.IssueIdentity(*out, id.kind, id.id)
 		if err != nil {
+			list()
 			return err
 		}
 		replaced := ""
 		if existed == nil {
 			replaced = " (replaces the revoked one)"
 		}
-		fmt.Fprintf(stdout, "  %-*s NARWHAL_NATS_CREDS for %s %s only%s\n", w, filepath.Base(path), id.kind, id.id, replaced)
+		fmt.Fprintf(&rows, "  %-*s NARWHAL_NATS_CREDS for %s %s only%s\n", w, filepath.Base(path), id.kind, id.id, replaced)
 	}
+	list()
 	return nil
 }
 

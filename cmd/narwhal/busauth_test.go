@@ -308,3 +308,88 @@ func TestIdentityIDsAreConfigIDsRBUS11(t *testing.T) {
 		}
 	}
 }
+
+// TestBusCredsListsOnlyWhatItWrote proves that `narwhal bus creds` on a
+// DIR holding a mesh prints the header of the identities only above one
+// it wrote: an id whose credential cannot be issued (its JWT would not
+// fit the CONNECT line) leaves stdout empty when it is the only one, and
+// after an identity written before it the listing names that one alone.
+func TestBusCredsListsOnlyWhatItWrote(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "mesh")
+	var out, errOut bytes.Buffer
+	if err := runBus(context.Background(), []string{"creds", "--out", dir}, &out, &errOut); err != nil {
+		t.Fatal(err)
+	}
+	long := strings.Repeat("r", 200)
+	out.Reset()
+	err := runBus(context.Background(), []string{"creds", "--out", dir, "--router", long}, &out, &errOut)
+	if err == nil || !strings.Contains(err.Error(), "use a shorter id") {
+		t.Fatalf("bus creds --router <200 characters>: %v, want the refusal of a JWT too long", err)
+	}
+	if out.Len() != 0 {
+		t.Errorf("bus creds printed %q before its error; want nothing", out.String())
+	}
+	out.Reset()
+	err = runBus(context.Background(), []string{"creds", "--out", dir, "--router", "r1", "--router", long}, &out, &errOut)
+	if err == nil {
+		t.Fatal("bus creds --router r1 --router <200 characters> succeeded")
+	}
+	want := "identities added to the mesh of " + dir + ":\n"
+	if !strings.HasPrefix(out.String(), want) || !strings.Contains(out.String(), "router-r1.creds") || strings.Contains(out.String(), long) {
+		t.Errorf("bus creds printed %q; want %q and the row of router-r1.creds alone", out.String(), want)
+	}
+	if _, err := os.Stat(filepath.Join(dir, bus.IdentityCredsFile(bus.RoleRouter, long))); err == nil {
+		t.Error("bus creds wrote the credential it refused")
+	}
+}
+
+// TestFleetChangeDeniedFailsAtOnceRBUS8 proves that `narwhal fleet drain`
+// and `remove` with the viewer's credential (R-BUS-8: read-only) against
+// a real --auth server fail as soon as the server reports the
+// permissions violation — well before the operation's timeout, which a
+// denied write (NATS drops it) would otherwise wait out — with one line
+// that names the violation, the credential used and the admin's, without
+// a repeated prefix and without a log line of its own; the entry is left
+// as it was.
+func TestFleetChangeDeniedFailsAtOnceRBUS8(t *testing.T) {
+	testkit.CheckLeaks(t)
+	dir := bustest.Credentials(t)
+	emb := bustest.StartWith(t, bus.EmbeddedOptions{Port: -1, AuthDir: dir})
+	t.Setenv("NARWHAL_NATS_URL", emb.ClientURL())
+	t.Setenv("NARWHAL_NATS_CREDS", bustest.CredsFile(dir, bus.RoleAdmin))
+	if out, err := runFleetCmd("add", "--id", "p1", "--url", "http://127.0.0.1:9001", "--role", "prefill"); err != nil {
+		t.Fatalf("fleet add with the admin's credential: %v\n%s", err, out)
+	}
+	viewer := bustest.CredsFile(dir, bus.RoleViewer)
+	t.Setenv("NARWHAL_NATS_CREDS", viewer)
+	for _, args := range [][]string{{"drain", "p1"}, {"remove", "p1", "--force"}} {
+		var stdout, stderr bytes.Buffer
+		start := time.Now()
+		err := runFleet(context.Background(), args, &stdout, &stderr)
+		took := time.Since(start)
+		if err == nil {
+			t.Fatalf("fleet %v with the viewer's credential succeeded", args)
+		}
+		msg := err.Error()
+		t.Logf("fleet %v: %v after %v", args, err, took)
+		if took >= fleetOpTimeout/2 {
+			t.Errorf("fleet %v took %v, want it to end at the violation, not near the %v timeout", args, took, fleetOpTimeout)
+		}
+		for _, want := range []string{args[0] + " p1: ", "ermissions", viewer, "admin.creds"} {
+			if !strings.Contains(msg, want) {
+				t.Errorf("fleet %v: %q lacks %q", args, msg, want)
+			}
+		}
+		if strings.Count(msg, "p1") > 2 || strings.Contains(msg, "deadline") || strings.Contains(msg, "context canceled") || strings.Contains(msg, "\n") {
+			t.Errorf("fleet %v: %q repeats itself or names the timeout", args, msg)
+		}
+		if stderr.Len() != 0 || stdout.Len() != 0 {
+			t.Errorf("fleet %v printed besides its error:\n%s%s", args, stdout.String(), stderr.String())
+		}
+	}
+	t.Setenv("NARWHAL_NATS_CREDS", viewer)
+	out, err := runFleetCmd("list", "--json")
+	if err != nil || !strings.Contains(out, `"joining"`) {
+		t.Errorf("fleet list after the denied changes: %v %q, want p1 still joining", err, out)
+	}
+}

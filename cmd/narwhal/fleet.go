@@ -158,8 +158,15 @@ func runFleet(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if sub == "list" {
 		role = bus.RoleViewer
 	}
+	// NATS drops a write the credential may not do, which would fail by
+	// its timeout only: the server's permissions violation ends the
+	// command at once instead, said once (behaviour.md R-BUS-8).
+	ctx, deny := context.WithCancelCause(ctx)
+	defer deny(nil)
+	opts := busOptions(busCfg, "narwhal-fleet", role, slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn})))
+	opts.PermissionDenied = func(err error) { deny(err) }
 	cctx, cancel := context.WithTimeout(ctx, defaultEventsConnectBound)
-	b, err := bus.Connect(cctx, busOptions(busCfg, "narwhal-fleet", role, slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))))
+	b, err := bus.Connect(cctx, opts)
 	cancel()
 	if err != nil {
 		return fmt.Errorf("bus %s: %w", redactNATSURL(busCfg.URL), err)
@@ -168,14 +175,30 @@ func runFleet(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	bctx, bcancel := context.WithTimeout(ctx, fleetOpTimeout)
 	st, err := fleet.Bind(bctx, b)
 	bcancel()
-	if err != nil {
-		return err
+	if err == nil {
+		err = run(ctx, st, b)
 	}
-	err = run(ctx, st, b)
 	if perm := b.PermissionError(); err != nil && perm != nil {
-		return fmt.Errorf("%w (%v: changing the fleet takes the admin credential)", err, perm)
+		return fleetDenied(sub, positional, busCfg.Creds, perm)
 	}
 	return err
+}
+
+// fleetDenied is the one-line error of a `narwhal fleet` subcommand the
+// credential creds (NARWHAL_NATS_CREDS) may not do: the server's
+// permissions violation perm, and the credential it takes — the admin's
+// (admin.creds of `narwhal bus creds`) for a change, the viewer's for list
+// (behaviour.md R-BUS-8).
+func fleetDenied(sub string, ids []string, creds string, perm error) error {
+	what, file := "changing the fleet", bus.CredsFile(bus.RoleAdmin)
+	if sub == "list" {
+		what, file = "reading the fleet", bus.CredsFile(bus.RoleViewer)
+	}
+	if creds == "" {
+		creds = "(none)"
+	}
+	return fmt.Errorf("%s: the bus denied it to NARWHAL_NATS_CREDS=%s (%v): %s takes the credential %s of narwhal bus creds",
+		strings.Join(append([]string{sub}, ids...), " "), creds, perm, what, file)
 }
 
 // checkOneID returns the one engine id a subcommand takes.
@@ -300,7 +323,7 @@ func fleetStep(ctx context.Context, st *fleet.Store, cur schemas.FleetEntry, rev
 		if errors.Is(err, fleet.ErrChanged) {
 			return fmt.Errorf("engine %s changed meanwhile: run the command again", cur.EngineID)
 		}
-		return fmt.Errorf("engine %s: %w", cur.EngineID, err)
+		return err // fleet.Store's error names the engine
 	}
 	return nil
 }

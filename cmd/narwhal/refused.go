@@ -11,7 +11,7 @@ import (
 // revokes or refuses b's credential (bus.Bus.CredentialRefused,
 // behaviour.md R-BUS-11), with that *bus.CredentialRefusedError as its
 // cause, so that a command stops and exits non-zero naming it instead of
-// retrying for ever (docs/security.md, Revocation). stop releases it.
+// retrying for ever (docs/security.md, "Revoking a credential"). stop releases it.
 func untilRefused(ctx context.Context, b *bus.Bus) (_ context.Context, stop func()) {
 	rctx, cancel := context.WithCancelCause(ctx)
 	go func() {

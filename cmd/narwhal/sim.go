@@ -24,28 +24,20 @@ func init() {
 	}
 }
 
-// runSim is `narwhal sim`: it serves one simulated engine (engines/sim)
-// until ctx is done, then closes it cleanly.
-//
-//	narwhal sim --role prefill|decode|both --listen HOST:PORT --engine-id ID --model NAME
-//	            [--ttft DUR] [--itl DUR] [--prefill-per-token DUR]
-//	            [--block-size N] [--kv-cache-blocks N] [--max-num-seqs N]
-//	            [--kv-listen HOST:PORT] [--kv-host HOST] [--kv-timeout DUR]
-//	            [--engine-version V] [--engine-kind K] [--max-model-len N]
-//	            [--api-key KEY] [--tls-cert-file F --tls-key-file F]
-//	            [--connector nixl|sglang|shared-storage] [--bootstrap-port P]
-//	            [--kv-store DIR [--kv-store-blocks N]] [--no-prompt-tokens-details]
-//	            [--fault JSON]… [--register [--advertise-url URL]]
-//
-// With --register it announces itself in the live fleet on the bus of
-// NARWHAL_NATS_URL (membership.registration_ttl_s, R-FLEET-4), heartbeats
-// while it runs, and removes itself from the fleet when stopped; with
-// --api-key too it registers api_key_env NARWHAL_ENGINE_KEY_<ID>
-// (schemas.EngineKeyEnv), the only variable routers read its key from.
-func runSim(ctx context.Context, args []string) error {
+// simFlags are the flags of `narwhal sim` that set no field of
+// sim.Config: the API's address, its TLS files and the fleet
+// registration.
+type simFlags struct {
+	listen, certFile, keyFile, advertise *string
+	register                             *bool
+}
+
+// newSimFlags returns the flag set of `narwhal sim`, whose flags set cfg,
+// and those of its flags that do not.
+func newSimFlags(cfg *sim.Config) (*flag.FlagSet, simFlags) {
 	fs := flag.NewFlagSet("narwhal sim", flag.ContinueOnError)
-	var cfg sim.Config
-	listen := fs.String("listen", "127.0.0.1:8000", "`HOST:PORT` of the OpenAI-compatible API")
+	var f simFlags
+	f.listen = fs.String("listen", "127.0.0.1:8000", "`HOST:PORT` of the OpenAI-compatible API")
 	fs.StringVar(&cfg.Role, "role", sim.RoleBoth, "engine role: prefill, decode or both")
 	fs.StringVar(&cfg.EngineID, "engine-id", "", "fleet-unique engine `ID`, advertised as remote_engine_id (required)")
 	fs.StringVar(&cfg.Model, "model", "", "served model `NAME` (required)")
@@ -71,22 +63,46 @@ func runSim(ctx context.Context, args []string) error {
 		return nil
 	})
 	fs.StringVar(&cfg.APIKey, "api-key", "", "require `KEY` as \"Authorization: Bearer KEY\" on /v1/* (like vLLM's --api-key; 401 otherwise)")
-	certFile := fs.String("tls-cert-file", "", "serve the API over HTTPS with this PEM certificate `FILE` (with --tls-key-file)")
-	keyFile := fs.String("tls-key-file", "", "PEM private key `FILE` of --tls-cert-file")
-	register := fs.Bool("register", false, "register in the live fleet on the bus of NARWHAL_NATS_URL, heartbeat, and leave it when stopped (docs/fleet.md)")
-	advertise := fs.String("advertise-url", "", "with --register: the base `URL` routers reach the simulator at (default: the URL it listens on)")
+	f.certFile = fs.String("tls-cert-file", "", "serve the API over HTTPS with this PEM certificate `FILE` (with --tls-key-file)")
+	f.keyFile = fs.String("tls-key-file", "", "PEM private key `FILE` of --tls-cert-file")
+	f.register = fs.Bool("register", false, "register in the live fleet on the bus of NARWHAL_NATS_URL, heartbeat, and leave it when stopped (docs/fleet.md)")
+	f.advertise = fs.String("advertise-url", "", "with --register: the base `URL` routers reach the simulator at (default: the URL it listens on)")
 	fs.StringVar(&cfg.Connector, "connector", sim.ConnectorNixl, "the KV connector the engine speaks: nixl, sglang (SGLang's bootstrap protocol; role prefill or decode) or shared-storage (vLLM's SharedStorageConnector; needs --kv-store)")
 	fs.IntVar(&cfg.BootstrapPort, "bootstrap-port", 0, "with --connector sglang: the bootstrap server's `PORT` on the --kv-listen host (default: --kv-listen's port)")
 	fs.StringVar(&cfg.KVStore, "kv-store", "", "with --connector shared-storage: the `DIR`ectory of the KV store the producer writes and the consumer reads, the same for both (created when missing)")
 	fs.IntVar(&cfg.KVStoreBlocks, "kv-store-blocks", sim.DefaultKVStoreBlocks, "with --connector shared-storage: the most KV blocks this producer keeps in the KV store, least recently used removed first")
+	return fs, f
+}
+
+// runSim is `narwhal sim`: it serves one simulated engine (engines/sim)
+// until ctx is done, then closes it cleanly.
+//
+//	narwhal sim --role prefill|decode|both --listen HOST:PORT --engine-id ID --model NAME
+//	            [--ttft DUR] [--itl DUR] [--prefill-per-token DUR]
+//	            [--block-size N] [--kv-cache-blocks N] [--max-num-seqs N]
+//	            [--kv-listen HOST:PORT] [--kv-host HOST] [--kv-timeout DUR]
+//	            [--engine-version V] [--engine-kind K] [--max-model-len N]
+//	            [--api-key KEY] [--tls-cert-file F --tls-key-file F]
+//	            [--connector nixl|sglang|shared-storage] [--bootstrap-port P]
+//	            [--kv-store DIR [--kv-store-blocks N]] [--no-prompt-tokens-details]
+//	            [--fault JSON]… [--register [--advertise-url URL]]
+//
+// With --register it announces itself in the live fleet on the bus of
+// NARWHAL_NATS_URL (membership.registration_ttl_s, R-FLEET-4), heartbeats
+// while it runs, and removes itself from the fleet when stopped; with
+// --api-key too it registers api_key_env NARWHAL_ENGINE_KEY_<ID>
+// (schemas.EngineKeyEnv), the only variable routers read its key from.
+func runSim(ctx context.Context, args []string) error {
+	var cfg sim.Config
+	fs, f := newSimFlags(&cfg)
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
-	if (*certFile == "") != (*keyFile == "") {
+	if (*f.certFile == "") != (*f.keyFile == "") {
 		return errors.New("--tls-cert-file and --tls-key-file go together")
 	}
-	if *certFile != "" {
-		pair, err := tls.LoadX509KeyPair(*certFile, *keyFile)
+	if *f.certFile != "" {
+		pair, err := tls.LoadX509KeyPair(*f.certFile, *f.keyFile)
 		if err != nil {
 			return err
 		}
@@ -103,7 +119,7 @@ func runSim(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	url, err := srv.Start(*listen)
+	url, err := srv.Start(*f.listen)
 	if err != nil {
 		_ = srv.Close()
 		return err
@@ -114,7 +130,7 @@ func runSim(ctx context.Context, args []string) error {
 	} else {
 		fmt.Fprintf(os.Stdout, "sim %s (%s) listening on %s kv=%s\n", c.EngineID, c.Role, url, srv.KVAddr())
 	}
-	if *register {
+	if *f.register {
 		spec := config.EngineSpec{ID: c.EngineID, URL: url, Role: connector.Role(c.Role), Connector: c.Connector}
 		if c.APIKey != "" {
 			// Routers and the breaker read the key of a registered engine
@@ -125,8 +141,8 @@ func runSim(ctx context.Context, args []string) error {
 			_, port, _ := net.SplitHostPort(srv.KVAddr())
 			spec.BootstrapPort, _ = strconv.Atoi(port)
 		}
-		if *advertise != "" {
-			spec.URL = *advertise
+		if *f.advertise != "" {
+			spec.URL = *f.advertise
 		}
 		err := checkSpec(spec)
 		if err == nil {

@@ -2,10 +2,14 @@ package main
 
 import (
 	"context"
+	"flag"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
+
+	"github.com/narwhalmesh/narwhal/engines/sim"
 )
 
 // TestSimSharedStorageFlags: `narwhal sim --connector shared-storage`
@@ -35,5 +39,40 @@ func TestSimSharedStorageFlags(t *testing.T) {
 	}
 	if fi, err := os.Stat(dir); err != nil || !fi.IsDir() {
 		t.Fatalf("--kv-store directory not created: %v", err)
+	}
+}
+
+// TestSimFlagsDocumented proves that docs/simulator.md's list of flags
+// (the paragraph that starts "Flags:") names every flag `narwhal sim`
+// has, so that what `narwhal sim --help` offers is documented, and no
+// flag it does not have.
+func TestSimFlagsDocumented(t *testing.T) {
+	text, err := os.ReadFile("../../docs/simulator.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, list, ok := strings.Cut(string(text), "\nFlags: ")
+	if !ok {
+		t.Fatal(`docs/simulator.md has no paragraph starting "Flags:"`)
+	}
+	list, _, _ = strings.Cut(list, "\n\n")
+	var cfg sim.Config
+	fs, _ := newSimFlags(&cfg)
+	listed := map[string]bool{}
+	for _, m := range regexp.MustCompile("`--([a-z][a-z-]*)").FindAllStringSubmatch(list, -1) {
+		listed[m[1]] = true
+		if fs.Lookup(m[1]) == nil {
+			t.Errorf("docs/simulator.md lists --%s, which narwhal sim does not have", m[1])
+		}
+	}
+	n := 0
+	fs.VisitAll(func(f *flag.Flag) {
+		n++
+		if !listed[f.Name] {
+			t.Errorf("docs/simulator.md's flag list lacks --%s (%s)", f.Name, f.Usage)
+		}
+	})
+	if n < 20 {
+		t.Errorf("narwhal sim has %d flags; is newSimFlags whole?", n)
 	}
 }

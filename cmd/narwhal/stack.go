@@ -270,8 +270,13 @@ func runRouterWith(ctx context.Context, r routerRun) error {
 
 // stoppingLine says how long a router's shutdown waits for the requests
 // in flight, e.g. "stopping: waiting up to 10s for 3 requests in flight"
-// (the rest then end with an error, docs/failures.md router_shutdown).
+// (the rest then end with an error, docs/failures.md router_shutdown),
+// or plain "stopping" when none is in flight: there is nothing to wait
+// for.
 func stoppingLine(grace time.Duration, inflight int64) string {
+	if inflight <= 0 {
+		return "stopping"
+	}
 	noun := "requests"
 	if inflight == 1 {
 		noun = "request"

@@ -164,13 +164,15 @@ func TestRouterConnectTimeout(t *testing.T) {
 }
 
 // TestStoppingLine proves the line narwhal dev prints on Ctrl-C: the
-// router's shutdown grace and the requests in flight, in words.
+// router's shutdown grace and the requests in flight, in words, and a
+// plain "stopping" when none is in flight (no wait to announce).
 func TestStoppingLine(t *testing.T) {
 	for _, c := range []struct {
 		n    int64
 		want string
 	}{
-		{0, "stopping: waiting up to 10s for 0 requests in flight"},
+		{-1, "stopping"},
+		{0, "stopping"},
 		{1, "stopping: waiting up to 10s for 1 request in flight"},
 		{3, "stopping: waiting up to 10s for 3 requests in flight"},
 	} {
