@@ -129,7 +129,8 @@ func (c *cluster) openStreamOn(t *testing.T, r *routerProc, engine string, maxTo
 // SIGKILL, it leaves placement on every router, and its key the bucket,
 // within the TTL plus one second; its streams in flight end with the
 // documented terminal error (closed_before_done: code 502 after output);
-// and requests afterwards succeed on the other engines.
+// and requests afterwards succeed on the other engines; started again,
+// it registers anew and is placed again.
 func TestSimRegisterKilledRFLEET4(t *testing.T) {
 	c := startCluster(t, clusterOptions{routers: 2, breakers: 1})
 	port := freePorts(t, 1)[0]
@@ -170,6 +171,21 @@ func TestSimRegisterKilledRFLEET4(t *testing.T) {
 			t.Errorf("router %s after d9 left: HTTP %d %s", r.id, rep.status, rep.body)
 		}
 	}
+
+	// Its entry lapsed (the server's TTL marker, read as its removal by
+	// every watch): the engine started again registers anew and is
+	// placed again, through the breaker's checks.
+	again := spawn(t, "sim d9 again", []string{"NARWHAL_NATS_URL=" + c.natsURL, "NARWHAL_MEMBERSHIP_REGISTRATION_TTL_S=" + strconv.Itoa(registrationTTL)},
+		"sim", "--role", "decode", "--listen", hostPort(port), "--engine-id", "d9", "--model", clusterModel,
+		"--kv-listen", "127.0.0.1:0", "--register")
+	t.Cleanup(again.crash)
+	testkit.WaitEvery(t, 15*time.Second, pollInterval, "d9 placeable again on every router", func() bool {
+		if again.exited() {
+			again.dump(t)
+			t.Fatalf("d9 started again exited: %v", again.waitErr)
+		}
+		return placeable(c.routers[0], "d9") && placeable(c.routers[1], "d9") && c.inFleet(t, "d9")
+	})
 }
 
 // TestAgentDrainsOnSIGTERMRFLEET3 proves done-when (d) (R-FLEET-3,
