@@ -69,7 +69,7 @@ type Reader struct {
 	b    *Bus
 	opts ReaderOptions
 	fn   func(jetstream.Msg)
-	kick chan int
+	kick lossSignal
 
 	mu   sync.Mutex // guards gen, next and cseq; held while fn runs
 	gen  int        // the current consumer's number; messages of others are dropped
@@ -94,7 +94,7 @@ func StartReader(ctx context.Context, b *Bus, opts ReaderOptions, fn func(jetstr
 		return nil, errors.New("bus: reader: want a stream and a consumer name")
 	}
 	ctx, cancel := context.WithCancel(ctx)
-	r := &Reader{b: b, opts: opts, fn: fn, kick: make(chan int, 1), cancel: cancel, done: make(chan struct{})}
+	r := &Reader{b: b, opts: opts, fn: fn, kick: newLossSignal(), cancel: cancel, done: make(chan struct{})}
 	// Listen before the first consumer exists, so that no reconnect is
 	// missed.
 	statuses := b.nc.StatusChanged(nats.CONNECTED)
@@ -178,20 +178,30 @@ func (r *Reader) start(ctx context.Context, first bool) error {
 	return nil
 }
 
-// lost asks for consumer gen to be made again. The newer of it and a
-// request still waiting is kept: a stale request (of a consumer dropped already, which
-// run skips) must not keep out the request of the current one, or a
-// consumer lost after it would never be made again.
-func (r *Reader) lost(gen int) {
+// lost asks for consumer gen to be made again.
+func (r *Reader) lost(gen int) { r.kick.raise(gen) }
+
+// lossSignal carries the number of a lost consumer to the goroutine that
+// makes it again (a Reader's, a resuming follower's): one slot holding
+// the newest number raised.
+type lossSignal chan int
+
+func newLossSignal() lossSignal { return make(lossSignal, 1) }
+
+// raise reports consumer gen lost. The newer of gen and a number still
+// waiting is kept (numbers only grow): a stale number, of a consumer
+// dropped already, which the receiver skips, must not keep out the
+// current one's, or a consumer lost after it would never be made again.
+func (s lossSignal) raise(gen int) {
 	for {
 		select {
-		case r.kick <- gen:
+		case s <- gen:
 			return
 		default:
 		}
 		select {
-		case old := <-r.kick:
-			gen = max(gen, old) // generations only grow: keep the newest
+		case old := <-s:
+			gen = max(gen, old)
 		default:
 		}
 	}

@@ -125,7 +125,7 @@ func SubscribeResuming(ctx context.Context, b *Bus, opts SubscribeOptions, fn fu
 	if name == "" {
 		name = nuid.Next() // a name no other process knows
 	}
-	f := &resumingFollower{b: b, opts: opts, filter: filter, fn: fn, resumed: resumed, kick: make(chan int, 1),
+	f := &resumingFollower{b: b, opts: opts, filter: filter, fn: fn, resumed: resumed, kick: newLossSignal(),
 		whole: filter == SubjectPrefix+">", name: name}
 	// Listen before the first consumer exists, so that no change of the
 	// connection is missed.
@@ -165,7 +165,7 @@ type resumingFollower struct {
 	whole   bool // filter takes every event: a gap in sequences is a loss
 	fn      func(subject string, payload []byte)
 	resumed func(Resumption)
-	kick    chan int // consumer number gen was lost: make it again
+	kick    lossSignal // consumer number gen was lost: make it again
 
 	name string // the consumer's name, kept across every consumer made (R-BUS-11)
 
@@ -220,10 +220,7 @@ func (f *resumingFollower) start(ctx context.Context, r *Resumption) error {
 		jetstream.ConsumeErrHandler(func(_ jetstream.ConsumeContext, err error) {
 			if errors.Is(err, jetstream.ErrConsumerDeleted) || errors.Is(err, jetstream.ErrNoHeartbeat) ||
 				errors.Is(err, jetstream.ErrConsumerNotFound) {
-				select {
-				case f.kick <- gen:
-				default:
-				}
+				f.kick.raise(gen)
 			}
 		}))
 	if err != nil {
@@ -251,10 +248,7 @@ func (f *resumingFollower) deliver(gen int, m jetstream.Msg) {
 	if meta.Sequence.Consumer != f.cseq+1 {
 		// A delivery went missing: make the consumer again at the next
 		// stream sequence, under its name.
-		select {
-		case f.kick <- gen:
-		default:
-		}
+		f.kick.raise(gen)
 		return
 	}
 	f.cseq = meta.Sequence.Consumer
