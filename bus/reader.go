@@ -69,13 +69,9 @@ type Reader struct {
 	b    *Bus
 	opts ReaderOptions
 	fn   func(jetstream.Msg)
-	kick lossSignal
 
-	mu   sync.Mutex // guards gen, next and cseq; held while fn runs
-	gen  int        // the current consumer's number; messages of others are dropped
-	next uint64     // the next stream sequence to deliver
-	cseq uint64     // the current consumer's last delivered consumer sequence
-	cc   jetstream.ConsumeContext
+	consumerGen        // its mu also guards next; held while fn runs
+	next        uint64 // the next stream sequence to deliver
 
 	cancel context.CancelFunc
 	done   chan struct{}
@@ -94,7 +90,7 @@ func StartReader(ctx context.Context, b *Bus, opts ReaderOptions, fn func(jetstr
 		return nil, errors.New("bus: reader: want a stream and a consumer name")
 	}
 	ctx, cancel := context.WithCancel(ctx)
-	r := &Reader{b: b, opts: opts, fn: fn, kick: newLossSignal(), cancel: cancel, done: make(chan struct{})}
+	r := &Reader{b: b, opts: opts, fn: fn, consumerGen: newConsumerGen(), cancel: cancel, done: make(chan struct{})}
 	// Listen before the first consumer exists, so that no reconnect is
 	// missed.
 	statuses := b.nc.StatusChanged(nats.CONNECTED)
@@ -156,34 +152,44 @@ func (r *Reader) start(ctx context.Context, first bool) error {
 		// nothing was delivered meanwhile.
 		r.next = info.Delivered.Stream + 1
 	}
-	r.gen++
-	r.cseq = 0
-	gen := r.gen
-	cc, err := cons.Consume(func(m jetstream.Msg) { r.deliver(gen, m) },
-		jetstream.PullHeartbeat(readerHeartbeat),
-		jetstream.PullExpiry(readerExpiry),
-		jetstream.ConsumeErrHandler(func(_ jetstream.ConsumeContext, err error) {
-			if errors.Is(err, jetstream.ErrNoHeartbeat) || errors.Is(err, jetstream.ErrConsumerDeleted) ||
-				errors.Is(err, jetstream.ErrConsumerNotFound) {
-				r.lost(gen)
-			}
-		}))
-	if err != nil {
+	if err := r.consume(cons, r.handle); err != nil {
 		return err
 	}
-	r.cc = cc
 	if first && r.opts.OnStart != nil {
 		r.opts.OnStart(info.NumPending)
 	}
 	return nil
 }
 
-// lost asks for consumer gen to be made again.
-func (r *Reader) lost(gen int) { r.kick.raise(gen) }
+// handle delivers message m of the current consumer to fn unless it was
+// delivered already (r.mu held, consumerGen.consume).
+func (r *Reader) handle(m jetstream.Msg, md *jetstream.MsgMetadata) {
+	if md.Sequence.Stream < r.next {
+		return
+	}
+	r.next = md.Sequence.Stream + 1
+	r.fn(m)
+}
+
+// consumerGen is what a reader of one named consumer keeps of the
+// consumers it makes one after another under that name (a Reader, the
+// events follower; behaviour.md R-BUS-11): the current one's number and
+// last consumer sequence, its consume context, and the signal that it
+// was lost. Messages of an older consumer are dropped; a gap in consumer
+// sequences, missed heartbeats or a deleted consumer raise the signal.
+type consumerGen struct {
+	kick lossSignal
+
+	mu   sync.Mutex // guards gen, cseq and cc, and the owner's delivery state
+	gen  int        // the current consumer's number; messages of others are dropped
+	cseq uint64     // the current consumer's last delivered consumer sequence
+	cc   jetstream.ConsumeContext
+}
+
+func newConsumerGen() consumerGen { return consumerGen{kick: newLossSignal()} }
 
 // lossSignal carries the number of a lost consumer to the goroutine that
-// makes it again (a Reader's, a resuming follower's): one slot holding
-// the newest number raised.
+// makes it again: one slot holding the newest number raised.
 type lossSignal chan int
 
 func newLossSignal() lossSignal { return make(lossSignal, 1) }
@@ -207,39 +213,67 @@ func (s lossSignal) raise(gen int) {
 	}
 }
 
-// deliver hands one message of consumer gen to fn, unless that consumer
-// was dropped, the message was delivered already, or a message before it
-// went missing (then the consumer is made again from the missing one).
-func (r *Reader) deliver(gen int, m jetstream.Msg) {
+// consume makes cons the current consumer and consumes from it, calling
+// handle (g.mu held) with each of its messages in consumer order; the
+// caller holds g.mu, so the first message waits until it lets go.
+func (g *consumerGen) consume(cons jetstream.Consumer, handle func(jetstream.Msg, *jetstream.MsgMetadata)) error {
+	g.gen++
+	g.cseq = 0
+	gen := g.gen
+	cc, err := cons.Consume(func(m jetstream.Msg) { g.deliver(gen, m, handle) },
+		jetstream.PullHeartbeat(readerHeartbeat),
+		jetstream.PullExpiry(readerExpiry),
+		jetstream.ConsumeErrHandler(func(_ jetstream.ConsumeContext, err error) {
+			if errors.Is(err, jetstream.ErrNoHeartbeat) || errors.Is(err, jetstream.ErrConsumerDeleted) ||
+				errors.Is(err, jetstream.ErrConsumerNotFound) {
+				g.kick.raise(gen)
+			}
+		}))
+	if err != nil {
+		return err
+	}
+	g.cc = cc
+	return nil
+}
+
+// deliver hands message m of consumer gen to handle, unless that consumer
+// was dropped or a message before it went missing (then no more of it is
+// handled and the consumer is reported lost, to be made again from the
+// missing one).
+func (g *consumerGen) deliver(gen int, m jetstream.Msg, handle func(jetstream.Msg, *jetstream.MsgMetadata)) {
 	md, err := m.Metadata()
 	if err != nil {
 		return
 	}
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if gen != r.gen {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if gen != g.gen {
 		return
 	}
-	if md.Sequence.Consumer != r.cseq+1 {
-		r.gen++ // nothing more from this consumer
-		r.lost(r.gen)
+	if md.Sequence.Consumer != g.cseq+1 {
+		g.gen++ // nothing more from this consumer
+		g.kick.raise(g.gen)
 		return
 	}
-	r.cseq = md.Sequence.Consumer
-	if md.Sequence.Stream < r.next {
-		return
-	}
-	r.next = md.Sequence.Stream + 1
-	r.fn(m)
+	g.cseq = md.Sequence.Consumer
+	handle(m, md)
+}
+
+// stale reports whether a loss reported for consumer gen is of one
+// dropped already.
+func (g *consumerGen) stale(gen int) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return gen != g.gen
 }
 
 // drop stops the current consumer; its late messages are ignored.
-func (r *Reader) drop() {
-	r.mu.Lock()
-	r.gen++
-	cc := r.cc
-	r.cc = nil
-	r.mu.Unlock()
+func (g *consumerGen) drop() {
+	g.mu.Lock()
+	g.gen++
+	cc := g.cc
+	g.cc = nil
+	g.mu.Unlock()
 	if cc != nil {
 		cc.Stop()
 		<-cc.Closed()
@@ -264,11 +298,8 @@ func (r *Reader) run(ctx context.Context, statuses chan nats.Status) {
 			return // revoked or refused for good (R-BUS-11)
 		case <-statuses:
 		case gen := <-r.kick:
-			r.mu.Lock()
-			stale := gen != r.gen // a consumer dropped already
-			r.mu.Unlock()
-			if stale {
-				continue
+			if r.stale(gen) {
+				continue // a consumer dropped already
 			}
 		}
 		r.drop()

@@ -125,7 +125,7 @@ func SubscribeResuming(ctx context.Context, b *Bus, opts SubscribeOptions, fn fu
 	if name == "" {
 		name = nuid.Next() // a name no other process knows
 	}
-	f := &resumingFollower{b: b, opts: opts, filter: filter, fn: fn, resumed: resumed, kick: newLossSignal(),
+	f := &resumingFollower{b: b, opts: opts, filter: filter, fn: fn, resumed: resumed, consumerGen: newConsumerGen(),
 		whole: filter == SubjectPrefix+">", name: name}
 	// Listen before the first consumer exists, so that no change of the
 	// connection is missed.
@@ -165,15 +165,11 @@ type resumingFollower struct {
 	whole   bool // filter takes every event: a gap in sequences is a loss
 	fn      func(subject string, payload []byte)
 	resumed func(Resumption)
-	kick    lossSignal // consumer number gen was lost: make it again
 
 	name string // the consumer's name, kept across every consumer made (R-BUS-11)
 
-	mu   sync.Mutex // guards gen, cseq and mark; held while fn runs
-	gen  int        // the current consumer's number; events of others are dropped
-	cseq uint64     // the current consumer's last delivered consumer sequence
-	mark StreamMark
-	cc   jetstream.ConsumeContext // only the run goroutine touches it after start
+	consumerGen // its mu also guards mark; held while fn runs
+	mark        StreamMark
 }
 
 // start makes the ordered consumer at f.mark (or the first start when
@@ -211,47 +207,19 @@ func (f *resumingFollower) start(ctx context.Context, r *Resumption) error {
 	// Held until the notice is out: the new consumer's first event waits.
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.gen++
-	f.cseq = 0
-	gen := f.gen
-	cc, err := cons.Consume(func(m jetstream.Msg) { f.deliver(gen, m) },
-		jetstream.PullHeartbeat(readerHeartbeat),
-		jetstream.PullExpiry(readerExpiry),
-		jetstream.ConsumeErrHandler(func(_ jetstream.ConsumeContext, err error) {
-			if errors.Is(err, jetstream.ErrConsumerDeleted) || errors.Is(err, jetstream.ErrNoHeartbeat) ||
-				errors.Is(err, jetstream.ErrConsumerNotFound) {
-				f.kick.raise(gen)
-			}
-		}))
-	if err != nil {
+	if err := f.consume(cons, f.handle); err != nil {
 		return err
 	}
-	f.cc = cc
 	if r != nil && f.resumed != nil {
 		f.resumed(*r)
 	}
 	return nil
 }
 
-// deliver hands one message of consumer gen to fn, unless that consumer
-// was dropped meanwhile or the message was delivered already.
-func (f *resumingFollower) deliver(gen int, m jetstream.Msg) {
-	meta, err := m.Metadata()
-	if err != nil {
-		return
-	}
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if gen != f.gen {
-		return
-	}
-	if meta.Sequence.Consumer != f.cseq+1 {
-		// A delivery went missing: make the consumer again at the next
-		// stream sequence, under its name.
-		f.kick.raise(gen)
-		return
-	}
-	f.cseq = meta.Sequence.Consumer
+// handle delivers message m of the current consumer to fn unless it was
+// delivered already, and reports events the stream removed before the
+// consumer reached them (f.mu held, consumerGen.consume).
+func (f *resumingFollower) handle(m jetstream.Msg, meta *jetstream.MsgMetadata) {
 	seq := meta.Sequence.Stream
 	if seq < f.mark.Next {
 		return
@@ -263,18 +231,6 @@ func (f *resumingFollower) deliver(gen int, m jetstream.Msg) {
 	}
 	f.mark.Next = seq + 1
 	f.fn(m.Subject(), m.Data())
-}
-
-// drop stops the current consumer; its late messages are ignored.
-func (f *resumingFollower) drop() {
-	f.mu.Lock()
-	f.gen++
-	f.mu.Unlock()
-	if f.cc != nil {
-		f.cc.Stop()
-		<-f.cc.Closed()
-		f.cc = nil
-	}
 }
 
 // run follows the connection's changes until ctx ends: drop the consumer
@@ -302,11 +258,8 @@ func (f *resumingFollower) run(ctx context.Context, statuses chan nats.Status) {
 				return
 			}
 		case gen := <-f.kick:
-			f.mu.Lock()
-			stale := gen != f.gen // a consumer dropped already
-			f.mu.Unlock()
-			if stale {
-				continue
+			if f.stale(gen) {
+				continue // a consumer dropped already
 			}
 		}
 		f.drop()
