@@ -306,17 +306,13 @@ func (s *Service) checkDrains(ctx context.Context) {
 }
 
 // routerReports reads every valid router report of narwhal_routers
-// (fleet.ReadReports: through a watch's full delivery, as the breaker's
-// credential may watch the bucket, not read single keys) and counts the
+// (fleet.ReadReports: through a watch's full delivery, by direct gets
+// with the breaker's credential, R-BUS-11) and counts the
 // values it ignored.
 func (s *Service) routerReports(ctx context.Context) ([]schemas.RouterReport, error) {
 	octx, cancel := context.WithTimeout(ctx, opTimeout)
 	defer cancel()
-	kv, err := s.bus.BindBucket(octx, bus.RoutersBucket)
-	if err != nil {
-		return nil, err
-	}
-	reports, ignored, err := fleet.ReadReports(octx, kv)
+	reports, ignored, err := fleet.ReadReports(octx, s.bus)
 	s.metrics.reportsIgnored.WithLabelValues(reportInvalid).Add(float64(ignored.Invalid))
 	s.metrics.reportsIgnored.WithLabelValues(schemas.MismatchRouterID).Add(float64(ignored.RouterIDMismatch))
 	return reports, err

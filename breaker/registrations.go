@@ -81,35 +81,30 @@ func (s *Service) watchRegistrations(ctx context.Context) {
 	}
 }
 
-// readRegistrations is one ordered consumer's life of watchRegistrations.
+// readRegistrations is one reader's life of watchRegistrations: a
+// bus.Reader (behaviour.md R-BUS-11: by direct gets, no consumer, with the
+// breaker's credential, which two breakers share), from the last
+// registration of every engine, until ctx ends or the reader does.
 func (s *Service) readRegistrations(ctx context.Context) error {
-	octx, cancel := context.WithTimeout(ctx, opTimeout)
-	cons, err := s.bus.JetStream().OrderedConsumer(octx, bus.RegistrationsStream, jetstream.OrderedConsumerConfig{
-		FilterSubjects: []string{bus.RegistrationSubjectPrefix + "*"},
-		DeliverPolicy:  jetstream.DeliverLastPerSubjectPolicy,
-	})
-	cancel()
-	if err != nil {
-		return err
-	}
-	it, err := cons.Messages()
-	if err != nil {
-		return err
-	}
-	stop := context.AfterFunc(ctx, it.Stop)
-	defer stop()
-	defer it.Stop()
-	for {
-		msg, err := it.Next()
-		if err != nil {
-			return err
-		}
+	r, err := bus.StartReader(ctx, s.bus, bus.ReaderOptions{
+		Stream:  bus.RegistrationsStream,
+		Filter:  bus.RegistrationSubjectPrefix + "*",
+		Name:    s.bus.ConsumerName(bus.PurposeRegistrations),
+		Deliver: jetstream.DeliverLastPerSubjectPolicy,
+	}, func(msg jetstream.Msg) {
 		stored := time.Now()
 		if md, err := msg.Metadata(); err == nil {
 			stored = md.Timestamp
 		}
 		s.noteRegistration(msg.Subject(), msg.Data(), stored)
+	})
+	if err != nil {
+		return err
 	}
+	stop := context.AfterFunc(ctx, r.Stop)
+	defer stop()
+	<-r.Done()
+	return jetstream.ErrMsgIteratorClosed
 }
 
 // noteRegistration judges one message of the stream and keeps it as its

@@ -108,52 +108,28 @@ func inbox(name string) string { return "_INBOX." + name + ".>" }
 // jsAPI is the JetStream API subject prefix.
 const jsAPI = "$JS.API."
 
-// bucketRead is what reading KV bucket name takes: its stream's info,
-// direct gets, and watches (ephemeral ordered consumers — creating,
-// reading, pulling from and deleting them — with their flow control). The
-// wildcard token after CONSUMER stands for CREATE, INFO, DELETE and the
-// like; it matches no durable creation (CONSUMER.DURABLE.CREATE.<stream>),
-// which has one token more. A KV stream has no durable consumers of
-// Narwhal's.
-func bucketRead(name string) []string {
-	stream := "KV_" + name
-	return []string{
-		jsAPI + "STREAM.INFO." + stream,
-		jsAPI + "DIRECT.GET." + stream + ".>",
-		jsAPI + "CONSUMER.*." + stream,
-		jsAPI + "CONSUMER.*." + stream + ".>",
-		jsAPI + "CONSUMER.MSG.NEXT." + stream + ".>",
-		"$JS.FC." + stream + ".>",
-	}
+// directRead is what a role's process takes to read stream, and no more
+// (behaviour.md R-BUS-11): its info (first sequence, creation time) and
+// direct gets — single ($JS.API.DIRECT.GET.<stream>.<subject>, a KV
+// key's last value) and batched ($JS.API.DIRECT.GET.<stream>, bus's
+// direct reader). No consumer subject at all: a role's credential is
+// shared by several processes, so no consumer name could be its own,
+// and without consumer grants it can neither make one nor pause,
+// delete, pull from or re-create another's, whatever name it learned.
+func directRead(stream string) []string {
+	return []string{jsAPI + "STREAM.INFO." + stream, jsAPI + "DIRECT.GET." + stream, jsAPI + "DIRECT.GET." + stream + ".>"}
 }
 
-// bucketWatch is what watching KV bucket name takes, and no more: its
-// stream's info, and ephemeral ordered consumers named in the subject
-// (creating, reading and deleting them, pulling from them) with their
-// flow control — no direct gets. Kept short: every subject lengthens the
-// role's JWT, which travels in the CONNECT line.
-func bucketWatch(name string) []string {
-	stream := "KV_" + name
-	return []string{
-		jsAPI + "STREAM.INFO." + stream,
-		jsAPI + "CONSUMER.*." + stream + ".>",
-		jsAPI + "CONSUMER.MSG.NEXT." + stream + ".>",
-		"$JS.FC." + stream + ".>",
-	}
-}
+// bucketRead is directRead for KV bucket name's stream.
+func bucketRead(name string) []string { return directRead("KV_" + name) }
 
-// streamWatch is what reading stream name through ephemeral consumers
-// named in the subject takes, and no more (bucketWatch's acts, for a
-// stream of Narwhal's own): its info, creating, reading and deleting such
-// consumers, pulling from them, their flow control.
-func streamWatch(stream string) []string {
-	return []string{
-		jsAPI + "STREAM.INFO." + stream,
-		jsAPI + "CONSUMER.*." + stream + ".>",
-		jsAPI + "CONSUMER.MSG.NEXT." + stream + ".>",
-		"$JS.FC." + stream + ".>",
-	}
-}
+// bucketWake is the core subscription that wakes a role's direct reader
+// of KV bucket name at once when a key is written ("$KV.<name>.>"). A
+// message there only wakes the reader, which reads the value by a direct
+// get: one published there by another credential (a push consumer's
+// deliveries are not checked against its maker's publish permissions)
+// costs one get and changes nothing read.
+func bucketWake(name string) string { return "$KV." + name + ".>" }
 
 // bucketGet is what reading single keys of KV bucket name takes, and no
 // more: its stream's info and direct gets — no watch. A router reads the
@@ -181,40 +157,15 @@ func eventsPub(role string) []string {
 	return out
 }
 
-// viewerDenied are the acts on the breaker's durable consumer, and the
-// consumer acts beyond reading, that the viewer's wide read permissions
-// would otherwise allow. The legacy ephemeral create
-// ($JS.API.CONSUMER.CREATE.<stream>, no consumer name in the subject)
-// takes the name from the request body, so on NARWHAL_EVENTS it could
-// update the breaker's consumer (its filter, its pause) under any
-// subject-based deny; clients name their consumers in the subject (nats.go
-// does with any server since 2.9), so it is denied there.
-func viewerDenied() []string {
-	return []string{
-		jsAPI + "CONSUMER.CREATE." + StreamName,
-		jsAPI + "CONSUMER.*." + StreamName + "." + BreakerConsumer,
-		jsAPI + "CONSUMER.*." + StreamName + "." + BreakerConsumer + ".>",
-		jsAPI + "CONSUMER.MSG.NEXT." + StreamName + "." + BreakerConsumer,
-		jsAPI + "CONSUMER.DURABLE.CREATE.>",
-		jsAPI + "CONSUMER.LEADER.STEPDOWN.>",
-	}
-}
-
 // consumerDenied are the consumer acts that no credential but the admin's
-// may take on any stream (behaviour.md R-BUS-11): pausing a consumer, and
-// listing a stream's consumers or their names. The read permissions of
-// bucketRead, bucketWatch, streamWatch and the viewer's match these
-// subjects (CONSUMER.*.<stream>…) because NATS permissions match whole
-// tokens only, and ownConsumer's (CONSUMER.*.<stream>.<name>) matches a
-// pause of its own consumer. A role's consumer is known by its name,
-// random and travelling only to its owner's private inbox, so denying the
-// listing keeps the names secret — from the viewer too, whose consumer
-// permissions would otherwise reach any consumer it could name; an
-// identity's names are also the only ones its credential may use.
-// Nothing of Narwhal pauses or lists consumers. Moving a consumer to
-// other servers ($JS.API.CONSUMER.PEER.REMOVE / PEER.EVACUATE, which the
-// wide read permissions would match too — the breaker's durable
-// consumer among them) is the admin's alone as well.
+// may take on any stream (behaviour.md R-BUS-11): pausing a consumer,
+// listing a stream's consumers or their names, and moving a consumer to
+// other servers ($JS.API.CONSUMER.PEER.REMOVE / PEER.EVACUATE).
+// ownConsumer's grants (CONSUMER.*.<stream>.<name>) would match a pause
+// of an identity's own consumer, because NATS permissions match whole
+// tokens only; the role credentials hold no consumer grant but the
+// breaker's durable's (directRead), so for them this list only restates
+// what they lack. Nothing of Narwhal pauses or lists consumers.
 func consumerDenied() []string {
 	return []string{jsAPI + "CONSUMER.PAUSE.>", jsAPI + "CONSUMER.LIST.*", jsAPI + "CONSUMER.NAMES.*", jsAPI + "CONSUMER.PEER.>"}
 }
@@ -235,23 +186,25 @@ func consumerDenied() []string {
 // for events (behaviour.md R-BUS-11); events are read through stream
 // consumers. Beyond that:
 //
-//   - breaker: its event kinds; write and
-//     read narwhal_placement, narwhal_breaker and narwhal_fleet (the
-//     states it decides: active after the checks, drained, R-FLEET-2,
-//     R-FLEET-3; watching, not direct gets); watch narwhal_routers; read
-//     stream NARWHAL_REGISTRATIONS (the engines' registrations) through
-//     consumers of its own; make, read from and acknowledge
-//     on its durable consumer narwhal-breaker;
+//   - breaker: its event kinds; write and read narwhal_placement,
+//     narwhal_breaker and narwhal_fleet (the states it decides: active
+//     after the checks, drained, R-FLEET-2, R-FLEET-3); read
+//     narwhal_routers and stream NARWHAL_REGISTRATIONS (the engines'
+//     registrations); make, read from and acknowledge on its durable
+//     consumer narwhal-breaker, its only consumer;
 //   - chaos: its event kinds; write and read narwhal_chaos; read
 //     narwhal_placement's info; answer as, and ask, the NATS service
 //     ChaosProxyService ($SRV.*, replies to the requests it receives);
-//   - viewer: read every stream and bucket of
-//     the account (info, messages); make, read from and
-//     delete consumers of its own — not narwhal-breaker, not durables
-//     through the durable API, not through the legacy create on
-//     NARWHAL_EVENTS, no leader step-downs, no pausing, no listing;
+//   - viewer: read every stream and bucket of the account (info,
+//     messages);
 //   - admin: everything ("> "), which `narwhal fleet add|drain|undrain|
 //     remove` needs to change the fleet.
+//
+// Every read of the breaker, chaos and viewer roles is by direct gets
+// (directRead), woken on a KV bucket by a core subscription on its
+// subjects (bucketWake): none of these credentials may make, pause,
+// delete, pull from or re-create a consumer, its own or another's, but
+// the breaker's durable.
 //
 // Routers and engines have no role credential: RouterPermissions and
 // EnginePermissions give each identity its own. RolePermissions returns
@@ -267,8 +220,8 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 		pub = slices.Concat(common,
 			bucketRead(PlacementBucket), bucketWrite(PlacementBucket),
 			bucketRead(LeaseBucket), bucketWrite(LeaseBucket),
-			bucketWatch(FleetBucket), bucketWrite(FleetBucket), bucketWatch(RoutersBucket),
-			streamWatch(RegistrationsStream),
+			bucketRead(FleetBucket), bucketWrite(FleetBucket), bucketRead(RoutersBucket),
+			directRead(RegistrationsStream),
 			[]string{
 				jsAPI + "CONSUMER.CREATE." + StreamName + "." + BreakerConsumer,
 				jsAPI + "CONSUMER.CREATE." + StreamName + "." + BreakerConsumer + ".>",
@@ -277,29 +230,29 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 				jsAPI + "CONSUMER.MSG.NEXT." + StreamName + "." + BreakerConsumer,
 				"$JS.ACK." + StreamName + "." + BreakerConsumer + ".>",
 			})
+		sub = append(sub, bucketWake(PlacementBucket), bucketWake(LeaseBucket), bucketWake(FleetBucket), bucketWake(RoutersBucket))
 	case RoleChaos:
 		pub = slices.Concat(common,
 			bucketRead(ChaosBucket), bucketWrite(ChaosBucket),
 			[]string{jsAPI + "STREAM.INFO.KV_" + PlacementBucket, "$SRV.PING." + ChaosProxyService})
 		// A proxy answers its service's PING, INFO and STATS requests.
-		sub = append(sub, "$SRV.PING", "$SRV.INFO", "$SRV.STATS",
+		sub = append(sub, bucketWake(ChaosBucket), "$SRV.PING", "$SRV.INFO", "$SRV.STATS",
 			"$SRV.*."+ChaosProxyService, "$SRV.*."+ChaosProxyService+".*")
 		resp = &jwt.ResponsePermission{MaxMsgs: 1, Expires: time.Minute}
 	case RoleViewer:
 		// Read only, on an account that holds Narwhal's streams alone:
-		// every stream's info and messages, consumers of its own.
+		// every stream's info and messages, by direct gets, and no
+		// consumer (directRead).
 		pub = []string{
 			jsAPI + "INFO",
 			jsAPI + "STREAM.NAMES",
 			jsAPI + "STREAM.LIST",
 			jsAPI + "STREAM.INFO.*",
 			jsAPI + "STREAM.MSG.GET.*",
-			jsAPI + "DIRECT.GET.>",
-			jsAPI + "CONSUMER.*.*",
-			jsAPI + "CONSUMER.*.*.>",
-			"$JS.FC.>",
+			jsAPI + "DIRECT.GET.*",
+			jsAPI + "DIRECT.GET.*.>",
 		}
-		deny = append(viewerDenied(), consumerDenied()...)
+		sub = append(sub, "$KV.>")
 	case RoleAdmin:
 		pub, sub, deny = []string{">"}, []string{">"}, nil
 	case RoleRouter, RoleEngine:

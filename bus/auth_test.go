@@ -266,18 +266,32 @@ func TestRolePermissions(t *testing.T) {
 	if _, err := routersKV.Put(ctx, "rt-1", []byte(`{}`)); err != nil {
 		t.Fatalf("router writes its report: %v", err)
 	}
-	breakerRouters, err := breaker.BindBucket(ctx, bus.RoutersBucket)
+	// The breaker reads the routers' reports without a consumer
+	// (R-BUS-11: a role's credential makes none).
+	breakerRouters, err := bus.ReadBucket(ctx, breaker, bus.RoutersBucket, breaker.ConsumerName(bus.PurposeView))
 	if err != nil {
-		t.Fatalf("breaker binds the routers bucket: %v", err)
+		t.Fatalf("breaker reads the routers bucket: %v (%v)", err, breaker.PermissionError())
 	}
-	rw, err := breakerRouters.WatchAll(ctx)
-	if err != nil {
-		t.Fatalf("breaker watches the routers bucket: %v", err)
+	if len(breakerRouters) != 1 || breakerRouters[0].Key() != "rt-1" {
+		t.Errorf("breaker's read of the routers bucket gave %v, want rt-1", breakerRouters)
 	}
-	if first := <-rw.Updates(); first == nil || first.Key() != "rt-1" {
-		t.Errorf("breaker's routers watch gave %v first, want rt-1", first)
-	}
-	_ = rw.Stop()
+	denied(t, breaker, "breaker watches the routers bucket through a consumer", "$JS.API.CONSUMER.CREATE.KV_narwhal_routers", func(ctx context.Context) error {
+		kv, err := breaker.BindBucket(ctx, bus.RoutersBucket)
+		if err != nil {
+			return err
+		}
+		w, err := kv.WatchAll(ctx)
+		if err != nil {
+			return err
+		}
+		defer func() { _ = w.Stop() }()
+		select {
+		case <-w.Updates():
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	})
 	denied(t, router, "router writes the fleet", "$KV.narwhal_fleet.d9", func(ctx context.Context) error {
 		_, err := routerFleet.Put(ctx, "d9", []byte(`{"state":"active"}`))
 		return err
@@ -295,9 +309,9 @@ func TestRolePermissions(t *testing.T) {
 		return err
 	})
 
-	// The viewer reads everything and follows the events with a consumer
-	// of its own, but publishes nothing and cannot touch the breaker's
-	// consumer.
+	// The viewer reads everything and follows the events by direct gets,
+	// without a consumer, but publishes nothing and cannot touch the
+	// breaker's consumer.
 	got := make(chan string, 4)
 	stop, err := bus.Subscribe(ctx, viewer, "", true, func(subject string, _ []byte) { got <- subject })
 	if err != nil {

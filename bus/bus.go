@@ -163,6 +163,11 @@ type ConnectOptions struct {
 	// (docs/mesh.md, "Start-up: what a process waits for"). Nil: a missing
 	// stream or bucket is an error at once.
 	WaitSetUp *SetUpWait
+	// ReadDirect, when set, makes the connection's readers read by
+	// direct gets, without consumers, whatever its credential
+	// (ReadsDirect; behaviour.md R-BUS-11). A role's credential reads so
+	// anyway; set it to read so on a dev bus.
+	ReadDirect bool
 	// ReachTimeout, when > 0, bounds the wait for a server to answer: past
 	// it Connect gives up with ErrUnreachable even though ctx has not
 	// ended. The wait for the set-up that follows is bounded by ctx alone.
@@ -255,7 +260,18 @@ type Bus struct {
 	setupWrites int
 	// consumerKey names this connection's consumers (ConsumerName).
 	consumerKey []byte
+	// direct is set when the connection's readers make no consumer and
+	// read by direct gets (ReadsDirect).
+	direct bool
 }
+
+// ReadsDirect reports whether this connection's readers (StartReader,
+// WatchBucket, ReadBucket, WatchKeys, SubscribeResuming) read by direct
+// gets and make no consumer (behaviour.md R-BUS-11): with a role's
+// credential (breaker, chaos, viewer, admin), or ConnectOptions.ReadDirect.
+// An engine's or a router's identity, and a connection without a
+// credential (a dev bus), read through consumers of its own names.
+func (b *Bus) ReadsDirect() bool { return b.direct }
 
 // URL returns the server this connection is on, for logs: the connected
 // server's URL with any password redacted, or for an in-process connection
@@ -358,11 +374,15 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 	}
 	// The names of its consumers (behaviour.md R-BUS-11): an identity's
 	// come from its credential's seed.
-	key, err := consumerKey(opts.CredsFile)
+	key, identity, err := consumerKey(opts.CredsFile)
 	if err != nil {
 		return nil, fmt.Errorf("bus: the credential NARWHAL_NATS_CREDS=%s: %w: set it to %s (written by %s, docs/mesh.md)", opts.CredsFile, err, roleFile(opts), writtenBy(opts))
 	}
 	b.consumerKey = key
+	// A role's credential (breaker, chaos, viewer, admin) is shared by
+	// several processes and owns no consumer: its readers read by direct
+	// gets (behaviour.md R-BUS-11, StartReader).
+	b.direct = opts.ReadDirect || opts.CredsFile != "" && !identity
 	if opts.TLSCA != "" {
 		nopts = append(nopts, nats.RootCAs(opts.TLSCA))
 	}

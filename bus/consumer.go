@@ -39,6 +39,15 @@ const (
 	// node's router and breaker share one connection and so one key. A
 	// role credential's name, from a random key of the process.
 	PurposeBreakerFleet = "bfleet"
+	// PurposeRegistrations is a breaker's read of the engines'
+	// registrations, on stream NARWHAL_REGISTRATIONS (R-FLEET-5): a
+	// consumer's name on a bus without credentials only — with the
+	// breaker's credential the reader makes no consumer (Bus.ReadsDirect).
+	PurposeRegistrations = "breg"
+	// PurposeView is a viewer's watch of a bucket (the dashboard), on
+	// the bucket's stream: a consumer's name on a bus without credentials
+	// only, as PurposeRegistrations.
+	PurposeView = "view"
 	// PurposeReports is an engine's read of the routers' in-flight
 	// reports while it drains, on bucket narwhal_routers (R-FLEET-3).
 	PurposeReports = "reports"
@@ -125,34 +134,34 @@ func (b *Bus) ConsumerName(purpose string) string {
 // consumerKey returns the key of a connection's consumer names: the user
 // seed of credential file path when it holds an engine's or a router's
 // identity (user name narwhal-engine-… or narwhal-router-…), otherwise
-// (path empty, a role's credential) 32 random bytes.
-func consumerKey(path string) ([]byte, error) {
+// (path empty, a role's credential) 32 random bytes. identity says which.
+func consumerKey(path string) (key []byte, identity bool, err error) {
 	if path != "" {
 		name, err := credsUserName(path)
 		if err != nil {
-			return nil, err
+			return nil, false, err
 		}
 		if strings.HasPrefix(name, UserName(RoleEngine, "")+"-") || strings.HasPrefix(name, UserName(RoleRouter, "")+"-") {
 			raw, err := os.ReadFile(path)
 			if err != nil {
-				return nil, err
+				return nil, false, err
 			}
 			kp, err := nkeys.ParseDecoratedNKey(raw)
 			if err != nil {
-				return nil, fmt.Errorf("no user seed in it: %w", err)
+				return nil, false, fmt.Errorf("no user seed in it: %w", err)
 			}
 			seed, err := kp.Seed()
 			if err != nil {
-				return nil, fmt.Errorf("no user seed in it: %w", err)
+				return nil, false, fmt.Errorf("no user seed in it: %w", err)
 			}
-			return bytes.TrimSpace(seed), nil
+			return bytes.TrimSpace(seed), true, nil
 		}
 	}
-	key := make([]byte, 32)
+	key = make([]byte, 32)
 	if _, err := rand.Read(key); err != nil {
-		return nil, err
+		return nil, false, err
 	}
-	return key, nil
+	return key, false, nil
 }
 
 // OwnConsumer makes the consumer cfg.Name on stream afresh (behaviour.md

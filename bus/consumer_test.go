@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -70,7 +71,7 @@ func ownedConsumers(t *testing.T, ctx context.Context, admin, r, p *bus.Bus, pla
 	t.Cleanup(stop)
 	if _, err := bus.OwnConsumer(ctx, r.JetStream(), bus.PrefixStream, jetstream.ConsumerConfig{
 		Name: r.ConsumerName(bus.PurposePrefix), FilterSubject: bus.PrefixSubjectPrefix + "*",
-		AckPolicy: jetstream.AckNonePolicy, MemoryStorage: true, Replicas: 1, InactiveThreshold: time.Minute,
+		AckPolicy: jetstream.AckNonePolicy, MemoryStorage: true, Replicas: 1, InactiveThreshold: 10 * time.Minute, // unread: it must outlive the test
 	}); err != nil {
 		t.Fatalf("the router reads the prefix batches back: %v (%v)", err, r.PermissionError())
 	}
@@ -150,11 +151,15 @@ func consumerActs(stream, name string) [][2]string {
 // the credentials (behaviour.md R-BUS-11) that the consumers of router r1
 // and engine p1 carry their own fixed names, and that with the admin
 // listing those names and handing them over, router r2's and engine p2's
-// credentials can neither delete, read the info of, pull from, pause,
-// reset nor edit (create anew with a pause or another filter, by the
-// named, legacy or durable create) any of them: every act is refused by
-// the server, the consumers and every stream and bucket are exactly as
-// they were, and r1's and p1's readers keep delivering.
+// credentials, and the breaker's, the chaos proxies' and the viewer's
+// role credentials, can neither delete, read the info of, pull from,
+// pause, reset nor edit (create anew with a pause or another filter, by
+// the named, legacy or durable create) any of them — nor can the chaos
+// and viewer credentials touch the breaker's durable consumer, nor any
+// role credential make a consumer of its own: every act is refused by the
+// server, the consumers and every stream and bucket are exactly as they
+// were, r1's and p1's readers keep delivering, and the viewer still reads
+// the buckets, by direct gets.
 func TestConsumersOwnedByPermissionRBUS11(t *testing.T) {
 	e, dir := authServer(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
@@ -167,15 +172,44 @@ func TestConsumersOwnedByPermissionRBUS11(t *testing.T) {
 	// attempts.
 	placed, reports := make(chan string, 16), make(chan string, 16)
 	names := ownedConsumers(t, ctx, admin, r1, p1, placed, reports)
+	// The breaker's durable consumer, which only the breaker's credential
+	// may use.
+	if _, err := admin.JetStream().CreateConsumer(ctx, bus.StreamName, jetstream.ConsumerConfig{
+		Durable: bus.BreakerConsumer, AckPolicy: jetstream.AckExplicitPolicy,
+	}); err != nil {
+		t.Fatal(err)
+	}
+	// The viewer reads the placement bucket without a consumer.
+	viewer := connectAs(t, e, dir, bus.RoleViewer)
+	viewed := make(chan string, 16)
+	viewerLoaded := make(chan struct{})
+	go func() {
+		_ = bus.WatchBucket(ctx, viewer, bus.PlacementBucket, viewer.ConsumerName(bus.PurposeView),
+			func(map[string]jetstream.KeyValueEntry) { close(viewerLoaded) },
+			func(e jetstream.KeyValueEntry) { viewed <- e.Key() })
+	}()
+	select {
+	case <-viewerLoaded:
+	case <-time.After(waitBound):
+		t.Fatalf("the viewer's watch of the placement loaded nothing (%v)", viewer.PermissionError())
+	}
 	historySettled(t, admin)
 	consumersBefore, streamsBefore := consumerState(t, admin), accountState(t, admin)
 
 	attackers := map[string]*bus.Bus{
 		"router r2": connectID(t, e, dir, bus.RoleRouter, "r2"),
 		"engine p2": connectID(t, e, dir, bus.RoleEngine, "p2"),
+		"breaker":   connectAs(t, e, dir, bus.RoleBreaker),
+		"chaos":     connectAs(t, e, dir, bus.RoleChaos),
+		"viewer":    viewer,
 	}
 	for who, b := range attackers {
-		for stream, name := range names {
+		targets := maps.Clone(names)
+		if who != "breaker" {
+			targets[bus.StreamName+" "] = bus.BreakerConsumer
+		}
+		for key, name := range targets {
+			stream := strings.TrimSpace(key)
 			for _, act := range consumerActs(stream, name) {
 				jsAPIDenied(t, b, who, act[0], act[1])
 			}
@@ -194,6 +228,18 @@ func TestConsumersOwnedByPermissionRBUS11(t *testing.T) {
 		stop()
 		t.Error("router r2 made an ordered consumer of a random name")
 	}
+	// Nor may a role's credential make a consumer at all, of any name.
+	for _, who := range []string{"breaker", "chaos", "viewer"} {
+		for stream := range names {
+			cctx, ccancel := context.WithTimeout(ctx, deniedBound)
+			if _, err := attackers[who].JetStream().CreateConsumer(cctx, stream, jetstream.ConsumerConfig{
+				Name: "nw-mine-" + who, AckPolicy: jetstream.AckNonePolicy, InactiveThreshold: time.Minute,
+			}); err == nil {
+				t.Errorf("the %s's credential made a consumer on %s", who, stream)
+			}
+			ccancel()
+		}
+	}
 	if after := consumerState(t, admin); fmt.Sprint(after) != fmt.Sprint(consumersBefore) {
 		t.Errorf("the consumers changed:\nbefore %v\nafter  %v", consumersBefore, after)
 	}
@@ -205,7 +251,7 @@ func TestConsumersOwnedByPermissionRBUS11(t *testing.T) {
 	if _, err := attackers["router r2"].JetStream().Publish(ctx, "$KV."+bus.RoutersBucket+".r2", []byte(`{}`)); err != nil {
 		t.Fatal(err)
 	}
-	for what, c := range map[string]chan string{"r1's placement watch": placed, "p1's reports watch": reports} {
+	for what, c := range map[string]chan string{"r1's placement watch": placed, "p1's reports watch": reports, "the viewer's direct watch": viewed} {
 		select {
 		case key := <-c:
 			if key != "d1" && key != "r2" {

@@ -275,6 +275,7 @@ func prefixStreamConfig(replicas int) jetstream.StreamConfig {
 		// No rollup and no purge (behaviour.md R-BUS-11): a router's
 		// batch with a Nats-Rollup header would wipe the others'.
 		AllowRollup: false,
+		AllowDirect: true, // read without a consumer (R-BUS-11)
 		DenyPurge:   true,
 	}
 }

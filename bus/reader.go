@@ -76,6 +76,9 @@ type Reader struct {
 	cancel context.CancelFunc
 	done   chan struct{}
 	resets int // consumers made again (Resets)
+
+	// direct, when set, reads instead of any consumer (Bus.ReadsDirect).
+	direct *directReader
 }
 
 // StartReader makes the reader's first consumer (taking its name back
@@ -86,6 +89,16 @@ type Reader struct {
 // the first consumer cannot be made (the stream is missing, the
 // credential lacks the right).
 func StartReader(ctx context.Context, b *Bus, opts ReaderOptions, fn func(jetstream.Msg)) (*Reader, error) {
+	if b.direct {
+		d, err := startDirect(ctx, b, directOptions{
+			stream: opts.Stream, filter: opts.Filter, wake: wakeSubject(opts.Stream, opts.Filter),
+			deliver: opts.Deliver, startSeq: opts.StartSeq, startTime: opts.StartTime, onStart: opts.OnStart,
+		}, fn)
+		if err != nil {
+			return nil, err
+		}
+		return &Reader{b: b, opts: opts, fn: fn, direct: d, cancel: d.cancel, done: d.done}, nil
+	}
 	if opts.Name == "" || opts.Stream == "" {
 		return nil, errors.New("bus: reader: want a stream and a consumer name")
 	}
@@ -325,6 +338,11 @@ func (r *Reader) run(ctx context.Context, statuses chan nats.Status) {
 
 // Resets returns how many times the reader made its consumer again.
 func (r *Reader) Resets() int {
+	if r.direct != nil {
+		r.direct.mu.Lock()
+		defer r.direct.mu.Unlock()
+		return r.direct.resets
+	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.resets

@@ -19,8 +19,12 @@ import (
 // Nats-Marker-Reason, and an empty body, which read as a put made every
 // watcher refuse it as "not JSON" and keep the lapsed engine placed.
 func TestWatchBucketReadsTTLMarkersRFLEET4(t *testing.T) {
+	bothReaders(t, testWatchBucketReadsTTLMarkers)
+}
+
+func testWatchBucketReadsTTLMarkers(t *testing.T, direct bool) {
 	e := bustest.Start(t)
-	b := bustest.Connect(t, e, bus.ConnectOptions{})
+	b := bustest.Connect(t, e, bus.ConnectOptions{ReadDirect: direct})
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	kv, err := b.JetStream().KeyValue(ctx, bus.FleetBucket)

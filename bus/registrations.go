@@ -103,6 +103,7 @@ func registrationsStreamConfig(replicas int) jetstream.StreamConfig {
 		MaxMsgsPerSubject: 1,
 		MaxMsgSize:        MaxRegistrationValue,
 		AllowRollup:       false,
+		AllowDirect:       true, // read without a consumer (R-BUS-11)
 		DenyDelete:        true,
 		DenyPurge:         true,
 		Replicas:          replicas,

@@ -120,6 +120,9 @@ func SubscribeResuming(ctx context.Context, b *Bus, opts SubscribeOptions, fn fu
 	if opts.DeliverAll && !opts.Since.IsZero() {
 		return nil, errors.New("bus: subscribe: DeliverAll and Since exclude each other")
 	}
+	if b.direct {
+		return subscribeDirect(ctx, b, opts, filter, fn, resumed)
+	}
 	ctx, cancel := context.WithCancel(ctx)
 	name := opts.Consumer
 	if name == "" {
@@ -307,4 +310,30 @@ func (f *resumingFollower) resumeOnce(ctx context.Context) error {
 		return err
 	}
 	return nil
+}
+
+// subscribeDirect is SubscribeResuming for a connection that reads by
+// direct gets (Bus.ReadsDirect, behaviour.md R-BUS-11): no consumer, the
+// same delivery — in stream order, each event once, across reconnects and
+// a stream made anew; resumed is called after a reconnect, for a stream
+// made anew and for events removed before they were read.
+func subscribeDirect(ctx context.Context, b *Bus, opts SubscribeOptions, filter string, fn func(subject string, payload []byte), resumed func(Resumption)) (func(), error) {
+	o := directOptions{stream: StreamName, filter: filter, whole: filter == SubjectPrefix+">", resumed: resumed}
+	switch {
+	case opts.DeliverAll:
+		o.deliver = jetstream.DeliverAllPolicy
+	case !opts.Since.IsZero():
+		o.deliver, o.startTime = jetstream.DeliverByStartTimePolicy, opts.Since
+	default:
+		o.deliver = jetstream.DeliverNewPolicy
+	}
+	d, err := startDirect(ctx, b, o, func(m jetstream.Msg) { fn(m.Subject(), m.Data()) })
+	if err != nil {
+		return nil, fmt.Errorf("bus: subscribe %s: %w", filter, err)
+	}
+	var once sync.Once
+	return func() {
+		once.Do(d.cancel)
+		<-d.done
+	}, nil
 }

@@ -16,6 +16,19 @@ import (
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
+// bothReaders runs test with a reader through consumers of the
+// connection's own names and with a direct reader, which makes no
+// consumer (a role credential's, behaviour.md R-BUS-11).
+func bothReaders(t *testing.T, test func(t *testing.T, direct bool)) {
+	for _, direct := range []bool{false, true} {
+		name := "consumer"
+		if direct {
+			name = "direct"
+		}
+		t.Run(name, func(t *testing.T) { test(t, direct) })
+	}
+}
+
 // resumeLog records what a SubscribeResuming delivered and decided.
 type resumeLog struct {
 	mu      sync.Mutex
@@ -50,11 +63,15 @@ func (l *resumeLog) snapshot() ([]string, []bus.Resumption) {
 // stream from its start, and it reports each decision.
 func TestSubscribeResumingRBUS5(t *testing.T) {
 	testkit.CheckLeaks(t)
+	bothReaders(t, testSubscribeResuming)
+}
+
+func testSubscribeResuming(t *testing.T, direct bool) {
 	dir := t.TempDir()
 	e := bustest.StartWith(t, bus.EmbeddedOptions{Dir: dir, Port: -1})
 	_, portStr, _ := net.SplitHostPort(strings.TrimPrefix(e.ClientURL(), "nats://"))
 	port, _ := strconv.Atoi(portStr)
-	pub, follower := connect(t, e), connect(t, e)
+	pub, follower := connect(t, e), bustest.Connect(t, e, bus.ConnectOptions{ReadDirect: direct})
 	publish := func(ids ...string) {
 		t.Helper()
 		testkit.WaitFor(t, waitBound, "the publisher on the stream", func() bool {
@@ -123,8 +140,12 @@ func TestSubscribeResumingRBUS5(t *testing.T) {
 // around them.
 func TestSubscribeResumingCountsGapsRBUS5(t *testing.T) {
 	testkit.CheckLeaks(t)
+	bothReaders(t, testSubscribeResumingCountsGaps)
+}
+
+func testSubscribeResumingCountsGaps(t *testing.T, direct bool) {
 	e := bustest.Start(t)
-	b := connect(t, e)
+	b := bustest.Connect(t, e, bus.ConnectOptions{ReadDirect: direct})
 	var seqs []uint64
 	for _, id := range []string{"g1", "g2", "g3", "g4"} {
 		ev := failure("d1")

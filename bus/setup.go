@@ -139,6 +139,9 @@ func streamConfig(replicas int) jetstream.StreamConfig {
 		// Nats-Rollup header would wipe the subject or the stream. Purges
 		// take the admin's credential; the admin may purge this stream.
 		AllowRollup: false,
+		// Direct gets (behaviour.md R-BUS-11): the role credentials'
+		// processes read it without a consumer (StartReader).
+		AllowDirect: true,
 	}
 }
 
@@ -166,6 +169,7 @@ func historyConfig(replicas int) jetstream.StreamConfig {
 		// Narwhal purges the history.
 		AllowRollup: false,
 		DenyPurge:   true,
+		AllowDirect: true, // read without a consumer, as NARWHAL_EVENTS
 	}
 }
 
@@ -433,7 +437,8 @@ func sameStream(have, want jetstream.StreamConfig) bool {
 		have.MaxBytes == want.MaxBytes && (want.Duplicates == 0 || have.Duplicates == want.Duplicates) && have.Replicas == want.Replicas &&
 		have.Description == want.Description &&
 		unlimited(have.MaxMsgsPerSubject) == unlimited(want.MaxMsgsPerSubject) && have.AllowRollup == want.AllowRollup &&
-		have.DenyDelete == want.DenyDelete && have.DenyPurge == want.DenyPurge
+		have.DenyDelete == want.DenyDelete && have.DenyPurge == want.DenyPurge &&
+		have.AllowDirect == want.AllowDirect
 }
 
 // unlimited returns a stream limit with 0 (unset) as the server stores
@@ -505,7 +510,8 @@ func ensureBucket(ctx context.Context, js jetstream.JetStream, want jetstream.Ke
 	}
 	rollupsAsWanted := !noRollupBucket(want.Bucket) || !info.Config.AllowRollup && info.Config.DenyPurge
 	if st.History() == int64(want.History) && st.TTL() == want.TTL && info.Config.Storage == want.Storage &&
-		info.Config.Description == want.Description && st.LimitMarkerTTL() == want.LimitMarkerTTL && rollupsAsWanted {
+		info.Config.Description == want.Description && st.LimitMarkerTTL() == want.LimitMarkerTTL && rollupsAsWanted &&
+		info.Config.AllowDirect {
 		return false, nil
 	}
 	if noRollupBucket(want.Bucket) {
@@ -544,6 +550,7 @@ func updateNoRollupBucket(ctx context.Context, js jetstream.JetStream, have jets
 	cfg.Replicas = want.Replicas
 	cfg.AllowRollup = false
 	cfg.DenyPurge = true
+	cfg.AllowDirect = true // as nats.go makes every bucket (R-BUS-11)
 	if _, err := js.UpdateStream(ctx, cfg); err != nil {
 		return fmt.Errorf("bus: update bucket %s: %w", want.Bucket, err)
 	}

@@ -59,6 +59,9 @@ func Subscribe(ctx context.Context, b *Bus, filter string, deliverAll bool, fn f
 // until fn is no longer running and is safe to call more than once. It
 // returns an error when opts.Filter is outside narwhal.events.>, when both
 // DeliverAll and Since are set, or when the consumer cannot be created.
+// On a connection that reads by direct gets (Bus.ReadsDirect: a role's
+// credential, behaviour.md R-BUS-11) it makes no consumer and reads as
+// SubscribeResuming does.
 func SubscribeWith(ctx context.Context, b *Bus, opts SubscribeOptions, fn func(subject string, payload []byte)) (stop func(), err error) {
 	filter := opts.Filter
 	if filter == "" {
@@ -80,6 +83,10 @@ func SubscribeWith(ctx context.Context, b *Bus, opts SubscribeOptions, fn func(s
 		since := opts.Since.UTC()
 		cfg.DeliverPolicy = jetstream.DeliverByStartTimePolicy
 		cfg.OptStartTime = &since
+	}
+	if b.direct {
+		// No consumer with a role's credential (behaviour.md R-BUS-11).
+		return subscribeDirect(ctx, b, opts, filter, fn, nil)
 	}
 	cons, err := b.js.OrderedConsumer(ctx, StreamName, cfg)
 	if err != nil {

@@ -286,6 +286,11 @@ func (p *Proxy) Close() {
 	p.startMu.Unlock()
 	if svc != nil {
 		_ = svc.Stop()
+		// The service drains its subscriptions: until the server has
+		// taken the unsubscriptions it still routes pings here, which
+		// would be answered. A round trip makes the proxy unfindable
+		// when Close returns.
+		_ = p.store.nc.Flush()
 	}
 	if cancel != nil {
 		cancel()

@@ -33,6 +33,7 @@ const (
 // makes when it has a publisher. Safe for concurrent use.
 type Store struct {
 	nc     *nats.Conn
+	b      *bus.Bus // its watches (bus.WatchKeys: no consumer with a role's credential, R-BUS-11)
 	js     jetstream.JetStream
 	kv     jetstream.KeyValue
 	pub    *bus.Publisher
@@ -58,7 +59,7 @@ func OpenStore(ctx context.Context, b *bus.Bus, pub *bus.Publisher) (*Store, err
 		return nil, fmt.Errorf("bucket %s: %w", Bucket, err)
 	}
 	keyTTL := st.LimitMarkerTTL() > 0
-	return &Store{nc: b.Conn(), js: b.JetStream(), kv: kv, pub: pub, prefix: "$KV." + Bucket + ".", keyTTL: keyTTL}, nil
+	return &Store{nc: b.Conn(), b: b, js: b.JetStream(), kv: kv, pub: pub, prefix: "$KV." + Bucket + ".", keyTTL: keyTTL}, nil
 }
 
 // Arm stores f in the bucket, replacing any fault with the same engine and
@@ -167,7 +168,7 @@ func (s *Store) entries(ctx context.Context, engineID string) ([]storedFault, er
 	// The watch's subscription lives until its context ends: end it here.
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	w, err := s.kv.Watch(ctx, filter, jetstream.IgnoreDeletes())
+	w, err := bus.WatchKeys(ctx, s.b, Bucket, filter, bus.WatchKeysOptions{IgnoreDeletes: true})
 	if err != nil {
 		return nil, fmt.Errorf("list %s: %w", Bucket, err)
 	}
@@ -285,7 +286,7 @@ func revisionConflict(err error) bool {
 // watch starts a watch of engineID's keys: their current values, a nil
 // entry, then every change.
 func (s *Store) watch(ctx context.Context, engineID string) (jetstream.KeyWatcher, error) {
-	return s.kv.Watch(ctx, engineID+".*")
+	return bus.WatchKeys(ctx, s.b, Bucket, engineID+".*", bus.WatchKeysOptions{})
 }
 
 // publish hands ev to the store's publisher, if any.

@@ -85,10 +85,12 @@ func watchBucket(ctx context.Context, b *bus.Bus, name string, st *state, log *s
 	known := map[string]bool{}
 	for ctx.Err() == nil {
 		sctx, cancel := context.WithTimeout(ctx, setupBound)
-		kv, err := b.BindBucket(sctx, name)
+		_, err := b.BindBucket(sctx, name)
 		cancel()
 		if err == nil {
-			err = bus.WatchSnapshot(ctx, kv, func(snap map[string]jetstream.KeyValueEntry) {
+			// By direct gets with the viewer's credential: no consumer
+			// (behaviour.md R-BUS-11).
+			err = bus.WatchBucket(ctx, b, name, b.ConsumerName(bus.PurposeView), func(snap map[string]jetstream.KeyValueEntry) {
 				for key := range known {
 					if _, ok := snap[key]; !ok {
 						apply(key, nil)

@@ -25,14 +25,15 @@ type ReportsIgnored struct {
 func (n ReportsIgnored) Total() int { return n.Invalid + n.RouterIDMismatch }
 
 // ReadReports returns every valid router in-flight report of KV bucket
-// narwhal_routers (kv; behaviour.md R-FLEET-3), and how many values it
+// narwhal_routers on b (behaviour.md R-FLEET-3), and how many values it
 // ignored for not being one (not schema narwhal.router.v1, R-BUS-9), or
 // for a router_id that is not the key (R-BUS-11). A router that stopped
 // has no key: the bucket's TTL removed it with its legs. It reads through
-// one watch's first, full delivery, which every credential that reads or
-// watches the bucket may do (the breaker's may not get single keys).
-func ReadReports(ctx context.Context, kv jetstream.KeyValue) (reports []schemas.RouterReport, ignored ReportsIgnored, err error) {
-	all, err := readAll(ctx, kv)
+// one watch's first, full delivery (bus.WatchKeys: by direct gets, no
+// consumer, with a role's credential, R-BUS-11), which every credential
+// that reads the bucket may do.
+func ReadReports(ctx context.Context, b *bus.Bus) (reports []schemas.RouterReport, ignored ReportsIgnored, err error) {
+	all, err := readAll(ctx, b, bus.RoutersBucket)
 	if err != nil {
 		return nil, ReportsIgnored{}, fmt.Errorf("fleet: read the routers' reports: %w", err)
 	}

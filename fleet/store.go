@@ -67,6 +67,7 @@ func (e *InvalidError) Unwrap() error { return e.Err }
 type Store struct {
 	kv jetstream.KeyValue
 	js jetstream.JetStream
+	b  *bus.Bus // its watches (bus.WatchKeys: no consumer with a role's credential, R-BUS-11)
 }
 
 // Bind binds bucket narwhal_fleet of b. It returns a *bus.NotSetUpError
@@ -77,7 +78,7 @@ func Bind(ctx context.Context, b *bus.Bus) (*Store, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Store{kv: kv, js: b.JetStream()}, nil
+	return &Store{kv: kv, js: b.JetStream(), b: b}, nil
 }
 
 // subject is the KV subject of engine id's key.
@@ -222,7 +223,7 @@ type Listed struct {
 // bucket through one watch's first, full delivery (what a viewer's
 // credential allows).
 func (s *Store) List(ctx context.Context) ([]Listed, error) {
-	all, err := readAll(ctx, s.kv)
+	all, err := readAll(ctx, s.b, bus.FleetBucket)
 	if err != nil {
 		return nil, fmt.Errorf("fleet: list the fleet: %w", err)
 	}
@@ -245,7 +246,7 @@ func (s *Store) List(ctx context.Context) ([]Listed, error) {
 // watch cannot be set up or ends. A value that is not an entry for id
 // is passed over.
 func (s *Store) WaitDrained(ctx context.Context, id string) (entry schemas.FleetEntry, gone bool, err error) {
-	w, err := s.kv.Watch(ctx, id)
+	w, err := bus.WatchKeys(ctx, s.b, bus.FleetBucket, id, bus.WatchKeysOptions{})
 	if err != nil {
 		return entry, false, fmt.Errorf("fleet: watch engine %s: %w", id, err)
 	}
@@ -271,10 +272,13 @@ func (s *Store) WaitDrained(ctx context.Context, id string) (entry schemas.Fleet
 	}
 }
 
-// readAll returns every value of kv through one watch's first, full
-// delivery (deleted keys left out), or why it could not.
-func readAll(ctx context.Context, kv jetstream.KeyValue) ([]jetstream.KeyValueEntry, error) {
-	w, err := kv.WatchAll(ctx, jetstream.IgnoreDeletes())
+// readAll returns every value of KV bucket of b through one watch's
+// first, full delivery (deleted keys left out; bus.WatchKeys: no consumer
+// with a role's credential, R-BUS-11), or why it could not.
+func readAll(ctx context.Context, b *bus.Bus, bucket string) ([]jetstream.KeyValueEntry, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	w, err := bus.WatchKeys(ctx, b, bucket, ">", bus.WatchKeysOptions{IgnoreDeletes: true})
 	if err != nil {
 		return nil, err
 	}

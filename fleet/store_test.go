@@ -231,7 +231,7 @@ func TestReadReportsRBUS11(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	reports, ignored, err := ReadReports(ctx, kv)
+	reports, ignored, err := ReadReports(ctx, b)
 	if err != nil || len(reports) != 0 || ignored.Total() != 0 {
 		t.Fatalf("empty bucket: %v, %d, %v", reports, ignored, err)
 	}
@@ -251,7 +251,7 @@ func TestReadReportsRBUS11(t *testing.T) {
 	if err := kv.Delete(ctx, "r4"); err != nil {
 		t.Fatal(err)
 	}
-	reports, ignored, err = ReadReports(ctx, kv)
+	reports, ignored, err = ReadReports(ctx, b)
 	if err != nil || len(reports) != 1 || reports[0].RouterID != "r1" || ignored != (ReportsIgnored{Invalid: 1, RouterIDMismatch: 1}) {
 		t.Fatalf("ReadReports = %+v, %+v ignored, %v; want r1 alone, 1 invalid, 1 of another router", reports, ignored, err)
 	}

@@ -181,7 +181,7 @@ func watchOnce(ctx context.Context, b *bus.Bus, w Watcher) error {
 // watch cannot be set up. A registration follows its key with it
 // (R-FLEET-4).
 func (s *Store) Writes(ctx context.Context, id string) (<-chan Change, error) {
-	w, err := s.kv.Watch(ctx, id, jetstream.UpdatesOnly())
+	w, err := bus.WatchKeys(ctx, s.b, bus.FleetBucket, id, bus.WatchKeysOptions{UpdatesOnly: true})
 	if err != nil {
 		return nil, err
 	}

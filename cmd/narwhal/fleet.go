@@ -445,8 +445,8 @@ func fleetList(ctx context.Context, st *fleet.Store, b *bus.Bus, stdout io.Write
 	}
 	inflight := map[string]int64{}
 	models := map[string]map[string]bool{}
-	if rk, err := b.BindBucket(ctx, bus.RoutersBucket); err == nil {
-		if reports, _, err := fleet.ReadReports(ctx, rk); err == nil {
+	{
+		if reports, _, err := fleet.ReadReports(ctx, b); err == nil {
 			for _, r := range reports {
 				for id, n := range r.InFlight {
 					inflight[id] += n
