@@ -20,8 +20,9 @@ import (
 
 func init() {
 	commands["bus"] = command{
-		summary: "run a NATS server with JetStream that Narwhal processes share (--listen HOST:PORT --data DIR); bus setup, bus creds, bus revoke",
-		run:     withOutput(runBus),
+		summary:   "run a NATS server with JetStream that Narwhal processes share (--listen HOST:PORT --data DIR); bus setup, bus creds, bus revoke",
+		run:       withOutput(runBus),
+		checkArgs: true,
 	}
 }
 
@@ -65,6 +66,12 @@ See docs/mesh.md.
 // §14, R-BUS-4, R-BUS-8).
 func runBus(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if len(args) > 0 {
+		switch args[0] {
+		case "setup", "creds", "revoke":
+			if argsChecked(ctx) != nil {
+				return fmt.Errorf("--check-args: not supported by narwhal bus %s", args[0])
+			}
+		}
 		switch args[0] {
 		case "setup":
 			return runBusSetup(ctx, args[1:], stdout, stderr)
@@ -142,6 +149,14 @@ func runBusServe(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	}
 	cfg, err := busConfig(*cfgPath)
 	if err != nil {
+		return err
+	}
+	if *authDir != "" {
+		if _, err := os.Stat(filepath.Join(*authDir, bus.AuthConfFile)); err != nil {
+			return fmt.Errorf("--auth %s: %w", *authDir, err)
+		}
+	}
+	if err := argsChecked(ctx); err != nil {
 		return err
 	}
 	dir, err := filepath.Abs(*data)
