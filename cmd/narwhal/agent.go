@@ -24,8 +24,9 @@ import (
 
 func init() {
 	commands["agent"] = command{
-		summary: "register an engine in the live fleet, heartbeat, and drain it on SIGTERM (a pod's sidecar)",
-		run:     withOutput(runAgent),
+		summary:   "register an engine in the live fleet, heartbeat, and drain it on SIGTERM (a pod's sidecar)",
+		run:       withOutput(runAgent),
+		checkArgs: true,
 	}
 }
 
@@ -74,6 +75,12 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	if *drainTimeout <= 0 {
 		return errors.New("--drain-timeout must be > 0")
+	}
+	if err := argsChecked(ctx); err != nil {
+		if _, perr := config.Parse(nil); perr != nil {
+			return perr // the environment registered() reads
+		}
+		return err
 	}
 	log := slog.New(slog.NewTextHandler(stderr, nil)).With("agent", *id)
 	cred := engines.NewCredential("")

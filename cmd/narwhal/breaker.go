@@ -23,8 +23,9 @@ import (
 
 func init() {
 	commands["breaker"] = command{
-		summary: "run a breaker (ejection, probes, readmission) on the NATS at NARWHAL_NATS_URL (--config FILE)",
-		run:     runBreakerCmd,
+		summary:   "run a breaker (ejection, probes, readmission) on the NATS at NARWHAL_NATS_URL (--config FILE)",
+		run:       runBreakerCmd,
+		checkArgs: true,
 	}
 }
 
@@ -51,6 +52,9 @@ func runBreakerCmd(ctx context.Context, args []string) error {
 	}
 	if cfg.Bus.URL == "" {
 		return errNoNATSURL
+	}
+	if err := argsChecked(ctx); err != nil {
+		return err
 	}
 	log := newLogger(cfg, os.Stderr)
 	id := breakerID()

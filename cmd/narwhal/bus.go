@@ -20,8 +20,9 @@ import (
 
 func init() {
 	commands["bus"] = command{
-		summary: "run a NATS server with JetStream that Narwhal processes share (--listen HOST:PORT --data DIR); bus setup, bus creds, bus revoke",
-		run:     withOutput(runBus),
+		summary:   "run a NATS server with JetStream that Narwhal processes share (--listen HOST:PORT --data DIR); bus setup, bus creds, bus revoke",
+		run:       withOutput(runBus),
+		checkArgs: true,
 	}
 }
 
@@ -65,6 +66,12 @@ See docs/mesh.md.
 // §14, R-BUS-4, R-BUS-8).
 func runBus(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if len(args) > 0 {
+		switch args[0] {
+		case "setup", "creds", "revoke":
+			if argsChecked(ctx) != nil {
+				return fmt.Errorf("--check-args: not supported by narwhal bus %s", args[0])
+			}
+		}
 		switch args[0] {
 		case "setup":
 			return runBusSetup(ctx, args[1:], stdout, stderr)
@@ -144,6 +151,14 @@ func runBusServe(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	if err != nil {
 		return err
 	}
+	if *authDir != "" {
+		if _, err := os.Stat(filepath.Join(*authDir, bus.AuthConfFile)); err != nil {
+			return fmt.Errorf("--auth %s: %w", *authDir, err)
+		}
+	}
+	if err := argsChecked(ctx); err != nil {
+		return err
+	}
 	dir, err := filepath.Abs(*data)
 	if err != nil {
 		return fmt.Errorf("--data %s: %w", *data, err)
@@ -212,6 +227,9 @@ func runBusServe(ctx context.Context, args []string, stdout, stderr io.Writer) e
 // header of the identities only above one that was written) and
 // refuses, before writing any, an id that config.ValidID rejects, an id
 // given twice, and an identity whose file exists.
+// With --kubernetes-secrets [--namespace NS] it then writes
+// DIR/kubernetes-secrets.yaml (writeKubernetesSecrets), also for a DIR
+// that holds a mesh and no new identity: a re-run never rotates a key.
 func runBusCreds(args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("narwhal bus creds", flag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -225,6 +243,8 @@ func runBusCreds(args []string, stdout, stderr io.Writer) error {
 		ids = append(ids, identity{bus.RoleRouter, v})
 		return nil
 	})
+	k8s := fs.Bool("kubernetes-secrets", false, "also write DIR/"+KubernetesSecretsFile+": Secret manifests of the bus's side and of every credential in DIR (docs/kubernetes.md); DIR may hold a mesh already")
+	namespace := fs.String("namespace", "", "the `NS` of the Secrets of --kubernetes-secrets (default: none, kubectl's current namespace)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -233,6 +253,26 @@ func runBusCreds(args []string, stdout, stderr io.Writer) error {
 	}
 	if *out == "" {
 		return errors.New("--out DIR is required")
+	}
+	if *namespace != "" && !*k8s {
+		return errors.New("--namespace needs --kubernetes-secrets")
+	}
+	if err := checkNamespace(*namespace); err != nil {
+		return err
+	}
+	secrets := func() error {
+		if !*k8s {
+			return nil
+		}
+		names, err := writeKubernetesSecrets(*out, *namespace)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(stdout, "Kubernetes Secrets written to %s (kubectl apply -f it; keep it as secret as DIR):\n", filepath.Join(*out, KubernetesSecretsFile))
+		for _, n := range names {
+			fmt.Fprintf(stdout, "  %s\n", n)
+		}
+		return nil
 	}
 	seen := map[identity]bool{}
 	for _, id := range ids {
@@ -272,6 +312,9 @@ func runBusCreds(args []string, stdout, stderr io.Writer) error {
 		fmt.Fprintf(stdout, "  %-*s the system account's user: pushes revocations (narwhal bus revoke)\n", w, bus.SysCredsFile)
 		fmt.Fprintf(stdout, "  %-*s the operator's and account's seeds, to issue more users; keep them off the servers\n", w, "keys/")
 	} else if len(ids) == 0 {
+		if *k8s {
+			return secrets()
+		}
 		return fmt.Errorf("%s holds a mesh already: add identities with --engine ID or --router ID, or write a new mesh into an empty directory", *out)
 	}
 	// The rows of the identities are listed once written: a header with
@@ -301,7 +344,7 @@ func runBusCreds(args []string, stdout, stderr io.Writer) error {
 		fmt.Fprintf(&rows, "  %-*s NARWHAL_NATS_CREDS for %s %s only%s\n", w, filepath.Base(path), id.kind, id.id, replaced)
 	}
 	list()
-	return nil
+	return secrets()
 }
 
 // identity is one --engine or --router of `narwhal bus creds`: the kind

@@ -17,8 +17,9 @@ import (
 
 func init() {
 	commands["dashboard"] = command{
-		summary: "serve the live fleet page, a read-only view of the bus ([--listen HOST:PORT])",
-		run:     withOutput(runDashboard),
+		summary:   "serve the live fleet page, a read-only view of the bus ([--listen HOST:PORT])",
+		run:       withOutput(runDashboard),
+		checkArgs: true,
 	}
 }
 
@@ -78,6 +79,9 @@ func runDashboard(ctx context.Context, args []string, stdout, stderr io.Writer) 
 			busCfg.URL = defaultNATSURL
 		}
 		fleet = dashboardFleet(cfg)
+	}
+	if err := argsChecked(ctx); err != nil {
+		return err
 	}
 	ln, err := net.Listen("tcp", *listen)
 	if err != nil {

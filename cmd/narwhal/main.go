@@ -37,6 +37,9 @@ import (
 type command struct {
 	summary string
 	run     func(ctx context.Context, args []string) error
+	// checkArgs: the command honours the hidden --check-args (see
+	// argsChecked); run strips the flag for it, and refuses it for others.
+	checkArgs bool
 }
 
 // commands is filled by the init functions of this package's files.
@@ -113,10 +116,27 @@ func run(args []string, stderr io.Writer) int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	err := cmd.run(ctx, args[1:])
+	rest, check := stripCheckArgs(args[1:])
+	if check {
+		if !cmd.checkArgs {
+			fmt.Fprintf(stderr, "narwhal %s: --check-args: not supported by this command\n", args[0])
+			return 2
+		}
+		ctx = context.WithValue(ctx, checkArgsKey{}, true)
+	}
+	err := cmd.run(ctx, rest)
 	switch {
+	case errors.Is(err, errArgsChecked):
+		return 0
 	case err == nil, errors.Is(err, context.Canceled), errors.Is(err, flag.ErrHelp):
 		return 0
+	}
+	if check {
+		var r *reportedError
+		if !errors.As(err, &r) {
+			fmt.Fprintf(stderr, "narwhal %s: %v\n", args[0], err)
+		}
+		return 2
 	}
 	var r *reportedError
 	if errors.As(err, &r) {
@@ -149,4 +169,42 @@ func parseFlags(fs *flag.FlagSet, args []string) error {
 		return err
 	}
 	return reported(err, 2)
+}
+
+// checkArgsKey is the context key under which run marks a --check-args
+// run.
+type checkArgsKey struct{}
+
+// errArgsChecked is what a command returns under --check-args once its
+// flags, environment and configuration files are accepted, before it would
+// connect or listen: run exits 0.
+var errArgsChecked = errors.New("arguments accepted")
+
+// stripCheckArgs returns args without every "--check-args" (or
+// "-check-args") token, and whether there was one. The flag is hidden: it
+// is not in any command's usage, and a command parses the rest with its
+// own flag set, so that the check is that parsing, not a copy of it.
+func stripCheckArgs(args []string) (rest []string, found bool) {
+	rest = make([]string, 0, len(args))
+	for _, a := range args {
+		if a == "--check-args" || a == "-check-args" {
+			found = true
+			continue
+		}
+		rest = append(rest, a)
+	}
+	return rest, found
+}
+
+// argsChecked is called by a command that honours --check-args at the
+// point where its flags, environment and configuration files are parsed
+// and validated and nothing has connected, listened or written yet: under
+// --check-args it returns errArgsChecked (run exits 0 without starting),
+// otherwise nil. It is how Kubernetes manifests of this binary are checked
+// without a cluster (docs/kubernetes.md).
+func argsChecked(ctx context.Context) error {
+	if v, _ := ctx.Value(checkArgsKey{}).(bool); v {
+		return errArgsChecked
+	}
+	return nil
 }

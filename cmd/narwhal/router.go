@@ -13,8 +13,9 @@ import (
 
 func init() {
 	commands["router"] = command{
-		summary: "serve the OpenAI-compatible front end over a fleet (--config FILE --listen HOST:PORT)",
-		run:     runRouterCmd,
+		summary:   "serve the OpenAI-compatible front end over a fleet (--config FILE --listen HOST:PORT)",
+		run:       runRouterCmd,
+		checkArgs: true,
 	}
 }
 
@@ -42,6 +43,9 @@ func runRouterCmd(ctx context.Context, args []string) error {
 	}
 	if cfg.Server.MetricsOnAdmin && *admin == "" {
 		return errors.New("config: server.metrics_on_admin is true: start the router with --admin HOST:PORT to serve /metrics")
+	}
+	if err := argsChecked(ctx); err != nil {
+		return err
 	}
 	log := newLogger(cfg, os.Stderr)
 	return runRouterWith(ctx, routerRun{cfg: cfg, listen: *listen, admin: *admin, log: log, reload: func() (*config.Config, error) {
