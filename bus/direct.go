@@ -105,7 +105,7 @@ type directReader struct {
 // startDirect starts a directReader: it reads the stream's info and the
 // first batch at once, so that a missing stream or a credential that may
 // not read it is an error here, then delivers from a goroutine until ctx
-// ends, stop is called or the credential is refused for good.
+// ends or the credential is refused for good.
 func startDirect(ctx context.Context, b *Bus, opts directOptions, fn func(jetstream.Msg)) (*directReader, error) {
 	if opts.stream == "" {
 		return nil, errors.New("bus: direct reader: want a stream")
@@ -348,12 +348,6 @@ func (d *directReader) deliver(msgs []*jetstream.RawStreamMsg) (more bool) {
 		d.fn(&directMsg{raw: m, consumerSeq: d.delivered, pending: numPending(m)})
 	}
 	return len(msgs) > 0 && numPending(msgs[len(msgs)-1]) > 0
-}
-
-// stop ends the reader and waits until fn is no longer running.
-func (d *directReader) stop() {
-	d.cancel()
-	<-d.done
 }
 
 // directMsg is a message read by a direct get, as a jetstream.Msg: its
