@@ -285,6 +285,9 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 //     through its consumer for PurposePrefix (R-PLACE-2);
 //   - publish its own load reports (narwhal.load.<id>) and subscribe to
 //     every router's (narwhal.load.*) (R-PLACE-3);
+//   - subscribe to the engines' KV batches (narwhal.kv.*, KVSubject),
+//     which its consumer for PurposePrefix also reads back from
+//     NARWHAL_PREFIX (R-PLACE-4);
 //   - watch narwhal_placement (PurposePlacement) and narwhal_fleet
 //     (PurposeFleet) through its consumers of its own names, get keys of
 //     narwhal_placement and narwhal_chaos, and get the lease from
@@ -320,7 +323,7 @@ func RouterPermissions(id string, key []byte) (jwt.Permissions, error) {
 		[]string{jsAPI + "STREAM.INFO.KV_" + RoutersBucket, "$KV." + RoutersBucket + "." + id},
 		[]string{PrefixSubject(id), jsAPI + "STREAM.INFO." + PrefixStream, LoadSubject(id)},
 		identityConsumers(RoleRouter, key))
-	sub := []string{inbox(UserName(RoleRouter, id)), PrefixSubjectPrefix + "*", LoadSubjectPrefix + "*"}
+	sub := []string{inbox(UserName(RoleRouter, id)), PrefixSubjectPrefix + "*", LoadSubjectPrefix + "*", KVSubjectPrefix + "*"}
 	return jwt.Permissions{
 		Pub: jwt.Permission{Allow: pub, Deny: consumerDenied()},
 		Sub: jwt.Permission{Allow: sub},
@@ -333,8 +336,10 @@ func RouterPermissions(id string, key []byte) (jwt.Permissions, error) {
 //
 //   - publish its own registrations, narwhal.registrations.<id>
 //     (RegistrationSubject; a JetStream publish into
-//     NARWHAL_REGISTRATIONS, whose info it may read) — nothing else that
-//     writes: no key of any bucket, no event;
+//     NARWHAL_REGISTRATIONS, whose info it may read), and its own KV
+//     batches, narwhal.kv.<id> (KVSubject, R-PLACE-4: `narwhal agent
+//     --kv-events`) — nothing else that writes: no key of any bucket, no
+//     event;
 //   - get keys of narwhal_fleet (its own entry, its state while it
 //     drains) and narwhal_placement, and read narwhal_routers (the
 //     drain's reports) through its consumer of its own name for
@@ -355,7 +360,8 @@ func EnginePermissions(id string, key []byte) (jwt.Permissions, error) {
 		bucketGet(PlacementBucket), bucketGet(FleetBucket),
 		[]string{jsAPI + "STREAM.INFO.KV_" + RoutersBucket},
 		identityConsumers(RoleEngine, key),
-		[]string{jsAPI + "STREAM.INFO." + RegistrationsStream, RegistrationSubject(id)})
+		[]string{jsAPI + "STREAM.INFO." + RegistrationsStream, RegistrationSubject(id)},
+		[]string{KVSubject(id)})
 	sub := []string{inbox(UserName(RoleEngine, id))}
 	return jwt.Permissions{
 		Pub: jwt.Permission{Allow: pub, Deny: consumerDenied()},

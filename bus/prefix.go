@@ -22,14 +22,16 @@ const (
 	// past.
 	PrefixSubjectPrefix = "narwhal.prefix."
 	// PrefixStream is the stream of prefix placements (subjects
-	// narwhal.prefix.>).
+	// narwhal.prefix.>) and of the engines' KV batches (narwhal.kv.>,
+	// KVSubject).
 	PrefixStream = "NARWHAL_PREFIX"
 	// PrefixMaxAge is how long PrefixStream keeps a batch: the recent
 	// past a router warms its index from.
 	PrefixMaxAge = 10 * time.Minute
-	// PrefixMaxBytes caps PrefixStream's size; the oldest batches go
-	// first.
-	PrefixMaxBytes = 64 << 20
+	// PrefixMaxBytes caps PrefixStream's size (the routers' placements
+	// and the engines' KV batches, KVSubject, together); the oldest
+	// batches go first.
+	PrefixMaxBytes = 256 << 20
 	// PrefixMaxBatch is the largest batch, in bytes: a batch encoded
 	// with PrefixBatch never exceeds it, and ParsePrefixBatch refuses a
 	// larger one. It is also PrefixStream's largest message.
@@ -263,8 +265,8 @@ func readID(p []byte) ([]byte, []byte, bool) {
 func prefixStreamConfig(replicas int) jetstream.StreamConfig {
 	return jetstream.StreamConfig{
 		Name:        PrefixStream,
-		Description: "Narwhal prefix placements: the block hashes each router placed on each engine, for the shared prefix index",
-		Subjects:    []string{PrefixSubjectPrefix + ">"},
+		Description: "Narwhal prefix placements (the block hashes each router placed on each engine) and the engines' KV events, for the prefix indexes",
+		Subjects:    []string{PrefixSubjectPrefix + ">", KVSubjectPrefix + ">"},
 		Retention:   jetstream.LimitsPolicy,
 		Discard:     jetstream.DiscardOld,
 		Storage:     jetstream.FileStorage,
