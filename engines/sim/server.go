@@ -226,7 +226,7 @@ type Server struct {
 	events   *kvEventQueue     // KV event batches waiting for the publisher, nil without KV events
 	kvPub    *kvEventPublisher // set by Start with KV events
 	seqs     chan struct{}     // running sequences, nil when unbounded
-	born     time.Time     // process_start_time_seconds
+	born     time.Time         // process_start_time_seconds
 	faults   faultSet
 	recorder recorder
 	count    counters
