@@ -18,8 +18,8 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 )
 
-// KV cache events, vLLM's wire format (docs/connectors.md "KV events",
-// behaviour.md R-PLACE-4): the prefix cache (prefixcache.go) reports the
+// KV cache events, vLLM's wire format (docs/connectors.md "KV events"),
+// what placement's exact index reads through the agent: the prefix cache (prefixcache.go) reports the
 // blocks it stores and evicts; each change becomes one batch, published on
 // a ZeroMQ PUB socket as three frames [topic, 8-byte big-endian sequence
 // number, msgpack payload], the payload [ts, [events…],
@@ -30,10 +30,11 @@ import (
 // KV event formats (Config.KVEventsFormat): how each event is encoded.
 const (
 	// KVEventsArray is the tagged positional array vLLM sent before its
-	// events became maps (vLLM 0.9 to 0.23), and SGLang sends.
+	// events became maps (vLLM 0.9 to 0.23), and SGLang sends: the members
+	// up to lora_name, later nil ones left out as msgspec does.
 	KVEventsArray = "array"
 	// KVEventsMap is a map with a "type" tag, the encoding of current vLLM
-	// (0.24 on).
+	// (after 0.23; seen in 0.26.0), members as 0.26.0 sends them.
 	KVEventsMap = "map"
 )
 

@@ -357,7 +357,7 @@ func checkEvent(t *testing.T, ev pyNode, format, flavor string, want wantEvent) 
 // BlockRemoved for the blocks evicted; AllBlocksCleared on POST
 // /reset_prefix_cache; and the replay socket answering a DEALER from an
 // earlier sequence with exactly the published batches, then vLLM's end
-// marker (behaviour.md R-PLACE-4).
+// marker: the events placement's exact index is built from.
 func TestSimKVEventsDecodedByPythonRPLACE4(t *testing.T) {
 	testKVEventsPython(t, KVEventsArray)
 }
