@@ -361,18 +361,28 @@ type kvEventPublisher struct {
 	wg     sync.WaitGroup
 }
 
-// guardedTCP is the zmq4 transport the event sockets use for tcp://
-// endpoints: TCP whose connections time out a peer that does not finish
-// its ZMTP handshake within kvHandshakeTimeout and close on a frame
-// larger than kvMaxInboundFrame, so that a hostile peer can neither stall
-// zmq4's accept loop nor make it allocate a frame of its choosing.
-const guardedTCP = "narwhal-tcp"
+// guardedTCP and guardedPubTCP are the zmq4 transports the event sockets
+// use for tcp:// endpoints: TCP whose connections time out a peer that
+// does not finish its ZMTP handshake within kvHandshakeTimeout and close
+// on a frame larger than kvMaxInboundFrame, so that a hostile peer can
+// neither stall zmq4's accept loop nor make it allocate a frame of its
+// choosing. guardedPubTCP, the PUB socket's, also closes a peer that
+// sends anything but single-frame subscriptions: zmq4 queues such
+// messages for a reader a PUB socket never has, and would park that
+// connection's goroutine (and keep its socket open) for good.
+const (
+	guardedTCP    = "narwhal-tcp"
+	guardedPubTCP = "narwhal-tcp-pub"
+)
 
-var registerGuardedTCP sync.Once
+var (
+	registerGuarded sync.Once
+	registerErr     error
+)
 
 // zmqEndpoint checks a tcp://HOST:PORT endpoint and returns it on the
-// guarded transport.
-func zmqEndpoint(ep string) (string, error) {
+// guarded transport (the PUB socket's when pub).
+func zmqEndpoint(ep string, pub bool) (string, error) {
 	addr, ok := strings.CutPrefix(ep, "tcp://")
 	if !ok {
 		return "", fmt.Errorf("endpoint %q: want tcp://HOST:PORT", ep)
@@ -380,10 +390,15 @@ func zmqEndpoint(ep string) (string, error) {
 	if _, _, err := net.SplitHostPort(addr); err != nil {
 		return "", fmt.Errorf("endpoint %q: %w", ep, err)
 	}
-	var err error
-	registerGuardedTCP.Do(func() { err = zmq4.RegisterTransport(guardedTCP, guardTransport{}) })
-	if err != nil {
-		return "", err
+	registerGuarded.Do(func() {
+		registerErr = errors.Join(zmq4.RegisterTransport(guardedTCP, guardTransport{}),
+			zmq4.RegisterTransport(guardedPubTCP, guardTransport{subscriptionsOnly: true}))
+	})
+	if registerErr != nil {
+		return "", registerErr
+	}
+	if pub {
+		return guardedPubTCP + "://" + addr, nil
 	}
 	return guardedTCP + "://" + addr, nil
 }
@@ -398,8 +413,15 @@ func startKVEventPublisher(cfg *Config, q *kvEventQueue) (*kvEventPublisher, err
 	p.replay.payloads = make([][]byte, cfg.KVEventsBuffer)
 	p.ctx, p.cancel = context.WithCancel(context.Background())
 	quiet := log.New(nopWriter{}, "", 0)
-	p.pub = zmq4.NewPub(p.ctx, zmq4.WithLogger(quiet), zmq4.WithDialerMaxRetries(-1),
-		zmq4.WithDialerRetry(100*time.Millisecond), zmq4.WithAutomaticReconnect(true))
+	opts := []zmq4.Option{zmq4.WithLogger(quiet)}
+	if cfg.KVEventsConnect != "" {
+		// Dial until a subscriber answers, and again whenever it goes
+		// away. (A listening socket must not: zmq4 would redial its own
+		// endpoint.)
+		opts = append(opts, zmq4.WithDialerMaxRetries(-1), zmq4.WithDialerRetry(100*time.Millisecond),
+			zmq4.WithAutomaticReconnect(true))
+	}
+	p.pub = zmq4.NewPub(p.ctx, opts...)
 	if err := p.pub.SetOption(zmq4.OptionHWM, kvEventsHWM); err != nil {
 		p.cancel()
 		return nil, fmt.Errorf("sim: kv events: %w", err)
@@ -413,7 +435,7 @@ func startKVEventPublisher(cfg *Config, q *kvEventQueue) (*kvEventPublisher, err
 		return nil, fmt.Errorf("sim: kv events: %w", err)
 	}
 	if cfg.KVEvents != "" {
-		ep, err := zmqEndpoint(cfg.KVEvents)
+		ep, err := zmqEndpoint(cfg.KVEvents, true)
 		if err != nil {
 			return fail(err)
 		}
@@ -421,14 +443,14 @@ func startKVEventPublisher(cfg *Config, q *kvEventQueue) (*kvEventPublisher, err
 			return fail(err)
 		}
 	} else {
-		ep, err := zmqEndpoint(cfg.KVEventsConnect)
+		ep, err := zmqEndpoint(cfg.KVEventsConnect, true)
 		if err != nil {
 			return fail(err)
 		}
 		p.dial = ep
 	}
 	if cfg.KVEventsReplay != "" {
-		ep, err := zmqEndpoint(cfg.KVEventsReplay)
+		ep, err := zmqEndpoint(cfg.KVEventsReplay, false)
 		if err != nil {
 			return fail(err)
 		}
@@ -557,25 +579,25 @@ type nopWriter struct{}
 
 func (nopWriter) Write(b []byte) (int, error) { return len(b), nil }
 
-// guardTransport is the guardedTCP transport.
-type guardTransport struct{}
+// guardTransport is the guardedTCP (or guardedPubTCP) transport.
+type guardTransport struct{ subscriptionsOnly bool }
 
 // Dial dials addr over TCP and guards the connection.
-func (guardTransport) Dial(ctx context.Context, dialer transport.Dialer, addr string) (net.Conn, error) {
+func (t guardTransport) Dial(ctx context.Context, dialer transport.Dialer, addr string) (net.Conn, error) {
 	c, err := dialer.DialContext(ctx, "tcp", addr)
 	if err != nil {
 		return nil, err
 	}
-	return newGuardedConn(c), nil
+	return newGuardedConn(c, t.subscriptionsOnly), nil
 }
 
 // Listen listens on addr over TCP; every accepted connection is guarded.
-func (guardTransport) Listen(ctx context.Context, addr string) (net.Listener, error) {
+func (t guardTransport) Listen(ctx context.Context, addr string) (net.Listener, error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, err
 	}
-	return guardedListener{ln}, nil
+	return guardedListener{ln, t.subscriptionsOnly}, nil
 }
 
 // Addr maps a zmq tcp address to a Go one: host "*" or "" is every
@@ -594,37 +616,49 @@ func (guardTransport) Addr(ep string) (string, error) {
 	return net.JoinHostPort(host, port), nil
 }
 
-type guardedListener struct{ net.Listener }
+type guardedListener struct {
+	net.Listener
+	subscriptionsOnly bool
+}
 
 func (l guardedListener) Accept() (net.Conn, error) {
 	c, err := l.Listener.Accept()
 	if err != nil {
 		return nil, err
 	}
-	return newGuardedConn(c), nil
+	return newGuardedConn(c, l.subscriptionsOnly), nil
 }
 
-// errKVFrameTooLarge closes a connection whose peer sends a frame larger
-// than kvMaxInboundFrame.
-var errKVFrameTooLarge = errors.New("zmtp frame too large")
+var (
+	// errKVFrameTooLarge closes a connection whose peer sends a frame
+	// larger than kvMaxInboundFrame.
+	errKVFrameTooLarge = errors.New("zmtp frame too large")
+	// errKVNotSubscription closes a PUB socket's connection whose peer
+	// sends a message that is not a subscription.
+	errKVNotSubscription = errors.New("zmtp message to a PUB socket is not a subscription")
+)
 
 // guardedConn follows the ZMTP 3 byte stream a peer sends (the 64-byte
 // greeting, then frames: flags, a 1- or 8-byte size, the body) without
 // copying it: it fails a read that would bring a frame larger than
-// kvMaxInboundFrame, and lifts the handshake deadline once the peer's
-// first command (its READY) is complete.
+// kvMaxInboundFrame (or, subscriptionsOnly, a message other than one
+// frame starting with 0 or 1, an unsubscription or a subscription), and
+// lifts the handshake deadline once the peer's first command (its READY)
+// is complete.
 type guardedConn struct {
 	net.Conn
-	greeting  int    // greeting bytes still to come
-	hdr       []byte // the frame header read so far
-	body      uint64 // body bytes still to come
-	command   bool   // the current frame is a command
-	handshake bool   // the handshake deadline is still set
+	subscriptionsOnly bool
+	greeting          int    // greeting bytes still to come
+	hdr               []byte // the frame header read so far
+	body              uint64 // body bytes still to come
+	command           bool   // the current frame is a command
+	first             bool   // the next body byte is a message's first
+	handshake         bool   // the handshake deadline is still set
 }
 
-func newGuardedConn(c net.Conn) *guardedConn {
+func newGuardedConn(c net.Conn, subscriptionsOnly bool) *guardedConn {
 	_ = c.SetDeadline(time.Now().Add(kvHandshakeTimeout))
-	return &guardedConn{Conn: c, greeting: 64, hdr: make([]byte, 0, 9), handshake: true}
+	return &guardedConn{Conn: c, subscriptionsOnly: subscriptionsOnly, greeting: 64, hdr: make([]byte, 0, 9), handshake: true}
 }
 
 func (g *guardedConn) Read(p []byte) (int, error) {
@@ -645,6 +679,12 @@ func (g *guardedConn) follow(b []byte) error {
 			g.greeting -= k
 			b = b[k:]
 		case g.body > 0:
+			if g.first {
+				g.first = false
+				if b[0] > 1 {
+					return errKVNotSubscription
+				}
+			}
 			k := min(g.body, uint64(len(b)))
 			g.body -= k
 			b = b[k:]
@@ -673,6 +713,12 @@ func (g *guardedConn) follow(b []byte) error {
 				return errKVFrameTooLarge
 			}
 			g.command, g.body = flags&0x04 != 0, size
+			if g.subscriptionsOnly && !g.command {
+				if flags&0x01 != 0 || size == 0 {
+					return errKVNotSubscription
+				}
+				g.first = true
+			}
 			if size == 0 {
 				g.frameDone()
 			}
@@ -703,7 +749,7 @@ func checkKVEvents(cfg *Config) error {
 		if ep == "" {
 			continue
 		}
-		if _, err := zmqEndpoint(ep); err != nil {
+		if _, err := zmqEndpoint(ep, false); err != nil {
 			return fmt.Errorf("sim: kv events: %w", err)
 		}
 	}

@@ -3,9 +3,11 @@ package sim
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
 	"io"
 	"net"
 	"reflect"
+	"syscall"
 	"testing"
 	"time"
 
@@ -186,9 +188,21 @@ func TestKVEventQueueDropsOldest(t *testing.T) {
 	}
 }
 
+// waitClosed reads conn until the other end closes it (an end of file or
+// a reset), failing after 10 s.
+func waitClosed(t *testing.T, conn net.Conn, who string) {
+	t.Helper()
+	_ = conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+	_, err := io.Copy(io.Discard, conn)
+	if err != nil && !errors.Is(err, syscall.ECONNRESET) {
+		t.Fatalf("the sim kept the connection of %s: %v", who, err)
+	}
+}
+
 // TestKVEventsHostilePeer: a peer of the PUB socket that announces a
-// frame of 1 TiB is cut off before zmq4 allocates it, and the socket
-// serves the next subscriber; settings that make no sense fail New.
+// frame of 1 TiB is cut off before zmq4 allocates it, and so is a SUB
+// that sends messages other than subscriptions; the socket still
+// publishes; settings that make no sense fail New.
 func TestKVEventsHostilePeer(t *testing.T) {
 	s, url := startEngine(t, Config{BlockSize: 2, KVEvents: "tcp://127.0.0.1:0"})
 	conn, err := net.DialTimeout("tcp", s.KVEventsAddr(), 2*time.Second)
@@ -203,10 +217,25 @@ func TestKVEventsHostilePeer(t *testing.T) {
 	if _, err := conn.Write(append(greeting, frame...)); err != nil {
 		t.Fatal(err)
 	}
-	_ = conn.SetReadDeadline(time.Now().Add(10 * time.Second))
-	if _, err := io.Copy(io.Discard, conn); err != nil {
-		t.Fatalf("the sim kept the connection of a 1 TiB frame: %v", err)
+	waitClosed(t, conn, "a peer announcing a 1 TiB frame")
+	// A SUB that completes its handshake and then sends messages that are
+	// not subscriptions (zmq4 would queue them for a reader a PUB never
+	// has, parking the connection for good) is cut off too.
+	sub, err := net.DialTimeout("tcp", s.KVEventsAddr(), 2*time.Second)
+	if err != nil {
+		t.Fatal(err)
 	}
+	defer sub.Close()
+	ready := []byte("\x05READY\x0bSocket-Type\x00\x00\x00\x03SUB\x08Identity\x00\x00\x00\x00")
+	stream := append(append(append([]byte{}, greeting...), 0x04, byte(len(ready))), ready...)
+	for range 12 {
+		stream = append(stream, 0x00, 1, 'x')
+	}
+	if _, err := sub.Write(stream); err != nil {
+		t.Fatal(err)
+	}
+	waitClosed(t, sub, "a SUB sending messages")
+
 	// The engine still answers and still publishes.
 	completion(t, newClient(t), url, words("h", 5))
 	testkit.WaitFor(t, 5*time.Second, "the batch of the prefill after the hostile peer", func() bool {
@@ -237,7 +266,7 @@ func TestGuardedConnFollowsFrames(t *testing.T) {
 	a, b := net.Pipe()
 	defer a.Close()
 	defer b.Close()
-	g := newGuardedConn(a)
+	g := newGuardedConn(a, false)
 	var stream []byte
 	stream = append(stream, make([]byte, 64)...)              // greeting
 	stream = append(stream, 0x04, 5, 'R', 'E', 'A', 'D', 'Y') // a short command
