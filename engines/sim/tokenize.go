@@ -37,10 +37,12 @@ func (e unknownModelError) Error() string {
 // fails with an unknownModelError; no messages or prompt, or ones that do
 // not parse, fail too.
 func (s *Server) requestPrompt(body []byte, headers []int) (prompt string, spans []int, err error) {
+	// The prompt is decoded once, as a value, not kept raw and decoded
+	// again: a long prompt's cost is its JSON decoding.
 	var req struct {
 		Model    string          `json:"model"`
 		Messages json.RawMessage `json:"messages"`
-		Prompt   json.RawMessage `json:"prompt"`
+		Prompt   any             `json:"prompt"`
 	}
 	if err := json.Unmarshal(body, &req); err != nil {
 		return "", headers, fmt.Errorf("invalid JSON body: %w", err)
@@ -48,15 +50,20 @@ func (s *Server) requestPrompt(body []byte, headers []int) (prompt string, spans
 	if req.Model != "" && req.Model != s.cfg.Model {
 		return "", headers, unknownModelError{req.Model}
 	}
-	switch {
+	switch p := req.Prompt; {
 	case !isNull(req.Messages):
 		prompt, headers, err = renderChat(req.Messages, headers)
 		return prompt, headers, err
-	case !isNull(req.Prompt):
-		prompt, err = parsePrompt(req.Prompt)
-		return prompt, headers, err
-	default:
+	case p == nil:
 		return "", headers, errors.New("messages or prompt is required")
+	default:
+		if list, ok := p.([]any); ok && len(list) == 1 {
+			p = list[0]
+		}
+		if text, ok := p.(string); ok {
+			return text, headers, nil
+		}
+		return "", headers, errors.New("prompt must be a string or a list of one string")
 	}
 }
 
