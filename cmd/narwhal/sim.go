@@ -71,6 +71,14 @@ func newSimFlags(cfg *sim.Config) (*flag.FlagSet, simFlags) {
 	fs.IntVar(&cfg.BootstrapPort, "bootstrap-port", 0, "with --connector sglang: the bootstrap server's `PORT` on the --kv-listen host (default: --kv-listen's port)")
 	fs.StringVar(&cfg.KVStore, "kv-store", "", "with --connector shared-storage: the `DIR`ectory of the KV store the producer writes and the consumer reads, the same for both (created when missing)")
 	fs.IntVar(&cfg.KVStoreBlocks, "kv-store-blocks", sim.DefaultKVStoreBlocks, "with --connector shared-storage: the most KV blocks this producer keeps in the KV store, least recently used removed first")
+	fs.StringVar(&cfg.KVEvents, "kv-events", "", "bind a ZeroMQ PUB socket on `tcp://HOST:PORT` and publish the prefix cache's KV events in vLLM's wire format (host * = every interface)")
+	fs.StringVar(&cfg.KVEventsConnect, "kv-events-connect", "", "publish the KV events by dialing a subscriber that binds `tcp://HOST:PORT` instead (redialed until stopped)")
+	fs.StringVar(&cfg.KVEventsReplay, "kv-events-replay", "", "bind vLLM's replay ROUTER socket on `tcp://HOST:PORT` (with --kv-events or --kv-events-connect)")
+	fs.StringVar(&cfg.KVEventsTopic, "kv-events-topic", "", "the `TOPIC` frame of every KV event message (default empty, vLLM's; llm-d's convention is kv@HOST:PORT@MODEL)")
+	fs.StringVar(&cfg.KVEventsFormat, "kv-events-format", "", "KV event encoding: map (current vLLM's, the default) or array (vLLM 0.23 and before, and SGLang's)")
+	fs.StringVar(&cfg.KVEventsFlavor, "kv-events-flavor", "", "whose publisher to play: vllm (the default) or sglang (one event per block, tagged arrays)")
+	fs.IntVar(&cfg.KVEventsRank, "kv-events-rank", 0, "data_parallel_rank of every KV event batch (`N`; negative sends nil)")
+	fs.IntVar(&cfg.KVEventsBuffer, "kv-events-buffer", sim.DefaultKVEventsBuffer, "KV event batches the replay socket answers from (vLLM's buffer_steps)")
 	return fs, f
 }
 
@@ -85,6 +93,10 @@ func newSimFlags(cfg *sim.Config) (*flag.FlagSet, simFlags) {
 //	            [--api-key KEY] [--tls-cert-file F --tls-key-file F]
 //	            [--connector nixl|sglang|shared-storage] [--bootstrap-port P]
 //	            [--kv-store DIR [--kv-store-blocks N]] [--no-prompt-tokens-details]
+//	            [--kv-events tcp://HOST:PORT | --kv-events-connect tcp://HOST:PORT]
+//	            [--kv-events-replay tcp://HOST:PORT] [--kv-events-topic T]
+//	            [--kv-events-format map|array] [--kv-events-flavor vllm|sglang]
+//	            [--kv-events-rank N] [--kv-events-buffer N]
 //	            [--fault JSON]… [--register [--advertise-url URL]]
 //
 // With --register it announces itself in the live fleet on the bus of
@@ -92,6 +104,10 @@ func newSimFlags(cfg *sim.Config) (*flag.FlagSet, simFlags) {
 // while it runs, and removes itself from the fleet when stopped; with
 // --api-key too it registers api_key_env NARWHAL_ENGINE_KEY_<ID>
 // (schemas.EngineKeyEnv), the only variable routers read its key from.
+// With --kv-events (or --kv-events-connect) it publishes its prefix
+// cache's KV events in vLLM's ZeroMQ wire format (docs/connectors.md "KV
+// events"); the listening line then ends with the bound addresses,
+// kv-events=tcp://HOST:PORT and kv-events-replay=tcp://HOST:PORT.
 func runSim(ctx context.Context, args []string) error {
 	var cfg sim.Config
 	fs, f := newSimFlags(&cfg)
@@ -125,11 +141,19 @@ func runSim(ctx context.Context, args []string) error {
 		return err
 	}
 	c := srv.Config()
+	line := fmt.Sprintf("sim %s (%s) listening on %s kv=%s", c.EngineID, c.Role, url, srv.KVAddr())
 	if c.KVStore != "" {
-		fmt.Fprintf(os.Stdout, "sim %s (%s) listening on %s kv=%s store=%s\n", c.EngineID, c.Role, url, srv.KVAddr(), c.KVStore)
-	} else {
-		fmt.Fprintf(os.Stdout, "sim %s (%s) listening on %s kv=%s\n", c.EngineID, c.Role, url, srv.KVAddr())
+		line += " store=" + c.KVStore
 	}
+	if a := srv.KVEventsAddr(); a != "" {
+		line += " kv-events=tcp://" + a
+	} else if c.KVEventsConnect != "" {
+		line += " kv-events-connect=" + c.KVEventsConnect
+	}
+	if a := srv.KVEventsReplayAddr(); a != "" {
+		line += " kv-events-replay=tcp://" + a
+	}
+	fmt.Fprintln(os.Stdout, line)
 	if *f.register {
 		spec := config.EngineSpec{ID: c.EngineID, URL: url, Role: connector.Role(c.Role), Connector: c.Connector}
 		if c.APIKey != "" {

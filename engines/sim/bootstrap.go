@@ -242,10 +242,10 @@ func (x *exchange) prepareSGLang() bool {
 			return false
 		}
 		s.count.kvPulled.Add(1)
-		x.cachedTokens = s.cache.lookup(x.hashes, x.promptTokens, s.cfg.BlockSize, false)
+		x.cachedTokens = s.cache.lookup(x.hashes, x.tokens, x.promptTokens, s.cfg.BlockSize, false)
 		return true
 	}
-	x.cachedTokens = s.cache.lookup(x.hashes, x.promptTokens, s.cfg.BlockSize, true)
+	x.cachedTokens = s.cache.lookup(x.hashes, x.tokens, x.promptTokens, s.cfg.BlockSize, true)
 	if !x.compute(x.promptTokens - x.cachedTokens) {
 		x.abort()
 		return false

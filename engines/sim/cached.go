@@ -1,9 +1,6 @@
 package sim
 
 import (
-	"encoding/json"
-	"errors"
-	"fmt"
 	"io"
 	"net/http"
 )
@@ -40,33 +37,12 @@ type Cached struct {
 // recency, contents or counters and without queueing anything. It fails
 // when body is not such a request, or names another model.
 func (s *Server) CachedFor(body []byte) (Cached, error) {
-	var req completionRequest
-	if err := json.Unmarshal(body, &req); err != nil {
-		return Cached{}, fmt.Errorf("invalid JSON body: %w", err)
-	}
-	if req.Model != "" && req.Model != s.cfg.Model {
-		return Cached{}, fmt.Errorf("the model `%s` does not exist", req.Model)
-	}
-	var (
-		kind   endpointKind
-		prompt string
-		err    error
-	)
-	switch {
-	case !isNull(req.Messages):
-		kind = kindChat
-		prompt, err = RenderChat(req.Messages)
-	case !isNull(req.Prompt):
-		kind = kindCompletions
-		prompt, err = parsePrompt(req.Prompt)
-	default:
-		return Cached{}, errors.New("messages or prompt is required")
-	}
+	prompt, headers, err := s.requestPrompt(body, nil)
 	if err != nil {
 		return Cached{}, err
 	}
 	c := Cached{PromptTokens: PromptTokens(prompt)}
-	hashes := appendBlockHashes(nil, kind, prompt, s.cfg.BlockSize)
+	hashes := appendBlockHashes(nil, appendTokenIDs(nil, prompt, headers), s.cfg.BlockSize)
 	c.CachedTokens = s.cache.peek(hashes, c.PromptTokens, s.cfg.BlockSize)
 	if s.store != nil && s.cfg.Role != RolePrefill {
 		limit := min(len(hashes), max(c.PromptTokens-1, 0)/s.cfg.BlockSize)

@@ -31,7 +31,11 @@
 // computing at once as one GPU's is, responses report
 // usage.prompt_tokens_details.cached_tokens, and /metrics has vLLM's
 // prefix-cache counters, its request queue (Config.MaxNumSeqs) and
-// process_start_time_seconds (Server.StartTime).
+// process_start_time_seconds (Server.StartTime). Its tokens are words
+// with deterministic ids (tokens.go), which POST /tokenize answers in
+// vLLM's shape; with Config.KVEvents the cache's stores, evictions and
+// resets (POST /reset_prefix_cache) are published as vLLM's KV cache
+// events over ZeroMQ, with vLLM's replay socket (kvevents.go).
 //
 // Faults (Fault) make the simulator misbehave on command — header and
 // first-token delays, silences, closes, aborts, error objects, bad statuses,

@@ -111,6 +111,8 @@ type exchange struct {
 	choices []choice
 	stop    []string
 	hashes  []uint64 // the prompt's block hashes
+	tokens  []uint32 // the prompt's token ids (tokens.go)
+	headers []int    // chat: the role headers' byte spans in prompt
 
 	requestID    string
 	id           string
@@ -145,6 +147,8 @@ func (x *exchange) reset(s *Server, w http.ResponseWriter, kind endpointKind) {
 		choices: x.choices[:0],
 		stop:    x.stop[:0],
 		hashes:  x.hashes[:0],
+		tokens:  x.tokens[:0],
+		headers: x.headers[:0],
 		rooms:   x.rooms[:0],
 	}
 	x.s, x.w, x.kind = s, w, kind
@@ -181,7 +185,8 @@ func (s *Server) serveInference(w http.ResponseWriter, r *http.Request, kind end
 	s.faults.take(&x.faults, targetInference, phase, x.prefillLeg, x.stream, x.decodeLeg)
 	s.count.active.Add(1)
 	defer s.count.active.Add(-1)
-	x.hashes = appendBlockHashes(x.hashes[:0], x.kind, x.prompt, s.cfg.BlockSize)
+	x.tokens = appendTokenIDs(x.tokens[:0], x.prompt, x.headers)
+	x.hashes = appendBlockHashes(x.hashes[:0], x.tokens, s.cfg.BlockSize)
 	defer x.setQueued(0)
 	x.setQueued(x.expectedWork())
 	if !s.admit(ctx) {
@@ -319,7 +324,7 @@ func (x *exchange) parse(r *http.Request) (int, string) {
 		if isNull(req.Messages) {
 			return http.StatusBadRequest, "messages is required"
 		}
-		if x.prompt, err = RenderChat(req.Messages); err != nil {
+		if x.prompt, x.headers, err = renderChat(req.Messages, x.headers[:0]); err != nil {
 			return http.StatusBadRequest, err.Error()
 		}
 	default:
@@ -643,10 +648,10 @@ func (x *exchange) prepare() bool {
 			return false
 		}
 		x.s.count.kvPulled.Add(1)
-		x.cachedTokens = s.cache.lookup(x.hashes, x.promptTokens, s.cfg.BlockSize, false)
+		x.cachedTokens = s.cache.lookup(x.hashes, x.tokens, x.promptTokens, s.cfg.BlockSize, false)
 		return true
 	}
-	x.cachedTokens = s.cache.lookup(x.hashes, x.promptTokens, s.cfg.BlockSize, true)
+	x.cachedTokens = s.cache.lookup(x.hashes, x.tokens, x.promptTokens, s.cfg.BlockSize, true)
 	if !x.compute(x.promptTokens - x.cachedTokens) {
 		x.abort()
 		return false

@@ -211,18 +211,28 @@ type contentPart struct {
 // consumer compare in a handoff (R-DESC-4). It fails when messages is not a non-empty JSON array of objects
 // with a role, or a content part is not text.
 func RenderChat(messages json.RawMessage) (string, error) {
+	prompt, _, err := renderChat(messages, nil)
+	return prompt, err
+}
+
+// renderChat is RenderChat that also appends to headers the byte span
+// [start, end) of each message's role header in the rendered text (the
+// role with its name and tool call id, and the colon), the words the
+// tokeniser makes role markers (tokens.go), and returns it.
+func renderChat(messages json.RawMessage, headers []int) (string, []int, error) {
 	var msgs []chatMessage
 	if err := json.Unmarshal(messages, &msgs); err != nil {
-		return "", fmt.Errorf("messages must be a list of message objects: %v", err)
+		return "", headers, fmt.Errorf("messages must be a list of message objects: %v", err)
 	}
 	if len(msgs) == 0 {
-		return "", errors.New("messages must not be empty")
+		return "", headers, errors.New("messages must not be empty")
 	}
 	var b strings.Builder
 	for i, m := range msgs {
 		if m.Role == "" {
-			return "", fmt.Errorf("messages[%d]: role is required", i)
+			return "", headers, fmt.Errorf("messages[%d]: role is required", i)
 		}
+		headers = append(headers, b.Len())
 		b.WriteString(m.Role)
 		if m.Name != "" {
 			b.WriteString("(" + m.Name + ")")
@@ -230,41 +240,43 @@ func RenderChat(messages json.RawMessage) (string, error) {
 		if m.ToolCallID != "" {
 			b.WriteString("[" + m.ToolCallID + "]")
 		}
-		b.WriteString(": ")
+		b.WriteString(":")
+		headers = append(headers, b.Len())
+		b.WriteString(" ")
 		c := bytes.TrimSpace(m.Content)
 		switch {
 		case len(c) == 0 || string(c) == "null":
 		case c[0] == '"':
 			var s string
 			if err := json.Unmarshal(c, &s); err != nil {
-				return "", fmt.Errorf("messages[%d].content: %v", i, err)
+				return "", headers, fmt.Errorf("messages[%d].content: %v", i, err)
 			}
 			b.WriteString(s)
 		case c[0] == '[':
 			var parts []contentPart
 			if err := json.Unmarshal(c, &parts); err != nil {
-				return "", fmt.Errorf("messages[%d].content: %v", i, err)
+				return "", headers, fmt.Errorf("messages[%d].content: %v", i, err)
 			}
 			for k, p := range parts {
 				if p.Type != "text" {
-					return "", fmt.Errorf("messages[%d].content[%d]: unsupported content part type %q", i, k, p.Type)
+					return "", headers, fmt.Errorf("messages[%d].content[%d]: unsupported content part type %q", i, k, p.Type)
 				}
 				b.WriteString(p.Text)
 			}
 		default:
-			return "", fmt.Errorf("messages[%d].content must be a string or a list of parts", i)
+			return "", headers, fmt.Errorf("messages[%d].content must be a string or a list of parts", i)
 		}
 		if tc := bytes.TrimSpace(m.ToolCalls); len(tc) > 0 && string(tc) != "null" {
 			var compact bytes.Buffer
 			if err := json.Compact(&compact, tc); err != nil {
-				return "", fmt.Errorf("messages[%d].tool_calls: %v", i, err)
+				return "", headers, fmt.Errorf("messages[%d].tool_calls: %v", i, err)
 			}
 			b.WriteString(" tool_calls=")
 			b.Write(compact.Bytes())
 		}
 		b.WriteByte('\n')
 	}
-	return b.String(), nil
+	return b.String(), headers, nil
 }
 
 // appendJSONString appends s as a JSON string literal to dst.

@@ -2,60 +2,12 @@ package sim
 
 import (
 	"sync"
-	"unicode"
-	"unicode/utf8"
+	"time"
 )
 
 // DefaultKVCacheBlocks is the default capacity of a Server's prefix cache
 // in KV blocks (Config.KVCacheBlocks).
 const DefaultKVCacheBlocks = 4096
-
-// appendBlockHashes appends to dst the chained hashes of the full blocks of
-// prompt's tokens (the words PromptTokens counts), blockSize tokens per
-// block, and returns it. Hash i covers tokens [0, (i+1)·blockSize): it
-// chains block i's tokens onto hash i-1, starting from the endpoint kind
-// (chat and completions tokenise differently), so two prompts share
-// leading hashes exactly as far as they share leading full blocks, as
-// vLLM's block hashes do. A trailing partial block has no hash. It
-// allocates nothing beyond growing dst.
-func appendBlockHashes(dst []uint64, kind endpointKind, prompt string, blockSize int) []uint64 {
-	h := fnvUint64(fnvOffset64, uint64(kind)+1)
-	inWord, n := false, 0
-	for i := 0; i < len(prompt); {
-		r, size := rune(prompt[i]), 1
-		if r >= utf8.RuneSelf {
-			r, size = utf8.DecodeRuneInString(prompt[i:])
-		}
-		if unicode.IsSpace(r) {
-			if inWord {
-				inWord = false
-				if n++; n == blockSize {
-					h = finalize(h)
-					dst = append(dst, h)
-					n = 0
-				}
-			}
-			i += size
-			continue
-		}
-		if !inWord {
-			inWord = true
-			h ^= 0x20 // token separator
-			h *= fnvPrime64
-		}
-		for k := i; k < i+size; k++ {
-			h ^= uint64(prompt[k])
-			h *= fnvPrime64
-		}
-		i += size
-	}
-	if inWord {
-		if n++; n == blockSize {
-			dst = append(dst, finalize(h))
-		}
-	}
-	return dst
-}
 
 // prefixCache is one engine's cache of computed KV blocks, keyed by chained
 // block hash, bounded to capacity blocks and evicted least recently used
@@ -70,6 +22,13 @@ type prefixCache struct {
 	// least.
 	nodes []lruNode
 	free  int32 // first unused slot of nodes (slots are never returned)
+
+	// events, when set, receives one batch per operation that changed
+	// the cache (kvevents.go), pushed under mu so batches are in cache
+	// order; enc encodes them and change is its scratch.
+	events *kvEventQueue
+	enc    *kvEventEncoder
+	change kvChange
 
 	queries, hits         int64 // local lookups (vllm:prefix_cache_*)
 	extQueries, extHits   int64 // KV pulled from a producer or loaded from the shared store (vllm:external_prefix_cache_*)
@@ -104,12 +63,14 @@ func (c *prefixCache) pushFront(i int32) {
 }
 
 // touch makes hash the most recently used block, inserting it (and
-// evicting the least recently used block when full); the caller holds c.mu.
-func (c *prefixCache) touch(hash uint64) {
+// evicting the least recently used block when full), and reports whether
+// it inserted it; with events, an evicted block is recorded in c.change.
+// The caller holds c.mu.
+func (c *prefixCache) touch(hash uint64) bool {
 	if i, ok := c.index[hash]; ok {
 		c.unlink(i)
 		c.pushFront(i)
-		return
+		return false
 	}
 	var i int32
 	if len(c.index) < c.capacity {
@@ -123,11 +84,15 @@ func (c *prefixCache) touch(hash uint64) {
 		c.unlink(i)
 		delete(c.index, c.nodes[i].hash)
 		c.evicted++
+		if c.events != nil {
+			c.change.removed = append(c.change.removed, c.nodes[i].hash)
+		}
 	}
 	c.nodes[i].hash = hash
 	c.index[hash] = i
 	c.pushFront(i)
 	c.maxOccupancy = max(c.maxOccupancy, int64(len(c.index)))
+	return true
 }
 
 // lookup serves one request's prompt of promptTokens tokens whose full
@@ -139,13 +104,13 @@ func (c *prefixCache) touch(hash uint64) {
 // local says the lookup is the engine's own (a prefill leg or a plain
 // request; counted in queries and hits); otherwise the blocks arrived from
 // a producer and all promptTokens count as cached and as external.
-func (c *prefixCache) lookup(hashes []uint64, promptTokens, blockSize int, local bool) int {
+func (c *prefixCache) lookup(hashes []uint64, tokens []uint32, promptTokens, blockSize int, local bool) int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if !local {
 		c.extQueries += int64(promptTokens)
 		c.extHits += int64(promptTokens)
-		c.insert(hashes)
+		c.insert(hashes, tokens, blockSize)
 		return promptTokens
 	}
 	limit := min(len(hashes), (promptTokens-1)/blockSize)
@@ -159,7 +124,7 @@ func (c *prefixCache) lookup(hashes []uint64, promptTokens, blockSize int, local
 	cached := matched * blockSize
 	c.queries += int64(promptTokens)
 	c.hits += int64(cached)
-	c.insert(hashes)
+	c.insert(hashes, tokens, blockSize)
 	return cached
 }
 
@@ -173,7 +138,7 @@ func (c *prefixCache) lookup(hashes []uint64, promptTokens, blockSize int, local
 // prompt's last token, which is always computed. Then every block is
 // cached. It returns the cached tokens of each run. load is called
 // without c.mu held.
-func (c *prefixCache) lookupShared(hashes []uint64, promptTokens, blockSize int, load func(uint64) bool) (local, external int) {
+func (c *prefixCache) lookupShared(hashes []uint64, tokens []uint32, promptTokens, blockSize int, load func(uint64) bool) (local, external int) {
 	limit := min(len(hashes), max(promptTokens-1, 0)/blockSize)
 	c.mu.Lock()
 	matched := 0
@@ -199,14 +164,60 @@ func (c *prefixCache) lookupShared(hashes []uint64, promptTokens, blockSize int,
 		c.extQueries += int64(promptTokens - local)
 		c.extHits += int64(external)
 	}
-	c.insert(hashes)
+	c.insert(hashes, tokens, blockSize)
 	return local, external
 }
 
-// insert caches hashes, last first; the caller holds c.mu.
-func (c *prefixCache) insert(hashes []uint64) {
+// insert caches the blocks hashes, last first, so that the prompt's head
+// ends most recently used. The blocks it already holds are touched first:
+// making room for the new ones never evicts the request's own blocks, as
+// vLLM never frees the blocks of a request it is computing. Only the first
+// capacity blocks are inserted when the prompt has more (the others would
+// be evicted by its own head). With events, the change (evictions, then
+// the new blocks, whose token ids are tokens': blockSize for each hash)
+// is pushed as one batch.
+// The caller holds c.mu.
+func (c *prefixCache) insert(hashes []uint64, tokens []uint32, blockSize int) {
+	hashes = hashes[:min(len(hashes), c.capacity)]
 	for i := len(hashes) - 1; i >= 0; i-- {
-		c.touch(hashes[i])
+		if k, ok := c.index[hashes[i]]; ok {
+			c.unlink(k)
+			c.pushFront(k)
+		}
+	}
+	ch := &c.change
+	for i := len(hashes) - 1; i >= 0; i-- {
+		if c.touch(hashes[i]) && c.events != nil {
+			ch.stored = append(ch.stored, int32(i))
+		}
+	}
+	if c.events == nil {
+		return
+	}
+	if len(ch.removed) > 0 || len(ch.stored) > 0 {
+		for l, r := 0, len(ch.stored)-1; l < r; l, r = l+1, r-1 {
+			ch.stored[l], ch.stored[r] = ch.stored[r], ch.stored[l]
+		}
+		ch.hashes, ch.tokens, ch.blockSize = hashes, tokens, blockSize
+		c.events.push(c.enc.encode(eventTime(), ch))
+	}
+	*ch = kvChange{removed: ch.removed[:0], stored: ch.stored[:0]}
+}
+
+// eventTime is now as a KV event batch's ts: seconds since the epoch.
+func eventTime() float64 { return float64(time.Now().UnixNano()) / 1e9 }
+
+// reset empties the cache, as vLLM's POST /reset_prefix_cache does
+// (counters are kept), and publishes AllBlocksCleared.
+func (c *prefixCache) reset() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	clear(c.index)
+	c.nodes = c.nodes[:1]
+	c.nodes[0] = lruNode{}
+	c.free = 1
+	if c.events != nil {
+		c.events.push(c.enc.encode(eventTime(), &kvChange{cleared: true}))
 	}
 }
 

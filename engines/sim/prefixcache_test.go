@@ -24,44 +24,59 @@ func words(tag string, n int) string {
 	return strings.Join(w, " ")
 }
 
+// completionHashes is the block hashes of a completions prompt.
+func completionHashes(prompt string, blockSize int) []uint64 {
+	return appendBlockHashes(nil, appendTokenIDs(nil, prompt, nil), blockSize)
+}
+
 // TestBlockHashesChain: a prompt's full blocks hash in a chain, so two
 // prompts share leading hashes exactly as far as they share leading full
-// blocks; a trailing partial block has none; the endpoint kind is part of
-// the chain; whitespace between tokens does not matter (the prefix
-// cache behind R-PLACE-2's placement).
+// blocks; a trailing partial block has none; a chat's role markers keep
+// it apart from a completions prompt of the same text; whitespace between
+// tokens does not matter (the prefix cache behind R-PLACE-2's placement).
 func TestBlockHashesChain(t *testing.T) {
-	a := appendBlockHashes(nil, kindCompletions, words("a", 40), 16)
+	a := completionHashes(words("a", 40), 16)
 	if len(a) != 2 {
 		t.Fatalf("40 tokens in blocks of 16: %d hashes, want 2", len(a))
 	}
-	b := appendBlockHashes(nil, kindCompletions, words("a", 20)+" x y z w v u t s r q p o", 16)
+	b := completionHashes(words("a", 20)+" x y z w v u t s r q p o", 16)
 	if len(b) != 2 || b[0] != a[0] || b[1] == a[1] {
 		t.Fatalf("shared first block only: %x vs %x", a, b)
 	}
-	c := appendBlockHashes(nil, kindCompletions, "zz "+words("a", 39), 16)
+	c := completionHashes("zz "+words("a", 39), 16)
 	if c[0] == a[0] || c[1] == a[1] {
 		t.Fatalf("a different first token changes every hash: %x vs %x", a, c)
 	}
-	if d := appendBlockHashes(nil, kindChat, words("a", 40), 16); d[0] == a[0] {
-		t.Fatal("chat and completions share a hash")
+	msgs, _ := json.Marshal([]map[string]string{{"role": "user", "content": words("a", 40)}})
+	chat, headers, err := renderChat(msgs, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	asChat := appendBlockHashes(nil, appendTokenIDs(nil, chat, headers), 16)
+	asText := completionHashes(chat, 16)
+	if len(asChat) != 2 || len(asText) != 2 || asChat[0] == asText[0] || asChat[1] == asText[1] {
+		t.Fatalf("chat and completions of the same text share a hash: %x vs %x", asChat, asText)
 	}
 	spaced := strings.ReplaceAll(words("a", 40), " ", " \n\t ")
-	if e := appendBlockHashes(nil, kindCompletions, "  "+spaced+"  ", 16); len(e) != 2 || e[0] != a[0] || e[1] != a[1] {
+	if e := completionHashes("  "+spaced+"  ", 16); len(e) != 2 || e[0] != a[0] || e[1] != a[1] {
 		t.Fatalf("whitespace changed the hashes: %x vs %x", a, e)
 	}
-	if f := appendBlockHashes(nil, kindCompletions, words("a", 15), 16); len(f) != 0 {
+	if f := completionHashes(words("a", 15), 16); len(f) != 0 {
 		t.Fatalf("a partial block has a hash: %x", f)
 	}
-	if g := appendBlockHashes(nil, kindCompletions, words("a", 32), 16); len(g) != 2 || g[1] != a[1] {
+	if g := completionHashes(words("a", 32), 16); len(g) != 2 || g[1] != a[1] {
 		t.Fatalf("a prompt ending on a block boundary: %x vs %x", g, a)
 	}
 	// "ab c" and "a bc" are different tokens.
-	if x, y := appendBlockHashes(nil, kindCompletions, "ab c", 2), appendBlockHashes(nil, kindCompletions, "a bc", 2); x[0] == y[0] {
+	if x, y := completionHashes("ab c", 2), completionHashes("a bc", 2); x[0] == y[0] {
 		t.Fatal("token boundaries are not part of the hash")
 	}
-	buf, long := make([]uint64, 0, 8), words("a", 100)
-	if n := testing.AllocsPerRun(100, func() { buf = appendBlockHashes(buf[:0], kindChat, long, 16) }); n != 0 {
-		t.Fatalf("hashing allocates %v times", n)
+	buf, ids, long := make([]uint64, 0, 8), make([]uint32, 0, 128), words("a", 100)
+	if n := testing.AllocsPerRun(100, func() {
+		ids = appendTokenIDs(ids[:0], long, headers)
+		buf = appendBlockHashes(buf[:0], ids, 16)
+	}); n != 0 {
+		t.Fatalf("tokenising and hashing allocate %v times", n)
 	}
 }
 
@@ -77,7 +92,7 @@ func TestPrefixCacheLRUBound(t *testing.T) {
 		for i := range hashes {
 			hashes[i] = rng.Uint64N(500)
 		}
-		c.lookup(hashes, len(hashes)*4+1, 4, true)
+		c.lookup(hashes, nil, len(hashes)*4+1, 4, true)
 		if n := len(c.index); n > 64 {
 			t.Fatalf("%d blocks cached, capacity 64", n)
 		}
@@ -87,14 +102,14 @@ func TestPrefixCacheLRUBound(t *testing.T) {
 	}
 
 	c.init(4)
-	c.lookup([]uint64{1, 2, 3}, 7, 2, true) // most recent first: 1 2 3
-	c.lookup([]uint64{7, 8, 9}, 7, 2, true) // 9 fills the fourth slot, 8 evicts 3, 7 evicts 2
+	c.lookup([]uint64{1, 2, 3}, nil, 7, 2, true) // most recent first: 1 2 3
+	c.lookup([]uint64{7, 8, 9}, nil, 7, 2, true) // 9 fills the fourth slot, 8 evicts 3, 7 evicts 2
 	for h, want := range map[uint64]bool{1: true, 2: false, 3: false, 7: true, 8: true, 9: true} {
 		if c.contains(h) != want {
 			t.Fatalf("block %d cached = %v, want %v", h, !want, want)
 		}
 	}
-	if got := c.lookup([]uint64{1, 2, 3}, 7, 2, true); got != 2 {
+	if got := c.lookup([]uint64{1, 2, 3}, nil, 7, 2, true); got != 2 {
 		t.Fatalf("head block only still cached: %d cached tokens, want 2", got)
 	}
 }

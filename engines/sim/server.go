@@ -157,6 +157,35 @@ type Config struct {
 	// TLS, when set, makes Start serve the API over HTTPS with it (the
 	// base URL is then https://…); the KV side channel stays plain.
 	TLS *tls.Config
+
+	// KVEvents, when set, is the tcp://HOST:PORT endpoint Start binds a
+	// ZeroMQ PUB socket on to publish the prefix cache's KV events in
+	// vLLM's wire format (kvevents.go, docs/connectors.md "KV events");
+	// host "*" is every interface, port 0 any free one (KVEventsAddr).
+	KVEvents string
+	// KVEventsConnect, when set instead, is the tcp://HOST:PORT endpoint
+	// of a subscriber that binds, which the PUB socket dials (and redials
+	// until Close), as llm-d's simulator does.
+	KVEventsConnect string
+	// KVEventsReplay, when set, is the tcp://HOST:PORT endpoint of the
+	// ROUTER socket that answers vLLM's replay requests from the last
+	// KVEventsBuffer batches. Needs KVEvents or KVEventsConnect.
+	KVEventsReplay string
+	// KVEventsTopic is the first frame of every message (default "",
+	// vLLM's; llm-d's convention is kv@<host>:<port>@<model>).
+	KVEventsTopic string
+	// KVEventsFormat is KVEventsMap (default with the vllm flavor, current
+	// vLLM's) or KVEventsArray (the older vLLM's, and SGLang's only one).
+	KVEventsFormat string
+	// KVEventsFlavor is KVEventsVLLM (default) or KVEventsSGLang.
+	KVEventsFlavor string
+	// KVEventsRank is the batches' data_parallel_rank (SGLang's
+	// attn_dp_rank): 0 by default, as vLLM without data parallelism
+	// sends; negative sends nil.
+	KVEventsRank int
+	// KVEventsBuffer is how many batches the replay socket answers from
+	// (default DefaultKVEventsBuffer, vLLM's buffer_steps).
+	KVEventsBuffer int
 }
 
 // Server is one simulated engine: the OpenAI-compatible API and the KV
@@ -194,8 +223,10 @@ type Server struct {
 	kv       kvStore
 	store    *sharedStore // shared-storage connector only
 	cache    prefixCache
-	seqs     chan struct{} // running sequences, nil when unbounded
-	born     time.Time     // process_start_time_seconds
+	events   *kvEventQueue     // KV event batches waiting for the publisher, nil without KV events
+	kvPub    *kvEventPublisher // set by Start with KV events
+	seqs     chan struct{}     // running sequences, nil when unbounded
+	born     time.Time         // process_start_time_seconds
 	faults   faultSet
 	recorder recorder
 	count    counters
@@ -292,6 +323,9 @@ func New(cfg Config) (*Server, error) {
 		}
 	}
 	cfg.Faults = append([]Fault(nil), cfg.Faults...)
+	if err := checkKVEvents(&cfg); err != nil {
+		return nil, err
+	}
 
 	s := &Server{cfg: cfg, born: startTime(), work: newPrefillCompute()}
 	if cfg.Connector == ConnectorSharedStorage {
@@ -304,6 +338,11 @@ func New(cfg Config) (*Server, error) {
 	s.baseCtx, s.cancel = context.WithCancel(context.Background())
 	s.kv.init()
 	s.cache.init(cfg.KVCacheBlocks)
+	if cfg.KVEvents != "" || cfg.KVEventsConnect != "" {
+		s.events = newKVEventQueue(kvEventsQueue)
+		s.cache.events = s.events
+		s.cache.enc = newKVEventEncoder(cfg.KVEventsFormat, cfg.KVEventsFlavor, cfg.KVEventsRank)
+	}
 	if cfg.MaxNumSeqs > 0 {
 		s.seqs = make(chan struct{}, cfg.MaxNumSeqs)
 	}
@@ -339,6 +378,8 @@ func New(cfg Config) (*Server, error) {
 	})
 	mux.HandleFunc("GET /sim/stats", func(w http.ResponseWriter, r *http.Request) { writeJSON(w, s.Stats()) })
 	mux.HandleFunc("POST /sim/cached", s.serveCached)
+	mux.HandleFunc("POST /tokenize", s.serveTokenize)
+	mux.HandleFunc("POST /reset_prefix_cache", s.serveResetPrefixCache)
 	s.handler = s.track(s.requireKey(mux))
 
 	kvMux := http.NewServeMux()
@@ -390,6 +431,13 @@ func (s *Server) Start(addr string) (baseURL string, err error) {
 	if err != nil {
 		ln.Close()
 		return "", fmt.Errorf("sim: kv listen %s: %w", s.cfg.KVListen, err)
+	}
+	if s.events != nil {
+		if s.kvPub, err = startKVEventPublisher(&s.cfg, s.events); err != nil {
+			ln.Close()
+			kvLn.Close()
+			return "", err
+		}
 	}
 	kvAddr := kvLn.Addr().(*net.TCPAddr)
 	s.kvPort = kvAddr.Port
@@ -495,6 +543,9 @@ func (s *Server) Close() error {
 	}
 	s.inflight.Wait()
 	s.bg.Wait()
+	if s.kvPub != nil {
+		s.kvPub.close()
+	}
 	s.pullTransport.CloseIdleConnections()
 	return err
 }
@@ -712,7 +763,10 @@ func (s *Server) serveModels(w http.ResponseWriter, r *http.Request) {
 // producer), vllm:prompt_tokens_total, vllm:generation_tokens_total,
 // vllm:request_success_total), process_start_time_seconds (the Server's
 // StartTime, as the Prometheus client's process collector reports it on
-// vLLM) and narwhal_sim_info{engine_id,role,connector} 1.
+// vLLM), narwhal_sim_kv_events_published_total and
+// narwhal_sim_kv_events_dropped_total (KV event batches sent, and
+// dropped from the full queue; 0 without KV events) and
+// narwhal_sim_info{engine_id,role,connector} 1.
 func (s *Server) serveMetrics(w http.ResponseWriter, r *http.Request) {
 	s.kv.mu.Lock()
 	held := s.kv.heldBlock
@@ -742,6 +796,15 @@ func (s *Server) serveMetrics(w http.ResponseWriter, r *http.Request) {
 	fmt.Fprintf(&b, "vllm:request_success_total{model_name=\"%s\",finished_reason=\"stop\"} %d\n", m, s.count.finishedStop.Load())
 	fmt.Fprintf(&b, "vllm:request_success_total{model_name=\"%s\",finished_reason=\"length\"} %d\n", m, s.count.finishedLen.Load())
 	fmt.Fprintf(&b, "vllm:request_success_total{model_name=\"%s\",finished_reason=\"abort\"} %d\n", m, s.count.aborted.Load())
+	var published, dropped int64
+	if s.events != nil {
+		dropped = s.events.dropped.Load()
+	}
+	if p := s.publisher(); p != nil {
+		published = p.published.Load()
+	}
+	metric("narwhal_sim_kv_events_published_total", "counter", "KV event batches sent on the PUB socket.", "", itoa(published))
+	metric("narwhal_sim_kv_events_dropped_total", "counter", "KV event batches dropped because the PUB socket fell behind.", "", itoa(dropped))
 	metric("process_start_time_seconds", "gauge", "Start time of the process since unix epoch in seconds.", "",
 		strconv.FormatFloat(float64(s.born.UnixMicro())/1e6, 'f', 6, 64))
 	metric("narwhal_sim_info", "gauge", "Simulated engine identity.",

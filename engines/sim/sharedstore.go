@@ -223,7 +223,7 @@ func (x *exchange) prepareShared() bool {
 			load = s.store.load
 		}
 	}
-	local, external := s.cache.lookupShared(x.hashes, x.promptTokens, s.cfg.BlockSize, load)
+	local, external := s.cache.lookupShared(x.hashes, x.tokens, x.promptTokens, s.cfg.BlockSize, load)
 	if external > 0 {
 		s.count.kvPulled.Add(1)
 	}

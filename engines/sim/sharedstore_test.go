@@ -112,7 +112,7 @@ func TestSharedStorageHandoffRDESC8(t *testing.T) {
 		t.Fatalf("prefill leg: usage %+v, kv_transfer_params %s", u, kv)
 	}
 	files := storeFiles(t, dir)
-	hashes := appendBlockHashes(nil, kindCompletions, prompt, BlockSize)
+	hashes := completionHashes(prompt, BlockSize)
 	if len(files) != 2 || !slices.Contains(files, filepath.Base(p.store.path(hashes[0]))) || !slices.Contains(files, filepath.Base(p.store.path(hashes[1]))) {
 		t.Fatalf("store files %v, want the prompt's two blocks %x", files, hashes)
 	}
@@ -292,7 +292,7 @@ func TestSharedStorageForeignFiles(t *testing.T) {
 		t.Fatal(err)
 	}
 	prompt := words("h", 50) // three full blocks
-	hashes := appendBlockHashes(nil, kindCompletions, prompt, BlockSize)
+	hashes := completionHashes(prompt, BlockSize)
 	if err := other.save(hashes[:1]); err != nil { // block 0: another model's record
 		t.Fatal(err)
 	}

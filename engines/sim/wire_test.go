@@ -17,8 +17,19 @@ import (
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
-// TestMain fails the package if any test leaves a goroutine behind.
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+// TestMain fails the package if any test leaves a goroutine behind, but
+// two that are not ours: zmq4 v0.17.0 starts a writer goroutine per PUB
+// socket that its Close never stops (parked on a condition variable,
+// holding nothing but the socket's empty queue; gone from zmq4's main
+// branch, not yet in a release), and net/http lingers half a second on
+// a connection whose request body was refused unread (a 413) before it
+// closes it. Every goroutine of ours, and every other one of zmq4's, must
+// end.
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m,
+		goleak.IgnoreAnyFunction("github.com/go-zeromq/zmq4.(*pubMWriter).run"),
+		goleak.IgnoreAnyFunction("net/http.(*conn).closeWriteAndWait"))
+}
 
 // startEngine starts a Server on loopback ports; it is closed when the
 // test ends. Model defaults to "m", EngineID to "e1".

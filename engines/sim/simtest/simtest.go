@@ -7,6 +7,8 @@ package simtest
 import (
 	"testing"
 
+	"go.uber.org/goleak"
+
 	"github.com/narwhalmesh/narwhal/engines/sim"
 )
 
@@ -31,4 +33,13 @@ func Start(t testing.TB, cfg sim.Config) *sim.Server {
 		}
 	})
 	return s
+}
+
+// KVEventsLeakOptions are the goleak options of a package whose tests
+// start simulators with KV events (sim.Config.KVEvents or
+// KVEventsConnect): zmq4 v0.17.0, the ZeroMQ implementation behind them,
+// leaves one writer goroutine parked per closed PUB socket (docs/
+// architecture.md). Pass them to goleak.VerifyTestMain.
+func KVEventsLeakOptions() []goleak.Option {
+	return []goleak.Option{goleak.IgnoreAnyFunction("github.com/go-zeromq/zmq4.(*pubMWriter).run")}
 }
