@@ -148,10 +148,10 @@ func Start(opts Options) (*Service, error) {
 		nats.MaxReconnects(-1),
 		nats.ReconnectWait(250 * time.Millisecond),
 		nats.RetryOnFailedConnect(true),
-		nats.ConnectHandler(func(*nats.Conn) { s.confirm() }),
+		nats.ConnectHandler(s.confirm),
 		nats.ReconnectHandler(func(nc *nats.Conn) {
 			log.Info("bus reconnected", "url", nc.ConnectedUrlRedacted())
-			s.confirm()
+			s.confirm(nc)
 		}),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
 			if err != nil {
@@ -177,16 +177,16 @@ func Start(opts Options) (*Service, error) {
 	}
 	s.sub = sub
 	if nc.IsConnected() {
-		s.confirm()
+		s.confirm(nc)
 	}
 	return s, nil
 }
 
-// confirm marks the subscription in place once the server has it (a
-// flush's round trip), in the background.
-func (s *Service) confirm() {
+// confirm marks the subscription in place once the server of nc has it
+// (a flush's round trip), in the background.
+func (s *Service) confirm(nc *nats.Conn) {
 	go func() {
-		if s.nc.FlushTimeout(2*time.Second) == nil {
+		if nc.FlushTimeout(2*time.Second) == nil {
 			s.subscribed.Store(true)
 		}
 	}()
