@@ -368,6 +368,9 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 	if opts.Name != "" {
 		nopts = append(nopts, nats.Name(opts.Name))
 	}
+	if opts.TokenFile != "" && opts.CredsFile != "" {
+		return nil, fmt.Errorf("bus: NARWHAL_NATS_TOKEN_FILE=%s and NARWHAL_NATS_CREDS=%s: set one, not both (a token's identity comes from narwhal bus authd)", opts.TokenFile, opts.CredsFile)
+	}
 	if opts.CredsFile != "" {
 		if _, err := os.Stat(opts.CredsFile); err != nil {
 			return nil, fmt.Errorf("bus: the credential NARWHAL_NATS_CREDS=%s cannot be read (%w): set it to %s (written by %s, docs/mesh.md)", opts.CredsFile, err, roleFile(opts), writtenBy(opts))

@@ -107,9 +107,6 @@ func tokenOptions(opts ConnectOptions) ([]nats.Option, []byte, error) {
 	fail := func(format string, a ...any) ([]nats.Option, []byte, error) {
 		return nil, nil, fmt.Errorf("bus: NARWHAL_NATS_TOKEN_FILE=%s: "+format, append([]any{opts.TokenFile}, a...)...)
 	}
-	if opts.CredsFile != "" {
-		return fail("set either it or NARWHAL_NATS_CREDS=%s, not both", opts.CredsFile)
-	}
 	if opts.Role != RoleRouter && opts.Role != RoleEngine {
 		return fail("a token names an engine's or a router's identity, not one of role %q", opts.Role)
 	}
