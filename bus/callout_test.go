@@ -1,17 +1,16 @@
 package bus_test
 
 import (
+	"context"
 	"crypto/rand"
 	"crypto/rsa"
-
-	"context"
-	"github.com/go-jose/go-jose/v4"
-	josejwt "github.com/go-jose/go-jose/v4/jwt"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
+	"github.com/go-jose/go-jose/v4"
+	josejwt "github.com/go-jose/go-jose/v4/jwt"
 	"github.com/nats-io/jwt/v2"
 	"github.com/nats-io/nkeys"
 
