@@ -31,6 +31,13 @@ func projectImports(t *testing.T) map[string][]string {
 		if name := d.Name(); path != moduleRoot && (strings.HasPrefix(name, ".") || name == "testdata") {
 			return filepath.SkipDir
 		}
+		if path != moduleRoot {
+			// A directory with a go.mod of its own (deploy/helm) is
+			// another module, outside this table.
+			if _, err := os.Stat(filepath.Join(path, "go.mod")); err == nil {
+				return filepath.SkipDir
+			}
+		}
 		pkg, err := build.ImportDir(path, 0)
 		if err != nil {
 			if _, ok := err.(*build.NoGoError); ok {
