@@ -7,6 +7,7 @@ import (
 	"crypto/rsa"
 	"encoding/json"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"os"
@@ -18,8 +19,11 @@ import (
 	"github.com/go-jose/go-jose/v4"
 	josejwt "github.com/go-jose/go-jose/v4/jwt"
 
+	"github.com/narwhalmesh/narwhal/breaker"
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/bus/bustest"
+	"github.com/narwhalmesh/narwhal/config"
+	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
@@ -144,46 +148,93 @@ func TestBusAuthdFlagsRBUS11(t *testing.T) {
 	}
 }
 
+// authdMesh is a real `narwhal bus --auth DIR` with `--authd`, and a
+// key whose tokens a JWKS file lists.
+type authdMesh struct {
+	dir, jwksFile string
+	emb           *bus.Embedded
+	key           *rsa.PrivateKey
+}
+
+func newAuthdMesh(t *testing.T) *authdMesh {
+	t.Helper()
+	m := &authdMesh{dir: bustest.Credentials(t)}
+	if err := bus.WriteAuthd(m.dir); err != nil {
+		t.Fatal(err)
+	}
+	m.emb = bustest.StartWith(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1, AuthDir: m.dir})
+	var err error
+	if m.key, err = rsa.GenerateKey(rand.Reader, 2048); err != nil {
+		t.Fatal(err)
+	}
+	set, _ := json.Marshal(jose.JSONWebKeySet{Keys: []jose.JSONWebKey{{Key: &m.key.PublicKey, KeyID: "k1", Algorithm: "RS256", Use: "sig"}}})
+	m.jwksFile = filepath.Join(t.TempDir(), "jwks.json")
+	if err := os.WriteFile(m.jwksFile, set, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+// tokenFile writes a projected token of pod in namespace llm, service
+// account sa, and returns its path.
+func (m *authdMesh) tokenFile(t *testing.T, sa, pod string) string {
+	t.Helper()
+	js, _ := jose.NewSigner(jose.SigningKey{Algorithm: jose.RS256, Key: m.key}, (&jose.SignerOptions{}).WithType("JWT").WithHeader("kid", "k1"))
+	now := time.Now()
+	tok, err := josejwt.Signed(js).Claims(josejwt.Claims{Subject: "system:serviceaccount:llm:" + sa, Audience: josejwt.Audience{"narwhal"},
+		Expiry: josejwt.NewNumericDate(now.Add(time.Hour)), IssuedAt: josejwt.NewNumericDate(now)}).
+		Claims(map[string]any{"kubernetes.io": map[string]any{"namespace": "llm", "serviceaccount": map[string]string{"name": sa},
+			"pod": map[string]string{"name": pod, "uid": "uid-" + pod}}}).Serialize()
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(t.TempDir(), "token")
+	if err := os.WriteFile(path, []byte(tok), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// serve runs `narwhal bus authd` for m until the test ends, its metrics
+// on addr.
+func (m *authdMesh) serve(t *testing.T, addr string) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	var logs testkit.LockedBuffer
+	go func() {
+		done <- runBusAuthd(ctx, []string{"--nats", m.emb.ClientURL(), "--creds", filepath.Join(m.dir, bus.AuthdCredsFile),
+			"--signing-key", filepath.Join(m.dir, "keys", bus.AuthdSigningKeyFile), "--jwks", m.jwksFile,
+			"--roles", "llm/narwhal-router=router,llm/narwhal-engine=engine", "--ttl", "1m", "--metrics-addr", addr}, &logs)
+	}()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("bus authd: %v\n%s", err, logs.String())
+		}
+	})
+}
+
+// freeAddr is a 127.0.0.1 address nothing listens on.
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
 // TestBusAuthdServesRBUS11 proves the command itself: started against a
 // real `narwhal bus --auth DIR` (DIR with --authd), it serves /healthz and
 // /readyz (200 once connected and subscribed) and /metrics, and a router
 // presenting a pod's token connects as its identity, counted in
 // narwhal_authd_issued_total.
 func TestBusAuthdServesRBUS11(t *testing.T) {
-	dir := bustest.Credentials(t)
-	if err := bus.WriteAuthd(dir); err != nil {
-		t.Fatal(err)
-	}
-	emb := bustest.StartWith(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1, AuthDir: dir})
-	key, err := rsa.GenerateKey(rand.Reader, 2048)
-	if err != nil {
-		t.Fatal(err)
-	}
-	set, _ := json.Marshal(jose.JSONWebKeySet{Keys: []jose.JSONWebKey{{Key: &key.PublicKey, KeyID: "k1", Algorithm: "RS256", Use: "sig"}}})
-	jwksFile := filepath.Join(t.TempDir(), "jwks.json")
-	if err := os.WriteFile(jwksFile, set, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := ln.Addr().String()
-	ln.Close()
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	var logs testkit.LockedBuffer
-	go func() {
-		done <- runBusAuthd(ctx, []string{"--nats", emb.ClientURL(), "--creds", filepath.Join(dir, bus.AuthdCredsFile),
-			"--signing-key", filepath.Join(dir, "keys", bus.AuthdSigningKeyFile), "--jwks", jwksFile,
-			"--roles", "llm/narwhal-router=router", "--ttl", "1m", "--metrics-addr", addr}, &logs)
-	}()
-	defer func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("bus authd: %v", err)
-		}
-	}()
+	m := newAuthdMesh(t)
+	addr := freeAddr(t)
+	m.serve(t, addr)
 	get := func(path string) (int, string) {
 		resp, err := http.Get("http://" + addr + path)
 		if err != nil {
@@ -197,21 +248,68 @@ func TestBusAuthdServesRBUS11(t *testing.T) {
 	if code, _ := get("/healthz"); code != http.StatusOK {
 		t.Errorf("/healthz %d", code)
 	}
-	js, _ := jose.NewSigner(jose.SigningKey{Algorithm: jose.RS256, Key: key}, (&jose.SignerOptions{}).WithType("JWT").WithHeader("kid", "k1"))
-	now := time.Now()
-	tok, err := josejwt.Signed(js).Claims(josejwt.Claims{Subject: "system:serviceaccount:llm:narwhal-router", Audience: josejwt.Audience{"narwhal"},
-		Expiry: josejwt.NewNumericDate(now.Add(time.Hour)), IssuedAt: josejwt.NewNumericDate(now)}).
-		Claims(map[string]any{"kubernetes.io": map[string]any{"namespace": "llm", "serviceaccount": map[string]string{"name": "narwhal-router"},
-			"pod": map[string]string{"name": "prod-narwhal-router-7d9f8b6c5d-x2k4q", "uid": "u1"}}}).Serialize()
-	if err != nil {
-		t.Fatal(err)
-	}
-	tokenFile := filepath.Join(t.TempDir(), "token")
-	if err := os.WriteFile(tokenFile, []byte(tok), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	bustest.Connect(t, emb, bus.ConnectOptions{TokenFile: tokenFile, Role: bus.RoleRouter, ID: "prod-narwhal-router-7d9f8b6c5d-x2k4q"})
+	pod := "prod-narwhal-router-7d9f8b6c5d-x2k4q"
+	bustest.Connect(t, m.emb, bus.ConnectOptions{TokenFile: m.tokenFile(t, "narwhal-router", pod), Role: bus.RoleRouter, ID: pod})
 	if _, body := get("/metrics"); !strings.Contains(body, `narwhal_authd_issued_total{role="router"} 1`) {
 		t.Errorf("/metrics lacks one router issued:\n%s", body)
 	}
+}
+
+// TestAgentRegistersWithATokenRBUS11 proves that `narwhal agent` with
+// NARWHAL_NATS_TOKEN_FILE and no credential registers its engine, its
+// id the token's pod name, through the identity authd issues: the
+// breaker (its role file) applies the registration to the live fleet.
+func TestAgentRegistersWithATokenRBUS11(t *testing.T) {
+	m := newAuthdMesh(t)
+	m.serve(t, freeAddr(t))
+	t.Setenv("NARWHAL_NATS_URL", m.emb.ClientURL())
+	t.Setenv("NARWHAL_NATS_TOKEN_FILE", m.tokenFile(t, "narwhal-engine", "d-0"))
+	cfg := config.Default()
+	brk := bustest.Connect(t, m.emb, bus.ConnectOptions{Name: "breaker-test", CredsFile: bustest.CredsFile(m.dir, bus.RoleBreaker),
+		Role: bus.RoleBreaker, Buckets: roleBuckets(bus.RoleBreaker), Streams: []string{bus.RegistrationsStream}})
+	svc, err := breaker.New(breaker.Options{Config: &cfg, Bus: brk, ID: "breaker-test", Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	bctx, bcancel := context.WithCancel(context.Background())
+	bdone := make(chan error, 1)
+	go func() { bdone <- svc.Run(bctx) }()
+	defer func() {
+		bcancel()
+		<-bdone
+	}()
+	engine, err := sim.New(sim.Config{Role: sim.RoleDecode, EngineID: "d-0", Model: "m"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln := simtestListener(t)
+	if _, err := engine.Start(ln); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = engine.Close() })
+	agentCtx, stopAgent := context.WithCancel(context.Background())
+	var out, errOut testkit.LockedBuffer
+	done := make(chan error, 1)
+	go func() {
+		done <- runAgent(agentCtx, []string{"--engine-url", "http://" + ln, "--id", "d-0", "--role", "decode", "--drain-timeout", "5s",
+			"--drained-file", filepath.Join(t.TempDir(), "drained")}, &out, &errOut)
+	}()
+	defer func() {
+		stopAgent()
+		<-done
+	}()
+	testkit.WaitFor(t, 15*time.Second, "d-0 registered through its token's identity", func() bool {
+		return strings.Contains(out.String(), "registered d-0 (decode")
+	})
+	admin := bustest.Connect(t, m.emb, bus.ConnectOptions{CredsFile: bustest.CredsFile(m.dir, bus.RoleAdmin), Role: bus.RoleAdmin})
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancel()
+	fleetKV, err := admin.BindBucket(ctx, bus.FleetBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	testkit.WaitFor(t, 15*time.Second, "the breaker's fleet entry of d-0", func() bool {
+		_, err := fleetKV.Get(ctx, "d-0")
+		return err == nil
+	})
 }
