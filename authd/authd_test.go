@@ -3,6 +3,7 @@ package authd
 import (
 	"context"
 	"errors"
+	"os"
 	"path/filepath"
 	"reflect"
 	"strings"
@@ -270,7 +271,8 @@ func TestAuthdRefusesBadTokensRBUS11(t *testing.T) {
 // consumer, which it made again under its name.
 func TestAuthdIssuedJWTExpiresAndIsRenewedRBUS11(t *testing.T) {
 	c := newCluster(t, 2*time.Second)
-	r1 := c.connect(t, bus.RoleRouter, writeToken(t, c.key.sign(t, validToken("narwhal-router", "r1"))))
+	r1Token := writeToken(t, c.key.sign(t, validToken("narwhal-router", "r1")))
+	r1 := c.connect(t, bus.RoleRouter, r1Token)
 	r2 := c.connect(t, bus.RoleRouter, writeToken(t, c.key.sign(t, validToken("narwhal-router", "r2"))))
 	var reconnects atomic.Int64
 	r1.Conn().SetReconnectHandler(func(*nats.Conn) { reconnects.Add(1) })
@@ -322,6 +324,15 @@ func TestAuthdIssuedJWTExpiresAndIsRenewedRBUS11(t *testing.T) {
 	if err := r1.CredentialRefused(); err != nil {
 		t.Errorf("an expiry passed for a refusal: %v", err)
 	}
+	// The token file is read again at every reconnect: once it holds an
+	// expired token, the next renewal presents that one, refused.
+	expired := validToken("narwhal-router", "r1")
+	expired.Expiry, expired.IssuedAt = time.Now().Add(-2*time.Minute), time.Now().Add(-time.Hour)
+	refused := c.refused(t, ReasonExpired)
+	if err := os.WriteFile(r1Token, []byte(c.key.sign(t, expired)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	testkit.WaitFor(t, waitBound, "the renewal with the file's new, expired token refused", func() bool { return c.refused(t, ReasonExpired) > refused })
 }
 
 // credsSeed and credsClaims read an identity's credential file.
