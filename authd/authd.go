@@ -79,6 +79,10 @@ type Service struct {
 	sub     *nats.Subscription
 
 	subscribed atomic.Bool
+	closing    atomic.Bool
+	lost       chan struct{} // closed when the bus closed the connection for good
+	lostErr    atomic.Pointer[error]
+	lastDial   atomic.Int64 // unix nanoseconds of the last dial error logged
 	issued     *prometheus.CounterVec
 	refused    *prometheus.CounterVec
 
@@ -120,7 +124,7 @@ func Start(opts Options) (*Service, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Service{opts: opts, signing: signing, target: target, own: own,
+	s := &Service{opts: opts, signing: signing, target: target, own: own, lost: make(chan struct{}),
 		lastLog: map[string]time.Time{}, suppressed: map[string]int{},
 		issued: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "narwhal_authd_issued_total",
 			Help: "User JWTs issued to pods' identities, by role."}, []string{"role"}),
@@ -161,6 +165,26 @@ func Start(opts Options) (*Service, error) {
 		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
 			log.Warn("bus async error", "err", err)
 		}),
+		nats.ReconnectErrHandler(func(_ *nats.Conn, err error) {
+			// Once every refusalLogEvery at most: it retries every 250 ms.
+			now := time.Now().UnixNano()
+			if last := s.lastDial.Load(); err != nil && now-last >= int64(refusalLogEvery) && s.lastDial.CompareAndSwap(last, now) {
+				log.Warn("connecting to the bus", "url", bus.RedactURL(opts.URL), "err", err)
+			}
+		}),
+		// nats.go gives up after the same refusal twice (a credential
+		// the bus does not take): authd can serve nothing any more.
+		nats.ClosedHandler(func(nc *nats.Conn) {
+			if s.closing.Load() {
+				return
+			}
+			err := nc.LastError()
+			if err == nil {
+				err = errors.New("connection closed")
+			}
+			s.lostErr.Store(&err)
+			close(s.lost)
+		}),
 	}
 	if opts.TLSCA != "" {
 		nopts = append(nopts, nats.RootCAs(opts.TLSCA))
@@ -198,8 +222,21 @@ func (s *Service) Ready() bool {
 	return s.subscribed.Load() && s.nc.IsConnected() && s.sub.IsValid() && s.opts.Verifier.Keys.Loaded()
 }
 
+// Lost is closed when the bus closed the service's connection for good
+// (it refused authd.creds twice in a row); Err then says why.
+func (s *Service) Lost() <-chan struct{} { return s.lost }
+
+// Err returns why the connection was lost, or nil.
+func (s *Service) Err() error {
+	if err := s.lostErr.Load(); err != nil {
+		return *err
+	}
+	return nil
+}
+
 // Close unsubscribes and closes the connection.
 func (s *Service) Close() {
+	s.closing.Store(true)
 	_ = s.sub.Unsubscribe()
 	s.nc.Close()
 }

@@ -50,11 +50,12 @@ func runBusAuthd(ctx context.Context, args []string, stderr io.Writer) error {
 		fmt.Fprint(stderr, busAuthdUsage)
 		fs.PrintDefaults()
 	}
-	defURL := os.Getenv("NARWHAL_NATS_URL")
-	if defURL == "" {
-		defURL = defaultNATSURL
+	busCfg, err := toolBus()
+	if err != nil {
+		fmt.Fprintf(stderr, "narwhal bus authd: %v\n", err)
+		return reported(err, 2)
 	}
-	natsURL := fs.String("nats", defURL, "the bus's `URL` (default NARWHAL_NATS_URL, else "+defaultNATSURL+")")
+	natsURL := fs.String("nats", busCfg.URL, "the bus's `URL` (default NARWHAL_NATS_URL, else "+defaultNATSURL+"; NARWHAL_NATS_TLS_CA is its CA)")
 	creds := fs.String("creds", "", "the callout service's credential `FILE` ("+bus.AuthdCredsFile+" of narwhal bus creds --authd; required)")
 	signing := fs.String("signing-key", "", "the seed `FILE` answers and issued users are signed with (keys/"+bus.AuthdSigningKeyFile+"; required)")
 	jwks := fs.String("jwks", "", "the cluster's OIDC signing keys: a JWKS `FILE` or an https URL (required)")
@@ -139,7 +140,7 @@ func runBusAuthd(ctx context.Context, args []string, stderr io.Writer) error {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	svc, err := authd.Start(authd.Options{
-		URL: *natsURL, CredsFile: *creds, SigningKeyFile: *signing, TTL: *ttl, Log: log, Registry: reg,
+		URL: *natsURL, CredsFile: *creds, SigningKeyFile: *signing, TTL: *ttl, Log: log, Registry: reg, TLSCA: busCfg.TLSCA,
 		Verifier: &authd.Verifier{Keys: keys, Audience: *audience, Issuer: *issuer, Roles: roles},
 	})
 	if err != nil {
@@ -162,8 +163,12 @@ func runBusAuthd(ctx context.Context, args []string, stderr io.Writer) error {
 		log.Info("metrics listening", "url", "http://"+ln.Addr().String()+"/metrics")
 	}
 	log.Info("authd serving the bus's auth callout", "url", bus.RedactURL(*natsURL), "roles", roles.String(), "audience", *audience, "ttl", *ttl)
-	<-ctx.Done()
-	return nil
+	select {
+	case <-ctx.Done():
+		return nil
+	case <-svc.Lost():
+		return fmt.Errorf("the bus closed authd's connection for good (%v): is --creds %s the %s of this bus's mesh (narwhal bus creds --out DIR --authd)?", svc.Err(), *creds, bus.AuthdCredsFile)
+	}
 }
 
 // loadKeys fetches the cluster's keys until a fetch succeeds or ctx ends,

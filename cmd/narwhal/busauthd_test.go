@@ -313,3 +313,24 @@ func TestAgentRegistersWithATokenRBUS11(t *testing.T) {
 		return err == nil
 	})
 }
+
+// TestBusAuthdExitsWhenRefusedRBUS11 proves that `narwhal bus authd`
+// with the callout credential of another mesh does not sit unready for
+// ever: the bus refuses it, and the command ends with an error naming
+// --creds.
+func TestBusAuthdExitsWhenRefusedRBUS11(t *testing.T) {
+	m := newAuthdMesh(t)
+	other := bustest.Credentials(t)
+	if err := bus.WriteAuthd(other); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var logs testkit.LockedBuffer
+	err := runBusAuthd(ctx, []string{"--nats", m.emb.ClientURL(), "--creds", filepath.Join(other, bus.AuthdCredsFile),
+		"--signing-key", filepath.Join(other, "keys", bus.AuthdSigningKeyFile), "--jwks", m.jwksFile,
+		"--roles", "llm/narwhal-router=router"}, &logs)
+	if err == nil || ctx.Err() != nil || !strings.Contains(err.Error(), "--creds") {
+		t.Errorf("bus authd with another mesh's credential: %v (ctx %v), want it to end naming --creds", err, ctx.Err())
+	}
+}
