@@ -123,6 +123,17 @@ type ConnectOptions struct {
 	// Connect asks every reply on the inbox prefix _INBOX.<the JWT's user
 	// name>, the only one the credential may subscribe to.
 	CredsFile string
+	// TokenFile is a file holding the pod's projected service-account
+	// token (NARWHAL_NATS_TOKEN_FILE), or "": the connection presents it,
+	// read from the file afresh at every connect and reconnect (the
+	// kubelet replaces it before it expires), and the bus's auth callout
+	// (`narwhal bus authd`) answers with a short-lived user of the
+	// identity the token names — Role's identity whose id is the pod
+	// name. Replies come to that identity's inbox prefix and its
+	// consumers' names derive from the pod's UID (PodConsumerKey), as
+	// authd derives them. Role must be RoleRouter or RoleEngine, ID empty
+	// or the pod name, CredsFile empty.
+	TokenFile string
 	// TLSCA is a PEM file of CAs to trust for the server's certificate,
 	// or "".
 	TLSCA string
@@ -357,6 +368,9 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 	if opts.Name != "" {
 		nopts = append(nopts, nats.Name(opts.Name))
 	}
+	if opts.TokenFile != "" && opts.CredsFile != "" {
+		return nil, fmt.Errorf("bus: NARWHAL_NATS_TOKEN_FILE=%s and NARWHAL_NATS_CREDS=%s: set one, not both (a token's identity comes from narwhal bus authd)", opts.TokenFile, opts.CredsFile)
+	}
 	if opts.CredsFile != "" {
 		if _, err := os.Stat(opts.CredsFile); err != nil {
 			return nil, fmt.Errorf("bus: the credential NARWHAL_NATS_CREDS=%s cannot be read (%w): set it to %s (written by %s, docs/mesh.md)", opts.CredsFile, err, roleFile(opts), writtenBy(opts))
@@ -373,10 +387,18 @@ func Connect(ctx context.Context, opts ConnectOptions) (*Bus, error) {
 		}
 	}
 	// The names of its consumers (behaviour.md R-BUS-11): an identity's
-	// come from its credential's seed.
+	// come from its credential's seed, or from its pod's UID.
 	key, identity, err := consumerKey(opts.CredsFile)
 	if err != nil {
 		return nil, fmt.Errorf("bus: the credential NARWHAL_NATS_CREDS=%s: %w: set it to %s (written by %s, docs/mesh.md)", opts.CredsFile, err, roleFile(opts), writtenBy(opts))
+	}
+	if opts.TokenFile != "" {
+		tokenOpts, tokenKey, err := tokenOptions(opts)
+		if err != nil {
+			return nil, err
+		}
+		nopts = append(nopts, tokenOpts...)
+		key, identity = tokenKey, true
 	}
 	b.consumerKey = key
 	// A role's credential (breaker, chaos, viewer, admin) is shared by
@@ -514,6 +536,11 @@ func credentialHint(err error, opts ConnectOptions) error {
 		return err
 	}
 	file := roleFile(opts)
+	if opts.TokenFile != "" {
+		return fmt.Errorf("%w: the bus's auth callout (narwhal bus authd) refused the token of NARWHAL_NATS_TOKEN_FILE=%s: "+
+			"authd's log and its narwhal_authd_refused_total{reason} say why (an expired token, another audience or issuer, "+
+			"a service account without a role; docs/kubernetes.md)", err, opts.TokenFile)
+	}
 	if opts.CredsFile == "" {
 		return fmt.Errorf("%w: the bus requires a credential and none was given: set NARWHAL_NATS_CREDS to %s (written by %s, docs/mesh.md)", err, file, writtenBy(opts))
 	}

@@ -23,6 +23,10 @@ type CredentialRefusedError struct {
 	// CredsFile is the credential (NARWHAL_NATS_CREDS); "" when none was
 	// given.
 	CredsFile string
+	// TokenFile is the token file (NARWHAL_NATS_TOKEN_FILE) of a
+	// connection whose identity the bus's auth callout issues; "" when
+	// none was given.
+	TokenFile string
 	// Role and ID are ConnectOptions.Role and ID: they name the file and
 	// the command that writes a new one.
 	Role, ID string
@@ -38,6 +42,10 @@ type CredentialRefusedError struct {
 // Error is the message an operator reads in a log, a /readyz body or a
 // command's exit.
 func (e *CredentialRefusedError) Error() string {
+	if e.TokenFile != "" {
+		return fmt.Sprintf("bus: the bus's auth callout (narwhal bus authd) refused the token of NARWHAL_NATS_TOKEN_FILE=%s and the connection is closed (%v): "+
+			"authd's log and narwhal_authd_refused_total{reason} say why; restart the process once its token is accepted (docs/kubernetes.md)", e.TokenFile, e.Err)
+	}
 	opts := ConnectOptions{CredsFile: e.CredsFile, Role: e.Role, ID: e.ID}
 	how := "issue a new one with " + writtenBy(opts) + " (DIR: the mesh's credentials directory, --auth DIR of the bus) and restart the process with NARWHAL_NATS_CREDS set to it"
 	if e.Role != RoleEngine && e.Role != RoleRouter {
@@ -88,7 +96,7 @@ func revokedErr(err error) bool {
 func (b *Bus) refuse(err error, opts ConnectOptions) {
 	b.refused.once.Do(func() {
 		b.refused.err = &CredentialRefusedError{
-			CredsFile: opts.CredsFile, Role: opts.Role, ID: opts.ID,
+			CredsFile: opts.CredsFile, TokenFile: opts.TokenFile, Role: opts.Role, ID: opts.ID,
 			Revoked: revokedErr(err) || RevokedLocally(opts.CredsFile), Err: err,
 		}
 		close(b.refused.done)

@@ -605,6 +605,14 @@ type Bus struct {
 	// credential of the process's role (router, breaker, chaos, viewer,
 	// admin; R-BUS-8). Empty: no credential.
 	Creds string `yaml:"creds" env:"CREDS"`
+	// TokenFile is a file holding the pod's projected service-account
+	// token (audience narwhal), which a router, an agent or `narwhal sim
+	// --register` presents instead of a credential: the bus's auth
+	// callout, `narwhal bus authd`, answers with a short-lived user of
+	// the identity the token names, the pod name (R-BUS-11). The file is
+	// read again at every reconnect. Empty: none. A connection refuses
+	// it together with Creds.
+	TokenFile string `yaml:"token_file" env:"TOKEN_FILE"`
 	// TLSCA is a PEM file of CAs to trust for the server's certificate;
 	// empty: the system's roots.
 	TLSCA string `yaml:"tls_ca" env:"TLS_CA"`

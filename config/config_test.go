@@ -290,8 +290,8 @@ func envNames(t *testing.T) map[string]string {
 // the file.
 func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 	names := envNames(t)
-	if len(names) != 50 {
-		t.Fatalf("%d scalar keys, want 50: %v", len(names), names)
+	if len(names) != 51 {
+		t.Fatalf("%d scalar keys, want 51: %v", len(names), names)
 	}
 	dir := t.TempDir()
 	caFile, keysFile := testkit.NewCA(t).Path, filepath.Join(dir, "keys.yaml")
@@ -317,7 +317,7 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		"server.stall_timeout_s": "26", "server.header_timeout_s": "27", "server.idle_timeout_s": "28",
 		"server.max_header_bytes": "29000", "server.max_connections": "30", "server.max_inflight": "31",
 		"server.max_body_bytes_inflight": "32",
-		"bus.url":                        "nats://file:4222", "bus.creds": "file.creds", "bus.tls_ca": "file-ca.pem", "bus.tls_cert": "file-cert.pem",
+		"bus.url":                        "nats://file:4222", "bus.creds": "file.creds", "bus.token_file": "file.token", "bus.tls_ca": "file-ca.pem", "bus.tls_cert": "file-cert.pem",
 		"bus.tls_key": "file-key.pem", "bus.replicas": "3", "bus.connect_timeout_s": "30",
 		"engine.tls_ca_file": "/nonexistent/ca.pem", "server.tls_cert_file": "file.crt", "server.tls_key_file": "file.key",
 		"server.metrics_on_admin": "false", "auth.api_keys_file": "/nonexistent/keys.yaml",
@@ -338,7 +338,7 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		"server.stall_timeout_s": "0.5", "server.header_timeout_s": "1.25", "server.idle_timeout_s": "2",
 		"server.max_header_bytes": "8192", "server.max_connections": "11", "server.max_inflight": "12",
 		"server.max_body_bytes_inflight": "13",
-		"bus.url":                        "nats://env:4222,nats://env2:4222", "bus.creds": "env.creds", "bus.tls_ca": "env-ca.pem", "bus.tls_cert": "env-cert.pem",
+		"bus.url":                        "nats://env:4222,nats://env2:4222", "bus.creds": "env.creds", "bus.token_file": "env.token", "bus.tls_ca": "env-ca.pem", "bus.tls_cert": "env-cert.pem",
 		"bus.tls_key": "env-key.pem", "bus.replicas": "5", "bus.connect_timeout_s": "2.5",
 		"engine.tls_ca_file": caFile, "server.tls_cert_file": "env.crt", "server.tls_key_file": "env.key",
 		"server.metrics_on_admin": "true", "auth.api_keys_file": keysFile,
@@ -387,7 +387,7 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		Server: Server{StallTimeoutS: 0.5, HeaderTimeoutS: 1.25, IdleTimeoutS: 2, MaxHeaderBytes: 8192,
 			MaxConnections: 11, MaxInflight: 12, MaxBodyBytesInflight: 13,
 			TLSCertFile: "env.crt", TLSKeyFile: "env.key", MetricsOnAdmin: true},
-		Bus: Bus{URL: "nats://env:4222,nats://env2:4222", Creds: "env.creds", TLSCA: "env-ca.pem", TLSCert: "env-cert.pem",
+		Bus: Bus{URL: "nats://env:4222,nats://env2:4222", Creds: "env.creds", TokenFile: "env.token", TLSCA: "env-ca.pem", TLSCert: "env-cert.pem",
 			TLSKey: "env-key.pem", Replicas: 5, ConnectTimeoutS: 2.5},
 		Auth: Auth{APIKeysFile: keysFile},
 	}

@@ -24,6 +24,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/narwhalmesh/narwhal/authd"
 	"github.com/narwhalmesh/narwhal/breaker"
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/config"
@@ -413,8 +414,9 @@ var (
 	grouping = regexp.MustCompile(`\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)`)
 )
 
-// liveMetrics starts a router and a leading breaker and returns the
-// metric names their /metrics pages serve; a histogram also as
+// liveMetrics starts a router, a leading breaker and an authd (on a bus
+// with auth callout) and returns the metric names their /metrics pages
+// serve; a histogram also as
 // "<name>#histogram"; each also as "<name>#type=<counter, gauge,
 // histogram…>" and, for each label its series have, "<name>{<label>}".
 func liveMetrics(t *testing.T) map[string]bool {
@@ -484,6 +486,35 @@ func liveMetrics(t *testing.T) map[string]bool {
 	bsrv := httptest.NewServer(promhttp.HandlerFor(breg, promhttp.HandlerOpts{}))
 	t.Cleanup(bsrv.Close)
 
+	// narwhal bus authd, on a bus of its own with auth callout: its
+	// series exist at start (every role and reason at 0).
+	authDir := t.TempDir()
+	if err := bus.WriteCredentials(authDir); err != nil {
+		t.Fatal(err)
+	}
+	if err := bus.WriteAuthd(authDir); err != nil {
+		t.Fatal(err)
+	}
+	authEmb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1, AuthDir: authDir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(authEmb.Shutdown)
+	keys, err := authd.NewKeySource(authd.KeySourceOptions{Location: filepath.Join(t.TempDir(), "jwks.json")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	areg := prometheus.NewRegistry()
+	asvc, err := authd.Start(authd.Options{URL: authEmb.ClientURL(), CredsFile: filepath.Join(authDir, bus.AuthdCredsFile),
+		SigningKeyFile: filepath.Join(authDir, "keys", bus.AuthdSigningKeyFile), Registry: areg,
+		Verifier: &authd.Verifier{Keys: keys, Roles: authd.Roles{"llm/narwhal-router": bus.RoleRouter}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(asvc.Close)
+	asrv := httptest.NewServer(promhttp.HandlerFor(areg, promhttp.HandlerOpts{}))
+	t.Cleanup(asrv.Close)
+
 	served := map[string]bool{}
 	scrape := func(url string) []*dto.MetricFamily {
 		mfs, err := testkit.Scrape(http.DefaultClient, url)
@@ -508,7 +539,7 @@ func liveMetrics(t *testing.T) map[string]bool {
 		}
 		return false
 	})
-	for _, url := range []string{"http://" + ln.Addr().String() + "/metrics", bsrv.URL + "/metrics"} {
+	for _, url := range []string{"http://" + ln.Addr().String() + "/metrics", bsrv.URL + "/metrics", asrv.URL + "/metrics"} {
 		for _, mf := range scrape(url) {
 			served[mf.GetName()] = true
 			if mf.GetType() == dto.MetricType_HISTOGRAM {
@@ -546,8 +577,8 @@ type docMetric struct {
 }
 
 // TestEveryMetricDocumented proves docs/observability.md lists every
-// Narwhal metric a live router and breaker serve, with its type and
-// exactly the labels it has, and lists no metric they do not serve.
+// Narwhal metric a live router, breaker and authd serve, with its type
+// and exactly the labels it has, and lists no metric they do not serve.
 func TestEveryMetricDocumented(t *testing.T) {
 	doc, err := os.ReadFile("../docs/observability.md")
 	if err != nil {
@@ -596,7 +627,7 @@ func TestEveryMetricDocumented(t *testing.T) {
 			continue
 		}
 		if !served[name] {
-			t.Errorf("docs/observability.md lists %s, which no router or breaker serves", name)
+			t.Errorf("docs/observability.md lists %s, which no router, breaker or authd serves", name)
 			continue
 		}
 		for l := range row.labels {

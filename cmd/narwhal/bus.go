@@ -20,7 +20,7 @@ import (
 
 func init() {
 	commands["bus"] = command{
-		summary:   "run a NATS server with JetStream that Narwhal processes share (--listen HOST:PORT --data DIR); bus setup, bus creds, bus revoke",
+		summary:   "run a NATS server with JetStream that Narwhal processes share (--listen HOST:PORT --data DIR); bus setup, bus creds, bus revoke, bus authd",
 		run:       withOutput(runBus),
 		checkArgs: true,
 	}
@@ -42,8 +42,9 @@ const (
 const busUsage = `usage: narwhal bus [--listen HOST:PORT] [--data DIR] [--config FILE] [--auth DIR]
                    [--name NAME --cluster HOST:PORT --routes URL,...] [--verbose]
        narwhal bus setup [--config FILE] [--connect-timeout DUR]
-       narwhal bus creds --out DIR [--engine ID]... [--router ID]...
+       narwhal bus creds --out DIR [--authd] [--engine ID]... [--router ID]...
        narwhal bus revoke --creds DIR [--engine ID]... [--router ID]... [--user PUBKEY]...
+       narwhal bus authd --creds FILE --signing-key FILE --jwks FILE|URL --roles NS/SA=ROLE,...
 
 narwhal bus         serves NATS with JetStream and sets up Narwhal's streams and
                     buckets before it says it is listening; point Narwhal
@@ -56,9 +57,12 @@ narwhal bus creds   writes one credential per role (breaker, chaos, viewer, admi
                     and the server side (auth.conf, route.secret, sys.creds) into DIR;
                     each --engine ID / --router ID writes that engine's or router's
                     own credential (engine-ID.creds, router-ID.creds), also into a
-                    DIR that holds a mesh already (running servers accept it).
+                    DIR that holds a mesh already (running servers accept it);
+                    --authd adds the auth callout (authd.creds, keys/authd-signing.nk).
 narwhal bus revoke  revokes credentials in the mesh's account (no new account, no
                     restart) and pushes it to NARWHAL_NATS_URL with DIR's sys.creds.
+narwhal bus authd   the bus's auth callout: exchanges a pod's service-account token
+                    for a short-lived user of its identity (docs/kubernetes.md).
 See docs/mesh.md.
 `
 
@@ -79,6 +83,8 @@ func runBus(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 			return runBusCreds(args[1:], stdout, stderr)
 		case "revoke":
 			return runBusRevoke(ctx, args[1:], stdout, stderr)
+		case "authd":
+			return runBusAuthd(ctx, args[1:], stderr)
 		case "help":
 			fmt.Fprint(stderr, busUsage)
 			return flag.ErrHelp
@@ -243,6 +249,7 @@ func runBusCreds(args []string, stdout, stderr io.Writer) error {
 		ids = append(ids, identity{bus.RoleRouter, v})
 		return nil
 	})
+	withAuthd := fs.Bool("authd", false, "also add the auth callout of narwhal bus authd to the mesh ("+bus.AuthdCredsFile+", keys/"+bus.AuthdSigningKeyFile+", auth.conf's sentinel; docs/kubernetes.md); DIR may hold a mesh already")
 	k8s := fs.Bool("kubernetes-secrets", false, "also write DIR/"+KubernetesSecretsFile+": Secret manifests of the bus's side and of every credential in DIR (docs/kubernetes.md); DIR may hold a mesh already")
 	namespace := fs.String("namespace", "", "the `NS` of the Secrets of --kubernetes-secrets (default: none, kubectl's current namespace)")
 	if err := parseFlags(fs, args); err != nil {
@@ -311,11 +318,26 @@ func runBusCreds(args []string, stdout, stderr io.Writer) error {
 		fmt.Fprintf(stdout, "  %-*s the password the servers of a cluster present to one another\n", w, bus.RouteSecretFile)
 		fmt.Fprintf(stdout, "  %-*s the system account's user: pushes revocations (narwhal bus revoke)\n", w, bus.SysCredsFile)
 		fmt.Fprintf(stdout, "  %-*s the operator's and account's seeds, to issue more users; keep them off the servers\n", w, "keys/")
-	} else if len(ids) == 0 {
-		if *k8s {
+	}
+	if *withAuthd {
+		if mesh && bus.HasAuthd(*out) {
+			return fmt.Errorf("%s holds the auth callout already (%s)", *out, bus.AuthdCredsFile)
+		}
+		if err := bus.WriteAuthd(*out); err != nil {
+			return err
+		}
+		if mesh {
+			fmt.Fprintf(stdout, "auth callout added to the mesh of %s (restart each bus server with the new %s, one at a time):\n", *out, bus.AuthConfFile)
+		}
+		aw := max(w, len(bus.AuthdCredsFile), len("keys/"+bus.AuthdSigningKeyFile))
+		fmt.Fprintf(stdout, "  %-*s narwhal bus authd --creds: the callout service's credential\n", aw, bus.AuthdCredsFile)
+		fmt.Fprintf(stdout, "  %-*s narwhal bus authd --signing-key: signs the identities it issues; keep it secret\n", aw, "keys/"+bus.AuthdSigningKeyFile)
+	}
+	if mesh && len(ids) == 0 {
+		if *k8s || *withAuthd {
 			return secrets()
 		}
-		return fmt.Errorf("%s holds a mesh already: add identities with --engine ID or --router ID, or write a new mesh into an empty directory", *out)
+		return fmt.Errorf("%s holds a mesh already: add identities with --engine ID or --router ID, the auth callout with --authd, or write a new mesh into an empty directory", *out)
 	}
 	// The rows of the identities are listed once written: a header with
 	// nothing under it would claim what an error below then denies. Those
@@ -439,6 +461,7 @@ func busOptions(c config.Bus, name, role string, log *slog.Logger) bus.ConnectOp
 		Name:      name,
 		Role:      role,
 		CredsFile: c.Creds,
+		TokenFile: c.TokenFile,
 		TLSCA:     c.TLSCA,
 		TLSCert:   c.TLSCert,
 		TLSKey:    c.TLSKey,

@@ -31,8 +31,12 @@ func projectImports(t *testing.T) map[string][]string {
 		if name := d.Name(); path != moduleRoot && (strings.HasPrefix(name, ".") || name == "testdata") {
 			return filepath.SkipDir
 		}
-		if _, err := os.Stat(filepath.Join(path, "go.mod")); err == nil && path != moduleRoot {
-			return filepath.SkipDir // a module of its own (deploy/helm)
+		if path != moduleRoot {
+			// A directory with a go.mod of its own (deploy/helm) is
+			// another module, outside this table.
+			if _, err := os.Stat(filepath.Join(path, "go.mod")); err == nil {
+				return filepath.SkipDir
+			}
 		}
 		pkg, err := build.ImportDir(path, 0)
 		if err != nil {
