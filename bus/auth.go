@@ -10,7 +10,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
-	"time"
 
 	"github.com/nats-io/jwt/v2"
 	"github.com/nats-io/nkeys"
@@ -36,8 +35,8 @@ const (
 	// RoleChaos writes the chaos bucket and publishes the event kinds
 	// whose rows name it (chaos events). It is schemas.RoleChaos.
 	RoleChaos = schemas.RoleChaos
-	// RoleViewer reads everything and may make its own consumers of the
-	// events (dashboards, `narwhal events`, `narwhal chaos list`).
+	// RoleViewer reads every stream and bucket by direct gets, and makes
+	// no consumer (dashboards, `narwhal events`, `narwhal chaos list`).
 	RoleViewer = "viewer"
 	// RoleAdmin creates and updates the stream and the buckets.
 	RoleAdmin = "admin"
@@ -194,7 +193,11 @@ func consumerDenied() []string {
 //     consumer narwhal-breaker, its only consumer;
 //   - chaos: its event kinds; write and read narwhal_chaos; read
 //     narwhal_placement's info; answer as, and ask, the NATS service
-//     ChaosProxyService ($SRV.*, replies to the requests it receives);
+//     ChaosProxyService ($SRV.*); its answers go to its own inbox prefix
+//     alone (_INBOX.narwhal-chaos.>, where its own requests' replies
+//     come), never to a reply subject a request names: with a response
+//     permission a chaos process could send itself a request whose
+//     reply subject is any subject at all, and publish there;
 //   - viewer: read every stream and bucket of the account (info,
 //     messages);
 //   - admin: everything ("> "), which `narwhal fleet add|drain|undrain|
@@ -212,7 +215,6 @@ func consumerDenied() []string {
 func RolePermissions(role string) (jwt.Permissions, error) {
 	var pub, sub []string
 	deny := consumerDenied()
-	var resp *jwt.ResponsePermission
 	common := slices.Concat([]string{jsAPI + "INFO", jsAPI + "STREAM.INFO." + StreamName}, eventsPub(role))
 	sub = []string{inbox(UserName(role, ""))}
 	switch role {
@@ -234,11 +236,13 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 	case RoleChaos:
 		pub = slices.Concat(common,
 			bucketRead(ChaosBucket), bucketWrite(ChaosBucket),
-			[]string{jsAPI + "STREAM.INFO.KV_" + PlacementBucket, "$SRV.PING." + ChaosProxyService})
+			[]string{jsAPI + "STREAM.INFO.KV_" + PlacementBucket, "$SRV.PING." + ChaosProxyService},
+			// A proxy answers the requests of chaos processes alone, in
+			// their inbox; no response permission (behaviour.md R-BUS-11).
+			[]string{inbox(UserName(RoleChaos, ""))})
 		// A proxy answers its service's PING, INFO and STATS requests.
 		sub = append(sub, bucketWake(ChaosBucket), "$SRV.PING", "$SRV.INFO", "$SRV.STATS",
 			"$SRV.*."+ChaosProxyService, "$SRV.*."+ChaosProxyService+".*")
-		resp = &jwt.ResponsePermission{MaxMsgs: 1, Expires: time.Minute}
 	case RoleViewer:
 		// Read only, on an account that holds Narwhal's streams alone:
 		// every stream's info and messages, by direct gets, and no
@@ -263,7 +267,6 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 	return jwt.Permissions{
 		Pub:  jwt.Permission{Allow: pub, Deny: deny},
 		Sub:  jwt.Permission{Allow: sub},
-		Resp: resp,
 	}, nil
 }
 
