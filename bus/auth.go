@@ -265,8 +265,8 @@ func RolePermissions(role string) (jwt.Permissions, error) {
 		return jwt.Permissions{}, fmt.Errorf("bus: unknown role %q (want one of %s)", role, strings.Join(Roles, ", "))
 	}
 	return jwt.Permissions{
-		Pub:  jwt.Permission{Allow: pub, Deny: deny},
-		Sub:  jwt.Permission{Allow: sub},
+		Pub: jwt.Permission{Allow: pub, Deny: deny},
+		Sub: jwt.Permission{Allow: sub},
 	}, nil
 }
 
