@@ -238,11 +238,11 @@ func (x *ExactIndex) Forget(engineID string) {
 	x.engines.Store(&next)
 }
 
-// Engines calls fn with each engine the index has an entry for, the keys
-// it holds and whether it is Exact, in no particular order.
-func (x *ExactIndex) Engines(fn func(engineID string, blocks int, exact bool)) {
+// Engines calls fn with each engine the index has an entry for and its
+// entry, in no particular order.
+func (x *ExactIndex) Engines(fn func(engineID string, e *ExactEngine)) {
 	for id, e := range *x.engines.Load() {
-		fn(id, int(e.size.Load()), e.exact.Load())
+		fn(id, e)
 	}
 }
 

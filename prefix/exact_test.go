@@ -168,7 +168,7 @@ func TestExactIndexBoundedRPLACE4(t *testing.T) {
 		x.Engine(string(rune('a'+i%26)) + string(rune(i)))
 	}
 	n := 0
-	x.Engines(func(string, int, bool) { n++ })
+	x.Engines(func(string, *ExactEngine) { n++ })
 	if n != MaxEngines {
 		t.Fatalf("%d engines, want MaxEngines", n)
 	}
