@@ -61,12 +61,12 @@ type kvShare struct {
 	live  chan *nats.Msg
 
 	batches  *prometheus.CounterVec
-	outcome  [7]prometheus.Counter // by kvOutcomes' order
-	lastLog  atomic.Int64          // UnixNano of the last refused-batch line
-	keys     []uint64              // the keys of an op, decoded (EachKVOp's buffer)
-	cur      *prefix.ExactEngine   // the engine of the batch being applied
+	outcome  [7]prometheus.Counter                                      // by kvOutcomes' order
+	lastLog  atomic.Int64                                               // UnixNano of the last refused-batch line
+	keys     []uint64                                                   // the keys of an op, decoded (EachKVOp's buffer)
+	cur      *prefix.ExactEngine                                        // the engine of the batch being applied
 	opFn     func(*bus.KVHeader, bus.KVOp, int, bus.KVMedium, []uint64) // k.applyOp, bound once
-	lastSeen map[string]engineFeed // by engine id, fleet prefill engines only
+	lastSeen map[string]engineFeed                                      // by engine id, fleet prefill engines only
 }
 
 // engineFeed is what the router last applied of an engine's batches:

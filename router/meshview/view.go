@@ -96,8 +96,8 @@ type View struct {
 	listed     func(string)
 	metrics    *metrics
 
-	live   atomic.Pointer[Fleet] // the fleet as of now; replaced whole on a change (membership.go)
-	index  *prefix.Index
+	live  atomic.Pointer[Fleet] // the fleet as of now; replaced whole on a change (membership.go)
+	index *prefix.Index
 	// exact is the exact index of the blocks the engines report they
 	// hold (R-PLACE-4), nil under placement.index approximate or a
 	// policy that keeps no index.
