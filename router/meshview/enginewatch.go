@@ -126,9 +126,13 @@ func (w *engineWatch) checkExact() {
 		}
 		now := exactSeen{m: m, eligible: m.eligible.Load(), active: m.active.Load()}
 		prev, seen := w.exactSeen[m.ID]
+		if !seen {
+			// First seen since its entry was made: placeable then (an
+			// entry is made by a batch, which any state takes).
+			prev = exactSeen{m: m, eligible: true, active: true}
+		}
 		w.exactSeen[m.ID] = now
 		switch {
-		case !seen:
 		case prev.m != m:
 			w.dropExact(m.ID, indexDropRestarted)
 		case prev.eligible && !now.eligible:

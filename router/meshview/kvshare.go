@@ -60,13 +60,17 @@ type kvShare struct {
 	exact *prefix.ExactIndex
 	live  chan *nats.Msg
 
-	batches  *prometheus.CounterVec
-	outcome  [7]prometheus.Counter                                      // by kvOutcomes' order
-	lastLog  atomic.Int64                                               // UnixNano of the last refused-batch line
-	keys     []uint64                                                   // the keys of an op, decoded (EachKVOp's buffer)
-	cur      *prefix.ExactEngine                                        // the engine of the batch being applied
-	opFn     func(*bus.KVHeader, bus.KVOp, int, bus.KVMedium, []uint64) // k.applyOp, bound once
-	lastSeen map[string]engineFeed                                      // by engine id, fleet prefill engines only
+	batches *prometheus.CounterVec
+	outcome [7]prometheus.Counter // by kvOutcomes' order
+	lastLog atomic.Int64          // UnixNano of the last refused-batch line
+	keys    []uint64              // the keys of an op, decoded (ReadKVOps' buffer)
+	// cur is the engine of the batch being applied; opFn is k.applyOp,
+	// bound once (a method value made per batch would allocate).
+	cur  *prefix.ExactEngine
+	opFn func(bus.KVOp, int, bus.KVMedium, []uint64)
+	hdr  bus.KVHeader // ReadKVOps' header, reused
+	// lastSeen is by engine id, fleet prefill engines only.
+	lastSeen map[string]engineFeed
 }
 
 // engineFeed is what the router last applied of an engine's batches:
@@ -156,7 +160,7 @@ func (k *kvShare) apply(subject string, data []byte, at time.Time, fill bool) (g
 	v := e.Begin(h.Epoch, h.Seq, h.BlockSize)
 	if v != prefix.SeqDuplicate {
 		k.cur = e
-		k.keys, _ = bus.EachKVOp(data, k.keys, k.opFn)
+		k.keys, _ = bus.ReadKVOps(data, &k.hdr, k.keys, k.opFn)
 		k.cur = nil
 	}
 	e.End()
@@ -177,7 +181,7 @@ func (k *kvShare) apply(subject string, data []byte, at time.Time, fill bool) (g
 }
 
 // applyOp applies one op of the batch being applied to k.cur.
-func (k *kvShare) applyOp(_ *bus.KVHeader, op bus.KVOp, rank int, medium bus.KVMedium, keys []uint64) {
+func (k *kvShare) applyOp(op bus.KVOp, rank int, medium bus.KVMedium, keys []uint64) {
 	switch op {
 	case bus.KVStored:
 		k.cur.Store(rank, prefix.Medium(medium), keys)
