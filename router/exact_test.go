@@ -391,6 +391,7 @@ func BenchmarkExactPlacementFirstByte(b *testing.B) {
 				}
 			}
 			sort.Slice(lat, func(i, j int) bool { return lat[i] < lat[j] })
+			b.ReportMetric(tokenizeCount(b, s, "ok")/float64(len(lat)), "tokenize-calls/op")
 			b.ReportMetric(float64(lat[len(lat)/2].Microseconds())/1000, "p50-ms")
 			b.ReportMetric(float64(lat[min(len(lat)-1, len(lat)*99/100)].Microseconds())/1000, "p99-ms")
 		})
