@@ -28,8 +28,8 @@ const MaxExactRanks = 64
 
 // MaxExactBlocksPerEngine is the largest bound of one engine's exact
 // index (SetCapacity clamps to it): 2^21 blocks, 32 Mi tokens at 16
-// tokens a block — more than any engine's GPU holds today — and about
-// 100 MiB of router memory at the index's 48 bytes a block.
+// tokens a block — more than any engine's GPU holds today — and up to
+// about 180 MiB of router memory at the index's 60 to 85 bytes a block.
 const MaxExactBlocksPerEngine = 1 << 21
 
 // Sequence is what a batch's epoch and seq say of the engine's stream of
