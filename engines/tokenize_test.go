@@ -21,14 +21,18 @@ import (
 // error wrapping ErrTokenize; ctx bounds an engine that never answers.
 func TestTokenizeHostileAnswersRPLACE4(t *testing.T) {
 	answers := map[string]func(w http.ResponseWriter){
-		"ok":       func(w http.ResponseWriter) { fmt.Fprint(w, `{"count":3,"max_model_len":4096,"tokens":[1,2,4294967295]}`) },
+		"ok": func(w http.ResponseWriter) {
+			fmt.Fprint(w, `{"count":3,"max_model_len":4096,"tokens":[1,2,4294967295]}`)
+		},
 		"nocount":  func(w http.ResponseWriter) { fmt.Fprint(w, `{"tokens":[7]}`) },
 		"status":   func(w http.ResponseWriter) { http.Error(w, "no", http.StatusNotFound) },
 		"count":    func(w http.ResponseWriter) { fmt.Fprint(w, `{"count":2,"tokens":[1]}`) },
 		"negative": func(w http.ResponseWriter) { fmt.Fprint(w, `{"tokens":[-1]}`) },
 		"big":      func(w http.ResponseWriter) { fmt.Fprint(w, `{"tokens":[4294967296]}`) },
 		"missing":  func(w http.ResponseWriter) { fmt.Fprint(w, `{"count":0}`) },
-		"long":     func(w http.ResponseWriter) { fmt.Fprint(w, `{"tokens":[`+strings.Repeat("1,", MaxTokenizeBytes/2)+`1]}`) },
+		"long": func(w http.ResponseWriter) {
+			fmt.Fprint(w, `{"tokens":[`+strings.Repeat("1,", MaxTokenizeBytes/2)+`1]}`)
+		},
 	}
 	var got string
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
