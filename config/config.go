@@ -343,6 +343,29 @@ const (
 // Policies lists the placement policies Validate accepts.
 var Policies = []string{PolicyPrefix, PolicyLeastLoaded, PolicyRandom}
 
+// Prefix indexes, the values of Placement.Index (behaviour.md R-PLACE-4).
+const (
+	// IndexAuto places each engine by its exact index once its KV
+	// events made one (docs/placement.md#the-exact-index), by the
+	// approximate index, corrected by the engines' cached_tokens, until
+	// then.
+	IndexAuto = "auto"
+	// IndexExact places by the exact index alone: an engine without one
+	// is placed as if it held nothing of any prompt.
+	IndexExact = "exact"
+	// IndexApproximate ignores the engines' KV events: the approximate
+	// index alone (R-PLACE-2, R-PLACE-3).
+	IndexApproximate = "approximate"
+)
+
+// Indexes lists the values of placement.index Validate accepts.
+var Indexes = []string{IndexAuto, IndexExact, IndexApproximate}
+
+// MaxTokenizeMinBlocks bounds placement.tokenize_min_blocks: a prompt
+// of more KV blocks than the router keys (prefix.MaxBlocks) is still
+// tokenized at this bound.
+const MaxTokenizeMinBlocks = 4096
+
 // MaxPrefixIndexBlocks is the largest placement.prefix_index_blocks
 // (the index's slots are 32-bit; 2^24 blocks are about 640 MiB per
 // engine).
@@ -383,7 +406,24 @@ type Placement struct {
 	// (a restart: the engine's cache is gone) drops the engine's index
 	// entries. Seconds, >= 0; 0 = off.
 	EngineMetricsIntervalS float64 `yaml:"engine_metrics_interval_s" env:"ENGINE_METRICS_INTERVAL_S"`
+	// Index chooses the prefix index placement matches prompts against
+	// (behaviour.md R-PLACE-4): IndexAuto, IndexExact or
+	// IndexApproximate (Indexes).
+	Index string `yaml:"index" env:"INDEX"`
+	// TokenizeTimeoutS bounds the one POST /tokenize a placement may
+	// make to get a prompt's token ids for the exact index (R-PLACE-4):
+	// past it the request is placed as without them. Seconds, > 0.
+	TokenizeTimeoutS float64 `yaml:"tokenize_timeout_s" env:"TOKENIZE_TIMEOUT_S"`
+	// TokenizeMinBlocks is the shortest prompt, in KV blocks of the
+	// engines' block size (its tokens estimated from its bytes at the
+	// model's learned bytes per token), that is tokenized for the exact
+	// index; shorter ones are placed by the approximate index.
+	// 1…MaxTokenizeMinBlocks.
+	TokenizeMinBlocks int `yaml:"tokenize_min_blocks" env:"TOKENIZE_MIN_BLOCKS"`
 }
+
+// TokenizeTimeout returns TokenizeTimeoutS as a Duration (R-PLACE-4).
+func (p Placement) TokenizeTimeout() time.Duration { return Seconds(p.TokenizeTimeoutS) }
 
 // EngineMetricsInterval returns EngineMetricsIntervalS as a Duration (0:
 // the engines' /metrics are not read).
@@ -391,20 +431,31 @@ func (p Placement) EngineMetricsInterval() time.Duration { return Seconds(p.Engi
 
 // defaultPlacement returns the placement section of Default.
 func defaultPlacement() Placement {
-	return Placement{Policy: PolicyPrefix, BalanceAbsThreshold: 32, BalanceRelThreshold: 1.5, PrefixIndexBlocks: 65536, ShareIndex: true, EngineMetricsIntervalS: 2}
+	return Placement{Policy: PolicyPrefix, BalanceAbsThreshold: 32, BalanceRelThreshold: 1.5, PrefixIndexBlocks: 65536, ShareIndex: true, EngineMetricsIntervalS: 2,
+		Index: IndexAuto, TokenizeTimeoutS: 0.05, TokenizeMinBlocks: DefaultTokenizeMinBlocks}
 }
 
 // validate checks the placement settings: a policy of Policies,
 // balance_abs_threshold >= 0, a finite balance_rel_threshold >= 1, a
-// finite engine_metrics_interval_s >= 0 and prefix_index_blocks in
-// [1, MaxPrefixIndexBlocks].
+// finite engine_metrics_interval_s >= 0, prefix_index_blocks in
+// [1, MaxPrefixIndexBlocks], an index of Indexes, a finite
+// tokenize_timeout_s > 0 and tokenize_min_blocks in
+// [1, MaxTokenizeMinBlocks].
 func (pl Placement) validate(p problems) {
 	p.oneOf("policy", pl.Policy, Policies)
 	p.atLeastInt("balance_abs_threshold", pl.BalanceAbsThreshold, 0)
 	p.atLeast("balance_rel_threshold", pl.BalanceRelThreshold, 1)
 	p.atLeast("engine_metrics_interval_s", pl.EngineMetricsIntervalS, 0)
 	p.betweenInt("prefix_index_blocks", pl.PrefixIndexBlocks, 1, MaxPrefixIndexBlocks)
+	p.oneOf("index", pl.Index, Indexes)
+	p.positive("tokenize_timeout_s", pl.TokenizeTimeoutS)
+	p.betweenInt("tokenize_min_blocks", pl.TokenizeMinBlocks, 1, MaxTokenizeMinBlocks)
 }
+
+// DefaultTokenizeMinBlocks is placement.tokenize_min_blocks' default:
+// 8 KV blocks, 128 tokens at vLLM's default block of 16
+// (docs/placement.md#tokenization says how it was chosen).
+const DefaultTokenizeMinBlocks = 8
 
 // MinLeaseTTLS is the smallest breaker.lease_ttl_s Validate accepts, in
 // seconds: the lease is renewed every third of it.

@@ -98,6 +98,8 @@ func TestDefaults(t *testing.T) {
 		"placement.balance_abs_threshold": 32,
 		"placement.balance_rel_threshold": 1.5,
 		"placement.prefix_index_blocks":   65536,
+		"placement.tokenize_timeout_s":    0.05,
+		"placement.tokenize_min_blocks":   8,
 	}
 	got := map[string]float64{
 		"engine.first_token_timeout_s":    d.Engine.FirstTokenTimeoutS,
@@ -127,9 +129,14 @@ func TestDefaults(t *testing.T) {
 		"placement.balance_abs_threshold": float64(d.Placement.BalanceAbsThreshold),
 		"placement.balance_rel_threshold": d.Placement.BalanceRelThreshold,
 		"placement.prefix_index_blocks":   float64(d.Placement.PrefixIndexBlocks),
+		"placement.tokenize_timeout_s":    d.Placement.TokenizeTimeoutS,
+		"placement.tokenize_min_blocks":   float64(d.Placement.TokenizeMinBlocks),
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("defaults:\n got %v\nwant %v", got, want)
+	}
+	if d.Placement.Index != "auto" {
+		t.Errorf("placement.index default %q, want auto (R-PLACE-4)", d.Placement.Index)
 	}
 	if d.Placement.Policy != "prefix" {
 		t.Errorf("placement.policy default %q, want prefix (R-PLACE-2)", d.Placement.Policy)
@@ -290,8 +297,8 @@ func envNames(t *testing.T) map[string]string {
 // the file.
 func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 	names := envNames(t)
-	if len(names) != 51 {
-		t.Fatalf("%d scalar keys, want 51: %v", len(names), names)
+	if len(names) != 54 {
+		t.Fatalf("%d scalar keys, want 54: %v", len(names), names)
 	}
 	dir := t.TempDir()
 	caFile, keysFile := testkit.NewCA(t).Path, filepath.Join(dir, "keys.yaml")
@@ -325,6 +332,7 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		"membership.max_registration_ttl_s": "47",
 		"placement.policy":                  "random", "placement.balance_abs_threshold": "43", "placement.balance_rel_threshold": "2.5",
 		"placement.prefix_index_blocks": "44", "placement.share_index": "true", "placement.engine_metrics_interval_s": "45",
+		"placement.index": "exact", "placement.tokenize_timeout_s": "0.2", "placement.tokenize_min_blocks": "48",
 	}
 	envValues := map[string]string{
 		"engine.first_token_timeout_s": "1.5", "engine.decode_read_timeout_s": "0", "engine.prefill_timeout_s": "3",
@@ -346,6 +354,7 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		"membership.max_registration_ttl_s": "9.5",
 		"placement.policy":                  "least_loaded", "placement.balance_abs_threshold": "0", "placement.balance_rel_threshold": "1",
 		"placement.prefix_index_blocks": "7", "placement.share_index": "false", "placement.engine_metrics_interval_s": "0.5",
+		"placement.index": "approximate", "placement.tokenize_timeout_s": "0.01", "placement.tokenize_min_blocks": "2",
 	}
 	var file strings.Builder
 	sections := map[string][]string{}
@@ -382,8 +391,9 @@ func TestEnvOverridesYAMLForEveryKey(t *testing.T) {
 		Recovery:   Recovery{EjectAfter: 7, FailureQuarantineS: 8, RetryAttempts: 9, RetryBudgetRatio: 1, ReadmitIntervalS: 0.25, MaxQuarantineS: 34},
 		Breaker:    Breaker{LeaseTTLS: 0.75},
 		Membership: Membership{RegistrationTTLS: 4.5, DrainTimeoutS: 0.5, MaxEngines: 8, MaxRegistrationTTLS: 9.5},
-		Placement:  Placement{Policy: "least_loaded", BalanceAbsThreshold: 0, BalanceRelThreshold: 1, PrefixIndexBlocks: 7, ShareIndex: false, EngineMetricsIntervalS: 0.5},
-		Router:     Router{ID: "from-env", EventBuffer: 10, LogFormat: "text", LogLevel: "error"},
+		Placement: Placement{Policy: "least_loaded", BalanceAbsThreshold: 0, BalanceRelThreshold: 1, PrefixIndexBlocks: 7, ShareIndex: false, EngineMetricsIntervalS: 0.5,
+			Index: "approximate", TokenizeTimeoutS: 0.01, TokenizeMinBlocks: 2},
+		Router: Router{ID: "from-env", EventBuffer: 10, LogFormat: "text", LogLevel: "error"},
 		Server: Server{StallTimeoutS: 0.5, HeaderTimeoutS: 1.25, IdleTimeoutS: 2, MaxHeaderBytes: 8192,
 			MaxConnections: 11, MaxInflight: 12, MaxBodyBytesInflight: 13,
 			TLSCertFile: "env.crt", TLSKeyFile: "env.key", MetricsOnAdmin: true},
@@ -542,6 +552,10 @@ func TestValidateNamesEveryKey(t *testing.T) {
 		{func(c *Config) { c.Placement.BalanceRelThreshold = 0.5 }, "config: placement.balance_rel_threshold: must be >= 1, got 0.5"},
 		{func(c *Config) { c.Placement.BalanceRelThreshold = math.NaN() }, "config: placement.balance_rel_threshold: must be a finite number, got NaN"},
 		{func(c *Config) { c.Placement.PrefixIndexBlocks = 0 }, "config: placement.prefix_index_blocks: must be between 1 and 16777216, got 0"},
+		{func(c *Config) { c.Placement.Index = "lmcache" }, `config: placement.index: must be one of auto, exact, approximate, got "lmcache"`},
+		{func(c *Config) { c.Placement.TokenizeTimeoutS = 0 }, "config: placement.tokenize_timeout_s: must be > 0, got 0"},
+		{func(c *Config) { c.Placement.TokenizeTimeoutS = math.Inf(1) }, "config: placement.tokenize_timeout_s: must be a finite number, got +Inf"},
+		{func(c *Config) { c.Placement.TokenizeMinBlocks = 0 }, "config: placement.tokenize_min_blocks: must be between 1 and 4096, got 0"},
 		{func(c *Config) { c.Breaker.LeaseTTLS = 0.2 }, "config: breaker.lease_ttl_s: must be >= 0.5, got 0.2"},
 		{func(c *Config) { c.Router.ID = "" }, `config: router.id: must be non-empty and hold only letters, digits, '-' and '_', got ""`},
 		{func(c *Config) { c.Router.ID = "host.example.com-1" }, `config: router.id: must be non-empty and hold only letters, digits, '-' and '_', got "host.example.com-1"`},

@@ -11,6 +11,14 @@ type Candidate struct {
 	// Matched is the leading blocks of the prompt the index holds for the
 	// engine (Index.Match).
 	Matched int
+	// Exact reports that the engine is weighed by its exact index
+	// (behaviour.md R-PLACE-4): when the Work has the prompt's Tokens,
+	// CachedTokens then stands for Matched in the cost.
+	Exact bool
+	// CachedTokens is, when Exact, the prompt's leading tokens the
+	// engine reports it holds (ExactMatch.CachedTokens: blocks in an
+	// offloading tier weighted less), 0 for none.
+	CachedTokens int64
 	// Outstanding is the attempts in flight on the engine for the phase
 	// being placed, the mesh's. The imbalance guard weighs it.
 	Outstanding int64
@@ -84,6 +92,10 @@ type Work struct {
 	// PromptBytes is the rendered prompt's length in bytes (at least
 	// Blocks × BlockBytes when the prompt was hashed whole).
 	PromptBytes int64
+	// Tokens is the prompt's length in tokens when the engine's
+	// tokenizer said it (POST /tokenize, behaviour.md R-PLACE-4); 0 when
+	// unknown: the length is then PromptBytes at Ratio.
+	Tokens int64
 	// Ratio is the model's bytes per token.
 	Ratio TokenRatio
 	// PerRequest is the work, in tokens, counted for each request an
@@ -96,7 +108,9 @@ type Work struct {
 
 // Cost returns candidate c's expected prefill work for w in tokens
 // (behaviour.md R-PLACE-3): the prompt's uncached part there (its tokens
-// beyond the Matched leading blocks) plus the work it already has — the
+// beyond the Matched leading blocks, or beyond its CachedTokens when c
+// is Exact and w has the prompt's Tokens, R-PLACE-4) plus the work it
+// already has — the
 // mesh's uncached prefill tokens in flight on it, less half of the
 // attempt computing (ahead), one token per decode leg of a role-both
 // engine (a decode sequence adds a token to each of the engine's
@@ -108,7 +122,20 @@ func (c *Candidate) Cost(w *Work) int64 {
 	if w.Blocks < MinScoredBlocks {
 		matched = 0
 	}
-	uncached := w.Ratio.Tokens(w.PromptBytes - matched*BlockBytes)
+	var uncached int64
+	tokens := min(w.Tokens, maxLoad)
+	switch {
+	case tokens > 0 && c.Exact:
+		cached := min(max(c.CachedTokens, 0), tokens)
+		if w.Blocks < MinScoredBlocks {
+			cached = 0
+		}
+		uncached = tokens - cached
+	case tokens > 0:
+		uncached = max(tokens-w.Ratio.Tokens(matched*BlockBytes), 0)
+	default:
+		uncached = w.Ratio.Tokens(w.PromptBytes - matched*BlockBytes)
+	}
 	decode := bound(c.DecodeLegs)
 	extra := max(bound(c.Waiting)+bound(c.Running)-bound(c.Legs), 0)
 	return uncached + c.ahead() + decode + extra*min(max(w.PerRequest, 0), maxPerRequest)

@@ -117,3 +117,9 @@ func (t *table) del(h uint64) {
 	t.keys[i] = 0
 	t.n--
 }
+
+// clear empties the table, keeping its size.
+func (t *table) clear() {
+	clear(t.keys)
+	t.n = 0
+}

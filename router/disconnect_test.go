@@ -49,7 +49,7 @@ func openFDs() int {
 }
 
 // portOf returns the port of a base URL.
-func portOf(t *testing.T, base string) int {
+func portOf(t testing.TB, base string) int {
 	t.Helper()
 	u, err := url.Parse(base)
 	if err != nil {

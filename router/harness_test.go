@@ -100,7 +100,7 @@ func (s *syncBuffer) String() string {
 // stack is a router over simulated engines, all in this process on
 // loopback.
 type stack struct {
-	t      *testing.T
+	t      testing.TB
 	url    string
 	rt     *Router
 	sims   map[string]*sim.Server
@@ -114,28 +114,28 @@ type engineDef struct {
 }
 
 // newStack starts the engines and a router configured by mutate.
-func newStack(t *testing.T, defs []engineDef, mutate func(*config.Config)) *stack {
+func newStack(t testing.TB, defs []engineDef, mutate func(*config.Config)) *stack {
 	t.Helper()
 	return newStackOn(t, defs, mutate, nil)
 }
 
 // newStackOn is newStack with the router's listener wrapped by wrap (nil:
 // the plain loopback listener).
-func newStackOn(t *testing.T, defs []engineDef, mutate func(*config.Config), wrap func(net.Listener) net.Listener) *stack {
+func newStackOn(t testing.TB, defs []engineDef, mutate func(*config.Config), wrap func(net.Listener) net.Listener) *stack {
 	t.Helper()
 	return newStackLogged(t, defs, mutate, wrap, io.Discard)
 }
 
 // newStackLogged is newStackOn with the router's log (text) written to
 // logw.
-func newStackLogged(t *testing.T, defs []engineDef, mutate func(*config.Config), wrap func(net.Listener) net.Listener, logw io.Writer) *stack {
+func newStackLogged(t testing.TB, defs []engineDef, mutate func(*config.Config), wrap func(net.Listener) net.Listener, logw io.Writer) *stack {
 	t.Helper()
 	return newStackWith(t, defs, mutate, wrap, logw, nil)
 }
 
 // newStackWith is newStackLogged with the router's Options changed by
 // options (nil: as newStackLogged makes them).
-func newStackWith(t *testing.T, defs []engineDef, mutate func(*config.Config), wrap func(net.Listener) net.Listener, logw io.Writer, options func(*Options)) *stack {
+func newStackWith(t testing.TB, defs []engineDef, mutate func(*config.Config), wrap func(net.Listener) net.Listener, logw io.Writer, options func(*Options)) *stack {
 	t.Helper()
 	s := &stack{t: t, sims: map[string]*sim.Server{}, events: &events{}}
 	cfg := config.Default()

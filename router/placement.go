@@ -51,6 +51,47 @@ type placeScratch struct {
 	// work is the prompt's side of the cost (R-PLACE-3), set before a
 	// prefix placement.
 	work prefix.Work
+	// tokens are the prompt's token ids for the exact index (R-PLACE-4),
+	// nil when it has none; tokenized says they were looked for (once a
+	// request: a retry reuses them). tokenBuf is the buffer they are
+	// read into (tokens may instead be the tokenizer cache's, never
+	// written). keys are tokens' block keys at keysBS tokens a block.
+	tokens    []uint32
+	tokenBuf  []uint32
+	tokenized bool
+	keys      []uint64
+	keysBS    int
+}
+
+// keysFor returns the prompt's token-block keys at bs tokens a block
+// (computed once per block size and request).
+func (sc *placeScratch) keysFor(bs int) []uint64 {
+	if sc.keysBS != bs {
+		sc.keys = prefix.AppendTokenKeys(sc.keys[:0], sc.tokens, bs, 0)
+		sc.keysBS = bs
+	}
+	return sc.keys
+}
+
+// weighExact sets, for each candidate mesh holds an exact index of, its
+// exact match of the prompt's tokens (R-PLACE-4): Exact, and the tokens
+// it holds (offloaded blocks weighted less). Under placement.index exact
+// a candidate without an exact index is weighed as holding nothing.
+// Nothing is set when the prompt has no tokens.
+func (sc *placeScratch) weighExact(mesh meshView) {
+	if len(sc.tokens) == 0 {
+		return
+	}
+	exactOnly := mesh.IndexMode() == config.IndexExact
+	for i, m := range sc.ms {
+		if bs, ok := mesh.ExactBlockSize(m.ID); ok {
+			if em, ok := mesh.MatchExact(m.ID, sc.keysFor(bs)); ok {
+				sc.cands[i].Exact, sc.cands[i].CachedTokens = true, em.CachedTokens(bs)
+				continue
+			}
+		}
+		sc.cands[i].Exact = exactOnly
+	}
 }
 
 // maxPooledPrompt is the largest rendered-prompt buffer kept for reuse:
@@ -168,12 +209,13 @@ func (p *prefixPolicy) choose(mesh meshView, sc *placeScratch) int {
 		for i, m := range sc.ms {
 			sc.cands[i].Matched = mesh.MatchPrefix(m.ID, sc.hashes)
 		}
+		sc.weighExact(mesh)
 	}
 	i, guarded := prefix.Choose(sc.cands, &sc.work, p.balance)
 	switch {
 	case guarded:
 		p.guarded.Inc()
-	case sc.cands[i].Matched > 0:
+	case sc.cands[i].Exact && sc.cands[i].CachedTokens > 0, !sc.cands[i].Exact && sc.cands[i].Matched > 0:
 		p.matched.Inc()
 	default:
 		p.unmatched.Inc()
@@ -253,26 +295,71 @@ func (c *call) placeProducer(fl *fleet, avoid []*member) (*member, error) {
 	if perRequest <= 0 {
 		perRequest = ratio.Tokens(int64(promptBytes))
 	}
-	sc.work = prefix.Work{Blocks: len(sc.hashes), PromptBytes: int64(promptBytes), Ratio: ratio, PerRequest: perRequest}
+	if c.rt.tokenizer != nil && !sc.tokenized && len(sc.hashes) >= prefix.MinScoredBlocks {
+		sc.tokenized = true
+		c.tokenizePrompt(fl, avoid, sc, ratio, promptBytes)
+	}
+	sc.work = prefix.Work{Blocks: len(sc.hashes), PromptBytes: int64(promptBytes), Ratio: ratio, PerRequest: perRequest, Tokens: int64(len(sc.tokens))}
 	m, err := place(fl, c.req.Model, prefillPhase, avoid, "", pol, c.rt.mesh, sc)
 	if err != nil {
 		return m, err
 	}
-	matched := 0
+	matched, exact, cached := 0, false, int64(0)
 	if sc.chosen >= 0 && sc.ms[sc.chosen] == m {
-		matched = sc.cands[sc.chosen].Matched
+		cand := &sc.cands[sc.chosen]
+		matched = cand.Matched
+		exact, cached = cand.Exact && sc.work.Tokens > 0, min(max(cand.CachedTokens, 0), sc.work.Tokens)
 	} else if len(sc.hashes) >= prefix.MinScoredBlocks {
 		matched = c.rt.mesh.MatchPrefix(m.ID, sc.hashes)
 	}
 	// The attempt's work in flight on the producer until its prefill
-	// slot is released (R-PLACE-3).
+	// slot is released (R-PLACE-3): by the exact match where it has one
+	// (R-PLACE-4).
 	c.prefillTokens = ratio.Tokens(int64(promptBytes - matched*prefix.BlockBytes))
+	if exact {
+		c.prefillTokens = sc.work.Tokens - cached
+	}
 	m.AddTokens(c.prefillTokens)
-	c.prediction = meshview.Prediction{Model: c.req.Model, Hashes: sc.hashes, Matched: matched, PromptBytes: promptBytes, Whole: whole}
+	c.prediction = meshview.Prediction{Model: c.req.Model, Hashes: sc.hashes, Matched: matched, PromptBytes: promptBytes, Whole: whole,
+		Exact: exact, ExactTokens: cached}
 	if len(sc.hashes) > 0 {
 		sc.fresh = c.rt.mesh.RecordPrefix(m.ID, sc.hashes, sc.fresh)
 	}
 	return m, nil
+}
+
+// tokenizePrompt sets sc.tokens to the prompt's token ids for the exact
+// index (R-PLACE-4), when some engine that may take the prefill has an
+// exact index and the prompt is at least placement.tokenize_min_blocks
+// of its blocks (its tokens estimated from promptBytes at ratio): read
+// from the prompt, the tokenizer's cache, or one POST /tokenize to one
+// of those engines, bounded by placement.tokenize_timeout_s. On a
+// timeout or an error it leaves sc.tokens nil: the request is placed as
+// without the exact index.
+func (c *call) tokenizePrompt(fl *fleet, avoid []*member, sc *placeScratch, ratio prefix.TokenRatio, promptBytes int) {
+	sc.tokens, sc.keysBS = nil, 0
+	sc.eligible(fl, c.req.Model, prefillPhase, avoid, "", time.Now().UnixNano())
+	bs := 0
+	for _, m := range sc.ms {
+		if b, ok := c.rt.mesh.ExactBlockSize(m.ID); ok && b > 0 {
+			bs = b
+			break
+		}
+	}
+	if bs == 0 || ratio.Tokens(int64(promptBytes))/int64(bs) < int64(c.rt.cfg.Placement.TokenizeMinBlocks) {
+		return
+	}
+	ms := sc.ms
+	toks, owned, ok := c.rt.tokenizer.tokens(c.ctx, c.req, func(i uint64) *engines.Engine {
+		return &ms[i%uint64(len(ms))].Engine
+	}, sc.tokenBuf)
+	if !ok {
+		return
+	}
+	if owned {
+		sc.tokenBuf = toks[:0]
+	}
+	sc.tokens = toks
 }
 
 // placeScratch returns the call's placement buffers, taken from the pool
@@ -280,7 +367,7 @@ func (c *call) placeProducer(fl *fleet, avoid []*member) (*member, error) {
 func (c *call) placeScratch() *placeScratch {
 	if c.scratch == nil {
 		c.scratch = c.rt.placer.scratch.Get().(*placeScratch)
-		c.scratch.hashed = false
+		c.scratch.hashed, c.scratch.tokenized, c.scratch.tokens = false, false, nil
 	}
 	return c.scratch
 }
@@ -297,6 +384,10 @@ func (c *call) releasePlacement() {
 	if cap(sc.prompt) > maxPooledPrompt {
 		sc.prompt, sc.hashes = nil, nil
 	}
+	if cap(sc.tokenBuf) > maxPooledPrompt/4 {
+		sc.tokenBuf, sc.keys = nil, nil
+	}
+	sc.tokens = nil
 	sc.prompt = sc.prompt[:0]
 	c.rt.placer.scratch.Put(sc)
 }

@@ -96,11 +96,14 @@ type Router struct {
 	retry   retryPolicy
 	limits  schemas.Limits
 	watcher *disconnectWatcher
-	server  *fasthttp.Server
-	front   *frontDoor
-	placer  *placer // the placement policy (placement.go)
-	ready   func() bool
-	tracer  trace.Tracer // nil: tracing off
+	// tokenizer gets prompts' token ids for the exact prefix index
+	// (R-PLACE-4); nil when the router keeps none.
+	tokenizer *tokenizer
+	server    *fasthttp.Server
+	front     *frontDoor
+	placer    *placer // the placement policy (placement.go)
+	ready     func() bool
+	tracer    trace.Tracer // nil: tracing off
 
 	// view is the router's view of the mesh (router/meshview): the fleet,
 	// its verdicts, models and load, the prefix index, and the watches
@@ -209,6 +212,10 @@ func New(opts Options) (*Router, error) {
 		return nil, fmt.Errorf("router: %w", err)
 	}
 	rt.mesh = rt.view
+	if rt.view.IndexMode() != config.IndexApproximate {
+		rt.tokenizer = newTokenizer(rt.client.HTTPClient(), cfg.Placement.TokenizeTimeout(), cfg.Request.Timeout())
+		reg.MustRegister(rt.tokenizer.collectors()...)
+	}
 	if opts.TracerProvider != nil {
 		rt.tracer = opts.TracerProvider.Tracer(TracerName)
 	}

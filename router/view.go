@@ -43,6 +43,15 @@ type meshView interface {
 	// CorrectPrefix applies a producer's prefill usage to the index and
 	// the learned figures (R-PLACE-3).
 	CorrectPrefix(m *member, p *meshview.Prediction, u meshview.PrefillUsage)
+	// IndexMode returns placement.index as the view keeps it
+	// (config.IndexApproximate when it keeps no exact index, R-PLACE-4).
+	IndexMode() string
+	// ExactBlockSize returns engineID's tokens per KV block and whether
+	// its exact index is exact.
+	ExactBlockSize(engineID string) (int, bool)
+	// MatchExact returns the leading blocks of keys engineID reports it
+	// holds, and whether its exact index is exact.
+	MatchExact(engineID string, keys []uint64) (prefix.ExactMatch, bool)
 	// RefuseCredentials keeps m out of placement until its /v1/models
 	// accepts the router's credentials again.
 	RefuseCredentials(m *member, status int, what string)

@@ -116,17 +116,25 @@ type PrefillUsage struct {
 // the prompt's block hashes, the leading blocks the index held for the
 // producer when it was chosen (Matched), the rendered prompt's length and
 // whether it was rendered whole (not cut at prefix.MaxBlocks blocks).
+//
+// Exact says the producer was weighed by its exact index (behaviour.md
+// R-PLACE-4), ExactTokens the prompt's tokens it reported it held then.
 type Prediction struct {
 	Model       string
 	Hashes      []uint64
 	Matched     int
 	PromptBytes int
 	Whole       bool
+	Exact       bool
+	ExactTokens int64
 }
 
-// Predicted returns the tokens the index predicted the engine holds of
-// the prompt: Matched blocks at ratio r.
+// Predicted returns the tokens the placement predicted the engine holds
+// of the prompt: ExactTokens when Exact, else Matched blocks at ratio r.
 func (p *Prediction) Predicted(r prefix.TokenRatio) int64 {
+	if p.Exact {
+		return p.ExactTokens
+	}
 	return r.Tokens(int64(p.Matched) * prefix.BlockBytes)
 }
 

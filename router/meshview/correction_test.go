@@ -64,7 +64,12 @@ func TestCorrectPrefixCutsAndLearnsRPLACE3(t *testing.T) {
 // blocks of rendered prompt at the learned ratio; the configured bound
 // stays the ceiling.
 func TestIndexSizedFromTheEngineRPLACE3(t *testing.T) {
-	s := newStack(t, prefixFleet(), func(c *config.Config) { c.Placement.PrefixIndexBlocks = 4096 })
+	// The engines' /metrics are not read: the simulator's own cache would
+	// size the index too, at the same time.
+	s := newStack(t, prefixFleet(), func(c *config.Config) {
+		c.Placement.PrefixIndexBlocks = 4096
+		c.Placement.EngineMetricsIntervalS = 0
+	})
 	s.waitModels()
 	p1 := s.v.Fleet().Member("p1")
 	s.v.sizeIndex(p1, 1000*16) // 16,000 tokens at 4 bytes a token: 1,000 blocks of 64 bytes

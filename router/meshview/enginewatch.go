@@ -44,6 +44,20 @@ type engineWatch struct {
 	drops *prometheus.CounterVec
 	mu    sync.Mutex
 	life  map[string]*engineLife // by engine id; fleet members only
+	// exactDrops is narwhal_prefix_exact_drops_total{reason}, nil
+	// without an exact index; exactSeen is what checkExact last saw of
+	// each engine the exact index has an entry for (the watch's
+	// goroutine only).
+	exactDrops *prometheus.CounterVec
+	exactSeen  map[string]exactSeen
+}
+
+// exactSeen is an engine as checkExact last saw it: its member (a new
+// one is a new engine behind the id: its URL or spec changed), whether it
+// was eligible and active.
+type exactSeen struct {
+	m                *Member
+	eligible, active bool
 }
 
 func newEngineWatch(v *View) *engineWatch {
@@ -55,7 +69,78 @@ func newEngineWatch(v *View) *engineWatch {
 	for _, r := range []string{indexDropRemoved, indexDropEjected, indexDropInactive, indexDropRestarted} {
 		w.drops.WithLabelValues(r)
 	}
+	if v.exact != nil {
+		w.exactSeen = map[string]exactSeen{}
+		w.exactDrops = promreg.Register(v.reg, prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "narwhal_prefix_exact_drops_total",
+			Help: "Engines whose exact prefix index was dropped (placed by the approximate index until it is exact again: a KVCleared of each rank, or an agent run read from its first batch), by reason: removed (left the fleet), ejected, inactive (draining, drained), restarted (a new URL or spec in the fleet, its start time changed or its prompt-token counter went back).",
+		}, []string{"reason"}))
+		for _, r := range []string{indexDropRemoved, indexDropEjected, indexDropInactive, indexDropRestarted} {
+			w.exactDrops.WithLabelValues(r)
+		}
+	}
 	return w
+}
+
+// dropExact drops the exact index of engine id, for reason, when it held
+// something or was exact.
+func (w *engineWatch) dropExact(id, reason string) {
+	if w.v.exact == nil || !w.v.exact.Drop(id) {
+		return
+	}
+	w.exactDrops.WithLabelValues(reason).Inc()
+	w.v.log.Info("exact prefix index dropped", "engine_id", id, "reason", reason)
+}
+
+// checkExact drops the exact index of every engine that was ejected,
+// stopped being active (draining, drained) or restarted (another member
+// behind its id) since the last check, and forgets the engines that left
+// the fleet (behaviour.md R-PLACE-4). An engine dropped is placed by the
+// approximate index until its exact index is exact again.
+func (w *engineWatch) checkExact() {
+	if w.v.exact == nil {
+		return
+	}
+	fl := w.v.Fleet()
+	var gone []string
+	w.v.exact.Engines(func(id string, _ *prefix.ExactEngine) {
+		if m := fl.byID[id]; m == nil || !m.Can(Prefill) {
+			gone = append(gone, id)
+		}
+	})
+	for _, id := range gone {
+		if w.v.exact.Drop(id) {
+			w.exactDrops.WithLabelValues(indexDropRemoved).Inc()
+		}
+		w.v.exact.Forget(id)
+		delete(w.exactSeen, id)
+	}
+	for id := range w.exactSeen {
+		if w.v.exact.Lookup(id) == nil {
+			delete(w.exactSeen, id)
+		}
+	}
+	for _, m := range fl.members {
+		if !m.Can(Prefill) || w.v.exact.Lookup(m.ID) == nil {
+			continue
+		}
+		now := exactSeen{m: m, eligible: m.eligible.Load(), active: m.active.Load()}
+		prev, seen := w.exactSeen[m.ID]
+		if !seen {
+			// First seen since its entry was made: placeable then (an
+			// entry is made by a batch, which any state takes).
+			prev = exactSeen{m: m, eligible: true, active: true}
+		}
+		w.exactSeen[m.ID] = now
+		switch {
+		case prev.m != m:
+			w.dropExact(m.ID, indexDropRestarted)
+		case prev.eligible && !now.eligible:
+			w.dropExact(m.ID, indexDropEjected)
+		case prev.active && !now.active:
+			w.dropExact(m.ID, indexDropInactive)
+		}
+	}
 }
 
 // drop forgets what the index holds for engine id, for reason.
@@ -142,6 +227,7 @@ func (w *engineWatch) pollOne(m *Member, life *engineLife, wait time.Duration) {
 	m.SetRunning(l.Running)
 	if l.KVBlocks > 0 {
 		w.v.sizeIndex(m, l.KVBlocks*l.KVBlockTokens)
+		w.v.sizeExact(m, l.KVBlocks)
 	}
 	restarted := false
 	if l.HasStartTime {
@@ -157,6 +243,29 @@ func (w *engineWatch) pollOne(m *Member, life *engineLife, wait time.Duration) {
 	// counted and logged at every read.
 	if restarted && w.v.index.Blocks(m.ID) > 0 {
 		w.drop(m.ID, indexDropRestarted)
+	}
+	if restarted {
+		w.dropExact(m.ID, indexDropRestarted)
+	}
+}
+
+// exactPerGPUBlock is how many exact-index blocks an engine may hold per
+// block of its GPU KV cache: room for a second data-parallel rank's, or
+// an offloading tier as large as the GPU's (past it, stored blocks are
+// not kept: the index holds less than the engine, never more).
+const exactPerGPUBlock = 2
+
+// sizeExact bounds the exact index of m to exactPerGPUBlock × its GPU KV
+// cache of kvBlocks blocks (vLLM's num_gpu_blocks, behaviour.md
+// R-PLACE-4).
+func (v *View) sizeExact(m *Member, kvBlocks int64) {
+	if v.exact == nil {
+		return
+	}
+	blocks := int(min(min(kvBlocks, 1<<40)*exactPerGPUBlock, prefix.MaxExactBlocksPerEngine))
+	if v.exact.EngineCapacity(m.ID) != blocks {
+		v.exact.SetCapacity(m.ID, blocks)
+		v.log.Info("exact prefix index sized from the engine's KV cache", "engine_id", m.ID, "gpu_blocks", kvBlocks, "blocks", blocks)
 	}
 }
 
@@ -199,6 +308,7 @@ func (w *engineWatch) run(interval time.Duration) {
 			return
 		case <-check.C:
 			w.checkIndex()
+			w.checkExact()
 		case <-pollC:
 			w.poll(min(interval, maxEngineMetricsWait))
 		}

@@ -54,9 +54,9 @@ var placementIgnoredReasons = []string{ignoredInvalid, ignoredNotLeader, ignored
 
 // newMetrics registers the view's series on reg, each labelled counter
 // with its zero series (R-BUS-1: alerts see them before anything
-// happened); f is the fleet as of now and index the prefix index, read
-// at scrape time.
-func newMetrics(reg prometheus.Registerer, f func() *Fleet, index *prefix.Index) *metrics {
+// happened); f is the fleet as of now, index the prefix index and exact
+// the exact index (nil when none), read at scrape time.
+func newMetrics(reg prometheus.Registerer, f func() *Fleet, index *prefix.Index, exact *prefix.ExactIndex) *metrics {
 	m := &metrics{
 		placementIgnored: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "narwhal_placement_ignored_total",
@@ -104,7 +104,7 @@ func newMetrics(reg prometheus.Registerer, f func() *Fleet, index *prefix.Index)
 		m.quarantineIgnored.WithLabelValues(r)
 	}
 	reg.MustRegister(m.predictedTokens, m.cachedTokens, m.predictionError, m.uncorrected, m.cuts)
-	reg.MustRegister(m.refusedCredentials, m.placementIgnored, m.fleetIgnored, m.quarantineIgnored, &indexCollector{index: index, f: f})
+	reg.MustRegister(m.refusedCredentials, m.placementIgnored, m.fleetIgnored, m.quarantineIgnored, &indexCollector{index: index, exact: exact, f: f})
 	return m
 }
 
@@ -158,31 +158,66 @@ func (m *metrics) forgetEngine(id string) {
 	m.cachedTokens.DeleteLabelValues(id)
 }
 
-// indexCollector exports narwhal_prefix_index_blocks{engine}: the block
-// hashes the prefix index holds per engine (each bounded by
-// placement.prefix_index_blocks), for every fleet member and every
-// other engine the index still holds blocks for.
+// indexCollector exports narwhal_prefix_index_blocks{engine,index}: the
+// blocks each index holds per engine — index="approximate", the block
+// hashes of the prefix index (each bounded by
+// placement.prefix_index_blocks), and index="exact", the KV blocks the
+// exact index holds (R-PLACE-4; bounded by the engine's KV cache, else
+// placement.prefix_index_blocks) — for every fleet member and every other
+// engine an index still holds blocks for; with the exact index also
+// narwhal_prefix_exact_engines (engines whose exact index is exact) and
+// narwhal_prefix_exact_blocks_refused (blocks an engine stored while its
+// exact index was full, not kept).
 type indexCollector struct {
 	index *prefix.Index
+	exact *prefix.ExactIndex
 	f     func() *Fleet
 }
 
-var indexBlocksDesc = prometheus.NewDesc("narwhal_prefix_index_blocks",
-	"Block hashes the prefix placement index holds per engine (bounded by placement.prefix_index_blocks).", []string{"engine"}, nil)
+var (
+	indexBlocksDesc = prometheus.NewDesc("narwhal_prefix_index_blocks",
+		"Blocks a prefix index holds per engine: index=approximate the block hashes of the placement index (bounded by placement.prefix_index_blocks), index=exact the KV blocks the engine reported it holds (bounded by its KV cache size, else placement.prefix_index_blocks).", []string{"engine", "index"}, nil)
+	exactEnginesDesc = prometheus.NewDesc("narwhal_prefix_exact_engines",
+		"Engines whose exact prefix index is exact (their KV events read without a gap since an agent run's first batch or a KVCleared): placed by it under placement.index auto.", nil, nil)
+	exactRefusedDesc = prometheus.NewDesc("narwhal_prefix_exact_blocks_refused",
+		"KV blocks engines reported stored while their exact index held its bound, not kept (the index then holds less than the engine), since the router started.", nil, nil)
+)
 
-func (c *indexCollector) Describe(ch chan<- *prometheus.Desc) { ch <- indexBlocksDesc }
+func (c *indexCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- indexBlocksDesc
+	if c.exact != nil {
+		ch <- exactEnginesDesc
+		ch <- exactRefusedDesc
+	}
+}
 
 func (c *indexCollector) Collect(ch chan<- prometheus.Metric) {
-	seen := map[string]bool{}
+	fl := c.f()
+	approx := map[string]bool{}
 	c.index.Engines(func(id string, n int) {
-		seen[id] = true
-		ch <- prometheus.MustNewConstMetric(indexBlocksDesc, prometheus.GaugeValue, float64(n), id)
+		approx[id] = true
+		ch <- prometheus.MustNewConstMetric(indexBlocksDesc, prometheus.GaugeValue, float64(n), id, "approximate")
 	})
-	if fl := c.f(); fl != nil {
-		for _, m := range fl.members {
-			if !seen[m.ID] {
-				ch <- prometheus.MustNewConstMetric(indexBlocksDesc, prometheus.GaugeValue, 0, m.ID)
-			}
+	exact := map[string]bool{}
+	if c.exact != nil {
+		var refused int64
+		c.exact.Engines(func(id string, e *prefix.ExactEngine) {
+			exact[id] = true
+			refused += e.Refused()
+			ch <- prometheus.MustNewConstMetric(indexBlocksDesc, prometheus.GaugeValue, float64(e.Blocks()), id, "exact")
+		})
+		ch <- prometheus.MustNewConstMetric(exactEnginesDesc, prometheus.GaugeValue, float64(c.exact.ExactCount()))
+		ch <- prometheus.MustNewConstMetric(exactRefusedDesc, prometheus.GaugeValue, float64(refused))
+	}
+	if fl == nil {
+		return
+	}
+	for _, m := range fl.members {
+		if !approx[m.ID] {
+			ch <- prometheus.MustNewConstMetric(indexBlocksDesc, prometheus.GaugeValue, 0, m.ID, "approximate")
+		}
+		if c.exact != nil && !exact[m.ID] && m.Can(Prefill) {
+			ch <- prometheus.MustNewConstMetric(indexBlocksDesc, prometheus.GaugeValue, 0, m.ID, "exact")
 		}
 	}
 }

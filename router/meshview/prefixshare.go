@@ -79,6 +79,12 @@ type indexShare struct {
 	v       *View
 	index   *prefix.Index
 	subject string // this router's
+	// share is placement.share_index: this router's placements are
+	// published and the other routers' applied. kv, when set, applies
+	// the engines' KV batches to the exact index (R-PLACE-4); the
+	// warm-ups read both from the stream.
+	share bool
+	kv    *kvShare
 
 	mu    sync.Mutex
 	cur   *bus.PrefixBatch // being filled by placements
@@ -103,7 +109,7 @@ type indexShare struct {
 // narwhal_prefix_warmup_batches_total{outcome}.
 func newIndexShare(v *View) *indexShare {
 	s := &indexShare{
-		v: v, index: v.PrefixIndex(), subject: bus.PrefixSubject(v.id),
+		v: v, index: v.PrefixIndex(), subject: bus.PrefixSubject(v.id), share: v.cfg.Placement.ShareIndex,
 		cur: new(bus.PrefixBatch), spare: new(bus.PrefixBatch), kick: make(chan struct{}, 1),
 		published: promreg.Register(v.reg, prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "narwhal_prefix_batches_published_total",
@@ -299,30 +305,68 @@ type warmRead struct {
 }
 
 // prefixWarmConsumer makes the consumer, of this router's own name
-// (R-BUS-11), that reads stream NARWHAL_PREFIX back from since.
-func prefixWarmConsumer(ctx context.Context, b *bus.Bus, since time.Time) (jetstream.Consumer, error) {
-	return bus.OwnConsumer(ctx, b.JetStream(), bus.PrefixStream, jetstream.ConsumerConfig{
+// (R-BUS-11), that reads the subjects filters of stream NARWHAL_PREFIX
+// back from since. Its one name serves every read, one at a time: the
+// warm-ups of the placements and the KV batches, and the fills of gaps
+// in an engine's KV batches.
+func prefixWarmConsumer(ctx context.Context, b *bus.Bus, since time.Time, filters []string) (jetstream.Consumer, error) {
+	cfg := jetstream.ConsumerConfig{
 		Name:              b.ConsumerName(bus.PurposePrefix), // its own name (R-BUS-11)
-		FilterSubject:     bus.PrefixSubjectPrefix + "*",
 		DeliverPolicy:     jetstream.DeliverByStartTimePolicy,
 		OptStartTime:      &since,
 		AckPolicy:         jetstream.AckNonePolicy,
 		MemoryStorage:     true,
 		Replicas:          1,
 		InactiveThreshold: 5 * time.Second,
-	})
+	}
+	if len(filters) == 1 {
+		cfg.FilterSubject = filters[0]
+	} else {
+		cfg.FilterSubjects = filters
+	}
+	return bus.OwnConsumer(ctx, b.JetStream(), bus.PrefixStream, cfg)
+}
+
+// warmFilters returns the subjects a warm-up reads: the other routers'
+// placements when the index is shared, the engines' KV batches when the
+// exact index is kept.
+func (s *indexShare) warmFilters() []string {
+	var f []string
+	if s.share {
+		f = append(f, bus.PrefixSubjectPrefix+"*")
+	}
+	if s.kv != nil {
+		f = append(f, bus.KVSubjectPrefix+"*")
+	}
+	return f
 }
 
 // readBack applies the stream's batches from since up to sequence last
-// (applying this router id's batches too when own is set). The server
-// streams them in pulls of up to shareWarmPull batches, the next one
-// asked for while the last is applied, so a read makes one consumer and
-// costs a round trip per few hundred batches, and holds a bounded
-// buffer. It returns what it read and, when it stopped
-// before last (ctx done, the bus gone), why.
+// (applying this router id's batches too when own is set): the other
+// routers' placements, and the engines' KV batches when the exact index
+// is kept. It returns what it read and, when it stopped before last (ctx
+// done, the bus gone), why.
 func (s *indexShare) readBack(ctx context.Context, b *bus.Bus, since time.Time, last uint64, own bool) (warmRead, error) {
+	var hashes []uint64 // apply's buffer
+	return readStream(ctx, b, since, last, s.warmFilters(), func(msg jetstream.Msg, at time.Time) {
+		if s.kv != nil && strings.HasPrefix(msg.Subject(), bus.KVSubjectPrefix) {
+			s.kv.apply(msg.Subject(), msg.Data(), at, false)
+			return
+		}
+		hashes = s.apply(msg.Subject(), msg.Data(), own, hashes)
+	})
+}
+
+// readStream calls fn with each message of stream NARWHAL_PREFIX on the
+// subjects filters from since up to sequence last, in order, with its
+// time in the stream. The server streams them in pulls of up to
+// shareWarmPull, the next one asked for while the last is dealt with, so
+// a read makes one consumer (prefixWarmConsumer) and costs a round trip
+// per few hundred messages, and holds a bounded buffer. It returns what
+// it read and, when it stopped before last (ctx done, the bus gone), why.
+func readStream(ctx context.Context, b *bus.Bus, since time.Time, last uint64, filters []string, fn func(msg jetstream.Msg, at time.Time)) (warmRead, error) {
 	var r warmRead
-	cons, err := prefixWarmConsumer(ctx, b, since)
+	cons, err := prefixWarmConsumer(ctx, b, since, filters)
 	if err != nil {
 		return r, err
 	}
@@ -332,9 +376,8 @@ func (s *indexShare) readBack(ctx context.Context, b *bus.Bus, since time.Time, 
 	}
 	defer it.Stop()
 	r.started = true
-	var hashes []uint64 // apply's buffer
-	// The consumer starts at the first batch from since: it has delivered
-	// up to the one before, and says how many wait after it.
+	// The consumer starts at the first message from since: it has
+	// delivered up to the one before, and says how many wait after it.
 	if info := cons.CachedInfo(); info != nil {
 		r.upTo = info.Delivered.Stream
 		if info.NumPending == 0 {
@@ -349,32 +392,45 @@ func (s *indexShare) readBack(ctx context.Context, b *bus.Bus, since time.Time, 
 		if err != nil {
 			return r, err
 		}
-		hashes = s.apply(msg.Subject(), msg.Data(), own, hashes)
-		r.batches++
 		md, err := msg.Metadata()
 		if err != nil {
 			return r, err
 		}
+		fn(msg, md.Timestamp)
+		r.batches++
 		r.upTo = md.Sequence.Stream
 		if md.NumPending == 0 {
 			// Nothing the consumer can read follows: what is left up to
-			// last is not a batch subject (narwhal.prefix.a.b).
+			// last is not one of its subjects (narwhal.prefix.a.b).
 			return r, nil
 		}
 	}
 	return r, nil
 }
 
-// run subscribes to the other routers' placements, warms the index from
-// the stream, publishes this router's placements, and warms the index
-// again after each reconnection (from a little before the connection was
-// lost), until the router shuts down.
-func (s *indexShare) run(b *bus.Bus, sub *nats.Subscription) {
-	defer func() { _ = sub.Unsubscribe() }()
+// run warms the index from the stream, publishes this router's
+// placements (when shared), applies the engines' live KV batches (when
+// the exact index is kept) and warms the index again after each
+// reconnection (from a little before the connection was lost), until the
+// router shuts down. subs are its subscriptions, ended with it.
+func (s *indexShare) run(b *bus.Bus, subs ...*nats.Subscription) {
+	defer func() {
+		for _, sub := range subs {
+			_ = sub.Unsubscribe()
+		}
+	}()
 	nc := b.Conn()
 	status := nc.StatusChanged(nats.DISCONNECTED, nats.CONNECTED)
 	defer nc.RemoveStatusListener(status)
-	s.v.goFn(func() { s.flushLoop(nc) })
+	if s.share {
+		s.v.goFn(func() { s.flushLoop(nc) })
+	}
+	var live chan *nats.Msg // nil: no KV batches
+	if s.kv != nil {
+		live = s.kv.live
+	}
+	forget := time.NewTicker(10 * time.Second)
+	defer forget.Stop()
 	// The first read-back also takes this router id's own batches: they
 	// are a previous process's. Later ones (after a reconnection) skip
 	// them, as this process recorded them when it made them.
@@ -384,6 +440,12 @@ func (s *indexShare) run(b *bus.Bus, sub *nats.Subscription) {
 		select {
 		case <-s.v.base.Done():
 			return
+		case msg := <-live:
+			s.kv.receive(b, msg)
+		case <-forget.C:
+			if s.kv != nil {
+				s.kv.forget()
+			}
 		case st := <-status:
 			switch st {
 			case nats.DISCONNECTED:
@@ -402,27 +464,52 @@ func (s *indexShare) run(b *bus.Bus, sub *nats.Subscription) {
 	}
 }
 
-// shareIndex makes the router's prefix index the mesh's (behaviour.md R-PLACE-2)
-// when placement.share_index is on: its placements are published on b
-// and the other routers' applied. A router id longer than a batch can
-// name (255 bytes) turns sharing off, with a warning.
+// shareIndex makes the router's prefix index the mesh's (behaviour.md
+// R-PLACE-2) when placement.share_index is on: its placements are
+// published on b and the other routers' applied; and, when the view
+// keeps the exact index (placement.index auto or exact, R-PLACE-4), it
+// applies the engines' KV batches to it. Both are warmed from stream
+// NARWHAL_PREFIX. A router id longer than a batch can name (255 bytes)
+// turns sharing off, with a warning.
 func (v *View) shareIndex(b *bus.Bus) error {
-	if !v.cfg.Placement.ShareIndex {
-		return nil
-	}
-	if len(v.id) > bus.PrefixMaxID {
+	share := v.cfg.Placement.ShareIndex
+	if share && len(v.id) > bus.PrefixMaxID {
 		v.log.Warn("prefix index not shared: the router id is longer than 255 bytes")
+		share = false
+	}
+	if !share && v.exact == nil {
 		return nil
 	}
 	s := newIndexShare(v)
-	sub, err := b.Conn().Subscribe(bus.PrefixSubjectPrefix+"*", s.receive)
-	if err != nil {
-		return err
+	s.share = share
+	var subs []*nats.Subscription
+	unsubscribe := func() {
+		for _, sub := range subs {
+			_ = sub.Unsubscribe()
+		}
 	}
-	if !v.goFn(func() { s.run(b, sub) }) {
-		_ = sub.Unsubscribe()
+	if share {
+		sub, err := b.Conn().Subscribe(bus.PrefixSubjectPrefix+"*", s.receive)
+		if err != nil {
+			return err
+		}
+		subs = append(subs, sub)
+	}
+	if v.exact != nil {
+		s.kv = newKVShare(v)
+		sub, err := s.kv.subscribe(b.Conn())
+		if err != nil {
+			unsubscribe()
+			return err
+		}
+		subs = append(subs, sub)
+	}
+	if !v.goFn(func() { s.run(b, subs...) }) {
+		unsubscribe()
 		return errShuttingDown
 	}
-	v.OnPlaced(s.placed)
+	if share {
+		v.OnPlaced(s.placed)
+	}
 	return nil
 }

@@ -96,8 +96,12 @@ type View struct {
 	listed     func(string)
 	metrics    *metrics
 
-	live   atomic.Pointer[Fleet] // the fleet as of now; replaced whole on a change (membership.go)
-	index  *prefix.Index
+	live  atomic.Pointer[Fleet] // the fleet as of now; replaced whole on a change (membership.go)
+	index *prefix.Index
+	// exact is the exact index of the blocks the engines report they
+	// hold (R-PLACE-4), nil under placement.index approximate or a
+	// policy that keeps no index.
+	exact  *prefix.ExactIndex
 	placed atomic.Pointer[PlacedFunc]
 	tokens tokenTable // per model: bytes per token, mean uncached prefill (correction.go)
 
@@ -144,6 +148,9 @@ func New(opts Options) (*View, error) {
 		knownEligible:      map[string]bool{},
 		fleetIgnoredLogged: map[string]bool{},
 	}
+	if v.keepsIndex && cfg.Placement.Index != config.IndexApproximate {
+		v.exact = prefix.NewExactIndex(cfg.Placement.PrefixIndexBlocks)
+	}
 	if v.log == nil {
 		v.log = slog.Default()
 	}
@@ -169,7 +176,7 @@ func New(opts Options) (*View, error) {
 		members[i] = m
 	}
 	v.live.Store(NewFleet(members...))
-	v.metrics = newMetrics(v.reg, v.Fleet, v.index)
+	v.metrics = newMetrics(v.reg, v.Fleet, v.index, v.exact)
 	for _, m := range members {
 		v.metrics.initEngine(m)
 	}
@@ -210,6 +217,46 @@ func (v *View) PrefixIndex() *prefix.Index { return v.index }
 // holds for engine engineID (prefix.Index.Match, R-PLACE-2).
 func (v *View) MatchPrefix(engineID string, hashes []uint64) int {
 	return v.index.Match(engineID, hashes)
+}
+
+// ExactIndex returns the router's exact index (behaviour.md R-PLACE-4),
+// nil when the router keeps none (placement.index approximate, or a
+// policy that keeps no index).
+func (v *View) ExactIndex() *prefix.ExactIndex { return v.exact }
+
+// IndexMode returns placement.index (config.IndexAuto, IndexExact or
+// IndexApproximate; approximate when the router keeps no exact index).
+func (v *View) IndexMode() string {
+	if v.exact == nil {
+		return config.IndexApproximate
+	}
+	return v.cfg.Placement.Index
+}
+
+// MatchExact returns the leading blocks of keys, a prompt's chain of
+// token-block keys at the engine's block size (ExactBlockSize), that
+// engine engineID reports it holds, and whether its exact index is exact
+// (R-PLACE-4); false when the router keeps no exact index. It does not
+// allocate.
+func (v *View) MatchExact(engineID string, keys []uint64) (prefix.ExactMatch, bool) {
+	if v.exact == nil {
+		return prefix.ExactMatch{}, false
+	}
+	return v.exact.Match(engineID, keys)
+}
+
+// ExactBlockSize returns engine engineID's tokens per KV block as its KV
+// batches say, and whether its exact index is exact (0, false when it
+// is not, or the router keeps none).
+func (v *View) ExactBlockSize(engineID string) (int, bool) {
+	if v.exact == nil {
+		return 0, false
+	}
+	e := v.exact.Lookup(engineID)
+	if e == nil || !e.Exact() {
+		return 0, false
+	}
+	return e.BlockSize(), true
 }
 
 // RecordPrefix records that the prompt of hashes was placed on engine
