@@ -703,13 +703,16 @@ func retryable(nc *nats.Conn, err error) bool {
 }
 
 // Temporary reports whether err, from a request to NATS or JetStream, may
-// go away by waiting: a deadline or timeout, no responders, JetStream not
-// enabled (yet), or a connection that is down or reconnecting. Whether the
+// go away by waiting: a deadline or timeout, no responders (no stream
+// answering a publish among them), JetStream not enabled (yet), or a connection that is down or reconnecting. Whether the
 // connection itself is up is the caller's to add.
 func Temporary(err error) bool {
 	return errors.Is(err, context.DeadlineExceeded) ||
 		errors.Is(err, nats.ErrTimeout) ||
 		errors.Is(err, nats.ErrNoResponders) ||
+		// A JetStream publish no stream answered: nobody leads the
+		// stream yet (a cluster electing one, or without a quorum).
+		errors.Is(err, jetstream.ErrNoStreamResponse) ||
 		errors.Is(err, jetstream.ErrJetStreamNotEnabled) ||
 		errors.Is(err, nats.ErrConnectionReconnecting) ||
 		errors.Is(err, nats.ErrDisconnected)
