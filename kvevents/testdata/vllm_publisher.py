@@ -31,9 +31,12 @@ REMOVED_OPTIONAL = ["group_idx"]
 
 
 def value(v):
-    """JSON to what msgpack should send: {"b": hex} is bytes, lists are arrays."""
+    """JSON to what msgpack should send: {"b": hex} is bytes, {"repeat": v,
+    "n": n} is n times v, lists are arrays."""
     if isinstance(v, dict) and set(v) == {"b"}:
         return bytes.fromhex(v["b"])
+    if isinstance(v, dict) and set(v) == {"repeat", "n"}:
+        return [value(v["repeat"])] * v["n"]
     if isinstance(v, list):
         return [value(x) for x in v]
     return v
@@ -169,7 +172,8 @@ def main():
             payload = encode_batch(cmd["events"], cmd.get("format", "array"), cmd.get("batch", "array"), cmd.get("rank", 0))
             out["seq"] = p.send(payload, cmd.get("skip", False))
         elif op == "send_payload":
-            out["seq"] = p.send(bytes.fromhex(cmd["hex"]), cmd.get("skip", False))
+            payload = bytes.fromhex(cmd["hex"]) * cmd.get("times", 1)
+            out["seq"] = p.send(payload, cmd.get("skip", False))
         elif op == "raw":
             p.pub.send_multipart([bytes.fromhex(f) for f in cmd["frames"]])
         elif op == "forget":
