@@ -75,6 +75,20 @@ def encode_batch(events, fmt, batch, rank):
     return msgpack.packb([time.time(), evs, rank], use_bin_type=True)
 
 
+def bind_again(sock, endpoint):
+    """Binds, trying again for a while: libzmq frees a closed socket's port
+    on its I/O thread, a moment after close returns."""
+    deadline = time.time() + 5
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EADDRINUSE or time.time() > deadline:
+                raise
+            time.sleep(0.01)
+
+
 class Publisher:
     def __init__(self):
         self.ctx = zmq.Context.instance()
@@ -93,14 +107,14 @@ class Publisher:
         self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.pub.setsockopt(zmq.LINGER, 0)
         if bind:
-            self.pub.bind(endpoint)
+            bind_again(self.pub, endpoint)
             self.endpoint = self.pub.getsockopt(zmq.LAST_ENDPOINT).decode()
         else:
             self.pub.connect(endpoint)
         if replay:
             self.replay = self.ctx.socket(zmq.ROUTER)
             self.replay.setsockopt(zmq.LINGER, 0)
-            self.replay.bind(replay)
+            bind_again(self.replay, replay)
             self.replay_ep = self.replay.getsockopt(zmq.LAST_ENDPOINT).decode()
         return {"endpoint": self.endpoint, "replay": self.replay_ep}
 
