@@ -34,12 +34,12 @@ func TestAgentSurvivesHostilePublisherRPLACE4(t *testing.T) {
 	py.do(map[string]any{"op": "raw", "frames": []string{"", "0000000000000000"}})
 	py.do(map[string]any{"op": "raw", "frames": []string{"", "01020304050607", "90"}})
 	for _, payload := range []string{
-		"ffff",             // not msgpack
-		"a568656c6c6f",     // "hello"
-		"ddffffffff",       // an array of 2^32-1 members, none there
+		"ffff",                             // not msgpack
+		"a568656c6c6f",                     // "hello"
+		"ddffffffff",                       // an array of 2^32-1 members, none there
 		"93cb0000000000000000ddffffffff00", // [ts, <2^32-1 events>, 0]
 		"93cb0000000000000000" + "9192a158" + strings.Repeat("91", 100000) + "00" + "00", // [ts, [["X", <nested 100000 deep>]], 0]
-		"93cb00000000000000009191ab426c6f636b53746f72656405", // [ts, [["BlockStored"]], 5]: rank 5 on rank 0's endpoint
+		"93cb00000000000000009191ab426c6f636b53746f72656405",                             // [ts, [["BlockStored"]], 5]: rank 5 on rank 0's endpoint
 	} {
 		py.do(map[string]any{"op": "send_payload", "hex": payload})
 	}
