@@ -37,9 +37,10 @@ import (
 // Defaults of Config (docs/connectors.md, "The agent's flags").
 const (
 	// DefaultMaxBlocks bounds the engine blocks the agent knows per rank:
-	// 262144 blocks (4 Mi tokens at vLLM's default 16 per block), about
-	// 10 MiB of map per rank (TestBlockMapMemory measures it).
-	DefaultMaxBlocks = 1 << 18
+	// 200000 blocks (3.2 M tokens at vLLM's default 16 per block), 6.7 MiB
+	// of map per rank as TestBlockMapMemory measures it (Go's maps grow
+	// by doubling: 2^18 blocks would take 13.3 MiB).
+	DefaultMaxBlocks = 200_000
 	// DefaultFlush is how long the first op of a batch waits for more
 	// before the batch goes to the bus.
 	DefaultFlush = 5 * time.Millisecond
