@@ -31,6 +31,7 @@ import (
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/engines/sim/simtest"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
+	"github.com/narwhalmesh/narwhal/kvevents"
 	"github.com/narwhalmesh/narwhal/router"
 )
 
@@ -413,7 +414,8 @@ var (
 	grouping = regexp.MustCompile(`\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)`)
 )
 
-// liveMetrics starts a router and a leading breaker and returns the
+// liveMetrics starts a router, a leading breaker and an agent's KV event
+// bridge and returns the
 // metric names their /metrics pages serve; a histogram also as
 // "<name>#histogram"; each also as "<name>#type=<counter, gauge,
 // histogram…>" and, for each label its series have, "<name>{<label>}".
@@ -484,6 +486,15 @@ func liveMetrics(t *testing.T) map[string]bool {
 	bsrv := httptest.NewServer(promhttp.HandlerFor(breg, promhttp.HandlerOpts{}))
 	t.Cleanup(bsrv.Close)
 
+	// An agent carrying an engine's KV events: its series exist from the
+	// start for each configured rank.
+	areg := prometheus.NewRegistry()
+	if _, err := kvevents.New(kvevents.Config{EngineID: "p1", Sources: []kvevents.Source{{Endpoint: "tcp://127.0.0.1:1"}}, Registry: areg}); err != nil {
+		t.Fatal(err)
+	}
+	asrv := httptest.NewServer(promhttp.HandlerFor(areg, promhttp.HandlerOpts{}))
+	t.Cleanup(asrv.Close)
+
 	served := map[string]bool{}
 	scrape := func(url string) []*dto.MetricFamily {
 		mfs, err := testkit.Scrape(http.DefaultClient, url)
@@ -508,7 +519,7 @@ func liveMetrics(t *testing.T) map[string]bool {
 		}
 		return false
 	})
-	for _, url := range []string{"http://" + ln.Addr().String() + "/metrics", bsrv.URL + "/metrics"} {
+	for _, url := range []string{"http://" + ln.Addr().String() + "/metrics", bsrv.URL + "/metrics", asrv.URL + "/metrics"} {
 		for _, mf := range scrape(url) {
 			served[mf.GetName()] = true
 			if mf.GetType() == dto.MetricType_HISTOGRAM {
@@ -546,7 +557,8 @@ type docMetric struct {
 }
 
 // TestEveryMetricDocumented proves docs/observability.md lists every
-// Narwhal metric a live router and breaker serve, with its type and
+// Narwhal metric a live router, breaker and agent (its KV event series)
+// serve, with its type and
 // exactly the labels it has, and lists no metric they do not serve.
 func TestEveryMetricDocumented(t *testing.T) {
 	doc, err := os.ReadFile("../docs/observability.md")
