@@ -415,10 +415,10 @@ var (
 )
 
 // liveMetrics starts a router, a leading breaker and an agent's KV event
-// bridge and returns the
-// metric names their /metrics pages serve; a histogram also as
-// "<name>#histogram"; each also as "<name>#type=<counter, gauge,
-// histogram…>" and, for each label its series have, "<name>{<label>}".
+// bridge and returns the metric names their /metrics pages serve; a
+// histogram also as "<name>#histogram"; each also as "<name>#type=<counter,
+// gauge, histogram…>" and, for each label its series have,
+// "<name>{<label>}".
 func liveMetrics(t *testing.T) map[string]bool {
 	t.Helper()
 	emb, err := bus.StartEmbedded(bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1})
