@@ -1,6 +1,7 @@
 package kvevents
 
 import (
+	"context"
 	"slices"
 	"strconv"
 	"strings"
@@ -212,8 +213,14 @@ func TestAgentBusAwayRPLACE4(t *testing.T) {
 		return series(t, reg, "narwhal_agent_kv_batches_total", "outcome", "dropped") >= 1
 	})
 
-	bustest.StartWith(t, opts)
-	testkit.WaitFor(t, waitBound, "KVLost for rank 0 once the bus is back", func() bool { return kb.got.count(bus.KVLost, 0) >= 1 })
+	emb = bustest.StartWith(t, opts)
+	testkit.WaitFor(t, waitBound, "both connections back", func() bool { return kb.engine.Connected() && kb.router.Connected() })
+	// The agent may publish before the router's subscription is back:
+	// look in NARWHAL_PREFIX, where a router warms up from.
+	admin := bustest.Connect(t, emb, bus.ConnectOptions{Name: "admin", CredsFile: bustest.CredsFile(dir, bus.RoleAdmin)})
+	testkit.WaitFor(t, waitBound, "KVLost for rank 0 once the bus is back", func() bool {
+		return kb.got.count(bus.KVLost, 0) >= 1 || storedLost(t, admin, "e1")
+	})
 	fresh := tokens(9000, 16)
 	py.send("map", false, stored([]any{500}, nil, fresh, nil))
 	testkit.WaitFor(t, waitBound, "events carried again", func() bool {
@@ -223,4 +230,36 @@ func TestAgentBusAwayRPLACE4(t *testing.T) {
 	published := series(t, reg, "narwhal_agent_kv_batches_total", "outcome", "published")
 	dropped := series(t, reg, "narwhal_agent_kv_batches_total", "outcome", "dropped")
 	t.Logf("batches: %v published, %v dropped", published, dropped)
+}
+
+// storedLost reports whether stream NARWHAL_PREFIX holds a batch of
+// engineID with a KVLost op of rank 0.
+func storedLost(t *testing.T, admin *bus.Bus, engineID string) bool {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), waitBound)
+	defer cancel()
+	st, err := admin.JetStream().Stream(ctx, bus.PrefixStream)
+	if err != nil {
+		return false
+	}
+	info, err := st.Info(ctx)
+	if err != nil {
+		return false
+	}
+	for seq := info.State.FirstSeq; seq <= info.State.LastSeq && seq > 0; seq++ {
+		m, err := st.GetMsg(ctx, seq)
+		if err != nil || m.Subject != bus.KVSubject(engineID) {
+			continue
+		}
+		_, ops, err := bus.ParseKVBatch(m.Data)
+		if err != nil {
+			t.Fatalf("NARWHAL_PREFIX holds a batch the router cannot parse: %v", err)
+		}
+		for _, o := range ops {
+			if o.Op == bus.KVLost && o.Rank == 0 {
+				return true
+			}
+		}
+	}
+	return false
 }
