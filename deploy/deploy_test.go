@@ -32,6 +32,7 @@ import (
 	"github.com/narwhalmesh/narwhal/engines/sim"
 	"github.com/narwhalmesh/narwhal/engines/sim/simtest"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
+	"github.com/narwhalmesh/narwhal/kvevents"
 	"github.com/narwhalmesh/narwhal/router"
 )
 
@@ -414,9 +415,9 @@ var (
 	grouping = regexp.MustCompile(`\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)`)
 )
 
-// liveMetrics starts a router, a leading breaker and an authd (on a bus
-// with auth callout) and returns the metric names their /metrics pages
-// serve; a histogram also as
+// liveMetrics starts a router, a leading breaker, an authd (on a bus
+// with auth callout) and an agent's KV event bridge, and returns the
+// metric names their /metrics pages serve; a histogram also as
 // "<name>#histogram"; each also as "<name>#type=<counter, gauge,
 // histogram…>" and, for each label its series have, "<name>{<label>}".
 func liveMetrics(t *testing.T) map[string]bool {
@@ -512,6 +513,11 @@ func liveMetrics(t *testing.T) map[string]bool {
 		t.Fatal(err)
 	}
 	t.Cleanup(asvc.Close)
+	// An agent carrying an engine's KV events: its series exist from the
+	// start for each configured rank.
+	if _, err := kvevents.New(kvevents.Config{EngineID: "p1", Sources: []kvevents.Source{{Endpoint: "tcp://127.0.0.1:1"}}, Registry: areg}); err != nil {
+		t.Fatal(err)
+	}
 	asrv := httptest.NewServer(promhttp.HandlerFor(areg, promhttp.HandlerOpts{}))
 	t.Cleanup(asrv.Close)
 
@@ -577,8 +583,9 @@ type docMetric struct {
 }
 
 // TestEveryMetricDocumented proves docs/observability.md lists every
-// Narwhal metric a live router, breaker and authd serve, with its type
-// and exactly the labels it has, and lists no metric they do not serve.
+// Narwhal metric a live router, breaker, authd and agent (its KV event
+// series) serve, with its type and exactly the labels it has, and lists
+// no metric they do not serve.
 func TestEveryMetricDocumented(t *testing.T) {
 	doc, err := os.ReadFile("../docs/observability.md")
 	if err != nil {

@@ -14,10 +14,14 @@ import (
 	"strings"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/engines/connector"
+	"github.com/narwhalmesh/narwhal/kvevents"
 	"github.com/narwhalmesh/narwhal/membership"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
@@ -48,7 +52,11 @@ const (
 // there, running streams finish — waiting until every router reports no
 // leg on it or --drain-timeout passes, then removes it, creates
 // --drained-file when given, and exits 0. The bus is NARWHAL_NATS_URL
-// (NARWHAL_NATS_CREDS); a bus not set up yet is waited for.
+// (NARWHAL_NATS_CREDS); a bus not set up yet is waited for. With
+// --kv-events (or --kv-events-bind) it also carries the engine's ZeroMQ
+// KV events onto the bus, on narwhal.kv.<id> under the same credential
+// (behaviour.md R-PLACE-4, kvevents.Bridge), from registration until it
+// leaves; --metrics serves its series.
 func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("narwhal agent", flag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -62,6 +70,13 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	apiKeyEnv := fs.String("api-key-env", "", "`VAR` holding the engine's API key, in the agent's, every router's and breaker's environment: empty or NARWHAL_ENGINE_KEY_<ID> (the id upper-cased, '-' as '_')")
 	drainTimeout := fs.Duration("drain-timeout", 25*time.Second, "on SIGTERM, how long to wait for the routers' streams on the engine to finish (keep it below the pod's terminationGracePeriodSeconds)")
 	drainedFile := fs.String("drained-file", "", "once the engine is drained and out of the fleet, create this `FILE` (a shared volume the engine container's preStop hook waits on)")
+	var kvConnect, kvBind, kvReplay idList
+	fs.Var(&kvConnect, "kv-events", "the engine's KV event publisher to connect to, `[RANK=]ENDPOINT` (tcp://HOST:PORT or ipc://PATH; rank 0 when plain); once per data-parallel rank")
+	fs.Var(&kvBind, "kv-events-bind", "an endpoint to bind for a KV event publisher that connects out (llm-d's simulator), `[RANK=]ENDPOINT`; once per rank")
+	fs.Var(&kvReplay, "kv-events-replay", "the replay socket of a rank's publisher (vLLM's replay_endpoint), `[RANK=]ENDPOINT`")
+	kvTopic := fs.String("kv-events-topic", "", "subscribe to KV event topics starting with this `PREFIX` (empty: all)")
+	kvMaxBlocks := fs.Int("kv-events-max-blocks", kvevents.DefaultMaxBlocks, "engine blocks the agent keeps the key of, per rank (about 35 bytes each)")
+	metricsAddr := fs.String("metrics", "", "`HOST:PORT` to serve the agent's /metrics on (off when empty)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -76,6 +91,25 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if *drainTimeout <= 0 {
 		return errors.New("--drain-timeout must be > 0")
 	}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	var kv *kvevents.Bridge
+	if len(kvConnect)+len(kvBind) > 0 {
+		sources, err := kvSources(kvConnect, kvBind, kvReplay)
+		if err != nil {
+			return err
+		}
+		if *kvMaxBlocks < 1 {
+			return errors.New("--kv-events-max-blocks must be >= 1")
+		}
+		kv, err = kvevents.New(kvevents.Config{EngineID: *id, Sources: sources, Topic: *kvTopic, MaxBlocks: *kvMaxBlocks,
+			Registry: reg, Log: slog.New(slog.NewTextHandler(stderr, nil)).With("agent", *id)})
+		if err != nil {
+			return err
+		}
+	} else if len(kvReplay) > 0 || *kvTopic != "" {
+		return errors.New("--kv-events-replay and --kv-events-topic need --kv-events or --kv-events-bind")
+	}
 	if err := argsChecked(ctx); err != nil {
 		if _, perr := config.Parse(nil); perr != nil {
 			return perr // the environment registered() reads
@@ -83,6 +117,13 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 	log := slog.New(slog.NewTextHandler(stderr, nil)).With("agent", *id)
+	if *metricsAddr != "" {
+		stop, err := serveMetrics(*metricsAddr, reg, log)
+		if err != nil {
+			return err
+		}
+		defer stop()
+	}
 	cred := engines.NewCredential("")
 	if *apiKeyEnv != "" {
 		cred = engines.NewCredential(os.Getenv(*apiKeyEnv))
@@ -90,7 +131,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err := waitEngine(ctx, spec.URL, cred, log); err != nil {
 		return err
 	}
-	if err := registered(ctx, spec, "agent-"+*id, *drainTimeout, log, stdout); err != nil {
+	if err := registered(ctx, spec, "agent-"+*id, *drainTimeout, log, stdout, kv); err != nil {
 		return err
 	}
 	if *drainedFile != "" {
@@ -237,8 +278,9 @@ func engineNotReady(ctx context.Context, httpc *http.Client, base string, cred e
 // drainBound, and removes it from the fleet. It prints one line to stdout
 // once registered. When the bus revokes or refuses the engine's
 // credential it returns that *bus.CredentialRefusedError at once, without
-// a drain or a leave (behaviour.md R-BUS-11).
-func registered(ctx context.Context, spec config.EngineSpec, by string, drainBound time.Duration, log *slog.Logger, stdout io.Writer) error {
+// a drain or a leave (behaviour.md R-BUS-11). A non-nil kv runs on the
+// connection from the registration until the leave (R-PLACE-4).
+func registered(ctx context.Context, spec config.EngineSpec, by string, drainBound time.Duration, log *slog.Logger, stdout io.Writer, kv *kvevents.Bridge) error {
 	cfg, err := config.Parse(nil)
 	if err != nil {
 		return err
@@ -274,6 +316,16 @@ func registered(ctx context.Context, spec config.EngineSpec, by string, drainBou
 	runCtx, stopRun := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- reg.Run(runCtx) }()
+	if kv != nil {
+		kvDone := make(chan struct{})
+		go func() {
+			defer close(kvDone)
+			_ = kv.Run(runCtx, b.Conn())
+		}()
+		defer func() { <-kvDone }()
+		defer stopRun()
+		log.Info("carrying the engine's KV events onto the bus", "subject", bus.KVSubject(spec.ID), "epoch", kv.Epoch())
+	}
 	<-ctx.Done()
 	if refused := refusedCause(ctx); refused != nil {
 		// Nothing more reaches the bus: no drain, no leave; the
@@ -302,6 +354,50 @@ func registered(ctx context.Context, spec config.EngineSpec, by string, drainBou
 		log.Warn("could not ask for the engine's removal from the fleet; its registration lapses after the TTL", "engine_id", spec.ID, "err", err)
 	}
 	return nil
+}
+
+// kvSources returns the KV event publishers of `narwhal agent`'s flags:
+// --kv-events and --kv-events-bind values, [RANK=]ENDPOINT each, with
+// the --kv-events-replay of their rank. Two publishers of one rank, or a
+// replay socket of a rank without one, is an error naming the flag.
+func kvSources(connect, bind, replay []string) ([]kvevents.Source, error) {
+	var out []kvevents.Source
+	add := func(flag string, v string, isBind bool) error {
+		rank, ep, err := kvevents.ParseSource(v)
+		if err != nil {
+			return fmt.Errorf("%s %w", flag, err)
+		}
+		if slices.ContainsFunc(out, func(s kvevents.Source) bool { return s.Rank == rank }) {
+			return fmt.Errorf("%s %q: rank %d has a publisher already (one endpoint per data-parallel rank)", flag, v, rank)
+		}
+		out = append(out, kvevents.Source{Rank: rank, Endpoint: ep, Bind: isBind})
+		return nil
+	}
+	for _, v := range connect {
+		if err := add("--kv-events", v, false); err != nil {
+			return nil, err
+		}
+	}
+	for _, v := range bind {
+		if err := add("--kv-events-bind", v, true); err != nil {
+			return nil, err
+		}
+	}
+	for _, v := range replay {
+		rank, ep, err := kvevents.ParseSource(v)
+		if err != nil {
+			return nil, fmt.Errorf("--kv-events-replay %w", err)
+		}
+		i := slices.IndexFunc(out, func(s kvevents.Source) bool { return s.Rank == rank })
+		switch {
+		case i < 0:
+			return nil, fmt.Errorf("--kv-events-replay %q: no --kv-events or --kv-events-bind of rank %d", v, rank)
+		case out[i].Replay != "":
+			return nil, fmt.Errorf("--kv-events-replay %q: rank %d has a replay socket already", v, rank)
+		}
+		out[i].Replay = ep
+	}
+	return out, nil
 }
 
 // connectorPattern is the fleet entry schema's

@@ -171,7 +171,7 @@ func runSim(ctx context.Context, args []string) error {
 		err := checkSpec(spec)
 		if err == nil {
 			log := slog.New(slog.NewTextHandler(os.Stderr, nil)).With("sim", c.EngineID)
-			err = registered(ctx, spec, "sim-"+c.EngineID, 0, log, os.Stdout)
+			err = registered(ctx, spec, "sim-"+c.EngineID, 0, log, os.Stdout, nil)
 		}
 		if cerr := srv.Close(); err == nil {
 			err = cerr
