@@ -149,4 +149,3 @@ func simtestStart(t *testing.T) string {
 	t.Cleanup(func() { _ = engine.Close() })
 	return "http://" + ln
 }
-
