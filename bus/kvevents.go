@@ -181,7 +181,7 @@ func validKVOp(op KVOp, rank int, medium KVMedium, n int) bool {
 // KVHeader is what a KV batch says before its ops.
 type KVHeader struct {
 	// EngineID is the engine the batch is of (a view of the batch's
-	// bytes in EachKVOp; a copy in ParseKVBatch).
+	// bytes in ReadKVOps; a copy in ParseKVBatch).
 	EngineID []byte
 	// Epoch is the agent's run; Seq the batch's number in it, from 1.
 	Epoch, Seq uint64
@@ -201,7 +201,7 @@ type KVEntry struct {
 var ErrKVBatch = errors.New("bus: invalid KV batch")
 
 // CheckKVBatch checks data whole (behaviour.md R-BUS-9: the bus is
-// hostile) without decoding its keys or allocating: a batch larger than
+// hostile) without decoding its keys or allocating (ReadKVOps then reads it): a batch larger than
 // KVMaxBatch, with another magic, an engine id that is empty or not
 // UTF-8, an epoch of 0, a seq of 0, a block size of 0 or above 1024, no
 // ops, an invalid op (KVBatch.Add's rules), a length that runs past the
@@ -212,16 +212,20 @@ func CheckKVBatch(data []byte) (KVHeader, error) {
 	return h, err
 }
 
-// EachKVOp calls fn, in order, with every op of data, a batch
-// CheckKVBatch accepts, its keys decoded into buf (grown when an op needs
-// more room, and returned for the next batch); fn must keep neither the
-// header's id nor keys. Once buf has grown it allocates nothing. It
-// returns the batch's error, if any, before any call.
-func EachKVOp(data []byte, buf []uint64, fn func(h *KVHeader, op KVOp, rank int, medium KVMedium, keys []uint64)) ([]uint64, error) {
-	h, body, err := checkKVBatch(data)
+// ReadKVOps reads data, a batch CheckKVBatch accepts, for a caller that
+// applies batch after batch without allocating (behaviour.md R-PLACE-4):
+// the header is written to *h (the caller's, reused;
+// its EngineID a view of data), then fn is called, in order, with every
+// op, its keys decoded into buf (grown when an op needs more room, and
+// returned for the next batch); fn must keep neither h's id nor keys.
+// Once buf has grown it allocates nothing. It returns the batch's error,
+// if any, before any call, and *h is then unchanged.
+func ReadKVOps(data []byte, h *KVHeader, buf []uint64, fn func(op KVOp, rank int, medium KVMedium, keys []uint64)) ([]uint64, error) {
+	hdr, body, err := checkKVBatch(data)
 	if err != nil {
 		return buf, err
 	}
+	*h = hdr
 	for len(body) > 0 {
 		op, rank, medium := KVOp(body[0]), int(body[1]), KVMedium(body[2])
 		n := int(binary.LittleEndian.Uint16(body[3:]))
@@ -232,7 +236,7 @@ func EachKVOp(data []byte, buf []uint64, fn func(h *KVHeader, op KVOp, rank int,
 		}
 		keys := buf[:n]
 		decodeHashes(keys, raw)
-		fn(&h, op, rank, medium, keys)
+		fn(op, rank, medium, keys)
 	}
 	return buf, nil
 }

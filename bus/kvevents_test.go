@@ -7,7 +7,7 @@ import (
 )
 
 // TestKVBatchRoundTripRPLACE4 proves the KV batch format: what KVBatch
-// encodes, ParseKVBatch and EachKVOp read back the same; every malformed
+// encodes, ParseKVBatch and ReadKVOps read back the same; every malformed
 // batch (a hostile publisher, R-BUS-9) is refused whole; a full batch
 // refuses more ops.
 func TestKVBatchRoundTripRPLACE4(t *testing.T) {
@@ -40,9 +40,10 @@ func TestKVBatchRoundTripRPLACE4(t *testing.T) {
 		t.Fatalf("ops %+v", ops)
 	}
 	var seen []KVOp
-	buf, err := EachKVOp(b.Bytes(), nil, func(h *KVHeader, op KVOp, rank int, m KVMedium, keys []uint64) { seen = append(seen, op) })
+	var rh KVHeader
+	buf, err := ReadKVOps(b.Bytes(), &rh, nil, func(op KVOp, rank int, m KVMedium, keys []uint64) { seen = append(seen, op) })
 	if err != nil || !slices.Equal(seen, []KVOp{KVStored, KVRemoved, KVCleared, KVLost}) || cap(buf) == 0 {
-		t.Fatalf("EachKVOp: %v, %v", seen, err)
+		t.Fatalf("ReadKVOps: %v, %v", seen, err)
 	}
 
 	good := append([]byte(nil), b.Bytes()...)
@@ -65,8 +66,9 @@ func TestKVBatchRoundTripRPLACE4(t *testing.T) {
 			t.Errorf("%s: CheckKVBatch = %v, want ErrKVBatch", name, err)
 		}
 		called := false
-		if _, err := EachKVOp(data, nil, func(*KVHeader, KVOp, int, KVMedium, []uint64) { called = true }); err == nil || called {
-			t.Errorf("%s: EachKVOp read a refused batch", name)
+		var rh KVHeader
+		if _, err := ReadKVOps(data, &rh, nil, func(KVOp, int, KVMedium, []uint64) { called = true }); err == nil || called {
+			t.Errorf("%s: ReadKVOps read a refused batch", name)
 		}
 	}
 
