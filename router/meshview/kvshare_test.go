@@ -441,3 +441,42 @@ func (v *View) replaceForTest(t *testing.T, entry schemas.FleetEntry) {
 	}
 	v.applyFleetValue(livefleet.Change{ID: entry.EngineID, Entry: entry, Engine: eng})
 }
+
+// TestWarmUpOfLargeKVBatchesRPLACE4: an engine that fills stream
+// NARWHAL_PREFIX with the largest batches (600 of 192 KiB: 115 MiB, more
+// than the 64 MiB the server queues for one client) does not cut a
+// starting router off its bus: the warm-up reads every batch once, in
+// one go, and the router's connection is never dropped (a pull of 1,024
+// such batches made the server drop the router as a slow consumer, and
+// the router read the stream again on every reconnection).
+func TestWarmUpOfLargeKVBatchesRPLACE4(t *testing.T) {
+	k := newKVMesh(t)
+	p1 := k.agent("p1", 5)
+	big := make([]uint64, bus.KVMaxKeys)
+	for i := range big {
+		big[i] = uint64(i + 1)
+	}
+	const n = 600
+	for range n {
+		p1.send(stored(big), stored(big), stored(big))
+	}
+	s := k.join(nil)
+	testkit.WaitFor(t, 3*kvWait, "the warm-up to read every batch", func() bool {
+		return testkit.GatheredSum(t, s.reg, "narwhal_prefix_warmup_batches_total", "outcome", "read") >= n
+	})
+	if got := testkit.GatheredSum(t, s.reg, "narwhal_prefix_warmup_batches_total", "outcome", "read"); got != n {
+		t.Fatalf("the warm-ups read %v batches, want %d once", got, n)
+	}
+	if got := testkit.GatheredSum(t, s.reg, "narwhal_prefix_warmup_batches_total", "outcome", "missed"); got != 0 {
+		t.Fatalf("%v batches missed", got)
+	}
+	if got := kvCount(t, s, "applied"); got != n {
+		t.Fatalf("applied %v batches, want %d", got, n)
+	}
+	if got := kvCount(t, s, "duplicate"); got != 0 {
+		t.Fatalf("%v batches read twice", got)
+	}
+	if nc := s.v.meshBus.Load().Conn(); nc.Stats().Reconnects != 0 || !nc.IsConnected() {
+		t.Fatalf("the router's connection: %d reconnections, connected %v", nc.Stats().Reconnects, nc.IsConnected())
+	}
+}

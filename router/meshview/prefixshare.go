@@ -38,6 +38,13 @@ const (
 	// overflow: "slow consumer, messages dropped", and the ordered
 	// consumer made again.
 	shareWarmPull = 1024
+	// shareWarmPullBytes bounds the bytes one pull of the warm-up asks
+	// for: without it, a pull of 1024 KV batches of up to 256 KiB each
+	// (one engine filling the stream with large batches) is 256 MiB the
+	// server queues for the router at once, past its per-client limit
+	// (64 MiB): the server cut the router off as a slow consumer, the
+	// router read the stream again on reconnecting, and so on.
+	shareWarmPullBytes = 8 << 20
 	// shareWarmOverlap is how far before a disconnection a reconnected
 	// router reads the stream again.
 	shareWarmOverlap = 2 * time.Second
@@ -370,7 +377,7 @@ func readStream(ctx context.Context, b *bus.Bus, since time.Time, last uint64, f
 	if err != nil {
 		return r, err
 	}
-	it, err := cons.Messages(jetstream.PullMaxMessages(shareWarmPull))
+	it, err := cons.Messages(jetstream.PullMaxMessagesWithBytesLimit(shareWarmPull, shareWarmPullBytes))
 	if err != nil {
 		return r, err
 	}
