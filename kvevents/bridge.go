@@ -50,6 +50,12 @@ const (
 	// DefaultQueue is how many batches (each at most bus.KVMaxBatch,
 	// 256 KiB) wait for the bus at most: 8 MiB.
 	DefaultQueue = 32
+	// DefaultCheckpoint is how often the agent restates what each rank
+	// holds (a KVCleared of the rank and every block it knows, in one
+	// batch where they fit): a router that starts, or that dropped the
+	// engine's exact index, is exact again at the next checkpoint it
+	// reads, live or from stream NARWHAL_PREFIX's 10 minutes.
+	DefaultCheckpoint = time.Minute
 	// defaultHandshake bounds a ZeroMQ peer's greeting and READY.
 	defaultHandshake = 2 * time.Second
 	// redialMin and redialMax bound the wait before the agent dials a
@@ -109,6 +115,9 @@ type Config struct {
 	ReplayWait time.Duration
 	// Queue bounds the batches waiting for the bus (0: DefaultQueue).
 	Queue int
+	// Checkpoint is how often each rank's blocks are restated in full
+	// (0: DefaultCheckpoint; negative: never).
+	Checkpoint time.Duration
 	// Epoch is the run's epoch (0: a random one, never 0).
 	Epoch uint64
 	// Registry, when set, gets the agent's KV series.
@@ -163,6 +172,7 @@ func New(cfg Config) (*Bridge, error) {
 	cfg.Flush = orDefault(cfg.Flush, DefaultFlush)
 	cfg.ReplayWait = orDefault(cfg.ReplayWait, DefaultReplayWait)
 	cfg.Queue = orDefault(cfg.Queue, DefaultQueue)
+	cfg.Checkpoint = orDefault(cfg.Checkpoint, DefaultCheckpoint)
 	for cfg.Epoch == 0 {
 		var b [8]byte
 		_, _ = rand.Read(b[:])
@@ -208,6 +218,13 @@ func (b *Bridge) Run(ctx context.Context, pub BusPublisher) error {
 			defer wg.Done()
 			r.read(ctx)
 		}()
+		if b.cfg.Checkpoint > 0 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				r.checkpoints(ctx, b.cfg.Checkpoint)
+			}()
+		}
 	}
 	wg.Wait()
 	return nil

@@ -189,6 +189,7 @@ type batches struct {
 	mu      sync.Mutex
 	headers []bus.KVHeader
 	ops     []bus.KVEntry
+	batchOf []int // of each op, its batch's index in headers
 	bad     []error
 }
 
@@ -204,6 +205,9 @@ func (b *batches) subscribe(t *testing.T, nc *nats.Conn) {
 		}
 		b.headers = append(b.headers, h)
 		b.ops = append(b.ops, ops...)
+		for range ops {
+			b.batchOf = append(b.batchOf, len(b.headers)-1)
+		}
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -219,6 +223,13 @@ func (b *batches) all() []bus.KVEntry {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return append([]bus.KVEntry(nil), b.ops...)
+}
+
+// batchIndexes returns, for every op received so far, its batch's index.
+func (b *batches) batchIndexes() []int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return append([]int(nil), b.batchOf...)
 }
 
 // keys returns the keys of every op of kind op on medium, in order.
@@ -275,6 +286,9 @@ func runAgent(t *testing.T, kb *kvBus, cfg Config) (*Bridge, *prometheus.Registr
 	}
 	if cfg.ReplayWait == 0 {
 		cfg.ReplayWait = 500 * time.Millisecond
+	}
+	if cfg.Checkpoint == 0 {
+		cfg.Checkpoint = -1 // only the tests of checkpoints want them
 	}
 	br, err := New(cfg)
 	if err != nil {

@@ -44,6 +44,12 @@ const (
 	connRefused   = "refused"
 )
 
+// Outcomes of narwhal_agent_kv_checkpoints_total.
+const (
+	ckPublished   = "published"
+	ckSkippedLost = "skipped_lost"
+)
+
 // metrics are the agent's KV event series (docs/observability.md, "Agent:
 // KV events").
 type metrics struct {
@@ -53,6 +59,8 @@ type metrics struct {
 	gaps    *prometheus.CounterVec
 	conns   *prometheus.CounterVec
 	blocks  *prometheus.GaugeVec
+
+	checkpoints *prometheus.CounterVec
 }
 
 func newMetrics(reg prometheus.Registerer, ranks []int) *metrics {
@@ -69,9 +77,11 @@ func newMetrics(reg prometheus.Registerer, ranks []int) *metrics {
 			Help: "ZeroMQ connections of the agent's KV event sockets, by rank and outcome (connected, ended, refused)."}, []string{"rank", "outcome"}),
 		blocks: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "narwhal_agent_kv_blocks",
 			Help: "Engine blocks the agent knows the key of, by rank (bounded by --kv-events-max-blocks)."}, []string{"rank"}),
+		checkpoints: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "narwhal_agent_kv_checkpoints_total",
+			Help: "Restatements of a rank's blocks on the bus (--kv-events-checkpoint), by rank and outcome (published, skipped_lost: events lost since the rank's last clear)."}, []string{"rank", "outcome"}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.events, m.msgs, m.batches, m.gaps, m.conns, m.blocks)
+		reg.MustRegister(m.events, m.msgs, m.batches, m.gaps, m.conns, m.blocks, m.checkpoints)
 	}
 	for _, o := range []string{"published", "dropped"} {
 		m.batches.WithLabelValues(o)
@@ -89,6 +99,9 @@ func newMetrics(reg prometheus.Registerer, ranks []int) *metrics {
 		}
 		for _, o := range []string{connConnected, connEnded, connRefused} {
 			m.conns.WithLabelValues(rank, o)
+		}
+		for _, o := range []string{ckPublished, ckSkippedLost} {
+			m.checkpoints.WithLabelValues(rank, o)
 		}
 		m.blocks.WithLabelValues(rank).Set(0)
 	}

@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/binary"
 	"strconv"
+	"sync"
+	"time"
 
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/prefix"
@@ -22,15 +24,20 @@ type block struct {
 
 // rank is one data-parallel rank's publisher as the agent follows it:
 // the sequence, the bounded map of engine hashes to keys, and the ops it
-// hands the assembler. Only its own goroutine uses it.
+// hands the assembler. Its reader and its checkpoints use it, one at a
+// time (mu).
 type rank struct {
 	src   Source
 	label string
 	br    *Bridge
 
-	blocks  map[uint64]block
-	keys    []uint64
-	payload Payload
+	mu        sync.Mutex
+	blocks    map[uint64]block
+	keys      []uint64
+	payload   Payload
+	lost      bool        // events lost since the last clear: no checkpoint
+	blockSize int         // of the last stored event
+	restate   [3][]uint64 // a checkpoint's keys, by medium
 
 	started   bool
 	next      uint64 // the sequence expected next
@@ -46,6 +53,8 @@ func newRank(src Source, br *Bridge) *rank {
 // onMessage takes one ZeroMQ message of the rank's publisher: [topic,
 // sequence (8 bytes, big-endian), payload].
 func (r *rank) onMessage(ctx context.Context, frames [][]byte) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
 	m := r.br.m
 	if len(frames) != 3 || len(frames[1]) != 8 {
 		m.msgs.WithLabelValues(r.label, msgFrames).Inc()
@@ -143,13 +152,67 @@ func (r *rank) lose(why, outcome string) {
 	r.br.m.gaps.WithLabelValues(r.label, outcome).Inc()
 	r.br.rlog.warn("lost"+r.label, "KV events lost: the routers fall back to the approximate index for this engine", "rank", r.src.Rank, "why", why)
 	r.forget()
+	r.lost = true
 	r.br.asm.add(bus.KVLost, r.src.Rank, bus.KVGPU, 0, nil)
 }
 
 // clear publishes KVCleared for the rank and forgets its blocks.
 func (r *rank) clear() {
 	r.forget()
+	r.lost = false
 	r.br.asm.add(bus.KVCleared, r.src.Rank, bus.KVGPU, 0, nil)
+}
+
+// checkpoints restates the rank's blocks every period until ctx ends.
+func (r *rank) checkpoints(ctx context.Context, period time.Duration) {
+	t := time.NewTicker(period)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			r.checkpoint()
+		}
+	}
+}
+
+// checkpoint restates what the rank holds, as far as the agent knows
+// (behaviour.md R-PLACE-4): a KVCleared of the rank, then every block it
+// knows, by medium. A router applying them holds the same blocks as
+// before (one batch is applied whole; a checkpoint past one batch,
+// about 32,000 blocks, leaves the rank holding less for the moments
+// between its batches) and one that read the engine's batches from the
+// middle of the agent's run — it started late, the stream lost the
+// run's start, or it dropped the engine — is exact again from here. A
+// rank whose events were lost since its last clear is not restated: the
+// agent does not know what it holds (its stored events whose parents
+// were lost get no key), and the routers keep placing it by the
+// approximate index until the engine clears it.
+func (r *rank) checkpoint() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.lost {
+		r.br.m.checkpoints.WithLabelValues(r.label, ckSkippedLost).Inc()
+		return
+	}
+	for i := range r.restate {
+		r.restate[i] = r.restate[i][:0]
+	}
+	for _, b := range r.blocks {
+		for md := range r.restate {
+			if b.media&(1<<md) != 0 {
+				r.restate[md] = append(r.restate[md], b.key)
+			}
+		}
+	}
+	r.br.asm.add(bus.KVCleared, r.src.Rank, bus.KVGPU, r.blockSize, nil)
+	for md, keys := range r.restate {
+		if len(keys) > 0 {
+			r.br.asm.add(bus.KVStored, r.src.Rank, bus.KVMedium(md), r.blockSize, keys)
+		}
+	}
+	r.br.m.checkpoints.WithLabelValues(r.label, ckPublished).Inc()
 }
 
 func (r *rank) forget() {
@@ -221,6 +284,7 @@ func (r *rank) applyEvent(e *Event) {
 			m.events.WithLabelValues(r.label, outApplied).Inc()
 		}
 	case EventStored:
+		r.blockSize = e.BlockSize
 		outcome := r.store(e)
 		if len(r.keys) > 0 {
 			r.br.asm.add(bus.KVStored, r.src.Rank, e.Medium, e.BlockSize, r.keys)

@@ -6,6 +6,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/bus/bustest"
@@ -262,4 +263,91 @@ func storedLost(t *testing.T, admin *bus.Bus, engineID string) bool {
 		}
 	}
 	return false
+}
+
+// TestAgentCheckpointsRPLACE4: every Checkpoint the agent restates what
+// each rank holds: a KVCleared of the rank followed, in the same batch,
+// by every key it knows, by medium (what a router that read the engine's
+// batches from their middle needs to be exact). A rank whose events were
+// lost is not restated (the agent does not know what it holds) until
+// the engine clears it.
+func TestAgentCheckpointsRPLACE4(t *testing.T) {
+	testkit.CheckLeaks(t)
+	kb := startBus(t, "e1")
+	py := startPublisher(t)
+	pub, _ := py.open(false)
+	_, reg := runAgent(t, kb, Config{Sources: []Source{{Rank: 0, Endpoint: pub}}, Checkpoint: 50 * time.Millisecond})
+	py.subscribed(1)
+
+	chain := tokens(100, 48)
+	keys := prefix.AppendTokenKeys(nil, chain, 16, 0)
+	py.send("array", false, stored([]any{1, 2, 3}, nil, chain, nil))
+	py.send("map", false, stored([]any{1}, nil, chain[:16], map[string]any{"medium": "CPU_PINNED"}))
+	py.send("map", false, removed("GPU", 3))
+	restated := func() (gpu, cpu []uint64, ok bool) {
+		ops := kb.got.all()
+		last := -1
+		for i, e := range ops {
+			if e.Op == bus.KVCleared && e.Rank == 0 {
+				last = i
+			}
+		}
+		if last < 0 {
+			return nil, nil, false
+		}
+		for _, e := range ops[last+1:] {
+			if e.Op != bus.KVStored {
+				return nil, nil, false
+			}
+			switch e.Medium {
+			case bus.KVGPU:
+				gpu = append(gpu, e.Keys...)
+			case bus.KVCPU:
+				cpu = append(cpu, e.Keys...)
+			}
+		}
+		slices.Sort(gpu)
+		return gpu, cpu, len(gpu) == 2 && len(cpu) == 1
+	}
+	testkit.WaitFor(t, waitBound, "a checkpoint of the two GPU blocks and the CPU one", func() bool { _, _, ok := restated(); return ok })
+	gpu, cpu, _ := restated()
+	want := slices.Clone(keys[:2])
+	slices.Sort(want)
+	if !slices.Equal(gpu, want) || cpu[0] != keys[0] {
+		t.Fatalf("checkpoint: GPU %x CPU %x, want GPU %x CPU %x", gpu, cpu, want, keys[:1])
+	}
+	// One batch holds the clear and the keys: a router never applies the
+	// clear without them.
+	ops, in := kb.got.all(), kb.got.batchIndexes()
+	last := -1
+	for i, e := range ops {
+		if e.Op == bus.KVCleared {
+			last = i
+		}
+	}
+	for i := last; i < len(ops) && i < len(in); i++ {
+		if in[i] != in[last] {
+			t.Fatalf("the checkpoint's ops span batches %d and %d", in[last], in[i])
+		}
+	}
+	if v := series(t, reg, "narwhal_agent_kv_checkpoints_total", "rank", "0", "outcome", "published"); v < 1 {
+		t.Fatalf("checkpoints published = %v", v)
+	}
+
+	// A gap without a replay socket: the rank is lost, not restated.
+	py.send("array", true, stored([]any{9}, nil, chain[:16], nil))
+	py.send("array", false, stored([]any{10}, nil, chain[:16], nil))
+	testkit.WaitFor(t, waitBound, "the KVLost", func() bool { return kb.got.count(bus.KVLost, 0) == 1 })
+	testkit.WaitFor(t, waitBound, "checkpoints skipped for the lost rank", func() bool {
+		return series(t, reg, "narwhal_agent_kv_checkpoints_total", "rank", "0", "outcome", "skipped_lost") >= 2
+	})
+	ops = kb.got.all()
+	for i := len(ops) - 1; i >= 0 && ops[i].Op != bus.KVLost; i-- {
+		if ops[i].Op == bus.KVCleared {
+			t.Fatalf("a checkpoint of a lost rank was published: %+v", ops[i:])
+		}
+	}
+	py.send("map", false, map[string]any{"type": "AllBlocksCleared"})
+	clears := kb.got.count(bus.KVCleared, 0)
+	testkit.WaitFor(t, waitBound, "checkpoints again after the clear", func() bool { return kb.got.count(bus.KVCleared, 0) >= clears+2 })
 }

@@ -76,6 +76,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	fs.Var(&kvReplay, "kv-events-replay", "the replay socket of a rank's publisher (vLLM's replay_endpoint), `[RANK=]ENDPOINT`")
 	kvTopic := fs.String("kv-events-topic", "", "subscribe to KV event topics starting with this `PREFIX` (empty: all)")
 	kvMaxBlocks := fs.Int("kv-events-max-blocks", kvevents.DefaultMaxBlocks, "engine blocks the agent keeps the key of, per rank (about 35 bytes each)")
+	kvCheckpoint := fs.Duration("kv-events-checkpoint", kvevents.DefaultCheckpoint, "how often to restate every block the agent knows of each rank on the bus, so that a router that started late or dropped the engine's exact index is exact again (0: never)")
 	metricsAddr := fs.String("metrics", "", "`HOST:PORT` to serve the agent's /metrics on (off when empty)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
@@ -102,13 +103,20 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		if *kvMaxBlocks < 1 {
 			return errors.New("--kv-events-max-blocks must be >= 1")
 		}
-		kv, err = kvevents.New(kvevents.Config{EngineID: *id, Sources: sources, Topic: *kvTopic, MaxBlocks: *kvMaxBlocks,
+		if *kvCheckpoint < 0 {
+			return errors.New("--kv-events-checkpoint must be >= 0")
+		}
+		ck := *kvCheckpoint
+		if ck == 0 {
+			ck = -1 // never
+		}
+		kv, err = kvevents.New(kvevents.Config{EngineID: *id, Sources: sources, Topic: *kvTopic, MaxBlocks: *kvMaxBlocks, Checkpoint: ck,
 			Registry: reg, Log: slog.New(slog.NewTextHandler(stderr, nil)).With("agent", *id)})
 		if err != nil {
 			return err
 		}
-	} else if len(kvReplay) > 0 || *kvTopic != "" {
-		return errors.New("--kv-events-replay and --kv-events-topic need --kv-events or --kv-events-bind")
+	} else if len(kvReplay) > 0 || *kvTopic != "" || *kvCheckpoint != kvevents.DefaultCheckpoint {
+		return errors.New("--kv-events-replay, --kv-events-topic and --kv-events-checkpoint need --kv-events or --kv-events-bind")
 	}
 	if err := argsChecked(ctx); err != nil {
 		if _, perr := config.Parse(nil); perr != nil {

@@ -35,6 +35,8 @@ func TestAgentKVEventsBadFlags(t *testing.T) {
 		{[]string{"--kv-events", "tcp://h:1", "--kv-events-replay", "1=tcp://h:2"}, "no --kv-events or --kv-events-bind of rank 1"},
 		{[]string{"--kv-events-replay", "tcp://h:2"}, "need --kv-events or --kv-events-bind"},
 		{[]string{"--kv-events", "tcp://h:1", "--kv-events-max-blocks", "0"}, "--kv-events-max-blocks must be >= 1"},
+		{[]string{"--kv-events", "tcp://h:1", "--kv-events-checkpoint", "-1s"}, "--kv-events-checkpoint must be >= 0"},
+		{[]string{"--kv-events-checkpoint", "5s"}, "need --kv-events or --kv-events-bind"},
 		{[]string{"--kv-events", ""}, "empty value"},
 	} {
 		var out, errOut bytes.Buffer

@@ -480,3 +480,34 @@ func TestWarmUpOfLargeKVBatchesRPLACE4(t *testing.T) {
 		t.Fatalf("the router's connection: %d reconnections, connected %v", nc.Stats().Reconnects, nc.IsConnected())
 	}
 }
+
+// TestExactAgainFromACheckpointRPLACE4: a router that starts when the
+// stream no longer holds the start of an agent's run (the run began more
+// than the stream's 10 minutes ago, or another engine's flood of large
+// batches pushed its first batches out of the stream's 256 MiB; here the
+// stream holds p2's batches from seq 41 on) is not exact for p2 — it
+// cannot vouch for what p2 holds — until p2's agent restates its blocks
+// (a checkpoint: a KVCleared of the rank and every block, `narwhal agent
+// --kv-events-checkpoint`); then it is, with exactly those blocks, and
+// p2's next batches apply on top.
+func TestExactAgainFromACheckpointRPLACE4(t *testing.T) {
+	k := newKVMesh(t)
+	p2 := k.agent("p2", 7)
+	p2.seq = 40
+	keys, _ := tokenChain(9, 10)
+	p2.send(stored(keys[:6]))
+	p2.send(removed(keys[4:6]))
+	p2.send(stored(keys[4:5]))
+	s := k.join(nil)
+	testkit.WaitFor(t, kvWait, "the warm-up to read p2's batches", func() bool { return kvCount(t, s, "applied") == 3 })
+	if got := gpuMatch(s, "p2", keys); got != -1 {
+		t.Fatalf("p2 read from the middle of its run matches %d blocks exactly, want not exact", got)
+	}
+	p2.send(cleared(), stored(keys[:5]))
+	testkit.WaitFor(t, kvWait, "p2 exact from its checkpoint", func() bool { return gpuMatch(s, "p2", keys) == 5 })
+	if n := s.v.ExactIndex().Lookup("p2").Blocks(); n != 5 {
+		t.Fatalf("p2 holds %d blocks, want the checkpoint's 5", n)
+	}
+	p2.send(stored(keys[5:8]))
+	testkit.WaitFor(t, kvWait, "a batch after the checkpoint", func() bool { return gpuMatch(s, "p2", keys) == 8 })
+}
