@@ -43,6 +43,10 @@ type LocalConfig struct {
 	// cache block size in tokens, cache capacity in blocks and running
 	// request bound (sim.Config); zero means the simulator's defaults.
 	BlockSize, KVCacheBlocks, MaxNumSeqs int
+	// KVEvents makes every prefill simulator publish its cache's KV events
+	// (sim.Config.KVEvents) on a free port of 127.0.0.1
+	// (sim.Server.KVEventsAddr).
+	KVEvents bool
 }
 
 // LocalEngines are simulated engines (engines/sim) serving on loopback in
@@ -113,11 +117,15 @@ func StartLocal(cfg LocalConfig) (*LocalEngines, error) {
 
 // simConfig is the simulator configuration of one engine of cfg.
 func simConfig(cfg LocalConfig, role, id string) sim.Config {
-	return sim.Config{
+	c := sim.Config{
 		Role: role, EngineID: id, Model: cfg.Model, TTFT: cfg.TTFT, ITL: cfg.ITL,
 		PrefillPerToken: cfg.PrefillPerToken,
 		BlockSize:       cfg.BlockSize, KVCacheBlocks: cfg.KVCacheBlocks, MaxNumSeqs: cfg.MaxNumSeqs,
 	}
+	if cfg.KVEvents && role == string(connector.RolePrefill) {
+		c.KVEvents = "tcp://127.0.0.1:0"
+	}
+	return c
 }
 
 // Floor returns a FloorTarget over the simulators.

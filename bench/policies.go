@@ -29,22 +29,39 @@ type PolicyVariant struct {
 	// ShareIndex is placement.share_index (meaningful with several
 	// routers and the prefix policy).
 	ShareIndex bool `json:"share_index"`
+	// Index is the prefix policy's placement.index: "" leaves the
+	// routers' default (auto, with no engine publishing KV events: the
+	// approximate index); IndexExact runs the variant's prefill
+	// simulators with KV events, each carried to the variant's bus by an
+	// agent's bridge (kvevents), and the routers with placement.index
+	// exact; IndexApproximate sets placement.index approximate.
+	Index string `json:"index,omitempty"`
 }
+
+// Values of PolicyVariant.Index.
+const (
+	IndexExact       = "exact"
+	IndexApproximate = "approximate"
+)
 
 // Name is the variant as tables show it: the policy, then "×N" for
 // several routers, and for the prefix policy "shared" or "isolated".
+// An Index is added last ("prefix exact", "prefix ×3 shared exact").
 func (v PolicyVariant) Name() string {
-	if v.Routers <= 1 || v.Policy == PolicyOracle {
-		return v.Policy
+	name := v.Policy
+	switch {
+	case v.Routers <= 1 || v.Policy == PolicyOracle:
+	case v.Policy != "prefix":
+		name = fmt.Sprintf("%s ×%d", v.Policy, v.Routers)
+	case v.ShareIndex:
+		name = fmt.Sprintf("%s ×%d shared", v.Policy, v.Routers)
+	default:
+		name = fmt.Sprintf("%s ×%d isolated", v.Policy, v.Routers)
 	}
-	if v.Policy != "prefix" {
-		return fmt.Sprintf("%s ×%d", v.Policy, v.Routers)
+	if v.Index != "" && v.Policy == "prefix" {
+		name += " " + v.Index
 	}
-	how := "shared"
-	if !v.ShareIndex {
-		how = "isolated"
-	}
-	return fmt.Sprintf("%s ×%d %s", v.Policy, v.Routers, how)
+	return name
 }
 
 // PolicySims configure the simulators of each variant's own fleet.
@@ -97,7 +114,8 @@ type PolicyCompareOptions struct {
 	// Bus starts one message bus per variant and returns its client URL
 	// and its stop function; the variant's routers join it (they publish
 	// and apply placements there). nil runs routers without a bus, so
-	// several routers cannot share an index.
+	// several routers cannot share an index, and no variant can have
+	// Index IndexExact.
 	Bus func() (url string, stop func(), err error)
 	// Timeout bounds each request; 0 means 60 s.
 	Timeout time.Duration
@@ -174,6 +192,16 @@ type PolicyReport struct {
 	// (sent round-robin).
 	OracleLookupMeanS  float64 `json:"oracle_lookup_mean_s,omitempty"`
 	OracleLookupFailed int64   `json:"oracle_lookup_failed,omitempty"`
+	// Tokenize counts, summed over the variant's routers at the end of its
+	// last window, the prompts whose token ids placement looked for, by
+	// outcome (the routers' narwhal_tokenize_total{outcome}: hit, ok,
+	// timeout, error, token_ids, unsupported); nil when no router
+	// exposed it.
+	Tokenize map[string]int64 `json:"tokenize,omitempty"`
+	// ExactEngines is the fewest engines whose exact index any of the
+	// variant's routers held at the end (narwhal_prefix_exact_engines);
+	// -1 when a router did not say.
+	ExactEngines int `json:"exact_engines"`
 	// Outstanding is the spread of the sampled outstanding load.
 	Outstanding LoadSpread `json:"outstanding"`
 	// TTFTP50Ratio is the first variant's TTFT p50 over this one's
@@ -205,6 +233,7 @@ type lane struct {
 	variant PolicyVariant
 	sims    *LocalEngines
 	stopBus func()
+	agents  *kvAgents // Index IndexExact: the prefill sims' KV events to the bus
 	routers []*RouterProcess
 	targets []*RouterTarget
 	oracle  *OracleTarget // PolicyOracle: chooses among targets, one per producer
@@ -227,6 +256,9 @@ func (l *lane) close() {
 	}
 	for _, r := range l.routers {
 		_ = r.Stop()
+	}
+	if l.agents != nil {
+		l.agents.close()
 	}
 	if l.stopBus != nil {
 		l.stopBus()
@@ -320,11 +352,16 @@ func (pc *PolicyComparison) compute() {
 
 func startLane(ctx context.Context, name, model string, v PolicyVariant, sims PolicySims, opts *PolicyCompareOptions) (*lane, error) {
 	l := &lane{variant: v}
+	exact := v.Policy == "prefix" && v.Index == IndexExact
+	if exact && opts.Bus == nil {
+		return l, fmt.Errorf("the exact index needs a bus (PolicyCompareOptions.Bus)")
+	}
 	var err error
 	l.sims, err = StartLocal(LocalConfig{
 		Prefill: sims.Prefill, Decode: sims.Decode, IDPrefix: name + "-", Model: model,
 		TTFT: sims.TTFT, ITL: sims.ITL, PrefillPerToken: sims.PrefillPerToken,
 		BlockSize: sims.BlockSize, KVCacheBlocks: sims.KVCacheBlocks, MaxNumSeqs: sims.MaxNumSeqs,
+		KVEvents: exact,
 	})
 	if err != nil {
 		return l, err
@@ -337,6 +374,9 @@ func startLane(ctx context.Context, name, model string, v PolicyVariant, sims Po
 		"NARWHAL_ROUTER_LOG_LEVEL=error",
 		"NARWHAL_PLACEMENT_POLICY=" + policy,
 		"NARWHAL_PLACEMENT_SHARE_INDEX=" + strconv.FormatBool(v.ShareIndex),
+	}
+	if v.Policy == "prefix" && v.Index != "" {
+		env = append(env, "NARWHAL_PLACEMENT_INDEX="+v.Index)
 	}
 	if opts.GuardAbs > 0 {
 		env = append(env, "NARWHAL_PLACEMENT_BALANCE_ABS_THRESHOLD="+strconv.Itoa(opts.GuardAbs))
@@ -351,6 +391,11 @@ func startLane(ctx context.Context, name, model string, v PolicyVariant, sims Po
 		}
 		l.stopBus = stop
 		env = append(env, "NARWHAL_NATS_URL="+url)
+		if exact {
+			if l.agents, err = startKVAgents(url, l.sims); err != nil {
+				return l, err
+			}
+		}
 	}
 	start := opts.Router
 	if start == nil {
@@ -688,6 +733,7 @@ func (l *lane) report(ideal OracleResult) *PolicyReport {
 			p.PrefillShares = append(p.PrefillShares, float64(n)/float64(sum))
 		}
 	}
+	l.readRouterMetrics(p)
 	if l.oracle != nil {
 		rounds, spent, failed := l.oracle.LookupStats()
 		if rounds > 0 {
@@ -696,6 +742,90 @@ func (l *lane) report(ideal OracleResult) *PolicyReport {
 		p.OracleLookupFailed = failed
 	}
 	return p
+}
+
+// readRouterMetrics fills p.Tokenize and p.ExactEngines from the
+// variant's routers' GET /metrics.
+func (l *lane) readRouterMetrics(p *PolicyReport) {
+	p.ExactEngines = -1
+	client := &http.Client{Timeout: 5 * time.Second}
+	for i, r := range l.routers {
+		m, err := readLabelled(client, r.URL, "narwhal_tokenize_total", "outcome")
+		if err == nil && len(m) > 0 {
+			if p.Tokenize == nil {
+				p.Tokenize = map[string]int64{}
+			}
+			for k, v := range m {
+				p.Tokenize[k] += int64(v)
+			}
+		}
+		n, err := readLabelled(client, r.URL, "narwhal_prefix_exact_engines", "")
+		v, ok := n[""]
+		switch {
+		case err != nil || !ok:
+			p.ExactEngines = -1
+			return
+		case i == 0 || int(v) < p.ExactEngines:
+			p.ExactEngines = int(v)
+		}
+	}
+}
+
+// readLabelled reads from GET url/metrics the samples of name (a counter
+// may be exposed as name_total too), summed per value of label ("" sums
+// every sample under "").
+func readLabelled(client *http.Client, url, name, label string) (map[string]float64, error) {
+	resp, err := client.Get(url + "/metrics")
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("GET %s/metrics: status %d", url, resp.StatusCode)
+	}
+	out := map[string]float64{}
+	sc := bufio.NewScanner(io.LimitReader(resp.Body, 4<<20))
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		end := strings.IndexAny(line, "{ ")
+		if line == "" || line[0] == '#' || end < 0 || (line[:end] != name && line[:end] != name+"_total") {
+			continue
+		}
+		rest, key := line[end:], ""
+		if rest[0] == '{' {
+			brace := strings.LastIndexByte(rest, '}')
+			if brace < 0 {
+				continue
+			}
+			if label != "" {
+				key = labelValue(rest[1:brace], label)
+			}
+			rest = rest[brace+1:]
+		}
+		f := strings.Fields(rest)
+		if len(f) == 0 {
+			continue
+		}
+		v, err := strconv.ParseFloat(f[0], 64)
+		if err != nil {
+			continue
+		}
+		out[key] += v
+	}
+	return out, sc.Err()
+}
+
+// labelValue returns the value of label in the label set labels
+// (`a="x",b="y"`), "" when absent.
+func labelValue(labels, label string) string {
+	for _, kv := range strings.Split(labels, ",") {
+		k, v, ok := strings.Cut(kv, "=")
+		if ok && strings.TrimSpace(k) == label {
+			return strings.Trim(v, `"`)
+		}
+	}
+	return ""
 }
 
 // WritePolicyTable writes pc as a human-readable table, one column per
@@ -768,6 +898,19 @@ func WritePolicyTable(w io.Writer, pc *PolicyComparison) error {
 			return "-"
 		}
 		return fmtDur(p.OracleLookupMeanS)
+	})
+	row("exact engines", func(p *PolicyReport) string {
+		if p.ExactEngines < 0 || p.Variant.Policy != "prefix" {
+			return "-"
+		}
+		return strconv.Itoa(p.ExactEngines)
+	})
+	row("tokenize ok/hit/fail", func(p *PolicyReport) string {
+		if p.Tokenize == nil || p.Variant.Policy != "prefix" {
+			return "-"
+		}
+		t := p.Tokenize
+		return fmt.Sprintf("%d/%d/%d", t["ok"], t["hit"], t["timeout"]+t["error"])
 	})
 	row("errors", func(p *PolicyReport) string { return errorsLine(p.Run.Errors) })
 	return bw.Flush()

@@ -343,11 +343,13 @@ func TestPolicyReportTable(t *testing.T) {
 
 func TestPolicyVariantName(t *testing.T) {
 	for v, want := range map[PolicyVariant]string{
-		{Policy: "prefix", Routers: 1, ShareIndex: true}:  "prefix",
-		{Policy: "prefix", Routers: 3, ShareIndex: true}:  "prefix ×3 shared",
-		{Policy: "prefix", Routers: 3, ShareIndex: false}: "prefix ×3 isolated",
-		{Policy: "least_loaded", Routers: 3}:              "least_loaded ×3",
-		{Policy: PolicyOracle, Routers: 3}:                "oracle",
+		{Policy: "prefix", Routers: 1, ShareIndex: true}:                          "prefix",
+		{Policy: "prefix", Routers: 3, ShareIndex: true}:                          "prefix ×3 shared",
+		{Policy: "prefix", Routers: 3, ShareIndex: false}:                         "prefix ×3 isolated",
+		{Policy: "least_loaded", Routers: 3}:                                      "least_loaded ×3",
+		{Policy: PolicyOracle, Routers: 3}:                                        "oracle",
+		{Policy: "prefix", Routers: 1, Index: IndexExact}:                         "prefix exact",
+		{Policy: "prefix", Routers: 3, ShareIndex: true, Index: IndexApproximate}: "prefix ×3 shared approximate",
 	} {
 		if got := v.Name(); got != want {
 			t.Errorf("%+v: %q, want %q", v, got, want)

@@ -35,7 +35,7 @@ func (p *prefixFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&p.users, "users", 2, "--workload: users per tenant")
 	fs.IntVar(&p.queries, "queries", 8, "--workload: queries per user")
 	fs.IntVar(&p.queryTokens, "query-tokens", 64, "--workload: tokens (words) of each query (the user message)")
-	fs.StringVar(&p.policies, "compare-policies", "least_loaded,prefix", "--workload: placement policies to compare, comma-separated (prefix, least_loaded, random, and oracle: the bench asks every sim what it holds and picks the least expected wait, through one router per producer); each gets its own sims and routers, run in interleaved windows")
+	fs.StringVar(&p.policies, "compare-policies", "least_loaded,prefix", "--workload: placement policies to compare, comma-separated (prefix, least_loaded, random; exact and approximate: prefix with that placement.index, exact with KV events from every prefill sim carried to the bus as agents do; and oracle: the bench asks every sim what it holds and picks the least expected wait, through one router per producer); each gets its own sims and routers, run in interleaved windows")
 	fs.IntVar(&p.routers, "routers", 1, "--workload: routers per policy on one bus; requests go to them in turn")
 	fs.StringVar(&p.shareIndex, "share-index", "both", "--workload with --routers > 1: whether prefix routers share their index over the bus: true, false or both (the prefix policy is measured both ways)")
 	fs.IntVar(&p.windows, "windows", 4, "--workload: interleaved windows the trace is cut into (each policy runs every window)")
@@ -86,10 +86,13 @@ func (p *prefixFlags) variants() ([]bench.PolicyVariant, error) {
 	seen := map[string]bool{}
 	for _, name := range strings.Split(p.policies, ",") {
 		name = strings.TrimSpace(name)
+		policy, index := name, ""
 		switch name {
 		case "prefix", "least_loaded", "random", bench.PolicyOracle:
+		case bench.IndexExact, bench.IndexApproximate:
+			policy, index = "prefix", name
 		default:
-			return nil, fmt.Errorf("--compare-policies: unknown policy %q (want prefix, least_loaded, random or oracle)", name)
+			return nil, fmt.Errorf("--compare-policies: unknown policy %q (want prefix, exact, approximate, least_loaded, random or oracle)", name)
 		}
 		if seen[name] {
 			return nil, fmt.Errorf("--compare-policies: %s given twice", name)
@@ -99,12 +102,12 @@ func (p *prefixFlags) variants() ([]bench.PolicyVariant, error) {
 			out = append(out, bench.PolicyVariant{Policy: name, Routers: 1}) // one router per producer
 			continue
 		}
-		if name != "prefix" || p.routers == 1 {
-			out = append(out, bench.PolicyVariant{Policy: name, Routers: p.routers, ShareIndex: true})
+		if policy != "prefix" || p.routers == 1 {
+			out = append(out, bench.PolicyVariant{Policy: policy, Routers: p.routers, ShareIndex: true, Index: index})
 			continue
 		}
 		for _, s := range shares {
-			out = append(out, bench.PolicyVariant{Policy: name, Routers: p.routers, ShareIndex: s})
+			out = append(out, bench.PolicyVariant{Policy: policy, Routers: p.routers, ShareIndex: s, Index: index})
 		}
 	}
 	return out, nil

@@ -35,8 +35,19 @@ func TestBenchPolicyVariants(t *testing.T) {
 	if err != nil || len(got) != 3 || got[2] != (bench.PolicyVariant{Policy: bench.PolicyOracle, Routers: 1}) {
 		t.Fatalf("with the oracle: %+v, %v", got, err)
 	}
+	p = prefixFlags{policies: "exact,approximate,oracle", routers: 3, shareIndex: "true"}
+	got, err = p.variants()
+	want = []bench.PolicyVariant{
+		{Policy: "prefix", Routers: 3, ShareIndex: true, Index: bench.IndexExact},
+		{Policy: "prefix", Routers: 3, ShareIndex: true, Index: bench.IndexApproximate},
+		{Policy: bench.PolicyOracle, Routers: 1},
+	}
+	if err != nil || !reflect.DeepEqual(got, want) {
+		t.Fatalf("exact and approximate: %+v, %v", got, err)
+	}
 	for _, bad := range []prefixFlags{
 		{policies: "prefix,fastest", routers: 1, shareIndex: "both"},
+		{policies: "exact,exact", routers: 1, shareIndex: "both"},
 		{policies: "prefix,prefix", routers: 1, shareIndex: "both"},
 		{policies: "prefix", routers: 0, shareIndex: "both"},
 		{policies: "prefix", routers: 2, shareIndex: "maybe"},
