@@ -132,6 +132,7 @@ func TestCredentialFiles(t *testing.T) {
 // breaker's consumer, chaos writing placement, and anyone but the admin
 // creating or updating a stream or bucket.
 func TestRolePermissions(t *testing.T) {
+	t.Parallel() // its refused acts wait out their bounds
 	e, dir := authServer(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()

@@ -161,6 +161,7 @@ func consumerActs(stream, name string) [][2]string {
 // were, r1's and p1's readers keep delivering, and the viewer still reads
 // the buckets, by direct gets.
 func TestConsumersOwnedByPermissionRBUS11(t *testing.T) {
+	t.Parallel() // its refused acts wait out their bounds
 	e, dir := authServer(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
@@ -203,23 +204,30 @@ func TestConsumersOwnedByPermissionRBUS11(t *testing.T) {
 		"chaos":     connectAs(t, e, dir, bus.RoleChaos),
 		"viewer":    viewer,
 	}
+	// Each attacker on its own goroutine: every refused act waits out its
+	// bound, and one attacker's acts run one after another (each waits
+	// for its own connection's violation).
+	var wg sync.WaitGroup
 	for who, b := range attackers {
 		targets := maps.Clone(names)
 		if who != "breaker" {
 			targets[bus.StreamName+" "] = bus.BreakerConsumer
 		}
-		for key, name := range targets {
-			stream := strings.TrimSpace(key)
-			for _, act := range consumerActs(stream, name) {
-				jsAPIDenied(t, b, who, act[0], act[1])
+		wg.Go(func() {
+			for key, name := range targets {
+				stream := strings.TrimSpace(key)
+				for _, act := range consumerActs(stream, name) {
+					jsAPIDenied(t, b, who, act[0], act[1])
+				}
+				dctx, dcancel := context.WithTimeout(ctx, deniedBound)
+				if err := b.JetStream().DeleteConsumer(dctx, stream, name); err == nil {
+					t.Errorf("%s deleted %s's consumer %s through nats.go", who, stream, name)
+				}
+				dcancel()
 			}
-			dctx, dcancel := context.WithTimeout(ctx, deniedBound)
-			if err := b.JetStream().DeleteConsumer(dctx, stream, name); err == nil {
-				t.Errorf("%s deleted %s's consumer %s through nats.go", who, stream, name)
-			}
-			dcancel()
-		}
+		})
 	}
+	wg.Wait()
 	// Nor may an identity make a consumer of a name not its own (an
 	// ordered consumer's, random).
 	octx, ocancel := context.WithTimeout(ctx, deniedBound)

@@ -149,7 +149,9 @@ const jsAPIBound = 150 * time.Millisecond
 
 // jsAPIDenied asserts that b may not ask the JetStream API for
 // subject (purging, deleting a message or a stream, pausing, listing):
-// the server reports a permissions violation naming it.
+// the server reports a permissions violation naming it. It fails with
+// t.Errorf only, so it may run on a goroutine of its own — one per
+// connection at most: the violation it waits for is b's last one.
 func jsAPIDenied(t *testing.T, b *bus.Bus, who, subject, body string) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), jsAPIBound)
@@ -158,10 +160,12 @@ func jsAPIDenied(t *testing.T, b *bus.Bus, who, subject, body string) {
 		t.Errorf("%s asks %s: answered, want it refused", who, subject)
 		return
 	}
-	testkit.WaitFor(t, waitBound, who+" asks "+subject+": the server's permissions violation", func() bool {
+	if !testkit.Poll(waitBound, testkit.PollEvery, func() bool {
 		err := b.PermissionError()
 		return err != nil && errors.Is(err, nats.ErrPermissionViolation) && strings.Contains(err.Error(), subject)
-	})
+	}) {
+		t.Errorf("%s asks %s: no permissions violation from the server within %v (last: %v)", who, subject, waitBound, b.PermissionError())
+	}
 }
 
 // wipeActs are the JetStream API acts that remove messages or streams, on
@@ -184,6 +188,7 @@ func wipeActs(name string) [][2]string {
 // rollup headers on the one subject it may publish, the JetStream API's
 // purges and deletes on every stream — changes any stream or bucket.
 func TestEngineIdentityRBUS11(t *testing.T) {
+	t.Parallel() // its refused acts wait out their bounds
 	e, dir := authServer(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
@@ -281,6 +286,7 @@ func TestEngineIdentityRBUS11(t *testing.T) {
 // subjects it may write, and the JetStream API's purges and deletes,
 // change no stream and no bucket.
 func TestRouterIdentityRBUS11(t *testing.T) {
+	t.Parallel() // its refused acts wait out their bounds
 	e, dir := authServer(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
@@ -390,6 +396,7 @@ func refusedSubscription(t *testing.T, b, publisher *bus.Bus, subject string) {
 // the replies that name its consumers travel. Each credential's own
 // requests come back on its own inbox prefix.
 func TestConsumersAndInboxesArePrivateRBUS11(t *testing.T) {
+	t.Parallel() // its refused acts wait out their bounds
 	e, dir := authServer(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()

@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -551,6 +552,23 @@ func routed(t *testing.T, s *simProc) []sim.RecordedRequest {
 		}
 	}
 	return out
+}
+
+// firstRouted and firstProbe are the positions in s's recorded requests
+// of its first routed request and of its first probe request, -1 when
+// there is none.
+func firstRouted(t *testing.T, s *simProc) int {
+	t.Helper()
+	return slices.IndexFunc(s.requests(t), func(r sim.RecordedRequest) bool {
+		return !strings.HasPrefix(r.RequestID, kvprobe.RequestIDPrefix)
+	})
+}
+
+func firstProbe(t *testing.T, s *simProc) int {
+	t.Helper()
+	return slices.IndexFunc(s.requests(t), func(r sim.RecordedRequest) bool {
+		return strings.HasPrefix(r.RequestID, kvprobe.RequestIDPrefix)
+	})
 }
 
 // probed returns the probe requests s received, by phase.
