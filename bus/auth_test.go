@@ -3,7 +3,6 @@ package bus_test
 import (
 	"context"
 	"errors"
-	"net"
 	"os"
 	"path/filepath"
 	"slices"
@@ -432,15 +431,7 @@ func TestViewerSetupNeedsAdmin(t *testing.T) {
 // not.
 func TestClusterRoutesNeedTheSecret(t *testing.T) {
 	dir, other := bustest.Credentials(t), bustest.Credentials(t)
-	ports := make([]int, 3)
-	for i := range ports {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		ports[i] = l.Addr().(*net.TCPAddr).Port
-		l.Close()
-	}
+	ports := bustest.FreePorts(t, 3)
 	route := func(i int) string { return "nats://127.0.0.1:" + strconv.Itoa(ports[i]) }
 	node := func(name, auth string, i int, routes ...string) *bus.Embedded {
 		return bustest.StartWith(t, bus.EmbeddedOptions{Dir: t.TempDir(), Port: -1, AuthDir: auth, NoSetup: true,

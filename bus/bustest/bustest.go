@@ -9,6 +9,7 @@ package bustest
 
 import (
 	"context"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -182,4 +183,23 @@ func (e *Events) Of(kind, id string) [][]byte {
 		}
 	}
 	return out
+}
+
+// FreePorts returns n TCP ports of 127.0.0.1 that were free when asked
+// (each listened on and closed again), for a cluster's route ports that
+// must be known before its servers start. Another process may take one
+// in between; a server that then cannot listen fails its test. An error
+// listening fails the test.
+func FreePorts(t testing.TB, n int) []int {
+	t.Helper()
+	ports := make([]int, n)
+	for i := range ports {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		ports[i] = l.Addr().(*net.TCPAddr).Port
+		l.Close()
+	}
+	return ports
 }

@@ -3,7 +3,6 @@ package meshview
 import (
 	"context"
 	"fmt"
-	"net"
 	"net/http"
 	"sort"
 	"strconv"
@@ -34,15 +33,7 @@ import (
 // e.g. -benchtime 500x.
 func BenchmarkKVEventToEveryRouter3Nodes(b *testing.B) {
 	dir := bustest.Credentials(b)
-	ports := make([]int, 3)
-	for i := range ports {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			b.Fatal(err)
-		}
-		ports[i] = l.Addr().(*net.TCPAddr).Port
-		l.Close()
-	}
+	ports := bustest.FreePorts(b, 3)
 	var nodes []*bus.Embedded
 	for i := range ports {
 		var routes []string
