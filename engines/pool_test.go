@@ -15,6 +15,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 // rawEngine is an HTTP/1.1 engine written on raw TCP, so that a test
@@ -416,13 +418,7 @@ func waitParked(t *testing.T, fn string) {
 // waitFor polls cond for up to 10 s (a socket state change, not a timer).
 func waitFor(t *testing.T, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatal("condition not reached in 10 s")
-		}
-		time.Sleep(time.Millisecond)
-	}
+	testkit.WaitFor(t, 10*time.Second, "the socket's state", cond)
 }
 
 // TestPoolWaiterGivesUp: a leg waiting at the pool's bound ends with its

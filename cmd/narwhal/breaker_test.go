@@ -56,20 +56,17 @@ func TestBreakerCommandLeads(t *testing.T) {
 		return l.BreakerID
 	}
 	for _, engine := range []string{"p1", "d1"} {
-		for {
+		testkit.WaitFor(t, 10*time.Second, "a placement entry for "+engine, func() bool {
 			e, err := b.Placement().Get(cctx, engine)
-			if err == nil {
-				var el schemas.Eligibility
-				if err := json.Unmarshal(e.Value(), &el); err != nil || !el.Eligible || !strings.HasPrefix(el.BreakerID, "breaker-") {
-					t.Fatalf("placement entry of %s: %s", engine, e.Value())
-				}
-				break
+			if err != nil {
+				return false
 			}
-			if cctx.Err() != nil {
-				t.Fatalf("no placement entry for %s", engine)
+			var el schemas.Eligibility
+			if err := json.Unmarshal(e.Value(), &el); err != nil || !el.Eligible || !strings.HasPrefix(el.BreakerID, "breaker-") {
+				t.Fatalf("placement entry of %s: %s", engine, e.Value())
 			}
-			time.Sleep(5 * time.Millisecond)
-		}
+			return true
+		})
 	}
 	if h := leaseHolder(); h != breakerID() {
 		t.Fatalf("lease held by %q, want %q", h, breakerID())
