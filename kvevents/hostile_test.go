@@ -54,6 +54,16 @@ func TestAgentSurvivesHostilePublisherRPLACE4(t *testing.T) {
 	testkit.WaitFor(t, waitBound, "the over-bound chain counted", func() bool {
 		return series(t, reg, "narwhal_agent_kv_events_total", "outcome", outOverBound) == 1
 	})
+	// A block chained on one the bound refused (SGLang sends one event
+	// per block) is over the bound too, not of an unknown parent.
+	parentless := series(t, reg, "narwhal_agent_kv_events_total", "outcome", outUnknownParent)
+	py.send("array", false, stored([]any{13}, 12, tokens(12*16, 16), nil))
+	testkit.WaitFor(t, waitBound, "the block after the bound counted over it", func() bool {
+		return series(t, reg, "narwhal_agent_kv_events_total", "outcome", outOverBound) == 2
+	})
+	if v := series(t, reg, "narwhal_agent_kv_events_total", "outcome", outUnknownParent); v != parentless {
+		t.Errorf("unknown_parent went from %v to %v on a block after the bound", parentless, v)
+	}
 	if v := series(t, reg, "narwhal_agent_kv_blocks", "rank", "0"); v > 8 {
 		t.Fatalf("narwhal_agent_kv_blocks = %v, above the bound of 8", v)
 	}

@@ -297,13 +297,18 @@ func (r *rank) applyEvent(e *Event) {
 // returns the event's outcome. A block gets a key only when its parent's
 // is known; the map never grows past MaxBlocks; a hash already known
 // under another key (a publisher that contradicts itself) stops the
-// chain there.
+// chain there. An unknown parent while the map is full counts as over
+// the bound: that parent was most likely refused by it, and the chain
+// built on it is what the bound cost.
 func (r *rank) store(e *Event) string {
 	r.keys = r.keys[:0]
 	var parent uint64
 	if e.Parent != 0 {
 		b, ok := r.blocks[e.Parent]
 		if !ok {
+			if len(r.blocks) >= r.br.cfg.MaxBlocks {
+				return outOverBound
+			}
 			return outUnknownParent
 		}
 		parent = b.key
