@@ -349,7 +349,10 @@ func registered(ctx context.Context, spec config.EngineSpec, by string, drainBou
 		err := reg.Drain(dctx)
 		cancel()
 		if err != nil {
-			log.Warn("drain bound passed with legs still in flight on the engine; leaving anyway", "engine_id", spec.ID, "bound", drainBound)
+			// Drain waits for every router's word that it holds no leg on
+			// the engine: legs still in flight, or a bus or routers that
+			// cannot say so, look the same from here.
+			log.Warn("drain bound passed before the routers said the engine has no leg in flight (legs still running, or the bus or the routers unreachable); leaving anyway", "engine_id", spec.ID, "bound", drainBound, "err", err)
 		} else {
 			log.Info("engine drained: no router has a leg on it", "engine_id", spec.ID)
 		}
