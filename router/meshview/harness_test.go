@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"io"
 	"log/slog"
 	"sync"
 	"testing"
@@ -32,6 +31,8 @@ type stack struct {
 	reg  *prometheus.Registry
 	cfg  *config.Config
 	sims map[string]*sim.Server
+	// log holds the view's log lines (text handler).
+	log testkit.LockedBuffer
 }
 
 type engineDef struct {
@@ -80,7 +81,7 @@ func newStack(t testing.TB, defs []engineDef, mutate func(*config.Config)) *stac
 		cancel()
 		wg.Wait()
 	})
-	v, err := New(Options{Config: &cfg, Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Registry: s.reg,
+	v, err := New(Options{Config: &cfg, Logger: slog.New(slog.NewTextHandler(&s.log, nil)), Registry: s.reg,
 		Context: ctx, Go: goFn, KeepsIndex: cfg.Placement.Policy == config.PolicyPrefix})
 	if err != nil {
 		t.Fatal(err)

@@ -75,9 +75,12 @@ type kvShare struct {
 
 // engineFeed is what the router last applied of an engine's batches:
 // when (the router's clock, or the stream's for a batch read back) and
-// when a gap was last filled from the stream.
+// when a gap was last filled from the stream; and when its last gap was
+// logged (the router's clock) with the gaps not logged since.
 type engineFeed struct {
 	applied, filled time.Time
+	gapLogged       time.Time
+	gapsUnlogged    int
 }
 
 var kvOutcomes = [...]string{kvApplied, kvInvalid, kvMismatch, kvUnknown, kvGap, kvDuplicate, kvEpoch}
@@ -170,7 +173,16 @@ func (k *kvShare) apply(subject string, data []byte, at time.Time, fill bool) (g
 		return false
 	case prefix.SeqGap:
 		k.count(iGap)
-		k.v.log.Info("exact prefix index dropped: KV batches missed", "engine_id", m.ID, "epoch", h.Epoch, "seq", h.Seq)
+		// One line per engine per shareLogEvery: an engine's credential
+		// may publish a gap in every batch, and it must not flood the
+		// router's log (the counter has every one).
+		if now := time.Now(); now.Sub(feed.gapLogged) >= shareLogEvery {
+			k.v.log.Info("exact prefix index dropped: KV batches missed", "engine_id", m.ID, "epoch", h.Epoch, "seq", h.Seq,
+				"gaps_not_logged", feed.gapsUnlogged)
+			feed.gapLogged, feed.gapsUnlogged = now, 0
+		} else {
+			feed.gapsUnlogged++
+		}
 	case prefix.SeqNewEpoch:
 		k.count(iEpoch)
 	}

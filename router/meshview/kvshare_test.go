@@ -186,6 +186,17 @@ func TestRouterAppliesEngineKVBatchesRPLACE4(t *testing.T) {
 	if n := kvCount(t, s, "applied"); n != 7 {
 		t.Errorf("applied %v batches, want 7", n)
 	}
+
+	// Gap after gap (a hostile credential's flood): every one counted,
+	// one log line.
+	for range 20 {
+		a.seq += 2
+		a.send(stored(keys[:6]))
+	}
+	testkit.WaitFor(t, kvWait, "21 gaps counted", func() bool { return kvCount(t, s, "gap") == 21 })
+	if n := strings.Count(s.log.String(), "KV batches missed"); n != 1 {
+		t.Errorf("%d log lines for 21 gaps of one engine within %v, want 1", n, shareLogEvery)
+	}
 }
 
 // TestForgedKVBatchesRefusedRPLACE4 (R-BUS-11, R-BUS-9): engine p1's
