@@ -58,6 +58,12 @@ const (
 	DefaultCheckpoint = time.Minute
 	// defaultHandshake bounds a ZeroMQ peer's greeting and READY.
 	defaultHandshake = 2 * time.Second
+	// defaultMessageWait bounds one message, from its first frame's
+	// header to its last byte: a 4 MiB message takes milliseconds on any
+	// network an engine and its agent share, so a publisher still
+	// sending one after 5 s is stuck or hostile and its connection ends
+	// (the agent dials again). Silence between messages is not bounded.
+	defaultMessageWait = 5 * time.Second
 	// redialMin and redialMax bound the wait before the agent dials a
 	// publisher again after its connection ended or a dial failed.
 	redialMin = 50 * time.Millisecond
@@ -109,6 +115,10 @@ type Config struct {
 	// MaxMessage bounds one ZeroMQ message in bytes (0:
 	// DefaultMaxMessage); a larger one ends its connection.
 	MaxMessage int
+	// MessageWait bounds one ZeroMQ message from its first frame's header
+	// to its last byte (0: 5 s); a publisher slower than that has its
+	// connection ended.
+	MessageWait time.Duration
 	// Flush is how long a batch waits for more ops (0: DefaultFlush).
 	Flush time.Duration
 	// ReplayWait bounds one replay (0: DefaultReplayWait).
@@ -145,7 +155,7 @@ func New(cfg Config) (*Bridge, error) {
 	if len(cfg.Sources) == 0 {
 		return nil, errors.New("kv events: no publisher endpoint")
 	}
-	if cfg.MaxBlocks < 0 || cfg.MaxMessage < 0 || cfg.Flush < 0 || cfg.ReplayWait < 0 || cfg.Queue < 0 {
+	if cfg.MaxBlocks < 0 || cfg.MaxMessage < 0 || cfg.MessageWait < 0 || cfg.Flush < 0 || cfg.ReplayWait < 0 || cfg.Queue < 0 {
 		return nil, errors.New("kv events: bounds must be >= 0")
 	}
 	var ranks []int
@@ -169,6 +179,7 @@ func New(cfg Config) (*Bridge, error) {
 	}
 	cfg.MaxBlocks = orDefault(cfg.MaxBlocks, DefaultMaxBlocks)
 	cfg.MaxMessage = orDefault(cfg.MaxMessage, DefaultMaxMessage)
+	cfg.MessageWait = orDefault(cfg.MessageWait, defaultMessageWait)
 	cfg.Flush = orDefault(cfg.Flush, DefaultFlush)
 	cfg.ReplayWait = orDefault(cfg.ReplayWait, DefaultReplayWait)
 	cfg.Queue = orDefault(cfg.Queue, DefaultQueue)
@@ -232,7 +243,7 @@ func (b *Bridge) Run(ctx context.Context, pub BusPublisher) error {
 
 // limits returns the guarded transport's bounds for a socket of rank.
 func (b *Bridge) limits(label string) guardLimits {
-	return guardLimits{maxMessage: b.cfg.MaxMessage, handshake: defaultHandshake,
+	return guardLimits{maxMessage: b.cfg.MaxMessage, handshake: defaultHandshake, message: b.cfg.MessageWait,
 		refused: func(reason string) {
 			b.m.conns.WithLabelValues(label, connRefused).Inc()
 			b.rlog.warn("stream"+label, "KV events: a ZeroMQ connection refused", "rank", label, "why", reason)

@@ -124,13 +124,15 @@ var pubMetadata = []byte("\x0bSocket-Type\x00\x00\x00\x03PUB")
 // TestAgentGuardsZMTPRPLACE4 (R-PLACE-4): on the agent's bound endpoint,
 // peers that say nothing, send a bad greeting, a READY whose metadata
 // would make zmq4 index past its end (a panic), a frame header claiming
-// 2^62 bytes (zmq4 would allocate it), or a message of 17 frames are
-// each cut off, and a real publisher that connects afterwards is read.
+// 2^62 bytes (zmq4 would allocate it), a message of 17 frames, or a
+// message begun and never finished (a trickle: its bound here 300 ms)
+// are each cut off, and a real publisher that connects afterwards is
+// read.
 func TestAgentGuardsZMTPRPLACE4(t *testing.T) {
 	testkit.CheckLeaks(t)
 	kb := startBus(t, "e1")
 	ep := freeEndpoint(t)
-	_, reg := runAgent(t, kb, Config{Sources: []Source{{Rank: 0, Endpoint: ep, Bind: true}}})
+	_, reg := runAgent(t, kb, Config{Sources: []Source{{Rank: 0, Endpoint: ep, Bind: true}}, MessageWait: 300 * time.Millisecond})
 	addr := strings.TrimPrefix(ep, "tcp://")
 	var dialed net.Conn
 	testkit.WaitFor(t, waitBound, "the agent's bound endpoint", func() bool {
@@ -160,6 +162,9 @@ func TestAgentGuardsZMTPRPLACE4(t *testing.T) {
 		{"READY metadata value past the end", append(zmtpGreetingBytes(), zmtpCommand(readyOf([]byte("\x01a\x00\x00\x00\x09x")))...)},
 		{"a 2^62-byte frame", append(slices.Clone(handshake), long...)},
 		{"a message of 17 frames", append(slices.Clone(handshake), many...)},
+		// A frame of 100 bytes of which 10 come, then nothing: a trickling
+		// publisher's message never ends.
+		{"a message never finished", append(append(slices.Clone(handshake), 0, 100), make([]byte, 10)...)},
 	}
 	before := series(t, reg, "narwhal_agent_kv_connections_total", "outcome", connRefused)
 	for _, a := range attacks {

@@ -25,8 +25,10 @@ import (
 // it parses the ZMTP stream ahead of zmq4 and ends the connection — before
 // zmq4 allocates anything for it — at a frame larger than the message
 // bound, a message of more frames or bytes than the bounds, a command
-// larger than 64 KiB, a malformed greeting or READY, or a handshake not
-// done within the handshake bound.
+// larger than 64 KiB, a malformed greeting or READY, a handshake not
+// done within the handshake bound, or a message not whole within the
+// message bound (a publisher trickling a message would hold the
+// connection, and the rank's events behind it, for as long as it likes).
 
 // Transports the agent registers with zmq4: the same networks as tcp://
 // and ipc://, through guardConn.
@@ -52,6 +54,7 @@ const (
 type guardLimits struct {
 	maxMessage int           // bytes of one message, all its frames
 	handshake  time.Duration // greeting and READY within this
+	message    time.Duration // each message, first header to last byte, within this (0: unbounded)
 	refused    func(reason string)
 	connected  func()
 }
@@ -97,7 +100,7 @@ func limitsOf(ctx context.Context) guardLimits {
 	if lim, ok := ctx.Value(limitsKey{}).(guardLimits); ok {
 		return lim
 	}
-	return guardLimits{maxMessage: DefaultMaxMessage, handshake: defaultHandshake}
+	return guardLimits{maxMessage: DefaultMaxMessage, handshake: defaultHandshake, message: defaultMessageWait}
 }
 
 // guardTransport wraps every connection of inner in a guardConn.
@@ -159,6 +162,7 @@ type guardConn struct {
 	msgBytes  int
 	msgFrames int
 	inMsg     bool
+	open      bool // a message's first header was read and its last byte not yet: its deadline runs
 	err       error
 }
 
@@ -208,8 +212,13 @@ func (g *guardConn) Read(p []byte) (int, error) {
 		}
 		if err != nil {
 			var ne net.Error
-			if !g.ready && errors.As(err, &ne) && ne.Timeout() {
-				return 0, g.fail("no handshake within the bound")
+			if errors.As(err, &ne) && ne.Timeout() {
+				switch {
+				case !g.ready:
+					return 0, g.fail("no handshake within the bound")
+				case g.open:
+					return 0, g.fail("a message not whole within the bound")
+				}
 			}
 			return 0, err
 		}
@@ -239,6 +248,7 @@ func (g *guardConn) advance() error {
 			n := min(uint64(len(avail)), g.bodyLeft)
 			g.bodyLeft -= n
 			g.check += int(n)
+			g.closeMessage()
 			continue
 		}
 		flags := avail[0]
@@ -285,6 +295,10 @@ func (g *guardConn) advance() error {
 			return g.fail(fmt.Sprintf("a message of more than %d frames", maxFrames))
 		}
 		g.msgBytes += int(size)
+		if !g.open && g.lim.message > 0 {
+			g.open = true
+			_ = g.Conn.SetReadDeadline(time.Now().Add(g.lim.message))
+		}
 		if flags&zmtpFlagMore != 0 {
 			g.inMsg = true
 		} else {
@@ -292,8 +306,18 @@ func (g *guardConn) advance() error {
 		}
 		g.bodyLeft = size
 		g.check += hdr
+		g.closeMessage()
 	}
 	return nil
+}
+
+// closeMessage lifts the message deadline once the open message's last
+// frame has passed whole.
+func (g *guardConn) closeMessage() {
+	if g.open && !g.inMsg && g.bodyLeft == 0 {
+		g.open = false
+		_ = g.Conn.SetReadDeadline(time.Time{})
+	}
 }
 
 // checkCommand checks a whole command: a name, and for READY well-formed
