@@ -2,12 +2,15 @@ package router
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
+	"io"
 	"log/slog"
 	"net"
 	"strconv"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -133,7 +136,7 @@ func (l *doorListener) Accept() (net.Conn, error) {
 	for {
 		c, err := l.Listener.Accept()
 		if err == nil {
-			return c, nil
+			return &doorConn{Conn: c}, nil
 		}
 		select {
 		case <-l.done:
@@ -156,6 +159,65 @@ func (l *doorListener) Accept() (net.Conn, error) {
 			t.Stop()
 			return nil, net.ErrClosed
 		}
+	}
+}
+
+// Lingering after a body refused unread (doorConn): the client gets the
+// router's answer if it sends what is left of its body within
+// lingerWait, up to lingerBytes of it.
+const (
+	lingerWait  = 2 * time.Second
+	lingerBytes = 64 << 20
+)
+
+// doorConn is a client connection. When the router answered without
+// reading the request's body (a 413, a 503 for body memory, a 401: the
+// body is still on the wire), closing it with those bytes unread would
+// make the kernel reset the connection, and a client that writes its
+// whole body before reading (most HTTP libraries do) would get
+// ECONNRESET instead of the answer. Such a connection lingers on Close,
+// as web servers do: it shuts its write side (the answer is sent), then
+// reads and discards what the client still sends, for at most
+// lingerWait and lingerBytes, and only then closes.
+type doorConn struct {
+	net.Conn
+	linger atomic.Bool
+}
+
+// NetConn returns the connection under it (for the send-buffer and
+// disconnect code that needs the TCP socket).
+func (c *doorConn) NetConn() net.Conn { return c.Conn }
+
+// SyscallConn returns the raw socket of the connection under it.
+func (c *doorConn) SyscallConn() (syscall.RawConn, error) {
+	sc, ok := c.Conn.(syscall.Conn)
+	if !ok {
+		return nil, errors.ErrUnsupported
+	}
+	return sc.SyscallConn()
+}
+
+// Close closes the connection, lingering first when lingerOnClose marked
+// it.
+func (c *doorConn) Close() error {
+	if c.linger.Load() {
+		if cw, ok := c.Conn.(interface{ CloseWrite() error }); ok && cw.CloseWrite() == nil {
+			_ = c.Conn.SetReadDeadline(time.Now().Add(lingerWait))
+			_, _ = io.CopyN(io.Discard, c.Conn, lingerBytes)
+		}
+	}
+	return c.Conn.Close()
+}
+
+// lingerOnClose marks ctx's connection (under TLS, the socket's) to
+// linger when it closes: the request's body was refused unread.
+func lingerOnClose(ctx *fasthttp.RequestCtx) {
+	conn := ctx.Conn()
+	if tc, ok := conn.(*tls.Conn); ok {
+		conn = tc.NetConn()
+	}
+	if dc, ok := conn.(*doorConn); ok {
+		dc.linger.Store(true)
 	}
 }
 
@@ -223,6 +285,9 @@ func (rt *Router) serverError(ctx *fasthttp.RequestCtx, err error) {
 	fd.bodies.release(reserved)
 	var small *fasthttp.ErrSmallBuffer
 	var netErr net.Error
+	if errors.Is(err, fasthttp.ErrBodyTooLarge) {
+		lingerOnClose(ctx)
+	}
 	if fd.tickets.authRefused(&ctx.Request.Header) && errors.Is(err, fasthttp.ErrBodyTooLarge) {
 		ctx.SetConnectionClose() // the body is on the wire, unread
 		rt.authenticate(ctx)

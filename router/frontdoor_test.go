@@ -668,6 +668,32 @@ func TestExpectContinueRefusedBeforeTheBodyRAPI7(t *testing.T) {
 	}
 }
 
+// TestBodyTooLargeAnsweredToAClientThatSendsItAllRAPI7: a client that
+// writes its whole 24 MiB body before reading (as most HTTP libraries
+// do) gets the router's 413, not a connection reset: the router lingers,
+// discarding the body it refused, before it closes.
+func TestBodyTooLargeAnsweredToAClientThatSendsItAllRAPI7(t *testing.T) {
+	s := newStack(t, pd(), func(c *config.Config) { c.Request.MaxBodyBytes = 1 << 20 })
+	s.waitModels()
+	c := s.dial()
+	const size = 24 << 20
+	fmt.Fprintf(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n", size)
+	_ = c.SetWriteDeadline(time.Now().Add(10 * time.Second))
+	chunk := bytes.Repeat([]byte("x"), 1<<20)
+	for sent := 0; sent < size; sent += len(chunk) {
+		if _, err := c.Write(chunk); err != nil {
+			t.Fatalf("writing the body at %d of %d bytes: %v", sent, size, err)
+		}
+	}
+	resp, b := readResponse(t, c, 5*time.Second)
+	if resp.StatusCode != 413 {
+		t.Fatalf("status %d, want 413: %s", resp.StatusCode, b)
+	}
+	if e := errorObject(t, b); !strings.Contains(e.Message, "request.max_body_bytes") {
+		t.Fatalf("error %+v", e)
+	}
+}
+
 // TestBodyRefusalsPublishNoEventRAPI4 proves that a request refused on
 // its body (behaviour.md R-API-4, R-API-8: JSON that does not parse, a
 // missing field, a value over a request limit) gets its 400 with no
