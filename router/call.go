@@ -12,6 +12,7 @@ import (
 	"github.com/valyala/fasthttp"
 
 	"github.com/narwhalmesh/narwhal/engines"
+	"github.com/narwhalmesh/narwhal/prefix"
 	"github.com/narwhalmesh/narwhal/router/meshview"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
@@ -49,11 +50,13 @@ type call struct {
 	unpublished bool
 
 	producer, consumer *member
-	prefillTokens      int64               // the producer attempt's estimated uncached tokens, reserved with its prefill slot (R-PLACE-3)
-	prediction         meshview.Prediction // what the placement predicted of the producer attempt (R-PLACE-3)
-	holdPrefill        atomic.Bool         // producer's prefill slot is reserved (released from the prefill's goroutine too)
-	holdDecode         bool                // consumer's decode slot is reserved
-	live               *engines.Attempt    // the committed attempt, until finish ends its legs
+	prefillTokens      int64                 // the producer attempt's estimated uncached tokens, reserved with its prefill slot (R-PLACE-3)
+	inflight           prefix.InflightTicket // the producer attempt's prompt in its exact engine's Inflight (R-PLACE-4), settled with the prefill slot
+	inflightOn         *member               // the engine of inflight, nil when none
+	prediction         meshview.Prediction   // what the placement predicted of the producer attempt (R-PLACE-3)
+	holdPrefill        atomic.Bool           // producer's prefill slot is reserved (released from the prefill's goroutine too)
+	holdDecode         bool                  // consumer's decode slot is reserved
+	live               *engines.Attempt      // the committed attempt, until finish ends its legs
 	backendID          string
 	stream             *engines.Stream
 	pending            []heldChunk // metadata read before the first output
@@ -351,6 +354,10 @@ func (c *call) releasePrefill() {
 	if c.holdPrefill.CompareAndSwap(true, false) {
 		c.producer.Release(prefillPhase)
 		c.producer.AddTokens(-c.prefillTokens)
+		if c.inflightOn != nil {
+			c.inflightOn.Inflight().Settle(c.inflight, time.Now().Add(inflightGrace).UnixNano())
+			c.inflightOn = nil
+		}
 	}
 }
 

@@ -43,10 +43,13 @@ func fakeTokens(prompt string) []uint32 {
 // every other request goes to the simulator behind it. It records when
 // each prefill arrived.
 type tokenizingEngine struct {
-	srv      *httptest.Server
-	hang     atomic.Bool
-	stop     chan struct{} // closed when the test ends: a hanging answer ends
-	calls    atomic.Int64
+	srv   *httptest.Server
+	hang  atomic.Bool
+	stop  chan struct{} // closed when the test ends: a hanging answer ends
+	calls atomic.Int64
+	// gate, while set, holds each completion at the front (after its
+	// arrival is recorded) until the channel is closed.
+	gate     atomic.Pointer[chan struct{}]
 	mu       sync.Mutex
 	prefills []time.Time
 }
@@ -64,6 +67,15 @@ func newTokenizingEngine(t testing.TB, simURL string) *tokenizingEngine {
 				te.mu.Lock()
 				te.prefills = append(te.prefills, time.Now())
 				te.mu.Unlock()
+				if g := te.gate.Load(); g != nil {
+					select {
+					case <-*g:
+					case <-r.Context().Done():
+						return
+					case <-te.stop:
+						return
+					}
+				}
 			}
 			proxy.ServeHTTP(w, r)
 			return
@@ -91,6 +103,13 @@ func newTokenizingEngine(t testing.TB, simURL string) *tokenizingEngine {
 	t.Cleanup(te.srv.Close)
 	t.Cleanup(func() { close(te.stop) }) // before Close, which waits for the handlers
 	return te
+}
+
+// arrived returns how many completions reached the engine.
+func (te *tokenizingEngine) arrived() int {
+	te.mu.Lock()
+	defer te.mu.Unlock()
+	return len(te.prefills)
 }
 
 // firstPrefill returns when the first prefill reached the engine, zero
@@ -220,6 +239,59 @@ func TestExactIndexDecidesWhereItHasAMatchRPLACE4(t *testing.T) {
 		if got := prefilledOn(t, s, b); got != "p2" {
 			t.Fatalf("request %d of a prompt p1 reported removed prefilled on %s, want p2", i, got)
 		}
+	}
+}
+
+// TestInflightPromptFollowsItsEngineRPLACE4: a prompt placed on an exact
+// engine whose events have not reported its blocks yet (its prefill is
+// still in flight) draws the same prompt again to that engine, though the
+// engine has the first one's work queued and the other engine is idle:
+// both exact, both reporting nothing of it. Once the first attempts end
+// and the grace passes, the credit is gone: a third request goes where
+// the exact index says a part of the prompt is.
+func TestInflightPromptFollowsItsEngineRPLACE4(t *testing.T) {
+	s, fronts := exactStack(t, nil)
+	a := exactPrompt(9, 4000) // 62 blocks
+	holds(t, s, "p1", a, 0, 0)
+	holds(t, s, "p2", a, 0, 0)
+	gate := make(chan struct{})
+	for _, te := range fronts {
+		te.gate.Store(&gate)
+	}
+	arrived := func() int { return fronts["p1"].arrived() + fronts["p2"].arrived() }
+	type answer struct {
+		status int
+		engine string
+		body   []byte
+	}
+	answers := make(chan answer, 2)
+	send := func() {
+		resp, b := s.post(schemas.EndpointCompletions, completionBody(a))
+		answers <- answer{resp.StatusCode, resp.Header.Get("X-Narwhal-Prefill-Engine"), b}
+	}
+	go send()
+	testkit.WaitFor(t, 5*time.Second, "the first prefill held at its engine", func() bool { return arrived() == 1 })
+	go send()
+	testkit.WaitFor(t, 5*time.Second, "the second prefill held at its engine", func() bool { return arrived() == 2 })
+	if fronts["p1"].arrived() != 2 && fronts["p2"].arrived() != 2 {
+		t.Fatalf("the two requests of one prompt were prefilled on p1 %d and p2 %d times; want both on one engine",
+			fronts["p1"].arrived(), fronts["p2"].arrived())
+	}
+	close(gate)
+	one, two := <-answers, <-answers
+	if one.status != 200 || two.status != 200 || one.engine != two.engine {
+		t.Fatalf("answers %d from %s (%s) and %d from %s (%s); want 200 from one engine", one.status, one.engine, one.body, two.status, two.engine, two.body)
+	}
+	first := one.engine
+	other := map[string]string{"p1": "p2", "p2": "p1"}[first]
+	m := s.rt.view.Fleet().Member(first)
+	keys := prefix.AppendTokenKeys(nil, fakeTokens(a), 16, 0)
+	testkit.WaitFor(t, 5*time.Second, "the credit of the ended attempts to run out", func() bool {
+		return m.Inflight().Match(keys, time.Now().UnixNano()) == 0
+	})
+	holds(t, s, other, a, 10, 0)
+	if got := prefilledOn(t, s, a); got != other {
+		t.Fatalf("after the grace a request went to %s, want %s (its exact index holds 10 blocks; %s reports none)", got, other, first)
 	}
 }
 

@@ -83,9 +83,19 @@ func (sc *placeScratch) weighExact(mesh meshView) {
 		return
 	}
 	exactOnly := mesh.IndexMode() == config.IndexExact
+	var now int64
 	for i, m := range sc.ms {
 		if bs, ok := mesh.ExactBlockSize(m.ID); ok {
-			if em, ok := mesh.MatchExact(m.ID, sc.keysFor(bs)); ok {
+			keys := sc.keysFor(bs)
+			if em, ok := mesh.MatchExact(m.ID, keys); ok {
+				if now == 0 {
+					now = time.Now().UnixNano()
+				}
+				if n := m.Inflight().Match(keys, now); n > em.GPU {
+					// Placed here and not reported yet: stored by the
+					// time this request runs, as if in GPU memory.
+					em.GPU, em.Host, em.Any = n, max(em.Host, n), max(em.Any, n)
+				}
 				sc.cands[i].Exact, sc.cands[i].CachedTokens = true, em.CachedTokens(bs)
 				continue
 			}
@@ -93,6 +103,13 @@ func (sc *placeScratch) weighExact(mesh meshView) {
 		sc.cands[i].Exact = exactOnly
 	}
 }
+
+// inflightGrace is how long after a prefill attempt ends placement still
+// credits its prompt to its exact engine (prefix.Inflight, R-PLACE-4):
+// the time its blocks' events take to reach the router, whose target is
+// 100 ms at p99, with room to spare; after it the exact index alone says
+// what the engine holds.
+const inflightGrace = 250 * time.Millisecond
 
 // maxPooledPrompt is the largest rendered-prompt buffer kept for reuse:
 // a rare huge prompt does not pin its buffer in the pool.
@@ -263,6 +280,10 @@ func (c *call) placeLegs(avoid *avoidSet) (prod, cons *member, f *engines.Fault)
 		prod.Release(prefillPhase)
 		prod.AddTokens(-c.prefillTokens)
 		c.prefillTokens = 0
+		if c.inflightOn != nil {
+			c.inflightOn.Inflight().Settle(c.inflight, 0)
+			c.inflightOn = nil
+		}
 		return nil, nil, noEngine(decodePhase)
 	}
 	return prod, cons, nil
@@ -320,6 +341,11 @@ func (c *call) placeProducer(fl *fleet, avoid []*member) (*member, error) {
 		c.prefillTokens = sc.work.Tokens - cached
 	}
 	m.AddTokens(c.prefillTokens)
+	if exact {
+		if bs, ok := c.rt.mesh.ExactBlockSize(m.ID); ok {
+			c.inflight, c.inflightOn = m.Inflight().Add(sc.keysFor(bs), time.Now().UnixNano()), m
+		}
+	}
 	c.prediction = meshview.Prediction{Model: c.req.Model, Hashes: sc.hashes, Matched: matched, PromptBytes: promptBytes, Whole: whole,
 		Exact: exact, ExactTokens: cached}
 	if len(sc.hashes) > 0 {

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/narwhalmesh/narwhal/engines"
+	"github.com/narwhalmesh/narwhal/prefix"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -109,6 +110,9 @@ type Member struct {
 	// fromConfig: the engine came from this router's config file; kept
 	// while narwhal_fleet has no key for it (it is seeded there).
 	fromConfig bool
+	// inflight is the prompts this router placed on the engine whose
+	// blocks its KV events may not report yet (R-PLACE-4).
+	inflight prefix.Inflight
 }
 
 // maxServedModels bounds Member.served: an engine that lists ever new
@@ -277,6 +281,11 @@ func (m *Member) SetRunning(n int64) {
 // /metrics was last read (SetRunning): the part of its waiting and
 // running counts the mesh knows the work of.
 func (m *Member) LegsAtRead() int64 { return m.legsAtRead.Load() }
+
+// Inflight returns the prompts this router placed on the engine that its
+// KV events may not report yet, which placement credits to an exact
+// engine (behaviour.md R-PLACE-4; prefix.Inflight).
+func (m *Member) Inflight() *prefix.Inflight { return &m.inflight }
 
 // AddTokens adds n (negative: removes) to the estimated uncached prefill
 // tokens this router has in flight on the engine (behaviour.md
