@@ -3,6 +3,8 @@ package kvevents
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
+	"io"
 	"net"
 	"slices"
 	"strings"
@@ -125,8 +127,8 @@ var pubMetadata = []byte("\x0bSocket-Type\x00\x00\x00\x03PUB")
 // peers that say nothing, send a bad greeting, a READY whose metadata
 // would make zmq4 index past its end (a panic), a frame header claiming
 // 2^62 bytes (zmq4 would allocate it), a message of 17 frames, or a
-// message begun and never finished (a trickle: its bound here 300 ms)
-// are each cut off, and a real publisher that connects afterwards is
+// message, a frame header or a command begun and never finished (a
+// trickle: the bound here 300 ms) are each cut off, and a real publisher that connects afterwards is
 // read.
 func TestAgentGuardsZMTPRPLACE4(t *testing.T) {
 	testkit.CheckLeaks(t)
@@ -165,6 +167,10 @@ func TestAgentGuardsZMTPRPLACE4(t *testing.T) {
 		// A frame of 100 bytes of which 10 come, then nothing: a trickling
 		// publisher's message never ends.
 		{"a message never finished", append(append(slices.Clone(handshake), 0, 100), make([]byte, 10)...)},
+		// A frame header begun (4 of a long header's 9 bytes), and a
+		// command begun: held open the same way.
+		{"a frame header never finished", append(slices.Clone(handshake), zmtpFlagLong, 0, 0, 0)},
+		{"a command never finished", append(slices.Clone(handshake), zmtpFlagCmd, 0xff, 4, 'P', 'I', 'N', 'G')},
 	}
 	before := series(t, reg, "narwhal_agent_kv_connections_total", "outcome", connRefused)
 	for _, a := range attacks {
@@ -213,5 +219,63 @@ func bytesUntilEOF(c net.Conn) ([]byte, error) {
 			}
 			return buf.Bytes(), nil
 		}
+	}
+}
+
+// TestGuardBoundsThePublisherNotTheReaderRPLACE4: the message bound
+// counts the time the guard waits on the socket, not the time the reader
+// above it takes. A reader that pauses past the bound (zmq4's queue full
+// behind a slow bus) while the next message has begun in the guard's
+// buffer does not get a prompt publisher cut off; a publisher that then
+// stalls in the middle of a message is, with the bound's reason.
+func TestGuardBoundsThePublisherNotTheReaderRPLACE4(t *testing.T) {
+	srv, cli := net.Pipe()
+	defer cli.Close()
+	const bound = 200 * time.Millisecond
+	g := newGuardConn(srv, guardLimits{maxMessage: 1 << 20, handshake: time.Second, message: bound})
+	defer g.Close()
+	// The handshake, a message "abc", and the first byte of the next, a
+	// 4-byte one; its other 3 bytes follow as soon as the guard reads.
+	first := append(append(zmtpGreetingBytes(), zmtpCommand(readyOf(pubMetadata))...), 0, 3, 'a', 'b', 'c', 0, 4, 'w')
+	wrote := make(chan error, 1)
+	go func() {
+		_, err := cli.Write(first)
+		if err == nil {
+			_, err = cli.Write([]byte("xyz"))
+		}
+		wrote <- err
+	}()
+	got := make([]byte, len(first))
+	if _, err := io.ReadFull(g, got); err != nil || !bytes.Equal(got, first) {
+		t.Fatalf("reading the first bytes: %v (%q)", err, got)
+	}
+	time.Sleep(2 * bound) // the reader above is slow: not the publisher's time
+	rest := make([]byte, 3)
+	if _, err := io.ReadFull(g, rest); err != nil || string(rest) != "xyz" {
+		t.Fatalf("a prompt publisher's message was cut after the reader paused: %v (%q)", err, rest)
+	}
+	if err := <-wrote; err != nil {
+		t.Fatal(err)
+	}
+
+	go func() { _, _ = cli.Write([]byte{0, 5, 'q'}) }() // 1 of 5 bytes, then nothing
+	failed := make(chan error, 1)
+	go func() {
+		buf := make([]byte, 16)
+		for {
+			if _, err := g.Read(buf); err != nil {
+				failed <- err
+				return
+			}
+		}
+	}()
+	select {
+	case err := <-failed:
+		var ge *guardError
+		if !errors.As(err, &ge) || !strings.Contains(ge.reason, "not whole") {
+			t.Fatalf("a stalled message ended the read with %v, want the message bound", err)
+		}
+	case <-time.After(10 * bound):
+		t.Fatal("a message stalled in its middle was not cut off")
 	}
 }

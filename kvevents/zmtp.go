@@ -162,8 +162,14 @@ type guardConn struct {
 	msgBytes  int
 	msgFrames int
 	inMsg     bool
-	open      bool // a message's first header was read and its last byte not yet: its deadline runs
-	err       error
+	// open: a frame (a message's first, or a command) began after the
+	// handshake and its message or command is not whole yet. waited is
+	// how long the guard has waited on the socket since: the message
+	// bound counts that time only, not the time the reader above it did
+	// not ask for more (a slow consumer is not a slow publisher).
+	open   bool
+	waited time.Duration
+	err    error
 }
 
 func newGuardConn(c net.Conn, lim guardLimits) *guardConn {
@@ -202,7 +208,7 @@ func (g *guardConn) Read(p []byte) (int, error) {
 			g.filled = n
 			g.served = 0
 		}
-		n, err := g.Conn.Read(g.buf[g.filled:])
+		n, err := g.readConn()
 		g.filled += n
 		if perr := g.advance(); perr != nil {
 			return 0, perr
@@ -228,6 +234,24 @@ func (g *guardConn) Read(p []byte) (int, error) {
 	return n, nil
 }
 
+// readConn reads from the connection into buf[filled:]. While a message
+// or command is open it bounds the read by what is left of the message
+// bound, and counts the time it waited.
+func (g *guardConn) readConn() (int, error) {
+	if !g.open {
+		return g.Conn.Read(g.buf[g.filled:])
+	}
+	left := g.lim.message - g.waited
+	if left <= 0 {
+		return 0, g.fail("a message not whole within the bound")
+	}
+	start := time.Now()
+	_ = g.Conn.SetReadDeadline(start.Add(left))
+	n, err := g.Conn.Read(g.buf[g.filled:])
+	g.waited += time.Since(start)
+	return n, err
+}
+
 // advance checks what it can of buf[check:filled].
 func (g *guardConn) advance() error {
 	for g.check < g.filled {
@@ -250,6 +274,11 @@ func (g *guardConn) advance() error {
 			g.check += int(n)
 			g.closeMessage()
 			continue
+		}
+		if g.ready && !g.open && g.lim.message > 0 {
+			// A frame begins: its message (or command) must be whole
+			// within the bound, its header included.
+			g.open, g.waited = true, 0
 		}
 		flags := avail[0]
 		if flags&^(zmtpFlagMore|zmtpFlagLong|zmtpFlagCmd) != 0 {
@@ -282,6 +311,7 @@ func (g *guardConn) advance() error {
 				return err
 			}
 			g.check += hdr + int(size)
+			g.closeMessage()
 			continue
 		}
 		if !g.ready {
@@ -295,10 +325,6 @@ func (g *guardConn) advance() error {
 			return g.fail(fmt.Sprintf("a message of more than %d frames", maxFrames))
 		}
 		g.msgBytes += int(size)
-		if !g.open && g.lim.message > 0 {
-			g.open = true
-			_ = g.Conn.SetReadDeadline(time.Now().Add(g.lim.message))
-		}
 		if flags&zmtpFlagMore != 0 {
 			g.inMsg = true
 		} else {
@@ -311,8 +337,9 @@ func (g *guardConn) advance() error {
 	return nil
 }
 
-// closeMessage lifts the message deadline once the open message's last
-// frame has passed whole.
+// closeMessage ends the open message's bound once its last frame (or
+// the command) has passed whole; silence until the next frame is not
+// bounded.
 func (g *guardConn) closeMessage() {
 	if g.open && !g.inMsg && g.bodyLeft == 0 {
 		g.open = false
