@@ -144,6 +144,8 @@ func (c *call) attemptFailed(a *engines.Attempt, f *engines.Fault) *engines.Faul
 	}
 	if t, _ := a.Finish(0); !t.IsZero() {
 		c.ttft = t.Sub(c.arrival)
+	} else {
+		c.dropInflight() // no prefill completed: the engine may hold nothing of it (R-PLACE-4)
 	}
 	c.releasePrefill()
 	c.releaseDecode()

@@ -52,7 +52,7 @@ type call struct {
 	producer, consumer *member
 	prefillTokens      int64                 // the producer attempt's estimated uncached tokens, reserved with its prefill slot (R-PLACE-3)
 	inflight           prefix.InflightTicket // the producer attempt's prompt in its exact engine's Inflight (R-PLACE-4), settled with the prefill slot
-	inflightOn         *member               // the engine of inflight, nil when none
+	inflightOn         *member               // the engine of inflight, nil when none; both set before the attempt runs
 	prediction         meshview.Prediction   // what the placement predicted of the producer attempt (R-PLACE-3)
 	holdPrefill        atomic.Bool           // producer's prefill slot is reserved (released from the prefill's goroutine too)
 	holdDecode         bool                  // consumer's decode slot is reserved
@@ -356,8 +356,20 @@ func (c *call) releasePrefill() {
 		c.producer.AddTokens(-c.prefillTokens)
 		if c.inflightOn != nil {
 			c.inflightOn.Inflight().Settle(c.inflight, time.Now().Add(inflightGrace).UnixNano())
-			c.inflightOn = nil
 		}
+	}
+}
+
+// dropInflight ends, at once, the credit of the producer attempt's prompt
+// at its exact engine (prefix.Inflight, R-PLACE-4): the attempt failed
+// before its prefill completed, so the engine may hold none of it. The
+// prefill slot itself is released by releasePrefill. It may race with
+// releasePrefill's grace on the prefill's goroutine: both only read
+// c.inflight and c.inflightOn, set before the attempt runs, and a slot
+// freed stays free whichever Settle comes last.
+func (c *call) dropInflight() {
+	if c.inflightOn != nil {
+		c.inflightOn.Inflight().Settle(c.inflight, 0)
 	}
 }
 

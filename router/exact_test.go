@@ -49,7 +49,9 @@ type tokenizingEngine struct {
 	calls atomic.Int64
 	// gate, while set, holds each completion at the front (after its
 	// arrival is recorded) until the channel is closed.
-	gate     atomic.Pointer[chan struct{}]
+	gate atomic.Pointer[chan struct{}]
+	// fail, while set, answers each completion 500 (after recording it).
+	fail     atomic.Bool
 	mu       sync.Mutex
 	prefills []time.Time
 }
@@ -67,6 +69,10 @@ func newTokenizingEngine(t testing.TB, simURL string) *tokenizingEngine {
 				te.mu.Lock()
 				te.prefills = append(te.prefills, time.Now())
 				te.mu.Unlock()
+				if te.fail.Load() {
+					http.Error(w, `{"error":{"message":"engine fault","type":"InternalServerError","param":null,"code":500}}`, http.StatusInternalServerError)
+					return
+				}
 				if g := te.gate.Load(); g != nil {
 					select {
 					case <-*g:
@@ -292,6 +298,36 @@ func TestInflightPromptFollowsItsEngineRPLACE4(t *testing.T) {
 	holds(t, s, other, a, 10, 0)
 	if got := prefilledOn(t, s, a); got != other {
 		t.Fatalf("after the grace a request went to %s, want %s (its exact index holds 10 blocks; %s reports none)", got, other, first)
+	}
+}
+
+// TestFailedPrefillDropsItsCreditRPLACE4: a prefill attempt that fails
+// before completing (the engine answers 500; the request is retried on
+// the other engine) leaves no credit at its engine: the engine may hold
+// nothing of the prompt, and the next request of it must not be drawn
+// there by the failed attempt. The retry's own credit stands.
+func TestFailedPrefillDropsItsCreditRPLACE4(t *testing.T) {
+	s, fronts := exactStack(t, func(c *config.Config) {
+		c.Recovery.RetryAttempts = 1
+		c.Recovery.RetryBudgetRatio = 1 // the budget is not what this test is about
+	})
+	a := exactPrompt(10, 4000)
+	holds(t, s, "p1", a, 30, 0) // the first attempt goes to p1
+	holds(t, s, "p2", a, 0, 0)
+	fronts["p1"].fail.Store(true)
+	if got := prefilledOn(t, s, a); got != "p2" {
+		t.Fatalf("prefilled on %s, want p2 (the retry after p1's 500)", got)
+	}
+	if fronts["p1"].arrived() != 1 {
+		t.Fatalf("p1 got %d prefills, want the failed first attempt", fronts["p1"].arrived())
+	}
+	keys := prefix.AppendTokenKeys(nil, fakeTokens(a), 16, 0)
+	now := time.Now().UnixNano()
+	if n := s.rt.view.Fleet().Member("p1").Inflight().Match(keys, now); n != 0 {
+		t.Fatalf("the failed attempt still credits p1 with %d blocks", n)
+	}
+	if n := s.rt.view.Fleet().Member("p2").Inflight().Match(keys, now); n == 0 {
+		t.Fatal("the retry that prefilled on p2 left no credit there")
 	}
 }
 

@@ -280,10 +280,7 @@ func (c *call) placeLegs(avoid *avoidSet) (prod, cons *member, f *engines.Fault)
 		prod.Release(prefillPhase)
 		prod.AddTokens(-c.prefillTokens)
 		c.prefillTokens = 0
-		if c.inflightOn != nil {
-			c.inflightOn.Inflight().Settle(c.inflight, 0)
-			c.inflightOn = nil
-		}
+		c.dropInflight()
 		return nil, nil, noEngine(decodePhase)
 	}
 	return prod, cons, nil
@@ -296,6 +293,7 @@ func (c *call) placeProducer(fl *fleet, avoid []*member) (*member, error) {
 	pol := c.rt.placer.policy
 	sc := c.placeScratch()
 	c.prefillTokens, c.prediction = 0, meshview.Prediction{}
+	c.inflight, c.inflightOn = prefix.InflightTicket{}, nil
 	if !pol.weighsPrefix() {
 		return place(fl, c.req.Model, prefillPhase, avoid, "", pol, c.rt.mesh, sc)
 	}
