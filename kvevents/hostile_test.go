@@ -279,3 +279,32 @@ func TestGuardBoundsThePublisherNotTheReaderRPLACE4(t *testing.T) {
 		t.Fatal("a message stalled in its middle was not cut off")
 	}
 }
+
+// TestGuardBufferGrowsOnlyForACommand: a guarded connection idle after
+// its handshake holds a 4 KiB buffer; a 40 KiB command (held until
+// whole) grows it and passes whole to the reader.
+func TestGuardBufferGrowsOnlyForACommand(t *testing.T) {
+	srv, cli := net.Pipe()
+	defer cli.Close()
+	g := newGuardConn(srv, guardLimits{maxMessage: 1 << 20, handshake: time.Second, message: time.Second})
+	defer g.Close()
+	hs := append(zmtpGreetingBytes(), zmtpCommand(readyOf(pubMetadata))...)
+	go func() { _, _ = cli.Write(hs) }()
+	got := make([]byte, len(hs))
+	if _, err := io.ReadFull(g, got); err != nil {
+		t.Fatal(err)
+	}
+	if len(g.buf) != guardBufStart {
+		t.Fatalf("an idle connection's buffer is %d bytes, want %d", len(g.buf), guardBufStart)
+	}
+	body := append([]byte("\x04PING"), bytes.Repeat([]byte{7}, 40<<10)...)
+	cmd := make([]byte, 9, 9+len(body))
+	cmd[0] = zmtpFlagCmd | zmtpFlagLong
+	binary.BigEndian.PutUint64(cmd[1:], uint64(len(body)))
+	cmd = append(cmd, body...)
+	go func() { _, _ = cli.Write(cmd) }()
+	got = make([]byte, len(cmd))
+	if _, err := io.ReadFull(g, got); err != nil || !bytes.Equal(got, cmd) {
+		t.Fatalf("a 40 KiB command: %v", err)
+	}
+}

@@ -137,6 +137,15 @@ func (l guardListener) Accept() (net.Conn, error) {
 	return newGuardConn(c, l.lim), nil
 }
 
+// A guarded connection's buffer starts at guardBufStart bytes, enough
+// for a handshake and any frame header, and grows only for a command
+// held until it is whole, up to guardBufMax: a connection that says
+// nothing after its handshake costs 4 KiB of it, not 64.
+const (
+	guardBufStart = 4 << 10
+	guardBufMax   = maxCommandSize + 64
+)
+
 // guardError ends a guarded connection. It is a net.Error that is not a
 // timeout, so that zmq4 marks the connection closed and drops it.
 type guardError struct{ reason string }
@@ -179,7 +188,7 @@ func newGuardConn(c net.Conn, lim guardLimits) *guardConn {
 	if lim.handshake > 0 {
 		_ = c.SetReadDeadline(time.Now().Add(lim.handshake))
 	}
-	return &guardConn{Conn: c, lim: lim, buf: make([]byte, maxCommandSize+64)}
+	return &guardConn{Conn: c, lim: lim, buf: make([]byte, guardBufStart)}
 }
 
 func (g *guardConn) fail(reason string) error {
@@ -202,11 +211,21 @@ func (g *guardConn) Read(p []byte) (int, error) {
 		}
 		if g.served == g.filled {
 			g.served, g.check, g.filled = 0, 0, 0
-		} else if g.filled == len(g.buf) {
+		} else if g.filled == len(g.buf) && g.served > 0 {
 			n := copy(g.buf, g.buf[g.served:g.filled])
 			g.check -= g.served
 			g.filled = n
 			g.served = 0
+		} else if g.filled == len(g.buf) {
+			// Unchecked bytes fill the buffer: a command held until it
+			// is whole. It grows, up to the largest command's room (a
+			// larger command was refused by its header).
+			if len(g.buf) >= guardBufMax {
+				return 0, g.fail("a frame past the guard's buffer")
+			}
+			nb := make([]byte, min(2*len(g.buf), guardBufMax))
+			copy(nb, g.buf[:g.filled])
+			g.buf = nb
 		}
 		n, err := g.readConn()
 		g.filled += n
