@@ -61,6 +61,9 @@ type placeScratch struct {
 	tokenized bool
 	keys      []uint64
 	keysBS    int
+	// placed is the buffer the placement in flight is encoded into for
+	// the other routers (meshview.View.SharePlaced).
+	placed []byte
 }
 
 // keysFor returns the prompt's token-block keys at bs tokens a block
@@ -341,7 +344,9 @@ func (c *call) placeProducer(fl *fleet, avoid []*member) (*member, error) {
 	m.AddTokens(c.prefillTokens)
 	if exact {
 		if bs, ok := c.rt.mesh.ExactBlockSize(m.ID); ok {
-			c.inflight, c.inflightOn = m.Inflight().Add(sc.keysFor(bs), time.Now().UnixNano()), m
+			keys := sc.keysFor(bs)
+			c.inflight, c.inflightOn = m.Inflight().Add(keys, time.Now().UnixNano()), m
+			sc.placed = c.rt.mesh.SharePlaced(m, keys, sc.placed)
 		}
 	}
 	c.prediction = meshview.Prediction{Model: c.req.Model, Hashes: sc.hashes, Matched: matched, PromptBytes: promptBytes, Whole: whole,

@@ -52,6 +52,9 @@ type meshView interface {
 	// MatchExact returns the leading blocks of keys engineID reports it
 	// holds, and whether its exact index is exact.
 	MatchExact(engineID string, keys []uint64) (prefix.ExactMatch, bool)
+	// SharePlaced publishes a placement on m by its exact index for the
+	// other routers' credit (R-PLACE-4), encoded into buf (returned).
+	SharePlaced(m *member, keys []uint64, buf []byte) []byte
 	// RefuseCredentials keeps m out of placement until its /v1/models
 	// accepts the router's credentials again.
 	RefuseCredentials(m *member, status int, what string)

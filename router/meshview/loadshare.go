@@ -30,6 +30,13 @@ const (
 	loadStaleAfter = time.Second
 	// loadMaxPeers bounds the routers whose reports are kept.
 	loadMaxPeers = 1024
+	// peerPlacedLife is how long another router's placement in flight
+	// (bus.AppendPlaced) credits its engine (R-PLACE-4): a router does
+	// not hear when another's attempt ends, so the credit ends at a
+	// fixed time — longer than a prefill's queue and computation under
+	// ordinary load, short against how long a just-computed prompt stays
+	// in an engine's cache.
+	peerPlacedLife = time.Second
 )
 
 // Reasons of narwhal_load_reports_ignored_total.
@@ -81,7 +88,20 @@ type loadShare struct {
 	published prometheus.Counter
 	ignored   *prometheus.CounterVec
 	lastLog   atomic.Int64
+
+	// nc publishes this router's placements in flight (SharePlaced);
+	// placedKeys is the receiving goroutine's decode buffer.
+	nc         *nats.Conn
+	placedKeys []uint64
+	placed     *prometheus.CounterVec // narwhal_prefix_inflight_shared_total{outcome}
 }
+
+// Outcomes of narwhal_prefix_inflight_shared_total.
+const (
+	placedPublished     = "published"
+	placedApplied       = "applied"
+	placedUnknownEngine = "unknown_engine"
+)
 
 // newLoadShare makes v's load exchange and registers its metrics:
 // narwhal_load_reports_published_total and
@@ -101,7 +121,66 @@ func newLoadShare(v *View) *loadShare {
 	for _, r := range []string{loadIgnoredInvalid, loadIgnoredRouterMismatch, loadIgnoredTooManyRouters} {
 		s.ignored.WithLabelValues(r)
 	}
+	s.placed = promreg.Register(v.reg, prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "narwhal_prefix_inflight_shared_total",
+		Help: "Placements in flight on exact-index engines shared between routers: published (this router's), applied (another router's, credited to its engine for 1 s), unknown_engine (another router's, on an engine not a prefill engine of this router's fleet).",
+	}, []string{"outcome"}))
+	for _, o := range []string{placedPublished, placedApplied, placedUnknownEngine} {
+		s.placed.WithLabelValues(o)
+	}
 	return s
+}
+
+// SharePlaced publishes, when the router shares its load
+// (placement.share_index), that it placed a prompt of token-block keys
+// keys on engine m by its exact index (R-PLACE-4): the other routers
+// credit m with it for peerPlacedLife. buf is the caller's encoding
+// buffer, returned grown for reuse. It does not block (a core NATS
+// publish into the connection's buffer) and, once buf has grown, does
+// not allocate; a failed publish is dropped (the credit is a hint).
+func (v *View) SharePlaced(m *Member, keys []uint64, buf []byte) []byte {
+	s := v.loads.Load()
+	if s == nil || s.nc == nil {
+		return buf
+	}
+	data, ok := bus.AppendPlaced(buf[:0], v.id, m.ID, keys)
+	if ok && s.nc.Publish(s.subject, data) == nil {
+		s.placed.WithLabelValues(placedPublished).Inc()
+	}
+	return data
+}
+
+// applyPlaced credits, for peerPlacedLife, the engine of another
+// router's placement in flight received on subject (R-PLACE-4): only a
+// valid message (R-BUS-9) of the router its subject names (R-BUS-11), on
+// a prefill engine of the fleet; this router's own is skipped.
+func (s *loadShare) applyPlaced(subject string, data []byte) {
+	if subject == s.subject {
+		return
+	}
+	routerID, engineID, keys, err := bus.ParsePlaced(data, s.placedKeys)
+	s.placedKeys = keys
+	reason := loadIgnoredInvalid
+	if err == nil && bus.LoadSubject(string(routerID)) != subject {
+		reason, err = loadIgnoredRouterMismatch, fmt.Errorf("%w: names router %q", bus.ErrLoadReport, routerID)
+	}
+	if err != nil {
+		s.ignored.WithLabelValues(reason).Inc()
+		if now := time.Now().UnixNano(); now-s.lastLog.Load() > int64(shareLogEvery) {
+			s.lastLog.Store(now)
+			s.v.log.Warn("placement in flight ignored", "reason", reason, "subject", subject, "bytes", len(data), "err", err)
+		}
+		return
+	}
+	m := s.v.Fleet().byID[string(engineID)]
+	if m == nil || !m.Can(Prefill) {
+		s.placed.WithLabelValues(placedUnknownEngine).Inc()
+		return
+	}
+	now := s.now()
+	f := m.Inflight()
+	f.Settle(f.Add(keys, now.UnixNano()), now.Add(peerPlacedLife).UnixNano())
+	s.placed.WithLabelValues(placedApplied).Inc()
 }
 
 // encode fills s.report with this router's work in flight per engine
@@ -152,8 +231,15 @@ func (s *loadShare) expire(now time.Time) {
 	}
 }
 
-// receive applies a report delivered on narwhal.load.*.
-func (s *loadShare) receive(msg *nats.Msg) { s.apply(msg.Subject, msg.Data) }
+// receive applies a report, or a placement in flight, delivered on
+// narwhal.load.*.
+func (s *loadShare) receive(msg *nats.Msg) {
+	if bus.IsPlaced(msg.Data) {
+		s.applyPlaced(msg.Subject, msg.Data)
+		return
+	}
+	s.apply(msg.Subject, msg.Data)
+}
 
 // apply applies one report received on subject: only a valid report
 // (R-BUS-9) of the router its subject names (R-BUS-11); this router's
@@ -250,6 +336,7 @@ func (v *View) shareLoad(b *bus.Bus) error {
 		return nil
 	}
 	s := newLoadShare(v)
+	s.nc = b.Conn()
 	sub, err := b.Conn().Subscribe(bus.LoadSubjectPrefix+"*", s.receive)
 	if err != nil {
 		return err
@@ -258,5 +345,6 @@ func (v *View) shareLoad(b *bus.Bus) error {
 		_ = sub.Unsubscribe()
 		return errShuttingDown
 	}
+	v.loads.Store(s)
 	return nil
 }

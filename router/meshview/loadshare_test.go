@@ -284,3 +284,79 @@ func TestEngineCountsMeetTheLegsOfTheirMomentRPLACE3(t *testing.T) {
 		t.Fatalf("legs at the next read: %d, want 0", got)
 	}
 }
+
+// TestPlacementsInFlightSharedRPLACE4: over a real embedded NATS, a
+// prompt router a placed on p2 by its exact index (SharePlaced) credits
+// p2 in router b's view — its Inflight matches the prompt's keys — and
+// in a's own only through a's placement, never twice; the credit ends
+// peerPlacedLife after it arrived (an injected clock).
+func TestPlacementsInFlightSharedRPLACE4(t *testing.T) {
+	m := newMeshBus(t)
+	a := newStack(t, prefixFleet(), func(c *config.Config) { c.Router.ID = "rt-a" })
+	b := newStack(t, prefixFleet(), func(c *config.Config) { c.Router.ID = "rt-b" })
+	a.waitModels()
+	b.waitModels()
+	if err := a.v.Join(m.B, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.v.Join(m.Peer, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	clk := &clock{now: time.Now()}
+	b.v.loads.Load().now = clk.Now
+	keys := prefix.AppendTokenKeys(nil, make([]uint32, 16*40), 16, 0)
+	pa, pb := a.v.Fleet().Member("p2"), b.v.Fleet().Member("p2")
+	if buf := a.v.SharePlaced(pa, keys, nil); !bus.IsPlaced(buf) {
+		t.Fatal("SharePlaced encoded no placement")
+	}
+	at := clk.Now().UnixNano()
+	testkit.WaitFor(t, 2*time.Second, "router b to credit p2 with a's placement", func() bool {
+		return pb.Inflight().Match(keys, at) == len(keys)
+	})
+	if n := pa.Inflight().Match(keys, at); n != 0 {
+		t.Fatalf("router a credited itself with its own shared placement (%d blocks): only its attempt may", n)
+	}
+	if n := b.v.Fleet().Member("p1").Inflight().Match(keys, at); n != 0 {
+		t.Fatalf("p1 credited with p2's placement: %d blocks", n)
+	}
+	if n := pb.Inflight().Match(keys, clk.Now().Add(peerPlacedLife).UnixNano()); n != 0 {
+		t.Fatalf("the credit outlived peerPlacedLife: %d blocks", n)
+	}
+	if v := testkit.GatheredSum(t, a.reg, "narwhal_prefix_inflight_shared_total", "outcome", placedPublished); v != 1 {
+		t.Fatalf("published %v, want 1", v)
+	}
+	if v := testkit.GatheredSum(t, b.reg, "narwhal_prefix_inflight_shared_total", "outcome", placedApplied); v != 1 {
+		t.Fatalf("applied %v, want 1", v)
+	}
+}
+
+// TestForgedPlacementsInFlightRefusedRPLACE4: a placement in flight whose
+// router id is not its subject's, a malformed one, or one on an engine
+// outside the fleet credits nothing and is counted.
+func TestForgedPlacementsInFlightRefusedRPLACE4(t *testing.T) {
+	s := newStack(t, pd(), nil)
+	ls := newLoadShare(s.v)
+	keys := []uint64{11, 12, 13}
+	p1 := s.v.Fleet().Member("p1")
+	forged, _ := bus.AppendPlaced(nil, "r3", "p1", keys)
+	ls.applyPlaced(bus.LoadSubject("r2"), forged)
+	ls.applyPlaced(bus.LoadSubject("r2"), forged[:len(forged)-3])
+	gone, _ := bus.AppendPlaced(nil, "r2", "nope", keys)
+	ls.applyPlaced(bus.LoadSubject("r2"), gone)
+	if n := p1.Inflight().Match(keys, time.Now().UnixNano()); n != 0 {
+		t.Fatalf("a forged placement credited p1 with %d blocks", n)
+	}
+	for reason, want := range map[string]float64{loadIgnoredRouterMismatch: 1, loadIgnoredInvalid: 1} {
+		if v := testkit.GatheredSum(t, s.reg, "narwhal_load_reports_ignored_total", "reason", reason); v != want {
+			t.Errorf("ignored{reason=%s} = %v, want %v", reason, v, want)
+		}
+	}
+	if v := testkit.GatheredSum(t, s.reg, "narwhal_prefix_inflight_shared_total", "outcome", placedUnknownEngine); v != 1 {
+		t.Errorf("unknown_engine %v, want 1", v)
+	}
+	good, _ := bus.AppendPlaced(nil, "r2", "p1", keys)
+	ls.applyPlaced(bus.LoadSubject("r2"), good)
+	if n := p1.Inflight().Match(keys, time.Now().UnixNano()); n != 3 {
+		t.Fatalf("a valid placement credited %d blocks, want 3", n)
+	}
+}

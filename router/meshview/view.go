@@ -103,6 +103,10 @@ type View struct {
 	// policy that keeps no index.
 	exact  *prefix.ExactIndex
 	placed atomic.Pointer[PlacedFunc]
+	// loads is the load exchange while the router shares it (nil
+	// before, or without placement.share_index): SharePlaced publishes
+	// through it.
+	loads  atomic.Pointer[loadShare]
 	tokens tokenTable // per model: bytes per token, mean uncached prefill (correction.go)
 
 	// fleetMu orders changes of the fleet's membership (the live fleet's

@@ -1,0 +1,67 @@
+package bus
+
+import (
+	"errors"
+	"slices"
+	"testing"
+)
+
+// TestPlacedRoundTripRPLACE4: a placement in flight encodes and decodes
+// to the same ids and keys (a prompt past PlacedMaxKeys by its head), is
+// told from a load report, and decodes without allocating once its
+// buffer has grown.
+func TestPlacedRoundTripRPLACE4(t *testing.T) {
+	keys := make([]uint64, PlacedMaxKeys+40)
+	for i := range keys {
+		keys[i] = uint64(i)*0x9e3779b97f4a7c15 + 1
+	}
+	msg, ok := AppendPlaced(nil, "r1", "p1", keys)
+	if !ok || !IsPlaced(msg) {
+		t.Fatalf("encoded %v, placed %v", ok, IsPlaced(msg))
+	}
+	var r LoadReport
+	r.Reset("r1")
+	if IsPlaced(r.Bytes()) {
+		t.Fatal("a load report taken for a placement")
+	}
+	router, engine, got, err := ParsePlaced(msg, nil)
+	if err != nil || string(router) != "r1" || string(engine) != "p1" || !slices.Equal(got, keys[:PlacedMaxKeys]) {
+		t.Fatalf("decoded %q %q %d keys, %v", router, engine, len(got), err)
+	}
+	if allocs := testing.AllocsPerRun(100, func() { _, _, got, _ = ParsePlaced(msg, got) }); allocs != 0 {
+		t.Fatalf("%v allocations per decode", allocs)
+	}
+	for _, bad := range []struct{ router, engine string }{{"", "p1"}, {"r1", ""}, {string(make([]byte, 256)), "p1"}} {
+		if _, ok := AppendPlaced(nil, bad.router, bad.engine, keys); ok {
+			t.Fatalf("encoded ids %q %q", bad.router, bad.engine)
+		}
+	}
+	if _, ok := AppendPlaced(nil, "r1", "p1", nil); ok {
+		t.Fatal("encoded a placement without keys")
+	}
+}
+
+// TestPlacedRefusesHostileMessagesRPLACE4: truncated, padded, miscounted,
+// keyless or over-long placements and bad ids are refused whole (R-BUS-9).
+func TestPlacedRefusesHostileMessagesRPLACE4(t *testing.T) {
+	good, _ := AppendPlaced(nil, "r1", "p1", []uint64{1, 2, 3})
+	over := append([]byte(placedMagic+"\x02r1\x02p1"), 0x01, 0x01) // 257 keys claimed
+	over = append(over, make([]byte, 8*257)...)
+	cases := map[string][]byte{
+		"load report magic": append([]byte("NWL1"), good[4:]...),
+		"truncated":         good[:len(good)-1],
+		"padded":            append(slices.Clone(good), 0),
+		"no keys":           []byte(placedMagic + "\x02r1\x02p1\x00\x00"),
+		"257 keys":          over,
+		"empty router id":   []byte(placedMagic + "\x00\x02p1\x01\x00\x01\x00\x00\x00\x00\x00\x00\x00"),
+		"router id not UTF-8": []byte(placedMagic + "\x01\xff\x02p1\x01\x00" +
+			"\x01\x00\x00\x00\x00\x00\x00\x00"),
+		"engine id past the end": []byte(placedMagic + "\x02r1\x09p1"),
+		"nothing after magic":    []byte(placedMagic),
+	}
+	for name, data := range cases {
+		if _, _, _, err := ParsePlaced(data, nil); !errors.Is(err, ErrLoadReport) {
+			t.Errorf("%s: %v, want ErrLoadReport", name, err)
+		}
+	}
+}
