@@ -252,6 +252,34 @@ func BenchmarkLoadExchangeTick(b *testing.B) {
 	testkit.ReportCPUPerOp(b, cpu)
 }
 
+// BenchmarkPlacedShare measures one placement in flight on each side
+// (R-PLACE-4), over a real embedded NATS: this router's 125-key prompt
+// (2,000 tokens) encoded and published (SharePlaced, once a placement by
+// the exact index), and another router's parsed and credited to its
+// engine (applyPlaced, once per placement of each other router).
+func BenchmarkPlacedShare(b *testing.B) {
+	m := bustest.NewMesh(b, "router")
+	s := newBenchStack(b)
+	ls := newLoadShare(s)
+	ls.nc = m.B.Conn()
+	s.loads.Store(ls)
+	keys := make([]uint64, 125)
+	for i := range keys {
+		keys[i] = uint64(i)*0x9e3779b97f4a7c15 + 7
+	}
+	peer, _ := bus.AppendPlaced(nil, "r2", "p2", keys)
+	subject := bus.LoadSubject("r2")
+	p1 := s.Fleet().Member("p1")
+	var buf []byte
+	b.ReportAllocs()
+	cpu := testkit.CPUTime()
+	for b.Loop() {
+		buf = s.SharePlaced(p1, keys, buf)
+		ls.applyPlaced(subject, peer)
+	}
+	testkit.ReportCPUPerOp(b, cpu)
+}
+
 // TestEngineCountsMeetTheLegsOfTheirMomentRPLACE3 proves that the
 // engine's own counts (read from its /metrics every few seconds) are set
 // against the mesh's legs of the moment they were read, not of now
