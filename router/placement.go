@@ -94,7 +94,7 @@ func (sc *placeScratch) weighExact(mesh meshView) {
 				if now == 0 {
 					now = time.Now().UnixNano()
 				}
-				if n := m.Inflight().Match(keys, now); n > em.GPU {
+				if n := m.InflightMatch(keys, now); n > em.GPU {
 					// Placed here and not reported yet: stored by the
 					// time this request runs, as if in GPU memory.
 					em.GPU, em.Host, em.Any = n, max(em.Host, n), max(em.Any, n)

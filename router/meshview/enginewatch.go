@@ -138,9 +138,11 @@ func (w *engineWatch) checkExact() {
 		case prev.eligible && !now.eligible:
 			w.dropExact(m.ID, indexDropEjected)
 			m.inflight.Clear()
+			m.peerInflight.Clear()
 		case prev.active && !now.active:
 			w.dropExact(m.ID, indexDropInactive)
 			m.inflight.Clear()
+			m.peerInflight.Clear()
 		}
 	}
 }

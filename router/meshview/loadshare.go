@@ -182,7 +182,9 @@ func (s *loadShare) applyPlaced(subject string, data []byte) {
 		return
 	}
 	now := s.now()
-	f := m.Inflight()
+	f := m.PeerInflight()
+	// Never refused: its slots hold only settled credits, and the one
+	// ending soonest makes room.
 	f.Settle(f.Add(keys, now.UnixNano()), now.Add(peerPlacedLife).UnixNano())
 	s.placedApp.Inc()
 }

@@ -252,6 +252,53 @@ func BenchmarkLoadExchangeTick(b *testing.B) {
 	testkit.ReportCPUPerOp(b, cpu)
 }
 
+// TestPeerPlacementsCannotPushOutOwnRPLACE4: a flood of the other
+// routers' placements on one engine (500 a second for 2 s, past its 64
+// slots) leaves this router's own credits whole — one still in flight
+// and one in its 250 ms grace — and each of theirs lasts as long as the
+// slots allow (64 ÷ 500 a second), never longer than peerPlacedLife.
+func TestPeerPlacementsCannotPushOutOwnRPLACE4(t *testing.T) {
+	s := newStack(t, pd(), nil)
+	clk := &clock{now: time.Unix(1000, 0)}
+	ls := newLoadShare(s.v)
+	ls.now = clk.Now
+	p1 := s.v.Fleet().Member("p1")
+	open, graced := chainOf(1, 30), chainOf(2, 30)
+	p1.Inflight().Add(open, clk.Now().UnixNano())
+	tk := p1.Inflight().Add(graced, clk.Now().UnixNano())
+	p1.Inflight().Settle(tk, clk.Now().Add(250*time.Millisecond).UnixNano())
+	var last []uint64
+	for i := range 1000 {
+		last = chainOf(uint64(100+i), 30)
+		msg, _ := bus.AppendPlaced(nil, "r2", "p1", last)
+		ls.applyPlaced(bus.LoadSubject("r2"), msg)
+		if i < 100 {
+			clk.Add(2 * time.Millisecond) // 200 ms of it within the grace
+		}
+	}
+	now := clk.Now().UnixNano()
+	if p1.InflightMatch(open, now) != 30 || p1.InflightMatch(graced, now) != 30 {
+		t.Fatalf("own credits after the flood: in flight %d, in grace %d blocks; want 30 each",
+			p1.InflightMatch(open, now), p1.InflightMatch(graced, now))
+	}
+	if p1.InflightMatch(last, now) != 30 {
+		t.Fatal("the latest of the other router's placements is not credited")
+	}
+	if n := p1.InflightMatch(last, clk.Now().Add(peerPlacedLife).UnixNano()); n != 0 {
+		t.Fatalf("another router's credit outlived peerPlacedLife: %d blocks", n)
+	}
+}
+
+// chainOf returns n distinct chained keys seeded by seed (not token
+// keys: Inflight matches any chain).
+func chainOf(seed uint64, n int) []uint64 {
+	keys := make([]uint64, n)
+	for i := range keys {
+		keys[i] = seed<<32 | uint64(i+1)
+	}
+	return keys
+}
+
 // BenchmarkPlacedShare measures one placement in flight on each side
 // (R-PLACE-4), over a real embedded NATS: this router's 125-key prompt
 // (2,000 tokens) encoded and published (SharePlaced, once a placement by
@@ -339,15 +386,15 @@ func TestPlacementsInFlightSharedRPLACE4(t *testing.T) {
 	}
 	at := clk.Now().UnixNano()
 	testkit.WaitFor(t, 2*time.Second, "router b to credit p2 with a's placement", func() bool {
-		return pb.Inflight().Match(keys, at) == len(keys)
+		return pb.InflightMatch(keys, at) == len(keys)
 	})
-	if n := pa.Inflight().Match(keys, at); n != 0 {
+	if n := pa.InflightMatch(keys, at); n != 0 {
 		t.Fatalf("router a credited itself with its own shared placement (%d blocks): only its attempt may", n)
 	}
-	if n := b.v.Fleet().Member("p1").Inflight().Match(keys, at); n != 0 {
+	if n := b.v.Fleet().Member("p1").InflightMatch(keys, at); n != 0 {
 		t.Fatalf("p1 credited with p2's placement: %d blocks", n)
 	}
-	if n := pb.Inflight().Match(keys, clk.Now().Add(peerPlacedLife).UnixNano()); n != 0 {
+	if n := pb.InflightMatch(keys, clk.Now().Add(peerPlacedLife).UnixNano()); n != 0 {
 		t.Fatalf("the credit outlived peerPlacedLife: %d blocks", n)
 	}
 	if v := testkit.GatheredSum(t, a.reg, "narwhal_prefix_inflight_shared_total", "outcome", placedPublished); v != 1 {
@@ -371,7 +418,7 @@ func TestForgedPlacementsInFlightRefusedRPLACE4(t *testing.T) {
 	ls.applyPlaced(bus.LoadSubject("r2"), forged[:len(forged)-3])
 	gone, _ := bus.AppendPlaced(nil, "r2", "nope", keys)
 	ls.applyPlaced(bus.LoadSubject("r2"), gone)
-	if n := p1.Inflight().Match(keys, time.Now().UnixNano()); n != 0 {
+	if n := p1.InflightMatch(keys, time.Now().UnixNano()); n != 0 {
 		t.Fatalf("a forged placement credited p1 with %d blocks", n)
 	}
 	for reason, want := range map[string]float64{loadIgnoredRouterMismatch: 1, loadIgnoredInvalid: 1} {
@@ -384,7 +431,7 @@ func TestForgedPlacementsInFlightRefusedRPLACE4(t *testing.T) {
 	}
 	good, _ := bus.AppendPlaced(nil, "r2", "p1", keys)
 	ls.applyPlaced(bus.LoadSubject("r2"), good)
-	if n := p1.Inflight().Match(keys, time.Now().UnixNano()); n != 3 {
+	if n := p1.InflightMatch(keys, time.Now().UnixNano()); n != 3 {
 		t.Fatalf("a valid placement credited %d blocks, want 3", n)
 	}
 }

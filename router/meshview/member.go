@@ -113,6 +113,10 @@ type Member struct {
 	// inflight is the prompts this router placed on the engine whose
 	// blocks its KV events may not report yet (R-PLACE-4).
 	inflight prefix.Inflight
+	// peerInflight is the other routers' placements on the engine by
+	// their exact index, heard on the bus (loadshare.go): slots of their
+	// own, so that a flood of them cannot push this router's out.
+	peerInflight prefix.Inflight
 }
 
 // maxServedModels bounds Member.served: an engine that lists ever new
@@ -286,6 +290,17 @@ func (m *Member) LegsAtRead() int64 { return m.legsAtRead.Load() }
 // KV events may not report yet, which placement credits to an exact
 // engine (behaviour.md R-PLACE-4; prefix.Inflight).
 func (m *Member) Inflight() *prefix.Inflight { return &m.inflight }
+
+// PeerInflight returns the other routers' placements on the engine heard
+// on the bus, kept apart from Inflight's (behaviour.md R-PLACE-4).
+func (m *Member) PeerInflight() *prefix.Inflight { return &m.peerInflight }
+
+// InflightMatch returns the leading blocks of keys that a prompt placed
+// on the engine and not yet reported shares (this router's or another's,
+// the longer), at now in UnixNano (prefix.Inflight.Match).
+func (m *Member) InflightMatch(keys []uint64, now int64) int {
+	return max(m.inflight.Match(keys, now), m.peerInflight.Match(keys, now))
+}
 
 // AddTokens adds n (negative: removes) to the estimated uncached prefill
 // tokens this router has in flight on the engine (behaviour.md
