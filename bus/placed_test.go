@@ -65,3 +65,24 @@ func TestPlacedRefusesHostileMessagesRPLACE4(t *testing.T) {
 		}
 	}
 }
+
+// FuzzParsePlaced: any input either is refused with ErrLoadReport or
+// decodes to a placement that encodes back to the same bytes.
+func FuzzParsePlaced(f *testing.F) {
+	good, _ := AppendPlaced(nil, "r1", "p1", []uint64{1, 2, 3})
+	f.Add(good)
+	f.Add([]byte(placedMagic))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		router, engine, keys, err := ParsePlaced(data, nil)
+		if err != nil {
+			if !errors.Is(err, ErrLoadReport) {
+				t.Fatalf("error %v does not wrap ErrLoadReport", err)
+			}
+			return
+		}
+		again, ok := AppendPlaced(nil, string(router), string(engine), keys)
+		if !ok || !slices.Equal(again, data) {
+			t.Fatalf("decoded %q %q %d keys, encodes back to other bytes", router, engine, len(keys))
+		}
+	})
+}
