@@ -137,12 +137,10 @@ func (w *engineWatch) checkExact() {
 			w.dropExact(m.ID, indexDropRestarted)
 		case prev.eligible && !now.eligible:
 			w.dropExact(m.ID, indexDropEjected)
-			m.inflight.Clear()
-			m.peerInflight.Clear()
+			m.clearInflight()
 		case prev.active && !now.active:
 			w.dropExact(m.ID, indexDropInactive)
-			m.inflight.Clear()
-			m.peerInflight.Clear()
+			m.clearInflight()
 		}
 	}
 }

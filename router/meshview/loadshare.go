@@ -169,11 +169,7 @@ func (s *loadShare) applyPlaced(subject string, data []byte) {
 		reason, err = loadIgnoredRouterMismatch, fmt.Errorf("%w: names router %q", bus.ErrLoadReport, routerID)
 	}
 	if err != nil {
-		s.ignored.WithLabelValues(reason).Inc()
-		if now := time.Now().UnixNano(); now-s.lastLog.Load() > int64(shareLogEvery) {
-			s.lastLog.Store(now)
-			s.v.log.Warn("placement in flight ignored", "reason", reason, "subject", subject, "bytes", len(data), "err", err)
-		}
+		s.ignore("placement in flight ignored", reason, subject, data, err)
 		return
 	}
 	m := s.v.Fleet().byID[string(engineID)]
@@ -273,11 +269,7 @@ func (s *loadShare) apply(subject string, data []byte) {
 		reason, err = loadIgnoredTooManyRouters, fmt.Errorf("%w: more than %d routers", bus.ErrLoadReport, loadMaxPeers)
 	}
 	if err != nil {
-		s.ignored.WithLabelValues(reason).Inc()
-		if now := time.Now().UnixNano(); now-s.lastLog.Load() > int64(shareLogEvery) {
-			s.lastLog.Store(now)
-			s.v.log.Warn("load report ignored", "reason", reason, "subject", subject, "bytes", len(data), "err", err)
-		}
+		s.ignore("load report ignored", reason, subject, data, err)
 		s.sum()
 		return
 	}
@@ -296,6 +288,17 @@ func (s *loadShare) apply(subject string, data []byte) {
 		p.heard = s.now()
 	}
 	s.sum()
+}
+
+// ignore counts a message of subject not applied, for reason, in
+// narwhal_load_reports_ignored_total and logs it as msg, at most once
+// every shareLogEvery.
+func (s *loadShare) ignore(msg, reason, subject string, data []byte, err error) {
+	s.ignored.WithLabelValues(reason).Inc()
+	if now := time.Now().UnixNano(); now-s.lastLog.Load() > int64(shareLogEvery) {
+		s.lastLog.Store(now)
+		s.v.log.Warn(msg, "reason", reason, "subject", subject, "bytes", len(data), "err", err)
+	}
 }
 
 // sum writes into every member of the fleet the other routers' work on

@@ -191,14 +191,13 @@ type loadEntryT struct {
 	p, d, k int64
 }
 
-// TestLoadExchangeVisibleWithin100msRPLACE3: over a real embedded NATS,
-// a reservation made on one router is seen by another router's
-// placement (the member's mesh counts) within 100 ms, and its release
-// too.
-func TestLoadExchangeVisibleWithin100msRPLACE3(t *testing.T) {
+// joinedPair returns two routers, rt-a and rt-b, over prefixFleet, each
+// joined to one server of a real embedded NATS mesh.
+func joinedPair(t *testing.T) (a, b *stack) {
+	t.Helper()
 	m := newMeshBus(t)
-	a := newStack(t, prefixFleet(), func(c *config.Config) { c.Router.ID = "rt-a" })
-	b := newStack(t, prefixFleet(), func(c *config.Config) { c.Router.ID = "rt-b" })
+	a = newStack(t, prefixFleet(), func(c *config.Config) { c.Router.ID = "rt-a" })
+	b = newStack(t, prefixFleet(), func(c *config.Config) { c.Router.ID = "rt-b" })
 	a.waitModels()
 	b.waitModels()
 	if err := a.v.Join(m.B, 5*time.Second); err != nil {
@@ -209,6 +208,15 @@ func TestLoadExchangeVisibleWithin100msRPLACE3(t *testing.T) {
 	}
 	_ = m.B.Conn().Flush()
 	_ = m.Peer.Conn().Flush()
+	return a, b
+}
+
+// TestLoadExchangeVisibleWithin100msRPLACE3: over a real embedded NATS,
+// a reservation made on one router is seen by another router's
+// placement (the member's mesh counts) within 100 ms, and its release
+// too.
+func TestLoadExchangeVisibleWithin100msRPLACE3(t *testing.T) {
+	a, b := joinedPair(t)
 	pa, pb := a.v.Fleet().Member("p2"), b.v.Fleet().Member("p2")
 	for round := range 3 {
 		pa.TryReserve(Prefill)
@@ -364,27 +372,15 @@ func TestEngineCountsMeetTheLegsOfTheirMomentRPLACE3(t *testing.T) {
 // prompt router a placed on p2 by its exact index (SharePlaced) credits
 // p2 in router b's view — its Inflight matches the prompt's keys — and
 // in a's own only through a's placement, never twice; the credit ends
-// peerPlacedLife after it arrived (an injected clock).
+// peerPlacedLife after it arrived.
 func TestPlacementsInFlightSharedRPLACE4(t *testing.T) {
-	m := newMeshBus(t)
-	a := newStack(t, prefixFleet(), func(c *config.Config) { c.Router.ID = "rt-a" })
-	b := newStack(t, prefixFleet(), func(c *config.Config) { c.Router.ID = "rt-b" })
-	a.waitModels()
-	b.waitModels()
-	if err := a.v.Join(m.B, 5*time.Second); err != nil {
-		t.Fatal(err)
-	}
-	if err := b.v.Join(m.Peer, 5*time.Second); err != nil {
-		t.Fatal(err)
-	}
-	clk := &clock{now: time.Now()}
-	b.v.loads.Load().now = clk.Now
+	a, b := joinedPair(t)
 	keys := prefix.AppendTokenKeys(nil, make([]uint32, 16*40), 16, 0)
 	pa, pb := a.v.Fleet().Member("p2"), b.v.Fleet().Member("p2")
 	if buf := a.v.SharePlaced(pa, keys, nil); !bus.IsPlaced(buf) {
 		t.Fatal("SharePlaced encoded no placement")
 	}
-	at := clk.Now().UnixNano()
+	at := time.Now().UnixNano()
 	testkit.WaitFor(t, 2*time.Second, "router b to credit p2 with a's placement", func() bool {
 		return pb.InflightMatch(keys, at) == len(keys)
 	})
@@ -394,7 +390,7 @@ func TestPlacementsInFlightSharedRPLACE4(t *testing.T) {
 	if n := b.v.Fleet().Member("p1").InflightMatch(keys, at); n != 0 {
 		t.Fatalf("p1 credited with p2's placement: %d blocks", n)
 	}
-	if n := pb.InflightMatch(keys, clk.Now().Add(peerPlacedLife).UnixNano()); n != 0 {
+	if n := pb.InflightMatch(keys, time.Now().Add(peerPlacedLife).UnixNano()); n != 0 { // it arrived before now
 		t.Fatalf("the credit outlived peerPlacedLife: %d blocks", n)
 	}
 	if v := testkit.GatheredSum(t, a.reg, "narwhal_prefix_inflight_shared_total", "outcome", placedPublished); v != 1 {

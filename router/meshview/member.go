@@ -302,6 +302,14 @@ func (m *Member) InflightMatch(keys []uint64, now int64) int {
 	return max(m.inflight.Match(keys, now), m.peerInflight.Match(keys, now))
 }
 
+// clearInflight forgets every prompt placed on the engine and not yet
+// reported, this router's and the others' (its cache is gone: ejected,
+// drained).
+func (m *Member) clearInflight() {
+	m.inflight.Clear()
+	m.peerInflight.Clear()
+}
+
 // AddTokens adds n (negative: removes) to the estimated uncached prefill
 // tokens this router has in flight on the engine (behaviour.md
 // R-PLACE-3): a producer attempt adds its estimate when it reserves its
