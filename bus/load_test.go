@@ -142,3 +142,51 @@ func TestLoadReportPermissionsRPLACE3(t *testing.T) {
 		t.Fatalf("r2 subscribing to the load reports: %v", err)
 	}
 }
+
+// TestPlacedPermissionsRPLACE4 (R-BUS-11, R-PLACE-4): against a real
+// server with auth and each identity's own credential, router r1 cannot
+// publish a placement in flight under router r2's subject, nor engine
+// p1 under r1's (the server refuses both and nothing is delivered); r1's
+// own, on its own subject, reaches r2 first.
+func TestPlacedPermissionsRPLACE4(t *testing.T) {
+	e, dir := authServer(t)
+	r1 := connectID(t, e, dir, bus.RoleRouter, "r1")
+	r2 := connectID(t, e, dir, bus.RoleRouter, "r2")
+	p1 := connectID(t, e, dir, bus.RoleEngine, "p1")
+	got := make(chan *nats.Msg, 8)
+	sub, err := r2.Conn().Subscribe(bus.LoadSubjectPrefix+"*", func(m *nats.Msg) { got <- m })
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Unsubscribe()
+	if err := r2.Conn().Flush(); err != nil {
+		t.Fatal(err)
+	}
+	keys := []uint64{1, 2, 3, 4}
+	for _, f := range []struct {
+		by      *bus.Bus
+		as      string
+		subject string
+	}{{r1, "r2", bus.LoadSubject("r2")}, {p1, "r1", bus.LoadSubject("r1")}} {
+		msg, _ := bus.AppendPlaced(nil, f.as, "p1", keys)
+		_ = f.by.Conn().Publish(f.subject, msg)
+		testkit.WaitFor(t, waitBound, "the server's refusal of a forged placement on "+f.subject, func() bool {
+			err := f.by.PermissionError()
+			return err != nil && errors.Is(err, nats.ErrPermissionViolation) && strings.Contains(err.Error(), f.subject)
+		})
+	}
+	own, _ := bus.AppendPlaced(nil, "r1", "p1", keys)
+	if err := r1.Conn().Publish(bus.LoadSubject("r1"), own); err != nil {
+		t.Fatal(err)
+	}
+	_ = r1.Conn().Flush()
+	select {
+	case m := <-got:
+		router, _, _, err := bus.ParsePlaced(m.Data, nil)
+		if m.Subject != bus.LoadSubject("r1") || err != nil || string(router) != "r1" {
+			t.Fatalf("r2 received %q on %s (%v): a forged placement passed", router, m.Subject, err)
+		}
+	case <-time.After(waitBound):
+		t.Fatal("r2 received nothing of r1's own placement")
+	}
+}
