@@ -7,6 +7,7 @@ import (
 
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines/sim"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -54,13 +55,7 @@ func TestBackpressureRFAIL7(t *testing.T) {
 			if n := len(s.sims[engine].Requests()); n != calls {
 				t.Fatalf("the engine got %d requests while it asked to be left alone", n-calls)
 			}
-			deadline := time.Now().Add(5 * time.Second)
-			for !m.Available(time.Now().UnixNano()) {
-				if time.Now().After(deadline) {
-					t.Fatal("the engine never became placeable again")
-				}
-				time.Sleep(10 * millisecond)
-			}
+			testkit.WaitFor(t, 5*time.Second, "the engine placeable again", func() bool { return m.Available(time.Now().UnixNano()) })
 			if waited := time.Since(hit); waited < 900*millisecond {
 				t.Fatalf("placeable again after %v, want about 1 s", waited)
 			}
