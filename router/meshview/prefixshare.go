@@ -102,7 +102,7 @@ type indexShare struct {
 	dropped            *prometheus.CounterVec
 	ignored            prometheus.Counter
 	warmBatches        *prometheus.CounterVec
-	warmLimit          time.Duration // bounds one warm-up: shareWarmTimeout
+	warmLimit          time.Duration // bounds one warm-up: the view's, shareWarmTimeout
 	log                *slog.Logger  // the view's
 	lastLog            atomic.Int64  // UnixNano of the last refused-batch line
 	liveHashes         []uint64      // receive's buffer of hashes
@@ -138,7 +138,7 @@ func newIndexShare(v *View) *indexShare {
 			Name: "narwhal_prefix_warmup_batches_total",
 			Help: "Batches of stream NARWHAL_PREFIX the prefix index warm-ups dealt with, by outcome: read (read back from the stream), missed (left unread by a warm-up cut short by its 10 s limit or the bus).",
 		}, []string{"outcome"})),
-		warmLimit: shareWarmTimeout, log: v.log,
+		warmLimit: v.warmLimit, log: v.log,
 	}
 	for _, r := range []string{dropBufferFull, dropPublishFailed, dropInvalid, dropRouterMismatch} {
 		s.dropped.WithLabelValues(r)

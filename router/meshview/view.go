@@ -106,8 +106,11 @@ type View struct {
 	// loads is the load exchange while the router shares it (nil
 	// before, or without placement.share_index): SharePlaced publishes
 	// through it.
-	loads  atomic.Pointer[loadShare]
-	tokens tokenTable // per model: bytes per token, mean uncached prefill (correction.go)
+	loads atomic.Pointer[loadShare]
+	// warmLimit bounds each warm-up of the shared index
+	// (shareWarmTimeout; a test may set it before Join).
+	warmLimit time.Duration
+	tokens    tokenTable // per model: bytes per token, mean uncached prefill (correction.go)
 
 	// fleetMu orders changes of the fleet's membership (the live fleet's
 	// watch) against verdicts for engines not (yet) in it (the placement
@@ -137,6 +140,7 @@ func New(opts Options) (*View, error) {
 	}
 	v := &View{
 		cfg:                cfg,
+		warmLimit:          shareWarmTimeout,
 		id:                 cfg.Router.ID,
 		log:                opts.Logger,
 		reg:                opts.Registry,
