@@ -37,10 +37,12 @@ type Observer interface {
 	// leg is over; late is its failure when that came after the attempt
 	// committed (the client's stream goes on), else nil.
 	PrefillEnded(late *Fault)
-	// PrefillAnswered is called with the usage of a prefill leg's JSON
-	// answer (Legs.Prefill), from the goroutine that ran the leg, before
-	// the connector goes on: the router compares the producer's cached
-	// tokens with its prefix index's prediction (behaviour.md R-PLACE-3).
+	// PrefillAnswered is called once a prefill leg answered (Legs.Prefill,
+	// Legs.PrefillToEnd), with its usage (Present false when the answer
+	// carried none), from the goroutine that ran the leg, before the
+	// connector goes on: the router compares the producer's cached tokens
+	// with its prefix index's prediction and learns how long a prefill
+	// takes there (behaviour.md R-PLACE-3).
 	PrefillAnswered(u connector.PrefillUsage)
 }
 
@@ -275,7 +277,7 @@ func (l attemptLegs) Failure(message string) error {
 
 func (l attemptLegs) Prefill(ctx context.Context, body []byte) (connector.PrefillAnswer, error) {
 	ans, err := l.a.client.prefillLeg(ctx, l.a.req, body)
-	if err == nil && l.a.obs != nil && ans.Usage.Present {
+	if err == nil && l.a.obs != nil {
 		l.a.obs.PrefillAnswered(ans.Usage)
 	}
 	return ans, err
@@ -287,7 +289,7 @@ func (l attemptLegs) PrefillToEnd(ctx context.Context, body []byte) (connector.P
 	if f := l.a.client.watchPrefill(l.a.parent, ctx, l.a.req, body, &u); f != nil {
 		return connector.PrefillAnswer{}, f
 	}
-	if l.a.obs != nil && u.Present {
+	if l.a.obs != nil {
 		l.a.obs.PrefillAnswered(u)
 	}
 	return connector.PrefillAnswer{Usage: u, Started: started, Completed: time.Now()}, nil

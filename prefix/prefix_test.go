@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 )
 
 // prompt returns n bytes of deterministic text seeded by seed.
@@ -225,11 +226,12 @@ func work(blocks int) *Work {
 // TestCostBoundaryRPLACE3 proves R-PLACE-3's cost around its boundary: an
 // engine holding m of the prompt's blocks with n attempts of W tokens in
 // all in flight loses to an idle engine that holds nothing exactly when
-// the work ahead of the request there — W less half of one attempt's
-// mean, the one computing being half done on average — exceeds the work
-// the match saves (m blocks × 16 tokens), for a whole and a partial
-// match, whatever the order of the candidates; when the two are equal
-// the two engines cost the same and share the placements.
+// the work ahead of the request there — W less what the attempt
+// computing has done, here half of one attempt's mean (it began half a
+// mean prefill ago) — exceeds the work the match saves (m blocks × 16
+// tokens), for a whole and a partial match, whatever the order of the
+// candidates; when the two are equal the two engines cost the same and
+// share the placements.
 func TestCostBoundaryRPLACE3(t *testing.T) {
 	b := Balance{Abs: 32, Rel: 1.5}
 	const blocks = 125 // a 2,000-token prompt
@@ -248,7 +250,7 @@ func TestCostBoundaryRPLACE3(t *testing.T) {
 				}
 				loadedOK := ahead(inFlight) < saved // the loaded engine holding the prefix wins
 				for _, order := range []bool{false, true} {
-					cands := []Candidate{{Matched: m, Outstanding: n, Legs: n, Tokens: inFlight}, {}}
+					cands := []Candidate{{Matched: m, Outstanding: n, Legs: n, Tokens: inFlight, Head: Progress{Age: time.Second, Mean: 2 * time.Second}}, {}}
 					loaded, idle := 0, 1
 					if order {
 						cands[0], cands[1] = cands[1], cands[0]
@@ -270,7 +272,7 @@ func TestCostBoundaryRPLACE3(t *testing.T) {
 				continue // no W makes the work ahead exactly the saving
 			}
 			// At the boundary both cost the same: ties spread.
-			cands := []Candidate{{Matched: m, Outstanding: n, Legs: n, Tokens: tie}, {}}
+			cands := []Candidate{{Matched: m, Outstanding: n, Legs: n, Tokens: tie, Head: Progress{Age: time.Second, Mean: 2 * time.Second}}, {}}
 			if c0, c1 := cands[0].Cost(work(blocks)), cands[1].Cost(work(blocks)); c0 != c1 {
 				t.Fatalf("n %d, m %d: at the boundary costs %d and %d differ", n, m, c0, c1)
 			}
@@ -286,22 +288,80 @@ func TestCostBoundaryRPLACE3(t *testing.T) {
 	}
 }
 
-// TestCostCountsComputingHalfDoneRPLACE3: the work in flight on an
-// engine counts whole for the attempts queued and half for the one
-// computing (a request arrives on average half way through it): one
-// attempt of 1,000 tokens adds 500, four of 4,000 in all add 3,500, and
-// tokens without an outstanding attempt (another router's, not yet
-// counted) add all of theirs.
-func TestCostCountsComputingHalfDoneRPLACE3(t *testing.T) {
+// TestCostCountsWhatTheComputingAttemptDidRPLACE3: the work in flight on
+// an engine counts whole for the attempts queued and, for the one
+// computing, less the part of one attempt's mean (the share) it has done:
+// its age over the time the share takes at the engine's pace. With the
+// pace a mean time alone (all cached), one attempt of 1,000 tokens begun
+// a quarter of a mean ago adds 750, four of 4,000 in all half a mean in
+// add 3,500. At a pace of 800 tokens in 20 ms, a cold 100,000-token
+// prefill 40 ms in has done 1,600. Past its expected time a prefill is
+// overdue and counts done as that time over its age: 3 means in, a
+// third; one stalled 30 s, 1/12. With the age or the pace unknown — a
+// router that has seen no prefill answer there, an engine that has just
+// begun — it counts whole, as do tokens without an outstanding attempt
+// (another router's, not yet counted).
+func TestCostCountsWhatTheComputingAttemptDidRPLACE3(t *testing.T) {
 	w := work(100)
 	base := (&Candidate{}).Cost(w)
+	const mean = 400 * time.Millisecond
 	for _, tc := range []struct {
-		outstanding, tokens, want int64
+		outstanding, tokens int64
+		head                Progress
+		want                int64
 	}{
-		{1, 1000, 500}, {4, 4000, 3500}, {2, 1001, 751}, {0, 1000, 1000}, {1, 0, 0},
+		{1, 1000, Progress{Age: mean / 4, Mean: mean}, 750},
+		{4, 4000, Progress{Age: mean / 2, Mean: mean}, 3500},
+		{2, 1001, Progress{Age: mean / 2, Mean: mean}, 751},
+		{1, 1000, Progress{Age: mean, Mean: mean}, 0},
+		{1, 1000, Progress{Age: 3 * mean, Mean: mean}, 667},
+		{3, 3000, Progress{Age: 2 * mean, Mean: mean}, 2500},
+		{1, 100000, Progress{Age: 40 * time.Millisecond, Mean: 20 * time.Millisecond, MeanTokens: 800}, 98400},
+		{1, 100000, Progress{Age: 30 * time.Second, Mean: 20 * time.Millisecond, MeanTokens: 800}, 91667},
+		{2, 1600, Progress{Age: 10 * time.Millisecond, Mean: 20 * time.Millisecond, MeanTokens: 800}, 1200},
+		{1, 1000, Progress{Mean: mean}, 1000},
+		{1, 1000, Progress{Age: mean / 2}, 1000},
+		{1, 1000, Progress{Age: -mean, Mean: mean}, 1000},
+		{0, 1000, Progress{Age: mean / 2, Mean: mean}, 1000},
+		{1, 0, Progress{Age: mean / 2, Mean: mean}, 0},
+		{1, 1 << 50, Progress{Age: 1 << 62, Mean: 1, MeanTokens: 1 << 50}, 1 << 40}, // bounded, far overdue: whole
 	} {
-		if c := (&Candidate{Outstanding: tc.outstanding, Legs: tc.outstanding, Tokens: tc.tokens}).Cost(w); c != base+tc.want {
-			t.Errorf("%d attempts of %d tokens in all: cost %d, want %d + %d", tc.outstanding, tc.tokens, c, base, tc.want)
+		c := (&Candidate{Outstanding: tc.outstanding, Legs: tc.outstanding, Tokens: tc.tokens, Head: tc.head}).Cost(w)
+		if c != base+tc.want {
+			t.Errorf("%d attempts of %d tokens in all, head %+v: cost %d, want %d + %d", tc.outstanding, tc.tokens, tc.head, c, base, tc.want)
+		}
+	}
+}
+
+// TestColdPrefillJustBegunKeepsItsWholeCostRPLACE3: the engine that has
+// begun computing a cold context — the only one holding it, its
+// attempt's reservation the whole 800-token prompt, its pace learned
+// from warm prompts (64 tokens in 20 ms, so 250 ms for it) — loses the
+// next request of that context to an idle engine while what is left of
+// it is more than the 768 tokens the match saves (the first 10 ms), wins
+// it after, and loses it again when the prefill is long overdue (the
+// engine stalled).
+func TestColdPrefillJustBegunKeepsItsWholeCostRPLACE3(t *testing.T) {
+	b := Balance{Abs: 32, Rel: 1.5}
+	w := work(50) // 800 tokens, the context
+	pace := Progress{Mean: 20 * time.Millisecond, MeanTokens: 64}
+	holder := Candidate{Matched: 48, Outstanding: 1, Legs: 1, Tokens: 800, Head: pace}
+	for _, tc := range []struct {
+		age  time.Duration
+		want int
+	}{
+		{time.Millisecond, 1},
+		{5 * time.Millisecond, 1},
+		{20 * time.Millisecond, 0},
+		{190 * time.Millisecond, 0},
+		{250 * time.Millisecond, 0},
+		{10 * time.Second, 1}, // 40× overdue
+	} {
+		holder.Head.Age = tc.age
+		for range 50 {
+			if i, _ := Choose([]Candidate{holder, {}}, w, b); i != tc.want {
+				t.Fatalf("holder %v into its 800-token prefill (cost %d) against an idle engine (cost %d): chose %d, want %d", tc.age, holder.Cost(w), (&Candidate{}).Cost(w), i, tc.want)
+			}
 		}
 	}
 }

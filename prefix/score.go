@@ -1,6 +1,9 @@
 package prefix
 
-import "math/rand/v2"
+import (
+	"math/rand/v2"
+	"time"
+)
 
 // Candidate is one engine placement may choose (eligibility, quarantine,
 // drain and slot limits already applied by the caller: behaviour.md R-PLACE-1 —
@@ -36,11 +39,30 @@ type Candidate struct {
 	// Tokens is the uncached prefill work in flight on the engine, in
 	// tokens: the sum of every producer attempt's estimate at its
 	// reservation, the mesh's. Outstanding attempts hold it; the cost
-	// counts the one computing as half done (Cost).
+	// takes off what the one computing has done (Head, Cost).
 	Tokens int64
 	// DecodeLegs is the decode legs in flight on the engine when it also
 	// decodes (role both), the mesh's; 0 for a prefill engine.
 	DecodeLegs int64
+	// Head is what the router knows of the prefill the engine computes
+	// now (meshview.Member.Head): the zero Progress when nothing.
+	Head Progress
+}
+
+// Progress is what a router knows of the prefill an engine computes at
+// the head of its queue (behaviour.md R-PLACE-3), from the router's own
+// attempts there.
+type Progress struct {
+	// Age is how long that prefill has been computing: since the
+	// router's first attempt there was reserved while none was, or since
+	// its last prefill there ended. 0 when unknown.
+	Age time.Duration
+	// Mean is the mean of that time over the prefills that answered
+	// there, MeanTokens the mean of their reserved uncached tokens: the
+	// engine's pace. Mean 0 when none answered yet; MeanTokens 0 when
+	// they were all cached (the pace is then Mean a prefill).
+	Mean       time.Duration
+	MeanTokens int64
 }
 
 // maxLoad bounds each count of a candidate: Waiting and Running come from
@@ -111,8 +133,8 @@ type Work struct {
 // beyond the Matched leading blocks, or beyond its CachedTokens when c
 // is Exact and w has the prompt's Tokens, R-PLACE-4) plus the work it
 // already has — the
-// mesh's uncached prefill tokens in flight on it, less half of the
-// attempt computing (ahead), one token per decode leg of a role-both
+// mesh's uncached prefill tokens in flight on it, less what the
+// attempt computing has done (ahead), one token per decode leg of a role-both
 // engine (a decode sequence adds a token to each of the engine's
 // steps), and PerRequest for each request the
 // engine counts beyond the mesh's legs on it. A prompt shorter than
@@ -142,19 +164,37 @@ func (c *Candidate) Cost(w *Work) int64 {
 }
 
 // ahead returns the prefill work in flight on c that a request placed
-// now expects to wait for, in tokens (behaviour.md R-PLACE-3): Tokens
-// less half of one Outstanding attempt's mean reservation. A reservation
-// is its attempt's whole estimate until the prefill answers, but the
-// attempt the engine is computing when a request arrives — at a random
-// moment of that computation — has on average half of it left; those
-// queued behind it have all of theirs. With no Outstanding attempt it
-// is Tokens.
+// now expects to wait for, in tokens (behaviour.md R-PLACE-3): Tokens less
+// what the prefill the engine computes has done of one Outstanding
+// attempt's mean reservation (the share). At the engine's pace
+// (Head.Mean for Head.MeanTokens) the share takes an expected time; the
+// part done is Head.Age over it. Past that time the prefill is overdue —
+// stalled, or longer than its reservation said — and the part counted
+// done falls back as the expected time over Age: a prefill that hangs
+// comes to count whole again. Nothing is taken off while the age or the
+// pace is unknown, so an engine that has just begun a long prefill — a
+// cold context — counts all of it. With no Outstanding attempt it is
+// Tokens.
 func (c *Candidate) ahead() int64 {
 	tokens := bound(c.Tokens)
-	if n := bound(c.Outstanding); n > 0 {
-		tokens -= tokens / (2 * n)
+	n := bound(c.Outstanding)
+	h := c.Head
+	if n == 0 || h.Age <= 0 || h.Mean <= 0 {
+		return tokens
 	}
-	return tokens
+	share := tokens / n
+	if share == 0 {
+		return tokens
+	}
+	expected := float64(h.Mean)
+	if mt := bound(h.MeanTokens); mt > 0 {
+		expected *= float64(share) / float64(mt)
+	}
+	done := float64(h.Age) / expected
+	if done > 1 {
+		done = 1 / done
+	}
+	return tokens - int64(done*float64(share))
 }
 
 // Balance is the imbalance guard's setting (behaviour.md R-PLACE-2).

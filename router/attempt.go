@@ -127,6 +127,7 @@ func (c *call) place(avoid *avoidSet) *engines.Fault {
 		return f
 	}
 	c.producer, c.consumer = prod, cons
+	c.prefillAnswered.Store(false)
 	c.holdPrefill.Store(true)
 	c.holdDecode = true
 	return nil
@@ -147,7 +148,7 @@ func (c *call) attemptFailed(a *engines.Attempt, f *engines.Fault) *engines.Faul
 	} else {
 		c.dropInflight() // no prefill completed: the engine may hold nothing of it (R-PLACE-4)
 	}
-	c.releasePrefill()
+	c.releasePrefill(false)
 	c.releaseDecode()
 	c.recordFault(f)
 	return f

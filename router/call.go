@@ -55,6 +55,7 @@ type call struct {
 	inflightOn         *member               // the engine of inflight, nil when none; both set before the attempt runs
 	prediction         meshview.Prediction   // what the placement predicted of the producer attempt (R-PLACE-3)
 	holdPrefill        atomic.Bool           // producer's prefill slot is reserved (released from the prefill's goroutine too)
+	prefillAnswered    atomic.Bool           // the attempt's prefill answered with its usage (set on the prefill's goroutine)
 	holdDecode         bool                  // consumer's decode slot is reserved
 	live               *engines.Attempt      // the committed attempt, until finish ends its legs
 	backendID          string
@@ -331,7 +332,7 @@ func (c *call) finish() {
 	c.watch = nil
 	c.closeStream()
 	c.finishAttempt()
-	c.releasePrefill()
+	c.releasePrefill(false)
 	c.releaseDecode()
 	// Kept until every leg ended: a producer's answer read after the
 	// first output (SGLang's) still compares its cached tokens with the
@@ -350,12 +351,20 @@ func (c *call) finish() {
 	c.traceEnd(now)
 }
 
-func (c *call) releasePrefill() {
+// releasePrefill gives back the producer's prefill slot and its work in
+// flight (R-OWN-3, R-PLACE-3); answered says the prefill completed, so
+// its time there counts in the producer's mean (meshview.Member.PrefillEnded).
+func (c *call) releasePrefill(answered bool) {
 	if c.holdPrefill.CompareAndSwap(true, false) {
+		// Ended before the slot is free: a reservation that finds the
+		// engine idle in between would otherwise begin the next head
+		// first, and this end would measure nothing.
+		now := time.Now()
+		c.producer.PrefillEnded(now.UnixNano(), answered, c.prefillTokens)
 		c.producer.Release(prefillPhase)
 		c.producer.AddTokens(-c.prefillTokens)
 		if c.inflightOn != nil {
-			c.inflightOn.Inflight().Settle(c.inflight, time.Now().Add(inflightGrace).UnixNano())
+			c.inflightOn.Inflight().Settle(c.inflight, now.Add(inflightGrace).UnixNano())
 		}
 	}
 }

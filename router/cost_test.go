@@ -187,3 +187,45 @@ func TestPrefillTokensNeverLeakRPLACE3(t *testing.T) {
 	cancel()
 	idle("a client gone during the prefill")
 }
+
+// TestHeadMeanFromAnsweredPrefillsRPLACE3: the mean prefill time the cost
+// takes the computing attempt's progress from (meshview.Member.Head) is
+// learned from the producer's prefills that answered — here each held
+// 150 ms by the engine before its answer — and a prefill that failed
+// does not move it, however fast it failed.
+func TestHeadMeanFromAnsweredPrefillsRPLACE3(t *testing.T) {
+	s := newStack(t, []engineDef{{id: "p1", role: "prefill"}, {id: "d1", role: "decode"}}, nil)
+	s.waitModels()
+	p1 := s.rt.fleet().Member("p1")
+	mean := func() time.Duration {
+		if !p1.TryReserve(prefillPhase) {
+			t.Fatal("no prefill slot on p1")
+		}
+		defer p1.Release(prefillPhase)
+		return p1.Head(time.Now().UnixNano()).Mean
+	}
+	if m := mean(); m != 0 {
+		t.Fatalf("mean %v before any prefill", m)
+	}
+	body := costBody(strings.Repeat("A context long enough to weigh. ", 30), "q")
+	s.sims["p1"].Arm(sim.Fault{Kind: sim.FaultHeaderDelay, Phase: sim.PhasePrefill, DelayMS: 150})
+	for range 3 {
+		if resp, out := s.post(schemas.EndpointChat, body); resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, out)
+		}
+	}
+	learned := mean()
+	if learned < 150*time.Millisecond || learned > 5*time.Second {
+		t.Fatalf("mean %v after three prefills held 150 ms each", learned)
+	}
+	s.sims["p1"].Disarm()
+	s.sims["p1"].Arm(sim.Fault{Kind: sim.FaultStatus, Phase: sim.PhasePrefill, Status: 500})
+	for range 3 {
+		if resp, _ := s.post(schemas.EndpointChat, body); resp.StatusCode == 200 {
+			t.Fatal("a request whose prefill fails succeeded")
+		}
+	}
+	if m := mean(); m != learned {
+		t.Fatalf("failed prefills moved the mean from %v to %v", learned, m)
+	}
+}

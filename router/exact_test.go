@@ -149,6 +149,25 @@ func exactStack(t testing.TB, mutate func(*config.Config)) (*stack, map[string]*
 	return s, fronts
 }
 
+// setPace makes m's mean prefill, as the cost's work ahead reads it
+// (meshview.Member.Head), d for tokens reserved tokens: one prefill
+// reserved on the idle engine and ended, answered, d later.
+func setPace(t testing.TB, m *member, d time.Duration, tokens int64) {
+	t.Helper()
+	if !m.TryReserve(prefillPhase) {
+		t.Fatalf("no prefill slot on %s", m.ID)
+	}
+	m.PrefillEnded(time.Now().Add(d).UnixNano(), true, tokens)
+	m.Release(prefillPhase)
+	if !m.TryReserve(prefillPhase) {
+		t.Fatalf("no prefill slot on %s", m.ID)
+	}
+	defer m.Release(prefillPhase)
+	if got := m.Head(time.Now().UnixNano()); got.Mean < d || got.Mean > d+time.Second || got.MeanTokens != tokens {
+		t.Fatalf("%s's pace %+v, want %v for %d tokens", m.ID, got, d, tokens)
+	}
+}
+
 // exactPrompt is a completion prompt of n bytes seeded by seed.
 func exactPrompt(seed, n int) string {
 	var b strings.Builder
@@ -252,12 +271,19 @@ func TestExactIndexDecidesWhereItHasAMatchRPLACE4(t *testing.T) {
 // engine whose events have not reported its blocks yet (its prefill is
 // still in flight) draws the same prompt again to that engine, though the
 // engine has the first one's work queued and the other engine is idle:
-// both exact, both reporting nothing of it. Once the first attempts end
-// and the grace passes, the credit is gone: a third request goes where
-// the exact index says a part of the prompt is.
+// both exact, both reporting nothing of it. The first is under way at the
+// engine's pace (1,000 tokens in 30 ms, as if learned from earlier
+// prefills: placement.md, the cost), so less of it is left than the idle
+// engine would compute; without the credit the second would cost the
+// whole prompt more there. Once the first attempts end and the grace
+// passes, the credit is gone: a third request goes where the exact index
+// says a part of the prompt is.
 func TestInflightPromptFollowsItsEngineRPLACE4(t *testing.T) {
 	s, fronts := exactStack(t, nil)
 	a := exactPrompt(9, 4000) // 62 blocks
+	for _, id := range []string{"p1", "p2"} {
+		setPace(t, s.rt.view.Fleet().Member(id), 30*time.Millisecond, 1000)
+	}
 	holds(t, s, "p1", a, 0, 0)
 	holds(t, s, "p2", a, 0, 0)
 	gate := make(chan struct{})

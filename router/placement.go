@@ -488,6 +488,9 @@ func (sc *placeScratch) eligible(fl *fleet, model string, p phase, avoid []*memb
 		if m.Can(decodePhase) {
 			cand.DecodeLegs = m.MeshReserved(decodePhase)
 		}
+		if p == prefillPhase {
+			cand.Head = m.Head(nowNano)
+		}
 		cands = append(cands, cand)
 	}
 	sc.ms, sc.cands = ms, cands

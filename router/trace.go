@@ -210,17 +210,20 @@ func (s steps) End(step connector.Step, f *engines.Fault) {
 // atomics and fields of c that no longer change once the attempt runs.
 func (s steps) PrefillEnded(late *engines.Fault) {
 	c := s.c
-	c.releasePrefill()
+	c.releasePrefill(late == nil && c.prefillAnswered.Load())
 	c.rt.metrics.leg.WithLabelValues(schemas.PhasePrefill, c.modelSeries().label).Observe(time.Since(c.arrival).Seconds())
 	if late != nil {
 		c.recordFault(late)
 	}
 }
 
-// PrefillAnswered applies the producer's prefill usage (R-PLACE-3): under
-// a policy that keeps the prefix index, its cached tokens correct it.
+// PrefillAnswered marks the producer's prefill answered, so that its time
+// counts in the producer's mean (releasePrefill), and applies its usage
+// (R-PLACE-3): under a policy that keeps the prefix index, its cached
+// tokens correct it.
 func (s steps) PrefillAnswered(u connector.PrefillUsage) {
 	c := s.c
+	c.prefillAnswered.Store(true)
 	if c.prediction.Model == "" || c.producer == nil {
 		return
 	}

@@ -52,6 +52,16 @@ type Member struct {
 	// exchange, loadshare.go; R-PLACE-3).
 	peerReserved [2]atomic.Int64
 	peerTokens   atomic.Int64
+	// headSince is the UnixNano moment the prefill the engine computes
+	// for this router began: when its first prefill slot was reserved
+	// while none was, or when the last of its prefills ended there; 0
+	// before any. headMean is the mean time, in nanoseconds, from one to
+	// the end of a prefill that answered (PrefillEnded), headTokens the
+	// mean of those prefills' reserved tokens; 0 until one is seen
+	// (behaviour.md R-PLACE-3: the cost's work ahead).
+	headSince  atomic.Int64
+	headMean   atomic.Int64
+	headTokens atomic.Int64
 	// running is the engine's own running requests (vLLM's
 	// num_requests_running) as last read, 0 when unknown.
 	running atomic.Int64
@@ -417,7 +427,8 @@ func (m *Member) QuarantinedUntil() int64 { return m.quarantinedUntil.Load() }
 // (R-FAIL-8).
 func (m *Member) MarkNoCacheDetails() bool { return m.noCacheDetails.CompareAndSwap(false, true) }
 
-// TryReserve takes one slot of phase p if the limit allows (R-OWN-3).
+// TryReserve takes one slot of phase p if the limit allows (R-OWN-3). A
+// prefill slot taken while none was begins the engine's head (Head).
 func (m *Member) TryReserve(p Phase) bool {
 	lim := m.limit[p]
 	for {
@@ -426,9 +437,54 @@ func (m *Member) TryReserve(p Phase) bool {
 			return false
 		}
 		if m.reserved[p].CompareAndSwap(cur, cur+1) {
+			if p == Prefill && cur == 0 {
+				m.headSince.Store(time.Now().UnixNano())
+			}
 			return true
 		}
 	}
+}
+
+// PrefillEnded records, at nowNano (UnixNano), that one of this
+// router's prefill attempts on the engine ended, tokens its reserved
+// uncached tokens — call it before the slot's Release. When answered
+// (the engine answered the leg: not failed, timed out or abandoned) the
+// time since the head began (headSince) and tokens move the means a
+// prefill takes there an eighth of the way (the first sets them); either
+// way the next prefill in line begins now. Concurrent ends may each miss
+// the other's update of a mean: they are estimates (behaviour.md
+// R-PLACE-3).
+func (m *Member) PrefillEnded(nowNano int64, answered bool, tokens int64) {
+	if since := m.headSince.Swap(nowNano); answered && since > 0 && nowNano > since {
+		ewmaInto(&m.headMean, nowNano-since)
+		ewmaInto(&m.headTokens, min(max(tokens, 0), 1<<40))
+	}
+}
+
+// ewmaInto moves *a an eighth of the way to x, or sets it to x while it
+// is 0 (unset); a mean set to 0 by samples of 0 starts again.
+func ewmaInto(a *atomic.Int64, x int64) {
+	if mean := a.Load(); mean > 0 {
+		x = mean + (x-mean)/8
+	}
+	a.Store(x)
+}
+
+// Head returns, at nowNano (UnixNano), what this router knows of the
+// prefill the engine computes for it (PrefillEnded): how long it has
+// been computing, and the mean time and reserved tokens of the prefills
+// seen to answer there. Its Age is 0 while the router has no prefill in
+// flight there, its Mean and MeanTokens 0 until one answered
+// (behaviour.md R-PLACE-3).
+func (m *Member) Head(nowNano int64) prefix.Progress {
+	if m.reserved[Prefill].Load() == 0 {
+		return prefix.Progress{}
+	}
+	p := prefix.Progress{Mean: time.Duration(m.headMean.Load()), MeanTokens: m.headTokens.Load()}
+	if since := m.headSince.Load(); since > 0 && nowNano > since {
+		p.Age = time.Duration(nowNano - since)
+	}
+	return p
 }
 
 // Release gives back one slot of phase p.
