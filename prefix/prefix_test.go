@@ -300,7 +300,9 @@ func TestCostBoundaryRPLACE3(t *testing.T) {
 // third; one stalled 30 s, 1/12. With the age or the pace unknown — a
 // router that has seen no prefill answer there, an engine that has just
 // begun — it counts whole, as do tokens without an outstanding attempt
-// (another router's, not yet counted).
+// (another router's, not yet counted). With no attempt of the router's
+// own there (the zero Progress: other routers' only) the head counts
+// half done, the request arriving at a moment unrelated to its start.
 func TestCostCountsWhatTheComputingAttemptDidRPLACE3(t *testing.T) {
 	w := work(100)
 	base := (&Candidate{}).Cost(w)
@@ -320,6 +322,8 @@ func TestCostCountsWhatTheComputingAttemptDidRPLACE3(t *testing.T) {
 		{1, 100000, Progress{Age: 30 * time.Second, Mean: 20 * time.Millisecond, MeanTokens: 800}, 91667},
 		{2, 1600, Progress{Age: 10 * time.Millisecond, Mean: 20 * time.Millisecond, MeanTokens: 800}, 1200},
 		{1, 1000, Progress{Mean: mean}, 1000},
+		{1, 1000, Progress{}, 500}, // only other routers' attempts: half done
+		{4, 4000, Progress{}, 3500},
 		{1, 1000, Progress{Age: mean / 2}, 1000},
 		{1, 1000, Progress{Age: -mean, Mean: mean}, 1000},
 		{0, 1000, Progress{Age: mean / 2, Mean: mean}, 1000},

@@ -45,7 +45,8 @@ type Candidate struct {
 	// decodes (role both), the mesh's; 0 for a prefill engine.
 	DecodeLegs int64
 	// Head is what the router knows of the prefill the engine computes
-	// now (meshview.Member.Head): the zero Progress when nothing.
+	// now (meshview.Member.Head): the zero Progress when the router has
+	// no attempt of its own there.
 	Head Progress
 }
 
@@ -171,15 +172,25 @@ func (c *Candidate) Cost(w *Work) int64 {
 // part done is Head.Age over it. Past that time the prefill is overdue —
 // stalled, or longer than its reservation said — and the part counted
 // done falls back as the expected time over Age: a prefill that hangs
-// comes to count whole again. Nothing is taken off while the age or the
-// pace is unknown, so an engine that has just begun a long prefill — a
-// cold context — counts all of it. With no Outstanding attempt it is
-// Tokens.
+// comes to count whole again. Nothing is taken off while the router's
+// own attempt there has no age or the pace is unknown, so an engine that
+// has just begun a long prefill — a cold context — counts all of it.
+// With the zero Head — no attempt of this router's there, only other
+// routers' — the request arrives at a moment unrelated to the head's
+// start, and the head counts half done (the mean residual of a
+// computation seen at a random moment). With no Outstanding attempt it
+// is Tokens.
 func (c *Candidate) ahead() int64 {
 	tokens := bound(c.Tokens)
 	n := bound(c.Outstanding)
 	h := c.Head
-	if n == 0 || h.Age <= 0 || h.Mean <= 0 {
+	if n == 0 {
+		return tokens
+	}
+	if h == (Progress{}) {
+		return tokens - tokens/(2*n)
+	}
+	if h.Age <= 0 || h.Mean <= 0 {
 		return tokens
 	}
 	share := tokens / n
