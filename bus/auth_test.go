@@ -50,6 +50,23 @@ func connectID(t *testing.T, e *bus.Embedded, dir, kind, id string) *bus.Bus {
 	return bustest.Connect(t, e, bus.ConnectOptions{Name: kind + "-" + id, CredsFile: bustest.Identity(t, dir, kind, id), Role: kind, ID: id})
 }
 
+// receive subscribes b to subject (a wildcard allowed) until the test
+// ends and returns the channel its messages arrive on (8 buffered); the
+// subscription is on the server when it returns.
+func receive(t *testing.T, b *bus.Bus, subject string) <-chan *nats.Msg {
+	t.Helper()
+	got := make(chan *nats.Msg, 8)
+	sub, err := b.Conn().Subscribe(subject, func(m *nats.Msg) { got <- m })
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { sub.Unsubscribe() })
+	if err := b.Conn().Flush(); err != nil {
+		t.Fatal(err)
+	}
+	return got
+}
+
 // denied asserts that act failed and that the server reported a
 // permissions violation naming subject on b's connection (R-BUS-8).
 func denied(t *testing.T, b *bus.Bus, what, subject string, act func(ctx context.Context) error) {

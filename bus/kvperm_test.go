@@ -22,15 +22,7 @@ func TestKVBatchPermissionsRPLACE4(t *testing.T) {
 	e, dir := authServer(t)
 	p1 := connectID(t, e, dir, bus.RoleEngine, "p1")
 	r1 := connectID(t, e, dir, bus.RoleRouter, "r1")
-	got := make(chan *nats.Msg, 8)
-	sub, err := r1.Conn().Subscribe(bus.KVSubjectPrefix+"*", func(m *nats.Msg) { got <- m })
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer sub.Unsubscribe()
-	if err := r1.Conn().Flush(); err != nil {
-		t.Fatal(err)
-	}
+	got := receive(t, r1, bus.KVSubjectPrefix+"*")
 	var b bus.KVBatch
 	b.Reset("p2", 1, 1, 16)
 	b.Add(bus.KVStored, 0, bus.KVGPU, []uint64{1, 2})

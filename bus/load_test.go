@@ -106,15 +106,7 @@ func TestLoadReportPermissionsRPLACE3(t *testing.T) {
 	e, dir := authServer(t)
 	r1 := connectID(t, e, dir, bus.RoleRouter, "r1")
 	r2 := connectID(t, e, dir, bus.RoleRouter, "r2")
-	got := make(chan *nats.Msg, 8)
-	sub, err := r2.Conn().Subscribe(bus.LoadSubjectPrefix+"*", func(m *nats.Msg) { got <- m })
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer sub.Unsubscribe()
-	if err := r2.Conn().Flush(); err != nil {
-		t.Fatal(err)
-	}
+	got := receive(t, r2, bus.LoadSubjectPrefix+"*")
 	var r bus.LoadReport
 	r.Reset("r2")
 	r.Add("p1", 50, 0, 100000)
@@ -153,15 +145,7 @@ func TestPlacedPermissionsRPLACE4(t *testing.T) {
 	r1 := connectID(t, e, dir, bus.RoleRouter, "r1")
 	r2 := connectID(t, e, dir, bus.RoleRouter, "r2")
 	p1 := connectID(t, e, dir, bus.RoleEngine, "p1")
-	got := make(chan *nats.Msg, 8)
-	sub, err := r2.Conn().Subscribe(bus.LoadSubjectPrefix+"*", func(m *nats.Msg) { got <- m })
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer sub.Unsubscribe()
-	if err := r2.Conn().Flush(); err != nil {
-		t.Fatal(err)
-	}
+	got := receive(t, r2, bus.LoadSubjectPrefix+"*")
 	keys := []uint64{1, 2, 3, 4}
 	for _, f := range []struct {
 		by      *bus.Bus

@@ -59,9 +59,9 @@ type Progress struct {
 	// its last prefill there ended. 0 when unknown.
 	Age time.Duration
 	// Mean is the mean of that time over the prefills that answered
-	// there, MeanTokens the mean of their reserved uncached tokens: the
-	// engine's pace. Mean 0 when none answered yet; MeanTokens 0 when
-	// they were all cached (the pace is then Mean a prefill).
+	// there, MeanTokens the mean of their reserved uncached tokens (at
+	// least 1 once one answered): the engine's pace. Both 0 when none
+	// answered yet; a MeanTokens of 0 takes the pace as Mean a prefill.
 	Mean       time.Duration
 	MeanTokens int64
 }

@@ -451,23 +451,13 @@ func (m *Member) TryReserve(p Phase) bool {
 // (the engine answered the leg: not failed, timed out or abandoned) the
 // time since the head began (headSince) and tokens move the means a
 // prefill takes there an eighth of the way (the first sets them); either
-// way the next prefill in line begins now. Concurrent ends may each miss
-// the other's update of a mean: they are estimates (behaviour.md
-// R-PLACE-3).
+// way the next prefill in line begins now (behaviour.md R-PLACE-3; the
+// means are the token ratio's EWMA, ewma).
 func (m *Member) PrefillEnded(nowNano int64, answered bool, tokens int64) {
 	if since := m.headSince.Swap(nowNano); answered && since > 0 && nowNano > since {
-		ewmaInto(&m.headMean, nowNano-since)
-		ewmaInto(&m.headTokens, min(max(tokens, 0), 1<<40))
+		ewma(&m.headMean, nowNano-since)
+		ewma(&m.headTokens, min(max(tokens, 1), 1<<40))
 	}
-}
-
-// ewmaInto moves *a an eighth of the way to x, or sets it to x while it
-// is 0 (unset); a mean set to 0 by samples of 0 starts again.
-func ewmaInto(a *atomic.Int64, x int64) {
-	if mean := a.Load(); mean > 0 {
-		x = mean + (x-mean)/8
-	}
-	a.Store(x)
 }
 
 // Head returns, at nowNano (UnixNano), what this router knows of the
