@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
+	"net"
 	"strings"
 	"testing"
 	"time"
@@ -310,5 +311,108 @@ func TestLegsSendTraceContext(t *testing.T) {
 		if got := [4]string{pr[0].Traceparent, pr[0].Tracestate, dr[0].Traceparent, dr[0].Tracestate}; got != want {
 			t.Fatalf("traced=%v: trace headers prefill (%q, %q) decode (%q, %q), want %q", traced, got[0], got[1], got[2], got[3], want)
 		}
+	}
+}
+
+// TestBodyTheEngineRefusesIsTheRequestsFaultRFAIL6 sends a prompt larger
+// than one engine accepts. The engine answers 413 and closes the
+// connection while the router is still writing the body: the write is cut,
+// but the engine's answer says whose fault that is. The leg must end as
+// the engine's 413, passed through and not counted towards ejection, never
+// as a connect error that a few such prompts turn into an ejection. Each
+// leg is tried in turn: the producer refusing, then the consumer refusing
+// the body the producer took.
+func TestBodyTheEngineRefusesIsTheRequestsFaultRFAIL6(t *testing.T) {
+	for _, refuser := range []string{"prefill", "decode"} {
+		t.Run(refuser, func(t *testing.T) {
+			limit := map[string]int{refuser: 1 << 20}
+			psrv := simtest.Start(t, sim.Config{Role: "prefill", EngineID: "p1", Model: "m", MaxModelLen: 4 << 20, MaxBodyBytes: limit["prefill"]})
+			dsrv := simtest.Start(t, sim.Config{Role: "decode", EngineID: "d1", Model: "m", MaxModelLen: 4 << 20, MaxBodyBytes: limit["decode"]})
+			p := &Engine{ID: "p1", URL: psrv.URL(), Role: connector.RolePrefill, Connector: nixl.Nixl{}}
+			d := &Engine{ID: "d1", URL: dsrv.URL(), Role: connector.RoleDecode, Connector: nixl.Nixl{}}
+			c := NewClient(Options{})
+			defer c.HTTPClient().CloseIdleConnections()
+			body := `{"model":"m","prompt":"` + strings.Repeat("abcdefghijklmnopqrstuvwxyz012345678901234567890123456789abcdefghijklmnopqrstuvwxyz ", 6<<20/85) + `","max_tokens":2}`
+			req := &Request{Body: parse(t, schemas.EndpointCompletions, body), BackendRequestID: "r-big", Producer: p, Consumer: d}
+			attempts := 3 // each as the first: nothing of a refusal carries over
+			if refuser == "decode" {
+				attempts = 1 // each attempt prefills 6 MiB first
+			}
+			for i := range attempts {
+				res, err := c.Prefill(context.Background(), req)
+				if err == nil && refuser == "decode" {
+					var s *Stream
+					if s, err = c.Decode(context.Background(), req, res); s != nil {
+						s.Close()
+						t.Fatalf("attempt %d: the consumer took a body over its limit", i)
+					}
+				}
+				f, ok := errors.AsType[*Fault](err)
+				if !ok {
+					t.Fatalf("attempt %d: error %v, want a fault", i, err)
+				}
+				if f.Kind != KindClientFault || f.Status != 413 || f.CountsTowardEjection() || f.Transient() || f.Phase != refuser {
+					t.Fatalf("attempt %d: fault %s %s %d %q (counts %v), want the %s engine's 413 as a client fault",
+						i, f.Phase, f.Kind, f.Status, f.Message, f.CountsTowardEjection(), refuser)
+				}
+				if !strings.Contains(f.Message, "exceeds 1048576 bytes") {
+					t.Fatalf("attempt %d: message %q, want the engine's own", i, f.Message)
+				}
+			}
+		})
+	}
+}
+
+// TestCutUploadWithoutAnswerStaysTheEnginesRFAIL6 is the other side of a
+// cut upload: an engine that cuts the request's body and answers nothing,
+// or answers a success to a body it never read whole, is unreachable as far
+// as the request goes, a connect error that counts (an engine dying in the
+// middle of an upload must still leave placement). Only a refusal the
+// engine sent is taken as its answer.
+func TestCutUploadWithoutAnswerStaysTheEnginesRFAIL6(t *testing.T) {
+	for _, tc := range []struct {
+		name, answer string
+		kind         FaultKind
+		status       int
+	}{
+		{"refusal", "HTTP/1.1 413 Payload Too Large\r\nContent-Type: application/json\r\nContent-Length: 60\r\n\r\n" +
+			`{"error":{"message":"body too large","type":"x","code":413}}`, KindClientFault, 413},
+		{"no answer", "", KindConnectError, 502},
+		{"half a status line", "HTTP/1.1 41", KindConnectError, 502},
+		{"a success", "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}", KindConnectError, 502},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer ln.Close()
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				c, err := ln.Accept()
+				if err != nil {
+					return
+				}
+				// Read the headers and a little of the body, answer, and
+				// close with the rest unread: the kernel resets the
+				// connection under the router's write.
+				_, _ = io.ReadFull(c, make([]byte, 64<<10))
+				_, _ = io.WriteString(c, tc.answer)
+				_ = c.(*net.TCPConn).SetLinger(0)
+				c.Close()
+			}()
+			e := &Engine{ID: "p1", URL: "http://" + ln.Addr().String(), Role: connector.RolePrefill, Connector: nixl.Nixl{}}
+			c := NewClient(Options{})
+			defer c.HTTPClient().CloseIdleConnections()
+			body := `{"model":"m","prompt":"` + strings.Repeat("x", 8<<20) + `","max_tokens":2}`
+			req := &Request{Body: parse(t, schemas.EndpointCompletions, body), BackendRequestID: "r-cut", Producer: e, Consumer: e}
+			_, err = c.Prefill(context.Background(), req)
+			<-done
+			f, ok := errors.AsType[*Fault](err)
+			if !ok || f.Kind != tc.kind || f.Status != tc.status {
+				t.Fatalf("error %v, want %s %d", err, tc.kind, tc.status)
+			}
+		})
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/http"
 	"sync"
+	"time"
 
 	"github.com/valyala/fasthttp"
 )
@@ -20,6 +21,9 @@ type leg struct {
 	readers *sync.Pool
 	stop    func() bool
 	resp    *fasthttp.Response
+	// cut: the engine cut the request's upload before answering
+	// (answerAfterCut); the connection is closed when the leg ends.
+	cut bool
 }
 
 var reqHeaders = sync.Pool{New: func() any { return new(fasthttp.RequestHeader) }}
@@ -35,7 +39,9 @@ var errTooManyInterim = errors.New("too many informational responses")
 // the engine closed while it was idle is replaced before anything is
 // written; a write that fails on a reused connection is retried once on a
 // fresh one (nothing of the request reached the engine as a whole, so it
-// cannot run twice). Any other failure is not retried. ctx aborts the
+// cannot run twice). A write the engine cut on a fresh connection ends
+// with the answer it sent first, if any (answerAfterCut). Any other
+// failure is not retried. ctx aborts the
 // connection (its deadline set to the past) whenever it ends; after an
 // abort the connection is closed, never reused.
 func send(ctx context.Context, ps *enginePools, readers *sync.Pool, e *Engine, req *Request, body []byte) (*leg, error) {
@@ -73,13 +79,21 @@ func send(ctx context.Context, ps *enginePools, readers *sync.Pool, e *Engine, r
 			return nil, err
 		}
 		stop := context.AfterFunc(ctx, conn.abortFn)
-		if _, err := conn.Write(buf); err != nil {
+		if n, err := conn.Write(buf); err != nil {
 			stopped := stop()
-			entry.pool.discard(conn)
 			if conn.reused && !fresh && stopped && ctx.Err() == nil {
+				// Whatever a kept-alive connection holds may predate this
+				// request: ask again on a fresh one.
+				entry.pool.discard(conn)
 				fresh = true
 				continue
 			}
+			if stopped && n > 0 && ctx.Err() == nil {
+				if l := answerAfterCut(ctx, readers, conn); l != nil {
+					return l, nil
+				}
+			}
+			entry.pool.discard(conn)
 			return nil, err
 		}
 		l := &leg{conn: conn, readers: readers, stop: stop, resp: fasthttp.AcquireResponse()}
@@ -91,6 +105,35 @@ func send(ctx context.Context, ps *enginePools, readers *sync.Pool, e *Engine, r
 		}
 		return l, nil
 	}
+}
+
+// cutAnswerWait bounds the wait for an engine's answer after it cut the
+// request's upload. An engine that refuses a body (413, 400) answers
+// before it closes, so the answer is already received when the write
+// fails; the bound only limits a connection that went silent.
+const cutAnswerWait = 250 * time.Millisecond
+
+// answerAfterCut reads the answer an engine sent before it cut off the
+// request's upload after n > 0 bytes (a web server refusing a body larger
+// than it accepts answers 413 and closes the connection while the router
+// is still writing, docs/failures.md "A body the engine refuses"). It
+// returns a leg holding that answer when it is a complete final status
+// line of a non-2xx response, read within cutAnswerWait; nil otherwise
+// (no answer, a broken one, or a 2xx that cannot answer a request the
+// engine never read whole), and the caller keeps the write error. The
+// leg's connection is never reused.
+func answerAfterCut(ctx context.Context, readers *sync.Pool, conn *engineConn) *leg {
+	if conn.SetReadDeadline(time.Now().Add(cutAnswerWait)) != nil {
+		return nil
+	}
+	l := &leg{conn: conn, readers: readers, stop: context.AfterFunc(ctx, conn.abortFn), resp: fasthttp.AcquireResponse(), cut: true}
+	l.br = readers.Get().(*bufio.Reader)
+	l.br.Reset(conn)
+	if err := l.readHeader(); err != nil || l.status() < 300 {
+		l.finish(false)
+		return nil
+	}
+	return l
 }
 
 // readHeader reads the final response's headers, skipping informational
@@ -158,7 +201,7 @@ func (l *leg) httpResponse() *http.Response {
 // it is closed.
 func (l *leg) finish(clean bool) {
 	stopped := l.stop()
-	reuse := clean && stopped && l.br.Buffered() == 0 && !l.resp.Header.ConnectionClose() && l.resp.Header.ContentLength() != -2
+	reuse := clean && stopped && !l.cut && l.br.Buffered() == 0 && !l.resp.Header.ConnectionClose() && l.resp.Header.ContentLength() != -2
 	_ = l.resp.CloseBodyStream()
 	fasthttp.ReleaseResponse(l.resp)
 	l.resp = nil

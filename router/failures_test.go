@@ -168,6 +168,39 @@ func TestPassThroughClientFaultsRFAIL6(t *testing.T) {
 	}
 }
 
+// TestBodyOverTheEngineLimitBlamesNoEngineRFAIL6 sends prompts the router
+// accepts (under request.max_body_bytes) but the prefill engine does not:
+// the engine answers 413 and closes the connection under the router's
+// write. Each client gets that 413, no failure is published against the
+// engine however many such prompts come, and the engine still serves the
+// next request. Before, the cut write was a connect error that counted,
+// and three large prompts could eject a healthy engine.
+func TestBodyOverTheEngineLimitBlamesNoEngineRFAIL6(t *testing.T) {
+	s := newStack(t, []engineDef{
+		{id: "p1", role: "prefill", cfg: sim.Config{MaxBodyBytes: 1 << 20, MaxModelLen: 4 << 20}},
+		{id: "d1", role: "decode", cfg: sim.Config{MaxModelLen: 4 << 20}},
+	}, nil)
+	s.waitModels()
+	big := chatBody(strings.Repeat("abcdefghijklmnopqrstuvwxyz0123456789abcdefghijklmnopqrstuvwxyz ", 6<<20/64), `"max_tokens":2`)
+	for i := range 3 {
+		resp, body := s.post(schemas.EndpointChat, big)
+		if resp.StatusCode != 413 {
+			t.Fatalf("prompt %d: status %d, want the engine's 413: %.300s", i, resp.StatusCode, body)
+		}
+		if e := errorBody(t, 413, body); !strings.Contains(e.Message, "exceeds 1048576 bytes") {
+			t.Fatalf("prompt %d: message %q, want the engine's own", i, e.Message)
+		}
+	}
+	s.idle()
+	if fs := s.events.failures(); len(fs) != 0 {
+		t.Fatalf("a body the engine refused was published as its failure: %+v", fs)
+	}
+	resp, body := s.post(schemas.EndpointChat, chatBody("small", `"max_tokens":2`))
+	if resp.StatusCode != 200 {
+		t.Fatalf("the next request: status %d: %s", resp.StatusCode, body)
+	}
+}
+
 func http3(n int) string {
 	b, _ := json.Marshal(n)
 	return string(b)

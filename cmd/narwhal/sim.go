@@ -53,6 +53,7 @@ func newSimFlags(cfg *sim.Config) (*flag.FlagSet, simFlags) {
 	fs.StringVar(&cfg.EngineVersion, "engine-version", sim.DefaultEngineVersion, "version reported by GET /version")
 	fs.StringVar(&cfg.EngineKind, "engine-kind", sim.DefaultEngineKind, "engine kind reported by GET /version and /v1/models owned_by")
 	fs.IntVar(&cfg.MaxModelLen, "max-model-len", sim.DefaultMaxModelLen, "context length in tokens")
+	fs.IntVar(&cfg.MaxBodyBytes, "max-body-bytes", sim.DefaultMaxBodyBytes, "largest request body in `BYTES`; a larger one gets 413 and the connection is closed, as a web server in front of an engine does")
 	fs.BoolVar(&cfg.NoPromptTokensDetails, "no-prompt-tokens-details", false, "leave usage.prompt_tokens_details out, like vLLM without --enable-prompt-tokens-details")
 	fs.Func("fault", "arm a fault at start: a `JSON` fault object or array, e.g. '{\"kind\":\"silence\",\"phase\":\"decode\",\"after_tokens\":2}' (repeatable)", func(v string) error {
 		faults, err := sim.ParseFaults([]byte(v))

@@ -1,7 +1,6 @@
 package sim
 
 import (
-	"io"
 	"net/http"
 )
 
@@ -63,9 +62,9 @@ func (s *Server) CachedFor(body []byte) (Cached, error) {
 // Cached out as JSON (400 with a vLLM error body when the body is not a
 // request this engine serves).
 func (s *Server) serveCached(w http.ResponseWriter, r *http.Request) {
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBodyBytes))
-	if err != nil {
-		writeError(w, http.StatusBadRequest, "cannot read request body: "+err.Error())
+	body, status, msg := s.readBody(nil, w, r)
+	if status != 0 {
+		writeError(w, status, msg)
 		return
 	}
 	c, err := s.CachedFor(body)

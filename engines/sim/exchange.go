@@ -281,17 +281,36 @@ func readAll(dst []byte, r io.Reader) ([]byte, error) {
 	}
 }
 
+// readBody reads r's body into dst, at most Config.MaxBodyBytes: a body
+// whose Content-Length is larger is refused with 413 before any of it is
+// read, one that grows past the bound while read too (and net/http closes
+// the connection after the answer). Other read errors are 400. A zero
+// status means the body was read.
+func (s *Server) readBody(dst []byte, w http.ResponseWriter, r *http.Request) ([]byte, int, string) {
+	limit := s.cfg.MaxBodyBytes
+	if r.ContentLength > int64(limit) {
+		w.Header().Set("Connection", "close")
+		return dst, http.StatusRequestEntityTooLarge, fmt.Sprintf("request body exceeds %d bytes (Content-Length %d)", limit, r.ContentLength)
+	}
+	dst, err := readAll(dst, http.MaxBytesReader(w, r.Body, int64(limit)))
+	if err != nil {
+		if _, ok := errors.AsType[*http.MaxBytesError](err); ok {
+			return dst, http.StatusRequestEntityTooLarge, fmt.Sprintf("request body exceeds %d bytes", limit)
+		}
+		return dst, http.StatusBadRequest, "cannot read request body: " + err.Error()
+	}
+	return dst, 0, ""
+}
+
 // parse reads and validates the request. It returns a non-zero HTTP
 // status and a message when the request is refused (vLLM's checks: 400
 // for invalid input, 404 for an unknown model, 413 for an oversized body).
 func (x *exchange) parse(r *http.Request) (int, string) {
 	var err error
-	x.body, err = readAll(x.body[:0], http.MaxBytesReader(x.w, r.Body, maxBodyBytes))
-	if err != nil {
-		if _, ok := errors.AsType[*http.MaxBytesError](err); ok {
-			return http.StatusRequestEntityTooLarge, fmt.Sprintf("request body exceeds %d bytes", maxBodyBytes)
-		}
-		return http.StatusBadRequest, "cannot read request body: " + err.Error()
+	var status int
+	var msg string
+	if x.body, status, msg = x.s.readBody(x.body[:0], x.w, r); status != 0 {
+		return status, msg
 	}
 	req := &x.req
 	if err := json.Unmarshal(x.body, req); err != nil {

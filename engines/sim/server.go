@@ -59,8 +59,10 @@ const (
 	ConnectorSharedStorage = "shared-storage"
 )
 
-// maxBodyBytes bounds an inference request body; larger ones get 413.
-const maxBodyBytes = 16 << 20
+// DefaultMaxBodyBytes is the default Config.MaxBodyBytes: 64 MiB, above
+// the router's default request.max_body_bytes (32 MiB), so a body the
+// router accepts reaches the simulator whole unless a test lowers it.
+const DefaultMaxBodyBytes = 64 << 20
 
 // maxChoices bounds n.
 const maxChoices = 64
@@ -146,6 +148,12 @@ type Config struct {
 	// MaxModelLen is the context length (default DefaultMaxModelLen):
 	// prompt_tokens + max_tokens above it is a 400, as in vLLM.
 	MaxModelLen int
+	// MaxBodyBytes bounds a request body in bytes (default
+	// DefaultMaxBodyBytes). A larger one gets 413 with vLLM's error body:
+	// at once when its Content-Length says so, without reading it, or when
+	// a body of unknown length reaches the bound; the connection is then
+	// closed, as a web server in front of an engine does.
+	MaxBodyBytes int
 	// Faults are armed when the Server is created.
 	Faults []Fault
 	// APIKey, when set, is required on every /v1/* request as
@@ -313,6 +321,9 @@ func New(cfg Config) (*Server, error) {
 	}
 	if cfg.EngineKind == "" {
 		cfg.EngineKind = DefaultEngineKind
+	}
+	if cfg.MaxBodyBytes <= 0 {
+		cfg.MaxBodyBytes = DefaultMaxBodyBytes
 	}
 	if cfg.MaxModelLen <= 0 {
 		cfg.MaxModelLen = DefaultMaxModelLen

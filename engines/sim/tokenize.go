@@ -4,7 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
+
 	"net/http"
 	"strconv"
 )
@@ -81,16 +81,12 @@ func (s *Server) Tokenize(body []byte) (Tokenized, error) {
 }
 
 // serveTokenize is POST /tokenize: Tokenized as JSON; a vLLM error body
-// with 404 for another model, 413 for a body over maxBodyBytes, 400 for
+// with 404 for another model, 413 for a body over Config.MaxBodyBytes, 400 for
 // anything else that is not a request.
 func (s *Server) serveTokenize(w http.ResponseWriter, r *http.Request) {
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBodyBytes))
-	if err != nil {
-		if _, ok := errors.AsType[*http.MaxBytesError](err); ok {
-			writeError(w, http.StatusRequestEntityTooLarge, "request body exceeds "+strconv.Itoa(maxBodyBytes)+" bytes")
-			return
-		}
-		writeError(w, http.StatusBadRequest, "cannot read request body: "+err.Error())
+	body, status, msg := s.readBody(nil, w, r)
+	if status != 0 {
+		writeError(w, status, msg)
 		return
 	}
 	t, err := s.Tokenize(body)

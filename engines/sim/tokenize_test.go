@@ -86,7 +86,7 @@ func TestTokenizeErrors(t *testing.T) {
 		{`{"model":"m","messages":[{"content":"x"}]}`, 400, "role is required"},
 		{`not json`, 400, "invalid JSON"},
 		{`{"model":"other","prompt":"x"}`, 404, "The model `other` does not exist."},
-		{strings.Repeat(" ", maxBodyBytes+1), 413, "request body exceeds"},
+		{strings.Repeat(" ", DefaultMaxBodyBytes+1), 413, "request body exceeds"},
 	} {
 		resp := post(t, c, url+"/tokenize", tc.body)
 		b := readBody(t, resp)
