@@ -73,3 +73,24 @@ func BenchmarkRecord2000Tokens(b *testing.B) {
 	}
 	testkit.ReportCPUPerOp(b, cpu)
 }
+
+// BenchmarkRecordInterleaved2000Tokens records two 2,000-token prompts in
+// turn that share nothing, at a full index: neither opens the recency
+// list when it comes back, so every block is moved (the path Record takes
+// when tenants interleave).
+func BenchmarkRecordInterleaved2000Tokens(b *testing.B) {
+	ix := NewIndex(DefaultBlocksPerEngine)
+	for j := 0; ix.Blocks("e") < DefaultBlocksPerEngine; j++ {
+		ix.Record("e", AppendHashes(nil, prompt(uint64(j+10), 125*BlockBytes)), nil)
+	}
+	two := [2][]uint64{AppendHashes(nil, prompt(1, 8000)), AppendHashes(nil, prompt(2, 8000))}
+	fresh := make([]uint64, 0, 125)
+	b.ReportAllocs()
+	cpu := testkit.CPUTime()
+	i := 0
+	for b.Loop() {
+		fresh = ix.Record("e", two[i&1], fresh[:0])
+		i++
+	}
+	testkit.ReportCPUPerOp(b, cpu)
+}

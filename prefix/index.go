@@ -100,11 +100,7 @@ func (ix *Index) Record(engineID string, hashes, fresh []uint64) []uint64 {
 	}
 	start := len(fresh)
 	e.mu.Lock()
-	for i := len(hashes) - 1; i >= 0; i-- {
-		if !e.touch(hashes[i]) {
-			fresh = append(fresh, hashes[i])
-		}
-	}
+	fresh = e.touchChain(hashes, fresh)
 	e.mu.Unlock()
 	added := fresh[start:]
 	for i, j := 0, len(added)-1; i < j; i, j = i+1, j-1 {
@@ -126,9 +122,7 @@ func (ix *Index) Learn(engineID string, hashes []uint64) {
 		return
 	}
 	e.mu.Lock()
-	for i := len(hashes) - 1; i >= 0; i-- {
-		e.touch(hashes[i])
-	}
+	e.touchChain(hashes, nil)
 	e.mu.Unlock()
 }
 
@@ -301,16 +295,54 @@ func (e *engineLRU) remove(h uint64) bool {
 	return true
 }
 
-// touch makes h the most recent hash, inserting it (and evicting the
-// least recent when full) if absent. It reports whether h was held. The
-// caller holds e.mu.
-func (e *engineLRU) touch(h uint64) bool {
-	if s, ok := e.slot.get(h); ok {
-		if s != e.head {
-			e.unlink(s)
-			e.pushFront(s)
+// touchChain makes the chain hashes (in chain order) the most recent
+// hashes, hashes[0] the most recent of all, as touching each from the last
+// to the first would; it appends to fresh the hashes not held before, the
+// last first, and returns it. The leading hashes that already follow each
+// other in the recency list in chain order (a prompt placed before, or one
+// sharing a placed prompt's head: what Record itself leaves behind) move
+// to the front as one segment, and the rest go in behind them: the same
+// order as moving every one, with one table look-up for the segment. A chain longer than the set takes the slow
+// path. The caller holds e.mu.
+func (e *engineLRU) touchChain(hashes, fresh []uint64) []uint64 {
+	k, after := 0, int32(-1)
+	if len(hashes) <= e.capacity {
+		if first, ok := e.slot.get(hashes[0]); ok {
+			last := first
+			for k = 1; k < len(hashes); k++ {
+				s := e.next[last]
+				if s < 0 || e.hash[s] != hashes[k] {
+					break
+				}
+				last = s
+			}
+			e.spliceFront(first, last)
+			after = last
 		}
-		return true
+	}
+	for i := len(hashes) - 1; i >= k; i-- {
+		var held bool
+		if held, after = e.touchAfter(hashes[i], after); !held {
+			fresh = append(fresh, hashes[i])
+		}
+	}
+	return fresh
+}
+
+// touchAfter places h right behind slot after in the recency list (at its
+// front when after is -1), inserting it (and evicting the least recent
+// when full) if absent. It reports whether h was held, and the slot to
+// insert behind from now on: after, or its predecessor when after itself
+// was the one evicted (hostile input may repeat a hash). The caller holds
+// e.mu.
+func (e *engineLRU) touchAfter(h uint64, after int32) (bool, int32) {
+	if s, ok := e.slot.get(h); ok {
+		if s == after || (after < 0 && s == e.head) || (after >= 0 && e.next[after] == s) {
+			return true, after
+		}
+		e.unlink(s)
+		e.insertAfter(s, after)
+		return true, after
 	}
 	var s int32
 	switch {
@@ -328,13 +360,52 @@ func (e *engineLRU) touch(h uint64) bool {
 		e.size.Add(1)
 	default:
 		s = e.tail
+		if s == after {
+			after = e.prev[s]
+		}
 		e.slot.del(e.hash[s])
 		e.unlink(s)
 		e.hash[s] = h
 	}
 	e.slot.put(h, s)
-	e.pushFront(s)
-	return false
+	e.insertAfter(s, after)
+	return false, after
+}
+
+// spliceFront moves the segment of the recency list from slot first to
+// slot last (last at or after first) to the front, in its order.
+func (e *engineLRU) spliceFront(first, last int32) {
+	if first == e.head {
+		return
+	}
+	p, n := e.prev[first], e.next[last]
+	e.next[p] = n
+	if n >= 0 {
+		e.prev[n] = p
+	} else {
+		e.tail = p
+	}
+	e.prev[first] = -1
+	e.next[last] = e.head
+	e.prev[e.head] = last
+	e.head = first
+}
+
+// insertAfter links the unlinked slot s right behind slot p, or at the
+// front when p is -1.
+func (e *engineLRU) insertAfter(s, p int32) {
+	if p < 0 {
+		e.pushFront(s)
+		return
+	}
+	n := e.next[p]
+	e.prev[s], e.next[s] = p, n
+	e.next[p] = s
+	if n >= 0 {
+		e.prev[n] = s
+	} else {
+		e.tail = s
+	}
 }
 
 func (e *engineLRU) unlink(s int32) {
