@@ -67,8 +67,10 @@ func (r *Request) appendPrompt(dst []byte, limit int) []byte {
 		dst = append(dst, promptMessage)
 	}
 	if raw, ok := r.Member("messages"); ok {
-		for it := (elements{buf: raw}); len(dst) < limit && it.next(); {
-			dst = appendMessage(dst, it.value(), limit)
+		for it := (elements{buf: raw}); len(dst) < limit && it.nextStart(); {
+			var end int
+			dst, end = appendMessageAt(dst, raw, it.start, limit)
+			it.setEnd(end)
 			dst = append(dst, promptMessage)
 		}
 	}
@@ -93,23 +95,32 @@ func appendPromptValue(dst, raw []byte, limit int) []byte {
 // by name, in its order.
 var messageFields = [...]string{"role", "name", "content", "tool_calls", "tool_call_id"}
 
-// appendMessage appends one chat message: the known fields in
-// messageFields' order, then any other member as name and compacted
-// value in the client's order. A message that is not an object is
-// compacted whole.
-func appendMessage(dst, msg []byte, limit int) []byte {
-	if len(msg) == 0 || msg[0] != '{' {
-		return appendCompact(dst, msg, limit)
+// appendMessageAt appends the chat message that starts at buf[start] and
+// returns the index just after it: the known fields in messageFields'
+// order, then any other member as name and compacted value in the
+// client's order. A message that is not an object is compacted whole. An
+// object's end is where reading its members ended, so its strings are
+// not scanned once more only to find it.
+func appendMessageAt(dst, buf []byte, start, limit int) ([]byte, int) {
+	if buf[start] != '{' {
+		end := valueEnd(buf, start)
+		return appendCompact(dst, buf[start:end], limit), end
 	}
 	var known [len(messageFields)][]byte
 	others := false
-	for it := (members{buf: msg}); it.next(); {
+	it := members{buf: buf[start:]}
+	for it.next() {
 		if i := messageField(it.name()); i >= 0 {
 			known[i] = it.value()
 		} else {
 			others = true
 		}
 	}
+	end := len(buf)
+	if it.close > 0 {
+		end = start + it.close + 1
+	}
+	msg := buf[start:end]
 	for i, raw := range known {
 		switch {
 		case raw == nil || isNull(raw):
@@ -121,7 +132,7 @@ func appendMessage(dst, msg []byte, limit int) []byte {
 		dst = append(dst, promptField)
 	}
 	if !others {
-		return dst
+		return dst, end
 	}
 	for it := (members{buf: msg}); len(dst) < limit && it.next(); {
 		if messageField(it.name()) >= 0 {
@@ -132,7 +143,7 @@ func appendMessage(dst, msg []byte, limit int) []byte {
 		dst = appendCompact(dst, it.value(), limit)
 		dst = append(dst, promptField)
 	}
-	return dst
+	return dst, end
 }
 
 // messageField returns the index in messageFields of the member name
@@ -365,6 +376,17 @@ type elements struct {
 
 // next moves to the next element; false at the end.
 func (it *elements) next() bool {
+	if !it.nextStart() {
+		return false
+	}
+	it.setEnd(valueEnd(it.buf, it.start))
+	return true
+}
+
+// nextStart moves to the next element like next, but leaves finding
+// its end to the caller, who reads the element from it.start and must
+// call setEnd before moving on; false at the end.
+func (it *elements) nextStart() bool {
 	i := it.pos
 	if !it.started {
 		it.started = true
@@ -387,9 +409,15 @@ func (it *elements) next() bool {
 		it.pos = len(it.buf)
 		return false
 	}
-	it.start, it.end = i, valueEnd(it.buf, i)
-	it.pos = it.end
+	it.start = i
 	return true
+}
+
+// setEnd sets the end of the element nextStart moved to (the index just
+// after it; at least its start).
+func (it *elements) setEnd(end int) {
+	it.end = max(end, it.start)
+	it.pos = it.end
 }
 
 // value returns the current element's raw JSON.
@@ -402,6 +430,9 @@ type members struct {
 	nameStart, nameEnd   int
 	valueStart, valueEnd int
 	started              bool
+	// close is the index of the object's closing brace once next has
+	// returned false there; 0 until then (and for an empty object).
+	close int
 }
 
 // next moves to the next member; false at the end.
@@ -415,11 +446,17 @@ func (it *members) next() bool {
 			return false
 		}
 	} else if i >= len(buf) || buf[i] != ',' {
+		if i < len(buf) && buf[i] == '}' {
+			it.close = i
+		}
 		it.pos = len(buf)
 		return false
 	}
 	i = skipSpaceAt(buf, i+1)
 	if i >= len(buf) || buf[i] != '"' {
+		if i < len(buf) && buf[i] == '}' {
+			it.close = i
+		}
 		it.pos = len(buf)
 		return false
 	}

@@ -2,6 +2,7 @@ package schemas
 
 import (
 	"bytes"
+	"math"
 	"strings"
 	"testing"
 )
@@ -187,4 +188,42 @@ func TestAppendPromptPrefixRPLACE2(t *testing.T) {
 	if a := testing.AllocsPerRun(5, func() { buf = r.AppendPromptPrefix(backing[:0], n) }); a != 0 || len(buf) != n {
 		t.Fatalf("%v allocations, %d bytes rendered of a %d-byte prompt; want 0 and %d", a, len(buf), len(big), n)
 	}
+}
+
+// FuzzAppendMessageEnds checks the shortcut of the chat rendering: each
+// message is read once, and its end is where reading its members ended.
+// For any request ParseRequest accepts, every message must end where
+// valueEnd says it does and render the same bytes as the message cut out
+// on its own, so the shortcut changes no hash (R-PLACE-2).
+func FuzzAppendMessageEnds(f *testing.F) {
+	for _, seed := range []string{
+		`{"model":"m","messages":[{"role":"user","content":"hi"}]}`,
+		`{"model":"m","messages":[ {} , {"role":"system","content":"a\"}b\\"} ,"text",7,null,[1,{"x":"}"}]]}`,
+		`{"model":"m","messages":[{"content":[{"type":"text","text":"x\n"},{"type":"image_url","image_url":{"url":"u"}}],"role":"user","extra":{"k":[1,2]}} ]}`,
+		`{"model":"m","messages":[{"role":"assistant","tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{}"}}]},{"role":"tool","tool_call_id":"c","content":"ok"}]}`,
+	} {
+		f.Add(seed)
+	}
+	f.Fuzz(func(t *testing.T, body string) {
+		r, err := ParseRequest(EndpointChat, []byte(body))
+		if err != nil {
+			return
+		}
+		raw, ok := r.Member("messages")
+		if !ok {
+			return
+		}
+		for it := (elements{buf: raw}); it.nextStart(); {
+			start := it.start
+			got, end := appendMessageAt(nil, raw, start, math.MaxInt)
+			if want := valueEnd(raw, start); end != want {
+				t.Fatalf("message at %d of %s ends at %d, want %d", start, raw, end, want)
+			}
+			alone, aloneEnd := appendMessageAt(nil, raw[start:end], 0, math.MaxInt)
+			if !bytes.Equal(got, alone) || aloneEnd != end-start {
+				t.Fatalf("message %s renders %q in place, %q alone", raw[start:end], got, alone)
+			}
+			it.setEnd(end)
+		}
+	})
 }
