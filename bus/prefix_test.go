@@ -261,3 +261,68 @@ func TestPrefixPlacementPermissions(t *testing.T) {
 		})
 	}
 }
+
+// TestPrefixCutsRoundTripRPLACE3: a batch of cuts carries its entries as
+// a batch of placements does, is told apart from one by its magic, and
+// neither kind is read as the other: a router of a version that knows
+// only placements refuses cuts whole instead of learning them as
+// placements.
+func TestPrefixCutsRoundTripRPLACE3(t *testing.T) {
+	var b bus.PrefixBatch
+	b.ResetCuts("router-a")
+	want := []bus.PrefixPlacement{{EngineID: "p1", Hashes: []uint64{4, 5, 6}}, {EngineID: "p2", Hashes: []uint64{9}}}
+	for _, c := range want {
+		if !b.Add(c.EngineID, c.Hashes) {
+			t.Fatalf("Add %v refused", c)
+		}
+	}
+	cuts := slices.Clone(b.Bytes())
+	if !bus.IsPrefixCuts(cuts) {
+		t.Fatal("a batch of cuts is not told apart")
+	}
+	if id, err := bus.CheckPrefixCuts(cuts); err != nil || string(id) != "router-a" {
+		t.Fatalf("CheckPrefixCuts: %q %v", id, err)
+	}
+	var got []bus.PrefixPlacement
+	bus.EachPrefixCut(cuts, nil, func(eid []byte, hs []uint64) {
+		got = append(got, bus.PrefixPlacement{EngineID: string(eid), Hashes: slices.Clone(hs)})
+	})
+	if len(got) != len(want) {
+		t.Fatalf("cuts read %v, want %v", got, want)
+	}
+	for i := range want {
+		if got[i].EngineID != want[i].EngineID || !slices.Equal(got[i].Hashes, want[i].Hashes) {
+			t.Fatalf("cut %d: %v, want %v", i, got[i], want[i])
+		}
+	}
+	if _, _, err := bus.ParsePrefixBatch(cuts); !errors.Is(err, bus.ErrPrefixBatch) {
+		t.Fatalf("a batch of cuts parsed as placements: %v", err)
+	}
+	if _, err := bus.CheckPrefixBatch(cuts); !errors.Is(err, bus.ErrPrefixBatch) {
+		t.Fatalf("a batch of cuts checked as placements: %v", err)
+	}
+	bus.EachPrefixPlacement(cuts, nil, func(eid []byte, _ []uint64) { t.Errorf("a cut on %q read as a placement", eid) })
+
+	b.Reset("router-a")
+	b.Add("p1", []uint64{1})
+	placements := b.Bytes()
+	if bus.IsPrefixCuts(placements) {
+		t.Fatal("a batch of placements taken for cuts")
+	}
+	if _, err := bus.CheckPrefixCuts(placements); !errors.Is(err, bus.ErrPrefixBatch) {
+		t.Fatalf("a batch of placements checked as cuts: %v", err)
+	}
+	bus.EachPrefixCut(placements, nil, func(eid []byte, _ []uint64) { t.Errorf("a placement on %q read as a cut", eid) })
+
+	// A malformed batch of cuts is refused whole, as one of placements.
+	for name, data := range map[string][]byte{
+		"truncated":     cuts[:len(cuts)-1],
+		"trailing byte": append(slices.Clone(cuts), 0),
+		"magic only":    []byte("NWC1"),
+	} {
+		if _, err := bus.CheckPrefixCuts(data); !errors.Is(err, bus.ErrPrefixBatch) {
+			t.Errorf("%s: %v, want a refusal", name, err)
+		}
+		bus.EachPrefixCut(data, nil, func(eid []byte, _ []uint64) { t.Errorf("%s: visited a cut on %q", name, eid) })
+	}
+}

@@ -17,10 +17,10 @@ import (
 )
 
 // PlacedFunc receives, after each prefix placement, the producer's
-// engine id and the block hashes of the prompt the router's index did
-// not hold for that engine before: what the other routers need to Learn
-// (behaviour.md R-PLACE-2). It runs on the request path: it must not block, and
-// must copy fresh to keep it (the slice is reused).
+// engine id and the prompt's block hashes: what the other routers Learn
+// (behaviour.md R-PLACE-2; meshview.PlacedFunc says why all of them). It
+// runs on the request path: it must not block, and must copy the hashes
+// to keep them (the slice is reused).
 type PlacedFunc = meshview.PlacedFunc
 
 // placer is the router's placement (behaviour.md R-PLACE-1, R-PLACE-2):
@@ -247,7 +247,7 @@ func (*prefixPolicy) weighsPrefix() bool { return true }
 func (*prefixPolicy) sameWorker() bool   { return true }
 
 // OnPlaced sets the function that receives each prefix placement's
-// fresh block hashes (for publishing them on the bus); nil removes it.
+// block hashes (for publishing them on the bus); nil removes it.
 func (rt *Router) OnPlaced(fn PlacedFunc) { rt.view.OnPlaced(fn) }
 
 // PrefixIndex returns the router's prefix index: what the mesh's other
@@ -291,7 +291,7 @@ func (c *call) placeLegs(avoid *avoidSet) (prod, cons *member, f *engines.Fault)
 
 // placeProducer places the prefill leg by the router's policy; under a
 // policy that weighs the prefix it records the prompt's blocks at the
-// chosen producer, which hands the fresh ones to the OnPlaced function.
+// chosen producer, which hands them to the OnPlaced function.
 func (c *call) placeProducer(fl *fleet, avoid []*member) (*member, error) {
 	pol := c.rt.placer.policy
 	sc := c.placeScratch()

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -210,14 +211,16 @@ var longSystem = strings.Repeat("You are a narwhal who answers questions about t
 // TestPrefixPlacementFollowsThePrefixRPLACE2: a prompt whose prefix was
 // placed on an engine goes back there while the load is even; a prompt
 // no engine has seen goes to the least loaded; the index records what
-// was placed, and the OnPlaced function gets only the fresh blocks.
+// was placed, and the OnPlaced function gets every block of each
+// placed prompt — the ones the index held too, whose recency the other
+// routers refresh with them.
 func TestPrefixPlacementFollowsThePrefixRPLACE2(t *testing.T) {
 	g := newPlacementRig(t, config.PolicyPrefix, "p1", "p2", "p3", "p4", "d1", "d2")
 	var mu sync.Mutex
-	var published []int
-	g.rt.OnPlaced(func(id string, fresh []uint64) {
+	var published [][]uint64
+	g.rt.OnPlaced(func(id string, hashes []uint64) {
 		mu.Lock()
-		published = append(published, len(fresh))
+		published = append(published, slices.Clone(hashes))
 		mu.Unlock()
 	})
 	first, cons := g.place(t, chatRequest(t, longSystem, "how cold is the water?"), nil)
@@ -241,12 +244,15 @@ func TestPrefixPlacementFollowsThePrefixRPLACE2(t *testing.T) {
 	}
 	setLoad(t, first, prefillPhase, 0)
 	mu.Lock()
-	if len(published) == 0 || published[0] != blocks {
-		t.Fatalf("published fresh counts %v: want all %d blocks first", published, blocks)
+	if len(published) != 41 || len(published[0]) != blocks {
+		t.Fatalf("%d placements published, the first with %d blocks: want 41, the first with all %d", len(published), len(published[0]), blocks)
 	}
-	for _, n := range published[1:] {
-		if n > 2 {
-			t.Fatalf("published fresh counts %v: a follow-up published %d blocks, want only its question's new ones", published, n)
+	for i, hs := range published[1:] {
+		// Each follow-up's chain: the shared system prompt's blocks (all
+		// but the last one or two, which hold the first question), then
+		// its own question's.
+		if len(hs) < blocks-2 || !slices.Equal(hs[:blocks-2], published[0][:blocks-2]) {
+			t.Fatalf("follow-up %d published %d blocks, not the shared %d and its own", i, len(hs), blocks-2)
 		}
 	}
 	mu.Unlock()

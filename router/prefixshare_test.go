@@ -10,6 +10,7 @@ import (
 	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
+	"github.com/narwhalmesh/narwhal/prefix"
 	"github.com/narwhalmesh/narwhal/schemas"
 )
 
@@ -172,5 +173,53 @@ func TestShareIndexOffRPLACE2(t *testing.T) {
 	}
 	if n := testkit.GatheredSum(t, a.rt.Registry(), "narwhal_prefix_batches_applied_total"); n != 0 || total != 1 {
 		t.Fatalf("A applied %v batches and holds %d engines with share_index off", n, total)
+	}
+}
+
+// TestSharedIndexKeepsWhatAnotherRouterUsesRPLACE2: a prompt router A
+// places again and again stays in router B's index while A's other
+// prompts turn B's bounded index over: every placement is shared whole,
+// so B's index ages the prompt as A's does, and does not evict a prefix
+// as unused while the engine serves it (before, only the blocks A's
+// index lacked were shared, and B lost the mesh's hottest prefix first).
+func TestSharedIndexKeepsWhatAnotherRouterUsesRPLACE2(t *testing.T) {
+	fleet := []engineDef{{id: "p1", role: "prefill"}, {id: "d1", role: "decode"}}
+	a := newStack(t, fleet, func(c *config.Config) { c.Router.ID = "rt-a" })
+	a.waitModels()
+	m := newMeshBus(t)
+	if err := a.rt.JoinMesh(m.B, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	b := peerRouter(t, a, m, "rt-b", func(c *config.Config) { c.Placement.PrefixIndexBlocks = 60 })
+	chain := func(content string) []uint64 {
+		req, err := schemas.ParseRequest(schemas.EndpointChat, []byte(chatBody(content, `"max_tokens":2`)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return prefix.AppendHashes(nil, req.AppendPrompt(nil))
+	}
+	hot := sharedPrompt("hot") + "the question everyone asks"
+	hotChain := chain(hot)
+	if len(hotChain) < 15 || len(hotChain) > 25 {
+		t.Fatalf("the hot prompt is %d blocks; the test sizes B's index (60) for about 18", len(hotChain))
+	}
+	a.prefillEngineOf(hot)
+	var last []uint64
+	for i := range 8 {
+		cold := sharedPrompt(fmt.Sprint("cold-", i)) + "a question nobody repeats"
+		a.prefillEngineOf(cold)
+		a.prefillEngineOf(hot)
+		last = chain(cold)
+	}
+	// B has applied every batch of A's once it holds the last cold prompt
+	// and the hot one's last use came after it.
+	testkit.WaitFor(t, 5*time.Second, "B to apply A's placements", func() bool {
+		return b.rt.PrefixIndex().Match("p1", last) == len(last)
+	})
+	testkit.WaitFor(t, 5*time.Second, "B to hold the prompt A keeps placing", func() bool {
+		return b.rt.PrefixIndex().Match("p1", hotChain) == len(hotChain)
+	})
+	if got := b.rt.PrefixIndex().Blocks("p1"); got > 60 {
+		t.Fatalf("B's index holds %d blocks of p1, over its bound of 60", got)
 	}
 }

@@ -93,12 +93,15 @@ type indexShare struct {
 	share bool
 	kv    *kvShare
 
-	mu    sync.Mutex
-	cur   *bus.PrefixBatch // being filled by placements
-	spare *bus.PrefixBatch // being published
-	kick  chan struct{}    // a full batch waits
+	mu        sync.Mutex
+	cur       *bus.PrefixBatch // being filled by placements
+	spare     *bus.PrefixBatch // being published
+	cuts      *bus.PrefixBatch // being filled by cuts (ResetCuts)
+	spareCuts *bus.PrefixBatch // being published
+	kick      chan struct{}    // a full batch waits
 
 	published, applied prometheus.Counter
+	cutsApplied        prometheus.Counter
 	dropped            *prometheus.CounterVec
 	ignored            prometheus.Counter
 	warmBatches        *prometheus.CounterVec
@@ -118,13 +121,18 @@ func newIndexShare(v *View) *indexShare {
 	s := &indexShare{
 		v: v, index: v.PrefixIndex(), subject: bus.PrefixSubject(v.id), share: v.cfg.Placement.ShareIndex,
 		cur: new(bus.PrefixBatch), spare: new(bus.PrefixBatch), kick: make(chan struct{}, 1),
+		cuts: new(bus.PrefixBatch), spareCuts: new(bus.PrefixBatch),
 		published: promreg.Register(v.reg, prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "narwhal_prefix_batches_published_total",
-			Help: "Batches of this router's prefix placements published on the bus for the other routers.",
+			Help: "Batches of this router's prefix placements, and of the chains it cut from its index, published on the bus for the other routers.",
 		})),
 		applied: promreg.Register(v.reg, prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "narwhal_prefix_batches_applied_total",
 			Help: "Batches of other routers' prefix placements applied to this router's prefix index (live or read back from the stream).",
+		})),
+		cutsApplied: promreg.Register(v.reg, prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "narwhal_prefix_shared_cuts_applied_total",
+			Help: "Chains other routers cut from their prefix index (an engine's cached_tokens fell short of the prediction) cut from this router's too (live or read back from the stream).",
 		})),
 		dropped: promreg.Register(v.reg, prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "narwhal_prefix_batches_dropped_total",
@@ -148,24 +156,46 @@ func newIndexShare(v *View) *indexShare {
 	}
 	s.cur.Reset(v.id)
 	s.spare.Reset(v.id)
+	s.cuts.ResetCuts(v.id)
+	s.spareCuts.ResetCuts(v.id)
 	return s
 }
 
 // placed takes one placement of this router (the PlacedFunc of OnPlaced):
 // it copies it into the batch being filled, without blocking — a
 // placement that does not fit is dropped and counted.
-func (s *indexShare) placed(engineID string, fresh []uint64) {
-	if len(fresh) > bus.PrefixMaxHashes {
-		fresh = fresh[:bus.PrefixMaxHashes] // the leading blocks matter most
+func (s *indexShare) placed(engineID string, hashes []uint64) {
+	if len(hashes) > bus.PrefixMaxHashes {
+		hashes = hashes[:bus.PrefixMaxHashes] // the leading blocks matter most
 	}
 	s.mu.Lock()
-	ok := s.cur.Add(engineID, fresh)
+	ok := s.cur.Add(engineID, hashes)
 	n := s.cur.Len()
 	s.mu.Unlock()
 	if !ok {
 		s.dropped.WithLabelValues(dropBufferFull).Inc()
 	}
 	if !ok || n >= shareFlushEntries {
+		select {
+		case s.kick <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// cut takes one chain this router cut from its index (the OnCut
+// function): it copies it into the batch of cuts, published with the
+// next flush after the placements made before it, without blocking — a
+// cut that does not fit is dropped and counted as buffer_full.
+func (s *indexShare) cut(engineID string, hashes []uint64) {
+	if len(hashes) > bus.PrefixMaxHashes {
+		hashes = hashes[:bus.PrefixMaxHashes]
+	}
+	s.mu.Lock()
+	ok := s.cuts.Add(engineID, hashes)
+	s.mu.Unlock()
+	if !ok {
+		s.dropped.WithLabelValues(dropBufferFull).Inc()
 		select {
 		case s.kick <- struct{}{}:
 		default:
@@ -190,18 +220,34 @@ func (s *indexShare) flushLoop(nc *nats.Conn) {
 	}
 }
 
-// flush publishes the batch being filled, if it holds anything. NATS
-// takes it into its buffer (also while reconnecting) without waiting.
+// flush publishes the batch of placements being filled, then the batch
+// of cuts, each if it holds anything: a cut is decided on a prefill's
+// answer, after the placement it corrects, so the placements go first.
+// NATS takes them into its buffer (also while reconnecting) without
+// waiting.
 func (s *indexShare) flush(nc *nats.Conn) {
 	s.mu.Lock()
-	if s.cur.Len() == 0 {
-		s.mu.Unlock()
-		return
+	placements, cuts := s.cur.Len() > 0, s.cuts.Len() > 0
+	if placements {
+		s.cur, s.spare = s.spare, s.cur
+		s.cur.Reset(s.v.id)
 	}
-	s.cur, s.spare = s.spare, s.cur
-	s.cur.Reset(s.v.id)
+	if cuts {
+		s.cuts, s.spareCuts = s.spareCuts, s.cuts
+		s.cuts.ResetCuts(s.v.id)
+	}
 	s.mu.Unlock()
-	if err := nc.Publish(s.subject, s.spare.Bytes()); err != nil {
+	if placements {
+		s.publish(nc, s.spare)
+	}
+	if cuts {
+		s.publish(nc, s.spareCuts)
+	}
+}
+
+// publish hands one batch to NATS, counted as published or dropped.
+func (s *indexShare) publish(nc *nats.Conn, b *bus.PrefixBatch) {
+	if err := nc.Publish(s.subject, b.Bytes()); err != nil {
 		s.dropped.WithLabelValues(dropPublishFailed).Inc()
 		return
 	}
@@ -222,14 +268,21 @@ func (s *indexShare) receive(msg *nats.Msg) {
 // its previous life, and this index never recorded them). Each placement
 // is learned only for a prefill-capable engine of this router's fleet
 // that is placeable (eligible, active); the others are counted as
-// ignored. The hashes are decoded into hashes, the caller's buffer (one
+// ignored. A batch of cuts (bus.IsPrefixCuts), checked the same way, has
+// each chain cut from the index of a prefill engine of the fleet,
+// whatever its state (removing never misleads). The hashes are decoded into hashes, the caller's buffer (one
 // per goroutine that applies), returned grown: a batch applied allocates
 // nothing once it has grown.
 func (s *indexShare) apply(subject string, data []byte, own bool, hashes []uint64) []uint64 {
 	if subject == s.subject && !own {
 		return hashes // ours, recorded when it was made
 	}
-	routerID, err := bus.CheckPrefixBatch(data)
+	cuts := bus.IsPrefixCuts(data)
+	check := bus.CheckPrefixBatch
+	if cuts {
+		check = bus.CheckPrefixCuts
+	}
+	routerID, err := check(data)
 	reason := dropInvalid
 	if err == nil && !namesRouter(subject, routerID) {
 		reason, err = dropRouterMismatch, fmt.Errorf("%w: names router %q", bus.ErrPrefixBatch, routerID)
@@ -243,6 +296,14 @@ func (s *indexShare) apply(subject string, data []byte, own bool, hashes []uint6
 		return hashes
 	}
 	fl := s.v.Fleet()
+	if cuts {
+		return bus.EachPrefixCut(data, hashes, func(engineID []byte, hs []uint64) {
+			if m := fl.byID[string(engineID)]; m != nil && m.Can(Prefill) {
+				s.index.Cut(m.ID, hs)
+				s.cutsApplied.Inc()
+			}
+		})
+	}
 	hashes = bus.EachPrefixPlacement(data, hashes, func(engineID []byte, hs []uint64) {
 		m := fl.byID[string(engineID)]
 		if m == nil || !m.Can(Prefill) || !m.active.Load() || !m.eligible.Load() {
@@ -517,6 +578,7 @@ func (v *View) shareIndex(b *bus.Bus) error {
 	}
 	if share {
 		v.OnPlaced(s.placed)
+		v.OnCut(s.cut)
 	}
 	return nil
 }

@@ -103,6 +103,7 @@ type View struct {
 	// policy that keeps no index.
 	exact  *prefix.ExactIndex
 	placed atomic.Pointer[PlacedFunc]
+	cut    atomic.Pointer[PlacedFunc]
 	// loads is the load exchange while the router shares it (nil
 	// before, or without placement.share_index): SharePlaced publishes
 	// through it.
@@ -200,20 +201,38 @@ var errShuttingDown = errors.New("router: shutting down")
 func (v *View) Fleet() *Fleet { return v.live.Load() }
 
 // PlacedFunc receives, after each prefix placement, the producer's
-// engine id and the block hashes of the prompt the router's index did
-// not hold for that engine before: what the other routers need to Learn
-// (behaviour.md R-PLACE-2). It runs on the request path: it must not
-// block, and must copy fresh to keep it (the slice is reused).
-type PlacedFunc func(engineID string, fresh []uint64)
+// engine id and the prompt's block hashes, what the other routers Learn
+// (behaviour.md R-PLACE-2): all of them, not only those the router's
+// index lacked for the engine — a Learn of blocks a router holds makes
+// them the most recent, so every router's index ages a prompt that is
+// placed again and again as this one does, instead of evicting it as
+// unused while the engine serves it. It runs on the request path: it
+// must not block, and must copy the hashes to keep them (the slice is
+// reused). OnCut's function has the same shape: the engine id and the
+// hashes cut.
+type PlacedFunc func(engineID string, hashes []uint64)
 
 // OnPlaced sets the function that receives each prefix placement's
-// fresh block hashes (for publishing them on the bus); nil removes it.
+// block hashes (for publishing them on the bus); nil removes it.
 func (v *View) OnPlaced(fn PlacedFunc) {
 	if fn == nil {
 		v.placed.Store(nil)
 		return
 	}
 	v.placed.Store(&fn)
+}
+
+// OnCut sets the function that receives each chain the correction cut
+// from the index (CorrectPrefix): the engine id and the hashes removed,
+// for publishing them so that every router cuts the same chain
+// (behaviour.md R-PLACE-3). It has PlacedFunc's contract: it must not
+// block, and must copy the hashes to keep them. nil removes it.
+func (v *View) OnCut(fn PlacedFunc) {
+	if fn == nil {
+		v.cut.Store(nil)
+		return
+	}
+	v.cut.Store(&fn)
 }
 
 // PrefixIndex returns the router's prefix index: what the mesh's other
@@ -268,13 +287,14 @@ func (v *View) ExactBlockSize(engineID string) (int, bool) {
 }
 
 // RecordPrefix records that the prompt of hashes was placed on engine
-// engineID (prefix.Index.Record) and hands the blocks the index did not
-// hold for it before to the OnPlaced function, if any (R-PLACE-2). It
-// returns them, appended to fresh[:0] (the caller's buffer, reused).
+// engineID (prefix.Index.Record) and hands hashes to the OnPlaced
+// function, if any (R-PLACE-2). It returns the blocks the index did not
+// hold for the engine before, appended to fresh[:0] (the caller's
+// buffer, reused).
 func (v *View) RecordPrefix(engineID string, hashes, fresh []uint64) []uint64 {
 	fresh = v.index.Record(engineID, hashes, fresh[:0])
-	if fn := v.placed.Load(); fn != nil && len(fresh) > 0 {
-		(*fn)(engineID, fresh)
+	if fn := v.placed.Load(); fn != nil && len(hashes) > 0 {
+		(*fn)(engineID, hashes)
 	}
 	return fresh
 }
