@@ -43,13 +43,8 @@ const (
 	PrefixMaxID = 255
 )
 
-// prefixMagic starts every batch of placements: the format's name and
-// version. prefixCutMagic starts every batch of cuts (ResetCuts): the
-// same format, other blocks' meaning. Both are four bytes.
-const (
-	prefixMagic    = "NWP1"
-	prefixCutMagic = "NWC1"
-)
+// prefixMagic starts every batch: the format's name and version.
+const prefixMagic = "NWP1"
 
 // prefixHeader is the size of a batch before its placements: the magic,
 // the router id's length and the placement count (the id excluded).
@@ -70,14 +65,6 @@ func PrefixSubject(routerID string) string { return PrefixSubjectPrefix + router
 //	  n × u64                    block hashes, in chain order
 //	}
 //
-// A batch of cuts (ResetCuts, magic "NWC1", the same layout) says, per
-// entry, the block hashes the engine was found not to hold (behaviour.md
-// R-PLACE-3: its cached_tokens fell short of the index's prediction),
-// which every router removes from its index. It travels on the same
-// subject, so a router's cuts and placements reach the others, and the
-// stream, in the order they were made; a router that does not know the
-// magic counts the batch as invalid and goes on.
-//
 // The zero value is unusable; call Reset first. A PrefixBatch is reused
 // batch after batch and allocates nothing once its buffer has grown.
 type PrefixBatch struct {
@@ -87,18 +74,11 @@ type PrefixBatch struct {
 
 // Reset starts a new, empty batch from routerID. It panics when routerID
 // is empty or longer than PrefixMaxID (a router id is checked at start).
-func (b *PrefixBatch) Reset(routerID string) { b.reset(prefixMagic, routerID) }
-
-// ResetCuts starts a new, empty batch of cuts from routerID: each entry
-// Add appends is an engine and the hashes of a chain it does not hold.
-// It panics as Reset does.
-func (b *PrefixBatch) ResetCuts(routerID string) { b.reset(prefixCutMagic, routerID) }
-
-func (b *PrefixBatch) reset(magic, routerID string) {
+func (b *PrefixBatch) Reset(routerID string) {
 	if routerID == "" || len(routerID) > PrefixMaxID {
 		panic("bus: prefix batch router id must be 1…255 bytes")
 	}
-	b.buf = append(b.buf[:0], magic...)
+	b.buf = append(b.buf[:0], prefixMagic...)
 	b.buf = append(b.buf, byte(len(routerID)))
 	b.buf = append(b.buf, routerID...)
 	b.buf = append(b.buf, 0, 0)
@@ -131,6 +111,10 @@ func (b *PrefixBatch) Add(engineID string, hashes []uint64) bool {
 // Len returns how many placements the batch holds.
 func (b *PrefixBatch) Len() int { return b.count }
 
+// Size returns the batch's encoded size so far, in bytes (at most
+// PrefixMaxBatch).
+func (b *PrefixBatch) Size() int { return len(b.buf) }
+
 // Bytes returns the encoded batch; it stays valid until the next Reset or
 // Add.
 func (b *PrefixBatch) Bytes() []byte {
@@ -158,7 +142,7 @@ var ErrPrefixBatch = errors.New("bus: invalid prefix batch")
 // The placements' hashes share one allocation. CheckPrefixBatch and
 // EachPrefixPlacement read the same batches without allocating.
 func ParsePrefixBatch(data []byte) (routerID string, placements []PrefixPlacement, err error) {
-	id, count, total, body, err := checkPrefixBatch(data, prefixMagic)
+	id, count, total, body, err := checkPrefixBatch(data)
 	if err != nil {
 		return "", nil, err
 	}
@@ -178,31 +162,8 @@ func ParsePrefixBatch(data []byte) (routerID string, placements []PrefixPlacemen
 // names (a view of data) or an error wrapping ErrPrefixBatch.
 // EachPrefixPlacement then reads the placements of a batch it accepted.
 func CheckPrefixBatch(data []byte) (routerID []byte, err error) {
-	id, _, _, _, err := checkPrefixBatch(data, prefixMagic)
+	id, _, _, _, err := checkPrefixBatch(data)
 	return id, err
-}
-
-// IsPrefixCuts reports whether data, a message of a prefix subject, is a
-// batch of cuts (PrefixBatch.ResetCuts) rather than of placements.
-func IsPrefixCuts(data []byte) bool {
-	return len(data) >= len(prefixCutMagic) && string(data[:len(prefixCutMagic)]) == prefixCutMagic
-}
-
-// CheckPrefixCuts checks a batch of cuts whole, as CheckPrefixBatch does
-// a batch of placements (R-BUS-9), and returns the router id it names (a
-// view of data) or an error wrapping ErrPrefixBatch. It does not
-// allocate.
-func CheckPrefixCuts(data []byte) (routerID []byte, err error) {
-	id, _, _, _, err := checkPrefixBatch(data, prefixCutMagic)
-	return id, err
-}
-
-// EachPrefixCut calls fn, in order, with every cut of data, a batch of
-// cuts CheckPrefixCuts accepted: the engine id (a view of data) and the
-// hashes it does not hold, decoded into buf as EachPrefixPlacement
-// does. A batch CheckPrefixCuts refuses gets no call.
-func EachPrefixCut(data []byte, buf []uint64, fn func(engineID []byte, hashes []uint64)) []uint64 {
-	return eachEntry(data, prefixCutMagic, buf, fn)
 }
 
 // EachPrefixPlacement calls fn, in order, with every placement of data, a
@@ -212,13 +173,7 @@ func EachPrefixCut(data []byte, buf []uint64, fn func(engineID []byte, hashes []
 // has grown it allocates nothing. A batch CheckPrefixBatch refuses gets
 // no call.
 func EachPrefixPlacement(data []byte, buf []uint64, fn func(engineID []byte, hashes []uint64)) []uint64 {
-	return eachEntry(data, prefixMagic, buf, fn)
-}
-
-// eachEntry is EachPrefixPlacement and EachPrefixCut, for batches of
-// magic.
-func eachEntry(data []byte, magic string, buf []uint64, fn func(engineID []byte, hashes []uint64)) []uint64 {
-	_, _, _, body, err := checkPrefixBatch(data, magic)
+	_, _, _, body, err := checkPrefixBatch(data)
 	if err != nil {
 		return buf
 	}
@@ -234,18 +189,18 @@ func eachEntry(data []byte, magic string, buf []uint64, fn func(engineID []byte,
 	return buf
 }
 
-// checkPrefixBatch checks a batch of magic whole and returns its router
-// id, its placement count, the hashes of all its placements and its
-// placements' bytes.
-func checkPrefixBatch(data []byte, magic string) (id []byte, count, total int, body []byte, err error) {
+// checkPrefixBatch checks a batch whole and returns its router id, its
+// placement count, the hashes of all its placements and its placements'
+// bytes.
+func checkPrefixBatch(data []byte) (id []byte, count, total int, body []byte, err error) {
 	bad := func(why string) ([]byte, int, int, []byte, error) {
 		return nil, 0, 0, nil, fmt.Errorf("%w: %s", ErrPrefixBatch, why)
 	}
 	if len(data) > PrefixMaxBatch {
 		return bad("larger than 256 KiB")
 	}
-	if len(data) < prefixHeader || string(data[:len(magic)]) != magic {
-		return bad("not a prefix batch of " + magic + " (magic)")
+	if len(data) < prefixHeader || string(data[:len(prefixMagic)]) != prefixMagic {
+		return bad("not a prefix batch (magic)")
 	}
 	p := data[len(prefixMagic):]
 	id, p, ok := readID(p)

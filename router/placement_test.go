@@ -223,7 +223,13 @@ func TestPrefixPlacementFollowsThePrefixRPLACE2(t *testing.T) {
 		published = append(published, slices.Clone(hashes))
 		mu.Unlock()
 	})
-	first, cons := g.place(t, chatRequest(t, longSystem, "how cold is the water?"), nil)
+	// chains are the requests' whole chains, as the router hashes them.
+	var chains [][]uint64
+	chainOf := func(r *schemas.Request) *schemas.Request {
+		chains = append(chains, prefix.AppendHashes(nil, r.AppendPrompt(nil)))
+		return r
+	}
+	first, cons := g.place(t, chainOf(chatRequest(t, longSystem, "how cold is the water?")), nil)
 	g.release(first, cons)
 	if cons.Role != connector.RoleDecode {
 		t.Fatalf("the decode went to %s", cons.ID)
@@ -236,7 +242,7 @@ func TestPrefixPlacementFollowsThePrefixRPLACE2(t *testing.T) {
 		// Another engine one attempt busier than the others: still the
 		// matched one wins (a few attempts cost less than the match).
 		setLoad(t, first, prefillPhase, int64(i%3))
-		p, c := g.place(t, chatRequest(t, longSystem, "question "+strings.Repeat("x", i)), nil)
+		p, c := g.place(t, chainOf(chatRequest(t, longSystem, "question "+strings.Repeat("x", i))), nil)
 		g.release(p, c)
 		if p != first {
 			t.Fatalf("follow-up %d went to %s, the prefix is on %s", i, p.ID, first.ID)
@@ -244,15 +250,14 @@ func TestPrefixPlacementFollowsThePrefixRPLACE2(t *testing.T) {
 	}
 	setLoad(t, first, prefillPhase, 0)
 	mu.Lock()
-	if len(published) != 41 || len(published[0]) != blocks {
-		t.Fatalf("%d placements published, the first with %d blocks: want 41, the first with all %d", len(published), len(published[0]), blocks)
+	if len(published) != len(chains) || len(chains[0]) != blocks {
+		t.Fatalf("%d placements published, want %d; the first prompt is %d blocks, its index %d", len(published), len(chains), len(chains[0]), blocks)
 	}
-	for i, hs := range published[1:] {
-		// Each follow-up's chain: the shared system prompt's blocks (all
-		// but the last one or two, which hold the first question), then
-		// its own question's.
-		if len(hs) < blocks-2 || !slices.Equal(hs[:blocks-2], published[0][:blocks-2]) {
-			t.Fatalf("follow-up %d published %d blocks, not the shared %d and its own", i, len(hs), blocks-2)
+	for i, hs := range published {
+		// Each placement publishes its prompt's whole chain: the shared
+		// system prompt's blocks the index held, and its question's.
+		if !slices.Equal(hs, chains[i]) {
+			t.Fatalf("placement %d published %d blocks, not its prompt's whole chain of %d", i, len(hs), len(chains[i]))
 		}
 	}
 	mu.Unlock()

@@ -154,8 +154,7 @@ const correctionSlack = 2
 // narwhal_prefix_prediction_error_tokens — and a chain predicted but not
 // cached is cut from the index where the engine's cache ended (more
 // than max(correctionSlack, Matched/16) blocks short), so the next
-// placement of the prompt does not follow it; the cut goes to the OnCut
-// function, which shares it with the other routers. An engine that answers
+// placement of the prompt does not follow it. An engine that answers
 // without cached_tokens is not corrected: counted in
 // narwhal_prefix_uncorrected_total, said once in the log. It does not
 // allocate once the model is known.
@@ -192,8 +191,5 @@ func (v *View) CorrectPrefix(m *Member, p *Prediction, u PrefillUsage) {
 	if p.Matched-keep > max(correctionSlack, p.Matched/16) && keep < len(p.Hashes) {
 		v.index.Cut(m.ID, p.Hashes[keep:])
 		v.metrics.cuts.Inc()
-		if fn := v.cut.Load(); fn != nil {
-			(*fn)(m.ID, p.Hashes[keep:])
-		}
 	}
 }

@@ -26,14 +26,20 @@ const (
 	// router applies them.
 	shareFlushEvery = 25 * time.Millisecond
 	// shareFlushEntries publishes a batch at once when it holds this many
-	// placements.
+	// placements, or half of bus.PrefixMaxBatch in bytes (long prompts
+	// fill a batch by bytes first).
 	shareFlushEntries = 256
+	// shareQueuedBatches is how many full batches may wait for the flush
+	// loop: a placement that does not fit the batch being filled seals
+	// it and starts the next, and is dropped only when this many wait
+	// already (a burst of long prompts faster than the loop publishes).
+	shareQueuedBatches = 4
 	// shareWarmTimeout bounds one warm-up read of stream NARWHAL_PREFIX.
 	shareWarmTimeout = 10 * time.Second
 	// shareWarmPull is how many batches the warm-up's consumer has asked
 	// for or buffered at most: the server streams that many per round
-	// trip, and the warm-up holds no more (2 MiB at the 2.2 KB a batch
-	// averages when 30,000 fill the stream's 64 MiB). A limit in bytes
+	// trip, and the warm-up holds no more (a few MiB for batches of a
+	// few KB; shareWarmPullBytes bounds larger ones). A limit in bytes
 	// as well (PullMaxMessagesWithBytesLimit) made the client's buffer
 	// overflow: "slow consumer, messages dropped", and the ordered
 	// consumer made again.
@@ -55,7 +61,8 @@ const (
 // Reasons of narwhal_prefix_batches_dropped_total.
 const (
 	// dropBufferFull: a placement did not fit the batch being filled (it
-	// holds 256 KiB at most), so it is not published.
+	// holds 256 KiB at most) while shareQueuedBatches full ones waited,
+	// so it is not published.
 	dropBufferFull = "buffer_full"
 	// dropPublishFailed: a batch could not be handed to NATS (the
 	// connection is closed, or its reconnect buffer is full).
@@ -93,15 +100,14 @@ type indexShare struct {
 	share bool
 	kv    *kvShare
 
-	mu        sync.Mutex
-	cur       *bus.PrefixBatch // being filled by placements
-	spare     *bus.PrefixBatch // being published
-	cuts      *bus.PrefixBatch // being filled by cuts (ResetCuts)
-	spareCuts *bus.PrefixBatch // being published
-	kick      chan struct{}    // a full batch waits
+	mu   sync.Mutex
+	cur  *bus.PrefixBatch   // being filled by placements
+	full []*bus.PrefixBatch // sealed, waiting for the flush (at most shareQueuedBatches)
+	free []*bus.PrefixBatch // published, to be filled again
+	kick chan struct{}      // a full batch waits
+	out  []*bus.PrefixBatch // the flush loop's own: the batches it publishes
 
 	published, applied prometheus.Counter
-	cutsApplied        prometheus.Counter
 	dropped            *prometheus.CounterVec
 	ignored            prometheus.Counter
 	warmBatches        *prometheus.CounterVec
@@ -120,23 +126,18 @@ type indexShare struct {
 func newIndexShare(v *View) *indexShare {
 	s := &indexShare{
 		v: v, index: v.PrefixIndex(), subject: bus.PrefixSubject(v.id), share: v.cfg.Placement.ShareIndex,
-		cur: new(bus.PrefixBatch), spare: new(bus.PrefixBatch), kick: make(chan struct{}, 1),
-		cuts: new(bus.PrefixBatch), spareCuts: new(bus.PrefixBatch),
+		cur: new(bus.PrefixBatch), kick: make(chan struct{}, 1),
 		published: promreg.Register(v.reg, prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "narwhal_prefix_batches_published_total",
-			Help: "Batches of this router's prefix placements, and of the chains it cut from its index, published on the bus for the other routers.",
+			Help: "Batches of this router's prefix placements published on the bus for the other routers.",
 		})),
 		applied: promreg.Register(v.reg, prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "narwhal_prefix_batches_applied_total",
 			Help: "Batches of other routers' prefix placements applied to this router's prefix index (live or read back from the stream).",
 		})),
-		cutsApplied: promreg.Register(v.reg, prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "narwhal_prefix_shared_cuts_applied_total",
-			Help: "Chains other routers cut from their prefix index (an engine's cached_tokens fell short of the prediction) cut from this router's too (live or read back from the stream).",
-		})),
 		dropped: promreg.Register(v.reg, prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "narwhal_prefix_batches_dropped_total",
-			Help: "Prefix placements not shared, by reason: buffer_full (a placement that did not fit the batch), publish_failed (a batch NATS did not take), invalid (a malformed batch received), router_id_mismatch (a batch received on another router's subject than the one it names).",
+			Help: "Prefix placements not shared, by reason: buffer_full (a placement that found the batch being filled and the 4 waiting to be published full), publish_failed (a batch NATS did not take), invalid (a malformed batch received), router_id_mismatch (a batch received on another router's subject than the one it names).",
 		}, []string{"reason"})),
 		ignored: promreg.Register(v.reg, prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "narwhal_prefix_placements_ignored_total",
@@ -155,27 +156,35 @@ func newIndexShare(v *View) *indexShare {
 		s.warmBatches.WithLabelValues(o)
 	}
 	s.cur.Reset(v.id)
-	s.spare.Reset(v.id)
-	s.cuts.ResetCuts(v.id)
-	s.spareCuts.ResetCuts(v.id)
 	return s
 }
 
 // placed takes one placement of this router (the PlacedFunc of OnPlaced):
-// it copies it into the batch being filled, without blocking — a
-// placement that does not fit is dropped and counted.
+// it copies it into the batch being filled, without blocking. One that
+// does not fit seals that batch for the flush loop and starts the next;
+// it is dropped, and counted, only when shareQueuedBatches full batches
+// wait already.
 func (s *indexShare) placed(engineID string, hashes []uint64) {
 	if len(hashes) > bus.PrefixMaxHashes {
 		hashes = hashes[:bus.PrefixMaxHashes] // the leading blocks matter most
 	}
+	if engineID == "" || len(engineID) > bus.PrefixMaxID || len(hashes) == 0 {
+		s.dropped.WithLabelValues(dropBufferFull).Inc() // no batch can hold it
+		return
+	}
 	s.mu.Lock()
 	ok := s.cur.Add(engineID, hashes)
-	n := s.cur.Len()
+	if !ok && s.cur.Len() > 0 && len(s.full) < shareQueuedBatches {
+		s.full = append(s.full, s.cur)
+		s.cur = s.freeBatch()
+		ok = s.cur.Add(engineID, hashes)
+	}
+	kick := !ok || len(s.full) > 0 || s.cur.Len() >= shareFlushEntries || s.cur.Size() >= bus.PrefixMaxBatch/2
 	s.mu.Unlock()
 	if !ok {
 		s.dropped.WithLabelValues(dropBufferFull).Inc()
 	}
-	if !ok || n >= shareFlushEntries {
+	if kick {
 		select {
 		case s.kick <- struct{}{}:
 		default:
@@ -183,24 +192,18 @@ func (s *indexShare) placed(engineID string, hashes []uint64) {
 	}
 }
 
-// cut takes one chain this router cut from its index (the OnCut
-// function): it copies it into the batch of cuts, published with the
-// next flush after the placements made before it, without blocking — a
-// cut that does not fit is dropped and counted as buffer_full.
-func (s *indexShare) cut(engineID string, hashes []uint64) {
-	if len(hashes) > bus.PrefixMaxHashes {
-		hashes = hashes[:bus.PrefixMaxHashes]
+// freeBatch returns an empty batch of this router: a published one, or a
+// new one while fewer than shareQueuedBatches + 2 exist. The caller
+// holds s.mu.
+func (s *indexShare) freeBatch() *bus.PrefixBatch {
+	var b *bus.PrefixBatch
+	if n := len(s.free); n > 0 {
+		b, s.free = s.free[n-1], s.free[:n-1]
+	} else {
+		b = new(bus.PrefixBatch)
 	}
-	s.mu.Lock()
-	ok := s.cuts.Add(engineID, hashes)
-	s.mu.Unlock()
-	if !ok {
-		s.dropped.WithLabelValues(dropBufferFull).Inc()
-		select {
-		case s.kick <- struct{}{}:
-		default:
-		}
-	}
+	b.Reset(s.v.id)
+	return b
 }
 
 // flushLoop publishes the batch being filled every shareFlushEvery, or
@@ -220,38 +223,32 @@ func (s *indexShare) flushLoop(nc *nats.Conn) {
 	}
 }
 
-// flush publishes the batch of placements being filled, then the batch
-// of cuts, each if it holds anything: a cut is decided on a prefill's
-// answer, after the placement it corrects, so the placements go first.
-// NATS takes them into its buffer (also while reconnecting) without
-// waiting.
+// flush publishes the full batches waiting, in order, then the batch
+// being filled, if it holds anything. NATS takes them into its buffer
+// (also while reconnecting) without waiting. Only the flush loop calls
+// it (it owns s.out).
 func (s *indexShare) flush(nc *nats.Conn) {
 	s.mu.Lock()
-	placements, cuts := s.cur.Len() > 0, s.cuts.Len() > 0
-	if placements {
-		s.cur, s.spare = s.spare, s.cur
-		s.cur.Reset(s.v.id)
-	}
-	if cuts {
-		s.cuts, s.spareCuts = s.spareCuts, s.cuts
-		s.cuts.ResetCuts(s.v.id)
+	out := append(s.out[:0], s.full...)
+	clear(s.full)
+	s.full = s.full[:0]
+	if s.cur.Len() > 0 {
+		out = append(out, s.cur)
+		s.cur = s.freeBatch()
 	}
 	s.mu.Unlock()
-	if placements {
-		s.publish(nc, s.spare)
+	for _, b := range out {
+		if err := nc.Publish(s.subject, b.Bytes()); err != nil {
+			s.dropped.WithLabelValues(dropPublishFailed).Inc()
+			continue
+		}
+		s.published.Inc()
 	}
-	if cuts {
-		s.publish(nc, s.spareCuts)
-	}
-}
-
-// publish hands one batch to NATS, counted as published or dropped.
-func (s *indexShare) publish(nc *nats.Conn, b *bus.PrefixBatch) {
-	if err := nc.Publish(s.subject, b.Bytes()); err != nil {
-		s.dropped.WithLabelValues(dropPublishFailed).Inc()
-		return
-	}
-	s.published.Inc()
+	s.mu.Lock()
+	s.free = append(s.free, out...)
+	s.mu.Unlock()
+	clear(out)
+	s.out = out[:0]
 }
 
 // receive applies a batch delivered live on narwhal.prefix.* (the
@@ -268,21 +265,14 @@ func (s *indexShare) receive(msg *nats.Msg) {
 // its previous life, and this index never recorded them). Each placement
 // is learned only for a prefill-capable engine of this router's fleet
 // that is placeable (eligible, active); the others are counted as
-// ignored. A batch of cuts (bus.IsPrefixCuts), checked the same way, has
-// each chain cut from the index of a prefill engine of the fleet,
-// whatever its state (removing never misleads). The hashes are decoded into hashes, the caller's buffer (one
+// ignored. The hashes are decoded into hashes, the caller's buffer (one
 // per goroutine that applies), returned grown: a batch applied allocates
 // nothing once it has grown.
 func (s *indexShare) apply(subject string, data []byte, own bool, hashes []uint64) []uint64 {
 	if subject == s.subject && !own {
 		return hashes // ours, recorded when it was made
 	}
-	cuts := bus.IsPrefixCuts(data)
-	check := bus.CheckPrefixBatch
-	if cuts {
-		check = bus.CheckPrefixCuts
-	}
-	routerID, err := check(data)
+	routerID, err := bus.CheckPrefixBatch(data)
 	reason := dropInvalid
 	if err == nil && !namesRouter(subject, routerID) {
 		reason, err = dropRouterMismatch, fmt.Errorf("%w: names router %q", bus.ErrPrefixBatch, routerID)
@@ -296,14 +286,6 @@ func (s *indexShare) apply(subject string, data []byte, own bool, hashes []uint6
 		return hashes
 	}
 	fl := s.v.Fleet()
-	if cuts {
-		return bus.EachPrefixCut(data, hashes, func(engineID []byte, hs []uint64) {
-			if m := fl.byID[string(engineID)]; m != nil && m.Can(Prefill) {
-				s.index.Cut(m.ID, hs)
-				s.cutsApplied.Inc()
-			}
-		})
-	}
 	hashes = bus.EachPrefixPlacement(data, hashes, func(engineID []byte, hs []uint64) {
 		m := fl.byID[string(engineID)]
 		if m == nil || !m.Can(Prefill) || !m.active.Load() || !m.eligible.Load() {
@@ -578,7 +560,6 @@ func (v *View) shareIndex(b *bus.Bus) error {
 	}
 	if share {
 		v.OnPlaced(s.placed)
-		v.OnCut(s.cut)
 	}
 	return nil
 }

@@ -1,7 +1,6 @@
 package meshview
 
 import (
-	"slices"
 	"testing"
 	"time"
 
@@ -98,19 +97,16 @@ func joinedPrefixStack(t *testing.T) (*stack, *meshBus) {
 	return s, m
 }
 
-// TestSharedCutsRPLACE3: a chain this router cuts from its index (the
-// engine's cached_tokens fell short of the prediction) is published as
-// a batch of cuts on its subject after its placements, and a batch of
-// cuts from another router cuts the same chain from this router's index
-// — every router stops following a prefix the engine denied, not only
-// the one that saw the answer. Cuts are judged as placements are (R-BUS-9,
-// R-BUS-11): malformed, on another router's subject, or of an engine
-// that is not a prefill engine of the fleet, they cut nothing.
-func TestSharedCutsRPLACE3(t *testing.T) {
+// TestLongPlacementsAreNotDroppedRPLACE2: a burst of placements of the
+// longest prompts (4,096 blocks, 32 KiB each: 7 fill a batch) is
+// published whole — a placement that does not fit seals the batch for
+// the flush loop and starts the next instead of being dropped — and
+// every one reaches the other routers.
+func TestLongPlacementsAreNotDroppedRPLACE2(t *testing.T) {
 	s, m := joinedPrefixStack(t)
 	nc := m.Peer.Conn()
-	mine := make(chan *nats.Msg, 16)
-	sub, err := nc.ChanSubscribe(bus.PrefixSubject(s.v.id), mine)
+	got := make(chan *nats.Msg, 64)
+	sub, err := nc.ChanSubscribe(bus.PrefixSubject(s.v.id), got)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -118,80 +114,33 @@ func TestSharedCutsRPLACE3(t *testing.T) {
 	if err := nc.Flush(); err != nil {
 		t.Fatal(err)
 	}
-
-	// This router places a prompt of 100 blocks on p1 and the engine
-	// answers that it held 40 blocks' worth: the index cuts 40…, and the
-	// cut follows the placement on the bus.
-	h := make([]uint64, 100)
-	for i := range h {
-		h[i] = uint64(1000 + i)
+	placed := s.v.placed.Load()
+	if placed == nil {
+		t.Fatal("the shared index took no placements")
 	}
-	s.v.RecordPrefix("p1", h, nil)
-	s.v.CorrectPrefix(s.v.Fleet().Member("p1"), &Prediction{Model: "m", Hashes: h, Matched: 100, PromptBytes: 6400, Whole: true},
-		PrefillUsage{Usage: true, PromptTokens: 1600, Cached: true, CachedTokens: 640})
-	if got := s.v.PrefixIndex().Match("p1", h); got != 40 {
-		t.Fatalf("own cut: match %d, want 40", got)
+	const burst = 20
+	long := make([]uint64, bus.PrefixMaxHashes)
+	for i := range burst {
+		for k := range long {
+			long[k] = uint64(i)<<32 | uint64(k+2)
+		}
+		(*placed)("p1", long)
 	}
-	var placed, cut []uint64
-	for placed == nil || cut == nil {
+	seen := 0
+	for seen < burst {
 		select {
-		case msg := <-mine:
-			data := msg.Data
-			switch {
-			case bus.IsPrefixCuts(data):
-				if placed == nil {
-					t.Fatal("the cut was published before the placement it corrects")
+		case msg := <-got:
+			bus.EachPrefixPlacement(msg.Data, nil, func(eid []byte, hs []uint64) {
+				if string(eid) == "p1" && len(hs) == bus.PrefixMaxHashes && hs[0]>>32 == uint64(seen) {
+					seen++
 				}
-				bus.EachPrefixCut(data, nil, func(eid []byte, hs []uint64) {
-					if string(eid) == "p1" {
-						cut = slices.Clone(hs)
-					}
-				})
-			default:
-				bus.EachPrefixPlacement(data, nil, func(eid []byte, hs []uint64) {
-					if string(eid) == "p1" {
-						placed = slices.Clone(hs)
-					}
-				})
-			}
+			})
 		case <-time.After(5 * time.Second):
-			t.Fatalf("published: placement %v, cut %v; want both within 5 s", placed != nil, cut != nil)
+			t.Fatalf("%d of %d long placements published in order, %v dropped", seen, burst,
+				testkit.GatheredSum(t, s.reg, "narwhal_prefix_batches_dropped_total", "reason", "buffer_full"))
 		}
 	}
-	if !slices.Equal(placed, h) || !slices.Equal(cut, h[40:]) {
-		t.Fatalf("published placement of %d blocks and cut of %d, want 100 and the 60 from block 40", len(placed), len(cut))
-	}
-
-	// Another router's cuts: first the hostile ones, then a real one.
-	other := make([]uint64, 20)
-	for i := range other {
-		other[i] = uint64(5000 + i)
-	}
-	var batch bus.PrefixBatch
-	batch.Reset("r2")
-	batch.Add("p2", other)
-	_ = nc.Publish(bus.PrefixSubject("r2"), batch.Bytes())
-	testkit.WaitFor(t, 5*time.Second, "r2's placement to be learned", func() bool { return s.v.PrefixIndex().Match("p2", other) == 20 })
-	batch.ResetCuts("r1") // names r1 on r2's subject
-	batch.Add("p2", other[5:])
-	_ = nc.Publish(bus.PrefixSubject("r2"), batch.Bytes())
-	_ = nc.Publish(bus.PrefixSubject("r2"), []byte("NWC1 garbage"))
-	batch.ResetCuts("r2")
-	batch.Add("nope", other[5:])
-	batch.Add("d1", other[5:])
-	_ = nc.Publish(bus.PrefixSubject("r2"), batch.Bytes())
-	batch.ResetCuts("r2")
-	batch.Add("p2", other[12:])
-	_ = nc.Publish(bus.PrefixSubject("r2"), batch.Bytes())
-	testkit.WaitFor(t, 5*time.Second, "r2's cut to be applied", func() bool { return s.v.PrefixIndex().Match("p2", other) == 12 })
-	reg := s.reg
-	if n := testkit.GatheredSum(t, reg, "narwhal_prefix_shared_cuts_applied_total"); n != 1 {
-		t.Errorf("%v shared cuts applied, want r2's one on p2", n)
-	}
-	if n := testkit.GatheredSum(t, reg, "narwhal_prefix_batches_dropped_total", "reason", "router_id_mismatch"); n != 1 {
-		t.Errorf("%v batches counted router_id_mismatch, want the cuts naming r1", n)
-	}
-	if n := testkit.GatheredSum(t, reg, "narwhal_prefix_batches_dropped_total", "reason", "invalid"); n != 1 {
-		t.Errorf("%v batches counted invalid, want the garbage one", n)
+	if n := testkit.GatheredSum(t, s.reg, "narwhal_prefix_batches_dropped_total", "reason", "buffer_full"); n != 0 {
+		t.Fatalf("%v placements dropped as buffer_full", n)
 	}
 }

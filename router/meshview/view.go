@@ -103,7 +103,6 @@ type View struct {
 	// policy that keeps no index.
 	exact  *prefix.ExactIndex
 	placed atomic.Pointer[PlacedFunc]
-	cut    atomic.Pointer[PlacedFunc]
 	// loads is the load exchange while the router shares it (nil
 	// before, or without placement.share_index): SharePlaced publishes
 	// through it.
@@ -208,8 +207,7 @@ func (v *View) Fleet() *Fleet { return v.live.Load() }
 // placed again and again as this one does, instead of evicting it as
 // unused while the engine serves it. It runs on the request path: it
 // must not block, and must copy the hashes to keep them (the slice is
-// reused). OnCut's function has the same shape: the engine id and the
-// hashes cut.
+// reused).
 type PlacedFunc func(engineID string, hashes []uint64)
 
 // OnPlaced sets the function that receives each prefix placement's
@@ -220,19 +218,6 @@ func (v *View) OnPlaced(fn PlacedFunc) {
 		return
 	}
 	v.placed.Store(&fn)
-}
-
-// OnCut sets the function that receives each chain the correction cut
-// from the index (CorrectPrefix): the engine id and the hashes removed,
-// for publishing them so that every router cuts the same chain
-// (behaviour.md R-PLACE-3). It has PlacedFunc's contract: it must not
-// block, and must copy the hashes to keep them. nil removes it.
-func (v *View) OnCut(fn PlacedFunc) {
-	if fn == nil {
-		v.cut.Store(nil)
-		return
-	}
-	v.cut.Store(&fn)
 }
 
 // PrefixIndex returns the router's prefix index: what the mesh's other
