@@ -219,7 +219,8 @@ func (ix *Index) Forget(engineID string) {
 // relies on what Record and Learn keep true — for a chain, the hashes
 // held are a prefix of it — and so probes O(log n) hashes, not n; when
 // that does not hold (a remote placement learned without the blocks
-// before it), it may count a block the index does not hold. It takes the
+// before it, or a Cut of another prompt's chain through blocks this one
+// shares), it may count a block the index does not hold. It takes the
 // engine's read lock only, and does not allocate.
 func (ix *Index) Match(engineID string, hashes []uint64) int {
 	e := ix.lookup(engineID)

@@ -104,7 +104,7 @@ type indexShare struct {
 	cur  *bus.PrefixBatch   // being filled by placements
 	full []*bus.PrefixBatch // sealed, waiting for the flush (at most shareQueuedBatches)
 	free []*bus.PrefixBatch // published, to be filled again
-	kick chan struct{}      // a full batch waits
+	kick chan struct{}      // a batch to publish now (full, 256 placements or half its bytes)
 	out  []*bus.PrefixBatch // the flush loop's own: the batches it publishes
 
 	published, applied prometheus.Counter
@@ -155,7 +155,9 @@ func newIndexShare(v *View) *indexShare {
 	for _, o := range []string{warmOutcomeRead, warmOutcomeMissed} {
 		s.warmBatches.WithLabelValues(o)
 	}
-	s.cur.Reset(v.id)
+	if len(v.id) <= bus.PrefixMaxID { // a longer id shares nothing (shareIndex)
+		s.cur.Reset(v.id)
+	}
 	return s
 }
 
@@ -193,8 +195,11 @@ func (s *indexShare) placed(engineID string, hashes []uint64) {
 }
 
 // freeBatch returns an empty batch of this router: a published one, or a
-// new one while fewer than shareQueuedBatches + 2 exist. The caller
-// holds s.mu.
+// new one when none is free. At most 2 × (shareQueuedBatches + 1) exist:
+// the ones a flush publishes (the full ones and the one being filled
+// when it began) and as many filled meanwhile; the published ones are
+// kept for reuse (up to 2.5 MiB after a burst of the longest prompts).
+// The caller holds s.mu.
 func (s *indexShare) freeBatch() *bus.PrefixBatch {
 	var b *bus.PrefixBatch
 	if n := len(s.free); n > 0 {
@@ -207,7 +212,7 @@ func (s *indexShare) freeBatch() *bus.PrefixBatch {
 }
 
 // flushLoop publishes the batch being filled every shareFlushEvery, or
-// at once when it is full, until the router shuts down.
+// at once when kicked (placed), until the router shuts down.
 func (s *indexShare) flushLoop(nc *nats.Conn) {
 	t := time.NewTicker(shareFlushEvery)
 	defer t.Stop()

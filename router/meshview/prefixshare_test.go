@@ -144,3 +144,68 @@ func TestLongPlacementsAreNotDroppedRPLACE2(t *testing.T) {
 		t.Fatalf("%v placements dropped as buffer_full", n)
 	}
 }
+
+// TestPlacementsQueueUpToTheirBoundRPLACE2: with no flush between them,
+// placements fill the batch being filled and shareQueuedBatches full
+// ones, and only the one after those is dropped and counted; a flush
+// then publishes every batch in the order its placements were made, and
+// the next ones reuse the published batches.
+func TestPlacementsQueueUpToTheirBoundRPLACE2(t *testing.T) {
+	s := newStack(t, prefixFleet(), nil)
+	m := newMeshBus(t)
+	share := newIndexShare(s.v) // not joined: no flush loop runs
+	got := make(chan *nats.Msg, 64)
+	sub, err := m.Peer.Conn().ChanSubscribe(bus.PrefixSubject(s.v.id), got)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = sub.Unsubscribe() }()
+	if err := m.Peer.Conn().Flush(); err != nil {
+		t.Fatal(err)
+	}
+	long := make([]uint64, bus.PrefixMaxHashes)
+	place := func(i int) {
+		for k := range long {
+			long[k] = uint64(i)<<32 | uint64(k+2)
+		}
+		share.placed("p1", long)
+	}
+	perBatch := (bus.PrefixMaxBatch - 64) / bus.PrefixEntrySize("p1", bus.PrefixMaxHashes)
+	held := perBatch * (shareQueuedBatches + 1)
+	for i := range held + 1 {
+		place(i)
+	}
+	if n := testkit.GatheredSum(t, s.reg, "narwhal_prefix_batches_dropped_total", "reason", "buffer_full"); n != 1 {
+		t.Fatalf("%v placements dropped, want the one past the %d the batches hold", n, held)
+	}
+	share.flush(m.B.Conn())
+	next := 0
+	for batches := 0; batches < shareQueuedBatches+1; batches++ {
+		select {
+		case msg := <-got:
+			bus.EachPrefixPlacement(msg.Data, nil, func(_ []byte, hs []uint64) {
+				if hs[0]>>32 != uint64(next) {
+					t.Fatalf("placement %d published where %d was next", hs[0]>>32, next)
+				}
+				next++
+			})
+		case <-time.After(5 * time.Second):
+			t.Fatalf("%d batches published, want %d", batches, shareQueuedBatches+1)
+		}
+	}
+	if next != held {
+		t.Fatalf("%d placements published, want %d", next, held)
+	}
+	// The published batches are filled again: the one being filled came
+	// with the flush, and the next is a published one, not a new one.
+	free := len(share.free)
+	if free != shareQueuedBatches+1 {
+		t.Fatalf("%d batches free after the flush, want the %d published", free, shareQueuedBatches+1)
+	}
+	for i := range perBatch + 1 {
+		place(held + 1 + i)
+	}
+	if len(share.free) != free-1 || len(share.full) != 1 {
+		t.Fatalf("after a batch's worth and one more: %d free, %d full; want %d and 1", len(share.free), len(share.full), free-1)
+	}
+}
