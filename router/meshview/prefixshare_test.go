@@ -1,12 +1,14 @@
 package meshview
 
 import (
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats.go"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
@@ -207,5 +209,16 @@ func TestPlacementsQueueUpToTheirBoundRPLACE2(t *testing.T) {
 	}
 	if len(share.free) != free-1 || len(share.full) != 1 {
 		t.Fatalf("after a batch's worth and one more: %d free, %d full; want %d and 1", len(share.free), len(share.full), free-1)
+	}
+}
+
+// TestLongRouterIDSharesNothingRPLACE2: a router id longer than a batch
+// can name (255 bytes) turns sharing off; making the share (which the
+// exact index still needs, for the engines' KV batches) does not panic.
+func TestLongRouterIDSharesNothingRPLACE2(t *testing.T) {
+	s := newStack(t, prefixFleet(), func(c *config.Config) { c.Router.ID = strings.Repeat("r", bus.PrefixMaxID+1) })
+	share := newIndexShare(s.v)
+	if share.cur.Len() != 0 {
+		t.Fatalf("a share of a %d-byte router id holds %d placements", len(s.v.id), share.cur.Len())
 	}
 }
