@@ -86,10 +86,9 @@ func (ix *Index) get(engineID string) *engineLRU {
 }
 
 // Record notes that a prompt with the chained block hashes hashes was
-// placed on engineID by this router. It appends to fresh the hashes the
-// index did not hold for that engine before (in the order of hashes) and
-// returns it: what the router publishes for the other routers to Learn.
-// Every hash of hashes becomes recent, the leading ones most recent, so
+// placed on engineID. It appends to fresh the hashes the index did not
+// hold for that engine before (in the order of hashes) and returns it;
+// Learn does the same without them. Every hash of hashes becomes recent, the leading ones most recent, so
 // that eviction takes a prompt's tail before its head and the hashes held
 // for an engine stay, chain by chain, a prefix (what Match relies on). It
 // does not allocate once the engine's set is full and fresh has room.
@@ -100,7 +99,7 @@ func (ix *Index) Record(engineID string, hashes, fresh []uint64) []uint64 {
 	}
 	start := len(fresh)
 	e.mu.Lock()
-	fresh = e.touchChain(hashes, fresh)
+	fresh = e.touchChain(hashes, fresh, true)
 	e.mu.Unlock()
 	added := fresh[start:]
 	for i, j := 0, len(added)-1; i < j; i, j = i+1, j-1 {
@@ -109,10 +108,12 @@ func (ix *Index) Record(engineID string, hashes, fresh []uint64) []uint64 {
 	return fresh
 }
 
-// Learn applies a placement another router published: the hashes (in
-// chain order, as Record returned them) become recent for engineID, the
-// leading ones most recent. At most the index's capacity of them are
-// applied (the first ones).
+// Learn applies a placement — this router's own, or one another router
+// published: the hashes (in chain order) become recent for engineID, the
+// leading ones most recent, as Record makes them, without listing the
+// ones the index lacked. At most the index's capacity of them are
+// applied (the first ones; Record of a longer chain ends with the same
+// ones held). It does not allocate.
 func (ix *Index) Learn(engineID string, hashes []uint64) {
 	if len(hashes) > ix.capacity {
 		hashes = hashes[:ix.capacity]
@@ -122,7 +123,7 @@ func (ix *Index) Learn(engineID string, hashes []uint64) {
 		return
 	}
 	e.mu.Lock()
-	e.touchChain(hashes, nil)
+	e.touchChain(hashes, nil, false)
 	e.mu.Unlock()
 }
 
@@ -298,14 +299,14 @@ func (e *engineLRU) remove(h uint64) bool {
 
 // touchChain makes the chain hashes (in chain order) the most recent
 // hashes, hashes[0] the most recent of all, as touching each from the last
-// to the first would; it appends to fresh the hashes not held before, the
-// last first, and returns it. The leading hashes that already follow each
+// to the first would; when collect is set it appends to fresh the hashes
+// not held before, the last first, and returns it. The leading hashes that already follow each
 // other in the recency list in chain order (a prompt placed before, or one
 // sharing a placed prompt's head: what Record itself leaves behind) move
 // to the front as one segment, and the rest go in behind them: the same
 // order as moving every one, with one table look-up for the segment. A chain longer than the set takes the slow
 // path. The caller holds e.mu.
-func (e *engineLRU) touchChain(hashes, fresh []uint64) []uint64 {
+func (e *engineLRU) touchChain(hashes, fresh []uint64, collect bool) []uint64 {
 	k, after := 0, int32(-1)
 	if len(hashes) <= e.capacity {
 		if first, ok := e.slot.get(hashes[0]); ok {
@@ -323,7 +324,7 @@ func (e *engineLRU) touchChain(hashes, fresh []uint64) []uint64 {
 	}
 	for i := len(hashes) - 1; i >= k; i-- {
 		var held bool
-		if held, after = e.touchAfter(hashes[i], after); !held {
+		if held, after = e.touchAfter(hashes[i], after); !held && collect {
 			fresh = append(fresh, hashes[i])
 		}
 	}

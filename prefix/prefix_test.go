@@ -528,6 +528,14 @@ func TestIndexCutRPLACE3(t *testing.T) {
 	if allocs := testing.AllocsPerRun(100, func() { ix.Cut("a", h[50:]); fresh = ix.Record("a", h, fresh[:0]) }); allocs != 0 {
 		t.Fatalf("cut and record again: %v allocations", allocs)
 	}
+	// Learn lists nothing, so learning blocks the index lacks allocates
+	// nothing either.
+	if allocs := testing.AllocsPerRun(100, func() { ix.Cut("a", h[50:]); ix.Learn("a", h) }); allocs != 0 {
+		t.Fatalf("cut and learn again: %v allocations", allocs)
+	}
+	if m := ix.Match("a", h); m != 100 {
+		t.Fatalf("learned again: match %d, want 100", m)
+	}
 }
 
 // TestIndexEngineCapacityRPLACE3: an engine's own bound (its reported KV

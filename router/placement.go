@@ -40,7 +40,6 @@ type placeScratch struct {
 	prompt []byte
 	hashes []uint64
 	hashed bool // prompt and hashes are this request's
-	fresh  []uint64
 	// ms and cands are the last eligibility scan (eligible): the engines
 	// that may take the leg, and their loads.
 	ms    []*member
@@ -352,7 +351,7 @@ func (c *call) placeProducer(fl *fleet, avoid []*member) (*member, error) {
 	c.prediction = meshview.Prediction{Model: c.req.Model, Hashes: sc.hashes, Matched: matched, PromptBytes: promptBytes, Whole: whole,
 		Exact: exact, ExactTokens: cached}
 	if len(sc.hashes) > 0 {
-		sc.fresh = c.rt.mesh.RecordPrefix(m.ID, sc.hashes, sc.fresh)
+		c.rt.mesh.RecordPrefix(m.ID, sc.hashes)
 	}
 	return m, nil
 }

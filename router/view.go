@@ -34,9 +34,8 @@ type meshView interface {
 	// MatchPrefix returns how many leading blocks of hashes the prefix
 	// index holds for engine engineID.
 	MatchPrefix(engineID string, hashes []uint64) int
-	// RecordPrefix records a prefix placement on engineID and returns the
-	// blocks the index did not hold for it before, appended to fresh[:0].
-	RecordPrefix(engineID string, hashes, fresh []uint64) []uint64
+	// RecordPrefix records a prefix placement on engineID.
+	RecordPrefix(engineID string, hashes []uint64)
 	// TokenWork returns the model's learned bytes per token and mean
 	// uncached prefill (0 until learned), for the cost (R-PLACE-3).
 	TokenWork(model string) (prefix.TokenRatio, int64)

@@ -272,16 +272,14 @@ func (v *View) ExactBlockSize(engineID string) (int, bool) {
 }
 
 // RecordPrefix records that the prompt of hashes was placed on engine
-// engineID (prefix.Index.Record) and hands hashes to the OnPlaced
-// function, if any (R-PLACE-2). It returns the blocks the index did not
-// hold for the engine before, appended to fresh[:0] (the caller's
-// buffer, reused).
-func (v *View) RecordPrefix(engineID string, hashes, fresh []uint64) []uint64 {
-	fresh = v.index.Record(engineID, hashes, fresh[:0])
+// engineID (prefix.Index.Learn: the same placement the other routers
+// apply) and hands hashes to the OnPlaced function, if any (R-PLACE-2).
+// It does not allocate.
+func (v *View) RecordPrefix(engineID string, hashes []uint64) {
+	v.index.Learn(engineID, hashes)
 	if fn := v.placed.Load(); fn != nil && len(hashes) > 0 {
 		(*fn)(engineID, hashes)
 	}
-	return fresh
 }
 
 // SetEligible applies the breaker's verdict for an engine (R-BRK-8). It
