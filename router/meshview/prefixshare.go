@@ -34,6 +34,11 @@ const (
 	// it and starts the next, and is dropped only when this many wait
 	// already (a burst of long prompts faster than the loop publishes).
 	shareQueuedBatches = 4
+	// sharePendingBatches and sharePendingBytes bound the other routers'
+	// live batches received and not yet applied (256 of the largest):
+	// past them NATS drops what comes, counted as slow_consumer.
+	sharePendingBatches = 1024
+	sharePendingBytes   = 64 << 20
 	// shareWarmTimeout bounds one warm-up read of stream NARWHAL_PREFIX.
 	shareWarmTimeout = 10 * time.Second
 	// shareWarmPull is how many batches the warm-up's consumer has asked
@@ -67,6 +72,11 @@ const (
 	// dropPublishFailed: a batch could not be handed to NATS (the
 	// connection is closed, or its reconnect buffer is full).
 	dropPublishFailed = "publish_failed"
+	// dropSlowConsumer: live batches NATS dropped because they came
+	// faster than this router applied them (sharePendingBatches,
+	// sharePendingBytes): a router flooding its subject, or this one
+	// starved of CPU.
+	dropSlowConsumer = "slow_consumer"
 	// dropInvalid: a batch received from the bus was malformed.
 	dropInvalid = "invalid"
 	// dropRouterMismatch: a valid batch came on another router's subject
@@ -106,6 +116,11 @@ type indexShare struct {
 	free []*bus.PrefixBatch // published, to be filled again
 	kick chan struct{}      // a batch to publish now (full, 256 placements or half its bytes)
 	out  []*bus.PrefixBatch // the flush loop's own: the batches it publishes
+	// sub is the live subscription to the other routers' batches (nil
+	// until shareIndex makes it); slowSeen is how many of them NATS had
+	// dropped at the flush loop's last look (countSlow).
+	sub      *nats.Subscription
+	slowSeen int
 
 	published, applied prometheus.Counter
 	dropped            *prometheus.CounterVec
@@ -137,7 +152,7 @@ func newIndexShare(v *View) *indexShare {
 		})),
 		dropped: promreg.Register(v.reg, prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "narwhal_prefix_batches_dropped_total",
-			Help: "Prefix placements not shared, by reason: buffer_full (a placement that found the batch being filled and the 4 waiting to be published full), publish_failed (a batch NATS did not take), invalid (a malformed batch received), router_id_mismatch (a batch received on another router's subject than the one it names).",
+			Help: "Prefix placements not shared, by reason: buffer_full (a placement that found the batch being filled and the 4 waiting to be published full), publish_failed (a batch NATS did not take), slow_consumer (other routers' batches NATS dropped because they came faster than this router applied them), invalid (a malformed batch received), router_id_mismatch (a batch received on another router's subject than the one it names).",
 		}, []string{"reason"})),
 		ignored: promreg.Register(v.reg, prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "narwhal_prefix_placements_ignored_total",
@@ -149,7 +164,7 @@ func newIndexShare(v *View) *indexShare {
 		}, []string{"outcome"})),
 		warmLimit: v.warmLimit, log: v.log,
 	}
-	for _, r := range []string{dropBufferFull, dropPublishFailed, dropInvalid, dropRouterMismatch} {
+	for _, r := range []string{dropBufferFull, dropPublishFailed, dropSlowConsumer, dropInvalid, dropRouterMismatch} {
 		s.dropped.WithLabelValues(r)
 	}
 	for _, o := range []string{warmOutcomeRead, warmOutcomeMissed} {
@@ -225,7 +240,29 @@ func (s *indexShare) flushLoop(nc *nats.Conn) {
 		case <-s.kick:
 		}
 		s.flush(nc)
+		s.countSlow(s.sub)
 	}
+}
+
+// countSlow adds to narwhal_prefix_batches_dropped_total{reason=
+// "slow_consumer"} the live batches NATS dropped on sub since the last
+// look, and says so in the log (at most every shareLogEvery). Only the
+// flush loop calls it (it owns slowSeen); a nil sub counts nothing.
+func (s *indexShare) countSlow(sub *nats.Subscription) {
+	if sub == nil {
+		return
+	}
+	n, err := sub.Dropped()
+	if err != nil || n <= s.slowSeen {
+		return
+	}
+	s.dropped.WithLabelValues(dropSlowConsumer).Add(float64(n - s.slowSeen))
+	if now := time.Now().UnixNano(); now-s.lastLog.Load() > int64(shareLogEvery) {
+		s.lastLog.Store(now)
+		s.log.Warn("prefix placements of other routers dropped: they came faster than this router applies them",
+			"reason", dropSlowConsumer, "dropped", n-s.slowSeen, "pending_limit_batches", sharePendingBatches)
+	}
+	s.slowSeen = n
 }
 
 // flush publishes the full batches waiting, in order, then the batch
@@ -548,6 +585,8 @@ func (v *View) shareIndex(b *bus.Bus) error {
 		if err != nil {
 			return err
 		}
+		_ = sub.SetPendingLimits(sharePendingBatches, sharePendingBytes)
+		s.sub = sub
 		subs = append(subs, sub)
 	}
 	if v.exact != nil {

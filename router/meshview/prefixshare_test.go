@@ -222,3 +222,41 @@ func TestLongRouterIDSharesNothingRPLACE2(t *testing.T) {
 		t.Fatalf("a share of a %d-byte router id holds %d placements", len(s.v.id), share.cur.Len())
 	}
 }
+
+// TestSlowConsumerDropsAreCountedRBUS9: other routers' live batches that
+// NATS drops because they came faster than this router applied them (a
+// router flooding its subject) are counted as slow_consumer, once each,
+// instead of vanishing without a trace.
+func TestSlowConsumerDropsAreCountedRBUS9(t *testing.T) {
+	s := newStack(t, prefixFleet(), nil)
+	m := newMeshBus(t)
+	share := newIndexShare(s.v)
+	sub, err := m.B.Conn().SubscribeSync(bus.PrefixSubject("flood"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = sub.Unsubscribe() }()
+	if err := sub.SetPendingLimits(1, -1); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.B.Conn().Flush(); err != nil {
+		t.Fatal(err)
+	}
+	for range 5 {
+		if err := m.Peer.Conn().Publish(bus.PrefixSubject("flood"), []byte("NWP1")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := m.Peer.Conn().Flush(); err != nil {
+		t.Fatal(err)
+	}
+	testkit.WaitFor(t, 5*time.Second, "NATS to drop past the pending limit", func() bool {
+		n, _ := sub.Dropped()
+		return n == 4
+	})
+	share.countSlow(sub)
+	share.countSlow(sub)
+	if n := testkit.GatheredSum(t, s.reg, "narwhal_prefix_batches_dropped_total", "reason", "slow_consumer"); n != 4 {
+		t.Fatalf("%v batches counted slow_consumer, want the 4 NATS dropped", n)
+	}
+}
