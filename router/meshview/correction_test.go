@@ -52,7 +52,7 @@ func TestCorrectPrefixCutsAndLearnsRPLACE3(t *testing.T) {
 	if n := testkit.GatheredSum(t, s.reg, "narwhal_prefix_uncorrected_total"); n != 1 {
 		t.Fatalf("uncorrected %v", n)
 	}
-	if a := testing.AllocsPerRun(100, func() {
+	if a := testkit.LeastAllocs(100, func() {
 		s.v.CorrectPrefix(p1, pred, PrefillUsage{Usage: true, PromptTokens: 3200, Cached: true, CachedTokens: 3200})
 	}); a != 0 {
 		t.Fatalf("a correction allocates %v times", a)
