@@ -10,7 +10,9 @@ import (
 // when a router places a prompt on an engine by its exact index, it
 // publishes the prompt's token-block keys on its load subject,
 // narwhal.load.<router_id>, so that the other routers credit that engine
-// with the prompt until the engine's KV events report it. They travel on
+// with the prompt until the engine's KV events report it; when the
+// attempt ends it publishes that (AppendPlacedEnd), so that the credit
+// lasts as long as the attempt, as the router's own does. They travel on
 // the load subject, which every router may already publish and read, in
 // a message of their own magic: a router that does not know it counts
 // it as an invalid load report and goes on.
@@ -94,4 +96,111 @@ func ParsePlaced(data []byte, keys []uint64) (routerID, engineID []byte, out []u
 		out = append(out, binary.LittleEndian.Uint64(p[8*i:]))
 	}
 	return routerID, engineID, out, nil
+}
+
+// placedEndMagic starts every message that a placement in flight ended.
+const placedEndMagic = "NWE1"
+
+// PlacedOutcome is how a placement in flight ended (AppendPlacedEnd).
+type PlacedOutcome uint8
+
+const (
+	// PlacedFailed: the prefill attempt ended before its prefill
+	// completed, so the engine may hold none of the prompt; the other
+	// routers drop the credit at once.
+	PlacedFailed PlacedOutcome = 0
+	// PlacedCompleted: the prefill completed; the engine's KV events for
+	// its blocks are due within a grace, and the credit ends then.
+	PlacedCompleted PlacedOutcome = 1
+)
+
+// IsPlacedEnd reports whether data, a message of a load subject, says a
+// placement in flight ended (AppendPlacedEnd).
+func IsPlacedEnd(data []byte) bool { return bytes.HasPrefix(data, []byte(placedEndMagic)) }
+
+// AppendPlacedEnd appends to dst the message that a placement published
+// with AppendPlaced ended, all integers little-endian:
+//
+//	"NWE1"                  magic and version
+//	u8 len, router id       the publishing router (1…255 bytes, UTF-8)
+//	u8 len, engine id       the engine placed on (1…255 bytes, UTF-8)
+//	u8 outcome              PlacedFailed or PlacedCompleted
+//	u16 count               keys the placement carried (1…PlacedMaxKeys)
+//	u64 last                the last of them: a chain key, so it names
+//	                        the whole prompt the placement carried
+//
+// count and last are PlacedChain of the keys given to AppendPlaced. It
+// returns dst unchanged, and false, for an id of 0 or more than
+// PrefixMaxID bytes, a count of 0 or past PlacedMaxKeys or an outcome of
+// neither value. It is about 30 bytes against a placement's 2 KiB.
+func AppendPlacedEnd(dst []byte, routerID, engineID string, count int, last uint64, outcome PlacedOutcome) ([]byte, bool) {
+	if routerID == "" || len(routerID) > PrefixMaxID || engineID == "" || len(engineID) > PrefixMaxID ||
+		count <= 0 || count > PlacedMaxKeys || outcome > PlacedCompleted {
+		return dst, false
+	}
+	dst = append(dst, placedEndMagic...)
+	dst = append(dst, byte(len(routerID)))
+	dst = append(dst, routerID...)
+	dst = append(dst, byte(len(engineID)))
+	dst = append(dst, engineID...)
+	dst = append(dst, byte(outcome))
+	dst = binary.LittleEndian.AppendUint16(dst, uint16(count))
+	dst = binary.LittleEndian.AppendUint64(dst, last)
+	return dst, true
+}
+
+// PlacedChain returns what names, in AppendPlacedEnd, the prompt that
+// AppendPlaced(…, keys) carries: how many keys it carries (at most
+// PlacedMaxKeys) and the last of them; 0, 0 for no keys.
+func PlacedChain(keys []uint64) (count int, last uint64) {
+	if len(keys) == 0 {
+		return 0, 0
+	}
+	count = min(len(keys), PlacedMaxKeys)
+	return count, keys[count-1]
+}
+
+// PlacedEnd is a decoded AppendPlacedEnd message. RouterID and EngineID
+// are views of the message's bytes.
+type PlacedEnd struct {
+	RouterID, EngineID []byte
+	Outcome            PlacedOutcome
+	// Count is how many keys the placement carried (1…PlacedMaxKeys),
+	// Last the last of them.
+	Count int
+	Last  uint64
+}
+
+// ParsePlacedEnd decodes a message of AppendPlacedEnd. It trusts nothing
+// (R-BUS-9): another magic, an id that is empty or not UTF-8, an unknown
+// outcome, a count of 0 or past PlacedMaxKeys, or a length other than
+// the fields' is refused whole with an error wrapping ErrLoadReport. It
+// does not allocate.
+func ParsePlacedEnd(data []byte) (PlacedEnd, error) {
+	bad := func(why string) (PlacedEnd, error) {
+		return PlacedEnd{}, fmt.Errorf("%w: placement end: %s", ErrLoadReport, why)
+	}
+	if !IsPlacedEnd(data) {
+		return bad("not a placement end")
+	}
+	p := data[len(placedEndMagic):]
+	var e PlacedEnd
+	var ok bool
+	if e.RouterID, p, ok = readID(p); !ok {
+		return bad("bad router id")
+	}
+	if e.EngineID, p, ok = readID(p); !ok {
+		return bad("bad engine id")
+	}
+	if len(p) != 1+2+8 {
+		return bad("wrong length")
+	}
+	if e.Outcome = PlacedOutcome(p[0]); e.Outcome > PlacedCompleted {
+		return bad("unknown outcome")
+	}
+	if e.Count = int(binary.LittleEndian.Uint16(p[1:])); e.Count == 0 || e.Count > PlacedMaxKeys {
+		return bad("key count out of range")
+	}
+	e.Last = binary.LittleEndian.Uint64(p[3:])
+	return e, nil
 }

@@ -116,6 +116,40 @@ func (f *Inflight) Settle(t InflightTicket, until int64) {
 	s.until = until
 }
 
+// SettleChain ends, at until (UnixNano; <= 0 frees the slot now), the
+// credit of a kept prompt known only by its chain: count keys, the last
+// of them last (each key covers every block before it, so the two name
+// one prompt). It settles the one such slot whose credit ends latest
+// after until, and only ever shortens a credit; it reports whether it
+// found one. This is how another router's attempt ending (bus.ParsePlacedEnd)
+// reaches the credit its placement gave. It does not allocate.
+func (f *Inflight) SettleChain(count int, last uint64, until int64) bool {
+	if count <= 0 || f.live.Load() == 0 {
+		return false
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	pick := -1
+	for i := range f.slots {
+		s := &f.slots[i]
+		if s.until != 0 && s.until > until && len(s.keys) == count && s.keys[count-1] == last &&
+			(pick < 0 || s.until > f.slots[pick].until) {
+			pick = i
+		}
+	}
+	if pick < 0 {
+		return false
+	}
+	s := &f.slots[pick]
+	if until <= 0 {
+		s.until, s.keys = 0, s.keys[:0]
+		f.live.Add(-1)
+		return true
+	}
+	s.until = until
+	return true
+}
+
 // Match returns the leading blocks of keys that a kept prompt whose
 // credit has not ended at now (UnixNano) shares, the longest of them; 0
 // when none. Keys are chains (each key covers every block before it), so

@@ -2,7 +2,6 @@ package prefix
 
 import (
 	"fmt"
-	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"math"
 	"math/rand/v2"
 	"slices"
@@ -10,6 +9,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 // prompt returns n bytes of deterministic text seeded by seed.

@@ -53,6 +53,9 @@ type call struct {
 	prefillTokens      int64                 // the producer attempt's estimated uncached tokens, reserved with its prefill slot (R-PLACE-3)
 	inflight           prefix.InflightTicket // the producer attempt's prompt in its exact engine's Inflight (R-PLACE-4), settled with the prefill slot
 	inflightOn         *member               // the engine of inflight, nil when none; both set before the attempt runs
+	sharedCount        int                   // inflight's prompt as the other routers were told of it (bus.PlacedChain): its keys…
+	sharedLast         uint64                // … and the last of them
+	sharedOpen         atomic.Bool           // the other routers have not been told that inflight's attempt ended; the first of releasePrefill and dropInflight to clear it tells them
 	prediction         meshview.Prediction   // what the placement predicted of the producer attempt (R-PLACE-3)
 	holdPrefill        atomic.Bool           // producer's prefill slot is reserved (released from the prefill's goroutine too)
 	prefillAnswered    atomic.Bool           // the attempt's prefill answered with its usage (set on the prefill's goroutine)
@@ -365,7 +368,16 @@ func (c *call) releasePrefill(answered bool) {
 		c.producer.AddTokens(-c.prefillTokens)
 		if c.inflightOn != nil {
 			c.inflightOn.Inflight().Settle(c.inflight, now.Add(inflightGrace).UnixNano())
+			c.endShared(answered)
 		}
+	}
+}
+
+// endShared tells the other routers, once per attempt, that the attempt
+// of the placement shared with them ended (R-PLACE-4).
+func (c *call) endShared(completed bool) {
+	if c.sharedOpen.CompareAndSwap(true, false) {
+		c.rt.mesh.SharePlacedEnd(c.inflightOn, c.sharedCount, c.sharedLast, completed)
 	}
 }
 
@@ -379,6 +391,7 @@ func (c *call) releasePrefill(answered bool) {
 func (c *call) dropInflight() {
 	if c.inflightOn != nil {
 		c.inflightOn.Inflight().Settle(c.inflight, 0)
+		c.endShared(false)
 	}
 }
 

@@ -17,6 +17,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
+
+	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"github.com/narwhalmesh/narwhal/prefix"
@@ -534,3 +537,80 @@ func BenchmarkExactPlacementFirstByte(b *testing.B) {
 
 // maphashOf is the tokenizer cache's key of body.
 func maphashOf(tk *tokenizer, body []byte) uint64 { return maphash.Bytes(tk.cache.seed, body) }
+
+// TestAttemptEndsSharedRPLACE4: a router joined to the mesh tells the
+// other routers, on its load subject, of each placement by its exact
+// index and of how its attempt ended, naming the same prompt: a prefill
+// that failed (p1 answers 500) with PlacedFailed, so that their credit
+// of p1 is dropped at once, and the retry's completed prefill on p2 with
+// PlacedCompleted. Each attempt's end is told once.
+func TestAttemptEndsSharedRPLACE4(t *testing.T) {
+	s, fronts := exactStack(t, func(c *config.Config) {
+		c.Router.ID = "rt-a"
+		c.Recovery.RetryAttempts = 1
+		c.Recovery.RetryBudgetRatio = 1
+	})
+	m := newMeshBus(t)
+	if err := s.rt.JoinMesh(m.B, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	msgs := make(chan *nats.Msg, 1024)
+	sub, err := m.B.Conn().ChanSubscribe(bus.LoadSubject("rt-a"), msgs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = sub.Unsubscribe() })
+	if err := m.B.Conn().Flush(); err != nil {
+		t.Fatal(err)
+	}
+	a := exactPrompt(11, 4000)
+	holds(t, s, "p1", a, 30, 0)
+	holds(t, s, "p2", a, 0, 0)
+	fronts["p1"].fail.Store(true)
+	if got := prefilledOn(t, s, a); got != "p2" {
+		t.Fatalf("prefilled on %s, want p2 (the retry after p1's 500)", got)
+	}
+	count, last := bus.PlacedChain(prefix.AppendTokenKeys(nil, fakeTokens(a), 16, 0))
+	placed := map[string]int{}
+	ends := map[string][]bus.PlacedOutcome{}
+	deadline := time.After(5 * time.Second)
+	for len(ends["p1"])+len(ends["p2"]) < 2 {
+		select {
+		case msg := <-msgs:
+			if bus.IsPlaced(msg.Data) {
+				_, engine, keys, err := bus.ParsePlaced(msg.Data, nil)
+				if err != nil || len(keys) != count || keys[count-1] != last {
+					t.Fatalf("a placement of another prompt or malformed: %d keys, %v", len(keys), err)
+				}
+				placed[string(engine)]++
+			}
+			if bus.IsPlacedEnd(msg.Data) {
+				e, err := bus.ParsePlacedEnd(msg.Data)
+				if err != nil || string(e.RouterID) != "rt-a" || e.Count != count || e.Last != last {
+					t.Fatalf("an end naming another prompt or router, or malformed: %+v, %v", e, err)
+				}
+				ends[string(e.EngineID)] = append(ends[string(e.EngineID)], e.Outcome)
+			}
+		case <-deadline:
+			t.Fatalf("placements %v and ends %v heard within 5 s; want both attempts and both ends", placed, ends)
+		}
+	}
+	if placed["p1"] != 1 || placed["p2"] != 1 {
+		t.Fatalf("placements heard %v, want one on each engine", placed)
+	}
+	if len(ends["p1"]) != 1 || ends["p1"][0] != bus.PlacedFailed || len(ends["p2"]) != 1 || ends["p2"][0] != bus.PlacedCompleted {
+		t.Fatalf("ends heard %v, want p1 failed and p2 completed, once each", ends)
+	}
+	// Nothing more comes of the two attempts.
+	if err := m.B.Conn().Flush(); err != nil {
+		t.Fatal(err)
+	}
+	for len(msgs) > 0 {
+		if msg := <-msgs; bus.IsPlacedEnd(msg.Data) {
+			t.Fatal("an attempt's end told twice")
+		}
+	}
+	if v := testkit.GatheredSum(t, s.rt.reg, "narwhal_prefix_inflight_shared_total", "outcome", "end_published"); v != 2 {
+		t.Fatalf("end_published %v, want 2", v)
+	}
+}

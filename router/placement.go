@@ -10,6 +10,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/config"
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/prefix"
@@ -346,6 +347,8 @@ func (c *call) placeProducer(fl *fleet, avoid []*member) (*member, error) {
 			keys := sc.keysFor(bs)
 			c.inflight, c.inflightOn = m.Inflight().Add(keys, time.Now().UnixNano()), m
 			sc.placed = c.rt.mesh.SharePlaced(m, keys, sc.placed)
+			c.sharedCount, c.sharedLast = bus.PlacedChain(keys)
+			c.sharedOpen.Store(true)
 		}
 	}
 	c.prediction = meshview.Prediction{Model: c.req.Model, Hashes: sc.hashes, Matched: matched, PromptBytes: promptBytes, Whole: whole,

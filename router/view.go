@@ -54,6 +54,10 @@ type meshView interface {
 	// SharePlaced publishes a placement on m by its exact index for the
 	// other routers' credit (R-PLACE-4), encoded into buf (returned).
 	SharePlaced(m *member, keys []uint64, buf []byte) []byte
+	// SharePlacedEnd publishes that the attempt of a placement shared
+	// with SharePlaced ended (R-PLACE-4): count and last name its
+	// prompt (bus.PlacedChain), completed says its prefill completed.
+	SharePlacedEnd(m *member, count int, last uint64, completed bool)
 	// RefuseCredentials keeps m out of placement until its /v1/models
 	// accepts the router's credentials again.
 	RefuseCredentials(m *member, status int, what string)

@@ -2,10 +2,11 @@ package schemas
 
 import (
 	"bytes"
-	"github.com/narwhalmesh/narwhal/internal/testkit"
 	"math"
 	"strings"
 	"testing"
+
+	"github.com/narwhalmesh/narwhal/internal/testkit"
 )
 
 func renderPrompt(t *testing.T, endpoint, body string) []byte {

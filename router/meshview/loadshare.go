@@ -30,13 +30,17 @@ const (
 	loadStaleAfter = time.Second
 	// loadMaxPeers bounds the routers whose reports are kept.
 	loadMaxPeers = 1024
-	// peerPlacedLife is how long another router's placement in flight
-	// (bus.AppendPlaced) credits its engine (R-PLACE-4): a router does
-	// not hear when another's attempt ends, so the credit ends at a
-	// fixed time — longer than a prefill's queue and computation under
-	// ordinary load, short against how long a just-computed prompt stays
-	// in an engine's cache.
-	peerPlacedLife = time.Second
+	// peerPlacedMaxLife is how long at most another router's placement
+	// in flight (bus.AppendPlaced) credits its engine (R-PLACE-4) when
+	// the end of its attempt (bus.AppendPlacedEnd) is never heard: a
+	// lost message, or a router gone mid-attempt. Longer than a prefill's
+	// queue and computation under heavy load, short against how long a
+	// just-computed prompt stays in an engine's cache.
+	peerPlacedMaxLife = 10 * time.Second
+	// peerPlacedGrace is how long after another router's prefill
+	// completed its credit lasts: the engine's KV events for the blocks
+	// are due by then (the router's own grace is the same).
+	peerPlacedGrace = 250 * time.Millisecond
 )
 
 // Reasons of narwhal_load_reports_ignored_total.
@@ -94,9 +98,8 @@ type loadShare struct {
 	nc         *nats.Conn
 	placedKeys []uint64
 	placed     *prometheus.CounterVec // narwhal_prefix_inflight_shared_total{outcome}
-	// placedPublished and placedApplied are its two busy series, held so
-	// that counting one allocates nothing.
-	placedPub, placedApp prometheus.Counter
+	// Its busy series, held so that counting one allocates nothing.
+	placedPub, placedApp, endPub, ended, endUnmatched prometheus.Counter
 }
 
 // Outcomes of narwhal_prefix_inflight_shared_total.
@@ -104,6 +107,9 @@ const (
 	placedPublished     = "published"
 	placedApplied       = "applied"
 	placedUnknownEngine = "unknown_engine"
+	placedEndPublished  = "end_published"
+	placedEnded         = "ended"
+	placedEndUnmatched  = "end_unmatched"
 )
 
 // newLoadShare makes v's load exchange and registers its metrics:
@@ -126,19 +132,22 @@ func newLoadShare(v *View) *loadShare {
 	}
 	s.placed = promreg.Register(v.reg, prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "narwhal_prefix_inflight_shared_total",
-		Help: "Placements in flight on exact-index engines shared between routers: published (this router's), applied (another router's, credited to its engine for 1 s), unknown_engine (another router's, on an engine not a prefill engine of this router's fleet).",
+		Help: "Placements in flight on exact-index engines shared between routers: published (this router's), applied (another router's, credited to its engine until its attempt ends, 10 s at most), unknown_engine (another router's, on an engine not a prefill engine of this router's fleet), end_published (this router's attempt ended), ended (another router's attempt ended, its credit settled), end_unmatched (another router's attempt ended and no credit of it was kept).",
 	}, []string{"outcome"}))
-	for _, o := range []string{placedPublished, placedApplied, placedUnknownEngine} {
+	for _, o := range []string{placedPublished, placedApplied, placedUnknownEngine, placedEndPublished, placedEnded, placedEndUnmatched} {
 		s.placed.WithLabelValues(o)
 	}
 	s.placedPub, s.placedApp = s.placed.WithLabelValues(placedPublished), s.placed.WithLabelValues(placedApplied)
+	s.endPub, s.ended = s.placed.WithLabelValues(placedEndPublished), s.placed.WithLabelValues(placedEnded)
+	s.endUnmatched = s.placed.WithLabelValues(placedEndUnmatched)
 	return s
 }
 
 // SharePlaced publishes, when the router shares its load
 // (placement.share_index), that it placed a prompt of token-block keys
 // keys on engine m by its exact index (R-PLACE-4): the other routers
-// credit m with it for peerPlacedLife. buf is the caller's encoding
+// credit m with it until SharePlacedEnd says its attempt ended, for
+// peerPlacedMaxLife at most. buf is the caller's encoding
 // buffer, returned grown for reuse. It does not block (a core NATS
 // publish into the connection's buffer) and, once buf has grown, does
 // not allocate; a failed publish is dropped (the credit is a hint).
@@ -154,7 +163,33 @@ func (v *View) SharePlaced(m *Member, keys []uint64, buf []byte) []byte {
 	return data
 }
 
-// applyPlaced credits, for peerPlacedLife, the engine of another
+// SharePlacedEnd publishes, when the router shares its load, that the
+// attempt of a placement SharePlaced published on m ended (R-PLACE-4):
+// count and last are bus.PlacedChain of the keys SharePlaced was given;
+// completed says its prefill
+// completed (the other routers keep the credit for peerPlacedGrace) or
+// not (they drop it at once). Like SharePlaced it does not block, a
+// failed publish is dropped (the credit then lasts peerPlacedMaxLife),
+// and it allocates nothing: the message, about 30 bytes, is encoded on
+// the stack.
+func (v *View) SharePlacedEnd(m *Member, count int, last uint64, completed bool) {
+	s := v.loads.Load()
+	if s == nil || s.nc == nil {
+		return
+	}
+	outcome := bus.PlacedFailed
+	if completed {
+		outcome = bus.PlacedCompleted
+	}
+	var b [4 + 2*(1+bus.PrefixMaxID) + 1 + 2 + 8]byte
+	data, ok := bus.AppendPlacedEnd(b[:0], v.id, m.ID, count, last, outcome)
+	if ok && s.nc.Publish(s.subject, data) == nil {
+		s.endPub.Inc()
+	}
+}
+
+// applyPlaced credits, until its attempt's end is heard and for
+// peerPlacedMaxLife at most, the engine of another
 // router's placement in flight received on subject (R-PLACE-4): only a
 // valid message (R-BUS-9) of the router its subject names (R-BUS-11), on
 // a prefill engine of the fleet; this router's own is skipped.
@@ -181,8 +216,45 @@ func (s *loadShare) applyPlaced(subject string, data []byte) {
 	f := m.PeerInflight()
 	// Never refused: its slots hold only settled credits, and the one
 	// ending soonest makes room.
-	f.Settle(f.Add(keys, now.UnixNano()), now.Add(peerPlacedLife).UnixNano())
+	f.Settle(f.Add(keys, now.UnixNano()), now.Add(peerPlacedMaxLife).UnixNano())
 	s.placedApp.Inc()
+}
+
+// applyPlacedEnd settles the credit applyPlaced gave another router's
+// placement whose attempt ended, received on subject (R-PLACE-4): kept
+// peerPlacedGrace more when its prefill completed, dropped when not.
+// Only a valid message (R-BUS-9) of the router its subject names
+// (R-BUS-11) is applied; it only ever shortens a credit. A router can
+// thus end only credits of prompts it names by their chain; two routers
+// that placed the same prompt on one engine hold two credits, and an end
+// settles the one ending latest.
+func (s *loadShare) applyPlacedEnd(subject string, data []byte) {
+	if subject == s.subject {
+		return
+	}
+	e, err := bus.ParsePlacedEnd(data)
+	reason := loadIgnoredInvalid
+	if err == nil && bus.LoadSubject(string(e.RouterID)) != subject {
+		reason, err = loadIgnoredRouterMismatch, fmt.Errorf("%w: names router %q", bus.ErrLoadReport, e.RouterID)
+	}
+	if err != nil {
+		s.ignore("placement end ignored", reason, subject, data, err)
+		return
+	}
+	m := s.v.Fleet().byID[string(e.EngineID)]
+	if m == nil || !m.Can(Prefill) {
+		s.placed.WithLabelValues(placedUnknownEngine).Inc()
+		return
+	}
+	until := int64(0)
+	if e.Outcome == bus.PlacedCompleted {
+		until = s.now().Add(peerPlacedGrace).UnixNano()
+	}
+	if m.PeerInflight().SettleChain(e.Count, e.Last, until) {
+		s.ended.Inc()
+	} else {
+		s.endUnmatched.Inc()
+	}
 }
 
 // encode fills s.report with this router's work in flight per engine
@@ -233,11 +305,15 @@ func (s *loadShare) expire(now time.Time) {
 	}
 }
 
-// receive applies a report, or a placement in flight, delivered on
+// receive applies a report, a placement in flight or its end, delivered on
 // narwhal.load.*.
 func (s *loadShare) receive(msg *nats.Msg) {
 	if bus.IsPlaced(msg.Data) {
 		s.applyPlaced(msg.Subject, msg.Data)
+		return
+	}
+	if bus.IsPlacedEnd(msg.Data) {
+		s.applyPlacedEnd(msg.Subject, msg.Data)
 		return
 	}
 	s.apply(msg.Subject, msg.Data)

@@ -264,7 +264,7 @@ func BenchmarkLoadExchangeTick(b *testing.B) {
 // routers' placements on one engine (500 a second for 2 s, past its 64
 // slots) leaves this router's own credits whole — one still in flight
 // and one in its 250 ms grace — and each of theirs lasts as long as the
-// slots allow (64 ÷ 500 a second), never longer than peerPlacedLife.
+// slots allow (64 ÷ 500 a second), never longer than peerPlacedMaxLife.
 func TestPeerPlacementsCannotPushOutOwnRPLACE4(t *testing.T) {
 	s := newStack(t, pd(), nil)
 	clk := &clock{now: time.Unix(1000, 0)}
@@ -292,8 +292,8 @@ func TestPeerPlacementsCannotPushOutOwnRPLACE4(t *testing.T) {
 	if p1.InflightMatch(last, now) != 30 {
 		t.Fatal("the latest of the other router's placements is not credited")
 	}
-	if n := p1.InflightMatch(last, clk.Now().Add(peerPlacedLife).UnixNano()); n != 0 {
-		t.Fatalf("another router's credit outlived peerPlacedLife: %d blocks", n)
+	if n := p1.InflightMatch(last, clk.Now().Add(peerPlacedMaxLife).UnixNano()); n != 0 {
+		t.Fatalf("another router's credit outlived peerPlacedMaxLife: %d blocks", n)
 	}
 }
 
@@ -308,10 +308,12 @@ func chainOf(seed uint64, n int) []uint64 {
 }
 
 // BenchmarkPlacedShare measures one placement in flight on each side
-// (R-PLACE-4), over a real embedded NATS: this router's 125-key prompt
-// (2,000 tokens) encoded and published (SharePlaced, once a placement by
-// the exact index), and another router's parsed and credited to its
-// engine (applyPlaced, once per placement of each other router).
+// (R-PLACE-4), over a real embedded NATS, with the end of its attempt:
+// this router's 125-key prompt (2,000 tokens) encoded and published
+// (SharePlaced, once a placement by the exact index) and its end
+// (SharePlacedEnd), and another router's parsed and credited to its
+// engine (applyPlaced, once per placement of each other router), then
+// settled (applyPlacedEnd).
 func BenchmarkPlacedShare(b *testing.B) {
 	m := bustest.NewMesh(b, "router")
 	s := newBenchStack(b)
@@ -323,14 +325,18 @@ func BenchmarkPlacedShare(b *testing.B) {
 		keys[i] = uint64(i)*0x9e3779b97f4a7c15 + 7
 	}
 	peer, _ := bus.AppendPlaced(nil, "r2", "p2", keys)
+	peerEnd, _ := bus.AppendPlacedEnd(nil, "r2", "p2", 125, keys[124], bus.PlacedCompleted)
 	subject := bus.LoadSubject("r2")
 	p1 := s.Fleet().Member("p1")
 	var buf []byte
 	b.ReportAllocs()
 	cpu := testkit.CPUTime()
+	count, last := bus.PlacedChain(keys)
 	for b.Loop() {
 		buf = s.SharePlaced(p1, keys, buf)
 		ls.applyPlaced(subject, peer)
+		s.SharePlacedEnd(p1, count, last, true)
+		ls.applyPlacedEnd(subject, peerEnd)
 	}
 	testkit.ReportCPUPerOp(b, cpu)
 }
@@ -371,8 +377,10 @@ func TestEngineCountsMeetTheLegsOfTheirMomentRPLACE3(t *testing.T) {
 // TestPlacementsInFlightSharedRPLACE4: over a real embedded NATS, a
 // prompt router a placed on p2 by its exact index (SharePlaced) credits
 // p2 in router b's view — its Inflight matches the prompt's keys — and
-// in a's own only through a's placement, never twice; the credit ends
-// peerPlacedLife after it arrived.
+// in a's own only through a's placement, never twice. The credit lasts
+// until a says the attempt ended (SharePlacedEnd), peerPlacedMaxLife at
+// most: past peerPlacedGrace after a prefill that completed, at once
+// after one that did not.
 func TestPlacementsInFlightSharedRPLACE4(t *testing.T) {
 	a, b := joinedPair(t)
 	keys := prefix.AppendTokenKeys(nil, make([]uint32, 16*40), 16, 0)
@@ -390,14 +398,116 @@ func TestPlacementsInFlightSharedRPLACE4(t *testing.T) {
 	if n := b.v.Fleet().Member("p1").InflightMatch(keys, at); n != 0 {
 		t.Fatalf("p1 credited with p2's placement: %d blocks", n)
 	}
-	if n := pb.InflightMatch(keys, time.Now().Add(peerPlacedLife).UnixNano()); n != 0 { // it arrived before now
-		t.Fatalf("the credit outlived peerPlacedLife: %d blocks", n)
+	// Its attempt has not ended: the credit outlasts a queue of seconds
+	// (the fixed 1 s it once had). A probe past a credit's end frees it,
+	// so each test of an end looks at now before it looks past the end.
+	if n := pb.InflightMatch(keys, time.Now().Add(3*time.Second).UnixNano()); n != len(keys) {
+		t.Fatalf("the credit of an attempt still in flight ends within 3 s: %d blocks", n)
 	}
-	if v := testkit.GatheredSum(t, a.reg, "narwhal_prefix_inflight_shared_total", "outcome", placedPublished); v != 1 {
-		t.Fatalf("published %v, want 1", v)
+	ended := func(n float64) func() bool {
+		return func() bool {
+			return testkit.GatheredSum(t, b.reg, "narwhal_prefix_inflight_shared_total", "outcome", placedEnded) == n
+		}
 	}
-	if v := testkit.GatheredSum(t, b.reg, "narwhal_prefix_inflight_shared_total", "outcome", placedApplied); v != 1 {
-		t.Fatalf("applied %v, want 1", v)
+	count, last := bus.PlacedChain(keys)
+	a.v.SharePlacedEnd(pa, count, last, true)
+	testkit.WaitFor(t, 2*time.Second, "router b to settle the credit of a's completed prefill", ended(1))
+	if n := pb.InflightMatch(keys, time.Now().UnixNano()); n != len(keys) {
+		t.Fatalf("the credit of a completed prefill ended before its grace: %d blocks", n)
+	}
+	if n := pb.InflightMatch(keys, time.Now().Add(peerPlacedGrace).UnixNano()); n != 0 {
+		t.Fatalf("the credit of a completed prefill outlived its grace: %d blocks", n)
+	}
+	// A second attempt of the prompt, whose prefill fails: dropped at once.
+	a.v.SharePlaced(pa, keys, nil)
+	testkit.WaitFor(t, 2*time.Second, "router b to credit the second placement", func() bool {
+		return pb.InflightMatch(keys, time.Now().UnixNano()) == len(keys)
+	})
+	a.v.SharePlacedEnd(pa, count, last, false)
+	testkit.WaitFor(t, 2*time.Second, "router b to drop the credit of a's failed prefill", ended(2))
+	if n := pb.InflightMatch(keys, time.Now().UnixNano()); n != 0 {
+		t.Fatalf("the credit of a failed prefill kept: %d blocks", n)
+	}
+	for r, want := range map[*stack]map[string]float64{
+		a: {placedPublished: 2, placedEndPublished: 2},
+		b: {placedApplied: 2, placedEnded: 2, placedEndUnmatched: 0},
+	} {
+		for outcome, w := range want {
+			if v := testkit.GatheredSum(t, r.reg, "narwhal_prefix_inflight_shared_total", "outcome", outcome); v != w {
+				t.Fatalf("%s %v, want %v", outcome, v, w)
+			}
+		}
+	}
+}
+
+// TestPlacementEndsOnlyShortenRPLACE4: another router's end of an attempt
+// settles only the credit of the prompt it names, by its count and last
+// key, and only ever shortens it: an end naming a prompt never placed,
+// the prompt's head alone, or an engine outside the fleet settles
+// nothing and is counted; a forged or malformed end is refused and
+// counted (R-BUS-9, R-BUS-11). Applying one allocates nothing.
+func TestPlacementEndsOnlyShortenRPLACE4(t *testing.T) {
+	s := newStack(t, pd(), nil)
+	clk := &clock{now: time.Unix(1000, 0)}
+	ls := newLoadShare(s.v)
+	ls.now = clk.Now
+	p1 := s.v.Fleet().Member("p1")
+	keys := chainOf(7, 30)
+	placed, _ := bus.AppendPlaced(nil, "r2", "p1", keys)
+	subject := bus.LoadSubject("r2")
+	ls.applyPlaced(subject, placed)
+	end := func(router, engine string, count int, last uint64, o bus.PlacedOutcome) []byte {
+		msg, ok := bus.AppendPlacedEnd(nil, router, engine, count, last, o)
+		if !ok {
+			t.Fatalf("encoded no end for %q %q %d", router, engine, count)
+		}
+		return msg
+	}
+	later := clk.Now().Add(5 * time.Second).UnixNano()
+	for name, msg := range map[string][]byte{
+		"another prompt":     end("r2", "p1", 30, 999, bus.PlacedFailed),
+		"the prompt's head":  end("r2", "p1", 10, keys[9], bus.PlacedFailed),
+		"an unknown engine":  end("r2", "nope", 30, keys[29], bus.PlacedFailed),
+		"a forged router id": end("r3", "p1", 30, keys[29], bus.PlacedFailed),
+		"a truncated end":    end("r2", "p1", 30, keys[29], bus.PlacedFailed)[:20],
+	} {
+		ls.applyPlacedEnd(subject, msg)
+		if n := p1.InflightMatch(keys, later); n != 30 {
+			t.Fatalf("%s settled the credit: %d blocks at 5 s", name, n)
+		}
+	}
+	for reason, want := range map[string]float64{loadIgnoredRouterMismatch: 1, loadIgnoredInvalid: 1} {
+		if v := testkit.GatheredSum(t, s.reg, "narwhal_load_reports_ignored_total", "reason", reason); v != want {
+			t.Fatalf("ignored %s %v, want %v", reason, v, want)
+		}
+	}
+	for outcome, want := range map[string]float64{placedEndUnmatched: 2, placedUnknownEngine: 1, placedEnded: 0} {
+		if v := testkit.GatheredSum(t, s.reg, "narwhal_prefix_inflight_shared_total", "outcome", outcome); v != want {
+			t.Fatalf("%s %v, want %v", outcome, v, want)
+		}
+	}
+	count, last := bus.PlacedChain(keys)
+	ls.applyPlacedEnd(subject, end("r2", "p1", count, last, bus.PlacedCompleted))
+	now := clk.Now().UnixNano()
+	if p1.InflightMatch(keys, now) != 30 || p1.InflightMatch(keys, clk.Now().Add(peerPlacedGrace).UnixNano()) != 0 {
+		t.Fatal("a completed prefill's credit does not last exactly its grace")
+	}
+	clk.Add(peerPlacedGrace / 2)
+	ls.applyPlacedEnd(subject, end("r2", "p1", count, last, bus.PlacedCompleted)) // would lengthen it
+	if n := p1.InflightMatch(keys, now+int64(peerPlacedGrace)); n != 0 {
+		t.Fatalf("a second end lengthened the credit: %d blocks", n)
+	}
+	ls.applyPlaced(subject, placed)
+	failed := end("r2", "p1", count, last, bus.PlacedFailed)
+	ls.applyPlacedEnd(subject, failed)
+	if n := p1.InflightMatch(keys, clk.Now().UnixNano()); n != 0 {
+		t.Fatalf("a failed prefill's credit kept: %d blocks", n)
+	}
+	if a := testkit.LeastAllocs(100, func() {
+		ls.applyPlaced(subject, placed)
+		ls.applyPlacedEnd(subject, failed)
+	}); a != 0 {
+		t.Fatalf("a placement and its end allocate %v times", a)
 	}
 }
 
