@@ -44,6 +44,7 @@ type inflightSlot struct {
 	keys  []uint64
 	until int64
 	gen   uint64
+	owner uint64 // AddOwned's owner, 0 for Add
 }
 
 // inflightOpen is an open slot's until: its attempt has not ended.
@@ -63,6 +64,13 @@ type InflightTicket struct {
 // ticket. Empty keys are not kept. It allocates only the first time a
 // slot holds a prompt longer than any it held before.
 func (f *Inflight) Add(keys []uint64, now int64) InflightTicket {
+	return f.AddOwned(keys, 0, now)
+}
+
+// AddOwned is Add for a prompt another party placed: owner (non-zero,
+// e.g. a hash of the placing router's id) is the only one whose
+// SettleChain can settle it.
+func (f *Inflight) AddOwned(keys []uint64, owner uint64, now int64) InflightTicket {
 	if len(keys) == 0 {
 		return InflightTicket{}
 	}
@@ -89,7 +97,7 @@ func (f *Inflight) Add(keys []uint64, now int64) InflightTicket {
 	}
 	f.gen++
 	s.keys = append(s.keys[:0], keys...)
-	s.until, s.gen = inflightOpen, f.gen
+	s.until, s.gen, s.owner = inflightOpen, f.gen, owner
 	return InflightTicket{slot: int32(pick), gen: s.gen}
 }
 
@@ -117,13 +125,14 @@ func (f *Inflight) Settle(t InflightTicket, until int64) {
 }
 
 // SettleChain ends, at until (UnixNano; <= 0 frees the slot now), the
-// credit of a kept prompt known only by its chain: count keys, the last
-// of them last (each key covers every block before it, so the two name
-// one prompt). It settles the one such slot whose credit ends latest
-// after until, and only ever shortens a credit; it reports whether it
-// found one. This is how another router's attempt ending (bus.ParsePlacedEnd)
+// credit of a prompt AddOwned kept for owner, known only by its chain:
+// count keys, the last of them last (each key covers every block before
+// it, so the two name one prompt). It settles the one such slot whose
+// credit ends latest after until, and only ever shortens a credit; it
+// reports whether it found one. A slot of another owner is never
+// touched. This is how another router's attempt ending (bus.ParsePlacedEnd)
 // reaches the credit its placement gave. It does not allocate.
-func (f *Inflight) SettleChain(count int, last uint64, until int64) bool {
+func (f *Inflight) SettleChain(owner uint64, count int, last uint64, until int64) bool {
 	if count <= 0 || f.live.Load() == 0 {
 		return false
 	}
@@ -132,7 +141,7 @@ func (f *Inflight) SettleChain(count int, last uint64, until int64) bool {
 	pick := -1
 	for i := range f.slots {
 		s := &f.slots[i]
-		if s.until != 0 && s.until > until && len(s.keys) == count && s.keys[count-1] == last &&
+		if s.until != 0 && s.owner == owner && s.until > until && len(s.keys) == count && s.keys[count-1] == last &&
 			(pick < 0 || s.until > f.slots[pick].until) {
 			pick = i
 		}

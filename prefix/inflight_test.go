@@ -149,8 +149,8 @@ func BenchmarkInflightMatch(b *testing.B) {
 }
 
 // TestInflightSettleChainRPLACE4: SettleChain finds a kept prompt by its
-// count of keys and its last key only (not by a prefix of it, not by
-// another prompt's), settles the one ending latest when two hold it,
+// owner, count of keys and its last key only (not by a prefix of it,
+// not by another prompt's or another owner's), settles the one ending latest when two hold it,
 // only ever shortens a credit, frees it with until <= 0, and allocates
 // nothing.
 func TestInflightSettleChainRPLACE4(t *testing.T) {
@@ -158,32 +158,35 @@ func TestInflightSettleChainRPLACE4(t *testing.T) {
 	a := AppendTokenKeys(nil, chainTokens(1, 20), 16, 0)
 	b := AppendTokenKeys(nil, chainTokens(2, 20), 16, 0)
 	const now = int64(1_000_000_000)
-	ta := f.Add(a, now)
+	ta := f.AddOwned(a, 7, now)
 	f.Settle(ta, now+10e9)
-	f.Settle(f.Add(b, now), now+10e9)
-	if f.SettleChain(10, a[9], 0) || f.SettleChain(20, b[9], 0) || f.SettleChain(0, a[19], 0) {
+	f.Settle(f.AddOwned(b, 7, now), now+10e9)
+	if f.SettleChain(7, 10, a[9], 0) || f.SettleChain(7, 20, b[9], 0) || f.SettleChain(7, 0, a[19], 0) {
 		t.Fatal("a prefix of a kept prompt, or a mismatched key, settled a credit")
 	}
-	if f.SettleChain(20, a[19], now+20e9) {
+	if f.SettleChain(8, 20, a[19], 0) || f.Match(a, now) != 20 {
+		t.Fatal("another owner's settle touched a credit")
+	}
+	if f.SettleChain(7, 20, a[19], now+20e9) {
 		t.Fatal("a settle lengthened a credit")
 	}
-	if !f.SettleChain(20, a[19], now+1e9) {
+	if !f.SettleChain(7, 20, a[19], now+1e9) {
 		t.Fatal("a's chain not found")
 	}
 	if f.Match(a, now+1e9) != 0 || f.Match(b, now+1e9) != 20 {
 		t.Fatalf("after settling a: a %d, b %d blocks at 1 s", f.Match(a, now+1e9), f.Match(b, now+1e9))
 	}
 	// Two credits of b: the one ending latest is settled first.
-	f.Settle(f.Add(b, now), now+5e9)
+	f.Settle(f.AddOwned(b, 7, now), now+5e9)
 	// (A Match past a credit's end frees it: look before, then past.)
-	if !f.SettleChain(20, b[19], 0) || f.Match(b, now+4e9) != 20 || f.Match(b, now+6e9) != 0 {
+	if !f.SettleChain(7, 20, b[19], 0) || f.Match(b, now+4e9) != 20 || f.Match(b, now+6e9) != 0 {
 		t.Fatal("settling b did not free the credit ending latest, or freed the other")
 	}
-	if f.SettleChain(20, b[19], 0) {
+	if f.SettleChain(7, 20, b[19], 0) {
 		t.Fatal("a freed credit settled again")
 	}
-	f.Settle(f.Add(a, now), now+10e9)
-	if n := testkit.LeastAllocs(100, func() { f.SettleChain(20, a[19], now+10e9) }); n != 0 {
+	f.Settle(f.AddOwned(a, 7, now), now+10e9)
+	if n := testkit.LeastAllocs(100, func() { f.SettleChain(7, 20, a[19], now+10e9) }); n != 0 {
 		t.Fatalf("SettleChain allocates %v times", n)
 	}
 }

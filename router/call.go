@@ -336,6 +336,9 @@ func (c *call) finish() {
 	c.closeStream()
 	c.finishAttempt()
 	c.releasePrefill(false)
+	if c.inflightOn != nil {
+		c.endShared(true)
+	}
 	c.releaseDecode()
 	// Kept until every leg ended: a producer's answer read after the
 	// first output (SGLang's) still compares its cached tokens with the
@@ -368,13 +371,24 @@ func (c *call) releasePrefill(answered bool) {
 		c.producer.AddTokens(-c.prefillTokens)
 		if c.inflightOn != nil {
 			c.inflightOn.Inflight().Settle(c.inflight, now.Add(inflightGrace).UnixNano())
-			c.endShared(answered)
+			if answered {
+				// Not answered is not failed: a prefill whose answer
+				// came too late, or after the decode committed, was
+				// computed all the same. An attempt that failed before
+				// its prefill completed calls dropInflight; one that
+				// did not ends at finish.
+				c.endShared(true)
+			}
 		}
 	}
 }
 
 // endShared tells the other routers, once per attempt, that the attempt
-// of the placement shared with them ended (R-PLACE-4).
+// of the placement shared with them ended (R-PLACE-4): the first of a
+// prefill answered (completed), dropInflight (failed), the next
+// placement of the request (failed: it is retried) and finish
+// (completed: the attempt was not judged to have failed before its
+// prefill completed).
 func (c *call) endShared(completed bool) {
 	if c.sharedOpen.CompareAndSwap(true, false) {
 		c.rt.mesh.SharePlacedEnd(c.inflightOn, c.sharedCount, c.sharedLast, completed)

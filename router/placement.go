@@ -296,6 +296,9 @@ func (c *call) placeProducer(fl *fleet, avoid []*member) (*member, error) {
 	pol := c.rt.placer.policy
 	sc := c.placeScratch()
 	c.prefillTokens, c.prediction = 0, meshview.Prediction{}
+	if c.inflightOn != nil {
+		c.endShared(false) // an earlier attempt not yet ended is being retried
+	}
 	c.inflight, c.inflightOn = prefix.InflightTicket{}, nil
 	if !pol.weighsPrefix() {
 		return place(fl, c.req.Model, prefillPhase, avoid, "", pol, c.rt.mesh, sc)
@@ -346,9 +349,10 @@ func (c *call) placeProducer(fl *fleet, avoid []*member) (*member, error) {
 		if bs, ok := c.rt.mesh.ExactBlockSize(m.ID); ok {
 			keys := sc.keysFor(bs)
 			c.inflight, c.inflightOn = m.Inflight().Add(keys, time.Now().UnixNano()), m
-			sc.placed = c.rt.mesh.SharePlaced(m, keys, sc.placed)
+			var shared bool
+			sc.placed, shared = c.rt.mesh.SharePlaced(m, keys, sc.placed)
 			c.sharedCount, c.sharedLast = bus.PlacedChain(keys)
-			c.sharedOpen.Store(true)
+			c.sharedOpen.Store(shared)
 		}
 	}
 	c.prediction = meshview.Prediction{Model: c.req.Model, Hashes: sc.hashes, Matched: matched, PromptBytes: promptBytes, Whole: whole,

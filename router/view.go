@@ -52,8 +52,9 @@ type meshView interface {
 	// holds, and whether its exact index is exact.
 	MatchExact(engineID string, keys []uint64) (prefix.ExactMatch, bool)
 	// SharePlaced publishes a placement on m by its exact index for the
-	// other routers' credit (R-PLACE-4), encoded into buf (returned).
-	SharePlaced(m *member, keys []uint64, buf []byte) []byte
+	// other routers' credit (R-PLACE-4), encoded into buf (returned),
+	// and reports whether it was published.
+	SharePlaced(m *member, keys []uint64, buf []byte) ([]byte, bool)
 	// SharePlacedEnd publishes that the attempt of a placement shared
 	// with SharePlaced ended (R-PLACE-4): count and last name its
 	// prompt (bus.PlacedChain), completed says its prefill completed.

@@ -3,6 +3,7 @@ package meshview
 import (
 	"bytes"
 	"fmt"
+	"hash/maphash"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -148,19 +149,21 @@ func newLoadShare(v *View) *loadShare {
 // keys on engine m by its exact index (R-PLACE-4): the other routers
 // credit m with it until SharePlacedEnd says its attempt ended, for
 // peerPlacedMaxLife at most. buf is the caller's encoding
-// buffer, returned grown for reuse. It does not block (a core NATS
+// buffer, returned grown for reuse, with whether the placement was
+// published (SharePlacedEnd is then due). It does not block (a core NATS
 // publish into the connection's buffer) and, once buf has grown, does
 // not allocate; a failed publish is dropped (the credit is a hint).
-func (v *View) SharePlaced(m *Member, keys []uint64, buf []byte) []byte {
+func (v *View) SharePlaced(m *Member, keys []uint64, buf []byte) ([]byte, bool) {
 	s := v.loads.Load()
 	if s == nil || s.nc == nil {
-		return buf
+		return buf, false
 	}
 	data, ok := bus.AppendPlaced(buf[:0], v.id, m.ID, keys)
 	if ok && s.nc.Publish(s.subject, data) == nil {
 		s.placedPub.Inc()
+		return data, true
 	}
-	return data
+	return data, false
 }
 
 // SharePlacedEnd publishes, when the router shares its load, that the
@@ -216,18 +219,24 @@ func (s *loadShare) applyPlaced(subject string, data []byte) {
 	f := m.PeerInflight()
 	// Never refused: its slots hold only settled credits, and the one
 	// ending soonest makes room.
-	f.Settle(f.Add(keys, now.UnixNano()), now.Add(peerPlacedMaxLife).UnixNano())
+	f.Settle(f.AddOwned(keys, peerOwner(routerID), now.UnixNano()), now.Add(peerPlacedMaxLife).UnixNano())
 	s.placedApp.Inc()
 }
+
+// peerSeed seeds peerOwner.
+var peerSeed = maphash.MakeSeed()
+
+// peerOwner is the owner (prefix.Inflight.AddOwned) of another router's
+// credits: a hash of its id, never 0, so that one router's end cannot
+// settle another's credit of the same prompt.
+func peerOwner(routerID []byte) uint64 { return maphash.Bytes(peerSeed, routerID) | 1 }
 
 // applyPlacedEnd settles the credit applyPlaced gave another router's
 // placement whose attempt ended, received on subject (R-PLACE-4): kept
 // peerPlacedGrace more when its prefill completed, dropped when not.
 // Only a valid message (R-BUS-9) of the router its subject names
-// (R-BUS-11) is applied; it only ever shortens a credit. A router can
-// thus end only credits of prompts it names by their chain; two routers
-// that placed the same prompt on one engine hold two credits, and an end
-// settles the one ending latest.
+// (R-BUS-11) is applied, to a credit of that router's own placement
+// only (peerOwner); it only ever shortens a credit.
 func (s *loadShare) applyPlacedEnd(subject string, data []byte) {
 	if subject == s.subject {
 		return
@@ -250,7 +259,7 @@ func (s *loadShare) applyPlacedEnd(subject string, data []byte) {
 	if e.Outcome == bus.PlacedCompleted {
 		until = s.now().Add(peerPlacedGrace).UnixNano()
 	}
-	if m.PeerInflight().SettleChain(e.Count, e.Last, until) {
+	if m.PeerInflight().SettleChain(peerOwner(e.RouterID), e.Count, e.Last, until) {
 		s.ended.Inc()
 	} else {
 		s.endUnmatched.Inc()

@@ -333,7 +333,7 @@ func BenchmarkPlacedShare(b *testing.B) {
 	cpu := testkit.CPUTime()
 	count, last := bus.PlacedChain(keys)
 	for b.Loop() {
-		buf = s.SharePlaced(p1, keys, buf)
+		buf, _ = s.SharePlaced(p1, keys, buf)
 		ls.applyPlaced(subject, peer)
 		s.SharePlacedEnd(p1, count, last, true)
 		ls.applyPlacedEnd(subject, peerEnd)
@@ -385,8 +385,8 @@ func TestPlacementsInFlightSharedRPLACE4(t *testing.T) {
 	a, b := joinedPair(t)
 	keys := prefix.AppendTokenKeys(nil, make([]uint32, 16*40), 16, 0)
 	pa, pb := a.v.Fleet().Member("p2"), b.v.Fleet().Member("p2")
-	if buf := a.v.SharePlaced(pa, keys, nil); !bus.IsPlaced(buf) {
-		t.Fatal("SharePlaced encoded no placement")
+	if buf, ok := a.v.SharePlaced(pa, keys, nil); !ok || !bus.IsPlaced(buf) {
+		t.Fatalf("SharePlaced published %v, encoded a placement %v", ok, bus.IsPlaced(buf))
 	}
 	at := time.Now().UnixNano()
 	testkit.WaitFor(t, 2*time.Second, "router b to credit p2 with a's placement", func() bool {
@@ -410,16 +410,18 @@ func TestPlacementsInFlightSharedRPLACE4(t *testing.T) {
 		}
 	}
 	count, last := bus.PlacedChain(keys)
+	before := time.Now()
 	a.v.SharePlacedEnd(pa, count, last, true)
 	testkit.WaitFor(t, 2*time.Second, "router b to settle the credit of a's completed prefill", ended(1))
-	if n := pb.InflightMatch(keys, time.Now().UnixNano()); n != len(keys) {
+	// Settled at its arrival plus the grace, so not before before+grace.
+	if n := pb.InflightMatch(keys, before.Add(peerPlacedGrace-time.Millisecond).UnixNano()); n != len(keys) {
 		t.Fatalf("the credit of a completed prefill ended before its grace: %d blocks", n)
 	}
 	if n := pb.InflightMatch(keys, time.Now().Add(peerPlacedGrace).UnixNano()); n != 0 {
 		t.Fatalf("the credit of a completed prefill outlived its grace: %d blocks", n)
 	}
 	// A second attempt of the prompt, whose prefill fails: dropped at once.
-	a.v.SharePlaced(pa, keys, nil)
+	_, _ = a.v.SharePlaced(pa, keys, nil)
 	testkit.WaitFor(t, 2*time.Second, "router b to credit the second placement", func() bool {
 		return pb.InflightMatch(keys, time.Now().UnixNano()) == len(keys)
 	})
@@ -445,7 +447,9 @@ func TestPlacementsInFlightSharedRPLACE4(t *testing.T) {
 // key, and only ever shortens it: an end naming a prompt never placed,
 // the prompt's head alone, or an engine outside the fleet settles
 // nothing and is counted; a forged or malformed end is refused and
-// counted (R-BUS-9, R-BUS-11). Applying one allocates nothing.
+// counted (R-BUS-9, R-BUS-11), and one router's end, on its own subject,
+// never settles another router's credit of the same prompt. Applying
+// one allocates nothing.
 func TestPlacementEndsOnlyShortenRPLACE4(t *testing.T) {
 	s := newStack(t, pd(), nil)
 	clk := &clock{now: time.Unix(1000, 0)}
@@ -469,9 +473,14 @@ func TestPlacementEndsOnlyShortenRPLACE4(t *testing.T) {
 		"the prompt's head":  end("r2", "p1", 10, keys[9], bus.PlacedFailed),
 		"an unknown engine":  end("r2", "nope", 30, keys[29], bus.PlacedFailed),
 		"a forged router id": end("r3", "p1", 30, keys[29], bus.PlacedFailed),
+		"another router's":   end("r3", "p1", 30, keys[29], bus.PlacedFailed), // on r3's own subject, below
 		"a truncated end":    end("r2", "p1", 30, keys[29], bus.PlacedFailed)[:20],
 	} {
-		ls.applyPlacedEnd(subject, msg)
+		on := subject
+		if name == "another router's" {
+			on = bus.LoadSubject("r3") // r3 may speak for itself, not end r2's credit
+		}
+		ls.applyPlacedEnd(on, msg)
 		if n := p1.InflightMatch(keys, later); n != 30 {
 			t.Fatalf("%s settled the credit: %d blocks at 5 s", name, n)
 		}
@@ -481,7 +490,7 @@ func TestPlacementEndsOnlyShortenRPLACE4(t *testing.T) {
 			t.Fatalf("ignored %s %v, want %v", reason, v, want)
 		}
 	}
-	for outcome, want := range map[string]float64{placedEndUnmatched: 2, placedUnknownEngine: 1, placedEnded: 0} {
+	for outcome, want := range map[string]float64{placedEndUnmatched: 3, placedUnknownEngine: 1, placedEnded: 0} {
 		if v := testkit.GatheredSum(t, s.reg, "narwhal_prefix_inflight_shared_total", "outcome", outcome); v != want {
 			t.Fatalf("%s %v, want %v", outcome, v, want)
 		}
@@ -489,11 +498,15 @@ func TestPlacementEndsOnlyShortenRPLACE4(t *testing.T) {
 	count, last := bus.PlacedChain(keys)
 	ls.applyPlacedEnd(subject, end("r2", "p1", count, last, bus.PlacedCompleted))
 	now := clk.Now().UnixNano()
-	if p1.InflightMatch(keys, now) != 30 || p1.InflightMatch(keys, clk.Now().Add(peerPlacedGrace).UnixNano()) != 0 {
-		t.Fatal("a completed prefill's credit does not last exactly its grace")
+	if p1.InflightMatch(keys, now+int64(peerPlacedGrace)-1) != 30 {
+		t.Fatal("a completed prefill's credit ends before its grace")
 	}
 	clk.Add(peerPlacedGrace / 2)
 	ls.applyPlacedEnd(subject, end("r2", "p1", count, last, bus.PlacedCompleted)) // would lengthen it
+	// (A probe past a credit's end frees it: look before, then past.)
+	if n := p1.InflightMatch(keys, now+int64(peerPlacedGrace)-1); n != 30 {
+		t.Fatalf("a second end shortened the credit instead of leaving it: %d blocks", n)
+	}
 	if n := p1.InflightMatch(keys, now+int64(peerPlacedGrace)); n != 0 {
 		t.Fatalf("a second end lengthened the credit: %d blocks", n)
 	}
