@@ -20,8 +20,103 @@ type loadEntry struct {
 func parseLoad(t *testing.T, data []byte) (string, []loadEntry, error) {
 	t.Helper()
 	var got []loadEntry
-	id, err := bus.ParseLoadReport(data, func(e []byte, p, d, k int64) { got = append(got, loadEntry{string(e), p, d, k}) })
+	id, err := bus.ParseLoadReport(data, func(e []byte, l bus.EngineLoad) {
+		if l.HeadBusy != 0 || l.HeadEnd != 0 || l.PaceMean != 0 || l.PaceTokens != 0 {
+			t.Errorf("entry %s: a head %+v where none was added", e, l)
+		}
+		got = append(got, loadEntry{string(e), l.Prefill, l.Decode, l.Tokens})
+	})
 	return id, got, err
+}
+
+// TestLoadReportCarriesTheHeadRPLACE3: the head of each engine's queue
+// (its busy and end ages and the pace) comes back as it was appended, to
+// the microsecond, a known age under a microsecond stays known, and a
+// duration past LoadMaxAge is neither appended nor parsed; a version 1
+// report of another router is still read, its entries without a head.
+func TestLoadReportCarriesTheHeadRPLACE3(t *testing.T) {
+	var r bus.LoadReport
+	r.Reset("router-a")
+	want := []bus.EngineLoad{
+		{Prefill: 2, Tokens: 900, HeadBusy: 1500 * time.Microsecond, HeadEnd: 40 * time.Millisecond, PaceMean: 310 * time.Millisecond, PaceTokens: 640},
+		{Decode: 3, HeadEnd: 1},
+		{Prefill: 1, HeadBusy: bus.LoadMaxAge, PaceMean: bus.LoadMaxAge, PaceTokens: bus.LoadMaxCount},
+	}
+	for i, l := range want {
+		if !r.Append("e"+string(rune('1'+i)), l) {
+			t.Fatalf("append %+v refused", l)
+		}
+	}
+	for _, bad := range []bus.EngineLoad{{HeadBusy: bus.LoadMaxAge + time.Microsecond}, {HeadEnd: -1}, {PaceMean: bus.LoadMaxAge + time.Microsecond}, {PaceTokens: bus.LoadMaxCount + 1}} {
+		if r.Append("x", bad) {
+			t.Fatalf("append %+v accepted", bad)
+		}
+	}
+	want[1].HeadEnd = time.Nanosecond // under a microsecond: known, as the least
+	var got []bus.EngineLoad
+	if _, err := bus.ParseLoadReport(r.Bytes(), func(_ []byte, l bus.EngineLoad) { got = append(got, l) }); err != nil || len(got) != len(want) {
+		t.Fatalf("parsed %v, %v", got, err)
+	}
+	for i := range want {
+		if got[i] != want[i] {
+			t.Errorf("entry %d: %+v, want %+v", i, got[i], want[i])
+		}
+	}
+
+	// A version 1 report: "NWL1", the id, two engines of three counts.
+	v1 := []byte("NWL1\x02r1\x02\x00\x02p1\x03\x00\x90\x03\x02d1\x00\x05\x00")
+	id, entries, err := parseLoad(t, v1)
+	if err != nil || id != "r1" || len(entries) != 2 || entries[0] != (loadEntry{"p1", 3, 0, 400}) || entries[1] != (loadEntry{"d1", 0, 5, 0}) {
+		t.Fatalf("version 1: %q %v %v", id, entries, err)
+	}
+	// An age past the bound, written by hand, is refused.
+	r.Reset("router-a")
+	r.Append("p1", bus.EngineLoad{Prefill: 1})
+	huge := r.Bytes()
+	huge = append(huge[:len(huge)-4], 0x80, 0xb0, 0xd0, 0xb5, 0x0e, 0, 0, 0) // head busy of about 3.9e9 µs, over an hour
+	if _, _, err := parseLoad(t, huge); !errors.Is(err, bus.ErrLoadReport) {
+		t.Fatalf("an age over LoadMaxAge: %v, want refused", err)
+	}
+}
+
+// FuzzParseLoadReport: any input either is refused with ErrLoadReport
+// or parses into entries within the bounds that, appended again, make a
+// report parsed into the same entries.
+func FuzzParseLoadReport(f *testing.F) {
+	var r bus.LoadReport
+	r.Reset("r1")
+	r.Append("p1", bus.EngineLoad{Prefill: 2, Tokens: 77, HeadBusy: time.Millisecond, PaceMean: time.Second, PaceTokens: 9})
+	f.Add(append([]byte(nil), r.Bytes()...))
+	f.Add([]byte("NWL1\x02r1\x01\x00\x02p1\x03\x00\x90\x03"))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		var ids []string
+		var got []bus.EngineLoad
+		id, err := bus.ParseLoadReport(data, func(e []byte, l bus.EngineLoad) {
+			ids, got = append(ids, string(e)), append(got, l)
+		})
+		if err != nil {
+			if !errors.Is(err, bus.ErrLoadReport) {
+				t.Fatalf("error %v does not wrap ErrLoadReport", err)
+			}
+			return
+		}
+		var back bus.LoadReport
+		back.Reset(id)
+		for i, l := range got {
+			if !back.Append(ids[i], l) {
+				t.Fatalf("parsed entry %s %+v not appendable", ids[i], l)
+			}
+		}
+		k := 0
+		if _, err := bus.ParseLoadReport(back.Bytes(), func(e []byte, l bus.EngineLoad) {
+			if k >= len(got) || string(e) != ids[k] || l != got[k] {
+				t.Fatalf("re-encoded entry %d: %s %+v", k, e, l)
+			}
+			k++
+		}); err != nil || k != len(got) {
+			t.Fatalf("re-encoded report: %d entries, %v", k, err)
+		}
+	})
 }
 
 // TestLoadReportRoundTripRPLACE3: what LoadReport encodes,

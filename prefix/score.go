@@ -44,24 +44,26 @@ type Candidate struct {
 	// DecodeLegs is the decode legs in flight on the engine when it also
 	// decodes (role both), the mesh's; 0 for a prefill engine.
 	DecodeLegs int64
-	// Head is what the router knows of the prefill the engine computes
-	// now (meshview.Member.Head): the zero Progress when the router has
-	// no attempt of its own there.
+	// Head is what the mesh knows of the prefill the engine computes
+	// now (meshview.Member.Head): the zero Progress when no router that
+	// reports the head has an attempt there.
 	Head Progress
 }
 
-// Progress is what a router knows of the prefill an engine computes at
-// the head of its queue (behaviour.md R-PLACE-3), from the router's own
-// attempts there.
+// Progress is what the mesh knows of the prefill an engine computes at
+// the head of its queue (behaviour.md R-PLACE-3), from this router's
+// attempts there and the other routers' load reports.
 type Progress struct {
-	// Age is how long that prefill has been computing: since the
-	// router's first attempt there was reserved while none was, or since
-	// its last prefill there ended. 0 when unknown.
+	// Age is how long that prefill has been computing: since the last
+	// prefill there ended (any router's), or since the first attempt of
+	// the mesh's in flight there was reserved while none was, whichever
+	// is later. 0 when unknown.
 	Age time.Duration
 	// Mean is the mean of that time over the prefills that answered
 	// there, MeanTokens the mean of their reserved uncached tokens (at
-	// least 1 once one answered): the engine's pace. Both 0 when none
-	// answered yet; a MeanTokens of 0 takes the pace as Mean a prefill.
+	// least 1 once one answered): the engine's pace, this router's or,
+	// until it has one, the other routers'. Both 0 when none answered
+	// yet; a MeanTokens of 0 takes the pace as Mean a prefill.
 	Mean       time.Duration
 	MeanTokens int64
 }
@@ -172,14 +174,14 @@ func (c *Candidate) Cost(w *Work) int64 {
 // part done is Head.Age over it. Past that time the prefill is overdue —
 // stalled, or longer than its reservation said — and the part counted
 // done falls back as the expected time over Age: a prefill that hangs
-// comes to count whole again. Nothing is taken off while the router's
-// own attempt there has no age or the pace is unknown, so an engine that
-// has just begun a long prefill — a cold context — counts all of it.
-// With the zero Head — no attempt of this router's there, only other
-// routers' — the request arrives at a moment unrelated to the head's
-// start, and the head counts half done (the mean residual of a
-// computation seen at a random moment). With no Outstanding attempt it
-// is Tokens.
+// comes to count whole again. Nothing is taken off while the head has
+// no age or the pace is unknown, so an engine that has just begun a long
+// prefill — a cold context, whichever router sent it — counts all of
+// it. With the zero Head — attempts only of routers that do not report
+// the head (an older version) — the request arrives at a moment
+// unrelated to the head's start, and the head counts half done (the
+// mean residual of a computation seen at a random moment). With no
+// Outstanding attempt it is Tokens.
 func (c *Candidate) ahead() int64 {
 	tokens := bound(c.Tokens)
 	n := bound(c.Outstanding)

@@ -1,9 +1,9 @@
 package meshview
 
 import (
-	"bytes"
 	"fmt"
 	"hash/maphash"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -21,7 +21,7 @@ const (
 	// loadEvery is how often a router looks at its in-flight work and
 	// publishes it when it changed: another router sees it within this
 	// plus one NATS hop.
-	loadEvery = 50 * time.Millisecond
+	loadEvery = 5 * time.Millisecond
 	// loadHeartbeat is how often an unchanged report with work in it is
 	// published again, so that the other routers can tell a router with
 	// steady work from a silent one.
@@ -56,9 +56,14 @@ const (
 	loadIgnoredTooManyRouters = "too_many_routers"
 )
 
-// engineLoad is one router's work in flight on one engine.
+// engineLoad is one router's work in flight on one engine: its counts,
+// the UnixNano moments (on this router's clock, 0 unknown) its prefills
+// there began to be in flight without a break and last ended, and its
+// pace there (bus.EngineLoad).
 type engineLoad struct {
 	prefill, decode, tokens int64
+	busy, end               int64
+	mean, meanTokens        int64
 }
 
 // peerLoad is another router's last report.
@@ -83,12 +88,14 @@ type loadShare struct {
 
 	// The tick's own: only the publishing goroutine touches them.
 	report   bus.LoadReport
-	last     []byte
+	counts   []int64 // the report's entries as (member, prefill, decode, tokens)
+	last     []int64 // counts of the last report published
 	lastSent time.Time
 
-	mu    sync.Mutex // guards peers, sums
+	mu    sync.Mutex // guards peers, sums, paces
 	peers map[string]*peerLoad
 	sums  map[*Member]engineLoad // scratch of sum
+	paces map[*Member]int64      // scratch of sum: the peers with a pace
 
 	published prometheus.Counter
 	ignored   *prometheus.CounterVec
@@ -118,7 +125,7 @@ const (
 // narwhal_load_reports_ignored_total{reason}, created at zero.
 func newLoadShare(v *View) *loadShare {
 	s := &loadShare{v: v, subject: bus.LoadSubject(v.id), now: time.Now, staleAfter: loadStaleAfter,
-		peers: map[string]*peerLoad{}, sums: map[*Member]engineLoad{},
+		peers: map[string]*peerLoad{}, sums: map[*Member]engineLoad{}, paces: map[*Member]int64{},
 		published: promreg.Register(v.reg, prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "narwhal_load_reports_published_total",
 			Help: "Reports of this router's in-flight work per engine published on the bus for the other routers' placement.",
@@ -267,31 +274,37 @@ func (s *loadShare) applyPlacedEnd(subject string, data []byte) {
 }
 
 // encode fills s.report with this router's work in flight per engine
-// and returns it; engines with none are left out.
-func (s *loadShare) encode() []byte {
+// at now, with the head of each engine's queue as this router knows it
+// (Member.loadEntry), and returns it; engines with no work in flight
+// and no prefill ended within staleAfter are left out.
+func (s *loadShare) encode(now time.Time) []byte {
 	s.report.Reset(s.v.id)
-	for _, m := range s.v.Fleet().members {
-		p, d, k := m.reserved[Prefill].Load(), m.reserved[Decode].Load(), m.tokens.Load()
-		if p > 0 || d > 0 || k > 0 {
-			s.report.Add(m.ID, max(p, 0), max(d, 0), max(k, 0))
+	s.counts = s.counts[:0]
+	for i, m := range s.v.Fleet().members {
+		if l := m.loadEntry(now, s.staleAfter); l.Prefill > 0 || l.Decode > 0 || l.Tokens > 0 || l.HeadEnd > 0 {
+			if s.report.Append(m.ID, l) {
+				s.counts = append(s.counts, int64(i), l.Prefill, l.Decode, l.Tokens)
+			}
 		}
 	}
 	return s.report.Bytes()
 }
 
-// tick publishes this router's report when it changed since the last
-// one, or when it holds work and the last is loadHeartbeat old; an empty
-// report is published once, when the work went, then nothing while the
-// router stays idle. It then forgets the peers not heard from within
-// staleAfter.
+// tick publishes this router's report when its entries or their counts
+// changed since the last one (the head's ages alone do not: each of its
+// moments comes with a change of the counts), or when it holds entries
+// and the last is loadHeartbeat old; an empty report is published once,
+// when the work went and its last prefill end aged past staleAfter, then
+// nothing while the router stays idle. It then forgets the peers not
+// heard from within staleAfter.
 func (s *loadShare) tick(publish func(subject string, data []byte) error) {
 	now := s.now()
-	data := s.encode()
-	changed := !bytes.Equal(data, s.last)
+	data := s.encode(now)
+	changed := !slices.Equal(s.counts, s.last) || s.lastSent.IsZero()
 	if changed || (s.report.Len() > 0 && now.Sub(s.lastSent) >= loadHeartbeat) {
 		if err := publish(s.subject, data); err == nil {
 			s.published.Inc()
-			s.last = append(s.last[:0], data...)
+			s.last = append(s.last[:0], s.counts...)
 			s.lastSent = now
 		}
 	}
@@ -340,9 +353,10 @@ func (s *loadShare) apply(subject string, data []byte) {
 	defer s.mu.Unlock()
 	scratch := s.sums // reused: sum rebuilds it after
 	clear(scratch)
-	routerID, err := bus.ParseLoadReport(data, func(engineID []byte, prefill, decode, tokens int64) {
+	now := s.now()
+	routerID, err := bus.ParseLoadReport(data, func(engineID []byte, l bus.EngineLoad) {
 		if m := fl.byID[string(engineID)]; m != nil {
-			scratch[m] = engineLoad{prefill, decode, tokens}
+			scratch[m] = peerEngineLoad(now, l)
 		}
 	})
 	reason := loadIgnoredInvalid
@@ -370,9 +384,27 @@ func (s *loadShare) apply(subject string, data []byte) {
 		for m, l := range scratch {
 			p.loads[m] = l
 		}
-		p.heard = s.now()
+		p.heard = now
 	}
 	s.sum()
+}
+
+// peerEngineLoad places another router's entry l, received at now, on
+// this router's clock: its ages become moments before now. A busy start
+// counts only with prefills in flight, a pace only when both its parts
+// are known.
+func peerEngineLoad(now time.Time, l bus.EngineLoad) engineLoad {
+	e := engineLoad{prefill: l.Prefill, decode: l.Decode, tokens: l.Tokens}
+	if l.HeadBusy > 0 && l.Prefill > 0 {
+		e.busy = now.Add(-l.HeadBusy).UnixNano()
+	}
+	if l.HeadEnd > 0 {
+		e.end = now.Add(-l.HeadEnd).UnixNano()
+	}
+	if l.PaceMean > 0 && l.PaceTokens > 0 {
+		e.mean, e.meanTokens = int64(l.PaceMean), l.PaceTokens
+	}
+	return e
 }
 
 // ignore counts a message of subject not applied, for reason, in
@@ -387,15 +419,29 @@ func (s *loadShare) ignore(msg, reason, subject string, data []byte, err error) 
 }
 
 // sum writes into every member of the fleet the other routers' work on
-// it: the sum over the peers kept. The caller holds s.mu.
+// it: the sum of the counts over the peers kept, the earliest busy start
+// and the latest end among them, and the mean of their paces (in sums,
+// mean and meanTokens hold the paces' sums and busy's zero means none
+// until the division below). The caller holds s.mu.
 func (s *loadShare) sum() {
 	clear(s.sums)
+	paces := s.paces
+	clear(paces)
 	for _, p := range s.peers {
 		for m, l := range p.loads {
 			t := s.sums[m]
 			t.prefill += l.prefill
 			t.decode += l.decode
 			t.tokens += l.tokens
+			if l.busy > 0 && (t.busy == 0 || l.busy < t.busy) {
+				t.busy = l.busy
+			}
+			t.end = max(t.end, l.end)
+			if l.mean > 0 {
+				t.mean += min(l.mean, int64(bus.LoadMaxAge))
+				t.meanTokens += min(l.meanTokens, bus.LoadMaxCount)
+				paces[m]++
+			}
 			s.sums[m] = t
 		}
 	}
@@ -404,6 +450,13 @@ func (s *loadShare) sum() {
 		m.peerReserved[Prefill].Store(t.prefill)
 		m.peerReserved[Decode].Store(t.decode)
 		m.peerTokens.Store(t.tokens)
+		m.peerHeadBusy.Store(t.busy)
+		m.peerHeadEnd.Store(t.end)
+		if n := paces[m]; n > 0 {
+			t.mean, t.meanTokens = t.mean/n, t.meanTokens/n
+		}
+		m.peerMean.Store(t.mean)
+		m.peerMeanTokens.Store(t.meanTokens)
 	}
 }
 

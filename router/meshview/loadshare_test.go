@@ -143,7 +143,9 @@ func TestLoadExchangePublishesOnChangeRPLACE3(t *testing.T) {
 		t.Fatalf("after a reservation: %d reports", len(sent))
 	}
 	var got []loadEntryT
-	if _, err := bus.ParseLoadReport(sent[1], func(e []byte, p, d, k int64) { got = append(got, loadEntryT{string(e), p, d, k}) }); err != nil || len(got) != 1 || got[0] != (loadEntryT{"p1", 1, 0, 700}) {
+	if _, err := bus.ParseLoadReport(sent[1], func(e []byte, l bus.EngineLoad) {
+		got = append(got, loadEntryT{string(e), l.Prefill, l.Decode, l.Tokens})
+	}); err != nil || len(got) != 1 || got[0] != (loadEntryT{"p1", 1, 0, 700}) {
 		t.Fatalf("report %v %v", got, err)
 	}
 	for range int(loadHeartbeat / loadEvery) {
@@ -159,7 +161,7 @@ func TestLoadExchangePublishesOnChangeRPLACE3(t *testing.T) {
 	if len(sent) != 4 {
 		t.Fatalf("after the release: %d reports, want one empty one", len(sent))
 	}
-	if _, err := bus.ParseLoadReport(sent[3], func([]byte, int64, int64, int64) { t.Fatal("an entry in the empty report") }); err != nil {
+	if _, err := bus.ParseLoadReport(sent[3], func([]byte, bus.EngineLoad) { t.Fatal("an entry in the empty report") }); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -226,6 +228,11 @@ func TestLoadExchangeVisibleWithin100msRPLACE3(t *testing.T) {
 		if took := time.Since(start); took > 100*time.Millisecond {
 			t.Fatalf("round %d: router b saw a's reservation after %v, want within 100 ms", round, took)
 		}
+		// With the counts comes the head: b has no attempt of its own
+		// there, and still knows how long a's has been in flight.
+		if h := pb.Head(time.Now().UnixNano()); h.Age <= 0 || h.Age > time.Since(start)+time.Second {
+			t.Fatalf("round %d: router b's head of p2 is %+v, want a's age", round, h)
+		}
 		pa.Release(Prefill)
 		pa.AddTokens(-1234)
 		start = time.Now()
@@ -233,6 +240,115 @@ func TestLoadExchangeVisibleWithin100msRPLACE3(t *testing.T) {
 		if took := time.Since(start); took > 100*time.Millisecond {
 			t.Fatalf("round %d: router b saw a's release after %v, want within 100 ms", round, took)
 		}
+	}
+}
+
+// TestHeadSharedByTheMeshRPLACE3 proves the head of an engine's queue
+// as the mesh knows it (Member.Head over the other routers' reports):
+// another router's busy start counts where this router has no attempt
+// (its cold prefill is then not counted half done); the later of the
+// mesh's last end and the earliest busy start is the head's start; the
+// pace is this router's own, the other routers' mean until it has one;
+// a router that reports no head (an older one) leaves the zero Progress,
+// and the head goes with the reports.
+func TestHeadSharedByTheMeshRPLACE3(t *testing.T) {
+	s := newStack(t, pd(), nil)
+	clk := &clock{now: time.Now()}
+	ls := newLoadShare(s.v)
+	ls.now = clk.Now
+	p1 := s.v.Fleet().Member("p1")
+	head := func(want prefix.Progress) {
+		t.Helper()
+		if got := p1.Head(clk.Now().UnixNano()); got != want {
+			t.Fatalf("head %+v, want %+v", got, want)
+		}
+	}
+	withHead := func(id string, l bus.EngineLoad) func(*bus.LoadReport) {
+		return func(r *bus.LoadReport) { r.Append(id, l) }
+	}
+	ms := time.Millisecond
+	head(prefix.Progress{})
+	ls.apply(bus.LoadSubject("r5"), report("r5", entry("p1", 1, 0, 700)))
+	head(prefix.Progress{}) // no head reported: the cost's half done
+	ls.apply(bus.LoadSubject("r2"), report("r2", withHead("p1", bus.EngineLoad{Prefill: 2, Tokens: 1000, HeadBusy: 300 * ms, PaceMean: 400 * ms, PaceTokens: 500})))
+	head(prefix.Progress{Age: 300 * ms, Mean: 400 * ms, MeanTokens: 500})
+	clk.Add(20 * ms)
+	head(prefix.Progress{Age: 320 * ms, Mean: 400 * ms, MeanTokens: 500})
+	// r3's prefill there ended 50 ms ago: the next in line began then.
+	ls.apply(bus.LoadSubject("r3"), report("r3", withHead("p1", bus.EngineLoad{Prefill: 1, Tokens: 300, HeadBusy: 100 * ms, HeadEnd: 50 * ms, PaceMean: 200 * ms, PaceTokens: 300})))
+	head(prefix.Progress{Age: 50 * ms, Mean: 300 * ms, MeanTokens: 400})
+	// This router's own attempt, queued behind theirs, and its own end
+	// later still; its own pace takes over once it has one.
+	if !p1.TryReserve(Prefill) {
+		t.Fatal("no prefill slot")
+	}
+	head(prefix.Progress{Age: 50 * ms, Mean: 300 * ms, MeanTokens: 400})
+	clk.Add(10 * ms)
+	p1.PrefillEnded(clk.Now().UnixNano(), true, 600)
+	clk.Add(30 * ms)
+	if h := p1.Head(clk.Now().UnixNano()); h.Age != 30*ms || h.MeanTokens != 600 || h.Mean <= 0 {
+		t.Fatalf("after this router's own end: %+v", h)
+	}
+	p1.Release(Prefill)
+	// The reports with a head go; r5's, without, stays: the zero head.
+	ls.apply(bus.LoadSubject("r2"), report("r2"))
+	ls.apply(bus.LoadSubject("r3"), report("r3"))
+	head(prefix.Progress{})
+}
+
+// TestLoadReportCarriesOwnHeadRPLACE3: a router's report says, per
+// engine, how long its prefills there have been in flight and its pace
+// there; after its last prefill there ended the engine stays in the
+// report with that end, for staleAfter, and then leaves it — one empty
+// report, then nothing.
+func TestLoadReportCarriesOwnHeadRPLACE3(t *testing.T) {
+	s := newStack(t, pd(), nil)
+	clk := &clock{now: time.Now()}
+	ls := newLoadShare(s.v)
+	ls.now = clk.Now
+	var sent []bus.EngineLoad
+	var reports int
+	pub := func(_ string, data []byte) error {
+		reports++
+		sent = sent[:0]
+		_, err := bus.ParseLoadReport(data, func(e []byte, l bus.EngineLoad) {
+			if string(e) == "p1" {
+				sent = append(sent, l)
+			}
+		})
+		return err
+	}
+	p1 := s.v.Fleet().Member("p1")
+	if !p1.TryReserve(Prefill) {
+		t.Fatal("no prefill slot")
+	}
+	p1.AddTokens(640)
+	clk.Add(time.Since(clk.Now()) + 200*time.Millisecond) // the injected clock after the reservation's
+	ls.tick(pub)
+	if len(sent) != 1 || sent[0].Prefill != 1 || sent[0].Tokens != 640 || sent[0].HeadBusy < 200*time.Millisecond || sent[0].HeadBusy > time.Minute || sent[0].HeadEnd != 0 {
+		t.Fatalf("with a prefill in flight: %+v", sent)
+	}
+	p1.PrefillEnded(clk.Now().UnixNano(), true, 640)
+	p1.Release(Prefill)
+	p1.AddTokens(-640)
+	clk.Add(loadEvery)
+	ls.tick(pub)
+	if len(sent) != 1 || sent[0].Prefill != 0 || sent[0].HeadBusy != 0 || sent[0].HeadEnd != loadEvery || sent[0].PaceTokens != 640 || sent[0].PaceMean <= 0 {
+		t.Fatalf("after the end: %+v", sent)
+	}
+	n := reports
+	for range int(loadStaleAfter / loadEvery) {
+		clk.Add(loadEvery)
+		ls.tick(pub)
+	}
+	if len(sent) != 0 || reports > n+2 {
+		t.Fatalf("a second after the end: %d reports more, the last with %+v; want one heartbeat at most and one empty", reports-n, sent)
+	}
+	n = reports
+	clk.Add(loadEvery)
+	ls.tick(pub)
+	if reports != n {
+		t.Fatalf("idle: %d reports more", reports-n)
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/narwhalmesh/narwhal/bus"
 	"github.com/narwhalmesh/narwhal/engines"
 	"github.com/narwhalmesh/narwhal/prefix"
 	"github.com/narwhalmesh/narwhal/schemas"
@@ -52,16 +53,29 @@ type Member struct {
 	// exchange, loadshare.go; R-PLACE-3).
 	peerReserved [2]atomic.Int64
 	peerTokens   atomic.Int64
-	// headSince is the UnixNano moment the prefill the engine computes
-	// for this router began: when its first prefill slot was reserved
-	// while none was, or when the last of its prefills ended there; 0
-	// before any. headMean is the mean time, in nanoseconds, from one to
-	// the end of a prefill that answered (PrefillEnded), headTokens the
-	// mean of those prefills' reserved tokens; 0 until one is seen
-	// (behaviour.md R-PLACE-3: the cost's work ahead).
-	headSince  atomic.Int64
+	// headBusy is the UnixNano moment this router's first prefill slot
+	// there was reserved while none was (it counts while one is held),
+	// headEnd the moment the last of its prefills there ended; 0 before
+	// any. The prefill the engine computes began at the later of the
+	// mesh's last end and the earliest busy start of a router with work
+	// there (headStart). headMean is the mean time, in nanoseconds, from
+	// that start to the end of a prefill of this router's that answered
+	// (PrefillEnded), headTokens the mean of those prefills' reserved
+	// tokens; 0 until one is seen (behaviour.md R-PLACE-3: the cost's
+	// work ahead).
+	headBusy   atomic.Int64
+	headEnd    atomic.Int64
 	headMean   atomic.Int64
 	headTokens atomic.Int64
+	// peerHeadBusy, peerHeadEnd, peerMean and peerMeanTokens are the
+	// same as the other routers last reported them (the load exchange,
+	// on this router's clock): the earliest busy start among those with
+	// prefills in flight there, the latest end, and the mean of their
+	// paces; 0 when none reported one.
+	peerHeadBusy   atomic.Int64
+	peerHeadEnd    atomic.Int64
+	peerMean       atomic.Int64
+	peerMeanTokens atomic.Int64
 	// running is the engine's own running requests (vLLM's
 	// num_requests_running) as last read, 0 when unknown.
 	running atomic.Int64
@@ -428,7 +442,10 @@ func (m *Member) QuarantinedUntil() int64 { return m.quarantinedUntil.Load() }
 func (m *Member) MarkNoCacheDetails() bool { return m.noCacheDetails.CompareAndSwap(false, true) }
 
 // TryReserve takes one slot of phase p if the limit allows (R-OWN-3). A
-// prefill slot taken while none was begins the engine's head (Head).
+// prefill slot taken while none was begins the engine's head (Head); a
+// last end recorded later than that moment (the clock stepped back) is
+// taken as that moment, so that it cannot hold the new head's age at
+// zero.
 func (m *Member) TryReserve(p Phase) bool {
 	lim := m.limit[p]
 	for {
@@ -438,7 +455,11 @@ func (m *Member) TryReserve(p Phase) bool {
 		}
 		if m.reserved[p].CompareAndSwap(cur, cur+1) {
 			if p == Prefill && cur == 0 {
-				m.headSince.Store(time.Now().UnixNano())
+				now := time.Now().UnixNano()
+				m.headBusy.Store(now)
+				if end := m.headEnd.Load(); end > now {
+					m.headEnd.CompareAndSwap(end, now)
+				}
 			}
 			return true
 		}
@@ -449,32 +470,83 @@ func (m *Member) TryReserve(p Phase) bool {
 // router's prefill attempts on the engine ended, tokens its reserved
 // uncached tokens — call it before the slot's Release. When answered
 // (the engine answered the leg: not failed, timed out or abandoned) the
-// time since the head began (headSince) and tokens move the means a
+// time since the head began (headStart) and tokens move the means a
 // prefill takes there an eighth of the way (the first sets them); either
 // way the next prefill in line begins now (behaviour.md R-PLACE-3; the
 // means are the token ratio's EWMA, ewma).
 func (m *Member) PrefillEnded(nowNano int64, answered bool, tokens int64) {
-	if since := m.headSince.Swap(nowNano); answered && since > 0 && nowNano > since {
+	since := m.headStart()
+	m.headEnd.Store(nowNano)
+	if answered && since > 0 && nowNano > since {
 		ewma(&m.headMean, nowNano-since)
 		ewma(&m.headTokens, min(max(tokens, 1), 1<<40))
 	}
 }
 
-// Head returns, at nowNano (UnixNano), what this router knows of the
-// prefill the engine computes for it (PrefillEnded): how long it has
-// been computing, and the mean time and reserved tokens of the prefills
-// seen to answer there. Its Age is 0 while the router has no prefill in
-// flight there, its Mean and MeanTokens 0 until one answered
+// headStart returns the UnixNano moment the prefill the engine computes
+// began, as far as the mesh knows: the later of the last end of a
+// prefill there (this router's or another's) and the earliest busy start
+// among the routers with prefills in flight there (an engine computes in
+// the order it was sent work: the first to arrive after the queue was
+// empty began first). 0 when no router has one in flight there.
+func (m *Member) headStart() int64 {
+	busy := m.peerHeadBusy.Load()
+	if own := m.headBusy.Load(); own > 0 && m.reserved[Prefill].Load() > 0 && (busy == 0 || own < busy) {
+		busy = own
+	}
+	if busy == 0 {
+		return 0
+	}
+	return max(busy, m.headEnd.Load(), m.peerHeadEnd.Load())
+}
+
+// Head returns, at nowNano (UnixNano), what the mesh knows of the
+// prefill the engine computes (PrefillEnded, and the other routers'
+// reports on the load exchange): how long it has been computing, and the
+// mean time and reserved tokens of the prefills seen to answer there —
+// this router's, or the other routers' mean until one of its own
+// answered. It is the zero Progress while neither this router nor a
+// router that reports the head (an older one does not) has a prefill in
+// flight there; its Mean and MeanTokens are 0 until one answered
 // (behaviour.md R-PLACE-3).
 func (m *Member) Head(nowNano int64) prefix.Progress {
-	if m.reserved[Prefill].Load() == 0 {
+	since := m.headStart()
+	if since == 0 {
 		return prefix.Progress{}
 	}
 	p := prefix.Progress{Mean: time.Duration(m.headMean.Load()), MeanTokens: m.headTokens.Load()}
-	if since := m.headSince.Load(); since > 0 && nowNano > since {
+	if p.Mean <= 0 {
+		p = prefix.Progress{Mean: time.Duration(m.peerMean.Load()), MeanTokens: m.peerMeanTokens.Load()}
+	}
+	if nowNano > since {
 		p.Age = time.Duration(nowNano - since)
 	}
+	if p == (prefix.Progress{}) {
+		// A head just begun, of unknown pace: counted whole (Cost), not
+		// as one of no router's known (half done).
+		p.Age = 1
+	}
 	return p
+}
+
+// loadEntry returns this router's entry of its load report on the
+// engine at now (behaviour.md R-PLACE-3): its legs and tokens in flight,
+// how long it has had prefills in flight there, how long ago its last
+// one there ended (within recent, else 0) and its pace there.
+func (m *Member) loadEntry(now time.Time, recent time.Duration) bus.EngineLoad {
+	nowNano := now.UnixNano()
+	l := bus.EngineLoad{
+		Prefill: max(m.reserved[Prefill].Load(), 0), Decode: max(m.reserved[Decode].Load(), 0),
+		Tokens: max(m.tokens.Load(), 0), PaceTokens: min(max(m.headTokens.Load(), 0), bus.LoadMaxCount),
+		PaceMean: min(max(time.Duration(m.headMean.Load()), 0), bus.LoadMaxAge),
+	}
+	if b := m.headBusy.Load(); l.Prefill > 0 && b > 0 {
+		l.HeadBusy = min(max(time.Duration(nowNano-b), 1), bus.LoadMaxAge)
+	}
+	if e := m.headEnd.Load(); e > 0 && time.Duration(nowNano-e) < recent {
+		l.HeadEnd = max(time.Duration(nowNano-e), 1)
+	}
+	return l
 }
 
 // Release gives back one slot of phase p.
