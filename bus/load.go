@@ -51,7 +51,8 @@ type EngineLoad struct {
 	// was); 0 when it has none.
 	HeadBusy time.Duration
 	// HeadEnd is how long ago the router's last prefill attempt there
-	// ended; 0 when none ended lately.
+	// ended; 0 when none did, or when the router has had nothing in
+	// flight there since the last ended a while ago (meshview keeps 1 s).
 	HeadEnd time.Duration
 	// PaceMean is the router's mean time of a prefill there, from the
 	// head's start to its end, over the prefills that answered;
@@ -117,8 +118,7 @@ func (r *LoadReport) Add(engineID string, prefill, decode, tokens int64) bool {
 // count below 0 or above LoadMaxCount, a duration below 0 or above
 // LoadMaxAge).
 func (r *LoadReport) Append(engineID string, l EngineLoad) bool {
-	if engineID == "" || len(engineID) > PrefixMaxID || r.count >= LoadMaxEngines ||
-		len(r.buf)+1+len(engineID)+loadFields*binary.MaxVarintLen64 > LoadMaxReport {
+	if engineID == "" || len(engineID) > PrefixMaxID || r.count >= LoadMaxEngines {
 		return false
 	}
 	for _, n := range [...]int64{l.Prefill, l.Decode, l.Tokens, l.PaceTokens} {
@@ -131,6 +131,7 @@ func (r *LoadReport) Append(engineID string, l EngineLoad) bool {
 			return false
 		}
 	}
+	start := len(r.buf)
 	r.buf = append(r.buf, byte(len(engineID)))
 	r.buf = append(r.buf, engineID...)
 	r.buf = binary.AppendUvarint(r.buf, uint64(l.Prefill))
@@ -140,6 +141,10 @@ func (r *LoadReport) Append(engineID string, l EngineLoad) bool {
 	r.buf = binary.AppendUvarint(r.buf, ageField(l.HeadEnd))
 	r.buf = binary.AppendUvarint(r.buf, uint64(l.PaceMean/time.Microsecond))
 	r.buf = binary.AppendUvarint(r.buf, uint64(l.PaceTokens))
+	if len(r.buf) > LoadMaxReport {
+		r.buf = r.buf[:start]
+		return false
+	}
 	r.count++
 	return true
 }

@@ -78,8 +78,10 @@ type peerLoad struct {
 // prefill tokens this router has in flight on each engine on
 // narwhal.load.<router_id>, keeps the other routers' last reports, and
 // writes their sum per engine into each Member (peerReserved,
-// peerTokens) for placement to read without a lock. A router not heard
-// from for staleAfter stops counting.
+// peerTokens, and the head: peerHeadBusy, peerHeadEnd, peerMean,
+// peerMeanTokens) for placement to read without a lock. A router not
+// heard from for staleAfter stops counting; the last end heard of an
+// engine stays (it is a fact about the engine, not about that router).
 type loadShare struct {
 	v          *View
 	subject    string
@@ -88,7 +90,7 @@ type loadShare struct {
 
 	// The tick's own: only the publishing goroutine touches them.
 	report   bus.LoadReport
-	counts   []int64 // the report's entries as (member, prefill, decode, tokens)
+	counts   []int64 // the report's entries as (member, prefill, decode, tokens, busy, end moments)
 	last     []int64 // counts of the last report published
 	lastSent time.Time
 
@@ -281,18 +283,18 @@ func (s *loadShare) encode(now time.Time) []byte {
 	s.report.Reset(s.v.id)
 	s.counts = s.counts[:0]
 	for i, m := range s.v.Fleet().members {
-		if l := m.loadEntry(now, s.staleAfter); l.Prefill > 0 || l.Decode > 0 || l.Tokens > 0 || l.HeadEnd > 0 {
+		if l, busy, end := m.loadEntry(now, s.staleAfter); l.Prefill > 0 || l.Decode > 0 || l.Tokens > 0 || l.HeadEnd > 0 {
 			if s.report.Append(m.ID, l) {
-				s.counts = append(s.counts, int64(i), l.Prefill, l.Decode, l.Tokens)
+				s.counts = append(s.counts, int64(i), l.Prefill, l.Decode, l.Tokens, busy, end)
 			}
 		}
 	}
 	return s.report.Bytes()
 }
 
-// tick publishes this router's report when its entries or their counts
-// changed since the last one (the head's ages alone do not: each of its
-// moments comes with a change of the counts), or when it holds entries
+// tick publishes this router's report when its entries, their counts
+// or the moments their heads began and ended changed since the last one
+// (the ages growing with the clock alone do not), or when it holds entries
 // and the last is loadHeartbeat old; an empty report is published once,
 // when the work went and its last prefill end aged past staleAfter, then
 // nothing while the router stays idle. It then forgets the peers not
@@ -420,7 +422,8 @@ func (s *loadShare) ignore(msg, reason, subject string, data []byte, err error) 
 
 // sum writes into every member of the fleet the other routers' work on
 // it: the sum of the counts over the peers kept, the earliest busy start
-// and the latest end among them, and the mean of their paces (in sums,
+// among them, the latest end heard from any (kept when it is later than
+// theirs: only a later one replaces it), and the mean of their paces (in sums,
 // mean and meanTokens hold the paces' sums and busy's zero means none
 // until the division below). The caller holds s.mu.
 func (s *loadShare) sum() {
@@ -451,7 +454,9 @@ func (s *loadShare) sum() {
 		m.peerReserved[Decode].Store(t.decode)
 		m.peerTokens.Store(t.tokens)
 		m.peerHeadBusy.Store(t.busy)
-		m.peerHeadEnd.Store(t.end)
+		if t.end > m.peerHeadEnd.Load() {
+			m.peerHeadEnd.Store(t.end)
+		}
 		if n := paces[m]; n > 0 {
 			t.mean, t.meanTokens = t.mean/n, t.meanTokens/n
 		}

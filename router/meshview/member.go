@@ -514,6 +514,10 @@ func (m *Member) Head(nowNano int64) prefix.Progress {
 	if since == 0 {
 		return prefix.Progress{}
 	}
+	if since > nowNano {
+		m.clampHead(nowNano)
+		since = min(m.headStart(), nowNano)
+	}
 	p := prefix.Progress{Mean: time.Duration(m.headMean.Load()), MeanTokens: m.headTokens.Load()}
 	if p.Mean <= 0 {
 		p = prefix.Progress{Mean: time.Duration(m.peerMean.Load()), MeanTokens: m.peerMeanTokens.Load()}
@@ -530,23 +534,40 @@ func (m *Member) Head(nowNano int64) prefix.Progress {
 }
 
 // loadEntry returns this router's entry of its load report on the
-// engine at now (behaviour.md R-PLACE-3): its legs and tokens in flight,
-// how long it has had prefills in flight there, how long ago its last
-// one there ended (within recent, else 0) and its pace there.
-func (m *Member) loadEntry(now time.Time, recent time.Duration) bus.EngineLoad {
+// engine at now (behaviour.md R-PLACE-3) — its legs and tokens in
+// flight, how long it has had prefills in flight there, how long ago its
+// last one there ended (always while it has prefills in flight there, as
+// the others take the head's start from it; within recent of now when
+// it has none) and its pace there — and the UnixNano moments of the busy
+// start and the end the entry carries (0 when it carries none), which
+// change only when a head begins or a prefill ends. A moment later than
+// now (the clock stepped back) is taken as now first.
+func (m *Member) loadEntry(now time.Time, recent time.Duration) (l bus.EngineLoad, busy, end int64) {
 	nowNano := now.UnixNano()
-	l := bus.EngineLoad{
+	m.clampHead(nowNano)
+	l = bus.EngineLoad{
 		Prefill: max(m.reserved[Prefill].Load(), 0), Decode: max(m.reserved[Decode].Load(), 0),
 		Tokens: max(m.tokens.Load(), 0), PaceTokens: min(max(m.headTokens.Load(), 0), bus.LoadMaxCount),
 		PaceMean: min(max(time.Duration(m.headMean.Load()), 0), bus.LoadMaxAge),
 	}
 	if b := m.headBusy.Load(); l.Prefill > 0 && b > 0 {
-		l.HeadBusy = min(max(time.Duration(nowNano-b), 1), bus.LoadMaxAge)
+		l.HeadBusy, busy = min(max(time.Duration(nowNano-b), 1), bus.LoadMaxAge), b
 	}
-	if e := m.headEnd.Load(); e > 0 && time.Duration(nowNano-e) < recent {
-		l.HeadEnd = max(time.Duration(nowNano-e), 1)
+	if e := m.headEnd.Load(); e > 0 && (l.Prefill > 0 || time.Duration(nowNano-e) < recent) {
+		l.HeadEnd, end = min(max(time.Duration(nowNano-e), 1), bus.LoadMaxAge), e
 	}
-	return l
+	return l, busy, end
+}
+
+// clampHead takes every moment of the head later than nowNano (UnixNano;
+// the wall clock stepped back since it was recorded) as nowNano, so that
+// none holds the head's age at zero until the clock catches up.
+func (m *Member) clampHead(nowNano int64) {
+	for _, v := range [...]*atomic.Int64{&m.headBusy, &m.headEnd, &m.peerHeadBusy, &m.peerHeadEnd} {
+		if t := v.Load(); t > nowNano {
+			v.CompareAndSwap(t, nowNano)
+		}
+	}
 }
 
 // Release gives back one slot of phase p.

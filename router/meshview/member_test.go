@@ -48,24 +48,3 @@ func TestHeadFollowsPrefillEndsRPLACE3(t *testing.T) {
 	m.Release(Prefill)
 	head(ms(5200), 0, 0, 0)
 }
-
-// TestHeadAfterAClockStepBackRPLACE3: an end recorded later than the
-// moment the next head begins (the wall clock stepped back between
-// them) is taken as that moment, so the new head ages from its start
-// instead of counting whole until the clock catches up.
-func TestHeadAfterAClockStepBackRPLACE3(t *testing.T) {
-	m := NewMember(engines.Engine{ID: "p1"}, schemas.FleetEntry{}, true)
-	if !m.TryReserve(Prefill) {
-		t.Fatal("no prefill slot")
-	}
-	m.PrefillEnded(time.Now().Add(time.Hour).UnixNano(), true, 100)
-	m.Release(Prefill)
-	before := time.Now()
-	if !m.TryReserve(Prefill) {
-		t.Fatal("no prefill slot")
-	}
-	at := before.Add(time.Second)
-	if age := m.Head(at.UnixNano()).Age; age < time.Second-time.Since(before) || age > time.Second {
-		t.Fatalf("1 s after the head began its age is %v; want about 1 s, not held at zero by an end an hour ahead", age)
-	}
-}
