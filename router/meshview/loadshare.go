@@ -64,6 +64,8 @@ type engineLoad struct {
 	prefill, decode, tokens int64
 	busy, end               int64
 	mean, meanTokens        int64
+	// paces is, in sum's totals only, how many peers told a pace.
+	paces int64
 }
 
 // peerLoad is another router's last report.
@@ -94,10 +96,9 @@ type loadShare struct {
 	last     []int64 // counts of the last report published
 	lastSent time.Time
 
-	mu    sync.Mutex // guards peers, sums, paces
+	mu    sync.Mutex // guards peers, sums
 	peers map[string]*peerLoad
 	sums  map[*Member]engineLoad // scratch of sum
-	paces map[*Member]int64      // scratch of sum: the peers with a pace
 
 	published prometheus.Counter
 	ignored   *prometheus.CounterVec
@@ -127,7 +128,7 @@ const (
 // narwhal_load_reports_ignored_total{reason}, created at zero.
 func newLoadShare(v *View) *loadShare {
 	s := &loadShare{v: v, subject: bus.LoadSubject(v.id), now: time.Now, staleAfter: loadStaleAfter,
-		peers: map[string]*peerLoad{}, sums: map[*Member]engineLoad{}, paces: map[*Member]int64{},
+		peers: map[string]*peerLoad{}, sums: map[*Member]engineLoad{},
 		published: promreg.Register(v.reg, prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "narwhal_load_reports_published_total",
 			Help: "Reports of this router's in-flight work per engine published on the bus for the other routers' placement.",
@@ -428,8 +429,6 @@ func (s *loadShare) ignore(msg, reason, subject string, data []byte, err error) 
 // until the division below). The caller holds s.mu.
 func (s *loadShare) sum() {
 	clear(s.sums)
-	paces := s.paces
-	clear(paces)
 	for _, p := range s.peers {
 		for m, l := range p.loads {
 			t := s.sums[m]
@@ -443,7 +442,7 @@ func (s *loadShare) sum() {
 			if l.mean > 0 {
 				t.mean += min(l.mean, int64(bus.LoadMaxAge))
 				t.meanTokens += min(l.meanTokens, bus.LoadMaxCount)
-				paces[m]++
+				t.paces++
 			}
 			s.sums[m] = t
 		}
@@ -457,8 +456,8 @@ func (s *loadShare) sum() {
 		if t.end > m.peerHeadEnd.Load() {
 			m.peerHeadEnd.Store(t.end)
 		}
-		if n := paces[m]; n > 0 {
-			t.mean, t.meanTokens = t.mean/n, t.meanTokens/n
+		if t.paces > 0 {
+			t.mean, t.meanTokens = t.mean/t.paces, t.meanTokens/t.paces
 		}
 		m.peerMean.Store(t.mean)
 		m.peerMeanTokens.Store(t.meanTokens)
