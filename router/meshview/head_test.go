@@ -118,18 +118,37 @@ func TestPeerEndKeptWhileBusyRPLACE3(t *testing.T) {
 	}
 }
 
+// endedAhead is an idle member whose last prefill ended an hour ahead
+// of the clock (the clock stepped back after it).
+func endedAhead(t *testing.T) *Member {
+	t.Helper()
+	m := NewMember(engines.Engine{ID: "p1"}, schemas.FleetEntry{}, true)
+	if !m.TryReserve(Prefill) {
+		t.Fatal("no prefill slot")
+	}
+	m.PrefillEnded(time.Now().Add(time.Hour).UnixNano(), true, 100)
+	m.Release(Prefill)
+	return m
+}
+
+// clockedLoadShare is a stack and its load exchange on a clock of the
+// test's own, starting now.
+func clockedLoadShare(t *testing.T) (*stack, *clock, *loadShare) {
+	t.Helper()
+	s := newStack(t, pd(), nil)
+	clk := &clock{now: time.Now()}
+	ls := newLoadShare(s.v)
+	ls.now = clk.Now
+	return s, clk, ls
+}
+
 // TestHeadAfterAClockStepBackRPLACE3: every moment of the head later
 // than now (the wall clock stepped back since) is taken as now, so the
 // head's age grows from the step instead of staying zero until the clock
 // catches up, and an idle engine's end leaves the reports 1 s after it.
 func TestHeadAfterAClockStepBackRPLACE3(t *testing.T) {
 	t.Run("a new head after an end ahead", func(t *testing.T) {
-		m := NewMember(engines.Engine{ID: "p1"}, schemas.FleetEntry{}, true)
-		if !m.TryReserve(Prefill) {
-			t.Fatal("no prefill slot")
-		}
-		m.PrefillEnded(time.Now().Add(time.Hour).UnixNano(), true, 100)
-		m.Release(Prefill)
+		m := endedAhead(t)
 		before := time.Now()
 		if !m.TryReserve(Prefill) {
 			t.Fatal("no prefill slot")
@@ -155,12 +174,7 @@ func TestHeadAfterAClockStepBackRPLACE3(t *testing.T) {
 		}
 	})
 	t.Run("an idle engine's end ahead", func(t *testing.T) {
-		m := NewMember(engines.Engine{ID: "p1"}, schemas.FleetEntry{}, true)
-		if !m.TryReserve(Prefill) {
-			t.Fatal("no prefill slot")
-		}
-		m.PrefillEnded(time.Now().Add(time.Hour).UnixNano(), true, 100)
-		m.Release(Prefill)
+		m := endedAhead(t)
 		now := time.Now()
 		m.loadEntry(now, time.Second)
 		if l, _, _ := m.loadEntry(now.Add(time.Second), time.Second); l.HeadEnd != 0 {
@@ -174,10 +188,7 @@ func TestHeadAfterAClockStepBackRPLACE3(t *testing.T) {
 // engine, may stay, but with nothing in flight the head is unknown); a
 // busy start without a prefill in flight counts for nothing.
 func TestPeerHeadGoesWithItsRouterRPLACE3(t *testing.T) {
-	s := newStack(t, pd(), nil)
-	clk := &clock{now: time.Now()}
-	ls := newLoadShare(s.v)
-	ls.now = clk.Now
+	s, clk, ls := clockedLoadShare(t)
 	p1 := s.v.Fleet().Member("p1")
 	ms := time.Millisecond
 	ls.apply(bus.LoadSubject("r2"), report("r2", func(r *bus.LoadReport) {
@@ -205,10 +216,7 @@ func TestPeerHeadGoesWithItsRouterRPLACE3(t *testing.T) {
 // negative head, and the cost never takes off more than one attempt's
 // share of the work in flight nor counts more than all of it.
 func TestHostilePeerHeadsBoundedRPLACE3(t *testing.T) {
-	s := newStack(t, pd(), nil)
-	clk := &clock{now: time.Now()}
-	ls := newLoadShare(s.v)
-	ls.now = clk.Now
+	s, clk, ls := clockedLoadShare(t)
 	rng := rand.New(rand.NewPCG(1, 2))
 	pick := func(vals ...int64) int64 { return vals[rng.IntN(len(vals))] }
 	dur := func() time.Duration {

@@ -252,10 +252,7 @@ func TestLoadExchangeVisibleWithin100msRPLACE3(t *testing.T) {
 // a router that reports no head (an older one) leaves the zero Progress,
 // and the head goes with the reports.
 func TestHeadSharedByTheMeshRPLACE3(t *testing.T) {
-	s := newStack(t, pd(), nil)
-	clk := &clock{now: time.Now()}
-	ls := newLoadShare(s.v)
-	ls.now = clk.Now
+	s, clk, ls := clockedLoadShare(t)
 	p1 := s.v.Fleet().Member("p1")
 	head := func(want prefix.Progress) {
 		t.Helper()
@@ -302,10 +299,7 @@ func TestHeadSharedByTheMeshRPLACE3(t *testing.T) {
 // report with that end, for staleAfter, and then leaves it — one empty
 // report, then nothing.
 func TestLoadReportCarriesOwnHeadRPLACE3(t *testing.T) {
-	s := newStack(t, pd(), nil)
-	clk := &clock{now: time.Now()}
-	ls := newLoadShare(s.v)
-	ls.now = clk.Now
+	s, clk, ls := clockedLoadShare(t)
 	var sent []bus.EngineLoad
 	var reports int
 	pub := func(_ string, data []byte) error {
