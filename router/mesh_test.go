@@ -139,6 +139,7 @@ func TestBusOutageKeepsServingRBUS6(t *testing.T) {
 func TestWrongRoleCredentialIsUnreadyRBUS8(t *testing.T) {
 	dir := bustest.Credentials(t)
 	emb := bustest.StartWith(t, bus.EmbeddedOptions{Port: -1, AuthDir: dir})
+	viewer := bustest.Connect(t, emb, bus.ConnectOptions{CredsFile: bustest.CredsFile(dir, bus.RoleViewer), Role: bus.RoleViewer})
 	for _, c := range []struct {
 		what  string
 		creds func(id string) string
@@ -156,8 +157,23 @@ func TestWrongRoleCredentialIsUnreadyRBUS8(t *testing.T) {
 			t.Fatalf("%s: %v", c.what, err)
 		}
 		if c.ready {
-			// A few in-flight reports (one a second) have been written.
-			time.Sleep(2500 * time.Millisecond)
+			// Two of its in-flight reports (one a second) written: the
+			// bus took its writes.
+			kv, err := viewer.JetStream().KeyValue(t.Context(), bus.RoutersBucket)
+			if err != nil {
+				t.Fatal(err)
+			}
+			first := uint64(0)
+			testkit.WaitFor(t, 5*time.Second, "two in-flight reports of "+id, func() bool {
+				e, err := kv.Get(t.Context(), id)
+				if err != nil {
+					return false
+				}
+				if first == 0 {
+					first = e.Revision()
+				}
+				return e.Revision() != first
+			})
 			if resp, body := s.get("/readyz"); resp.StatusCode != 200 {
 				t.Errorf("with %s credential: /readyz %d %s, want 200", c.what, resp.StatusCode, body)
 			}
